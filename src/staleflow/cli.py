@@ -1,0 +1,68 @@
+"""Command line: ``python -m staleflow {train,sim} [--preset NAME] [--flags ...]``.
+
+``train`` runs inside torchrun (``./launch.sh`` starts it); ``sim`` runs the discrete-event
+simulator in one process. Each subcommand parses its own config tree with tyro; ``--preset``
+picks the defaults that the flags then override.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence, TypeVar
+
+from staleflow.config import ConfigError
+
+T = TypeVar("T")
+
+SUBCOMMANDS = {
+    "train": "staleflow.launch.entry:main",
+    "sim": "staleflow.sim.cli:main",
+}
+
+
+def split_preset(argv: Sequence[str], presets: dict[str, Callable[[], T]], default: str) -> tuple[T, list[str]]:
+    """Remove ``--preset NAME`` (or ``--preset=NAME``) from argv and build that preset's config."""
+    argv = list(argv)
+    name = default
+    for i, arg in enumerate(argv):
+        if arg == "--preset":
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--preset needs a name; choose one of: {', '.join(presets)}")
+            name = argv[i + 1]
+            del argv[i : i + 2]
+            break
+        if arg.startswith("--preset="):
+            name = arg.split("=", 1)[1]
+            del argv[i]
+            break
+    if name not in presets:
+        raise ConfigError(f"--preset={name!r} is unknown; choose one of: {', '.join(presets)}")
+    return presets[name](), argv
+
+
+def parse(cls: type[T], argv: Sequence[str], presets: dict[str, Callable[[], T]], default: str, prog: str) -> T:
+    """Parse a config dataclass from argv with tyro, starting from a preset."""
+    import tyro
+
+    base, rest = split_preset(argv, presets, default)
+    description = f"{cls.__doc__ or ''}\n\nPresets (--preset NAME): {', '.join(presets)} (default {default})."
+    return tyro.cli(cls, args=rest, default=base, prog=prog, description=description)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        print("usage: python -m staleflow {train,sim} [--preset NAME] [--help] [flags...]", file=sys.stderr)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown subcommand {argv[0]!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    module_name, fn_name = SUBCOMMANDS[argv[0]].split(":")
+    import importlib
+
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    try:
+        code = fn(argv[1:])
+    except ConfigError as e:
+        print(f"staleflow: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)

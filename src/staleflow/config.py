@@ -1,0 +1,307 @@
+"""One config tree for a StaleFlow run: a frozen dataclass per component, composed in RunConfig.
+
+Exposed on the command line by tyro (``--rollout.ranks 2 --staleness.eta 2``); presets are
+plain Python functions registered in PRESETS (``--preset tiny``). Every ``__post_init__``
+validates its fields and raises ConfigError with a one-line message naming the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the flag, the value and the fix."""
+
+
+def _check(ok: bool, flag: str, value, need: str) -> None:
+    if not ok:
+        raise ConfigError(f"--{flag}={value!r} is invalid: {need}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which policy model to train and how to run it."""
+
+    path: str = "smollm2-135m"
+    """Hugging Face model folder (config.json + safetensors) or an alias: smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter/compute dtype: auto = bfloat16 on CUDA, float32 on CPU."""
+    attention: Literal["auto", "sdpa", "flash"] = "auto"
+    """Packed attention backend: auto = flash-attn varlen when installed on CUDA, else SDPA."""
+
+    def __post_init__(self):
+        _check(bool(self.path), "model.path", self.path, "give a model folder or an alias such as smollm2-135m")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout ranks and the engine each of them runs."""
+
+    ranks: int = 2
+    """Number of rollout ranks (the last ranks of the torchrun world); the others train."""
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """Rollout engine: builtin (pure PyTorch) or vllm (optional extra staleflow[vllm])."""
+    max_running: int = 64
+    """Cap on concurrently running requests per instance."""
+    max_kv_tokens: int = 65536
+    """KV-cache capacity per instance, in tokens."""
+    block_size: int = 16
+    """Paged KV-cache block size, in tokens."""
+    prefill_chunk_tokens: int = 2048
+    """Token budget of one engine step for (chunked) prefill."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    max_new_tokens: int = 256
+    max_model_len: int = 2048
+    stats_interval_ms: float = 10.0
+    """How often a rollout rank reports its stats to the controller."""
+
+    def __post_init__(self):
+        _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")
+        _check(self.max_running >= 1, "rollout.max-running", self.max_running, "must be >= 1")
+        _check(self.block_size >= 1, "rollout.block-size", self.block_size, "must be >= 1")
+        _check(self.max_kv_tokens >= self.block_size, "rollout.max-kv-tokens", self.max_kv_tokens,
+               "must hold at least one KV block")
+        _check(self.prefill_chunk_tokens >= 1, "rollout.prefill-chunk-tokens", self.prefill_chunk_tokens, "must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0 (use top-k 1 for greedy)")
+        _check(0 < self.top_p <= 1, "rollout.top-p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "rollout.top-k", self.top_k, "must be >= 0 (0 disables)")
+        _check(self.max_new_tokens >= 1, "rollout.max-new-tokens", self.max_new_tokens, "must be >= 1")
+        _check(self.max_model_len > 1, "rollout.max-model-len", self.max_model_len, "must be > 1")
+        _check(self.stats_interval_ms > 0, "rollout.stats-interval-ms", self.stats_interval_ms, "must be > 0")
+
+
+@dataclass(frozen=True)
+class StalenessConfig:
+    """The global staleness protocol: bound eta per trajectory, buffer capacity and redundancy."""
+
+    eta: int = 1
+    """Staleness bound: every trained trajectory has V_traj <= V_buf <= V_traj + eta."""
+    batch_size: int = 8
+    """B: prompt groups per staleness buffer (one training step)."""
+    batch_redundancy: int = 0
+    """B' - B: extra groups admitted per buffer; the surplus is aborted when the buffer is Ready."""
+    group_size: int = 4
+    """N: responses per prompt (GRPO group)."""
+    group_redundancy: int = 0
+    """N' - N: extra responses generated per prompt; the slowest are aborted."""
+    straggler: Literal["off", "abort", "truncate"] = "off"
+    """What to do with the last in-flight trajectories of a Stuck buffer."""
+    straggler_threshold: int = 1
+    """Act on a Stuck buffer once at most this many entries are still RESERVED."""
+
+    def __post_init__(self):
+        _check(self.eta >= 0, "staleness.eta", self.eta, "must be >= 0 (0 = synchronous)")
+        _check(self.batch_size >= 1, "staleness.batch-size", self.batch_size, "must be >= 1")
+        _check(self.batch_redundancy >= 0, "staleness.batch-redundancy", self.batch_redundancy, "must be >= 0")
+        _check(self.group_size >= 1, "staleness.group-size", self.group_size, "must be >= 1")
+        _check(self.group_redundancy >= 0, "staleness.group-redundancy", self.group_redundancy, "must be >= 0")
+        _check(self.straggler_threshold >= 1, "staleness.straggler-threshold", self.straggler_threshold, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Trainer: optimisation, advantage estimator, loss and off-policy correction."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    grad_clip: float = 1.0
+    """Max global grad norm (0 disables)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch."""
+    advantage: str = "grpo"
+    """Advantage estimator, by registered name: grpo, grpo-nostd, dr-grpo, rloo."""
+    loss: str = "grpo"
+    """Policy loss, by registered name: grpo (PPO-clip), dapo, gspo, ppo."""
+    loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum"] = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    off_policy: Literal["none", "tis-token", "tis-seq", "mis-token", "mis-seq", "decoupled"] = "tis-token"
+    """Off-policy correction between behaviour (rollout) and current policy."""
+    is_cap: float = 2.0
+    """Upper cap of truncated importance weights."""
+    is_low: float = 0.5
+    """Masked IS: lower bound of the accepted ratio."""
+    is_high: float = 2.0
+    """Masked IS: upper bound of the accepted ratio."""
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    logprob_impl: Literal["auto", "chunked", "triton", "naive"] = "auto"
+    """Packed log-prob op: auto = Triton on CUDA, chunked PyTorch elsewhere."""
+
+    def __post_init__(self):
+        _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _check(self.weight_decay >= 0, "train.weight-decay", self.weight_decay, "must be >= 0")
+        _check(self.warmup_steps >= 0, "train.warmup-steps", self.warmup_steps, "must be >= 0")
+        _check(self.grad_clip >= 0, "train.grad-clip", self.grad_clip, "must be >= 0 (0 disables)")
+        _check(self.micro_batch_tokens >= 1, "train.micro-batch-tokens", self.micro_batch_tokens, "must be >= 1")
+        _check(self.clip_low >= 0, "train.clip-low", self.clip_low, "must be >= 0")
+        _check(self.clip_high >= 0, "train.clip-high", self.clip_high, "must be >= 0")
+        _check(self.is_cap >= 1, "train.is-cap", self.is_cap, "must be >= 1")
+        _check(0 <= self.is_low <= 1 <= self.is_high, "train.is-low/is-high", (self.is_low, self.is_high),
+               "need 0 <= is-low <= 1 <= is-high")
+        _check(self.kl_coef >= 0, "train.kl-coef", self.kl_coef, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """The staleness-aware coordinator (Snapshot-Command cycle) and its strategies."""
+
+    routing: str = "waterfall"
+    """Routing policy by registered name: waterfall, round-robin, least-loaded."""
+    tiers: Literal["version", "reserve"] = "version"
+    """Waterfall tiers: by instance version (older first) or by reserve indicator."""
+    mu: float = 0.2
+    """Accept a route only if its marginal gain >= mu * the gain on an empty instance."""
+    mlq: bool = True
+    """Multi-level queue by V_traj (oldest level first, strict)."""
+    max_concurrent: int = 1024
+    """Per-instance cap on running trajectories."""
+    pull: str = "status"
+    """Pull policy by registered name: status, greedy."""
+    pull_indicator: Literal["requests", "kv", "throughput"] = "kv"
+    pull_threshold: float = 0.6
+    migration: bool = True
+    phi_wait: int = 3
+    """Migrate when an instance's waiting queue exceeds this many trajectories."""
+    psi: float = 5.0
+    """Migrate when an instance's load indicator exceeds psi times a starved instance's."""
+    migration_stop: int = 2
+    """Do not migrate off an instance with fewer running trajectories than this."""
+    tick_ms: float = 10.0
+    cost_model: str = "cpu-smollm2"
+    """Cost-model coefficients: a preset name or a JSON file path."""
+
+    def __post_init__(self):
+        _check(self.mu >= 0, "coordinator.mu", self.mu, "must be >= 0")
+        _check(self.max_concurrent >= 1, "coordinator.max-concurrent", self.max_concurrent, "must be >= 1")
+        _check(self.pull_threshold >= 0, "coordinator.pull-threshold", self.pull_threshold, "must be >= 0")
+        _check(self.phi_wait >= 0, "coordinator.phi-wait", self.phi_wait, "must be >= 0")
+        _check(self.psi > 1, "coordinator.psi", self.psi, "must be > 1")
+        _check(self.migration_stop >= 0, "coordinator.migration-stop", self.migration_stop, "must be >= 0")
+        _check(self.tick_ms > 0, "coordinator.tick-ms", self.tick_ms, "must be > 0")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward function and its worker pool (in the controller)."""
+
+    fn: str = "arithmetic"
+    """Registered name (arithmetic, math, countdown) or a user function 'module:function'."""
+    workers: int = 2
+    format_weight: float = 0.0
+    """Weight of the format reward added to the answer reward."""
+
+    def __post_init__(self):
+        _check(bool(self.fn), "reward.fn", self.fn, "give a registered name or module:function")
+        _check(self.workers >= 1, "reward.workers", self.workers, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompt source."""
+
+    source: str = "arithmetic"
+    """Built-in task (arithmetic, countdown) or a .jsonl / .parquet file."""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    bad_rows: Literal["skip", "error"] = "skip"
+    """Bad rows are always reported with their row number; then skipped or the run stops."""
+    max_prompt_tokens: int = 512
+    chat_template: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(bool(self.source), "data.source", self.source, "give a built-in task name or a file")
+        _check(self.max_prompt_tokens >= 1, "data.max-prompt-tokens", self.max_prompt_tokens, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save the full training state every this many steps (0: only at the end)."""
+    keep: int = 2
+    """Keep the last K training-state checkpoints."""
+    export_hf: bool = True
+    """Export the final policy as a Hugging Face safetensors folder."""
+
+    def __post_init__(self):
+        _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _check(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    run_dir: str = "runs"
+    """Parent folder of run folders."""
+    name: str = ""
+    """Run folder name (default: a timestamp)."""
+    progress: bool = True
+    """Rich progress display on the console."""
+    tensorboard: bool = True
+    plot: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole training run (``python -m staleflow train``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    mode: Literal["staleflow", "areal", "one-step-off", "sync"] = "staleflow"
+    """System mode: staleflow, or one of the baselines run by the same runtime."""
+    steps: int = 20
+    """Training steps (weight versions produced)."""
+    seed: int = 0
+    resume: str = ""
+    """Resume from this run folder's last checkpoint."""
+    smoke: bool = False
+    """Launcher smoke run: every rank registers, loads the model, reports, and exits."""
+
+    def __post_init__(self):
+        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        if self.mode == "sync":
+            _check(self.staleness.eta == 0, "staleness.eta", self.staleness.eta, "--mode sync requires eta 0")
+
+
+def replace(cfg, **changes):
+    """dataclasses.replace that also re-runs validation (frozen dataclasses)."""
+    return dataclasses.replace(cfg, **changes)
+
+
+def preset_smollm2_cpu() -> RunConfig:
+    """The embedded default: SmolLM2-135M-Instruct on the built-in arithmetic task, CPU, 1 trainer + 2 rollout."""
+    return RunConfig()
+
+
+def preset_tiny() -> RunConfig:
+    """A tiny random Llama for tests and quick checks (seconds per step on CPU)."""
+    return RunConfig(
+        model=ModelConfig(path="tiny-llama"),
+        rollout=RolloutConfig(max_new_tokens=16, max_model_len=256, max_kv_tokens=8192),
+        train=TrainConfig(lr=1e-3, micro_batch_tokens=1024),
+        staleness=StalenessConfig(eta=1, batch_size=4, group_size=4),
+        steps=4,
+    )
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "smollm2-cpu": preset_smollm2_cpu,
+    "tiny": preset_tiny,
+}
