@@ -1,0 +1,190 @@
+"""``python -m staleflow train``: the per-rank entry point, run by torchrun on every rank.
+
+Steps on every rank:
+  1. parse the config (tyro, --preset), read RANK / WORLD_SIZE from torchrun, assign the role;
+  2. join the world process group (gloo: control only) and create the trainer group
+     (NCCL on GPU, gloo on CPU);
+  3. global rank 0 starts the controller process (before CUDA is touched) and broadcasts the
+     run id; every rank connects to the controller, registers its pid, loads the model, reports Ready;
+  4. run the role's loop until the controller says Shutdown; say Goodbye; clean up.
+The exit code is non-zero when the run failed; rank 0 returns the controller's exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+
+from staleflow.config import ConfigError, PRESETS, RunConfig
+from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
+from staleflow.launch.control import ControlClient, control_address
+from staleflow.launch.messages import Failure, Goodbye, Heartbeat, Ping, Pong, Ready, Register, Shutdown
+from staleflow.launch.roles import Roles
+
+
+class RunStopped(RuntimeError):
+    """The controller ended the run (ok=False) or disappeared."""
+
+
+@dataclass
+class RankContext:
+    """What a rank's loop needs: its identity, the config, the control client and process groups."""
+
+    cfg: RunConfig
+    roles: Roles
+    rank: int
+    run_id: str
+    client: ControlClient
+    trainer_group: object = None
+    device: str = "cpu"
+
+    @property
+    def role(self) -> str:
+        return self.roles.role(self.rank)
+
+    def recv(self, timeout_s: float):
+        """Next controller message other than a heartbeat; raises RunStopped on Shutdown(ok=False)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.client.recv(max(0.0, deadline - time.monotonic()))
+            if msg is None:
+                return None
+            if isinstance(msg, Heartbeat):
+                self._last_heartbeat = time.monotonic()
+                continue
+            if isinstance(msg, Shutdown) and not msg.ok:
+                raise RunStopped(msg.reason)
+            return msg
+
+
+def _torchrun_env() -> tuple[int, int, int]:
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    except KeyError:
+        raise ConfigError(
+            "staleflow train must run under torchrun (RANK/WORLD_SIZE are not set): use ./launch.sh or "
+            "torchrun --standalone --nproc_per_node=3 -m staleflow train"
+        ) from None
+
+
+def _init_groups(roles: Roles, rank: int):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=roles.world_size)
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    trainer_group = dist.new_group(roles.trainer_ranks, backend=backend)
+    return trainer_group
+
+
+def _start_controller(cfg: RunConfig, run_id: str, world_size: int):
+    import multiprocessing as mp
+
+    from staleflow.launch.controller import controller_main
+
+    proc = mp.get_context("spawn").Process(
+        target=controller_main, args=(cfg, run_id, world_size, os.getpid()), name="staleflow-controller", daemon=False
+    )
+    proc.start()
+    return proc
+
+
+def _load_model_info(ctx: RankContext) -> tuple[object, dict]:
+    from staleflow.model import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(ctx.cfg.model.path, device=ctx.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    return model, {"model": ctx.cfg.model.path, "params": n_params, "load_s": time.perf_counter() - t0}
+
+
+def smoke_loop(ctx: RankContext, model) -> None:
+    """Answer pings until the controller says Shutdown."""
+    while True:
+        msg = ctx.recv(timeout_s=3600)
+        if isinstance(msg, Ping):
+            ctx.client.send(Pong(seq=msg.seq, payload=msg.payload))
+        elif isinstance(msg, Shutdown):
+            return
+
+
+def run_rank(cfg: RunConfig, roles: Roles, rank: int) -> int:
+    import torch.distributed as dist
+
+    trainer_group = _init_groups(roles, rank)
+    controller = None
+    if rank == 0:
+        cleanup_stale_run_files()
+        run_id = uuid.uuid4().hex[:10]
+        claim_run_folder(run_id)
+        controller = _start_controller(cfg, run_id, roles.world_size)
+        obj = [run_id]
+    else:
+        obj = [None]
+    dist.broadcast_object_list(obj, src=0)
+    run_id = obj[0]
+    client = ControlClient(control_address(run_id), rank)
+    ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, trainer_group=trainer_group)
+    client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname()))
+    ok, reason = True, ""
+    try:
+        model, info = _load_model_info(ctx)
+        client.send(Ready(rank=rank, info=info))
+        if cfg.smoke:
+            smoke_loop(ctx, model)
+        else:
+            from staleflow.launch.runtime import rank_loop
+
+            rank_loop(ctx, model)
+    except RunStopped as e:
+        ok, reason = False, f"stopped by the controller: {e}"
+    except KeyboardInterrupt:
+        ok, reason = False, "interrupted"
+    except Exception as e:  # report to the controller in one line, keep the traceback for the log
+        ok, reason = False, f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        client.send(Failure(rank=rank, error=reason))
+    finally:
+        try:
+            client.send(Goodbye(rank=rank, ok=ok, reason=reason))
+        finally:
+            client.close()
+    code = 0 if ok else 1
+    if controller is not None:
+        controller.join(timeout=30)
+        if controller.is_alive():
+            controller.terminate()
+            controller.join(timeout=5)
+        if controller.exitcode not in (0, None):
+            code = controller.exitcode if controller.exitcode > 0 else 1
+        remove_run_folder(run_id)
+    if not ok and rank == 0 and reason:
+        print(f"staleflow: rank {rank}: {reason}", file=sys.stderr, flush=True)
+    return code
+
+
+def _on_sigterm(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def main(argv: list[str]) -> int:
+    from staleflow.cli import parse
+
+    rank_env = os.environ.get("RANK", "0")
+    try:
+        cfg = parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train")
+        rank, world_size, _ = _torchrun_env()
+        roles = Roles(world_size, cfg.rollout.ranks)
+    except ConfigError as e:
+        if rank_env == "0":
+            print(f"staleflow: config error: {e}", file=sys.stderr, flush=True)
+        return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return run_rank(cfg, roles, rank)

@@ -1,0 +1,127 @@
+"""Config tree: every validation rule gives a one-line error naming the flag; presets and the CLI parse."""
+
+import subprocess
+import sys
+
+import pytest
+
+from staleflow.cli import parse, split_preset
+from staleflow.config import (
+    PRESETS,
+    CheckpointConfig,
+    ConfigError,
+    CoordinatorConfig,
+    DataConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    StalenessConfig,
+    TrainConfig,
+)
+from staleflow.launch.roles import Roles
+
+BAD = [
+    (ModelConfig, {"path": ""}, "model.path"),
+    (RolloutConfig, {"ranks": 0}, "rollout.ranks"),
+    (RolloutConfig, {"max_running": 0}, "rollout.max-running"),
+    (RolloutConfig, {"block_size": 0}, "rollout.block-size"),
+    (RolloutConfig, {"max_kv_tokens": 8, "block_size": 16}, "rollout.max-kv-tokens"),
+    (RolloutConfig, {"prefill_chunk_tokens": 0}, "rollout.prefill-chunk-tokens"),
+    (RolloutConfig, {"temperature": 0.0}, "rollout.temperature"),
+    (RolloutConfig, {"top_p": 1.5}, "rollout.top-p"),
+    (RolloutConfig, {"top_k": -1}, "rollout.top-k"),
+    (RolloutConfig, {"max_new_tokens": 0}, "rollout.max-new-tokens"),
+    (RolloutConfig, {"max_model_len": 1}, "rollout.max-model-len"),
+    (RolloutConfig, {"stats_interval_ms": 0}, "rollout.stats-interval-ms"),
+    (StalenessConfig, {"eta": -1}, "staleness.eta"),
+    (StalenessConfig, {"batch_size": 0}, "staleness.batch-size"),
+    (StalenessConfig, {"batch_redundancy": -1}, "staleness.batch-redundancy"),
+    (StalenessConfig, {"group_size": 0}, "staleness.group-size"),
+    (StalenessConfig, {"group_redundancy": -2}, "staleness.group-redundancy"),
+    (StalenessConfig, {"straggler_threshold": 0}, "staleness.straggler-threshold"),
+    (TrainConfig, {"lr": 0.0}, "train.lr"),
+    (TrainConfig, {"weight_decay": -1.0}, "train.weight-decay"),
+    (TrainConfig, {"warmup_steps": -1}, "train.warmup-steps"),
+    (TrainConfig, {"grad_clip": -1.0}, "train.grad-clip"),
+    (TrainConfig, {"micro_batch_tokens": 0}, "train.micro-batch-tokens"),
+    (TrainConfig, {"clip_low": -0.1}, "train.clip-low"),
+    (TrainConfig, {"clip_high": -0.1}, "train.clip-high"),
+    (TrainConfig, {"is_cap": 0.5}, "train.is-cap"),
+    (TrainConfig, {"is_low": 1.5}, "train.is-low/is-high"),
+    (TrainConfig, {"kl_coef": -1.0}, "train.kl-coef"),
+    (CoordinatorConfig, {"mu": -1.0}, "coordinator.mu"),
+    (CoordinatorConfig, {"max_concurrent": 0}, "coordinator.max-concurrent"),
+    (CoordinatorConfig, {"pull_threshold": -1.0}, "coordinator.pull-threshold"),
+    (CoordinatorConfig, {"phi_wait": -1}, "coordinator.phi-wait"),
+    (CoordinatorConfig, {"psi": 1.0}, "coordinator.psi"),
+    (CoordinatorConfig, {"migration_stop": -1}, "coordinator.migration-stop"),
+    (CoordinatorConfig, {"tick_ms": 0.0}, "coordinator.tick-ms"),
+    (RewardConfig, {"fn": ""}, "reward.fn"),
+    (RewardConfig, {"workers": 0}, "reward.workers"),
+    (DataConfig, {"source": ""}, "data.source"),
+    (DataConfig, {"max_prompt_tokens": 0}, "data.max-prompt-tokens"),
+    (CheckpointConfig, {"every": -1}, "checkpoint.every"),
+    (CheckpointConfig, {"keep": 0}, "checkpoint.keep"),
+    (RunConfig, {"steps": 0}, "--steps"),
+    (RunConfig, {"mode": "sync"}, "--staleness.eta"),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,flag", BAD, ids=[f"{c.__name__}-{f}" for c, _, f in BAD])
+def test_each_validation_rule_names_its_flag(cls, kwargs, flag):
+    with pytest.raises(ConfigError) as err:
+        cls(**kwargs)
+    msg = str(err.value)
+    assert flag in msg and "\n" not in msg
+
+
+def test_presets_build_and_validate():
+    for name, fn in PRESETS.items():
+        cfg = fn()
+        assert isinstance(cfg, RunConfig), name
+
+
+def test_preset_and_flags_override():
+    cfg = parse(RunConfig, ["--preset", "tiny", "--rollout.ranks", "3", "--staleness.eta", "2"], PRESETS, "smollm2-cpu", "t")
+    assert cfg.model.path == "tiny-llama" and cfg.rollout.ranks == 3 and cfg.staleness.eta == 2
+    cfg = parse(RunConfig, ["--preset=tiny"], PRESETS, "smollm2-cpu", "t")
+    assert cfg.model.path == "tiny-llama"
+    assert parse(RunConfig, [], PRESETS, "smollm2-cpu", "t").model.path == "smollm2-135m"
+
+
+def test_unknown_preset_is_a_config_error():
+    with pytest.raises(ConfigError, match="--preset='nope' is unknown"):
+        split_preset(["--preset", "nope"], PRESETS, "tiny")
+
+
+def test_roles_layout_and_errors():
+    roles = Roles(world_size=5, num_rollout=2)
+    assert roles.trainer_ranks == [0, 1, 2] and roles.rollout_ranks == [3, 4]
+    assert [roles.role(r) for r in range(5)] == ["trainer"] * 3 + ["rollout"] * 2
+    assert roles.instance_id(4) == 1 and roles.is_leader(0)
+    with pytest.raises(ConfigError, match="world size 2 is too small for --rollout.ranks=2"):
+        Roles(world_size=2, num_rollout=2)
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "staleflow", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_cli_bad_flag_value_exits_nonzero_with_one_line():
+    res = _cli("train", "--staleness.eta", "-1")
+    assert res.returncode == 2
+    assert "--staleness.eta=-1 is invalid" in res.stderr
+
+
+def test_cli_outside_torchrun_says_how_to_launch():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    res = _cli("train", "--preset", "tiny", env=env)
+    assert res.returncode == 2 and "must run under torchrun" in res.stderr
+
+
+def test_cli_unknown_subcommand():
+    res = _cli("frobnicate")
+    assert res.returncode == 2 and "unknown subcommand 'frobnicate'" in res.stderr
