@@ -1,0 +1,399 @@
+"""The staleness manager: per-trajectory bounded staleness via Reserve / Occupy / Consume.
+
+Pure, single-threaded bookkeeping (no torch, no I/O) owned by the controller and driven by
+the coordinator or the simulator. Paper terms: V_traj = ``traj_version``, V_buf = buffer
+version, eta = staleness bound. Every consumed group satisfies
+``traj_version <= buffer_version <= traj_version + eta`` (docs/protocol.md has the argument).
+
+Model. Versions are ints; training on buffer v produces model v+1; ``manager.version`` is the
+next buffer to consume (= the newest model that can exist). One staleness buffer per version
+(created lazily), ``capacity`` entries (B' >= B), Ready once ``batch_size`` (B) entries are
+OCCUPIED. An entry is one prompt GROUP (GRPO); its members are single trajectories. A group's
+``traj_version`` is the min V_traj over its members. ``group_capacity`` (N') members may be in
+flight; the group is complete when ``group_size`` (N) have finished, and the rest are aborted.
+
+API (ids are ints or strs; misuse raises ``ProtocolError`` naming the bad value):
+  StalenessManager(eta, batch_size, capacity=None, group_size=1, group_capacity=None)
+  .version -> int                   next buffer to consume (starts at 0)
+  .can_admit(traj_version, group_id=None) -> bool
+        a new group (or a new member of in-flight ``group_id``) at this V_traj may reserve.
+  .reserve(traj_id, group_id, traj_version) -> int
+        at dispatch: a new group takes the LATEST buffer in [V, V+eta] with an EMPTY entry
+        (worst case); a member of an in-flight group joins its entry (needs buffer <= V+eta).
+        Requires 0 <= traj_version <= version. Returns the reserved buffer version.
+  .complete(traj_id) -> list[traj_id]
+        a member finished generation; when the group reaches N, the still-running members
+        are aborted (reason "group_redundancy") and returned so the runtime stops them.
+  .occupy(group_id) -> int
+        after generation AND reward of N members: release the reservation and take the
+        EARLIEST buffer in [max(Vg, version), Vg+eta] with a free required slot; never later
+        than the reserved buffer. Returns the buffer version.
+  .abort(traj_id, reason) -> list[group_id]
+        drop one member (crash, redundancy); returns [group_id] if the group thereby can no
+        longer reach N members and was aborted with the same reason, else [].
+  .abort_group(group_id, reason) -> list[traj_id]
+        drop an in-flight group (closed window, straggler, filter); returns members to stop.
+  .closed_windows() -> list[group_id]
+        in-flight groups that can no longer be placed (their reservation was in a buffer
+        that became Ready and no other buffer of their window had room); abort them.
+  .stuck_stragglers(threshold) -> list[group_id]
+        if the next buffer is STUCK with <= threshold RESERVED entries: the groups holding
+        them (the runtime aborts them, or truncates them: complete members, then occupy).
+  .ready_version() -> int | None    == version when that buffer is Ready
+  .consume(v) -> list[group_id]     v must be version and Ready; frees it; version += 1
+  .buffer_state(v) -> BufferState   WAITING / READY / STUCK (for v >= version)
+  .buffer_entries(v) -> dict[EntryState, int]
+  .group_info(group_id) -> dict     traj_version, buffer_version, state, members
+  .consumption_log() -> list[(group_id, traj_version, buffer_version)]
+  .aborted_groups() -> dict[group_id, reason]
+  .stats() -> dict                  JSON-able metrics (per-buffer counts, in flight, aborts)
+  .state_dict() -> dict / StalenessManager.from_state_dict(d)    JSON-able checkpoint
+  .validate() -> None               recompute every counter from scratch (tests, debugging)
+
+Interrupt and migration change NOTHING here: V_traj is immutable and fixed at dispatch, so an
+interrupted trajectory keeps its reservation; the router must only resume it on an instance
+whose weight version is >= V_traj. Buffers never hold RESERVED entries once Ready: the
+surplus (B' > B) is moved to the latest other buffer of its window with room, or closed.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from staleflow.protocol.state import manager_from_state_dict, manager_state_dict, validate_manager
+
+
+class ProtocolError(ValueError):
+    """Misuse of the staleness protocol (unknown id, inadmissible version, out-of-order consume)."""
+
+
+class EntryState(str, enum.Enum):
+    EMPTY = "empty"
+    RESERVED = "reserved"
+    OCCUPIED = "occupied"
+
+
+class BufferState(str, enum.Enum):
+    WAITING = "waiting"  # has EMPTY entries, still accepts reservations
+    READY = "ready"  # batch_size entries OCCUPIED: the trainer may consume it
+    STUCK = "stuck"  # no EMPTY entry, not Ready: waits on in-flight reservations
+
+
+class _Buffer:
+    __slots__ = ("reserved", "occupied")
+
+    def __init__(self):
+        self.reserved: dict = {}  # group_id -> None (ordered set of RESERVED entries)
+        self.occupied: list = []  # group ids of OCCUPIED entries, in occupation order
+
+
+class _Group:
+    __slots__ = ("group_id", "traj_version", "buffer", "occupied", "live", "done")
+
+    def __init__(self, group_id, traj_version: int):
+        self.group_id = group_id
+        self.traj_version = traj_version  # min V_traj over members
+        self.buffer: int | None = None  # reserved (or occupied) buffer; None = closed
+        self.occupied = False
+        self.live: dict = {}  # traj_id -> V_traj, still generating
+        self.done: dict = {}  # traj_id -> V_traj, finished generation
+
+
+def _check_id(kind: str, value) -> None:
+    if not isinstance(value, (int, str)) or isinstance(value, bool):
+        raise ProtocolError(f"{kind} {value!r} must be an int or str (JSON-able), got {type(value).__name__}")
+
+
+class StalenessManager:
+    """Staleness buffers + group tracker; see the module docstring for the full API."""
+
+    def __init__(self, eta: int, batch_size: int, capacity: int | None = None,
+                 group_size: int = 1, group_capacity: int | None = None):
+        capacity = batch_size if capacity is None else capacity
+        group_capacity = group_size if group_capacity is None else group_capacity
+        for name, val, ok, need in (("eta", eta, eta >= 0, ">= 0"), ("batch_size", batch_size, batch_size >= 1, ">= 1"),
+                                    ("capacity", capacity, capacity >= batch_size, f">= batch_size {batch_size}"),
+                                    ("group_size", group_size, group_size >= 1, ">= 1"),
+                                    ("group_capacity", group_capacity, group_capacity >= group_size,
+                                     f">= group_size {group_size}")):
+            if not isinstance(val, int) or isinstance(val, bool) or not ok:
+                raise ProtocolError(f"StalenessManager {name}={val!r} is invalid: must be an int {need}")
+        self.eta, self.batch_size, self.capacity = eta, batch_size, capacity
+        self.group_size, self.group_capacity = group_size, group_capacity
+        self.version = 0
+        self.closed_version = -1  # every V_traj <= this has its whole window Ready/consumed
+        self._buffers: dict[int, _Buffer] = {}
+        self._groups: dict = {}  # in-flight or occupied (not yet consumed) groups
+        self._trajs: dict = {}  # traj_id -> _Group, for members not aborted
+        self._closed: dict = {}  # group_id -> None: in flight but unplaceable
+        self._finished: dict = {}  # group_id -> "consumed" | "aborted: <reason>"
+        self._log: list[tuple] = []  # (group_id, traj_version, buffer_version)
+        self._aborted: dict = {}  # group_id -> reason
+        self._abort_counts: dict[str, int] = {}  # reason -> groups aborted
+        self._member_abort_counts: dict[str, int] = {}  # reason -> members aborted
+
+    # ---- queries -------------------------------------------------------------------------
+    def _buf(self, v: int) -> _Buffer:
+        b = self._buffers.get(v)
+        if b is None:
+            b = self._buffers[v] = _Buffer()
+        return b
+
+    def _has_room(self, v: int) -> bool:
+        b = self._buffers.get(v)
+        return b is None or (len(b.occupied) < self.batch_size and len(b.occupied) + len(b.reserved) < self.capacity)
+
+    def _check_version(self, traj_version) -> int:
+        if not isinstance(traj_version, int) or isinstance(traj_version, bool) or traj_version < 0:
+            raise ProtocolError(f"traj_version {traj_version!r} must be an int >= 0")
+        if traj_version > self.version:
+            raise ProtocolError(f"traj_version {traj_version} does not exist yet: the newest model is "
+                                f"{self.version} (buffer {self.version - 1} consumed last)")
+        return traj_version
+
+    def _latest_room(self, lo: int, hi: int, skip: int | None = None) -> int | None:
+        for v in range(hi, lo - 1, -1):
+            if v != skip and self._has_room(v):
+                return v
+        return None
+
+    def can_admit(self, traj_version: int, group_id=None) -> bool:
+        """True iff ``reserve(_, group_id, traj_version)`` would succeed."""
+        V = self._check_version(traj_version)
+        if group_id is not None:
+            g = self._groups.get(group_id)
+            if g is not None:
+                return (not g.occupied and g.buffer is not None and g.buffer <= V + self.eta
+                        and len(g.done) < self.group_size
+                        and len(g.live) + len(g.done) < self.group_capacity)
+            if group_id in self._finished:
+                return False
+        if V <= self.closed_version:
+            return False
+        return self._latest_room(max(V, self.version), V + self.eta) is not None
+
+    def ready_version(self) -> int | None:
+        b = self._buffers.get(self.version)
+        return self.version if b is not None and len(b.occupied) >= self.batch_size else None
+
+    def buffer_state(self, v: int) -> BufferState:
+        if v < self.version:
+            raise ProtocolError(f"buffer {v} was already consumed (next is {self.version})")
+        b = self._buffers.get(v)
+        if b is None:
+            return BufferState.WAITING
+        if len(b.occupied) >= self.batch_size:
+            return BufferState.READY
+        return BufferState.STUCK if len(b.occupied) + len(b.reserved) >= self.capacity else BufferState.WAITING
+
+    def buffer_entries(self, v: int) -> dict:
+        self.buffer_state(v)
+        b = self._buffers.get(v) or _Buffer()
+        n_res, n_occ = len(b.reserved), len(b.occupied)
+        return {EntryState.EMPTY: self.capacity - n_res - n_occ, EntryState.RESERVED: n_res,
+                EntryState.OCCUPIED: n_occ}
+
+    def _group(self, group_id) -> _Group:
+        g = self._groups.get(group_id)
+        if g is None:
+            if group_id in self._finished:
+                raise ProtocolError(f"group {group_id!r} is already {self._finished[group_id]}")
+            raise ProtocolError(f"unknown group id {group_id!r}: reserve one of its members first")
+        return g
+
+    def group_info(self, group_id) -> dict:
+        g = self._group(group_id)
+        state = "occupied" if g.occupied else ("closed" if g.buffer is None else "reserved")
+        return {"group_id": group_id, "traj_version": g.traj_version, "buffer_version": g.buffer,
+                "state": state, "live": list(g.live), "done": list(g.done)}
+
+    def consumption_log(self) -> list[tuple]:
+        return list(self._log)
+
+    def aborted_groups(self) -> dict:
+        return dict(self._aborted)
+
+    def closed_windows(self) -> list:
+        return list(self._closed)
+
+    def stuck_stragglers(self, threshold: int) -> list:
+        if not isinstance(threshold, int) or threshold < 1:
+            raise ProtocolError(f"stuck_stragglers threshold {threshold!r} must be an int >= 1")
+        if self.buffer_state(self.version) is not BufferState.STUCK:
+            return []
+        b = self._buffers[self.version]
+        return list(b.reserved) if len(b.reserved) <= threshold else []
+
+    # ---- operations ----------------------------------------------------------------------
+    def reserve(self, traj_id, group_id, traj_version: int) -> int:
+        _check_id("traj_id", traj_id)
+        _check_id("group_id", group_id)
+        V = self._check_version(traj_version)
+        if traj_id in self._trajs:
+            raise ProtocolError(f"traj_id {traj_id!r} is already reserved (group {self._trajs[traj_id].group_id!r})")
+        g = self._groups.get(group_id)
+        if g is not None:  # a new member joins its group's entry
+            if g.occupied or g.buffer is None or len(g.done) >= self.group_size:
+                state = "occupied" if g.occupied else ("closed" if g.buffer is None else "complete")
+                raise ProtocolError(f"group {group_id!r} is {state}: it takes no new member {traj_id!r}")
+            if len(g.live) + len(g.done) >= self.group_capacity:
+                raise ProtocolError(f"group {group_id!r} already has group_capacity={self.group_capacity} members")
+            if g.buffer > V + self.eta:
+                raise ProtocolError(f"member {traj_id!r} at traj_version {V} cannot join group {group_id!r} "
+                                    f"reserved in buffer {g.buffer} > {V} + eta {self.eta}")
+            g.live[traj_id] = V
+            if V < g.traj_version:
+                g.traj_version = V
+            self._trajs[traj_id] = g
+            return g.buffer
+        if group_id in self._finished:
+            raise ProtocolError(f"group {group_id!r} is already {self._finished[group_id]}; use a new group id")
+        v = None if V <= self.closed_version else self._latest_room(max(V, self.version), V + self.eta)
+        if v is None:
+            raise ProtocolError(f"traj_version {V} is not admissible: no buffer in [{V}, {V + self.eta}] has "
+                                f"an EMPTY entry (check can_admit first; the trajectory waits)")
+        g = self._groups[group_id] = _Group(group_id, V)
+        g.buffer = v
+        g.live[traj_id] = V
+        self._trajs[traj_id] = g
+        self._buf(v).reserved[group_id] = None
+        return v
+
+    def complete(self, traj_id) -> list:
+        g = self._trajs.get(traj_id)
+        if g is None or traj_id not in g.live:
+            state = "already complete" if g is not None else "unknown or aborted"
+            raise ProtocolError(f"complete: traj_id {traj_id!r} is {state}")
+        g.done[traj_id] = g.live.pop(traj_id)
+        if len(g.done) == self.group_size and g.live:
+            surplus = list(g.live)
+            for t in surplus:
+                self._drop_member(g, t, "group_redundancy")
+            return surplus
+        return []
+
+    def occupy(self, group_id) -> int:
+        g = self._group(group_id)
+        if g.occupied:
+            raise ProtocolError(f"group {group_id!r} already occupies buffer {g.buffer}")
+        if g.buffer is None:
+            raise ProtocolError(f"group {group_id!r} can no longer be placed (its window closed): abort it")
+        if len(g.done) < self.group_size:
+            raise ProtocolError(f"group {group_id!r} has {len(g.done)} of group_size={self.group_size} "
+                                f"members complete: occupy after generation and reward of the group")
+        v0 = g.buffer
+        v = v0
+        for cand in range(max(g.traj_version, self.version), v0):  # greedy: earliest free required slot
+            if self._has_room(cand):
+                v = cand
+                break
+        assert self.version <= v <= v0 <= g.traj_version + self.eta, (group_id, v, v0)
+        del self._buffers[v0].reserved[group_id]
+        b = self._buf(v)
+        b.occupied.append(group_id)
+        g.buffer, g.occupied = v, True
+        if len(b.occupied) == self.batch_size:
+            self._on_ready(v, b)
+        return v
+
+    def _on_ready(self, v: int, b: _Buffer) -> None:
+        """Buffer v just became Ready: move its surplus reservations (B' > B) or close them."""
+        for gid in list(b.reserved):
+            g = self._groups[gid]
+            del b.reserved[gid]
+            dest = self._latest_room(max(g.traj_version, self.version), g.traj_version + self.eta, skip=v)
+            if dest is None:
+                g.buffer = None
+                self._closed[gid] = None
+            else:
+                g.buffer = dest
+                self._buf(dest).reserved[gid] = None
+        # closed_version: the largest V whose whole window [V, V+eta] (from version on) is Ready
+        for V in range(v, max(v - self.eta, self.closed_version + 1) - 1, -1):
+            if all(self.buffer_state(u) is BufferState.READY for u in range(max(V, self.version), V + self.eta + 1)):
+                self.closed_version = V
+                break
+
+    def consume(self, v: int) -> list:
+        if v != self.version:
+            raise ProtocolError(f"consume({v!r}) out of order: the next buffer to consume is {self.version}")
+        if self.ready_version() is None:
+            raise ProtocolError(f"buffer {v} is not Ready ({self.buffer_state(v).value}, "
+                                f"{self.buffer_entries(v)[EntryState.OCCUPIED]}/{self.batch_size} occupied)")
+        b = self._buffers.pop(v)
+        assert not b.reserved, "a Ready buffer holds no reservations"
+        for gid in b.occupied:
+            g = self._groups.pop(gid)
+            assert g.traj_version <= v <= g.traj_version + self.eta, (gid, g.traj_version, v)
+            for t in g.done:
+                del self._trajs[t]
+            self._log.append((gid, g.traj_version, v))
+            self._finished[gid] = "consumed"
+        self.version += 1
+        return list(b.occupied)
+
+    def _drop_member(self, g: _Group, traj_id, reason: str) -> None:
+        if traj_id in g.live:
+            del g.live[traj_id]
+        else:
+            del g.done[traj_id]
+        del self._trajs[traj_id]
+        self._member_abort_counts[reason] = self._member_abort_counts.get(reason, 0) + 1
+
+    def abort(self, traj_id, reason: str) -> list:
+        if not isinstance(reason, str) or not reason:
+            raise ProtocolError(f"abort reason {reason!r} must be a non-empty str")
+        g = self._trajs.get(traj_id)
+        if g is None:
+            raise ProtocolError(f"abort: unknown (or already aborted/consumed) traj_id {traj_id!r}")
+        if g.occupied:
+            raise ProtocolError(f"abort: traj {traj_id!r} belongs to group {g.group_id!r} which already "
+                                f"occupies buffer {g.buffer}; it will be consumed")
+        self._drop_member(g, traj_id, reason)
+        if len(g.done) + len(g.live) < self.group_size:
+            self.abort_group(g.group_id, reason)
+            return [g.group_id]
+        return []
+
+    def abort_group(self, group_id, reason: str) -> list:
+        if not isinstance(reason, str) or not reason:
+            raise ProtocolError(f"abort_group reason {reason!r} must be a non-empty str")
+        g = self._group(group_id)
+        if g.occupied:
+            raise ProtocolError(f"abort_group: group {group_id!r} already occupies buffer {g.buffer}")
+        if g.buffer is None:
+            del self._closed[group_id]
+        else:
+            del self._buffers[g.buffer].reserved[group_id]
+        live = list(g.live)
+        for t in live + list(g.done):
+            del self._trajs[t]
+        del self._groups[group_id]
+        self._aborted[group_id] = reason
+        self._finished[group_id] = f"aborted: {reason}"
+        self._abort_counts[reason] = self._abort_counts.get(reason, 0) + 1
+        return live
+
+    # ---- metrics, checkpoints, self-check ------------------------------------------------
+    def stats(self) -> dict:
+        buffers = {}
+        for v in sorted(self._buffers):
+            e = self.buffer_entries(v)
+            buffers[str(v)] = {"state": self.buffer_state(v).value, **{k.value: n for k, n in e.items()}}
+        in_flight = sum(1 for g in self._groups.values() if not g.occupied)
+        return {"version": self.version, "closed_version": self.closed_version, "buffers": buffers,
+                "groups_in_flight": in_flight, "groups_closed": len(self._closed),
+                "groups_occupied": len(self._groups) - in_flight,
+                "trajs_live": sum(len(g.live) for g in self._groups.values()),
+                "groups_consumed": len(self._log), "groups_aborted_by_reason": dict(self._abort_counts),
+                "trajs_aborted_by_reason": dict(self._member_abort_counts)}
+
+    def state_dict(self) -> dict:
+        return manager_state_dict(self)
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> StalenessManager:
+        return manager_from_state_dict(cls, _Group, d)
+
+    def validate(self) -> None:
+        validate_manager(self)

@@ -1,0 +1,128 @@
+"""Checkpoint format and self-check of the staleness manager (pure Python, JSON-able dicts).
+
+``StalenessManager.state_dict()`` / ``from_state_dict(d)`` and ``validate()`` delegate here so
+that staleness.py keeps only the protocol. The dict survives ``json.dumps``/``json.loads``
+unchanged (ids are ints or strs; tuples become lists). ``validate_manager`` recomputes every
+derived structure from the group table and raises ProtocolError on any inconsistency.
+"""
+
+from __future__ import annotations
+
+FORMAT = "staleflow.staleness/1"
+_PARAMS = ("eta", "batch_size", "capacity", "group_size", "group_capacity")
+
+
+def manager_state_dict(m) -> dict:
+    return {
+        "format": FORMAT,
+        **{k: getattr(m, k) for k in _PARAMS},
+        "version": m.version,
+        "closed_version": m.closed_version,
+        "buffers": [{"version": v, "reserved": list(b.reserved), "occupied": list(b.occupied)}
+                    for v, b in sorted(m._buffers.items())],
+        "groups": [{"group_id": g.group_id, "traj_version": g.traj_version, "buffer": g.buffer,
+                    "occupied": g.occupied, "live": [[t, V] for t, V in g.live.items()],
+                    "done": [[t, V] for t, V in g.done.items()]} for g in m._groups.values()],
+        "closed": list(m._closed),
+        "aborted": [[gid, reason] for gid, reason in m._aborted.items()],
+        "consumed": [list(rec) for rec in m._log],
+        "trajs_aborted_by_reason": dict(m._member_abort_counts),
+    }
+
+
+def manager_from_state_dict(cls, group_cls, d: dict):
+    from staleflow.protocol.staleness import ProtocolError, _Buffer
+
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        got = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise ProtocolError(f"not a staleness-manager state dict (format {got!r}, expected {FORMAT!r})")
+    m = cls(**{k: d[k] for k in _PARAMS})
+    m.version, m.closed_version = d["version"], d["closed_version"]
+    for rec in d["buffers"]:
+        b = m._buffers[rec["version"]] = _Buffer()
+        b.reserved = dict.fromkeys(rec["reserved"])
+        b.occupied = list(rec["occupied"])
+    for rec in d["groups"]:
+        g = group_cls(rec["group_id"], rec["traj_version"])
+        g.buffer, g.occupied = rec["buffer"], rec["occupied"]
+        g.live = {t: V for t, V in rec["live"]}
+        g.done = {t: V for t, V in rec["done"]}
+        m._groups[g.group_id] = g
+        for t in list(g.live) + list(g.done):
+            m._trajs[t] = g
+    m._closed = dict.fromkeys(d["closed"])
+    for gid, reason in d["aborted"]:
+        m._aborted[gid] = reason
+        m._finished[gid] = f"aborted: {reason}"
+        m._abort_counts[reason] = m._abort_counts.get(reason, 0) + 1
+    for gid, tv, bv in d["consumed"]:
+        m._log.append((gid, tv, bv))
+        m._finished[gid] = "consumed"
+    m._member_abort_counts = dict(d["trajs_aborted_by_reason"])
+    validate_manager(m)
+    return m
+
+
+def validate_manager(m) -> None:
+    """Recompute buffers, closed set and member index from the groups; raise on any mismatch."""
+    from staleflow.protocol.staleness import ProtocolError
+
+    def fail(msg):
+        raise ProtocolError(f"staleness manager state is inconsistent: {msg}")
+
+    reserved: dict = {}
+    occupied: dict = {}
+    n_members = 0
+    for gid, g in m._groups.items():
+        if gid in m._finished:
+            fail(f"group {gid!r} is both live and {m._finished[gid]}")
+        members = {**g.live, **g.done}
+        n_members += len(g.live) + len(g.done)
+        if set(g.live) & set(g.done):
+            fail(f"group {gid!r} has a member both live and done")
+        if members and g.traj_version > min(members.values()):
+            fail(f"group {gid!r} traj_version {g.traj_version} > min member version {min(members.values())}")
+        if any(V > m.version for V in members.values()):
+            fail(f"group {gid!r} has a member newer than version {m.version}")
+        if len(g.done) > m.group_size or (len(g.done) == m.group_size and g.live):
+            fail(f"group {gid!r} has {len(g.done)} done and {len(g.live)} live members (N={m.group_size})")
+        if len(g.live) + len(g.done) > m.group_capacity:
+            fail(f"group {gid!r} has more than group_capacity={m.group_capacity} members")
+        if g.occupied and len(g.done) < m.group_size:
+            fail(f"occupied group {gid!r} has only {len(g.done)} done members")
+        for t in members:
+            if m._trajs.get(t) is not g:
+                fail(f"member {t!r} of group {gid!r} is not indexed")
+        if g.buffer is None:
+            if g.occupied or gid not in m._closed:
+                fail(f"group {gid!r} has no buffer but is not in the closed set")
+            continue
+        if gid in m._closed:
+            fail(f"closed group {gid!r} still holds buffer {g.buffer}")
+        if not (max(g.traj_version, m.version) <= g.buffer <= g.traj_version + m.eta):
+            fail(f"group {gid!r} (traj_version {g.traj_version}) sits in buffer {g.buffer} outside its window")
+        (occupied if g.occupied else reserved).setdefault(g.buffer, set()).add(gid)
+    if n_members != len(m._trajs):
+        fail(f"{len(m._trajs)} indexed trajectories but {n_members} group members")
+    if set(m._closed) - set(m._groups):
+        fail("closed set names groups that are not live")
+    for v, b in m._buffers.items():
+        if v < m.version:
+            fail(f"buffer {v} below version {m.version} still exists")
+        if set(b.reserved) != reserved.pop(v, set()) or set(b.occupied) != occupied.pop(v, set()):
+            fail(f"buffer {v} entries do not match the groups placed in it")
+        if len(b.occupied) != len(set(b.occupied)):
+            fail(f"buffer {v} lists a group twice")
+        if len(b.occupied) > m.batch_size or len(b.occupied) + len(b.reserved) > m.capacity:
+            fail(f"buffer {v} over capacity ({len(b.occupied)} occupied, {len(b.reserved)} reserved)")
+        if len(b.occupied) == m.batch_size and b.reserved:
+            fail(f"Ready buffer {v} still holds reservations")
+    if reserved or occupied:
+        fail(f"groups placed in missing buffers {sorted(set(reserved) | set(occupied))}")
+    if m.closed_version > m.version:
+        fail(f"closed_version {m.closed_version} > version {m.version}")
+    last = -1
+    for gid, tv, bv in m._log:
+        if not (tv <= bv <= tv + m.eta) or bv < last or bv >= m.version:
+            fail(f"consumption log entry {(gid, tv, bv)} breaks the bound or the version order")
+        last = bv
