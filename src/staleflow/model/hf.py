@@ -1,0 +1,193 @@
+"""Hugging Face checkpoint folders <-> CausalLM.
+
+    model = load_model("smollm2-135m")                  # alias or folder, fp32 on CPU
+    model = load_model("/ckpt/qwen3-8b", torch.bfloat16, "cuda")
+    save_hf(model, "/out/step-100", tokenizer_from="smollm2-135m")
+
+A folder is config.json + safetensors (one `model.safetensors`, or shards listed in
+`model.safetensors.index.json`). Tensor names are HF's and map 1:1 onto `CausalLM.state_dict()`.
+Every failure is a one-line `ModelLoadError` naming the folder/file/tensor and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from staleflow.model.args import ModelArgs, ModelConfigError
+from staleflow.model.transformer import CausalLM
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints carry
+
+
+class ModelLoadError(ValueError):
+    """A model folder or checkpoint that cannot be loaded; the message says why and what to do."""
+
+
+def resolve_model_path(path_or_alias: str) -> str:
+    """An alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3) or a folder -> an existing folder."""
+    from staleflow.model import aliases
+
+    if path_or_alias in aliases.ALIASES:
+        return str(aliases.ensure_alias(path_or_alias))
+    folder = Path(path_or_alias).expanduser()
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"model folder {path_or_alias!r} does not exist: give a Hugging Face model folder "
+            f"or one of the aliases {sorted(aliases.ALIASES)}"
+        )
+    return str(folder)
+
+
+def read_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"no config.json in model folder {str(folder)!r}: is it a Hugging Face model folder?")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {str(path)!r}: {e}") from None
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The checkpoint files of a folder: the shards named by the index, else every *.safetensors."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"cannot read shard index {str(index)!r}: {e!r}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"shards {missing[:3]} listed in {str(index)!r} are missing from the folder")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors in model folder {str(folder)!r}: convert the checkpoint to safetensors "
+            f"(e.g. transformers save_pretrained(..., safe_serialization=True))"
+        )
+    return files
+
+
+def load_model(path_or_alias: str, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
+    """Build a CausalLM from a HF folder or alias and load its weights (cast to dtype, on device)."""
+    from safetensors import safe_open
+
+    folder = resolve_model_path(path_or_alias)
+    try:
+        args = ModelArgs.from_hf_config(read_config(folder))
+    except ModelConfigError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
+    except KeyError as e:
+        raise ModelLoadError(f"{folder}/config.json lacks the required field {e.args[0]!r}") from None
+    with torch.device("meta"):
+        model = CausalLM(args)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    dev = torch.device(device)
+    dev = f"cuda:{dev.index or 0}" if dev.type == "cuda" else str(dev)
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt", device=dev) as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (args.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                if name not in expected:
+                    unexpected.append(name)
+                    continue
+                t = f.get_tensor(name)
+                if tuple(t.shape) != tuple(expected[name]):
+                    raise ModelLoadError(
+                        f"tensor {name!r} in {file.name} has shape {tuple(t.shape)}, config.json implies "
+                        f"{tuple(expected[name])}: config and weights do not match"
+                    )
+                state[name] = t.to(dtype) if t.is_floating_point() else t
+    missing = sorted(set(expected) - set(state))
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint in {folder!r} does not match a {args.architecture} model: "
+            f"{len(missing)} missing tensors {missing[:4]}, {len(unexpected)} unexpected tensors "
+            f"{sorted(unexpected)[:4]}"
+        )
+    model.load_state_dict(state, assign=True, strict=True)
+    return model
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_hf(
+    model: CausalLM,
+    folder: str | Path,
+    tokenizer_from: str | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write config.json + safetensors (sharded with an index above max_shard_bytes) into folder.
+
+    `state_dict` overrides model.state_dict() (e.g. a full state dict gathered from FSDP shards).
+    `tokenizer_from` (folder or alias) copies its tokenizer files and chat template alongside.
+    Each file is written to a temporary name then renamed, so a crash never leaves a torn file.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = model.state_dict() if state_dict is None else state_dict
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    config = model.args.to_hf_config()
+    config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    for stale in list(folder.glob("model*.safetensors")) + list(folder.glob("model.safetensors.index.json")):
+        stale.unlink()
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        _atomic_write(folder / "model.safetensors", lambda p: save_file(shards[0], str(p), metadata=metadata))
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _atomic_write(folder / name, lambda p, s=shard: save_file(s, str(p), metadata=metadata))
+            weight_map.update({k: name for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _atomic_write(folder / "model.safetensors.index.json", lambda p: p.write_text(json.dumps(index, indent=2)))
+
+    generation = {"bos_token_id": model.args.bos_token_id, "eos_token_id": config["eos_token_id"]}
+    _atomic_write(folder / "generation_config.json", lambda p: p.write_text(json.dumps(generation, indent=2)))
+    if tokenizer_from is not None:
+        src = Path(resolve_model_path(tokenizer_from))
+        copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+        if not copied:
+            raise ModelLoadError(f"tokenizer_from={tokenizer_from!r} has no tokenizer files ({TOKENIZER_FILES[0]}, ...)")
+        for n in copied:
+            if (src / n).resolve() != (folder / n).resolve():
+                _atomic_write(folder / n, lambda p, n=n: shutil.copyfile(src / n, p))
+    # config.json last: a folder with a config.json is complete.
+    _atomic_write(folder / "config.json", lambda p: p.write_text(json.dumps(config, indent=2)))
+    return folder

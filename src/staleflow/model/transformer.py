@@ -1,0 +1,250 @@
+"""CausalLM: our Llama / Qwen2 / Qwen3 decoder over packed variable-length token streams.
+
+Parameter names equal Hugging Face's (`model.embed_tokens.weight`,
+`model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`, `lm_head.weight` when
+untied), so `state_dict()` maps 1:1 onto HF safetensors. The forward takes one packed stream
+and a pluggable attention object, and returns the final hidden states (after the last RMSNorm,
+before the LM head) because the packed log-prob op consumes those:
+
+    hidden = model(input_ids, positions, attn)   # [T], [T], attn(layer, q, k, v) -> [T, H, D]
+    logits = model.compute_logits(hidden)        # [T, V] float32, only when really needed
+
+The attention object owns the sequence layout (packed causal for training/prefill, a KV cache
+for decoding) and the GQA expansion; the model only computes q, k, v with RoPE applied.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from staleflow.model.args import ModelArgs
+
+
+class Attention(Protocol):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), normalised in float32 then cast back (as HF does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32, CPU) and the cos/sin scale for args' RoPE type.
+
+    default: theta^(-2i/d). linear: divided by factor. dynamic (NTK): base grows with
+    seq_len beyond max_position_embeddings. llama3: low frequencies divided by factor, high
+    kept, a smooth ramp between. yarn: per-dimension blend of interpolated and extrapolated
+    frequencies, cos/sin scaled by 0.1*ln(factor)+1.
+    """
+    dim = args.head_dim
+    base = args.rope_theta
+    sc = args.rope_scaling or {}
+    rope_type = args.rope_type
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [d/2]
+    if rope_type == "dynamic":
+        factor = sc["factor"]
+        seq_len = max(seq_len or 0, args.max_position_embeddings)
+        base = base * ((factor * seq_len / args.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** exponents)
+    scale = 1.0
+    if rope_type == "linear":
+        inv_freq = inv_freq / sc["factor"]
+    elif rope_type == "llama3":
+        factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old_len = sc.get("original_max_position_embeddings", args.max_position_embeddings)
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope_type == "yarn":
+        inv_freq, scale = _yarn(args, sc)
+    return inv_freq, scale
+
+
+def _yarn(args: ModelArgs, sc: dict) -> tuple[torch.Tensor, float]:
+    dim, base = args.head_dim, args.rope_theta
+    old_len = sc.get("original_max_position_embeddings", args.max_position_embeddings)
+    factor = sc.get("factor") or args.max_position_embeddings / old_len
+
+    def mscale(s, m=1.0):
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    scale = sc.get("attention_factor")
+    if scale is None:
+        m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        scale = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def corr_dim(rot):
+        return dim * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # weight on the unscaled frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(scale)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
+        o_bias = args.attention_bias and args.architecture != "qwen2"
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: Attention, layer_idx: int):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = attn(layer_idx, q, k, v)  # [T, H, D]
+        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = SelfAttention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: Attention):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, self.layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """The `model.` prefix of HF names: embed_tokens, layers, norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM with HF parameter names and a packed forward."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = DecoderStack(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        """Recompute each decoder layer in backward (set by the trainer to save activations)."""
+        self._rope_cache: dict[tuple[torch.device, int], tuple[torch.Tensor, float]] = {}
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H] output projection (the embedding matrix when tied)."""
+        return self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] for integer positions, computed in float32 then cast to dtype."""
+        seq_len = int(positions.max()) + 1 if self.args.rope_type == "dynamic" and positions.numel() else 0
+        key = (positions.device, max(seq_len, self.args.max_position_embeddings) if seq_len else 0)
+        cached = self._rope_cache.get(key)
+        if cached is None:
+            inv_freq, scale = rope_inv_freq(self.args, seq_len or None)
+            cached = self._rope_cache[key] = (inv_freq.to(positions.device), scale)
+        inv_freq, scale = cached
+        with torch.autocast(device_type=positions.device.type, enabled=False):
+            freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+            cos, sin = emb.cos() * scale, emb.sin() * scale
+        return cos.to(dtype), sin.to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last RMSNorm)."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must both be 1-D [T] (packed), got {tuple(input_ids.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        x = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rope_cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] hidden -> [T, V] float32 logits."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> "CausalLM":
+        """Random init (normal(0, std) matrices, unit norms, zero biases); deterministic given seed."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        return self
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
