@@ -1,0 +1,109 @@
+"""Flat weight layout of the Parameter Server: parameter name -> (byte offset, shape, dtype).
+
+Built once from the policy's state dict (on the trainer leader, with full, unsharded shapes),
+it travels to every rank inside control messages (a msgspec Struct) and is also stored in
+each parameter-server slot, so a rollout engine can load a version in place, name by name.
+Offsets are aligned (256 bytes by default) so every parameter view is aligned for any dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import msgspec
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported by the parameter server: use one of {sorted(_DTYPES)}")
+    return name
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype name {name!r} is not supported: use one of {sorted(_DTYPES)}") from None
+
+
+class ParamEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One parameter in a slot: ``offset`` in bytes from the slot start, full ``shape``, ``dtype`` name."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_of(self.dtype).itemsize
+
+
+class ParamLayout(msgspec.Struct, frozen=True):
+    """Every parameter of a model in a fixed order, with the total slot size ``nbytes``."""
+
+    entries: tuple[ParamEntry, ...]
+    nbytes: int
+    align: int = 256
+
+    @classmethod
+    def from_named_tensors(cls, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                           align: int = 256, dtype: torch.dtype | None = None) -> ParamLayout:
+        """Layout of ``named`` (a state dict or ``model.named_parameters()``) in its order.
+
+        ``dtype`` overrides every floating-point parameter's dtype (e.g. bfloat16 slots for fp32
+        master weights); only shapes and dtypes are read, never the values.
+        """
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"ParamLayout align={align} is invalid: must be a power of two")
+        items = list(named.items()) if isinstance(named, Mapping) else list(named)
+        entries, offset, seen = [], 0, set()
+        for name, t in items:
+            if name in seen:
+                raise ValueError(f"parameter name {name!r} appears twice: names must be unique")
+            seen.add(name)
+            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            e = ParamEntry(name, offset, tuple(int(s) for s in t.shape), dtype_name(dt))
+            entries.append(e)
+            offset += (e.nbytes + align - 1) // align * align
+        if not entries:
+            raise ValueError("ParamLayout.from_named_tensors got no tensors: pass a non-empty state dict")
+        return cls(tuple(entries), offset, align)
+
+    def index(self) -> dict[str, ParamEntry]:
+        """name -> entry (build once and keep)."""
+        return {e.name: e for e in self.entries}
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> ParamLayout:
+        return msgspec.msgpack.decode(data, type=cls)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed, shaped views into a flat uint8 buffer of ``nbytes`` laid out by this layout."""
+        if flat.dtype != torch.uint8 or flat.numel() < self.nbytes:
+            raise ValueError(f"need a uint8 buffer of >= {self.nbytes} bytes, got {flat.dtype} x {flat.numel()}")
+        return {e.name: flat[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+                for e in self.entries}
+
+    def empty(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Fresh tensors with this layout's shapes and dtypes (targets for ``pull``)."""
+        return {e.name: torch.empty(e.shape, dtype=dtype_of(e.dtype), device=device) for e in self.entries}
