@@ -133,6 +133,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32, not TF32
 
 
+def _upcast_dot(dtype: torch.dtype) -> bool:
+    return _INTERPRETING and dtype == torch.bfloat16  # see _logits_tile: interpreter bf16 dot bug
+
+
 def packed_logprobs_forward(hidden, weight, targets, temperature=1.0, row_mask=None,
                             config: KernelConfig | None = None, out=None, workspace=None):
     """Forward only, no autograd: returns (logp, entropy, lse, ez, rows, n_active).
@@ -161,7 +165,7 @@ def packed_logprobs_forward(hidden, weight, targets, temperature=1.0, row_mask=N
         hidden, weight, targets, rows, n_active, workspace,
         T, V, H, hidden.stride(0), weight.stride(0), 1.0 / float(temperature), blocks_per_split,
         NUM_SPLITS=cfg.num_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(hidden.dtype),
+        BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(hidden.dtype), UPCAST=_upcast_dot(hidden.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_t = 64
     mask_arg = row_mask if row_mask is not None else rows  # unused when HAS_MASK is False
@@ -212,7 +216,7 @@ def packed_logprobs_backward(hidden, weight, targets, temperature, rows, n_activ
             hidden, weight, targets, rows, lse, ez, grad_logp, grad_ent, dz,
             c0, c, V, H, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / float(temperature),
             BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, BLOCK_K=cfg.bwd_block_k,
-            GROUP_M=cfg.bwd_group_m, DOT_PREC=_dot_precision(hidden.dtype),
+            GROUP_M=cfg.bwd_group_m, DOT_PREC=_dot_precision(hidden.dtype), UPCAST=_upcast_dot(hidden.dtype),
             num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages)
         if has_mask:
             idx = rows[c0:c0 + c].long()

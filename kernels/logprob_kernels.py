@@ -36,8 +36,12 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, n_ok, H, stride_h, stride_w, inv_temp,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
-    """z[BLOCK_M, BLOCK_N] = (h[rows] @ W[offs_n]^T) * inv_temp, fp32 accumulation."""
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """z[BLOCK_M, BLOCK_N] = (h[rows] @ W[offs_n]^T) * inv_temp, fp32 accumulation.
+
+    UPCAST (interpreter + bf16 only): triton 3.9's interpreter multiplies bf16 tiles as their raw
+    uint16 bits, so there the operands are widened to fp32 first (exact for bf16 values).
+    """
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     h_row = h_ptr + rows[:, None].to(tl.int64) * stride_h
     w_col = w_ptr + offs_n[None, :].to(tl.int64) * stride_w
@@ -46,6 +50,9 @@ def _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, n_ok, H, stride_h, stride_w, 
         k_ok = offs_k < H
         a = tl.load(h_row + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_col + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     return acc * inv_temp
 
@@ -54,7 +61,7 @@ def _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, n_ok, H, stride_h, stride_w, 
 def fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr, part_ptr,
                         T, V, H, stride_h, stride_w, inv_temp, BLOCKS_PER_SPLIT,
                         NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                        BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     pid_s = pid % NUM_SPLITS
     pid_m = pid // NUM_SPLITS
@@ -74,7 +81,7 @@ def fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr, part_ptr,
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < V
             z = _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, n_ok, H, stride_h, stride_w,
-                             inv_temp, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+                             inv_temp, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, UPCAST)
             z = tl.where(n_ok[None, :], z, NEG)
             m_new = tl.maximum(m_run, tl.max(z, 1))
             alpha = tl.exp2((m_run - m_new) * LOG2E)
@@ -132,7 +139,7 @@ def fwd_merge_kernel(part_ptr, mask_ptr, pos_ptr, tgt_ptr, logp_ptr, ent_ptr, ls
 def bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr,
                   row_start, n_rows, V, H, stride_h, stride_w, stride_dz, inv_temp,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr):
+                  GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(n_rows, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
@@ -147,7 +154,8 @@ def bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, lse_ptr, ez_ptr, glp_ptr, gen
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < V
     z = _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, n_ok, H, stride_h, stride_w, inv_temp,
-                     BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+                     BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, UPCAST)
+    z = tl.where(n_ok[None, :], z, NEG)  # padded columns: p = 0, no inf - inf
     lse = tl.load(lse_ptr + rows, mask=m_ok, other=0.0)
     ez = tl.load(ez_ptr + rows, mask=m_ok, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=m_ok, other=0.0)

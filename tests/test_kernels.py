@@ -1,0 +1,197 @@
+"""Specification of the fused LM-head log-prob/entropy kernels against an fp64 reference.
+
+Runs the Triton kernels under TRITON_INTERPRET=1 on CPU (set by conftest before import) or on
+CUDA; skips cleanly when neither is possible. Tiny shapes: the interpreter costs ms per program.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from staleflow.kernels import logprob as kl
+from staleflow.kernels.logprob import packed_logprobs_forward, packed_logprobs_triton, triton_available
+from staleflow.kernels.reference import packed_logprobs_reference
+
+pytestmark = pytest.mark.skipif(
+    not triton_available(), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1 set before import")
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not _INTERPRET else "cpu"
+H, V, TAU = 64, 1000, 0.7  # V = 7 * 128 + 104: not a multiple of any block size
+
+
+def packed_batch(lengths, prompt_lens, H=H, V=V, seed=0, logit_scale=1.0):
+    """Packed sequences: hidden [T, H], weight [V, H], targets [T], row_mask [T].
+
+    Targets are the next token inside the same sequence; prompt tokens and each sequence's last
+    token are unselected (row_mask False) and get target -100 (the trainer's convention).
+    """
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    ids = torch.randint(0, V, (T,), generator=g)
+    targets = torch.full((T,), -100, dtype=torch.long)
+    row_mask = torch.zeros(T, dtype=torch.bool)
+    start = 0
+    for n, p in zip(lengths, prompt_lens):
+        for t in range(start + p, start + n - 1):
+            targets[t] = ids[t + 1]
+            row_mask[t] = True
+        start += n
+    hidden = torch.randn(T, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * (logit_scale / math.sqrt(H))
+    return (hidden.to(DEVICE), weight.to(DEVICE), targets.to(DEVICE), row_mask.to(DEVICE))
+
+
+LENGTHS, PROMPTS = [23, 9, 41, 2, 27], [5, 3, 10, 1, 6]  # T = 102, five sequences
+
+
+def _run_both(hidden, weight, targets, row_mask, temperature, seed=1):
+    """Triton and fp64-reference outputs and gradients for a random upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    T = hidden.shape[0]
+    g_lp = torch.randn(T, generator=g).to(DEVICE)
+    g_h = torch.randn(T, generator=g).to(DEVICE)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = packed_logprobs_triton(h1, w1, targets, temperature, row_mask)
+    ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+    h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    rlp, rent = packed_logprobs_reference(h2, w2, targets, temperature, row_mask)
+    ((rlp * g_lp.double()).sum() + (rent * g_h.double()).sum()).backward()
+    return (lp, ent, h1.grad, w1.grad), (rlp, rent, h2.grad, w2.grad)
+
+
+def _assert_grad_close(got, ref, rel=1e-4):
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(got.double(), ref, rtol=rel, atol=rel * scale)
+    assert (got.double() - ref).norm() <= rel * ref.norm()
+
+
+def test_matches_fp64_reference_with_temperature_and_ignored_rows():
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS, PROMPTS)
+    (lp, ent, dh, dw), (rlp, rent, rdh, rdw) = _run_both(hidden, weight, targets, row_mask, TAU)
+    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == (hidden.shape[0],)
+    torch.testing.assert_close(lp.double(), rlp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=0, atol=1e-4)
+    _assert_grad_close(dh, rdh)
+    _assert_grad_close(dw, rdw)
+    # Ignored rows: exactly zero outputs and exactly zero gradient.
+    assert torch.all(lp[~row_mask] == 0) and torch.all(ent[~row_mask] == 0)
+    assert torch.all(dh[~row_mask] == 0)
+
+
+def test_invariants_logp_nonpositive_entropy_in_range():
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS, PROMPTS, logit_scale=4.0, seed=3)
+    lp, ent = packed_logprobs_triton(hidden, weight, targets, 0.5, row_mask)
+    assert torch.all(lp <= 0)
+    assert torch.all(ent >= 0) and torch.all(ent <= math.log(V) * (1 + 1e-6))
+    # Uniform distribution (zero weight): entropy = log V, logp = -log V.
+    lp0, ent0 = packed_logprobs_triton(hidden, torch.zeros_like(weight), targets, 1.3, row_mask)
+    torch.testing.assert_close(lp0[row_mask].double(), torch.full_like(lp0[row_mask], -math.log(V)).double(),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent0[row_mask].double(), torch.full_like(ent0[row_mask], math.log(V)).double(),
+                               rtol=0, atol=1e-5)
+
+
+def test_very_negative_and_peaked_logits():
+    """All logits far below zero (verl PR #7439's failure) and near-one-hot rows stay exact."""
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS, PROMPTS, seed=4, logit_scale=8.0)
+    hidden[:, 0] = 1.0
+    weight[:, 0] = -500.0  # shifts every logit by -500 / tau; softmax unchanged
+    (lp, ent, dh, dw), (rlp, rent, rdh, rdw) = _run_both(hidden, weight, targets, row_mask, TAU)
+    torch.testing.assert_close(lp.double(), rlp, rtol=0, atol=1e-5 * 50)  # |z| ~ 700: fp32 ulp ~ 6e-5
+    torch.testing.assert_close(ent.double(), rent, rtol=0, atol=1e-4)
+    assert torch.isfinite(dh).all() and torch.isfinite(dw).all()
+    assert torch.all(lp <= 0) and torch.all(ent >= 0)
+
+
+def test_every_output_element_written_and_no_unwritten_partial_read():
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS, PROMPTS, seed=5)
+    T = hidden.shape[0]
+    cfg = kl.default_config(hidden.device, hidden.dtype)
+    out = tuple(torch.full((T,), float("nan"), device=DEVICE) for _ in range(4))
+    ws = torch.full((4, cfg.num_splits, T), float("nan"), device=DEVICE)
+    lp, ent, lse, ez, _, _ = packed_logprobs_forward(hidden, weight, targets, TAU, row_mask, out=out, workspace=ws)
+    assert all(torch.isfinite(x).all() for x in (lp, ent, lse, ez))
+    rlp, rent = packed_logprobs_reference(hidden, weight, targets, TAU, row_mask)
+    torch.testing.assert_close(lp.double(), rlp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=0, atol=1e-4)
+
+
+def test_sequence_result_independent_of_packing():
+    """A sequence's outputs are bitwise identical alone or packed at another offset with others."""
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS, PROMPTS, seed=6)
+    a0, a1 = sum(LENGTHS[:2]), sum(LENGTHS[:3])  # the third sequence (41 tokens)
+    lp_all, ent_all = packed_logprobs_triton(hidden, weight, targets, TAU, row_mask)
+    lp_one, ent_one = packed_logprobs_triton(hidden[a0:a1], weight, targets[a0:a1], TAU, row_mask[a0:a1])
+    assert torch.equal(lp_all[a0:a1], lp_one) and torch.equal(ent_all[a0:a1], ent_one)
+    # Also with every row selected (no mask) and the sequence first in the pack.
+    sel = torch.cat([torch.arange(a0, a1), torch.arange(0, a0)]).to(DEVICE)
+    tg = torch.where(row_mask, targets, 0)
+    lp_p, ent_p = packed_logprobs_triton(hidden[sel], weight, tg[sel], TAU)
+    lp_s, ent_s = packed_logprobs_triton(hidden[a0:a1], weight, tg[a0:a1], TAU)
+    assert torch.equal(lp_p[: a1 - a0], lp_s) and torch.equal(ent_p[: a1 - a0], ent_s)
+
+
+def test_no_mask_equals_all_true_mask_and_backward_chunking(monkeypatch):
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS, PROMPTS, seed=7)
+    targets = torch.where(row_mask, targets, 3)
+    full = torch.ones_like(row_mask)
+    (lp, ent, dh, dw), _ = _run_both(hidden, weight, targets, None, TAU)
+    monkeypatch.setattr(kl, "BWD_CHUNK_TOKENS", 17)  # several backward chunks, ragged last one
+    (lp2, ent2, dh2, dw2), (rlp, rent, rdh, rdw) = _run_both(hidden, weight, targets, full, TAU)
+    assert torch.equal(lp, lp2) and torch.equal(ent, ent2)
+    torch.testing.assert_close(dh, dh2, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dw, dw2, rtol=1e-5, atol=1e-6)
+    _assert_grad_close(dw2, rdw)
+    _assert_grad_close(dh2, rdh)
+
+
+def test_grad_only_for_hidden_and_all_rows_masked():
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS[:2], PROMPTS[:2], seed=8)
+    h = hidden.clone().requires_grad_()
+    lp, ent = packed_logprobs_triton(h, weight, targets, TAU, row_mask)
+    (lp.sum() + ent.sum()).backward()
+    h2 = hidden.double().requires_grad_()
+    rlp, rent = packed_logprobs_reference(h2, weight.double(), targets, TAU, row_mask)
+    (rlp.sum() + rent.sum()).backward()
+    _assert_grad_close(h.grad, h2.grad)
+    # Nothing selected: zero outputs, zero gradients, no kernel work past the row selection.
+    none = torch.zeros_like(row_mask)
+    h3, w3 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp3, ent3 = packed_logprobs_triton(h3, w3, targets, TAU, none)
+    (lp3.sum() + ent3.sum()).backward()
+    assert torch.all(lp3 == 0) and torch.all(ent3 == 0)
+    assert torch.all(h3.grad == 0) and torch.all(w3.grad == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs(dtype):
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS[:3], PROMPTS[:3], seed=9)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    (lp, ent, dh, dw), (rlp, rent, rdh, rdw) = _run_both(hidden, weight, targets, row_mask, TAU)
+    assert dh.dtype == dw.dtype == dtype and lp.dtype == torch.float32
+    # Inputs are exactly representable, accumulation is fp32: outputs as accurate as for fp32.
+    torch.testing.assert_close(lp.double(), rlp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=0, atol=1e-4)
+    # Gradients pass through a dz workspace and outputs in the input dtype.
+    _assert_grad_close(dh, rdh, rel=2e-2)
+    _assert_grad_close(dw, rdw, rel=2e-2)
+
+
+def test_bad_inputs_raise_clear_errors():
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS[:2], PROMPTS[:2], seed=10)
+    with pytest.raises(ValueError, match="temperature"):
+        packed_logprobs_triton(hidden, weight, targets, 0.0, row_mask)
+    with pytest.raises(ValueError, match="weight"):
+        packed_logprobs_triton(hidden, weight[:, :-1], targets, 1.0, row_mask)
+    with pytest.raises(ValueError, match="row_mask"):
+        packed_logprobs_triton(hidden, weight, targets, 1.0, row_mask.int())
+    with pytest.raises(ValueError, match="dtypes"):
+        packed_logprobs_triton(hidden, weight.double(), targets, 1.0, row_mask)
+    if DEVICE == "cpu":
+        bad = targets.clone()
+        bad[row_mask.nonzero()[0]] = V
+        with pytest.raises(ValueError, match="targets"):
+            packed_logprobs_triton(hidden, weight, bad, 1.0, row_mask)
