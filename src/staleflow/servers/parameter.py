@@ -16,7 +16,8 @@ Push (trainer ranks; the creator of the server is the leader)::
     dist.barrier(trainer_group)
     ps.publish(v)                  # leader only
 
-Pull (rollout ranks): ``latest_version()``, ``pull(v, out=tensors)`` copies in place.
+Pull (rollout ranks): ``latest_version()``, ``pull(v, out=tensors)`` copies in place,
+``pull_latest(out)`` returns (version, tensors).
 
 Readers never return a torn slot, by two independent guards:
 1. a lock per slot (``flock`` on the slot file): a reader holds it shared while copying and the
@@ -229,43 +230,59 @@ class ParameterServer:
         self._filling = None
 
     # -- pull (rollout ranks) -------------------------------------------------------------------
-    def pull(self, version: int | None = None, out: dict[str, torch.Tensor] | None = None,
+    def pull(self, version: int, out: dict[str, torch.Tensor] | None = None,
              retries: int = 3) -> dict[str, torch.Tensor]:
-        """Copy a published version (``None``: the latest) into ``out`` in place, or into new tensors.
+        """Copy published ``version`` into ``out`` in place (or into new tensors) and return it.
 
-        ``out`` needs every layout name with the layout's shape (any dtype/device: copies cast).
-        Raises VersionNotFound when the version is not published or was overwritten.
+        ``out`` needs every layout name with the layout's shape (any dtype/device: copy_ casts).
+        Raises VersionNotFound when the version is not published or was already overwritten.
         """
-        if out is None:
-            out = self.layout.empty(self.device)
-        else:
-            self._check_out(out)
-        for attempt in range(retries + 1):
-            want = self.latest_version() if version is None else version
-            if want is None:
-                raise VersionNotFound("pull: no version has been published yet; wait for the trainer's first push")
-            sl = self._slot_of(want)
-            if sl is None:
-                if version is None:
-                    continue
-                self._not_found(want)
-            fcntl.flock(sl.lock_fd, fcntl.LOCK_SH)
-            try:
-                st, v, s1 = sl.header()
-                if st != PUBLISHED or v != want or s1 & 1:
-                    if version is None:
-                        continue
-                    self._not_found(want)
-                for name, dst in out.items():
-                    dst.copy_(sl.views[name])
-                for dev in {sl.flat.device, *(t.device for t in out.values())}:
-                    sync_device(dev)
-                if sl.header() == (st, v, s1):
-                    return out
-            finally:
-                fcntl.flock(sl.lock_fd, fcntl.LOCK_UN)
+        out = self._prepare(out)
+        for _ in range(retries + 1):
+            sl = self._slot_of(version)
+            clean = None if sl is None else self._copy(sl, version, out)
+            if clean is None:
+                self._not_found(version)
+            if clean:
+                return out
         raise TornRead(f"pull({version}): the slot changed during each of {retries + 1} copies; "
                        f"a writer is bypassing the slot lock")
+
+    def pull_latest(self, out: dict[str, torch.Tensor] | None = None,
+                    retries: int = 3) -> tuple[int, dict[str, torch.Tensor]]:
+        """Copy the newest published version; returns (version, tensors)."""
+        out = self._prepare(out)
+        for _ in range(retries + 2):
+            version = self.latest_version()
+            if version is None:
+                raise VersionNotFound("pull_latest: no version has been published yet; wait for the first push")
+            sl = self._slot_of(version)
+            if sl is not None and self._copy(sl, version, out):
+                return version, out
+        raise TornRead(f"pull_latest: the newest slot changed during each of {retries + 2} copies")
+
+    def _prepare(self, out: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        if out is None:
+            return self.layout.empty(self.device)
+        self._check_out(out)
+        return out
+
+    def _copy(self, sl: _Slot, version: int, out: dict[str, torch.Tensor]) -> bool | None:
+        """Copy ``sl`` under its shared lock: None if it no longer holds ``version``, else
+        whether the copy is clean (seqlock stamp unchanged across it)."""
+        fcntl.flock(sl.lock_fd, fcntl.LOCK_SH)
+        try:
+            before = sl.header()
+            st, v, stamp = before
+            if st != PUBLISHED or v != version or stamp & 1:
+                return None
+            for name, dst in out.items():
+                dst.copy_(sl.views[name])
+            for dev in {sl.flat.device, *(t.device for t in out.values())}:
+                sync_device(dev)
+            return sl.header() == before
+        finally:
+            fcntl.flock(sl.lock_fd, fcntl.LOCK_UN)
 
     def _slot_of(self, version: int) -> _Slot | None:
         for sl in self.slots:
