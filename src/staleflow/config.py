@@ -137,6 +137,16 @@ class TrainConfig:
     entropy_coef: float = 0.0
     logprob_impl: Literal["auto", "chunked", "triton", "naive"] = "auto"
     """Packed log-prob op: auto = Triton on CUDA, chunked PyTorch elsewhere."""
+    mini_batches: int = 1
+    """Optimizer updates per Ready buffer (>1 makes the proximal policy differ from the current one)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal)."""
+    overlong_max_tokens: int = 0
+    """DAPO overlong shaping: response length where the penalty reaches -1 (0 disables)."""
+    overlong_cache_tokens: int = 0
+    """DAPO overlong shaping: length of the linear penalty ramp before overlong-max-tokens."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (less activation memory, ~30% more compute)."""
 
     def __post_init__(self):
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
@@ -150,6 +160,10 @@ class TrainConfig:
         _check(0 <= self.is_low <= 1 <= self.is_high, "train.is-low/is-high", (self.is_low, self.is_high),
                "need 0 <= is-low <= 1 <= is-high")
         _check(self.kl_coef >= 0, "train.kl-coef", self.kl_coef, "must be >= 0")
+        _check(self.mini_batches >= 1, "train.mini-batches", self.mini_batches, "must be >= 1")
+        _check(self.overlong_max_tokens >= 0, "train.overlong-max-tokens", self.overlong_max_tokens, "must be >= 0")
+        _check(0 <= self.overlong_cache_tokens <= max(self.overlong_max_tokens, 0), "train.overlong-cache-tokens",
+               self.overlong_cache_tokens, "need 0 <= overlong-cache-tokens <= overlong-max-tokens")
 
 
 @dataclass(frozen=True)

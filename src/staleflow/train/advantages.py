@@ -1,0 +1,127 @@
+"""Advantage estimators for group-based RL (GRPO family), plus DAPO's data-side tricks.
+
+Pure Python on plain lists (no torch): the trainer calls
+
+    adv = compute_advantages("grpo", rewards, group_ids)
+
+to get one scalar advantage per trajectory; every response token of a trajectory shares it.
+Estimators, by registered name (``--train.advantage``):
+
+- grpo:       (r - mean_g) / (std_g + eps), std unbiased (n - 1) over the group;
+- grpo-nostd: r - mean_g (no std normalisation: no bias towards easy/hard prompts);
+- dr-grpo:    r - mean_g; Dr. GRPO also drops length normalisation, which is a loss
+              aggregation matter: pair it with ``--train.loss-agg seq-mean-token-sum``;
+- rloo:       r - mean of the OTHER members = n / (n - 1) * (r - mean_g).
+
+A group of one member, or with all rewards equal, gets advantage 0 everywhere.
+DAPO's dynamic sampling (`groups_with_signal`) drops such all-equal groups before training,
+and overlong reward shaping (`overlong_penalty`) penalises responses running into the length cap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Callable, Hashable, Sequence
+
+GROUP_EPS = 1e-6
+
+AdvantageFn = Callable[[list[float]], list[float]]
+ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str):
+    """Decorator: register fn(rewards of one group) -> advantages of that group under `name`."""
+
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        ADVANTAGES[name] = fn
+        return fn
+
+    return deco
+
+
+def _mean(xs: list[float]) -> float:
+    return math.fsum(xs) / len(xs)
+
+
+@register_advantage("grpo")
+def grpo(rewards: list[float]) -> list[float]:
+    n = len(rewards)
+    if n < 2:
+        return [0.0] * n
+    m = _mean(rewards)
+    std = math.sqrt(math.fsum((r - m) ** 2 for r in rewards) / (n - 1))
+    return [(r - m) / (std + GROUP_EPS) for r in rewards]
+
+
+@register_advantage("grpo-nostd")
+def grpo_nostd(rewards: list[float]) -> list[float]:
+    m = _mean(rewards)
+    return [r - m for r in rewards]
+
+
+@register_advantage("dr-grpo")
+def dr_grpo(rewards: list[float]) -> list[float]:
+    return grpo_nostd(rewards)
+
+
+@register_advantage("rloo")
+def rloo(rewards: list[float]) -> list[float]:
+    n = len(rewards)
+    if n < 2:
+        return [0.0] * n
+    total = math.fsum(rewards)
+    return [r - (total - r) / (n - 1) for r in rewards]
+
+
+def _groups(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    groups: dict[Hashable, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        groups[g].append(i)
+    return groups
+
+
+def compute_advantages(name: str, rewards: Sequence[float], group_ids: Sequence[Hashable]) -> list[float]:
+    """One advantage per trajectory, computed within each group of equal group_id."""
+    if name not in ADVANTAGES:
+        raise ValueError(f"advantage={name!r} is unknown: use one of {sorted(ADVANTAGES)} (--train.advantage)")
+    if len(rewards) != len(group_ids):
+        raise ValueError(f"got {len(rewards)} rewards but {len(group_ids)} group ids: one of each per trajectory")
+    for i, r in enumerate(rewards):
+        if not math.isfinite(r):
+            raise ValueError(f"reward of trajectory {i} is {r!r}: rewards must be finite numbers")
+    out = [0.0] * len(rewards)
+    for members in _groups(group_ids).values():
+        for i, a in zip(members, ADVANTAGES[name]([float(rewards[i]) for i in members])):
+            out[i] = a
+    return out
+
+
+def groups_with_signal(rewards: Sequence[float], group_ids: Sequence[Hashable]) -> list[bool]:
+    """DAPO dynamic sampling: keep[i] is False when trajectory i's group has all rewards equal."""
+    keep = [True] * len(rewards)
+    for members in _groups(group_ids).values():
+        if len({float(rewards[i]) for i in members}) == 1:
+            for i in members:
+                keep[i] = False
+    return keep
+
+
+def overlong_penalty(response_len: int, max_tokens: int, cache_tokens: int) -> float:
+    """DAPO soft overlong punishment added to the reward.
+
+    0 up to max_tokens - cache_tokens, then a linear ramp down to -1 at max_tokens, -1 beyond.
+    max_tokens = 0 disables it.
+    """
+    if max_tokens <= 0:
+        return 0.0
+    if not 0 <= cache_tokens <= max_tokens:
+        raise ValueError(
+            f"overlong cache_tokens={cache_tokens!r} is invalid: need 0 <= cache <= max_tokens={max_tokens}"
+        )
+    free = max_tokens - cache_tokens
+    if response_len <= free:
+        return 0.0
+    if response_len <= max_tokens and cache_tokens > 0:
+        return (free - response_len) / cache_tokens
+    return -1.0

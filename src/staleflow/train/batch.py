@@ -1,0 +1,150 @@
+"""What the trainer consumes: TrajectorySample (one finished trajectory) and packed MicroBatch tensors.
+
+The runtime hands `Trainer.step` the samples of one Ready staleness buffer. The trainer packs
+each micro-batch's sequences (prompt + response, end to end, no padding) into a MicroBatch:
+
+    input_ids, positions  [T]       the packed token stream and per-sequence positions
+    cu_seqlens            [B + 1]   sequence boundaries (for PackedAttention)
+    rows                  [N]       indices into [T] of the hidden states that predict a
+                                    response token (the last prompt token .. the second-to-last
+                                    response token of each sequence)
+    targets               [N]       the response tokens those rows predict
+    behaviour_logp, advantages, token_weight, versions, seq_index   [N]
+
+Only the N response rows go through the LM head, so prompt tokens cost no vocab projection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+
+@dataclass
+class TrajectorySample:
+    """One finished trajectory, as the Trajectory Server stores it."""
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    behaviour_logprobs: Sequence[float]
+    """Log-prob of each response token under the weights that sampled it (same length as response)."""
+    versions: Sequence[int]
+    """Weight version that sampled each response token (differs within a trajectory after a Pull)."""
+    reward: float
+    group_id: Hashable
+    traj_version: int
+    """V_traj: the immutable version the staleness protocol bounds (min over the group)."""
+    meta: dict = field(default_factory=dict)
+
+    def validate(self, index: int = 0) -> None:
+        """Raise ValueError naming the sample and the inconsistent field."""
+        n = len(self.response_ids)
+        if len(self.prompt_ids) < 1:
+            raise ValueError(f"sample {index}: prompt_ids is empty; a trajectory needs at least one prompt token")
+        if len(self.behaviour_logprobs) != n:
+            raise ValueError(
+                f"sample {index}: {len(self.behaviour_logprobs)} behaviour_logprobs for {n} response tokens: "
+                "the rollout must return one log-prob per generated token"
+            )
+        if len(self.versions) != n:
+            raise ValueError(f"sample {index}: {len(self.versions)} versions for {n} response tokens: need one per token")
+        if not math.isfinite(float(self.reward)):
+            raise ValueError(f"sample {index}: reward={self.reward!r} is not a finite number")
+        for lp in self.behaviour_logprobs:
+            if not (lp <= 1e-3 and math.isfinite(lp)):  # engines may round log(1) a hair above 0
+                raise ValueError(f"sample {index}: behaviour log-prob {lp!r} is invalid: must be finite and <= 0 (log of a probability)")
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class MicroBatch:
+    """Packed tensors of one micro-batch (see the module docstring)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    rows: torch.Tensor
+    targets: torch.Tensor
+    behaviour_logp: torch.Tensor
+    advantages: torch.Tensor
+    token_weight: torch.Tensor
+    versions: torch.Tensor
+    seq_index: torch.Tensor
+    sample_ids: list[int]
+    """Indices (into the step's sample list) of the packed sequences, in packing order."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device) -> "MicroBatch":
+        kw = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return MicroBatch(**kw)
+
+
+def build_micro_batch(
+    samples: Sequence[TrajectorySample],
+    ids: Sequence[int],
+    advantages: Sequence[float],
+    seq_weights: Sequence[float],
+) -> MicroBatch:
+    """Pack samples[ids] (each with >= 1 response token) into one MicroBatch.
+
+    advantages and seq_weights are indexed like `samples` (one per trajectory). An empty `ids`
+    gives a one-token dummy micro-batch with no response rows: ranks with less data run it so
+    that every rank performs the same number of FSDP forward/backward passes.
+    """
+    if not ids:
+        one = torch.zeros(1, dtype=torch.int64)
+        none_i, none_f = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
+        return MicroBatch(one, one.clone(), torch.tensor([0, 1], dtype=torch.int32), none_i, none_i.clone(),
+                          none_f, none_f.clone(), none_f.clone(), none_i.clone(), none_i.clone(), [])
+    tokens: list[int] = []
+    positions: list[int] = []
+    cu = [0]
+    rows: list[int] = []
+    targets: list[int] = []
+    beh: list[float] = []
+    adv: list[float] = []
+    wts: list[float] = []
+    vers: list[int] = []
+    seg: list[int] = []
+    for j, i in enumerate(ids):
+        s = samples[i]
+        p, r = list(s.prompt_ids), list(s.response_ids)
+        if not r:
+            raise ValueError(f"sample {i} has no response tokens: zero-length responses are not packed")
+        start = cu[-1]
+        tokens += p + r
+        positions += range(len(p) + len(r))
+        cu.append(start + len(p) + len(r))
+        rows += range(start + len(p) - 1, start + len(p) + len(r) - 1)
+        targets += r
+        beh += [float(x) for x in s.behaviour_logprobs]
+        adv += [float(advantages[i])] * len(r)
+        wts += [float(seq_weights[i])] * len(r)
+        vers += [int(v) for v in s.versions]
+        seg += [j] * len(r)
+    return MicroBatch(
+        input_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        rows=torch.tensor(rows, dtype=torch.int64),
+        targets=torch.tensor(targets, dtype=torch.int64),
+        behaviour_logp=torch.tensor(beh, dtype=torch.float32),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        token_weight=torch.tensor(wts, dtype=torch.float32),
+        versions=torch.tensor(vers, dtype=torch.int64),
+        seq_index=torch.tensor(seg, dtype=torch.int64),
+        sample_ids=list(ids),
+    )

@@ -1,0 +1,314 @@
+"""Trainer: one optimisation step per Ready staleness buffer, FSDP2 over the trainer ranks.
+
+    trainer = Trainer(model, cfg.train, device, process_group=trainer_group)
+    metrics = trainer.step(samples)          # samples: list[TrajectorySample] of buffer v
+    for shard in trainer.named_shards(): ... # this rank's own parameter shards -> Parameter Server
+    full = trainer.full_state_dict()         # collective; the full fp32 state on rank 0
+
+Every trainer rank must be passed the SAME sample list (same order): the plan (who trains
+what) is computed identically on every rank, with no communication. Steps of `step`:
+
+1. validate the samples; add DAPO overlong shaping to rewards; optionally drop groups with
+   all-equal rewards (dynamic sampling); compute group advantages (``--train.advantage``);
+2. split the kept groups into ``mini_batches`` mini-batches; for each, plan micro-batches
+   (`packing.plan_step`: Karmarkar-Karp across ranks, FFD under the token budget, equal counts
+   per rank) and per-token loss weights normalised by the mini-batch's GLOBAL token/sequence
+   counts;
+3. if the proximal policy can differ from the current one (decoupled PPO, or more than one
+   mini-batch) recompute proximal log-probs with a no-grad forward; else use the current
+   log-probs detached. Reference log-probs (KL) come from a frozen copy of the initial weights;
+4. per mini-batch: forward + backward each micro-batch (gradient sync only on the last),
+   clip the global grad norm, AdamW update; then advance the LR schedule and the version.
+
+Gradients equal those of the global loss whatever the split: each micro-batch's loss is a
+sum with globally normalised weights, and FSDP's mean over ranks is undone by scaling the
+loss by the world size. On CUDA, FSDP2 keeps fp32 sharded master weights and computes in
+bf16 with fp32 gradient reduction; a single rank without a process group uses bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from staleflow.model.attention import PackedAttention
+from staleflow.train.advantages import compute_advantages, groups_with_signal, overlong_penalty
+from staleflow.train.batch import MicroBatch, TrajectorySample, build_micro_batch
+from staleflow.train.logprobs import packed_logprobs
+from staleflow.train.losses import LossInputs, LossSettings, policy_loss, token_weights
+from staleflow.train.packing import plan_step
+
+
+class PolicyHead(nn.Module):
+    """CausalLM + packed log-prob op in one forward, so FSDP unshards the LM head around it."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, mb: MicroBatch, temperature: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = PackedAttention(mb.cu_seqlens)
+        hidden = self.lm(mb.input_ids, mb.positions, attn)  # [T, H]
+        logp, entropy = packed_logprobs(
+            hidden[mb.rows], self.lm.lm_head_weight, mb.targets, temperature=temperature, impl=impl
+        )  # [N], [N]
+        if mb.rows.numel() == 0:  # padding micro-batch: keep every parameter in the graph
+            logp = logp + 0.0 * hidden.sum()
+        return logp, entropy
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """This rank's piece of one parameter: rows [row_offset, row_offset + local.shape[0]) of dim 0."""
+
+    name: str
+    local: torch.Tensor
+    row_offset: int
+    global_shape: tuple[int, ...]
+
+
+def lr_factor(step: int, warmup: int, schedule: str, total_steps: int | None) -> float:
+    """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup, then constant or cosine to 0."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(1, (total_steps or 0) - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """FSDP2 trainer over `process_group` (None: a single, unsharded rank)."""
+
+    def __init__(self, model: nn.Module, cfg, device: str | torch.device = "cpu", process_group=None,
+                 temperature: float = 1.0, total_steps: int | None = None):
+        if cfg.schedule == "cosine" and not total_steps:
+            raise ValueError("--train.schedule cosine needs the run length: pass total_steps (the run's --steps)")
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature!r} is invalid: must match the sampler's and be > 0")
+        self.cfg = cfg
+        self.loss_settings = LossSettings.from_config(cfg)
+        compute_advantages(cfg.advantage, [], [])  # validates the name early
+        self.device = torch.device(device)
+        self.group = process_group
+        self.world = dist.get_world_size(process_group) if process_group is not None else 1
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.temperature = float(temperature)
+        self.total_steps = total_steps
+        self.version = 0
+        self.optimizer_steps = 0
+
+        model.to(self.device, dtype=torch.float32)
+        model.gradient_checkpointing = cfg.activation_checkpointing
+        self.model = model
+        self.policy = PolicyHead(model)
+        self.ref_policy = None
+        if cfg.kl_coef > 0:
+            self.ref_policy = PolicyHead(copy.deepcopy(model)).requires_grad_(False)
+        self.sharded = process_group is not None
+        if self.sharded:
+            self._shard(self.policy)
+            if self.ref_policy is not None:
+                self._shard(self.ref_policy)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8,
+            foreach=True,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.schedule, total_steps)
+        )
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _shard(self, policy: PolicyHead) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(self.group, self.device.type)
+        mp = MixedPrecisionPolicy()
+        if self.device.type == "cuda":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in policy.lm.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(policy, mesh=mesh, mp_policy=mp)
+
+    def _autocast(self):
+        on = self.device.type == "cuda" and not self.sharded
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on)
+
+    def _forward(self, policy: PolicyHead, mb: MicroBatch):
+        with self._autocast():
+            return policy(mb, self.temperature, self.cfg.logprob_impl)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def prepare(self, samples: Sequence[TrajectorySample]) -> tuple[list[float], list[float], list[bool]]:
+        """(shaped rewards, advantages, kept) for the step's samples (pure bookkeeping, no forward)."""
+        for i, s in enumerate(samples):
+            s.validate(i)
+        cfg = self.cfg
+        rewards = [float(s.reward) + overlong_penalty(len(s.response_ids), cfg.overlong_max_tokens,
+                                                      cfg.overlong_cache_tokens) for s in samples]
+        groups = [s.group_id for s in samples]
+        keep = groups_with_signal(rewards, groups) if cfg.dynamic_sampling else [True] * len(samples)
+        kept = [i for i in range(len(samples)) if keep[i]]
+        adv_kept = compute_advantages(cfg.advantage, [rewards[i] for i in kept], [groups[i] for i in kept])
+        adv = [0.0] * len(samples)
+        for i, a in zip(kept, adv_kept):
+            adv[i] = a
+        return rewards, adv, keep
+
+    def _mini_batches(self, samples, keep) -> list[list[int]]:
+        order: dict = {}
+        for i, s in enumerate(samples):
+            if keep[i]:
+                order.setdefault(s.group_id, []).append(i)
+        groups = list(order.values())
+        n = min(self.cfg.mini_batches, len(groups))
+        return [[i for g in groups[k * len(groups) // n:(k + 1) * len(groups) // n] for i in g] for k in range(n)]
+
+    def _plan(self, samples, ids: list[int], adv: list[float]) -> list[MicroBatch]:
+        """This rank's micro-batches for mini-batch `ids` (same count on every rank)."""
+        resp = [len(samples[i].response_ids) for i in ids]
+        weights = token_weights(self.cfg.loss_agg, resp)
+        seq_w = [0.0] * len(samples)
+        for i, w in zip(ids, weights):
+            seq_w[i] = w
+        lengths = [samples[i].seq_len if r > 0 else 0 for i, r in zip(ids, resp)]
+        plan = plan_step(lengths, self.world, self.cfg.micro_batch_tokens)
+        self._oversize += len(plan.oversize)
+        return [build_micro_batch(samples, [ids[j] for j in mb], adv, seq_w).to(self.device)
+                for mb in plan.ranks[self.rank]]
+
+    @torch.no_grad()
+    def _logprobs_nograd(self, policy: PolicyHead, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        return [self._forward(policy, mb)[0].float() for mb in mbs]
+
+    def step(self, samples: Sequence[TrajectorySample]) -> dict[str, float]:
+        """One optimisation step on a Ready buffer; returns metrics (identical on every rank)."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        self._oversize = 0
+        rewards, adv, keep = self.prepare(samples)
+        minis = [m for m in self._mini_batches(samples, keep) if m]
+        planned = [self._plan(samples, ids, adv) for ids in minis]
+        recompute = cfg.off_policy == "decoupled" or len(planned) > 1
+        proximal = [self._logprobs_nograd(self.policy, mbs) for mbs in planned] if recompute else None
+        ref = [self._logprobs_nograd(self.ref_policy, mbs) for mbs in planned] if self.ref_policy else None
+
+        sums: dict[str, torch.Tensor] = {}
+        self.policy.train()
+        loss_total = torch.zeros((), dtype=torch.float64)
+        grad_norms = []
+        for k, mbs in enumerate(planned):
+            self.optimizer.zero_grad(set_to_none=True)
+            for m, mb in enumerate(mbs):
+                if self.sharded:
+                    self.policy.set_requires_gradient_sync(m == len(mbs) - 1)
+                logp, entropy = self._forward(self.policy, mb)
+                x = LossInputs(
+                    logp=logp, behaviour_logp=mb.behaviour_logp,
+                    proximal_logp=proximal[k][m] if recompute else logp.detach(),
+                    advantages=mb.advantages, token_weight=mb.token_weight, seq_index=mb.seq_index,
+                    num_seqs=max(mb.num_seqs, 1), entropy=entropy, ref_logp=ref[k][m] if ref else None,
+                )
+                loss, stats = policy_loss(self.loss_settings, x)
+                (loss * self.world).backward()
+                loss_total += loss.detach().double().cpu()
+                for key, v in stats.items():
+                    v = v.detach().double().cpu()
+                    if key.endswith("_max"):
+                        sums[key] = torch.maximum(sums[key], v) if key in sums else v
+                    elif key.endswith("_min"):
+                        sums[key] = torch.minimum(sums[key], v) if key in sums else v
+                    else:
+                        sums[key] = sums.get(key, 0.0) + v
+            grad_norms.append(self._clip_and_step())
+        if planned:
+            self.scheduler.step()
+        self.version += 1
+        return self._metrics(samples, rewards, adv, keep, sums, loss_total, grad_norms, t0)
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        return float(norm)
+
+    def _metrics(self, samples, rewards, adv, keep, sums, loss_total, grad_norms, t0) -> dict[str, float]:
+        maxes = {k: v for k, v in sums.items() if k.endswith("_max")}
+        mins = {k: v for k, v in sums.items() if k.endswith("_min")}
+        adds = {k: v for k, v in sums.items() if k not in maxes and k not in mins}
+        adds["loss"] = loss_total
+        if self.sharded:
+            keys = sorted(adds)
+            vec = torch.stack([torch.as_tensor(adds[k], dtype=torch.float64) for k in keys])
+            dist.all_reduce(vec, group=self.group)
+            adds = dict(zip(keys, vec))
+            for d, op in ((maxes, dist.ReduceOp.MAX), (mins, dist.ReduceOp.MIN)):
+                for k in sorted(d):
+                    dist.all_reduce(d[k], op=op, group=self.group)
+        kept = [s for s, k in zip(samples, keep) if k]
+        n_tok = sum(len(s.response_ids) for s in kept)
+        out: dict[str, float] = {
+            "version": float(self.version),
+            "loss": float(adds.pop("loss")),
+            "grad_norm": max(grad_norms) if grad_norms else 0.0,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "samples": float(len(samples)),
+            "samples_trained": float(len(kept)),
+            "groups_dropped": float(len({s.group_id for s in samples}) - len({s.group_id for s in kept})),
+            "response_tokens": float(n_tok),
+            "oversize_sequences": float(self._oversize),
+            "reward_mean": sum(float(s.reward) for s in samples) / max(len(samples), 1),
+            "reward_shaped_mean": sum(rewards) / max(len(rewards), 1),
+            "advantage_abs_mean": sum(abs(a) for a in adv) / max(len(adv), 1),
+            "response_len_mean": sum(len(s.response_ids) for s in samples) / max(len(samples), 1),
+            "response_len_max": float(max((len(s.response_ids) for s in samples), default=0)),
+            "traj_staleness_mean": sum(self.version - 1 - s.traj_version for s in samples) / max(len(samples), 1),
+            "traj_staleness_max": float(max((self.version - 1 - s.traj_version for s in samples), default=0)),
+            "step_time_s": time.perf_counter() - t0,
+        }
+        token_versions = [v for s in kept for v in s.versions]
+        if token_versions:
+            out["token_staleness_mean"] = sum(self.version - 1 - v for v in token_versions) / len(token_versions)
+        for k, v in adds.items():
+            out[f"{k}_mean"] = float(v) / max(n_tok, 1)
+        out.update({k: float(v) for k, v in {**maxes, **mins}.items()})
+        return out
+
+    # ---- weights out ----------------------------------------------------------------------------
+    def named_shards(self) -> Iterator[ParamShard]:
+        """This rank's own piece of every parameter (HF names), without any communication.
+
+        FSDP2 shards dim 0 in torch.chunk fashion: rank r holds rows [r*c, min((r+1)*c, n)) with
+        c = ceil(n / world). Unsharded training yields full tensors at offset 0.
+        """
+        for name, p in self.model.named_parameters():
+            if hasattr(p, "to_local"):
+                local = p.to_local()
+                n = p.shape[0]
+                c = -(-n // self.world)
+                yield ParamShard(name, local.detach(), min(self.rank * c, n), tuple(p.shape))
+            else:
+                yield ParamShard(name, p.detach(), 0, tuple(p.shape))
+
+    def full_state_dict(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """Full (unsharded) HF-named state dict; a collective when sharded, complete on every rank."""
+        out = {}
+        for name, t in self.model.state_dict().items():
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            t = t.detach()
+            out[name] = t.cpu() if to_cpu else t
+        return out
