@@ -1,0 +1,231 @@
+"""BuiltinEngine: the default rollout engine (pure PyTorch, CPU and CUDA).
+
+    engine = BuiltinEngine.from_config(run_cfg.model, run_cfg.rollout)     # or BuiltinEngine(model)
+    engine.add(Request("r0", prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=64, seed=0)))
+    while engine.has_unfinished():
+        finished = engine.step()
+
+One step = Scheduler.schedule() (continuous batching, chunked prefill, preemption by
+recompute) -> ModelRunner.run() (one packed forward over the paged KV cache) -> Sampler ->
+append tokens, finish on eos / stop ids / max_new_tokens / max_model_len, free the KV blocks of
+finished sequences. Every sampled token is stamped with the engine's weight version.
+load_weights() copies new tensors into the parameters in place (after validating all of them);
+in-flight sequences keep their tokens and re-prefill under the new weights.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Iterable, Mapping
+
+import torch
+
+from staleflow.rollout.block_manager import BlockManager
+from staleflow.rollout.engine import CostSample, EngineError, EngineStats, Request, RequestOutput
+from staleflow.rollout.model_runner import ModelRunner
+from staleflow.rollout.sampler import Sampler
+from staleflow.rollout.scheduler import Scheduler
+from staleflow.rollout.sequence import Sequence, SequenceStatus
+
+
+class BuiltinEngine:
+    def __init__(self, model: torch.nn.Module, *, max_running: int = 64, max_kv_tokens: int = 65536,
+                 block_size: int = 16, prefill_chunk_tokens: int = 2048, max_model_len: int = 2048,
+                 eos_ids: Iterable[int] | None = None, version: int = 0, seed: int = 0,
+                 profile: bool = False):
+        num_blocks = max_kv_tokens // block_size
+        if num_blocks * block_size < max_model_len:
+            raise EngineError(f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
+                              f"{max_model_len}: raise --rollout.max-kv-tokens or lower --rollout.max-model-len")
+        if max_running < 1 or prefill_chunk_tokens < 1:
+            raise EngineError(f"max_running={max_running} and prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.vocab_size = int(model.args.vocab_size)
+        self.max_model_len = max_model_len
+        self.eos_ids = frozenset(model.args.eos_token_ids if eos_ids is None else eos_ids)
+        self.version = int(version)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_running, prefill_chunk_tokens)
+        self.runner = ModelRunner(model, self.block_manager)
+        self.sampler = Sampler()
+        self.seqs: dict = {}
+        self._rng = random.Random(seed)
+        self._arrivals = 0
+        self.tokens_generated = 0
+        self.steps = 0
+        self.last_step_latency_s = 0.0
+        self.profile = profile
+        self.profile_samples: list[CostSample] = []
+
+    @classmethod
+    def from_config(cls, model_cfg, rollout_cfg, device: str | torch.device | None = None,
+                    version: int = 0, profile: bool = False) -> "BuiltinEngine":
+        """Build from ModelConfig + RolloutConfig (staleflow.config); loads the model."""
+        from staleflow.model import load_model
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+            model_cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = load_model(model_cfg.path, dtype=dtype, device=device)
+        return cls(model, max_running=rollout_cfg.max_running, max_kv_tokens=rollout_cfg.max_kv_tokens,
+                   block_size=rollout_cfg.block_size, prefill_chunk_tokens=rollout_cfg.prefill_chunk_tokens,
+                   max_model_len=rollout_cfg.max_model_len, version=version, profile=profile)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.seqs:
+            raise EngineError(f"request_id={rid!r} is already in the engine: use a fresh id or abort it first")
+        n_prompt, n_out = len(request.prompt_ids), len(request.output_ids)
+        if n_prompt == 0:
+            raise EngineError(f"request {rid!r} has an empty prompt: give at least one prompt token")
+        if n_prompt + n_out >= self.max_model_len:
+            raise EngineError(f"request {rid!r}: prompt of {n_prompt} tokens + {n_out} generated does not fit "
+                              f"max_model_len={self.max_model_len} (need room for one new token): shorten the "
+                              f"prompt or raise --rollout.max-model-len")
+        if not (len(request.output_logprobs) == len(request.output_versions) == n_out):
+            raise EngineError(f"request {rid!r}: output_ids/output_logprobs/output_versions lengths differ "
+                              f"({n_out}, {len(request.output_logprobs)}, {len(request.output_versions)})")
+        if n_out >= request.params.max_new_tokens:
+            raise EngineError(f"request {rid!r} already has {n_out} generated tokens >= max_new_tokens="
+                              f"{request.params.max_new_tokens}: it is finished, do not resume it")
+        bad = [t for t in list(request.prompt_ids) + list(request.output_ids) if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise EngineError(f"request {rid!r} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        seed = request.params.seed
+        if seed is None:
+            seed = self._rng.getrandbits(63)
+        seq = Sequence(request, seed=int(seed), arrival=self._arrivals)
+        self._arrivals += 1
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_ids: Iterable) -> list[RequestOutput]:
+        """Interrupt requests; returns their partial outputs (finish_reason 'abort')."""
+        ids = list(request_ids)
+        unknown = [r for r in ids if r not in self.seqs]
+        if unknown:
+            raise EngineError(f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); "
+                              f"nothing was aborted")
+        outs = []
+        for rid in dict.fromkeys(ids):
+            seq = self.seqs.pop(rid)
+            self.scheduler.remove(seq)
+            seq.finish_reason = "abort"
+            outs.append(seq.output())
+        return outs
+
+    def abort_all(self) -> list[RequestOutput]:
+        return self.abort(list(self.seqs))
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Advance every running request by one token (prefill chunks as the budget allows)."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not len(batch):
+            return []
+        logits, rows = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+        finished: list[RequestOutput] = []
+        if rows:
+            seqs = [batch.seqs[i] for i in rows]
+            tokens, logprobs = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                            [s.num_output for s in seqs])
+            for seq, tok, lp in zip(seqs, tokens, logprobs):
+                seq.append(tok, lp, self.version)
+                reason = self._finish_reason(seq, tok)
+                if reason is not None:
+                    seq.finish_reason = reason
+                    self.scheduler.remove(seq)
+                    del self.seqs[seq.request_id]
+                    finished.append(seq.output())
+            self.tokens_generated += len(rows)
+        self.steps += 1
+        self.last_step_latency_s = time.perf_counter() - t0
+        if self.profile:
+            self.profile_samples.append(CostSample(
+                n_running=len(batch), kv_tokens=sum(s.num_computed for s in batch.seqs),
+                prefill_tokens=batch.prefill_tokens, latency_s=self.last_step_latency_s))
+        return finished
+
+    def _finish_reason(self, seq: Sequence, tok: int):
+        p = seq.params
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_ids:
+            return "stop"
+        if seq.num_output >= p.max_new_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Add all requests, step until they finish; outputs in request order (tests, benchmarks)."""
+        order = []
+        for r in requests:
+            self.add(r)
+            order.append(r.request_id)
+        done: dict = {}
+        while len(done) < len(order):
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[r] for r in order]
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Mapping | Iterable, version: int, strict: bool = True) -> None:
+        """Copy named tensors (HF names) into the parameters in place and set the weight version.
+
+        Everything is validated first (names, shapes, floating dtype, every parameter covered when
+        strict, version not older than the current one); on any error nothing is touched.
+        In-flight requests keep their tokens; their KV is dropped and recomputed with the new weights.
+        """
+        items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        if not isinstance(version, int) or version < self.version:
+            raise EngineError(f"load_weights: version={version!r} is older than the engine's version "
+                              f"{self.version}: versions only move forward")
+        covered = set()
+        for name, t in items:
+            if name not in params:
+                raise EngineError(f"load_weights: unknown parameter name {name!r} (expected HF names such as "
+                                  f"{next(iter(params))!r}); nothing was loaded")
+            p = params[name]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise EngineError(f"load_weights: {name!r} has shape {got}, expected {tuple(p.shape)}; "
+                                  f"nothing was loaded")
+            if not t.is_floating_point():
+                raise EngineError(f"load_weights: {name!r} has dtype {t.dtype}, expected a floating dtype; "
+                                  f"nothing was loaded")
+            covered.add(id(p))
+        if strict:
+            missing = [n for n, p in params.items() if id(p) not in covered]
+            if missing:
+                raise EngineError(f"load_weights: {len(missing)} parameters missing, e.g. {missing[0]!r}; pass "
+                                  f"every parameter or strict=False; nothing was loaded")
+        with torch.no_grad():
+            for name, t in items:
+                params[name].copy_(t)
+        self.version = version
+        self.scheduler.evict_all_kv()
+
+    # ---- stats ---------------------------------------------------------------------------
+    def kv_tokens(self) -> int:
+        return sum(s.num_computed for s in self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        sch = self.scheduler
+        return EngineStats(
+            num_running=len(sch.running), num_waiting=len(sch.waiting), kv_tokens=self.kv_tokens(),
+            kv_capacity=self.block_manager.capacity_tokens, tokens_generated=self.tokens_generated,
+            last_step_latency_s=self.last_step_latency_s, version=self.version,
+            running_ids=[s.request_id for s in sch.running], waiting_ids=[s.request_id for s in sch.waiting],
+            steps=self.steps)
+
+
+__all__ = ["BuiltinEngine", "SequenceStatus"]

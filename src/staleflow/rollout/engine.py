@@ -1,0 +1,146 @@
+"""The rollout-engine interface shared by the built-in engine and the (optional) vLLM engine.
+
+A rollout rank drives one engine in a loop:
+
+    engine.add(Request("traj-7", prompt_ids, SamplingParams(max_new_tokens=256, seed=7)))
+    while True:
+        for out in engine.step():          # finished requests (tokens, log-probs, versions)
+            send_to_trajectory_server(out)
+        partial = engine.abort(["traj-3"])  # Interrupt: partial outputs loop back to the TS
+        engine.load_weights(named_tensors, version=5)   # Pull
+        report(engine.stats())              # Snapshot for the coordinator
+
+A resumed partial trajectory is added again with its already generated tokens, their
+log-probs and their per-token weight versions; the engine re-prefills prompt + generated
+tokens and continues. Every field here is plain data (no torch), so it crosses processes
+with msgspec unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Mapping, Protocol, Union
+
+FinishReason = Literal["stop", "length", "abort"]
+"""stop: an eos / stop id was sampled (it is the last output token); length: max_new_tokens or
+max model length reached; abort: interrupted by abort() (partial output)."""
+
+
+class EngineError(ValueError):
+    """Bad input to an engine (request, abort id, weights); the engine state is unchanged."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples.
+
+    temperature 0 means greedy (argmax); its log-probs are then those of temperature 1.
+    max_new_tokens counts ALL generated tokens of the trajectory, including the ones a resumed
+    request already carries. seed None: the engine draws one at add() (kept in the output, so
+    a resumed request given that seed continues the same random stream).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    max_new_tokens: int = 256
+    stop_ids: tuple[int, ...] = ()
+    """Extra token ids that end generation (the model's eos ids always do, unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Do not stop on eos ids (benchmarks); stop_ids still apply."""
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise EngineError(f"temperature={self.temperature!r} is invalid: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p={self.top_p!r} is invalid: must be in (0, 1]")
+        if self.top_k < 0:
+            raise EngineError(f"top_k={self.top_k!r} is invalid: must be >= 0 (0 disables)")
+        if self.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Request:
+    """A trajectory to generate: a new prompt, or a partial trajectory resumed after an interrupt."""
+
+    request_id: Union[str, int]
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)
+    """Tokens already generated (resume); they are re-prefilled, not re-sampled."""
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    """Weight version that generated each token of output_ids."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished or aborted request. Lists cover every generated token, resumed ones included."""
+
+    request_id: Union[str, int]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    """log_softmax(logits / temperature)[token] in fp32 (untruncated by top-p/top-k)."""
+    versions: list[int]
+    """Weight version of the engine when each token was sampled."""
+    finish_reason: FinishReason
+    seed: int
+    """The seed the request sampled with (pass it back on resume)."""
+
+
+@dataclass(slots=True)
+class CostSample:
+    """One profiled engine step: the inputs and the output of the decode cost model."""
+
+    n_running: int
+    """Sequences that produced a token this step."""
+    kv_tokens: int
+    """KV-cache tokens attended this step (resident tokens of the running sequences)."""
+    prefill_tokens: int
+    """Prompt tokens processed this step (0 for a pure-decode step, the ones the fit uses)."""
+    latency_s: float
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Snapshot of an instance for the coordinator (Snapshot-Command cycle)."""
+
+    num_running: int
+    num_waiting: int
+    kv_tokens: int
+    """Tokens whose K/V are resident in the cache."""
+    kv_capacity: int
+    """Cache capacity in tokens (blocks * block size)."""
+    tokens_generated: int
+    """Tokens sampled since the engine started."""
+    last_step_latency_s: float
+    version: int
+    running_ids: list
+    waiting_ids: list
+    steps: int = 0
+
+
+class RolloutEngine(Protocol):
+    """What a rollout rank needs from an engine (built-in or vLLM)."""
+
+    version: int
+
+    def add(self, request: Request) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_ids: Iterable) -> list[RequestOutput]: ...
+
+    def load_weights(self, named_tensors: Union[Mapping, Iterable], version: int) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def has_unfinished(self) -> bool: ...

@@ -1,0 +1,104 @@
+"""ModelRunner: turns a ScheduledBatch into one packed forward pass over the paged KV cache.
+
+It owns the model and the cache (PagedAttention). `run(batch)` builds the step's index
+tensors once (tokens, positions, cache slots, padded decode contexts, prefill masks), runs
+`model(input_ids, positions, attn)` and returns fp32 logits only for the sequences whose feed
+completes this step (decodes, and prefills whose last chunk this is) - those get a new token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from staleflow.rollout.block_manager import BlockManager
+from staleflow.rollout.paged_attention import PagedAttention, PrefillChunk, StepContext
+from staleflow.rollout.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, block_manager: BlockManager):
+        self.model = model
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        args = model.args
+        self.attn = PagedAttention(args.num_layers, block_manager.capacity_tokens, args.num_kv_heads,
+                                   args.head_dim, self.dtype, self.device)
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """[end - start] cache slots of positions start..end-1 of one sequence."""
+        bs = self.block_size
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
+
+    def _context(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int]]:
+        dev = self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        nd = batch.num_decode
+        ctx = StepContext(slot_mapping=torch.empty(0), num_decode=nd)
+        if nd:
+            seqs = batch.seqs[:nd]
+            lens = [s.num_computed + 1 for s in seqs]
+            max_len = max(lens)
+            max_blocks = max(len(s.block_table) for s in seqs)
+            tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
+            pos = torch.arange(max_len)
+            slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [B, Lmax]
+            lens_t = torch.tensor(lens)
+            valid = pos[None, :] < lens_t[:, None]  # [B, Lmax]
+            slots = torch.where(valid, slots, self.attn.null_slot)
+            slot_parts.append(slots.gather(1, (lens_t - 1)[:, None])[:, 0])  # the new token's slot
+            ctx.decode_slots = slots.reshape(-1).to(dev, non_blocking=True)
+            ctx.decode_mask = valid[:, None, None, :].to(dev, non_blocking=True)
+            ctx.decode_len = max_len
+            for s in seqs:
+                ids.append(s.token_ids[s.num_computed])
+                positions.append(s.num_computed)
+            sample_rows.extend(range(nd))
+        offset = nd
+        for i in range(nd, len(batch)):
+            seq, n = batch.seqs[i], batch.num_tokens[i]
+            c = seq.num_computed
+            ids.extend(seq.token_ids[c:c + n])
+            positions.extend(range(c, c + n))
+            ctx_slots = self._slots(seq.block_table, 0, c + n)
+            slot_parts.append(ctx_slots[c:])
+            if c == 0:
+                chunk = PrefillChunk(offset, offset + n, None, None)
+            else:
+                q_pos = torch.arange(c, c + n)
+                mask = torch.arange(c + n)[None, :] <= q_pos[:, None]  # [n, L]
+                chunk = PrefillChunk(offset, offset + n, ctx_slots.to(dev), mask.to(dev))
+            ctx.prefills.append(chunk)
+            offset += n
+            if c + n == len(seq):
+                sample_rows.append(i)
+        ctx.slot_mapping = torch.cat(slot_parts).to(dev, non_blocking=True)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+        return input_ids, pos_t, ctx, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
+        """Forward one step; returns (fp32 logits [N, V] or None, batch indices of those N rows)."""
+        input_ids, positions, ctx, sample_rows = self._context(batch)
+        self.attn.ctx = ctx
+        try:
+            hidden = self.model(input_ids, positions, self.attn)  # [T, H]
+        finally:
+            self.attn.ctx = None
+        if not sample_rows:
+            return None, []
+        ends = []
+        offset = 0
+        for n in batch.num_tokens:
+            offset += n
+            ends.append(offset - 1)
+        last = torch.tensor([ends[i] for i in sample_rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, last))  # [N, V]
+        return logits.float(), sample_rows

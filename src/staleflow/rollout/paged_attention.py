@@ -1,0 +1,94 @@
+"""PagedAttention: the attention object the engine hands to the model for one step.
+
+The model calls `attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]` once
+per layer (RoPE already applied). T packs, in order, the single tokens of the decoding
+sequences and then the prefill chunks. For every layer this object
+1. writes the step's k/v into the paged cache at `slot_mapping` ([T] flat slot ids);
+2. decodes: gathers each decoding sequence's K/V into a padded [B, Lmax] view (padding points
+   at an all-zero null slot) and runs ONE SDPA with a key-length mask. GQA is free: the G query
+   heads that share a kv head are laid out as G "query positions" of that head, so K/V are
+   never repeated:  q [B, Hkv, G, D] x k [B, Hkv, Lmax, D];
+3. prefill chunks: one causal SDPA per chunk over its cached context + the chunk itself.
+Index tensors are built once per step by ModelRunner (`StepContext`) and reused by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int
+    """First token of the chunk in the packed step."""
+    end: int
+    context_slots: torch.Tensor | None
+    """[L] slots of all tokens 0..L-1 of the sequence (cached + this chunk); None = no cache hit."""
+    mask: torch.Tensor | None
+    """[n, L] bool causal mask with the cached offset; None means plain is_causal."""
+
+
+@dataclass(slots=True)
+class StepContext:
+    slot_mapping: torch.Tensor
+    """[T] int64: cache slot of every fed token."""
+    num_decode: int = 0
+    decode_slots: torch.Tensor | None = None
+    """[B * Lmax] int64: padded slots of the decoding sequences' contexts."""
+    decode_mask: torch.Tensor | None = None
+    """[B, 1, 1, Lmax] bool: True on real keys."""
+    decode_len: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedAttention:
+    """Per-layer K/V cache [num_slots + block, Hkv, D] plus the step's context."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        # torch.empty: on CPU untouched pages stay unallocated; the scheduler reuses low blocks
+        # first, so resident memory follows actual use. The null slot (index num_slots) is
+        # zeroed because padded decode gathers read it (masked, but 0 * NaN would be NaN).
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        self.k_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.k_cache[:, num_slots].zero_()
+        self.v_cache[:, num_slots].zero_()
+        self.null_slot = num_slots
+        self.ctx: StepContext | None = None
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        kc, vc = self.k_cache[layer_idx], self.v_cache[layer_idx]  # [S, Hkv, D]
+        kc.index_copy_(0, ctx.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, ctx.slot_mapping, v.to(vc.dtype))
+        n_tok, n_heads, head_dim = q.shape
+        n_kv = k.shape[1]
+        group = n_heads // n_kv
+        out = torch.empty_like(q)
+        nd = ctx.num_decode
+        if nd:
+            qd = q[:nd].view(nd, n_kv, group, head_dim)  # [B, Hkv, G, D]
+            kd = kc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
+            vd = vc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask)  # [B, Hkv, G, D]
+            out[:nd] = od.reshape(nd, n_heads, head_dim)
+        for ch in ctx.prefills:
+            qp = q[ch.start:ch.end].transpose(0, 1)  # [Hq, n, D]
+            if ch.context_slots is None:
+                kp, vp = k[ch.start:ch.end], v[ch.start:ch.end]  # [n, Hkv, D]
+            else:
+                kp, vp = kc.index_select(0, ch.context_slots), vc.index_select(0, ch.context_slots)  # [L, Hkv, D]
+            kp, vp = kp.to(q.dtype).transpose(0, 1), vp.to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
+            if group > 1:
+                kp = kp.repeat_interleave(group, dim=0)  # [Hq, L, D]
+                vp = vp.repeat_interleave(group, dim=0)
+            if ch.mask is None:
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=ch.mask)
+            out[ch.start:ch.end] = op.transpose(0, 1)
+        return out

@@ -1,0 +1,125 @@
+"""Scheduler: continuous batching over a waiting queue and a running set.
+
+Each step (`schedule()`):
+1. every running sequence that is decoding gets its 1 token; when the cache has no block for
+   it, the most recently admitted running sequence is preempted (its blocks are freed, it goes
+   back to the FRONT of the waiting queue keeping all its tokens, and is re-prefilled later);
+2. running sequences still in prefill get a chunk from the step's prefill token budget;
+3. waiting sequences are admitted in FIFO order while the running cap, the budget and the
+   free blocks (minus a small watermark that keeps room for decodes) allow.
+The result is a ScheduledBatch: decodes first, then prefill chunks, each with its token count.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from staleflow.rollout.block_manager import BlockManager
+from staleflow.rollout.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What one engine step computes: seqs[i] is fed num_tokens[i] tokens from num_computed on."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    num_decode: int = 0
+    """The first num_decode entries are decodes (1 token each)."""
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(self.num_tokens[self.num_decode:])
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_running: int, prefill_chunk_tokens: int):
+        self.block_manager = block_manager
+        self.max_running = max_running
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.watermark = max(1, block_manager.num_blocks // 100)
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def evict_all_kv(self) -> None:
+        """Forget every cached K/V (after a weight load); sequences keep their tokens and re-prefill."""
+        for seq in self.running:
+            self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        batch = ScheduledBatch()
+        decode: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.in_prefill:
+                continue
+            while not bm.can_grow(seq, len(seq)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                bm.grow(seq, len(seq))
+                decode.append(seq)
+        # a victim may have been scheduled before it was preempted: keep only survivors
+        decode = [s for s in decode if s.status is SequenceStatus.RUNNING]
+        batch.seqs.extend(decode)
+        batch.num_tokens.extend([1] * len(decode))
+        batch.num_decode = len(decode)
+
+        budget = self.prefill_chunk_tokens
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.in_prefill:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if not bm.can_grow(seq, seq.num_computed + n):
+                continue
+            bm.grow(seq, seq.num_computed + n)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            reserve = self.watermark if self.running else 0
+            if not bm.can_grow(seq, n, reserve):
+                break
+            self.waiting.popleft()
+            bm.grow(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
