@@ -214,10 +214,13 @@ class RewardConfig:
     workers: int = 2
     format_weight: float = 0.0
     """Weight of the format reward added to the answer reward."""
+    timeout_s: float = 30.0
+    """A reward call running longer than this is killed and scores 0 (its worker is restarted)."""
 
     def __post_init__(self):
         _check(bool(self.fn), "reward.fn", self.fn, "give a registered name or module:function")
         _check(self.workers >= 1, "reward.workers", self.workers, "must be >= 1")
+        _check(self.timeout_s > 0, "reward.timeout-s", self.timeout_s, "must be > 0")
 
 
 @dataclass(frozen=True)

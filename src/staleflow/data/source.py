@@ -1,0 +1,162 @@
+"""PromptSource: an endless, seeded, resumable stream of tokenised prompts for the controller.
+
+    source = PromptSource(cfg.data, tokenizer)     # built-in task or .jsonl / .parquet file
+    prompt = next(source)                          # Prompt(prompt_id, text, answer, prompt_ids, meta)
+    state = source.state_dict()                    # checkpoint it; later:
+    source.load_state_dict(state)                  # the same next prompts as before
+
+- Built-in tasks (data/tasks.py) are infinite: prompt k is generated from (seed, k).
+- Files are read and validated once; then epoch e visits every valid row once, in an order
+  shuffled by (seed, e). Bad rows are reported (logging warning + stats()) with their
+  file:row and skipped, or raise DataError with bad_rows="error". Never silently dropped.
+- prompt_ids = the chat template of the tokenizer applied to one user message with the
+  generation prompt (chat_template=True), else the raw text with the tokenizer's special tokens.
+  Prompts over max_prompt_tokens (counted after the template) are bad rows.
+- prompt_id counts prompts handed out (0, 1, 2, ... over all epochs): unique within a run.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+from dataclasses import dataclass, field
+
+from staleflow.config import DataConfig
+from staleflow.data.files import BadRow, DataError, FileRow, read_rows, resolve_file
+from staleflow.data.tasks import TASKS
+
+log = logging.getLogger("staleflow.data")
+MAX_LOGGED_BAD_ROWS = 20
+_ENCODE_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: int
+    text: str
+    answer: str
+    prompt_ids: list[int]
+    meta: dict = field(default_factory=dict)
+
+
+class PromptSource:
+    """Endless iterator of Prompt; see the module docstring."""
+
+    def __init__(self, cfg: DataConfig, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError("--data.chat-template is on but the tokenizer has no chat template: "
+                            "use an instruct model folder or pass --data.no-chat-template")
+        self.task = TASKS.get(cfg.source)
+        self.rows: list[FileRow] = []
+        self.bad_rows: list[BadRow] = []
+        self._blank_lines = 0
+        if self.task is None:
+            self._load_file()
+        self._next_id = 0
+        self._epoch = 0
+        self._offset = 0
+        self._order: list[int] = []
+        self._order_epoch = -1
+
+    # ---- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Prompt:
+        if self.task is not None:
+            index = self._next_id
+            text, answer, meta = self.task(self.cfg.seed, index)
+            meta = {**meta, "index": index}
+        else:
+            if self._offset == len(self.rows):
+                self._epoch, self._offset = self._epoch + 1, 0
+            index = self._epoch_order()[self._offset]
+            row = self.rows[index]
+            text, answer, meta = row.text, row.answer, {**row.meta, "index": index, "epoch": self._epoch}
+            self._offset += 1
+        ids = self.encode([text])[0]
+        if len(ids) > self.cfg.max_prompt_tokens:  # files were checked at load: a built-in prompt
+            raise DataError(f"built-in task {self.cfg.source!r} prompt {index} has {len(ids)} tokens > "
+                            f"--data.max-prompt-tokens={self.cfg.max_prompt_tokens}: raise the limit")
+        prompt = Prompt(self._next_id, text, answer, ids, meta)
+        self._next_id += 1
+        return prompt
+
+    def take(self, n: int) -> list[Prompt]:
+        """The next n prompts."""
+        return [next(self) for _ in range(n)]
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of prompts as the policy sees them (chat template applied if configured)."""
+        if self.cfg.chat_template:
+            rendered = [self.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                           add_generation_prompt=True) for t in texts]
+            return [list(x) for x in self.tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+        return [list(x) for x in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+
+    # ---- resumable position -----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"source": self.cfg.source, "seed": self.cfg.seed, "num_rows": len(self.rows),
+                "next_id": self._next_id, "epoch": self._epoch, "offset": self._offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where the saved source stopped; DataError if it read different data."""
+        mine = self.state_dict()
+        for key in ("source", "seed", "num_rows"):
+            if state.get(key) != mine[key]:
+                raise DataError(f"cannot resume the prompt source: the checkpoint has {key}={state.get(key)!r} "
+                                f"but this run has {key}={mine[key]!r}; resume with the same --data settings and file")
+        self._next_id, self._epoch, self._offset = int(state["next_id"]), int(state["epoch"]), int(state["offset"])
+
+    def stats(self) -> dict:
+        kinds = collections.Counter(b.kind for b in self.bad_rows)
+        return {"source": self.cfg.source, "rows": len(self.rows), "bad_rows": len(self.bad_rows),
+                "bad_rows_by_kind": dict(kinds), "blank_lines": self._blank_lines,
+                "prompts": self._next_id, "epoch": self._epoch}
+
+    # ---- files -----------------------------------------------------------------------------
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self._epoch:
+            self._order = list(range(len(self.rows)))
+            random.Random(f"order:{self.cfg.seed}:{self._epoch}").shuffle(self._order)
+            self._order_epoch = self._epoch
+        return self._order
+
+    def _load_file(self) -> None:
+        path = resolve_file(self.cfg.source)
+        rows, bad, self._blank_lines = read_rows(path, self.cfg)
+        if bad and self.cfg.bad_rows == "error":
+            self._reject(bad[0])
+        keep: list[FileRow] = []
+        for start in range(0, len(rows), _ENCODE_BATCH):
+            chunk = rows[start:start + _ENCODE_BATCH]
+            for row, ids in zip(chunk, self.encode([r.text for r in chunk])):
+                if len(ids) <= self.cfg.max_prompt_tokens:
+                    keep.append(row)
+                    continue
+                too_long = BadRow(row.location, "too_long", f"prompt has {len(ids)} tokens > "
+                                  f"--data.max-prompt-tokens={self.cfg.max_prompt_tokens}")
+                if self.cfg.bad_rows == "error":
+                    self._reject(too_long)
+                bad.append(too_long)
+        bad.sort(key=lambda b: int(b.location.rsplit(":", 1)[1]))
+        self.rows, self.bad_rows = keep, bad
+        for b in bad[:MAX_LOGGED_BAD_ROWS]:
+            log.warning("skipping bad data row %s: %s", b.location, b.reason)
+        if bad:
+            log.warning("%s: skipped %d bad rows of %d (%s)%s", path, len(bad), len(bad) + len(keep),
+                        ", ".join(f"{k}: {n}" for k, n in sorted(collections.Counter(b.kind for b in bad).items())),
+                        f"; only the first {MAX_LOGGED_BAD_ROWS} are listed above" if len(bad) > MAX_LOGGED_BAD_ROWS else "")
+        if not keep:
+            first = f"; first bad row {bad[0].location}: {bad[0].reason}" if bad else ""
+            raise DataError(f"--data.source={self.cfg.source!r} has no valid rows "
+                            f"({len(bad)} bad, {self._blank_lines} blank lines){first}")
+
+    def _reject(self, bad: BadRow) -> None:
+        raise DataError(f"bad data row {bad.location}: {bad.reason}; fix the row or pass --data.bad-rows skip")

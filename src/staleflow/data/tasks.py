@@ -1,0 +1,79 @@
+"""Built-in tasks generated on the fly (no download): arithmetic and countdown.
+
+Row k of a task is a pure function of (seed, k): ``TASKS[name](seed, k) -> (text, answer, meta)``.
+That makes the task infinite, identical in every process, and resumable from a single counter.
+
+- arithmetic: "What is 37 + 48? Put the final answer in \\boxed{}." with two-digit sums and
+  differences (never negative) and small products; answer is the integer as text. Easy enough
+  that SmolLM2-135M-Instruct solves some at the start, hard enough that RL has room to improve.
+- countdown: 3 or 4 numbers in [1, 25] and a target reachable with + - * / using each number
+  once (built from a random expression tree with exact, non-negative intermediate values);
+  answer is one such expression; meta carries ``numbers`` and ``target`` for the reward.
+"""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+from typing import Callable
+
+TaskRow = tuple[str, str, dict]
+
+
+def _rng(task: str, seed: int, index: int) -> random.Random:
+    # A str seed is hashed with SHA-512 by random.Random: stable across processes and runs.
+    return random.Random(f"{task}:{seed}:{index}")
+
+
+def arithmetic_row(seed: int, index: int) -> TaskRow:
+    rng = _rng("arithmetic", seed, index)
+    op = rng.choices("+-*", weights=(4, 3, 3))[0]
+    if op == "+":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        value = a + b
+    elif op == "-":
+        a = rng.randint(20, 99)
+        b = rng.randint(1, a)
+        value = a - b
+    else:
+        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        value = a * b
+    text = f"What is {a} {op} {b}? Put the final answer in \\boxed{{}}."
+    return text, str(value), {"task": "arithmetic"}
+
+
+def _combine(rng: random.Random, left: tuple[Fraction, str], right: tuple[Fraction, str]):
+    """A random op joining two sub-expressions, keeping every value a non-negative integer."""
+    (a, ea), (b, eb) = left, right
+    choices = [(a + b, f"{ea} + {eb}"), (a * b, f"{ea} * {eb}")]
+    if a >= b:
+        choices.append((a - b, f"{ea} - {eb}"))
+    if b != 0 and a % b == 0:
+        choices.append((a / b, f"{ea} / {eb}"))
+    value, expr = rng.choice(choices)
+    return value, f"({expr})"
+
+
+def countdown_row(seed: int, index: int) -> TaskRow:
+    rng = _rng("countdown", seed, index)
+    while True:  # rejection sampling; the expected number of tries is small
+        numbers = [rng.randint(1, 25) for _ in range(rng.choice((3, 4)))]
+        items = [(Fraction(n), str(n)) for n in numbers]
+        while len(items) > 1:
+            i, j = rng.sample(range(len(items)), 2)
+            joined = _combine(rng, items[i], items[j])
+            items = [x for k, x in enumerate(items) if k not in (i, j)] + [joined]
+        target, expr = items[0]
+        if 1 <= target <= 500:
+            break
+    shown = sorted(numbers, key=lambda _: rng.random())
+    text = (f"Using the numbers {shown}, write an arithmetic expression that equals {int(target)}. "
+            "Use each number exactly once, with only + - * / and parentheses. "
+            "Put the final expression in \\boxed{}.")
+    return text, expr[1:-1], {"task": "countdown", "numbers": shown, "target": int(target)}
+
+
+TASKS: dict[str, Callable[[int, int], TaskRow]] = {
+    "arithmetic": arithmetic_row,
+    "countdown": countdown_row,
+}

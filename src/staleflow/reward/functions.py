@@ -1,0 +1,136 @@
+"""Reward functions by name: the built-ins (arithmetic, math, countdown), the format reward and
+user functions given by import path.
+
+Every reward function has the signature ``fn(completion_text, answer, meta) -> float``:
+
+    fn = resolve_reward_fn("math")                 # or "arithmetic", "countdown", "my_pkg.rewards:f"
+    reward, info = score(fn, "... \\boxed{\\frac12}", "0.5", {}, format_weight=0.1)
+
+``score`` adds ``format_weight * format_reward`` to the answer reward and never raises: a function
+that raises yields reward 0 with the error recorded in ``info["error"]``. Timeouts are enforced
+by the RewardPool (reward/pool.py), which runs ``score`` in worker processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import threading
+import time
+from typing import Callable
+
+from staleflow.reward.countdown import check_countdown, completion_expression
+from staleflow.reward.extract import final_number, last_boxed, parse_int
+
+RewardFn = Callable[[str, str, dict], float]
+REWARDS: dict[str, RewardFn] = {}
+
+
+class RewardError(ValueError):
+    """A reward function cannot be resolved (unknown name, bad import path, not callable)."""
+
+
+def register_reward(name: str):
+    """Decorator: make a reward function available as --reward.fn NAME."""
+    def wrap(fn: RewardFn) -> RewardFn:
+        REWARDS[name] = fn
+        return fn
+    return wrap
+
+
+def format_reward(completion: str) -> float:
+    """1.0 when the completion puts a non-empty answer in \\boxed{}, else 0.0."""
+    return 1.0 if last_boxed(completion) else 0.0
+
+
+@register_reward("arithmetic")
+def arithmetic_reward(completion: str, answer: str, meta: dict) -> float:
+    """1.0 if the boxed integer (or, with no box, the last number written) equals the answer."""
+    gold = parse_int(str(answer))
+    if gold is None:
+        raise ValueError(f"arithmetic reward needs an integer answer, got {answer!r}")
+    boxed = last_boxed(completion)
+    said = parse_int(boxed) if boxed is not None else parse_int(final_number(completion) or "")
+    return 1.0 if said == gold else 0.0
+
+
+def _math_verify_timeout() -> int | None:
+    # math-verify times out with signal.alarm, which only works in the main thread of a process.
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+@register_reward("math")
+def math_reward(completion: str, answer: str, meta: dict) -> float:
+    """1.0 if math-verify finds the completion's boxed / final answer equivalent to the reference."""
+    from math_verify import parse, verify
+
+    limit = _math_verify_timeout()
+    gold = parse(str(answer), parsing_timeout=limit)
+    if not gold:
+        gold = parse(f"${answer}$", parsing_timeout=limit)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
+    pred = parse(completion, parsing_timeout=limit)
+    if not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0
+
+
+@register_reward("countdown")
+def countdown_reward(completion: str, answer: str, meta: dict) -> float:
+    """1.0 if the boxed expression uses meta['numbers'] exactly once each and equals meta['target']."""
+    if "numbers" not in meta or "target" not in meta:
+        raise ValueError("countdown reward needs meta['numbers'] and meta['target'] (fields of the data row)")
+    expr = completion_expression(completion)
+    if expr is None:
+        return 0.0
+    ok, _ = check_countdown(expr, [int(n) for n in meta["numbers"]], int(meta["target"]))
+    return 1.0 if ok else 0.0
+
+
+def resolve_reward_fn(spec: str) -> RewardFn:
+    """A registered name or 'module:function'; RewardError naming the problem and the fix otherwise."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if ":" not in spec:
+        raise RewardError(f"--reward.fn={spec!r} is not a registered reward ({', '.join(sorted(REWARDS))}) "
+                          "nor an import path 'module:function'")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise RewardError(f"--reward.fn={spec!r}: an import path must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"--reward.fn={spec!r}: cannot import module {module_name!r} ({e}); "
+                          "check the name and that it is on PYTHONPATH") from None
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise RewardError(f"--reward.fn={spec!r}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise RewardError(f"--reward.fn={spec!r}: {attr!r} is a {type(fn).__name__}, not a callable "
+                          "fn(completion, answer, meta) -> float")
+    return fn
+
+
+def score(fn: RewardFn, completion: str, answer: str, meta: dict, format_weight: float = 0.0) -> tuple[float, dict]:
+    """(total reward, info). Never raises: errors give reward 0 and info['error']."""
+    t0 = time.perf_counter()
+    info: dict = {"error": None, "format_reward": format_reward(completion)}
+    try:
+        value = fn(completion, answer, meta)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise TypeError(f"reward function returned {value!r}; it must return a finite float")
+        info["answer_reward"] = float(value)
+    except Exception as e:  # a user function may raise anything; the run must go on
+        info["answer_reward"] = 0.0
+        info["error"] = f"{type(e).__name__}: {e}"
+        return 0.0, _done(info, t0)
+    return info["answer_reward"] + format_weight * info["format_reward"], _done(info, t0)
+
+
+def _done(info: dict, t0: float) -> dict:
+    info["elapsed_s"] = time.perf_counter() - t0
+    return info
