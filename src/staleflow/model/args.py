@@ -90,6 +90,8 @@ class ModelArgs:
         """Read a Hugging Face config.json dict; raise ModelConfigError for what we cannot run."""
         archs = d.get("architectures") or []
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not archs and d.get("model_type") in _HF_NAME:  # configs saved without `architectures`
+            known = [_HF_NAME[d["model_type"]]]
         if not known:
             raise ModelConfigError(
                 f"unsupported architectures={archs!r} in config.json: supported are "
@@ -98,6 +100,8 @@ class ModelArgs:
         arch = SUPPORTED_ARCHITECTURES[known[0]]
         if d.get("use_sliding_window"):
             raise ModelConfigError("use_sliding_window=true is not supported: set it to false in config.json")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act={d['hidden_act']!r} is not supported: only silu (SwiGLU)")
         if d.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=true is not supported (no Llama/Qwen checkpoint uses it)")
         if d.get("partial_rotary_factor", 1.0) != 1.0:

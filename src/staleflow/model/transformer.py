@@ -230,8 +230,9 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] hidden -> [T, V] float32 logits."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """[T, H] hidden -> [T, V] float32 logits (float64 for a float64 model, used by references)."""
+        logits = F.linear(hidden, self.lm_head_weight)
+        return logits if logits.dtype == torch.float64 else logits.float()
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "CausalLM":
