@@ -90,13 +90,16 @@ class _Buffer:
 class _Group:
     __slots__ = ("group_id", "traj_version", "buffer", "occupied", "live", "done")
 
-    def __init__(self, group_id, traj_version: int):
+    def __init__(self, group_id, traj_version: int, buffer: int | None = None, live: dict | None = None):
         self.group_id = group_id
         self.traj_version = traj_version  # min V_traj over members
-        self.buffer: int | None = None  # reserved (or occupied) buffer; None = closed
+        self.buffer = buffer  # reserved (or occupied) buffer version; None = closed
         self.occupied = False
-        self.live: dict = {}  # traj_id -> V_traj, still generating
+        self.live: dict = {} if live is None else live  # traj_id -> V_traj, still generating
         self.done: dict = {}  # traj_id -> V_traj, finished generation
+
+
+_FAST_ID = (int, str)
 
 
 def _check_id(kind: str, value) -> None:
@@ -123,6 +126,7 @@ class StalenessManager:
         self.version = 0
         self.closed_version = -1  # every V_traj <= this has its whole window Ready/consumed
         self._buffers: dict[int, _Buffer] = {}
+        self._full: set[int] = set()  # buffers with no room: Ready, or no EMPTY entry left
         self._groups: dict = {}  # in-flight or occupied (not yet consumed) groups
         self._trajs: dict = {}  # traj_id -> _Group, for members not aborted
         self._closed: dict = {}  # group_id -> None: in flight but unplaceable
@@ -139,11 +143,17 @@ class StalenessManager:
             b = self._buffers[v] = _Buffer()
         return b
 
-    def _has_room(self, v: int) -> bool:
+    def _refresh(self, v: int) -> None:
+        """Recompute whether buffer v has room (a free required slot and an EMPTY entry)."""
         b = self._buffers.get(v)
-        return b is None or (len(b.occupied) < self.batch_size and len(b.occupied) + len(b.reserved) < self.capacity)
+        if b is None or (len(b.occupied) < self.batch_size and len(b.occupied) + len(b.reserved) < self.capacity):
+            self._full.discard(v)
+        else:
+            self._full.add(v)
 
     def _check_version(self, traj_version) -> int:
+        if type(traj_version) is int and 0 <= traj_version <= self.version:
+            return traj_version
         if not isinstance(traj_version, int) or isinstance(traj_version, bool) or traj_version < 0:
             raise ProtocolError(f"traj_version {traj_version!r} must be an int >= 0")
         if traj_version > self.version:
@@ -152,14 +162,17 @@ class StalenessManager:
         return traj_version
 
     def _latest_room(self, lo: int, hi: int, skip: int | None = None) -> int | None:
+        full = self._full
         for v in range(hi, lo - 1, -1):
-            if v != skip and self._has_room(v):
+            if v not in full and v != skip:
                 return v
         return None
 
     def can_admit(self, traj_version: int, group_id=None) -> bool:
         """True iff ``reserve(_, group_id, traj_version)`` would succeed."""
-        V = self._check_version(traj_version)
+        V = traj_version
+        if type(V) is not int or not 0 <= V <= self.version:
+            self._check_version(V)
         if group_id is not None:
             g = self._groups.get(group_id)
             if g is not None:
@@ -170,7 +183,11 @@ class StalenessManager:
                 return False
         if V <= self.closed_version:
             return False
-        return self._latest_room(max(V, self.version), V + self.eta) is not None
+        full = self._full
+        for u in range(V + self.eta, (V if V > self.version else self.version) - 1, -1):
+            if u not in full:
+                return True
+        return False
 
     def ready_version(self) -> int | None:
         b = self._buffers.get(self.version)
@@ -226,9 +243,13 @@ class StalenessManager:
 
     # ---- operations ----------------------------------------------------------------------
     def reserve(self, traj_id, group_id, traj_version: int) -> int:
-        _check_id("traj_id", traj_id)
-        _check_id("group_id", group_id)
-        V = self._check_version(traj_version)
+        if type(traj_id) not in _FAST_ID:
+            _check_id("traj_id", traj_id)
+        if type(group_id) not in _FAST_ID:
+            _check_id("group_id", group_id)
+        V = traj_version
+        if type(V) is not int or not 0 <= V <= self.version:
+            self._check_version(V)
         if traj_id in self._trajs:
             raise ProtocolError(f"traj_id {traj_id!r} is already reserved (group {self._trajs[traj_id].group_id!r})")
         g = self._groups.get(group_id)
@@ -248,15 +269,23 @@ class StalenessManager:
             return g.buffer
         if group_id in self._finished:
             raise ProtocolError(f"group {group_id!r} is already {self._finished[group_id]}; use a new group id")
-        v = None if V <= self.closed_version else self._latest_room(max(V, self.version), V + self.eta)
+        v = None
+        if V > self.closed_version:  # worst case: the latest buffer of the window with room
+            full = self._full
+            for u in range(V + self.eta, (V if V > self.version else self.version) - 1, -1):
+                if u not in full:
+                    v = u
+                    break
         if v is None:
             raise ProtocolError(f"traj_version {V} is not admissible: no buffer in [{V}, {V + self.eta}] has "
                                 f"an EMPTY entry (check can_admit first; the trajectory waits)")
-        g = self._groups[group_id] = _Group(group_id, V)
-        g.buffer = v
-        g.live[traj_id] = V
-        self._trajs[traj_id] = g
-        self._buf(v).reserved[group_id] = None
+        g = self._groups[group_id] = self._trajs[traj_id] = _Group(group_id, V, v, {traj_id: V})
+        b = self._buffers.get(v)
+        if b is None:
+            b = self._buffers[v] = _Buffer()
+        b.reserved[group_id] = None
+        if len(b.reserved) + len(b.occupied) >= self.capacity:
+            self._full.add(v)
         return v
 
     def complete(self, traj_id) -> list:
@@ -283,17 +312,24 @@ class StalenessManager:
                                 f"members complete: occupy after generation and reward of the group")
         v0 = g.buffer
         v = v0
-        for cand in range(max(g.traj_version, self.version), v0):  # greedy: earliest free required slot
-            if self._has_room(cand):
+        full = self._full
+        for cand in range(g.traj_version if g.traj_version > self.version else self.version, v0):  # greedy: earliest free required slot
+            if cand not in full:
                 v = cand
                 break
         assert self.version <= v <= v0 <= g.traj_version + self.eta, (group_id, v, v0)
         del self._buffers[v0].reserved[group_id]
-        b = self._buf(v)
+        full.discard(v0)  # v0 is not Ready (no reservation survives in a Ready buffer)
+        b = self._buffers.get(v)
+        if b is None:
+            b = self._buffers[v] = _Buffer()
         b.occupied.append(group_id)
         g.buffer, g.occupied = v, True
         if len(b.occupied) == self.batch_size:
+            full.add(v)
             self._on_ready(v, b)
+        elif len(b.occupied) + len(b.reserved) >= self.capacity:
+            full.add(v)
         return v
 
     def _on_ready(self, v: int, b: _Buffer) -> None:
@@ -308,6 +344,7 @@ class StalenessManager:
             else:
                 g.buffer = dest
                 self._buf(dest).reserved[gid] = None
+                self._refresh(dest)
         # closed_version: the largest V whose whole window [V, V+eta] (from version on) is Ready
         for V in range(v, max(v - self.eta, self.closed_version + 1) - 1, -1):
             if all(self.buffer_state(u) is BufferState.READY for u in range(max(V, self.version), V + self.eta + 1)):
@@ -321,6 +358,7 @@ class StalenessManager:
             raise ProtocolError(f"buffer {v} is not Ready ({self.buffer_state(v).value}, "
                                 f"{self.buffer_entries(v)[EntryState.OCCUPIED]}/{self.batch_size} occupied)")
         b = self._buffers.pop(v)
+        self._full.discard(v)
         assert not b.reserved, "a Ready buffer holds no reservations"
         for gid in b.occupied:
             g = self._groups.pop(gid)
@@ -365,6 +403,7 @@ class StalenessManager:
             del self._closed[group_id]
         else:
             del self._buffers[g.buffer].reserved[group_id]
+            self._full.discard(g.buffer)  # not Ready: reservations never survive in a Ready buffer
         live = list(g.live)
         for t in live + list(g.done):
             del self._trajs[t]

@@ -42,9 +42,10 @@ def manager_from_state_dict(cls, group_cls, d: dict):
         b = m._buffers[rec["version"]] = _Buffer()
         b.reserved = dict.fromkeys(rec["reserved"])
         b.occupied = list(rec["occupied"])
+        m._refresh(rec["version"])
     for rec in d["groups"]:
-        g = group_cls(rec["group_id"], rec["traj_version"])
-        g.buffer, g.occupied = rec["buffer"], rec["occupied"]
+        g = group_cls(rec["group_id"], rec["traj_version"], rec["buffer"])
+        g.occupied = rec["occupied"]
         g.live = {t: V for t, V in rec["live"]}
         g.done = {t: V for t, V in rec["done"]}
         m._groups[g.group_id] = g
@@ -117,6 +118,11 @@ def validate_manager(m) -> None:
             fail(f"buffer {v} over capacity ({len(b.occupied)} occupied, {len(b.reserved)} reserved)")
         if len(b.occupied) == m.batch_size and b.reserved:
             fail(f"Ready buffer {v} still holds reservations")
+    for v in set(m._buffers) | m._full:
+        b = m._buffers.get(v)
+        full = b is not None and (len(b.occupied) >= m.batch_size or len(b.occupied) + len(b.reserved) >= m.capacity)
+        if full != (v in m._full):
+            fail(f"buffer {v} room index is stale ({'full' if full else 'has room'})")
     if reserved or occupied:
         fail(f"groups placed in missing buffers {sorted(set(reserved) | set(occupied))}")
     if m.closed_version > m.version:
