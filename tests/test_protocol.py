@@ -201,6 +201,8 @@ def test_state_dict_round_trip_is_json_and_exact():
     (dict(eta=1, batch_size=4, capacity=3), "capacity=3"),
     (dict(eta=1, batch_size=4, group_size=2, group_capacity=1), "group_capacity=1"),
     (dict(eta=1.5, batch_size=4), "eta=1.5"),
+    (dict(eta="1", batch_size=4), "eta=.1."),
+    (dict(eta=True, batch_size=4), "eta=True"),
 ])
 def test_bad_construction(kwargs, match):
     with pytest.raises(ProtocolError, match=match):

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import enum
 
-from staleflow.protocol.state import manager_from_state_dict, manager_state_dict, validate_manager
+from staleflow.protocol.state import manager_from_state_dict, manager_state_dict, manager_stats, validate_manager
 
 
 class ProtocolError(ValueError):
@@ -114,13 +114,10 @@ class StalenessManager:
                  group_size: int = 1, group_capacity: int | None = None):
         capacity = batch_size if capacity is None else capacity
         group_capacity = group_size if group_capacity is None else group_capacity
-        for name, val, ok, need in (("eta", eta, eta >= 0, ">= 0"), ("batch_size", batch_size, batch_size >= 1, ">= 1"),
-                                    ("capacity", capacity, capacity >= batch_size, f">= batch_size {batch_size}"),
-                                    ("group_size", group_size, group_size >= 1, ">= 1"),
-                                    ("group_capacity", group_capacity, group_capacity >= group_size,
-                                     f">= group_size {group_size}")):
-            if not isinstance(val, int) or isinstance(val, bool) or not ok:
-                raise ProtocolError(f"StalenessManager {name}={val!r} is invalid: must be an int {need}")
+        for name, val, low in (("eta", eta, 0), ("batch_size", batch_size, 1), ("capacity", capacity, batch_size),
+                               ("group_size", group_size, 1), ("group_capacity", group_capacity, group_size)):
+            if type(val) is not int or val < low:
+                raise ProtocolError(f"StalenessManager {name}={val!r} is invalid: must be an int >= {low!r}")
         self.eta, self.batch_size, self.capacity = eta, batch_size, capacity
         self.group_size, self.group_capacity = group_size, group_capacity
         self.version = 0
@@ -415,17 +412,7 @@ class StalenessManager:
 
     # ---- metrics, checkpoints, self-check ------------------------------------------------
     def stats(self) -> dict:
-        buffers = {}
-        for v in sorted(self._buffers):
-            e = self.buffer_entries(v)
-            buffers[str(v)] = {"state": self.buffer_state(v).value, **{k.value: n for k, n in e.items()}}
-        in_flight = sum(1 for g in self._groups.values() if not g.occupied)
-        return {"version": self.version, "closed_version": self.closed_version, "buffers": buffers,
-                "groups_in_flight": in_flight, "groups_closed": len(self._closed),
-                "groups_occupied": len(self._groups) - in_flight,
-                "trajs_live": sum(len(g.live) for g in self._groups.values()),
-                "groups_consumed": len(self._log), "groups_aborted_by_reason": dict(self._abort_counts),
-                "trajs_aborted_by_reason": dict(self._member_abort_counts)}
+        return manager_stats(self)
 
     def state_dict(self) -> dict:
         return manager_state_dict(self)

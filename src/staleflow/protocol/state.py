@@ -1,6 +1,6 @@
-"""Checkpoint format and self-check of the staleness manager (pure Python, JSON-able dicts).
+"""Checkpoint format, metrics and self-check of the staleness manager (pure Python, JSON-able dicts).
 
-``StalenessManager.state_dict()`` / ``from_state_dict(d)`` and ``validate()`` delegate here so
+``StalenessManager.state_dict()`` / ``from_state_dict(d)``, ``stats()`` and ``validate()`` delegate here so
 that staleness.py keeps only the protocol. The dict survives ``json.dumps``/``json.loads``
 unchanged (ids are ints or strs; tuples become lists). ``validate_manager`` recomputes every
 derived structure from the group table and raises ProtocolError on any inconsistency.
@@ -28,6 +28,20 @@ def manager_state_dict(m) -> dict:
         "consumed": [list(rec) for rec in m._log],
         "trajs_aborted_by_reason": dict(m._member_abort_counts),
     }
+
+
+def manager_stats(m) -> dict:
+    """JSON-able metrics: per-buffer entry counts and state, groups by state, aborts by reason."""
+    buffers = {}
+    for v in sorted(m._buffers):
+        buffers[str(v)] = {"state": m.buffer_state(v).value, **{k.value: n for k, n in m.buffer_entries(v).items()}}
+    in_flight = sum(1 for g in m._groups.values() if not g.occupied)
+    return {"version": m.version, "closed_version": m.closed_version, "buffers": buffers,
+            "groups_in_flight": in_flight, "groups_closed": len(m._closed),
+            "groups_occupied": len(m._groups) - in_flight,
+            "trajs_live": sum(len(g.live) for g in m._groups.values()),
+            "groups_consumed": len(m._log), "groups_aborted_by_reason": dict(m._abort_counts),
+            "trajs_aborted_by_reason": dict(m._member_abort_counts)}
 
 
 def manager_from_state_dict(cls, group_cls, d: dict):
