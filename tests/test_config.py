@@ -64,7 +64,6 @@ BAD = [
     (CheckpointConfig, {"every": -1}, "checkpoint.every"),
     (CheckpointConfig, {"keep": 0}, "checkpoint.keep"),
     (RunConfig, {"steps": 0}, "--steps"),
-    (RunConfig, {"mode": "sync"}, "--staleness.eta"),
 ]
 
 

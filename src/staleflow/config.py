@@ -194,8 +194,19 @@ class CoordinatorConfig:
     tick_ms: float = 10.0
     cost_model: str = "cpu-smollm2"
     """Cost-model coefficients: a preset name or a JSON file path."""
+    longest_first: bool = True
+    """Inside an MLQ level, route trajectories with more tokens first (else arrival order)."""
+    migration_indicator: Literal["requests", "kv", "throughput"] = "requests"
+    """Load indicator of the psi (throughput-gap) migration trigger."""
+    interrupt_on_pull: bool = True
+    """A Pull first interrupts the instance's in-flight trajectories (partial rollout: they loop back)."""
+    barrier: bool = False
+    """Batch barrier (sync / one-step-off): route a new batch of B groups only when nothing is in flight."""
+    scan_limit: int = 32
+    """Routing gives up on a level after this many consecutive trajectories found no instance (bounds tick cost)."""
 
     def __post_init__(self):
+        _check(self.scan_limit >= 1, "coordinator.scan-limit", self.scan_limit, "must be >= 1")
         _check(self.mu >= 0, "coordinator.mu", self.mu, "must be >= 0")
         _check(self.max_concurrent >= 1, "coordinator.max-concurrent", self.max_concurrent, "must be >= 1")
         _check(self.pull_threshold >= 0, "coordinator.pull-threshold", self.pull_threshold, "must be >= 0")
@@ -282,7 +293,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     mode: Literal["staleflow", "areal", "one-step-off", "sync"] = "staleflow"
-    """System mode: staleflow, or one of the baselines run by the same runtime."""
+    """System mode: staleflow, or a baseline run by the same runtime (a baseline overrides the
+    coordinator strategies and, for sync / one-step-off, eta; see staleflow.coordinator.modes)."""
     steps: int = 20
     """Training steps (weight versions produced)."""
     seed: int = 0
@@ -293,8 +305,6 @@ class RunConfig:
 
     def __post_init__(self):
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
-        if self.mode == "sync":
-            _check(self.staleness.eta == 0, "staleness.eta", self.staleness.eta, "--mode sync requires eta 0")
 
 
 def replace(cfg, **changes):

@@ -47,6 +47,7 @@ class Controller:
     run_id: str
     roles: Roles
     parent_pid: int
+    run_dir: str = ""
     server: ControlServer = None
     pids: dict[int, int] = field(default_factory=dict)
     infos: dict[int, dict] = field(default_factory=dict)
@@ -165,10 +166,11 @@ def smoke_job(ctl: Controller, cfg) -> None:
         ctl.recv(min(0.2, max(0.0, hold_until - time.monotonic())))
 
 
-def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, job: Callable | None = None) -> None:
+def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir: str = "",
+                    job: Callable | None = None) -> None:
     """Entry point of the controller process (multiprocessing spawn target). Exits 0 on success."""
     roles = Roles(world_size, cfg.rollout.ranks)
-    ctl = Controller(run_id=run_id, roles=roles, parent_pid=parent_pid)
+    ctl = Controller(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir)
 
     def on_signal(signum, _frame):
         ctl.stop_requested = f"stopped by signal {signal.Signals(signum).name}"

@@ -41,6 +41,7 @@ class RankContext:
     rank: int
     run_id: str
     client: ControlClient
+    run_dir: str = ""
     trainer_group: object = None
     device: str = "cpu"
 
@@ -84,13 +85,31 @@ def _init_groups(roles: Roles, rank: int):
     return trainer_group
 
 
-def _start_controller(cfg: RunConfig, run_id: str, world_size: int):
+def _make_run_dir(cfg: RunConfig) -> str:
+    """The run folder: --resume's folder, or --log.run-dir/--log.name (default: a timestamp)."""
+    if cfg.resume:
+        if not os.path.isdir(os.path.join(cfg.resume, "checkpoints")):
+            raise ConfigError(f"--resume={cfg.resume!r} is not a run folder with checkpoints/: give the folder a "
+                              f"previous run printed as its run folder")
+        return cfg.resume
+    name = cfg.log.name or time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(cfg.log.run_dir, name)
+    if cfg.log.name and os.path.exists(path) and os.listdir(path):
+        raise ConfigError(f"--log.name={cfg.log.name!r}: {path} already exists; choose another name or --resume {path}")
+    n = 1
+    while os.path.exists(path):
+        path, n = os.path.join(cfg.log.run_dir, f"{name}-{n}"), n + 1
+    os.makedirs(path)
+    return path
+
+
+def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str):
     import multiprocessing as mp
 
     from staleflow.launch.controller import controller_main
 
     proc = mp.get_context("spawn").Process(
-        target=controller_main, args=(cfg, run_id, world_size, os.getpid()), name="staleflow-controller", daemon=False
+        target=controller_main, args=(cfg, run_id, world_size, os.getpid(), run_dir), name="staleflow-controller", daemon=False
     )
     proc.start()
     return proc
@@ -124,27 +143,42 @@ def run_rank(cfg: RunConfig, roles: Roles, rank: int) -> int:
         cleanup_stale_run_files()
         run_id = uuid.uuid4().hex[:10]
         claim_run_folder(run_id)
-        controller = _start_controller(cfg, run_id, roles.world_size)
-        obj = [run_id]
+        try:
+            run_dir = "" if cfg.smoke else _make_run_dir(cfg)
+        except ConfigError as e:
+            run_dir = f"ERROR {e}"
+        if not run_dir.startswith("ERROR"):
+            controller = _start_controller(cfg, run_id, roles.world_size, run_dir)
+        obj = [run_id, run_dir]
     else:
-        obj = [None]
+        obj = [None, None]
     dist.broadcast_object_list(obj, src=0)
-    run_id = obj[0]
+    run_id, run_dir = obj
+    if run_dir.startswith("ERROR"):
+        if rank == 0:
+            print(f"staleflow: config error: {run_dir[6:]}", file=sys.stderr, flush=True)
+            remove_run_folder(run_id)
+        return 2
     client = ControlClient(control_address(run_id), rank)
-    ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, trainer_group=trainer_group)
+    ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, run_dir=run_dir,
+                      trainer_group=trainer_group)
     client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname()))
     ok, reason = True, ""
+    worker = None
     try:
         model, info = _load_model_info(ctx)
+        if not cfg.smoke:
+            from staleflow.launch.runtime import make_worker
+
+            worker, more = make_worker(ctx, model)
+            info.update(more)
         client.send(Ready(rank=rank, info=info))
-        if cfg.smoke:
+        if worker is None:
             smoke_loop(ctx, model)
         else:
-            from staleflow.launch.runtime import rank_loop
-
-            rank_loop(ctx, model)
-    except RunStopped as e:
-        ok, reason = False, f"stopped by the controller: {e}"
+            worker.run()
+    except RunStopped as e:  # the controller reports the cause; only rank 0 carries the exit code
+        ok, reason = rank != 0, f"stopped by the controller: {e}"
     except KeyboardInterrupt:
         ok, reason = False, "interrupted"
     except Exception as e:  # report to the controller in one line, keep the traceback for the log
@@ -153,12 +187,17 @@ def run_rank(cfg: RunConfig, roles: Roles, rank: int) -> int:
         client.send(Failure(rank=rank, error=reason))
     finally:
         try:
+            if worker is not None:
+                worker.close()
             client.send(Goodbye(rank=rank, ok=ok, reason=reason))
         finally:
             client.close()
     code = 0 if ok else 1
     if controller is not None:
-        controller.join(timeout=30)
+        try:
+            controller.join(timeout=30)
+        except KeyboardInterrupt:
+            pass
         if controller.is_alive():
             controller.terminate()
             controller.join(timeout=5)

@@ -97,3 +97,114 @@ def decode(data: bytes) -> msgspec.Struct:
     if _decoder is None:
         _decoder = msgspec.msgpack.Decoder(Union[tuple(_TYPES)])  # type: ignore[valid-type]
     return _decoder.decode(data)
+
+
+# ---- training runtime (staleflow.launch.runtime) -------------------------------------------------
+# Record handles are staleflow.servers.RecordHandle encoded as [rank, offset, length, generation].
+
+Handle = tuple[int, int, int, int]
+
+
+class RouteTraj(msgspec.Struct, tag=True):
+    """Controller -> rollout rank: generate (or resume, from the partial record) a trajectory."""
+
+    traj_id: int
+    group_id: int
+    traj_version: int
+    prompt_ids: list[int]
+    seed: int
+    partial: Handle | None = None
+
+
+class InterruptTrajs(msgspec.Struct, tag=True):
+    """Controller -> rollout rank: stop these trajectories; drop=False writes partial records back."""
+
+    traj_ids: list[int]
+    reason: str = "migrate"
+    drop: bool = False
+
+
+class PullWeights(msgspec.Struct, tag=True):
+    """Controller -> rollout rank: load the newest published weights (>= version) from the PS."""
+
+    version: int
+
+
+class FreeRecords(msgspec.Struct, tag=True):
+    """Controller -> the producing rollout rank: these ring records are consumed or aborted."""
+
+    handles: list[Handle]
+
+
+class TrajDone(msgspec.Struct, tag=True):
+    """Rollout rank -> controller: a trajectory finished (or was interrupted: partial=True)."""
+
+    traj_id: int
+    handle: Handle
+    n_tokens: int
+    finish_reason: str
+    partial: bool = False
+
+
+class InstanceStats(msgspec.Struct, tag=True):
+    """Rollout rank -> controller: engine snapshot for the coordinator (every few ms)."""
+
+    instance: int
+    version: int
+    running: int
+    waiting: int
+    kv_tokens: int
+    kv_capacity: int
+    tokens_per_s: float
+    tokens_generated: int
+    time: float
+    traj_ids: list[int] = []
+
+
+class Pulled(msgspec.Struct, tag=True):
+    """Rollout rank -> controller: weights of `version` loaded."""
+
+    instance: int
+    version: int
+    seconds: float
+
+
+class TrainItem(msgspec.Struct, array_like=True):
+    handle: Handle
+    reward: float
+    group_id: int
+    traj_version: int
+
+
+class TrainStep(msgspec.Struct, tag=True):
+    """Controller -> every trainer rank: train buffer `version` on these records (same list for all)."""
+
+    version: int
+    items: list[TrainItem]
+
+
+class StepDone(msgspec.Struct, tag=True):
+    """Trainer leader -> controller: version `version` is published in the PS."""
+
+    version: int
+    metrics: dict[str, float]
+    train_s: float
+    push_s: float
+
+
+class SaveState(msgspec.Struct, tag=True):
+    """Controller -> every trainer rank: save the training state (and export HF weights if export_dir)."""
+
+    step: int
+    extra: dict[str, Any]
+    export_dir: str = ""
+
+
+class Saved(msgspec.Struct, tag=True):
+    step: int
+    path: str
+
+
+for _cls in (RouteTraj, InterruptTrajs, PullWeights, FreeRecords, TrajDone, InstanceStats, Pulled, TrainStep,
+             StepDone, SaveState, Saved):
+    register_message(_cls)

@@ -1,0 +1,175 @@
+"""The rollout-rank loop: one rollout instance executing the coordinator's commands.
+
+    RouteTraj      add to the engine (a resumed partial trajectory brings its tokens from a ring)
+    InterruptTrajs abort in the engine; write the partial record and report it (or just drop it)
+    PullWeights    interrupt everything still running, load the newest version from the PS
+    FreeRecords    release ring space the controller no longer needs
+Between commands the engine steps; finished trajectories are written to this rank's ring and
+announced with TrajDone; an InstanceStats snapshot goes out every --rollout.stats-interval-ms.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from staleflow.launch.messages import (FreeRecords, InstanceStats, InterruptTrajs, Pulled, PullWeights, RouteTraj,
+                                       Shutdown, TrajDone)
+from staleflow.rollout.engine import Request, SamplingParams
+from staleflow.servers import ParameterServer, RecordHandle, RingFull, TrajectoryRecord, TrajectoryRing
+
+RING_BYTES = 256 << 20
+
+
+def build_engine(ctx, model):
+    rc = ctx.cfg.rollout
+    if rc.engine == "vllm":
+        from staleflow.rollout.vllm_engine import VllmEngine  # optional extra; clear error when missing
+
+        return VllmEngine.from_config(ctx.cfg.model, rc, model_path=ctx.cfg.model.path)
+    from staleflow.rollout.builtin_engine import BuiltinEngine
+
+    return BuiltinEngine(model, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens, block_size=rc.block_size,
+                         prefill_chunk_tokens=rc.prefill_chunk_tokens, max_model_len=rc.max_model_len,
+                         seed=ctx.cfg.seed * 1000 + ctx.rank)
+
+
+class RolloutWorker:
+    def __init__(self, ctx, model):
+        self.ctx = ctx
+        self.instance = ctx.roles.instance_id(ctx.rank)
+        self.engine = build_engine(ctx, model)
+        self.ring = TrajectoryRing.create(ctx.run_id, ctx.rank, RING_BYTES)
+        self.readers: dict[int, TrajectoryRing] = {ctx.rank: self.ring}
+        self.ps: ParameterServer | None = None
+        self.staging: dict[str, torch.Tensor] | None = None
+        rc = ctx.cfg.rollout
+        self.params = dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens)
+        self.meta: dict[int, dict] = {}  # traj_id -> group_id, traj_version
+        self.unsent: list[tuple] = []  # records waiting for ring space (back-pressure)
+        self.stats_every = rc.stats_interval_ms / 1000.0
+        self._last_stats = 0.0
+        self._last_tokens, self._last_t = 0, time.monotonic()
+
+    # ---- commands ------------------------------------------------------------------------
+    def _reader(self, rank: int) -> TrajectoryRing:
+        if rank not in self.readers:
+            self.readers[rank] = TrajectoryRing.attach(self.ctx.run_id, rank, timeout=30)
+        return self.readers[rank]
+
+    def route(self, msg: RouteTraj) -> None:
+        out_ids, out_lp, out_v = [], [], []
+        if msg.partial is not None:
+            rec = self._reader(msg.partial[0]).read(RecordHandle(*msg.partial))
+            out_ids, out_lp, out_v = rec.response_ids.tolist(), rec.logprobs.tolist(), rec.versions.tolist()
+        self.meta[msg.traj_id] = {"group_id": msg.group_id, "traj_version": msg.traj_version}
+        self.engine.add(Request(msg.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **self.params),
+                                output_ids=out_ids, output_logprobs=out_lp, output_versions=out_v))
+
+    def interrupt(self, ids, drop: bool) -> None:
+        st = self.engine.stats()
+        held = set(st.running_ids) | set(st.waiting_ids)
+        live = [t for t in ids if t in held]  # the others finished meanwhile: their TrajDone is on its way
+        for out in self.engine.abort(live):
+            if drop:
+                self.meta.pop(out.request_id, None)
+            else:
+                self.emit(out, partial=True)
+
+    def pull(self, msg: PullWeights) -> None:
+        t0 = time.monotonic()
+        st = self.engine.stats()
+        self.interrupt(list(st.running_ids) + list(st.waiting_ids), drop=False)
+        if self.ps is None:
+            self.ps = ParameterServer.attach(self.ctx.run_id, timeout=60)
+            self.staging = self.ps.layout.empty()
+        version, tensors = self.ps.pull_latest(out=self.staging)
+        if version is None or version < msg.version:
+            raise RuntimeError(f"PullWeights({msg.version}): the parameter server only has version {version}")
+        self.engine.load_weights(tensors, version)
+        self.ctx.client.send(Pulled(instance=self.instance, version=version, seconds=time.monotonic() - t0))
+
+    # ---- outputs -------------------------------------------------------------------------
+    def emit(self, out, partial: bool) -> None:
+        meta = self.meta.pop(out.request_id) if not partial else self.meta.pop(out.request_id, {})
+        rec = TrajectoryRecord(
+            prompt_ids=torch.tensor(out.prompt_ids, dtype=torch.int32),
+            response_ids=torch.tensor(out.output_ids, dtype=torch.int32),
+            logprobs=torch.tensor(out.logprobs, dtype=torch.float32),
+            versions=torch.tensor(out.versions, dtype=torch.int32),
+            meta={"traj_id": out.request_id, "finish_reason": out.finish_reason, "seed": out.seed, **meta},
+        )
+        self.unsent.append((out.request_id, rec, out.finish_reason, partial))
+        self.flush()
+
+    def flush(self) -> None:
+        while self.unsent:
+            traj_id, rec, reason, partial = self.unsent[0]
+            try:
+                h = self.ring.write(rec)
+            except RingFull:
+                return  # back-pressure: retry after the controller frees records
+            self.unsent.pop(0)
+            self.ctx.client.send(TrajDone(traj_id=traj_id, handle=(h.rank, h.offset, h.length, h.generation),
+                                          n_tokens=int(rec.response_ids.numel()), finish_reason=reason, partial=partial))
+
+    def send_stats(self, now: float) -> None:
+        st = self.engine.stats()
+        dt = max(now - self._last_t, 1e-6)
+        rate = (st.tokens_generated - self._last_tokens) / dt
+        self._last_tokens, self._last_t = st.tokens_generated, now
+        self.ctx.client.send(InstanceStats(
+            instance=self.instance, version=st.version, running=st.num_running, waiting=st.num_waiting,
+            kv_tokens=st.kv_tokens, kv_capacity=st.kv_capacity, tokens_per_s=rate,
+            tokens_generated=st.tokens_generated, time=now, traj_ids=list(st.running_ids) + list(st.waiting_ids)))
+        self._last_stats = now
+
+    # ---- loop ----------------------------------------------------------------------------
+    def handle(self, msg) -> bool:
+        """Execute one command; False on Shutdown."""
+        if isinstance(msg, RouteTraj):
+            self.route(msg)
+        elif isinstance(msg, InterruptTrajs):
+            self.interrupt(msg.traj_ids, msg.drop)
+        elif isinstance(msg, PullWeights):
+            self.pull(msg)
+        elif isinstance(msg, FreeRecords):
+            for h in msg.handles:
+                self.ring.free(RecordHandle(*h))
+            self.flush()
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            msg = self.ctx.recv(0.0 if busy else 0.005)
+            while msg is not None:
+                if not self.handle(msg):
+                    return
+                msg = self.ctx.recv(0.0)
+            now = time.monotonic()
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self.emit(out, partial=False)
+            if now - self._last_stats >= self.stats_every:
+                self.send_stats(now)
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            if r is not self.ring:
+                r.close()
+        self.ring.close()
+        self.ring.unlink()
+        if self.ps is not None:
+            self.ps.close()
+
+
+def run_rollout(ctx, model) -> None:
+    worker = RolloutWorker(ctx, model)
+    try:
+        worker.run()
+    finally:
+        worker.close()

@@ -1,0 +1,128 @@
+"""The trainer-rank loop: consume Ready staleness buffers, one optimisation step each.
+
+    TrainStep(v, items)  read every record of buffer v from the rollout rings (the same list on
+                         every trainer rank), Trainer.step, then write this rank's shards into the
+                         Parameter Server slot of version v+1; the leader publishes it and reports
+    SaveState            save the full training state (and export the HF policy) collectively
+The leader (trainer rank 0) creates the Parameter Server and publishes the starting weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from staleflow.launch.messages import SaveState, Saved, Shutdown, StepDone, TrainStep
+from staleflow.servers import ParameterServer, ParamLayout, RecordHandle, TrajectoryRing
+from staleflow.train.batch import TrajectorySample
+from staleflow.train.checkpoint import export_hf, load_checkpoint, latest_checkpoint, save_checkpoint
+from staleflow.train.trainer import Trainer
+
+
+class TrainerWorker:
+    def __init__(self, ctx, model):
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.leader = ctx.rank == 0
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        layout = ParamLayout.from_named_tensors((n, p.detach()) for n, p in model.named_parameters())
+        group = ctx.trainer_group if ctx.roles.num_trainer > 1 else None
+        self.trainer = Trainer(model, cfg.train, self.device, process_group=group,
+                               temperature=cfg.rollout.temperature, total_steps=cfg.steps)
+        self.run_dir = ctx.run_dir
+        self.resume_extra: dict = {}
+        if cfg.resume:
+            ckpt = latest_checkpoint(os.path.join(cfg.resume, "checkpoints"))
+            if ckpt is None:
+                raise FileNotFoundError(f"--resume={cfg.resume!r}: no checkpoint under {cfg.resume}/checkpoints; "
+                                        f"start a new run without --resume")
+            self.resume_extra = load_checkpoint(self.trainer, ckpt)
+        if self.leader:
+            ps_device = self.device if self.device.type == "cuda" else "cpu"
+            self.ps = ParameterServer.create(ctx.run_id, layout, device=ps_device)
+        else:
+            self.ps = ParameterServer.attach(ctx.run_id, timeout=120)
+        self.push(self.trainer.version)  # the starting weights are version 0 (or the resumed version)
+        self.rings: dict[int, TrajectoryRing] = {}
+
+    def _barrier(self):
+        if self.ctx.roles.num_trainer > 1:
+            dist.barrier(group=self.ctx.trainer_group)
+
+    def push(self, version: int) -> float:
+        """Write this rank's shards of the current weights as `version`; the leader publishes."""
+        t0 = time.perf_counter()
+        self.ps.begin_push(version)
+        for sh in self.trainer.named_shards():
+            row = math.prod(sh.global_shape[1:]) if len(sh.global_shape) > 1 else 1
+            self.ps.write_shard(sh.name, sh.local, sh.row_offset * row)
+        self._barrier()
+        if self.leader:
+            self.ps.publish(version)
+        self._barrier()
+        return time.perf_counter() - t0
+
+    def _ring(self, rank: int) -> TrajectoryRing:
+        if rank not in self.rings:
+            self.rings[rank] = TrajectoryRing.attach(self.ctx.run_id, rank, timeout=30)
+        return self.rings[rank]
+
+    def samples(self, msg: TrainStep) -> list[TrajectorySample]:
+        out = []
+        for it in msg.items:
+            rec = self._ring(it.handle[0]).read(RecordHandle(*it.handle))
+            out.append(TrajectorySample(
+                prompt_ids=rec.prompt_ids.tolist(), response_ids=rec.response_ids.tolist(),
+                behaviour_logprobs=rec.logprobs.tolist(), versions=rec.versions.tolist(), reward=it.reward,
+                group_id=it.group_id, traj_version=it.traj_version))
+        return out
+
+    def train(self, msg: TrainStep) -> None:
+        if msg.version != self.trainer.version:
+            raise RuntimeError(f"TrainStep for buffer {msg.version} but the trainer is at version "
+                               f"{self.trainer.version}: buffers must be consumed in version order")
+        t0 = time.perf_counter()
+        metrics = self.trainer.step(self.samples(msg))
+        train_s = time.perf_counter() - t0
+        push_s = self.push(self.trainer.version)
+        if self.leader:
+            clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+            self.ctx.client.send(StepDone(version=self.trainer.version, metrics=clean, train_s=train_s, push_s=push_s))
+
+    def save(self, msg: SaveState) -> None:
+        cfg = self.ctx.cfg
+        path = save_checkpoint(self.trainer, os.path.join(self.run_dir, "checkpoints"), extra=msg.extra,
+                               keep=cfg.checkpoint.keep)
+        if msg.export_dir:
+            from staleflow.model import resolve_model_path
+
+            export_hf(self.trainer, msg.export_dir, tokenizer_from=resolve_model_path(cfg.model.path))
+        if self.leader:
+            self.ctx.client.send(Saved(step=msg.step, path=str(path)))
+
+    def run(self) -> None:
+        while True:
+            msg = self.ctx.recv(timeout_s=1.0)
+            if isinstance(msg, TrainStep):
+                self.train(msg)
+            elif isinstance(msg, SaveState):
+                self.save(msg)
+            elif isinstance(msg, Shutdown):
+                return
+
+    def close(self) -> None:
+        for r in self.rings.values():
+            r.close()
+        self.ps.close()
+
+
+def run_trainer(ctx, model) -> None:
+    worker = TrainerWorker(ctx, model)
+    try:
+        worker.run()
+    finally:
+        worker.close()

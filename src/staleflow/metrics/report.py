@@ -1,0 +1,88 @@
+"""The PNG report of a run folder: reward curve, throughput, staleness histogram, per-rank timeline.
+
+    python -m staleflow.metrics.report RUN_DIR      (written at the end of every run as RUN_DIR/report.png)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+from staleflow.metrics.writer import read_jsonl
+
+_COLORS = {"generate": "tab:blue", "train": "tab:orange", "pull": "tab:green", "push": "tab:red",
+           "idle": "lightgray", "read": "tab:purple", "checkpoint": "tab:brown"}
+
+
+def make_report(run_dir: str, out: str | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    spans = read_jsonl(os.path.join(run_dir, "timeline.jsonl"))
+    if not steps:
+        raise FileNotFoundError(f"{run_dir}/metrics.jsonl has no steps: nothing to report (did the run train?)")
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    x = [s["step"] for s in steps]
+
+    ax = axes[0][0]
+    ax.plot(x, [s.get("reward_mean", 0.0) for s in steps], "o-", label="mean reward")
+    if any("accuracy" in s for s in steps):
+        ax.plot(x, [s.get("accuracy", 0.0) for s in steps], "s--", label="accuracy")
+    ax.set_xlabel("step (weight version)")
+    ax.set_title("Reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+    ax = axes[0][1]
+    ax.plot(x, [s.get("tokens_per_s", 0.0) for s in steps], "o-", label="generated tokens/s")
+    ax.plot(x, [s.get("samples_per_s", 0.0) * 100 for s in steps], "s--", label="samples/s x100")
+    ax.set_xlabel("step")
+    ax.set_title("Throughput (since previous step)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+    ax = axes[1][0]
+    hist: Counter = Counter()
+    for s in steps:
+        for k, n in (s.get("staleness_hist") or {}).items():
+            hist[int(k)] += n
+    if hist:
+        keys = sorted(hist)
+        ax.bar(keys, [hist[k] for k in keys], color="tab:purple")
+        ax.set_xticks(keys)
+    ax.set_xlabel("V_buf - V_traj (trained trajectories)")
+    ax.set_title("Staleness histogram")
+    ax.grid(alpha=0.3, axis="y")
+
+    ax = axes[1][1]
+    seen = set()
+    for sp in spans:
+        kind = sp.get("kind", "?")
+        label = kind if kind not in seen else None
+        seen.add(kind)
+        ax.barh(sp["rank"], sp["t1"] - sp["t0"], left=sp["t0"], color=_COLORS.get(kind, "gray"), label=label, height=0.6)
+    ranks = sorted({sp["rank"] for sp in spans})
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.set_xlabel("seconds since start")
+    ax.set_title("Per-rank timeline")
+    if seen:
+        ax.legend(loc="upper right", fontsize=8)
+
+    fig.suptitle(f"StaleFlow run {os.path.basename(os.path.abspath(run_dir))}")
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "report.png")
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m staleflow.metrics.report RUN_DIR", file=sys.stderr)
+        sys.exit(2)
+    print(make_report(sys.argv[1]))

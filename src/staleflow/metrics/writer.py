@@ -1,0 +1,77 @@
+"""Run-folder metrics: one JSON line per training step, a timeline of per-rank activity,
+TensorBoard scalars, and the run's resolved config.
+
+    run_dir/metrics.jsonl    {"step": v, "reward_mean": ..., "tokens_per_s": ..., "staleness": {...}, ...}
+    run_dir/timeline.jsonl   {"rank": r, "kind": "generate"|"train"|"pull"|..., "t0": s, "t1": s}
+    run_dir/tb/              TensorBoard events (scalars of metrics.jsonl)
+    run_dir/config.json      the RunConfig of the run
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+
+def _scalars(prefix: str, d: dict[str, Any]):
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, bool):
+            yield key, float(v)
+        elif isinstance(v, (int, float)):
+            yield key, float(v)
+        elif isinstance(v, dict):
+            yield from _scalars(f"{key}/", v)
+
+
+class MetricsWriter:
+    """Append-only metrics of one run; safe to reopen on resume (appends)."""
+
+    def __init__(self, run_dir: str, tensorboard: bool = True):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        self._timeline = open(os.path.join(run_dir, "timeline.jsonl"), "a", buffering=1)
+        self.t_start = time.time()
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            except ImportError:  # tensorboard is a declared dependency; tolerate its absence in forks
+                self._tb = None
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "time": round(time.time() - self.t_start, 4), **metrics}
+        self._metrics.write(json.dumps(row, sort_keys=True) + "\n")
+        if self._tb is not None:
+            for key, value in _scalars("", metrics):
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def log_span(self, rank: int, kind: str, t0: float, t1: float, **extra) -> None:
+        """A span of activity of one rank (wall-clock seconds since the epoch)."""
+        row = {"rank": rank, "kind": kind, "t0": round(t0 - self.t_start, 4), "t1": round(t1 - self.t_start, 4), **extra}
+        self._timeline.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._timeline.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def save_config(run_dir: str, cfg) -> None:
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
