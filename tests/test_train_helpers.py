@@ -1,0 +1,57 @@
+"""Shared fixtures for the trainer tests: a tiny CausalLM, random trajectories, a toy sampler.
+
+Imported by tests/test_train_*.py (pytest puts tests/ on sys.path); holds no tests itself.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from staleflow.model import CausalLM, ModelArgs, PackedAttention, cu_seqlens_from_lengths, packed_positions
+from staleflow.train.batch import TrajectorySample
+
+VOCAB = 32
+
+
+def tiny_model(seed: int = 0, arch: str = "llama", tied: bool = True, vocab: int = VOCAB) -> CausalLM:
+    args = ModelArgs(architecture=arch, vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied,
+                     max_position_embeddings=256)
+    return CausalLM(args).init_weights(std=0.1, seed=seed)
+
+
+def random_samples(seed: int = 0, groups: int = 4, group_size: int = 4, max_prompt: int = 6,
+                   max_response: int = 8, vocab: int = VOCAB, min_response: int = 0,
+                   stale: bool = True) -> list[TrajectorySample]:
+    """Random trajectories with random rewards and behaviour log-probs (some zero-length responses)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))]
+        for _ in range(group_size):
+            n = rng.randint(min_response, max_response)
+            resp = [rng.randrange(vocab) for _ in range(n)]
+            beh = [-rng.uniform(2.5, 4.5) for _ in range(n)]
+            out.append(TrajectorySample(prompt, resp, beh, [3 - stale * rng.randint(0, 1)] * n,
+                                        float(rng.randint(0, 3)), g, 2))
+    return out
+
+
+@torch.no_grad()
+def sample_responses(model: CausalLM, prompts: list[list[int]], max_new: int, gen: torch.Generator):
+    """Ancestral sampling with one packed forward per decode step (tiny models only)."""
+    seqs = [list(p) for p in prompts]
+    logps: list[list[float]] = [[] for _ in prompts]
+    for _ in range(max_new):
+        cu = cu_seqlens_from_lengths([len(s) for s in seqs])
+        ids = torch.tensor([t for s in seqs for t in s])
+        hidden = model(ids, packed_positions(cu), PackedAttention(cu))
+        last = hidden[cu[1:].long() - 1]  # [B, H]
+        logp = torch.log_softmax(model.compute_logits(last), -1)  # [B, V]
+        tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+        for i, t in enumerate(tok.tolist()):
+            seqs[i].append(t)
+            logps[i].append(float(logp[i, t]))
+    return [s[len(p):] for s, p in zip(seqs, prompts)], logps

@@ -1,0 +1,266 @@
+"""Trainer: split invariance (micro-batches, ranks), packing exactness, on-policy identities, learning.
+
+The two-rank test launches this file itself under `torchrun --nproc_per_node=2` (gloo, CPU):
+see `_worker` at the bottom.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train_helpers import random_samples, sample_responses, tiny_model  # noqa: E402
+
+from staleflow.config import TrainConfig  # noqa: E402
+from staleflow.train.batch import TrajectorySample, build_micro_batch  # noqa: E402
+from staleflow.train.trainer import PolicyHead, Trainer, lr_factor  # noqa: E402
+
+
+def _capture_grads(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    """Record the (full) gradients each optimizer update sees."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def hook(optimizer, args, kwargs):
+        g = {}
+        for n, p in trainer.policy.named_parameters():
+            grad = p.grad
+            if grad is not None and hasattr(grad, "full_tensor"):
+                grad = grad.full_tensor()
+            g[n] = None if grad is None else grad.detach().clone()
+        seen.append(g)
+
+    trainer.optimizer.register_step_pre_hook(hook)
+    return seen
+
+
+def _lipschitz_adam(trainer: Trainer) -> None:
+    """AdamW's g / (sqrt(v) + eps) turns fp32 reassociation noise on near-zero gradients into
+    O(lr) weight differences; a large eps makes the update Lipschitz in g, so weights can be
+    compared after a step with fp32 tolerances (gradients are compared directly as well)."""
+    trainer.optimizer.param_groups[0]["eps"] = 1e-3
+
+
+def _assert_same(a: dict, b: dict, atol=2e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_packed_micro_batch_equals_each_sequence_alone():
+    torch.manual_seed(0)
+    head = PolicyHead(tiny_model(seed=1))
+    samples = random_samples(seed=2, groups=2, min_response=1)
+    ids = list(range(len(samples)))
+    zeros = [0.0] * len(samples)
+    with torch.no_grad():
+        packed, ent = head(build_micro_batch(samples, ids, zeros, zeros), 1.0, "chunked")
+        alone = torch.cat([head(build_micro_batch(samples, [i], zeros, zeros), 1.0, "chunked")[0] for i in ids])
+        naive, _ = head(build_micro_batch(samples, ids, zeros, zeros), 1.0, "naive")
+    torch.testing.assert_close(packed, alone, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(packed, naive, atol=2e-6, rtol=1e-5)
+    assert packed.shape[0] == sum(len(s.response_ids) for s in samples) and (ent > 0).all()
+
+
+@pytest.mark.parametrize("agg,off_policy,loss", [
+    ("token-mean", "tis-token", "grpo"),
+    ("seq-mean", "mis-seq", "gspo"),
+    ("seq-mean-token-sum", "tis-seq", "dapo"),
+])
+def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
+    samples = random_samples(seed=3, groups=4)
+    results = []
+    for budget in (4096, 14):
+        cfg = TrainConfig(lr=1e-2, micro_batch_tokens=budget, loss_agg=agg, off_policy=off_policy, loss=loss,
+                          clip_high=0.28, entropy_coef=0.01, grad_clip=0.5)
+        t = Trainer(tiny_model(seed=4), cfg)
+        _lipschitz_adam(t)
+        grads = _capture_grads(t)
+        m = t.step(samples)
+        results.append((m, grads[0], t.full_state_dict(), len(t._plan(samples, list(range(len(samples))),
+                                                                           [0.0] * len(samples)))))
+    (m1, g1, w1, n1), (m4, g4, w4, n4) = results
+    assert n1 == 1 and n4 >= 4
+    assert m1["loss"] == pytest.approx(m4["loss"], rel=1e-5, abs=1e-7)
+    assert m1["grad_norm"] == pytest.approx(m4["grad_norm"], rel=1e-5)
+    _assert_same(g1, g4)  # gradients: fp32-identical
+    _assert_same(w1, w4, atol=1e-6)
+
+
+def test_decoupled_recomputed_proximal_equals_tis_token_with_one_update():
+    samples = random_samples(seed=5, groups=3)
+    grads = []
+    for off in ("tis-token", "decoupled"):
+        t = Trainer(tiny_model(seed=6), TrainConfig(lr=1e-3, micro_batch_tokens=30, off_policy=off))
+        seen = _capture_grads(t)
+        t.step(samples)
+        grads.append(seen[0])
+    _assert_same(*grads, atol=1e-7)
+
+
+def test_mini_batches_make_several_updates_against_the_proximal_policy():
+    samples = random_samples(seed=7, groups=4, min_response=2)
+    t = Trainer(tiny_model(seed=8), TrainConfig(lr=5e-2, micro_batch_tokens=40, mini_batches=2,
+                                                off_policy="decoupled", clip_low=0.01, clip_high=0.01))
+    seen = _capture_grads(t)
+    m = t.step(samples)
+    assert len(seen) == 2 and t.optimizer_steps == 2 and t.version == 1
+    assert m["ppo_clipped_frac_mean"] > 0  # the second update's ratio moved away from the proximal policy
+
+
+def test_kl_to_reference_is_zero_before_the_first_update():
+    samples = random_samples(seed=9, groups=2, min_response=1)
+    t = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-2, kl_coef=0.1, kl_estimator="k3"))
+    m1 = t.step(samples)
+    m2 = t.step(samples)
+    assert m1["ref_kl_k3_mean"] == pytest.approx(0.0, abs=1e-9) and m2["ref_kl_k3_mean"] > 1e-7
+
+
+def test_dynamic_sampling_and_all_filtered_step():
+    samples = random_samples(seed=10, groups=3, min_response=1)
+    for s in samples:
+        if s.group_id == 0:
+            s.reward = 1.0
+    t = Trainer(tiny_model(seed=2), TrainConfig(lr=1e-2, dynamic_sampling=True))
+    m = t.step(samples)
+    assert m["groups_dropped"] == 1 and m["samples_trained"] == len(samples) - 4
+    flat = [s for s in samples if s.group_id == 0]
+    before = t.full_state_dict()
+    m = t.step(flat)  # nothing left to learn from: no update, the version still advances
+    assert m["samples_trained"] == 0 and t.version == 2 and t.optimizer_steps == 1
+    _assert_same(before, t.full_state_dict(), atol=0)
+
+
+def test_bad_samples_and_config_are_rejected_with_clear_errors():
+    t = Trainer(tiny_model(), TrainConfig())
+    bad = TrajectorySample([1, 2], [3, 4], [-0.1], [0, 0], 1.0, 0, 0)
+    with pytest.raises(ValueError, match="sample 0: 1 behaviour_logprobs for 2 response tokens"):
+        t.step([bad])
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        t.step([TrajectorySample([], [3], [-0.1], [0], 1.0, 0, 0)])
+    with pytest.raises(ValueError, match="advantage='gae'"):
+        Trainer(tiny_model(), TrainConfig(advantage="gae"))
+    with pytest.raises(ValueError, match="total_steps"):
+        Trainer(tiny_model(), TrainConfig(schedule="cosine"))
+
+
+def test_lr_schedule():
+    assert [lr_factor(s, 2, "constant", None) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cos = [lr_factor(s, 1, "cosine", 5) for s in range(6)]
+    assert cos[0] == 1.0 and cos[1] == 1.0 and cos[3] == pytest.approx(0.5) and cos[5] == pytest.approx(0.0)
+
+
+def test_named_shards_unsharded_are_the_full_parameters():
+    t = Trainer(tiny_model(seed=3), TrainConfig())
+    full = t.full_state_dict()
+    shards = list(t.named_shards())
+    assert {s.name for s in shards} == set(full)
+    for s in shards:
+        assert s.row_offset == 0 and s.global_shape == tuple(full[s.name].shape)
+        torch.testing.assert_close(s.local, full[s.name], atol=0, rtol=0)
+
+
+def _target_reward(resp: list[int], target: int) -> float:
+    return sum(t == target for t in resp) / len(resp)
+
+
+def test_grpo_learns_a_toy_reward():
+    """GRPO on-policy: reward = fraction of response tokens equal to 5 (chance: 1/16); 12 steps must lift it."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = tiny_model(seed=11, vocab=16)
+    t = Trainer(model, TrainConfig(lr=5e-3, micro_batch_tokens=512, advantage="grpo", off_policy="tis-token"))
+    prompts = [[1, 2], [3], [4, 7, 9], [6]]
+    history = []
+    for step in range(12):
+        group_prompts = [p for p in prompts for _ in range(6)]
+        resp, logps = sample_responses(model, group_prompts, 4, gen)
+        samples = [TrajectorySample(p, r, lp, [t.version] * len(r), _target_reward(r, 5), gi // 6, t.version)
+                   for gi, (p, r, lp) in enumerate(zip(group_prompts, resp, logps))]
+        m = t.step(samples)
+        history.append(m["reward_mean"])
+        if step == 0:  # on-policy: behaviour == proximal up to sampler/trainer float noise
+            assert m["behaviour_gap_abs_mean"] < 1e-5
+    first, last = sum(history[:2]) / 2, sum(history[-3:]) / 3
+    assert first < 0.15 and last > first + 0.4, history
+
+
+# ---- two trainer ranks (real torchrun + gloo) -------------------------------------------------------
+
+DIST_CFG = dict(lr=1e-2, micro_batch_tokens=20, loss_agg="seq-mean", off_policy="tis-token", grad_clip=0.3)
+
+
+def _dist_samples():
+    return random_samples(seed=21, groups=5), random_samples(seed=22, groups=5)
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STALEFLOW_TEST_OUT": str(tmp_path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+
+    # the same two steps on one unsharded rank
+    a, b = _dist_samples()
+    t = Trainer(tiny_model(seed=20), TrainConfig(**DIST_CFG))
+    _lipschitz_adam(t)
+    grads = _capture_grads(t)
+    m1, m2 = t.step(a), t.step(b)
+    for k in ("loss", "grad_norm", "is_weight_mean", "entropy_mean"):
+        assert got["metrics"][0][k] == pytest.approx(m1[k], rel=1e-5), k
+        assert got["metrics"][1][k] == pytest.approx(m2[k], rel=1e-5), k
+    strip = {k.removeprefix("lm."): v for k, v in grads[1].items()}
+    _assert_same({k.removeprefix("lm."): v for k, v in got["grads"].items()}, strip)
+    full = t.full_state_dict()
+    _assert_same(got["full"], full, atol=1e-5)
+
+    # each rank's own shards tile the full tensors exactly
+    shards = [torch.load(tmp_path / f"shards{r}.pt", weights_only=False) for r in (0, 1)]
+    for name, ref in got["full"].items():
+        pieces = sorted((s for r in shards for s in r if s.name == name), key=lambda s: s.row_offset)
+        assert [tuple(s.global_shape) for s in pieces] == [tuple(ref.shape)] * 2
+        torch.testing.assert_close(torch.cat([s.local for s in pieces]), ref, atol=0, rtol=0)
+
+    # the 2-rank sharded checkpoint reloads on 1 rank and continues like the 1-rank run
+    from staleflow.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    r = Trainer(tiny_model(seed=99), TrainConfig(**DIST_CFG))
+    _lipschitz_adam(r)
+    load_checkpoint(r, latest_checkpoint(tmp_path / "ckpt"))
+    assert r.version == 2
+    _assert_same(r.full_state_dict(), got["full"], atol=0)
+    c = random_samples(seed=23, groups=5)
+    assert r.step(c)["loss"] == pytest.approx(t.step(c)["loss"], rel=1e-5)
+    _assert_same(r.full_state_dict(), t.full_state_dict(), atol=1e-5)
+
+
+def _worker():
+    import torch.distributed as dist
+
+    from staleflow.train.checkpoint import save_checkpoint
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = Path(os.environ["STALEFLOW_TEST_OUT"])
+    a, b = _dist_samples()
+    t = Trainer(tiny_model(seed=20), TrainConfig(**DIST_CFG), process_group=dist.group.WORLD)
+    _lipschitz_adam(t)
+    grads = _capture_grads(t)
+    metrics = [t.step(a), t.step(b)]
+    torch.save(list(t.named_shards()), out / f"shards{rank}.pt")
+    full = t.full_state_dict()
+    save_checkpoint(t, out / "ckpt", extra={"from": "two ranks"})
+    if rank == 0:
+        torch.save({"metrics": metrics, "grads": grads[1], "full": full}, out / "rank0.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker()
