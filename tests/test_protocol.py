@@ -241,3 +241,14 @@ def test_bad_operations_raise_and_change_nothing():
         m.abort_group("a", "x")
     with pytest.raises(ProtocolError, match="already complete"):
         m.complete("a")
+
+
+def test_start_at_version_for_resume():
+    m = StalenessManager(eta=1, batch_size=1, version=5)
+    assert m.version == 5 and m.closed_version == 4
+    assert not m.can_admit(4) and m.can_admit(5)
+    assert m.reserve("t", "g", 5) == 6
+    m.complete("t")
+    assert m.occupy("g") == 5 and m.consume(5) == ["g"]
+    with pytest.raises(ProtocolError, match="version=-1"):
+        StalenessManager(eta=1, batch_size=1, version=-1)

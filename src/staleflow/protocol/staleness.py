@@ -13,8 +13,9 @@ OCCUPIED. An entry is one prompt GROUP (GRPO); its members are single trajectori
 flight; the group is complete when ``group_size`` (N) have finished, and the rest are aborted.
 
 API (ids are ints or strs; misuse raises ``ProtocolError`` naming the bad value):
-  StalenessManager(eta, batch_size, capacity=None, group_size=1, group_capacity=None)
-  .version -> int                   next buffer to consume (starts at 0)
+  StalenessManager(eta, batch_size, capacity=None, group_size=1, group_capacity=None, version=0)
+        ``version``: start at that model version (resume without a manager checkpoint).
+  .version -> int                   next buffer to consume (starts at ``version``)
   .can_admit(traj_version, group_id=None) -> bool
         a new group (or a new member of in-flight ``group_id``) at this V_traj may reserve.
   .reserve(traj_id, group_id, traj_version) -> int
@@ -111,17 +112,18 @@ class StalenessManager:
     """Staleness buffers + group tracker; see the module docstring for the full API."""
 
     def __init__(self, eta: int, batch_size: int, capacity: int | None = None,
-                 group_size: int = 1, group_capacity: int | None = None):
+                 group_size: int = 1, group_capacity: int | None = None, version: int = 0):
         capacity = batch_size if capacity is None else capacity
         group_capacity = group_size if group_capacity is None else group_capacity
         for name, val, low in (("eta", eta, 0), ("batch_size", batch_size, 1), ("capacity", capacity, batch_size),
-                               ("group_size", group_size, 1), ("group_capacity", group_capacity, group_size)):
+                               ("group_size", group_size, 1), ("group_capacity", group_capacity, group_size),
+                               ("version", version, 0)):
             if type(val) is not int or val < low:
                 raise ProtocolError(f"StalenessManager {name}={val!r} is invalid: must be an int >= {low!r}")
         self.eta, self.batch_size, self.capacity = eta, batch_size, capacity
         self.group_size, self.group_capacity = group_size, group_capacity
-        self.version = 0
-        self.closed_version = -1  # every V_traj <= this has its whole window Ready/consumed
+        self.version = version  # a fresh manager for a run resumed at model `version` has nothing older
+        self.closed_version = version - 1  # no V_traj <= this is admitted (its window is Ready/consumed)
         self._buffers: dict[int, _Buffer] = {}
         self._full: set[int] = set()  # buffers with no room: Ready, or no EMPTY entry left
         self._groups: dict = {}  # in-flight or occupied (not yet consumed) groups
