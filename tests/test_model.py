@@ -141,8 +141,10 @@ def test_tied_lm_head_is_the_embedding():
     assert m.lm_head_weight is m.model.embed_tokens.weight
     h = torch.randn(3, TINY["hidden_size"], dtype=torch.float64)
     logits = m.compute_logits(h)
-    assert logits.dtype == torch.float32 and logits.shape == (3, TINY["vocab_size"])
-    torch.testing.assert_close(logits, (h @ m.model.embed_tokens.weight.T).float())
+    assert logits.dtype == torch.float64 and logits.shape == (3, TINY["vocab_size"])
+    torch.testing.assert_close(logits, h @ m.model.embed_tokens.weight.T)
+    m16 = m.to(torch.bfloat16)
+    assert m16.compute_logits(h.to(torch.bfloat16)).dtype == torch.float32  # low precision -> float32
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -208,3 +210,16 @@ def test_rope_scaling_variants_change_frequencies_as_specified():
     _, sy = rope_inv_freq(base.replace(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 32}))
     assert s0 == 1.0 and sy == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
+
+
+def test_load_weights_copies_in_place_and_rejects_bad_names():
+    src, dst = tiny_model("qwen2", tie=True, seed=1), tiny_model("qwen2", tie=True, seed=2)
+    before = {n: p for n, p in dst.named_parameters()}
+    items = list(src.state_dict().items()) + [("lm_head.weight", src.lm_head_weight)]
+    assert dst.load_weights(items) == len(before)
+    for n, p in dst.named_parameters():
+        assert p is before[n] and torch.equal(p, src.state_dict()[n])
+    with pytest.raises(ValueError, match="'model.layers.9.mlp.up_proj.weight' is not a parameter"):
+        dst.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\)"):
+        dst.load_weights([("model.norm.weight", torch.zeros(3))])

@@ -11,9 +11,11 @@ Backends:
 - "flash": flash-attn's `flash_attn_varlen_func` (CUDA only; imported lazily);
 - "sdpa": `torch.nn.functional.scaled_dot_product_attention` with a block-diagonal causal
   boolean mask (exact and differentiable on CPU). Sequences are grouped into chunks of at most
-  `sdpa_chunk_tokens` tokens so the mask stays small; a longer sequence runs alone with
-  `is_causal=True`.
-- "auto": flash when flash-attn is importable and the tensors are on CUDA, else sdpa.
+  `sdpa_chunk_tokens` tokens (default 4096 on CPU) so the mask stays small; a sequence alone
+  in its chunk runs with `is_causal=True` and no mask. On CUDA the default chunk is 0: every
+  sequence runs alone, so SDPA can pick its flash kernel and no [n, n] mask is built.
+- "auto": flash when flash-attn is importable, the tensors are on CUDA and in fp16/bf16,
+  else sdpa.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class PackedAttention:
     returns [T, n_heads, head_dim]. GQA: each kv head serves n_heads // n_kv_heads query heads.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, backend: str = "auto", sdpa_chunk_tokens: int = 4096):
+    def __init__(self, cu_seqlens: torch.Tensor, backend: str = "auto", sdpa_chunk_tokens: int | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"attention backend={backend!r} is unknown: use one of {list(BACKENDS)}")
         cu = torch.as_tensor(cu_seqlens)
@@ -71,13 +73,14 @@ class PackedAttention:
         self._offsets = [int(x) for x in cu.tolist()]  # one host sync, at construction
         self.num_tokens = self._offsets[-1]
         self.max_seqlen = max(b - a for a, b in zip(self._offsets[:-1], self._offsets[1:]))
-        self._chunks: list[tuple[int, int, list[int]]] | None = None
-        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._chunks: dict[int, list[tuple[int, int, list[int]]]] = {}
+        self._masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
         self._cu_device: dict[torch.device, torch.Tensor] = {}
 
-    def resolve_backend(self, device: torch.device) -> str:
+    def resolve_backend(self, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
         if self.backend == "auto":
-            return "flash" if device.type == "cuda" and _flash_available() else "sdpa"
+            half = dtype in (torch.float16, torch.bfloat16)
+            return "flash" if device.type == "cuda" and half and _flash_available() else "sdpa"
         if self.backend == "flash":
             if device.type != "cuda":
                 raise ValueError(f"attention backend='flash' needs CUDA tensors, got device {device}: use 'sdpa'")
@@ -88,7 +91,7 @@ class PackedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != self.num_tokens:
             raise ValueError(f"q has {q.shape[0]} tokens but cu_seqlens describes {self.num_tokens}")
-        if self.resolve_backend(q.device) == "flash":
+        if self.resolve_backend(q.device, q.dtype) == "flash":
             return self._flash(q, k, v)
         return self._sdpa(q, k, v)
 
@@ -102,25 +105,27 @@ class PackedAttention:
             q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, causal=True
         )  # [T, H, D]
 
-    def _chunk_plan(self) -> list[tuple[int, int, list[int]]]:
-        """Group consecutive sequences into chunks: (token start, token end, offsets inside the chunk)."""
-        if self._chunks is None:
+    def _chunk_plan(self, cap: int) -> list[tuple[int, int, list[int]]]:
+        """Group consecutive sequences into chunks of <= cap tokens (a longer sequence alone):
+        (token start, token end, sequence offsets inside the chunk)."""
+        if cap not in self._chunks:
             offs = self._offsets
             groups: list[tuple[int, int]] = []  # [first sequence, last sequence + 1)
             first = 0
             for i in range(len(offs) - 1):
-                if offs[i + 1] - offs[first] > self.sdpa_chunk_tokens and i > first:
+                if offs[i + 1] - offs[first] > cap and i > first:
                     groups.append((first, i))
                     first = i
             groups.append((first, len(offs) - 1))
-            self._chunks = [
+            self._chunks[cap] = [
                 (offs[s], offs[e], [o - offs[s] for o in offs[s:e + 1]])
                 for s, e in groups if offs[e] > offs[s]
             ]
-        return self._chunks
+        return self._chunks[cap]
 
-    def _mask(self, chunk_idx: int, bounds: list[int], device: torch.device) -> torch.Tensor:
-        key = (chunk_idx, device)
+    def _mask(self, start: int, bounds: list[int], device: torch.device) -> torch.Tensor:
+        """Block-diagonal causal mask [n, n] of the chunk starting at token `start` (cached)."""
+        key = (start, bounds[-1], device)
         mask = self._masks.get(key)
         if mask is None:
             n = bounds[-1]
@@ -136,13 +141,16 @@ class PackedAttention:
         if n_heads != n_kv:
             k = k.repeat_interleave(n_heads // n_kv, dim=1)  # [T, H, D]
             v = v.repeat_interleave(n_heads // n_kv, dim=1)
+        cap = self.sdpa_chunk_tokens
+        if cap is None:
+            cap = 0 if q.device.type == "cuda" else 4096
         outs = []
-        for ci, (a, b, bounds) in enumerate(self._chunk_plan()):
+        for a, b, bounds in self._chunk_plan(cap):
             qc, kc, vc = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, D]
             if len(bounds) == 2:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
             else:
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=self._mask(ci, bounds, q.device))
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=self._mask(a, bounds, q.device))
             outs.append(o[0].transpose(0, 1))  # [n, H, D]
         if not outs:
             return q.new_zeros(q.shape)

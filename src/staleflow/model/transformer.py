@@ -16,7 +16,7 @@ for decoding) and the GQA expansion; the model only computes q, k, v with RoPE a
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -233,6 +233,28 @@ class CausalLM(nn.Module):
         """[T, H] hidden -> [T, V] float32 logits (float64 for a float64 model, used by references)."""
         logits = F.linear(hidden, self.lm_head_weight)
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy (HF name, tensor) pairs into the existing parameters in place; returns the count.
+
+        In place (dtype and device converted) so references held elsewhere (optimizers, CUDA
+        graphs, a rollout engine) stay valid; `lm_head.weight` is skipped when tied. An unknown
+        name or a wrong shape raises ValueError naming the tensor.
+        """
+        params = dict(self.named_parameters())
+        n = 0
+        for name, t in weights:
+            if name.endswith("rotary_emb.inv_freq") or (self.args.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            p = params.get(name)
+            if p is None:
+                raise ValueError(f"load_weights: {name!r} is not a parameter of this {self.args.architecture} model")
+            if p.shape != t.shape:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            p.copy_(t)
+            n += 1
+        return n
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> "CausalLM":
