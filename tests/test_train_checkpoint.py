@@ -1,0 +1,117 @@
+"""Checkpoints: kill during a save then resume == uninterrupted run; corruption detected; HF export loads in transformers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train_helpers import random_samples, tiny_model  # noqa: E402
+
+from staleflow.config import TrainConfig  # noqa: E402
+from staleflow.model import PackedAttention, cu_seqlens_from_lengths, packed_positions  # noqa: E402
+from staleflow.train import checkpoint as ck  # noqa: E402
+from staleflow.train.trainer import Trainer  # noqa: E402
+
+CFG = dict(lr=1e-2, micro_batch_tokens=24, warmup_steps=2, schedule="cosine")
+
+
+def _trainer(seed=0):
+    return Trainer(tiny_model(seed=seed), TrainConfig(**CFG), total_steps=10)
+
+
+def _batches():
+    return [random_samples(seed=30 + i, groups=3) for i in range(4)]
+
+
+def _killed_run(out: Path) -> None:
+    """Subprocess body: 2 steps, save, 1 step, then SIGKILL in the middle of the next save."""
+    t = _trainer()
+    b = _batches()
+    t.step(b[0])
+    t.step(b[1])
+    ck.save_checkpoint(t, out, extra={"queue": [1, 2, 3]}, keep=2)
+    t.step(b[2])
+
+    def die(path):  # after the shards and trainer state are written, before the manifest
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ck._sha256 = die
+    ck.save_checkpoint(t, out, keep=2)
+
+
+def test_kill_during_save_then_resume_equals_uninterrupted(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (tmp_path / ".tmp-step_00000003").is_dir()  # the torn save is left behind, not used
+    latest = ck.latest_checkpoint(tmp_path)
+    assert latest is not None and latest.name == "step_00000002"
+
+    b = _batches()
+    ref = _trainer()
+    for x in b[:2]:
+        ref.step(x)
+    m3, m4 = ref.step(b[2]), ref.step(b[3])
+
+    resumed = _trainer(seed=123)  # different initial weights: everything must come from the checkpoint
+    assert ck.load_checkpoint(resumed, latest) == {"queue": [1, 2, 3]}
+    assert resumed.version == 2
+    r3, r4 = resumed.step(b[2]), resumed.step(b[3])
+    for a, r in ((m3, r3), (m4, r4)):
+        assert r["loss"] == a["loss"] and r["lr"] == a["lr"] and r["grad_norm"] == a["grad_norm"]
+    w_ref, w_res = ref.full_state_dict(), resumed.full_state_dict()
+    for k in w_ref:
+        torch.testing.assert_close(w_res[k], w_ref[k], atol=0, rtol=0)
+
+
+def test_corrupted_checkpoint_is_detected_and_previous_one_stays(tmp_path):
+    t = _trainer()
+    b = _batches()
+    paths = []
+    for i in range(3):
+        t.step(b[i])
+        paths.append(ck.save_checkpoint(t, tmp_path, keep=2))
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+
+    shard = next(paths[-1].glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fresh = _trainer(seed=7)
+    with pytest.raises(ck.CheckpointError, match=r"step_00000003 is corrupted: .*distcp.*step_00000002 is intact"):
+        ck.load_checkpoint(fresh, paths[-1])
+    ck.load_checkpoint(fresh, paths[-2])
+    assert fresh.version == 2
+
+    (paths[-2] / ck.MANIFEST).unlink()  # a folder without its manifest is partial
+    with pytest.raises(ck.CheckpointError, match="partial"):
+        ck.load_checkpoint(fresh, paths[-2])
+    assert ck.latest_checkpoint(tmp_path) == paths[-1]
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen3", False)])
+def test_exported_policy_loads_in_transformers_with_identical_logits(tmp_path, arch, tied):
+    from transformers import AutoModelForCausalLM
+
+    t = Trainer(tiny_model(seed=4, arch=arch, tied=tied), TrainConfig(lr=1e-2))
+    t.step(random_samples(seed=5, groups=2))  # export trained weights, not the init
+    ck.export_hf(t, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0].float()
+        cu = cu_seqlens_from_lengths([len(ids)])
+        ours = t.model.compute_logits(t.model(ids, packed_positions(cu), PackedAttention(cu)))
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+if __name__ == "__main__":
+    _killed_run(Path(sys.argv[1]))
