@@ -13,9 +13,9 @@ A record at a 64-aligned offset of the data region:
 
     header (64 B): state u32 (LIVE / FREED), flags u32, generation u64, length u64,
                    n_prompt u32, n_response u32, n_meta u32, reward f32
-    prompt_ids   int32   [n_prompt]      each section 16-byte aligned
-    response_ids int32   [n_response]
-    logprobs     float32 [n_response]    behaviour log-probs
+    prompt_ids   int32   [n_prompt]      the four token sections are packed 4-byte words,
+    response_ids int32   [n_response]    so a write is one torch.cat into the ring and a
+    logprobs     float32 [n_response]    read one clone out of it (behaviour log-probs)
     versions     int32   [n_response]    weight version that generated each token
     meta         msgpack [n_meta]        traj_id, group_id, traj_version, finish_reason, ...
 
@@ -52,7 +52,6 @@ REC_HEADER = struct.Struct("<IIQQIIIf")  # state, flags, generation, length, n_p
 REC_HEADER_BYTES = 64
 LIVE, FREED = 0x4556494C, 0x44455246  # b"LIVE", b"FRED" little-endian
 HAS_REWARD = 1
-SECTION_ALIGN = 16
 
 
 class RecordHandle(msgspec.Struct, frozen=True, array_like=True):
@@ -86,6 +85,8 @@ def ring_name(run_id: str, rank: int) -> str:
 
 def _as_1d(x, dtype: torch.dtype, what: str) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=dtype)
+    if t.dtype == dtype and t.dim() == 1 and t.is_cpu:
+        return t
     if t.dim() != 1:
         raise ValueError(f"TrajectoryRecord.{what} has shape {tuple(t.shape)}: must be 1-D")
     if t.dtype != dtype and (t.is_floating_point() != dtype.is_floating_point or t.is_complex()):
@@ -93,19 +94,14 @@ def _as_1d(x, dtype: torch.dtype, what: str) -> torch.Tensor:
     return t.to(device="cpu", dtype=dtype)
 
 
-def _sections(n_prompt: int, n_response: int, n_meta: int) -> tuple[list[int], int]:
-    """Byte offsets (relative to the record) of the five sections and the total record length."""
-    sizes = [4 * n_prompt, 4 * n_response, 4 * n_response, 4 * n_response, n_meta]
-    offsets, pos = [], REC_HEADER_BYTES
-    for s in sizes:
-        offsets.append(pos)
-        pos = align_up(pos + s, SECTION_ALIGN)
-    return offsets, pos
+def _record_length(n_prompt: int, n_response: int, n_meta: int) -> int:
+    """Bytes of a record: header, the token words, the metadata."""
+    return REC_HEADER_BYTES + 4 * (n_prompt + 3 * n_response) + n_meta
 
 
 def record_nbytes(n_prompt: int, n_response: int, meta_bytes: int = 64) -> int:
     """Bytes a record takes in a ring (for sizing rings): header + aligned sections, rounded to 64."""
-    return align_up(_sections(n_prompt, n_response, meta_bytes)[1], RECORD_ALIGN)
+    return align_up(_record_length(n_prompt, n_response, meta_bytes), RECORD_ALIGN)
 
 
 class TrajectoryRing:
@@ -117,7 +113,7 @@ class TrajectoryRing:
         if magic != RING_MAGIC or hdr_rank != rank:
             raise ServerError(f"segment {seg.name} is not the trajectory ring of rank {rank}")
         self.capacity = capacity
-        self._data = seg.u8[RING_HEADER_BYTES:RING_HEADER_BYTES + capacity]  # [capacity] uint8
+        self._words = seg.u8[RING_HEADER_BYTES:RING_HEADER_BYTES + capacity].view(torch.int32)  # [capacity/4]
         self._buf = seg.buf[RING_HEADER_BYTES:RING_HEADER_BYTES + capacity]
         self._alloc = RingAllocator(capacity) if producer else None
         self._generation = 0
@@ -146,7 +142,7 @@ class TrajectoryRing:
 
     def close(self) -> None:
         """Unmap the ring. Records read earlier are copies and stay valid."""
-        self._data = None
+        self._words = None
         if self._buf is not None:
             self._buf.release()
             self._buf = None
@@ -189,19 +185,18 @@ class TrajectoryRing:
         if reward is not None and not math.isfinite(reward):
             raise ValueError(f"TrajectoryRecord.reward={reward!r} is invalid: must be finite (or None)")
         meta = self._encoder.encode(record.meta)
-        offsets, length = _sections(prompt.numel(), n_resp, len(meta))
+        n_words = prompt.numel() + 3 * n_resp
+        length = _record_length(prompt.numel(), n_resp, len(meta))
         generation = self._generation + 1
         off = alloc.alloc(length, generation)
         if off is None:
             raise RingFull(f"ring {self.name}: no room for a {length}-byte record ({alloc.used_bytes} of "
                            f"{self.capacity} bytes held by {len(alloc)} unconsumed records); free some and retry")
         self._generation = generation
-        d = self._data
-        for t, o in zip((prompt, response, logprobs, versions), offsets):
-            n = t.numel() * 4
-            if n:
-                d[off + o:off + o + n].view(t.dtype).copy_(t)
-        self._buf[off + offsets[4]:off + offsets[4] + len(meta)] = meta
+        w0 = (off + REC_HEADER_BYTES) // 4
+        torch.cat([prompt, response, logprobs.view(torch.int32), versions], out=self._words[w0:w0 + n_words])
+        m0 = off + REC_HEADER_BYTES + 4 * n_words
+        self._buf[m0:m0 + len(meta)] = meta
         # Header last; the state word is the last field written, so a reader never sees LIVE early.
         REC_HEADER.pack_into(self._buf, off, FREED, HAS_REWARD if reward is not None else 0, generation, length,
                              prompt.numel(), n_resp, len(meta), 0.0 if reward is None else float(reward))
@@ -222,24 +217,26 @@ class TrajectoryRing:
 
     # -- readers ------------------------------------------------------------------------------
     def read(self, handle: RecordHandle) -> TrajectoryRecord:
-        """Copy the record of ``handle`` out of shared memory into fresh CPU tensors."""
+        """Copy the record of ``handle`` out of shared memory (one fresh CPU buffer; the four
+        tensors of the returned record are views of it)."""
         self._check_handle(handle)
         off = handle.offset
         state, flags, gen, length, n_p, n_r, n_m, reward = REC_HEADER.unpack_from(self._buf, off)
         self._check_header(handle, state, gen, length)
-        offsets, expect = _sections(n_p, n_r, n_m)
-        if expect != length:
-            raise StaleHandle(f"record {handle} has an inconsistent header (length {length}, sections {expect})")
-        d = self._data
-        out = []
-        for o, n, dtype in zip(offsets, (n_p, n_r, n_r, n_r), (torch.int32, torch.int32, torch.float32, torch.int32)):
-            out.append(d[off + o:off + o + 4 * n].view(dtype).clone())
-        meta = self._decoder.decode(self._buf[off + offsets[4]:off + offsets[4] + n_m]) if n_m else {}
+        if _record_length(n_p, n_r, n_m) != length:
+            raise StaleHandle(f"record {handle} has an inconsistent header (length {length})")
+        w0 = (off + REC_HEADER_BYTES) // 4
+        words = self._words[w0:w0 + n_p + 3 * n_r].clone()  # one copy; the sections are views of it
+        a, b, c = n_p, n_p + n_r, n_p + 2 * n_r
+        prompt, response, logprobs, versions = words[:a], words[a:b], words[b:c], words[c:]
+        m0 = off + REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)
+        meta = self._decoder.decode(self._buf[m0:m0 + n_m]) if n_m else {}
         state2, _, gen2, length2 = REC_HEADER.unpack_from(self._buf, off)[:4]
         if (state2, gen2, length2) != (state, gen, length):
             raise StaleHandle(f"record {handle} was freed or overwritten while being read: the controller freed it "
                               f"before this reader finished (read before sending 'consumed')")
-        return TrajectoryRecord(*out, reward=reward if flags & HAS_REWARD else None, meta=meta)
+        return TrajectoryRecord(prompt, response, logprobs.view(torch.float32), versions,
+                                reward=reward if flags & HAS_REWARD else None, meta=meta)
 
     # -- helpers ------------------------------------------------------------------------------
     def _producer_only(self, what: str) -> RingAllocator:
