@@ -98,6 +98,40 @@ def test_out_of_order_free_reclaims_tail_only_when_prefix_free():
     assert a.alloc(64, 6) == 128 and a.alloc(64, 7) is None
 
 
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 120), st.integers(0, 10**6)),
+                    min_size=1, max_size=60))
+def test_ring_reads_back_every_live_record_and_rejects_freed_ones(ops):
+    ring = TrajectoryRing.create(_run_id(), 0, 2048)
+    try:
+        live, dead = {}, []
+        for is_write, n_p, n_r, seed in ops:
+            if is_write or not live:
+                rec = _record(n_p, n_r, seed, reward=None if seed % 3 == 0 else 0.25)
+                try:
+                    h = ring.write(rec)
+                except RingFull:
+                    assert live  # only a ring holding unconsumed records may refuse
+                    continue
+                except RecordTooLarge:
+                    assert record_nbytes(n_p, n_r, len(msgspec_meta(rec))) > 2048
+                    continue
+                live[h] = rec
+            else:
+                h = sorted(live, key=lambda x: x.generation)[seed % len(live)]
+                ring.free(h)
+                dead.append(h)
+                del live[h]
+            for h, rec in live.items():
+                assert _same(ring.read(h), rec)
+            for h in dead[-3:]:
+                with pytest.raises(StaleHandle):
+                    ring.read(h)
+    finally:
+        ring.close()
+        ring.unlink()
+
+
 # -- ring: round trips through shared memory ---------------------------------------------------------------
 def test_write_read_round_trip_in_another_attachment(ring):
     recs = [_record(5, 7, 1), _record(1, 0, 2, reward=None), _record(33, 100, 3, meta={"nested": {"a": [1, 2]}})]
@@ -184,6 +218,7 @@ def test_stale_handle_and_double_free(ring):
     (dict(prompt_ids=torch.zeros(2, 2, dtype=torch.int32)), "must be 1-D"),
     (dict(response_ids=torch.zeros(3)), "need torch.int32"),
     (dict(reward=float("nan")), "must be finite"),
+    (dict(meta={"x": object()}), "cannot be encoded"),
 ])
 def test_bad_records_rejected(ring, bad, match):
     r = _record(2, 3, 12)

@@ -184,7 +184,11 @@ class TrajectoryRing:
         reward = record.reward
         if reward is not None and not math.isfinite(reward):
             raise ValueError(f"TrajectoryRecord.reward={reward!r} is invalid: must be finite (or None)")
-        meta = self._encoder.encode(record.meta)
+        try:
+            meta = self._encoder.encode(record.meta)
+        except (TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"TrajectoryRecord.meta cannot be encoded ({e}): use str/int/float/bool/list/dict "
+                             f"values") from None
         n_words = prompt.numel() + 3 * n_resp
         length = _record_length(prompt.numel(), n_resp, len(meta))
         generation = self._generation + 1
