@@ -56,3 +56,12 @@ def test_ring_stress_random_sizes_with_back_pressure(tmp_path):
     assert sum(r["read"] for r in readers) == 200
     assert list_segments(f"staleflow-{run}") == []
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ipc_slots_under_torchrun():
+    run = "m" + uuid.uuid4().hex[:10]
+    leader, *readers = _torchrun(["param", "--run-id", run, "--versions", "100", "--device", "cuda"])
+    assert leader["pushed"] == 100 and all(r["pulled"] >= 2 for r in readers)
+    assert list_segments(f"staleflow-{run}") == []

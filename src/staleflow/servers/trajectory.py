@@ -171,7 +171,7 @@ class TrajectoryRing:
         return len(self._producer_only("live_records"))
 
     def write(self, record: TrajectoryRecord) -> RecordHandle:
-        """Copy ``record`` into the ring; raise RingFull when there is no room now, RecordTooLarge never."""
+        """Copy ``record`` into the ring. RingFull: no room now (free, retry); RecordTooLarge: never fits."""
         alloc = self._producer_only("write")
         prompt = _as_1d(record.prompt_ids, torch.int32, "prompt_ids")
         response = _as_1d(record.response_ids, torch.int32, "response_ids")
