@@ -1,0 +1,369 @@
+"""The staleness-aware coordinator: the Snapshot-Command cycle (paper section 6).
+
+Pure logic shared by the real controller and the simulator: no torch, no sockets, and an
+injectable clock. The runtime (or simulator) feeds events and calls ``tick(now)`` about every
+10 ms; each tick returns the commands to execute, in order:
+
+    1. aborts decided since the last tick (group redundancy surplus, failures),
+    2. closed windows (groups that can no longer be placed) and stuck-buffer stragglers,
+    3. Pull decisions (each preceded by an Interrupt of the instance's in-flight work),
+    4. at most one migration (never while an instance syncs),
+    5. the routing pass over the multi-level queue (paused while interrupted work has not
+       looped back yet, so the queue order stays right).
+
+Reserve happens at Route time with a dynamic version tag: the first member of a prompt group
+routed to an instance fixes the group's V_traj to that instance's post-sync version; later
+members and every loop-back keep it. Candidates always have post-sync version >= V_traj.
+
+Runtime contract: ``submit`` new trajectories; report ``on_snapshot``, ``on_finished``
+(returns groups whose N members are done: reward them, then ``on_rewarded``),
+``on_interrupted`` (partial outputs come back with their generated_len), ``on_pull_done``,
+``on_new_version`` (the PS published v), ``on_failed``. The trainer uses the manager directly
+(``ready_version`` / ``consume``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import time
+from collections import Counter
+from typing import Callable, Iterable
+
+from staleflow.coordinator.instance import InstanceState
+from staleflow.coordinator.mlq import MultiLevelQueue
+from staleflow.coordinator.modes import apply_mode, mode_overrides
+from staleflow.coordinator.strategies import make_pull, make_routing, pick_migration
+from staleflow.coordinator.types import (Abort, Command, InstanceSnapshot, Interrupt, Pull, Route,
+                                         TrajectoryItem)
+
+
+class Coordinator:
+    def __init__(self, cfg, cost_model, manager, instances: Iterable[int], mode: str = "staleflow", *,
+                 straggler: str = "off", straggler_threshold: int = 1, version: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
+        forced = mode_overrides(mode)["staleness"]
+        if "eta" in forced and manager.eta != forced["eta"]:
+            raise ValueError(f"--mode={mode} needs --staleness.eta {forced['eta']}, got {manager.eta}")
+        if straggler not in ("off", "abort", "truncate"):
+            raise ValueError(f"--staleness.straggler={straggler!r} is unknown; choose off, abort or truncate")
+        self.mode = mode
+        self.cfg, _ = apply_mode(mode, cfg)
+        if "straggler" in forced:
+            straggler = forced["straggler"]
+        self.straggler, self.straggler_threshold = straggler, straggler_threshold
+        self.cost_model, self.manager, self.clock = cost_model, manager, clock
+        self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
+        self.puller = make_pull(self.cfg.pull, self.cfg, cost_model)
+        ids = list(instances)
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError(f"instances={ids!r} must be a non-empty list of distinct ids")
+        self.instances: dict[int, InstanceState] = {i: InstanceState(i, cost_model.kv_capacity, version) for i in ids}
+        self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first)
+        self.ps_version = version
+        self.items: dict[int, TrajectoryItem] = {}  # every live trajectory (queued or in flight)
+        self.where: dict[int, int] = {}  # traj_id -> instance, while on an instance
+        self.reserved: set[int] = set()  # live trajectories holding a reservation (= in flight)
+        self.group_tag: dict[int, int] = {}  # group_id -> V_traj fixed at its first route
+        self.members: dict[int, set[int]] = {}  # group_id -> live member ids
+        self.done: Counter = Counter()  # group_id -> members finished
+        self.pending_interrupts: set[int] = set()
+        self.queued_tagged: Counter = Counter()  # V_traj -> queued tagged trajectories
+        self.barrier_budget = 0
+        self._admissible: set[int] | None = None
+        self._stragglers_done: set[int] = set()
+        self._out: list[Command] = []
+        self._admit: dict[int, bool] = {}
+        self.counters: Counter = Counter()
+
+    # ---- queries used by strategies --------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Trajectories holding a reservation and not yet finished (queued loop-backs included)."""
+        return len(self.reserved)
+
+    def group_version(self, group_id: int) -> int | None:
+        return self.group_tag.get(group_id)
+
+    def _can_admit_new(self, version: int) -> bool:
+        ok = self._admit.get(version)
+        if ok is None:
+            ok = self._admit[version] = self.manager.can_admit(version)
+        return ok
+
+    def routable_at(self, version: int) -> bool:
+        """Could some queued trajectory be routed to an instance running `version`?"""
+        if any(v <= version for v, n in self.queued_tagged.items() if n > 0):
+            return True
+        if len(self.queue) > sum(self.queued_tagged.values()):
+            if self.cfg.barrier and self.barrier_budget <= 0:
+                return False
+            return self._can_admit_new(version)
+        return False
+
+    # ---- events --------------------------------------------------------------------------
+    def submit(self, items: Iterable[TrajectoryItem]) -> None:
+        for it in items:
+            if it.traj_id in self.items:
+                raise ValueError(f"submit: trajectory id {it.traj_id} is already live; ids must be unique")
+            if it.prompt_len < 0 or it.generated_len < 0:
+                raise ValueError(f"submit: trajectory {it.traj_id} has negative lengths "
+                                 f"(prompt_len={it.prompt_len}, generated_len={it.generated_len})")
+            self.items[it.traj_id] = it
+            self.members.setdefault(it.group_id, set()).add(it.traj_id)
+            self._enqueue(it)
+
+    def on_snapshot(self, snap: InstanceSnapshot) -> bool:
+        """Reconcile a snapshot with the speculative state; False if it was stale and dropped."""
+        inst = self._inst(snap.instance)
+        return inst.accept(snap)
+
+    def on_finished(self, instance: int, traj_id: int) -> list[int]:
+        """A trajectory finished generation. Returns the groups that now have N finished members."""
+        now = self.clock()
+        if traj_id not in self.items:  # aborted meanwhile (race with an Abort): nothing to do
+            self.counters["late_finish"] += 1
+            return []
+        self._detach(traj_id, now)
+        self._dequeue(traj_id)
+        self.pending_interrupts.discard(traj_id)
+        it = self.items.pop(traj_id)
+        self.queue.forget(traj_id)
+        self.reserved.discard(traj_id)
+        self.members[it.group_id].discard(traj_id)
+        for t in self.manager.complete(traj_id):  # group redundancy: the surplus is aborted
+            self._drop(t, "surplus", now)
+        self.done[it.group_id] += 1
+        self.counters["finished"] += 1
+        return [it.group_id] if self.done[it.group_id] == self.manager.group_size else []
+
+    def on_rewarded(self, group_id: int) -> int:
+        """The group's reward is known: Occupy. Returns the buffer version it landed in."""
+        v = self.manager.occupy(group_id)
+        self._forget_group(group_id)
+        return v
+
+    def on_interrupted(self, instance: int, items: Iterable[TrajectoryItem]) -> None:
+        """Partial trajectories came back from an instance (Interrupt or engine preemption)."""
+        now = self.clock()
+        for it in items:
+            self.pending_interrupts.discard(it.traj_id)
+            if it.traj_id not in self.items:  # aborted while the interrupt was in flight
+                continue
+            self._detach(it.traj_id, now)
+            V = self.group_tag.get(it.group_id) if it.traj_version is None else it.traj_version
+            it = msgspec.structs.replace(it, traj_version=V, origin=instance)
+            self.items[it.traj_id] = it
+            self._enqueue(it)
+            self.counters["loop_back"] += 1
+
+    def on_pull_done(self, instance: int, version: int) -> None:
+        inst = self._inst(instance)
+        inst.version = inst.target_version = version
+        inst.syncing = False
+        inst.last_change = self.clock()
+
+    def on_new_version(self, version: int) -> None:
+        """The Parameter Server published `version`."""
+        self.ps_version = max(self.ps_version, version)
+
+    def on_failed(self, instance: int, traj_id: int, reason: str = "failed") -> None:
+        """A trajectory was lost (engine error): drop it; if its group can no longer reach N, the group."""
+        if traj_id not in self.items:
+            return
+        now = self.clock()
+        if traj_id in self.reserved:
+            for gid in self.manager.abort(traj_id, reason):
+                self._abort_group_cmds(gid, reason, now, aborted=True)
+        self._drop(traj_id, reason, now)
+
+    # ---- the cycle -------------------------------------------------------------------------
+    def tick(self, now: float) -> list[Command]:
+        cmds, self._out = self._out, []
+        self._admit.clear()
+        self.counters["ticks"] += 1
+        for gid in self.manager.closed_windows():
+            self._abort_group_cmds(gid, "window-closed", now, out=cmds)
+        if self.straggler != "off":
+            self._stragglers(now, cmds)
+        self._pulls(now, cmds)
+        if self.cfg.migration and not self.pending_interrupts:
+            picked = pick_migration(self)
+            if picked is not None:
+                inst, ids = picked
+                cmds.append(Interrupt(inst.instance, ids, "migrate"))
+                self.pending_interrupts.update(ids)
+                inst.last_change = now
+                self.counters["migrations"] += 1
+                self.counters["interrupted"] += len(ids)
+        if not self.pending_interrupts:
+            self._route(now, cmds)
+        return cmds
+
+    def _pulls(self, now: float, cmds: list[Command]) -> None:
+        for inst in self.instances.values():
+            if inst.syncing or inst.target_version >= self.ps_version or not self.puller.should_pull(inst, self):
+                continue
+            if self.cfg.interrupt_on_pull and inst.trajs:
+                ids = tuple(inst.trajs)
+                cmds.append(Interrupt(inst.instance, ids, "pull"))
+                self.pending_interrupts.update(ids)
+                self.counters["interrupted"] += len(ids)
+            cmds.append(Pull(inst.instance, self.ps_version))
+            inst.syncing, inst.target_version, inst.last_change = True, self.ps_version, now
+            self.counters["pulls"] += 1
+
+    def _stragglers(self, now: float, cmds: list[Command]) -> None:
+        for gid in self.manager.stuck_stragglers(self.straggler_threshold):
+            if gid in self._stragglers_done:
+                continue
+            self._stragglers_done.add(gid)
+            self.counters["stragglers"] += 1
+            if self.straggler == "abort":
+                self._abort_group_cmds(gid, "straggler", now, out=cmds, retry=True)
+                continue
+            live = sorted(self.members.get(gid, ()))
+            by_inst: dict[int, list[int]] = {}
+            for t in live:
+                by_inst.setdefault(self.where.get(t, -1), []).append(t)
+                if t in self.queue:
+                    self._dequeue(t)
+            for i, ids in sorted(by_inst.items()):
+                cmds.append(Interrupt(i, tuple(ids), "truncate"))
+
+    def _route(self, now: float, cmds: list[Command]) -> None:
+        cap = self.cfg.max_concurrent
+        open_ = [i for i in self.instances.values() if len(i.trajs) < cap]
+        if not open_ or not len(self.queue):
+            return
+        if self.cfg.barrier and self.in_flight == 0 and not any(
+                i.syncing or i.target_version < self.ps_version for i in self.instances.values()):
+            self.barrier_budget = self.manager.capacity
+        self._admissible = None
+        failed: set[tuple] = set()  # (V_traj, tokens) that found no instance since the last route
+        for key in self.queue.level_keys():
+            fails, leftover = 0, False
+            for item in self.queue.iter_level(key, self.queue.level_size(key)):
+                if not open_ or fails >= self.cfg.scan_limit:
+                    leftover = True
+                    break
+                sig = (item.traj_version if item.traj_version is not None else self.group_tag.get(item.group_id),
+                       item.tokens)
+                if sig in failed:  # same placement problem as one that just failed: skip cheaply
+                    fails, leftover = fails + 1, True
+                    continue
+                inst, V = self._place(item, open_, failed, sig)
+                if inst is None:
+                    fails, leftover = fails + 1, True
+                    continue
+                fails = 0
+                failed.clear()
+                self._route_one(item, inst, V, now, cmds)
+                if len(inst.trajs) >= cap:
+                    open_.remove(inst)
+            if leftover and self.queue.enabled:
+                break  # strict priority: newer levels wait for the older one
+
+    def _place(self, item: TrajectoryItem, open_: list[InstanceState], failed: set, sig: tuple):
+        """Pick an instance for one queued trajectory (None if it must wait) and its V_traj."""
+        gid = item.group_id
+        V = sig[0]
+        if V is None:  # the first member of a fresh group: dynamic tag = instance post-sync version
+            if self.cfg.barrier and self.barrier_budget <= 0:
+                failed.add(sig)
+                return None, -1
+            if self._admissible is None:
+                self._admissible = {v for v in {i.target_version for i in self.instances.values()}
+                                    if self.manager.can_admit(v)}
+            ok = self._admissible
+            cands = [i for i in open_ if i.target_version in ok]
+        else:
+            if item.traj_id not in self.reserved and not self.manager.can_admit(V, gid):
+                return None, -1
+            cands = [i for i in open_ if i.target_version >= V]
+        inst = self.router.choose(item, V, cands, self) if cands else None
+        if inst is None:
+            failed.add(sig)
+            return None, -1
+        return inst, (inst.target_version if V is None else V)
+
+    def _route_one(self, item: TrajectoryItem, inst: InstanceState, V: int, now: float, cmds: list[Command]) -> None:
+        t = item.traj_id
+        if t not in self.reserved:
+            if item.group_id not in self.group_tag:
+                self.group_tag[item.group_id] = V
+                if self.cfg.barrier:
+                    self.barrier_budget -= 1
+            self.manager.reserve(t, item.group_id, V)
+            self.reserved.add(t)
+            self._admit.clear()
+            self._admissible = None
+        self._dequeue(t)
+        if item.traj_version != V:
+            self.items[t] = msgspec.structs.replace(item, traj_version=V)
+        inst.add(t, item.tokens, now)
+        self.where[t] = inst.instance
+        cmds.append(Route(t, inst.instance, V))
+        self.counters["routes"] += 1
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def _inst(self, instance: int) -> InstanceState:
+        inst = self.instances.get(instance)
+        if inst is None:
+            raise ValueError(f"unknown instance {instance!r}; known: {sorted(self.instances)}")
+        return inst
+
+    def _enqueue(self, it: TrajectoryItem) -> None:
+        self.queue.push(it)
+        if it.traj_version is not None:
+            self.queued_tagged[it.traj_version] += 1
+
+    def _dequeue(self, traj_id: int) -> None:
+        it = self.queue.remove(traj_id)
+        if it is not None and it.traj_version is not None:
+            self.queued_tagged[it.traj_version] -= 1
+            if not self.queued_tagged[it.traj_version]:
+                del self.queued_tagged[it.traj_version]
+
+    def _detach(self, traj_id: int, now: float) -> int:
+        i = self.where.pop(traj_id, -1)
+        if i >= 0:
+            self.instances[i].remove(traj_id, now)
+        return i
+
+    def _drop(self, traj_id: int, reason: str, now: float, out: list[Command] | None = None) -> None:
+        """Forget one live trajectory and tell the runtime to stop it (manager already updated)."""
+        it = self.items.pop(traj_id, None)
+        if it is None:
+            return
+        self._dequeue(traj_id)
+        self.queue.forget(traj_id)
+        i = self._detach(traj_id, now)
+        self.reserved.discard(traj_id)
+        self.pending_interrupts.discard(traj_id)
+        self.members.get(it.group_id, set()).discard(traj_id)
+        (self._out if out is None else out).append(Abort(i, (traj_id,), reason))
+        self.counters[f"aborted_{reason}"] += 1
+
+    def _abort_group_cmds(self, gid: int, reason: str, now: float, out: list[Command] | None = None,
+                          retry: bool = False, aborted: bool = False) -> None:
+        if not aborted:
+            self.manager.abort_group(gid, reason)
+        for t in sorted(self.members.get(gid, ())):
+            self._drop(t, reason, now, out)
+        (self._out if out is None else out).append(Abort(-1, (), reason, retry, gid))
+        self.counters[f"groups_aborted_{reason}"] += 1
+        self._forget_group(gid)
+
+    def _forget_group(self, gid: int) -> None:
+        self.members.pop(gid, None)
+        self.done.pop(gid, None)
+        self.group_tag.pop(gid, None)
+        self._stragglers_done.discard(gid)
+
+    def stats(self) -> dict:
+        """JSON-able counters and per-instance speculative state (metrics)."""
+        return {"mode": self.mode, "queued": len(self.queue), "in_flight": self.in_flight,
+                "ps_version": self.ps_version, "counters": dict(self.counters),
+                "instances": {i: {"version": s.version, "load": s.load, "kv": s.kv_tokens, "syncing": s.syncing,
+                                  "snapshots_used": s.snapshots_used, "snapshots_dropped": s.snapshots_dropped}
+                              for i, s in self.instances.items()}}

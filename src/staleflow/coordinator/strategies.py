@@ -1,0 +1,222 @@
+"""Pluggable routing, pull and migration strategies, registered by name (paper sections 6.3-6.5).
+
+A research fork adds a policy in one file::
+
+    from staleflow.coordinator.strategies import register_routing
+
+    @register_routing("my-router")
+    class MyRouter:
+        def __init__(self, cfg, cost_model): ...
+        def choose(self, item, traj_version, candidates, ctx) -> InstanceState | None: ...
+
+and selects it with ``--coordinator.routing my-router``. ``candidates`` are already filtered by
+the coordinator: version >= V_traj, a feasible reservation, not at the concurrency cap.
+Pull policies answer ``should_pull(inst, ctx) -> bool`` for an instance behind the PS; the
+migration policy returns ``(instance, traj_ids) | None``. ``ctx`` is the Coordinator itself
+(read-only use: ps_version, instances, routable_at(version), in_flight, cfg, cost_model).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from staleflow.coordinator.instance import InstanceState
+from staleflow.coordinator.types import TrajectoryItem
+
+ROUTING: dict[str, type] = {}
+PULL: dict[str, type] = {}
+
+
+def register_routing(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        ROUTING[name] = cls
+        return cls
+    return deco
+
+
+def register_pull(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        PULL[name] = cls
+        return cls
+    return deco
+
+
+def _lookup(table: dict, kind: str, name: str) -> type:
+    if name not in table:
+        raise ValueError(f"--coordinator.{kind}={name!r} is unknown; registered: {', '.join(sorted(table))}")
+    return table[name]
+
+
+def make_routing(name: str, cfg, cost_model):
+    return _lookup(ROUTING, "routing", name)(cfg, cost_model)
+
+
+def make_pull(name: str, cfg, cost_model):
+    return _lookup(PULL, "pull", name)(cfg, cost_model)
+
+
+# ---- routing ---------------------------------------------------------------------------------
+@register_routing("waterfall")
+class Waterfall:
+    """Cost-model marginal gain over priority tiers; accept iff gain >= mu * gain on an empty instance.
+
+    Tiers: "version" groups candidates by post-sync version, oldest first (older instances get the
+    old work, keeping fresh instances for fresh work); "reserve" puts instances whose version
+    lets the trajectory join its group's existing reservation first, then newer versions first
+    (a new reservation lands in the latest buffer, leaving earlier buffers for occupation).
+    Only instances where the trajectory can run at once count: no engine-waiting queue and the
+    KV fits. If no tier accepts, the trajectory stays in the TS (retried next tick).
+    """
+
+    def __init__(self, cfg, cost_model):
+        self.cfg, self.cost = cfg, cost_model
+
+    def tiers(self, candidates: list[InstanceState], item: TrajectoryItem, ctx) -> list[list[InstanceState]]:
+        by: dict[int, list[InstanceState]] = {}
+        for inst in candidates:
+            by.setdefault(inst.target_version, []).append(inst)
+        if self.cfg.tiers == "version":
+            return [by[v] for v in sorted(by)]
+        joined = ctx.group_version(item.group_id)
+        first = [by[v] for v in sorted(by, reverse=True) if joined is not None and v == joined]
+        return first + [by[v] for v in sorted(by, reverse=True) if joined is None or v != joined]
+
+    def choose(self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState], ctx):
+        tokens = item.tokens
+        floor = self.cfg.mu * self.cost.ideal_gain(tokens)
+        for tier in self.tiers(candidates, item, ctx):
+            best, best_gain = None, -1.0
+            for inst in tier:
+                if inst.waiting > 0 or inst.kv_tokens + tokens > inst.kv_capacity:
+                    continue
+                g = self.cost.gain(inst.running, inst.kv_tokens, tokens)
+                if g > best_gain:
+                    best, best_gain = inst, g
+            if best is not None and best_gain >= floor:
+                return best
+        return None
+
+
+@register_routing("least-loaded")
+class LeastLoaded:
+    """Fewest held trajectories (running + waiting) first; ties by instance id (veRL/AReaL style)."""
+
+    def __init__(self, cfg, cost_model):
+        pass
+
+    def choose(self, item, traj_version, candidates, ctx):
+        return min(candidates, key=lambda i: (i.load, i.instance)) if candidates else None
+
+
+@register_routing("round-robin")
+class RoundRobin:
+    """Cycle over instances; skip those that are not candidates for this trajectory."""
+
+    def __init__(self, cfg, cost_model):
+        self.next = 0
+
+    def choose(self, item, traj_version, candidates, ctx):
+        if not candidates:
+            return None
+        ids = sorted(c.instance for c in candidates)
+        pick = next((i for i in ids if i >= self.next), ids[0])
+        self.next = pick + 1
+        return next(c for c in candidates if c.instance == pick)
+
+
+# ---- pull ------------------------------------------------------------------------------------
+@register_pull("status")
+class StatusPull:
+    """Pull when the instance has no engine queue, nothing in the TS is routable to it at its
+    current version, and its load indicator is at or below the threshold (paper 6.4)."""
+
+    def __init__(self, cfg, cost_model):
+        self.cfg = cfg
+
+    def should_pull(self, inst: InstanceState, ctx) -> bool:
+        if inst.waiting > 0 or ctx.routable_at(inst.target_version):
+            return False
+        return inst.indicator(self.cfg.pull_indicator) <= self.cfg.pull_threshold
+
+
+@register_pull("greedy")
+class GreedyPull:
+    """Pull as soon as a newer version exists (AReaL: interrupt in-flight work at every update)."""
+
+    def __init__(self, cfg, cost_model):
+        pass
+
+    def should_pull(self, inst, ctx) -> bool:
+        return True
+
+
+@register_pull("idle")
+class IdlePull:
+    """Batch-boundary pull (sync, one-step-off): only once nothing is in flight anywhere."""
+
+    def __init__(self, cfg, cost_model):
+        pass
+
+    def should_pull(self, inst, ctx) -> bool:
+        return ctx.in_flight == 0
+
+
+# ---- migration -------------------------------------------------------------------------------
+def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
+    """Paper 6.5: one instance per tick, never while any instance syncs.
+
+    1. Waiting-queue trigger: an instance whose engine queue exceeds phi_wait gives back its
+       newest trajectories beyond phi_wait (the engine queued them; another instance may run them).
+    2. Throughput-gap trigger: for each starved instance s (nothing routable at its version and
+       room to run more), every other instance j with version <= s's has ratio indicator_j /
+       indicator_s; the largest ratio above psi is interrupted entirely (its trajectories loop
+       back and are re-routed), unless it holds fewer than migration_stop trajectories.
+       Computed in O(instances): for each j the best s is the least-loaded starved instance
+       among those at a version >= j's (a suffix minimum over versions).
+    """
+    cfg = ctx.cfg
+    insts = list(ctx.instances.values())
+    if any(i.syncing for i in insts):
+        return None
+    over = [i for i in insts if i.waiting > cfg.phi_wait]
+    if over:
+        inst = max(over, key=lambda i: (i.waiting, -i.instance))
+        ids = tuple(list(inst.trajs)[-(inst.waiting - cfg.phi_wait):])
+        return inst, ids
+    routable: dict[int, bool] = {}
+    low: dict[int, float] = {}  # version -> smallest indicator of a starved instance at that version
+    for s in insts:
+        v = s.target_version
+        if s.waiting or len(s.trajs) >= cfg.max_concurrent:
+            continue
+        if v not in routable:
+            routable[v] = ctx.routable_at(v)
+        if not routable[v]:
+            x = s.indicator(cfg.migration_indicator)
+            low[v] = min(low.get(v, x), x)
+    if not low:
+        return None
+    suffix: dict[int, float] = {}  # version -> min indicator over starved instances at >= version
+    run = float("inf")
+    for v in sorted(low, reverse=True):
+        run = min(run, low[v])
+        suffix[v] = run
+    vs = sorted(suffix)
+    best, best_ratio = None, cfg.psi
+    stop = max(1, cfg.migration_stop)
+    for j in insts:
+        if len(j.trajs) < stop:
+            continue
+        k = next((v for v in vs if v >= j.target_version), None)
+        if k is None:
+            continue
+        base = suffix[k]
+        load = j.indicator(cfg.migration_indicator)
+        if base >= load:  # j is no busier than the starved one (also skips j being that instance)
+            continue
+        ratio = float("inf") if base <= 0 else load / base
+        if ratio > best_ratio:
+            best, best_ratio = j, ratio
+    if best is None:
+        return None
+    return best, tuple(best.trajs)

@@ -1,0 +1,96 @@
+"""Plain data of the Snapshot-Command cycle: instance snapshots, queued trajectories, commands.
+
+All are msgspec Structs (frozen, tagged where they travel as a union), so the runtime sends
+them over ZeroMQ with ``msgspec.msgpack`` and the simulator passes them around as objects.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class InstanceSnapshot(msgspec.Struct, frozen=True):
+    """What one rollout instance reports about itself (every ~10 ms in the real system)."""
+
+    instance: int
+    version: int
+    """Weight version currently loaded."""
+    running: int
+    """Trajectories decoding now."""
+    waiting: int
+    """Trajectories queued inside the engine (not yet running)."""
+    kv_tokens: int
+    kv_capacity: int
+    tokens_per_s: float
+    syncing: bool
+    """A Pull is in progress."""
+    time: float
+    """Instance-side time the snapshot was taken (same clock as the coordinator's `now`)."""
+    traj_ids: tuple[int, ...] = ()
+    """Ids of every trajectory the instance holds (running + waiting)."""
+
+
+class TrajectoryItem(msgspec.Struct, frozen=True):
+    """A trajectory waiting in the Trajectory Server: a new prompt or an interrupted partial one."""
+
+    traj_id: int
+    group_id: int
+    traj_version: int | None
+    """V_traj; None for a new trajectory whose tag is set when it is first routed (dynamic tag)."""
+    prompt_len: int
+    generated_len: int = 0
+    origin: int = -1
+    """Instance it was interrupted on (-1: never ran)."""
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens it brings to an instance (prompt + already generated)."""
+        return self.prompt_len + self.generated_len
+
+
+class Route(msgspec.Struct, frozen=True, tag=True):
+    """Send a trajectory from the TS to an instance; traj_version is its (possibly just fixed) V_traj."""
+
+    traj_id: int
+    instance: int
+    traj_version: int
+
+
+class Pull(msgspec.Struct, frozen=True, tag=True):
+    """Instance loads weight version `version` from the PS (after an Interrupt of its in-flight work)."""
+
+    instance: int
+    version: int
+
+
+class Interrupt(msgspec.Struct, frozen=True, tag=True):
+    """Stop trajectories on an instance and return their partial output to the TS.
+
+    reason: "pull" (before a weight load), "migrate" (re-route elsewhere), "truncate" (stuck-buffer
+    straggler: the partial output is final; the runtime reports it through on_finished).
+    """
+
+    instance: int
+    traj_ids: tuple[int, ...]
+    reason: str = "migrate"
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True):
+    """Drop trajectories for good (instance -1: they were queued in the TS, nothing to stop).
+
+    reason: "surplus" (redundancy), "window-closed" (no admissible buffer left), "straggler"
+    (stuck buffer) or a failure reason. group_id >= 0 marks the end of a whole-group abort: the
+    runtime also discards the group's finished members, and with retry=True resubmits the
+    prompt as a fresh group (new ids).
+    """
+
+    instance: int
+    traj_ids: tuple[int, ...]
+    reason: str
+    retry: bool = False
+    group_id: int = -1
+
+
+Command = Union[Route, Pull, Interrupt, Abort]

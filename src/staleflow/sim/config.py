@@ -1,0 +1,151 @@
+"""Configuration of the discrete-event simulator (``python -m staleflow sim``).
+
+Every modelling assumption is a named field with its default and where the number comes from
+(docs/simulator.md explains the model). Presets are functions in PRESETS: ``paper-32b``
+(128 H20-class GPUs, Qwen2.5-32B TP2 cost model, GRPO group 8, responses up to 20k tokens,
+eta in {1, 2, 3}) and ``cpu-small`` (the default CPU job's shape: 1 trainer + 2 rollout ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from staleflow.config import ConfigError, CoordinatorConfig, _check
+from staleflow.coordinator.modes import MODES
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Discrete-event simulation of StaleFlow and its baselines on one workload."""
+
+    # ---- cluster -----------------------------------------------------------------------------
+    total_gpus: int = 128
+    """GPUs of the whole job; every mode gets the same number (paper: 128 H20)."""
+    rollout_gpus: int = 64
+    """Disaggregated modes: GPUs running rollout instances (the rest train). sync uses all for both."""
+    gpus_per_instance: int = 2
+    """Tensor-parallel size of one rollout instance (the cost-model preset's TP)."""
+    cost_model: str = "qwen2.5-32b-tp2"
+    """Decode cost model of one instance: preset name or JSON file (staleflow.coordinator.cost_model)."""
+    prefill_tokens_per_s: float = 2000.0
+    """Prefill (and KV recompute after an interrupt) rate of one instance. Source: estimate, 2 H20 x 148
+    TFLOP/s x ~40% MFU / (2 x 32e9 FLOP/token)."""
+    max_running: int = 256
+    """Engine cap on running sequences per instance (vLLM max_num_seqs default)."""
+    # ---- trainer and weights -----------------------------------------------------------------
+    train_tokens_per_gpu_s: float = 200.0
+    """Training throughput per trainer GPU, tokens/s (fwd+bwd+log-prob recompute). Source: estimate,
+    H20 148 TFLOP/s x ~35% MFU / (8 x 32e9 FLOP/token)."""
+    train_overhead_s: float = 5.0
+    """Fixed seconds per training step (optimizer, data loading, reward stragglers)."""
+    push_s: float = 4.0
+    """Trainer -> Parameter Server push of one version (PSRL commit log: 32B push 7 s -> 4 s)."""
+    pull_s: float = 2.0
+    """Instance pull of one version from the PS (PSRL commit log: 32B pull 25 s -> 2 s with NIXL)."""
+    colocated_switch_s: float = 10.0
+    """sync mode only: in-place weight update + rollout/train memory switch per step (veRL hybrid engine)."""
+    # ---- workload ----------------------------------------------------------------------------
+    batch_size: int = 32
+    """B: prompt groups per training step (the authors' all-strategies script: 32)."""
+    group_size: int = 8
+    """N: responses per prompt (GRPO; the authors' scripts use n = 8)."""
+    prompt_len: int = 512
+    """Prompt tokens (DAPO-Math prompts are a few hundred tokens; max prompt 2k in the scripts)."""
+    response_median: float = 4000.0
+    """Median response length (lognormal). Assumption: long-CoT math reasoning at 20k max."""
+    response_sigma: float = 0.8
+    """Lognormal sigma of response lengths (long tail). Assumption."""
+    max_response: int = 20000
+    """Cap on response tokens (paper-32b: 20k)."""
+    lengths_file: str = ""
+    """Optional empirical response lengths (one int per line), sampled with replacement instead of the lognormal."""
+    # ---- staleness, modes, strategies ---------------------------------------------------------
+    eta: tuple[int, ...] = (1, 2, 3)
+    """Staleness bounds simulated for the asynchronous modes (sync always 0, one-step-off always 1)."""
+    modes: tuple[str, ...] = MODES
+    batch_redundancy: int = 0
+    """staleflow only: B' - B extra groups per buffer (surplus aborted)."""
+    group_redundancy: int = 0
+    """staleflow only: N' - N extra responses per prompt (slowest aborted)."""
+    straggler: Literal["off", "abort", "truncate"] = "off"
+    """staleflow only: stuck-buffer straggler handling."""
+    straggler_threshold: int = 1
+    coordinator: CoordinatorConfig = field(default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2"))
+    """Strategy settings of the staleflow mode (the baselines override theirs, see coordinator/modes.py)."""
+    ablation: bool = True
+    """Also run staleflow with each strategy switched off in turn (at the largest eta)."""
+    # ---- simulation control ------------------------------------------------------------------
+    steps: int = 12
+    """Training steps simulated per run."""
+    warmup_steps: int = 2
+    """Steps excluded from the throughput measurement (pipeline fill)."""
+    tick_s: float = 0.5
+    """Simulated seconds between coordinator ticks (the real loop ticks every 10 ms; events inside a
+    tick are applied at its end, so this is the timing resolution)."""
+    max_sim_s: float = 200000.0
+    """Stop a run that has not finished `steps` by this simulated time (reported as incomplete)."""
+    seed: int = 0
+    out_dir: str = "runs/sim"
+    """Where the PNG plot and results.json go ('' = do not write files)."""
+
+    def __post_init__(self):
+        _check(self.total_gpus >= 2, "total-gpus", self.total_gpus, "need >= 2 GPUs")
+        _check(self.gpus_per_instance >= 1, "gpus-per-instance", self.gpus_per_instance, "must be >= 1")
+        _check(self.gpus_per_instance <= self.rollout_gpus < self.total_gpus, "rollout-gpus", self.rollout_gpus,
+               f"must be in [gpus-per-instance, total-gpus) = [{self.gpus_per_instance}, {self.total_gpus})")
+        for name in ("prefill_tokens_per_s", "train_tokens_per_gpu_s", "response_median"):
+            _check(getattr(self, name) > 0, name.replace("_", "-"), getattr(self, name), "must be > 0")
+        for name in ("train_overhead_s", "push_s", "pull_s", "colocated_switch_s", "response_sigma"):
+            _check(getattr(self, name) >= 0, name.replace("_", "-"), getattr(self, name), "must be >= 0")
+        _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
+        _check(self.batch_size >= 1, "batch-size", self.batch_size, "must be >= 1")
+        _check(self.group_size >= 1, "group-size", self.group_size, "must be >= 1")
+        _check(self.prompt_len >= 1, "prompt-len", self.prompt_len, "must be >= 1")
+        _check(self.max_response >= 1, "max-response", self.max_response, "must be >= 1")
+        _check(bool(self.eta) and all(e >= 0 for e in self.eta), "eta", self.eta, "give one or more bounds >= 0")
+        _check(bool(self.modes), "modes", self.modes, f"give one or more of {', '.join(MODES)}")
+        for m in self.modes:
+            _check(m in MODES, "modes", m, f"unknown mode; choose from {', '.join(MODES)}")
+        _check(self.batch_redundancy >= 0, "batch-redundancy", self.batch_redundancy, "must be >= 0")
+        _check(self.group_redundancy >= 0, "group-redundancy", self.group_redundancy, "must be >= 0")
+        _check(self.straggler_threshold >= 1, "straggler-threshold", self.straggler_threshold, "must be >= 1")
+        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        _check(0 <= self.warmup_steps < self.steps, "warmup-steps", self.warmup_steps,
+               f"must be in [0, steps) = [0, {self.steps})")
+        _check(self.tick_s > 0, "tick-s", self.tick_s, "must be > 0")
+        _check(self.max_sim_s > 0, "max-sim-s", self.max_sim_s, "must be > 0")
+        _check(self.prompt_len + 1 <= self._kv_hint(), "prompt-len", self.prompt_len,
+               "a prompt must fit in one instance's KV cache")
+
+    def _kv_hint(self) -> int:
+        return 1 << 62  # the cost model's kv_capacity is checked when the run starts
+
+
+def preset_paper_32b() -> SimConfig:
+    """128 GPUs, Qwen2.5-32B TP2 cost model (PSRL coefficients), GRPO group 8, 20k max response."""
+    return SimConfig()
+
+
+def preset_cpu_small() -> SimConfig:
+    """The default CPU job's shape: 3 processes (1 trainer + 2 rollout instances), SmolLM2-135M CPU cost model."""
+    return SimConfig(total_gpus=3, rollout_gpus=2, gpus_per_instance=1, cost_model="cpu-smollm2",
+                     prefill_tokens_per_s=400.0, max_running=64, train_tokens_per_gpu_s=300.0,
+                     train_overhead_s=0.5, push_s=0.3, pull_s=0.3, colocated_switch_s=0.3, batch_size=8,
+                     group_size=4, prompt_len=64, response_median=96.0, response_sigma=0.6, max_response=256,
+                     eta=(1, 2), coordinator=CoordinatorConfig(cost_model="cpu-smollm2"), steps=10,
+                     warmup_steps=2, tick_s=0.05, out_dir="runs/sim-cpu")
+
+
+PRESETS: dict[str, Callable[[], SimConfig]] = {
+    "paper-32b": preset_paper_32b,
+    "cpu-small": preset_cpu_small,
+}
+
+
+def replace(cfg: SimConfig, **changes) -> SimConfig:
+    try:
+        return dataclasses.replace(cfg, **changes)
+    except TypeError as e:
+        raise ConfigError(f"bad SimConfig field: {e}") from None

@@ -1,0 +1,168 @@
+"""A simulated rollout instance: continuous batching whose decode step time follows the cost model.
+
+Per decode step every running trajectory gains one token and the step takes
+``cost.step_time(n, KV)``; between events (a trajectory finishing, the KV cache filling up, the
+end of the coordinator tick) n is constant and KV grows by n per step, so ``advance`` jumps
+whole stretches of steps in closed form (CostModel.steps_time / steps_within) instead of
+simulating tokens one by one. Admission from the engine's waiting queue needs a free running
+slot and KV room, and costs prefill time (prompt + already generated tokens: a resumed partial
+trajectory recomputes its KV). When growth would overflow the KV cache the newest running
+trajectory is preempted back to the waiting queue (vLLM's recompute preemption).
+A Pull stops decoding for ``pull_s`` and then switches the version.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from staleflow.coordinator.cost_model import CostModel
+
+
+class SimTraj:
+    __slots__ = ("traj_id", "group_id", "traj_version", "prompt_len", "target_len", "generated", "tok0", "finish_step")
+
+    def __init__(self, traj_id: int, group_id: int, traj_version: int, prompt_len: int, target_len: int,
+                 generated: int = 0):
+        self.traj_id, self.group_id, self.traj_version = traj_id, group_id, traj_version
+        self.prompt_len, self.target_len, self.generated = prompt_len, target_len, generated
+        self.tok0 = 0  # KV tokens minus the instance step counter at admission
+        self.finish_step = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_len + self.generated
+
+
+class SimInstance:
+    def __init__(self, instance: int, cost: CostModel, prefill_tokens_per_s: float, max_running: int):
+        self.instance, self.cost = instance, cost
+        self.prefill_rate, self.max_running = prefill_tokens_per_s, max_running
+        self.version = 0
+        self.t = 0.0
+        self.step = 0  # decode steps done since start
+        self.running: dict[int, SimTraj] = {}
+        self.heap: list[tuple[int, int]] = []  # (finish_step, traj_id), lazy deletion
+        self.waiting: deque[SimTraj] = deque()
+        self.kv_const = 0  # sum of tok0 over running: KV = kv_const + n * step
+        self.sync_until: float | None = None
+        self.sync_version = 0
+        self.tokens_out = 0
+        self.busy_s = 0.0
+        self.preemptions = 0
+        self.min_version_seen = None  # smallest (instance version - V_traj) at admission, for checks
+
+    # ---- state ---------------------------------------------------------------------------------
+    @property
+    def kv(self) -> int:
+        return self.kv_const + len(self.running) * self.step
+
+    @property
+    def syncing(self) -> bool:
+        return self.sync_until is not None
+
+    def holds(self, traj_id: int) -> bool:
+        return traj_id in self.running or any(w.traj_id == traj_id for w in self.waiting)
+
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- commands ------------------------------------------------------------------------------
+    def add(self, traj: SimTraj) -> None:
+        self.waiting.append(traj)
+
+    def pull(self, version: int, now: float, pull_s: float) -> None:
+        self.t = max(self.t, now)
+        self.sync_until, self.sync_version = self.t + pull_s, version
+
+    def take(self, traj_ids) -> list[SimTraj]:
+        """Remove trajectories (interrupt or abort); returns them with their generated count updated."""
+        out = []
+        want = set(traj_ids)
+        for tid in want & self.running.keys():
+            tr = self.running.pop(tid)
+            tr.generated = tr.tok0 + self.step - tr.prompt_len
+            self.kv_const -= tr.tok0
+            out.append(tr)
+        if len(out) < len(want):
+            keep = deque()
+            for w in self.waiting:
+                (out.append(w) if w.traj_id in want else keep.append(w))
+            self.waiting = keep
+        return out
+
+    # ---- time ----------------------------------------------------------------------------------
+    def _admit(self) -> float:
+        """Start waiting trajectories that fit; returns the prefill seconds spent."""
+        prefill = 0
+        cap = self.cost.kv_capacity
+        while self.waiting and len(self.running) < self.max_running:
+            w = self.waiting[0]
+            if self.kv + w.tokens + len(self.running) + 1 > cap and self.running:
+                break
+            self.waiting.popleft()
+            if self.version < w.traj_version:
+                raise AssertionError(f"instance {self.instance} at version {self.version} runs trajectory "
+                                     f"{w.traj_id} with V_traj {w.traj_version}")
+            w.tok0 = w.tokens - self.step
+            w.finish_step = self.step + max(1, w.target_len - w.generated)
+            self.running[w.traj_id] = w
+            self.kv_const += w.tok0
+            heapq.heappush(self.heap, (w.finish_step, w.traj_id))
+            prefill += w.tokens
+        return prefill / self.prefill_rate
+
+    def _next_finish(self) -> int:
+        h = self.heap
+        while h and (h[0][1] not in self.running or self.running[h[0][1]].finish_step != h[0][0]):
+            heapq.heappop(h)
+        return h[0][0] if h else -1
+
+    def advance(self, t_end: float) -> tuple[list[SimTraj], list[int]]:
+        """Run until t_end; returns (finished trajectories, versions whose pull completed)."""
+        finished: list[SimTraj] = []
+        pulled: list[int] = []
+        while self.t < t_end:
+            if self.sync_until is not None:
+                if self.sync_until > t_end:
+                    self.t = t_end
+                    break
+                self.t = self.sync_until
+                self.sync_until = None
+                self.version = self.sync_version
+                pulled.append(self.version)
+                continue
+            pre = self._admit()
+            if pre > 0:
+                self.t += pre
+                self.busy_s += pre
+                continue
+            n = len(self.running)
+            if n == 0:
+                self.t = t_end
+                break
+            kv = self.kv
+            k_fin = self._next_finish() - self.step
+            k_over = (self.cost.kv_capacity - kv) // n
+            if k_over <= 0:  # KV full: preempt the newest running trajectory (recompute later)
+                tid = next(reversed(self.running))
+                self.waiting.appendleft(self.take([tid])[0])
+                self.preemptions += 1
+                continue
+            k_time = self.cost.steps_within(n, kv, t_end - self.t)
+            k = min(k_fin, k_over, k_time)
+            if k <= 0:
+                break  # not even one step fits before t_end: carry the remainder to the next tick
+            dt = self.cost.steps_time(n, kv, k)
+            self.t += dt
+            self.busy_s += dt
+            self.step += k
+            self.tokens_out += n * k
+            if k == k_fin:
+                while self.heap and self._next_finish() == self.step:
+                    _, tid = heapq.heappop(self.heap)
+                    tr = self.running.pop(tid)
+                    self.kv_const -= tr.tok0
+                    tr.generated = tr.target_len
+                    finished.append(tr)
+        return finished, pulled
