@@ -90,6 +90,18 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert self.reserve(gid, V) == expected  # worst case: the latest feasible buffer
         self.done[gid] = set()
 
+    @rule(n=st.integers(1, 8), age=st.integers(0, 2))
+    def burst(self, n, age):
+        """Dispatch n whole groups (N' members each) at once: saturates windows, as routing does."""
+        V = max(0, self.m.version - age)
+        for _ in range(n):
+            if not self.m.can_admit(V):
+                break
+            gid = self.new_id("g")
+            self.done[gid] = set()
+            for _ in range(self.m.group_capacity):
+                self.reserve(gid, V)
+
     @precondition(lambda self: self.in_flight())
     @rule(data=st.data(), age=st.integers(0, 3))
     def add_member(self, data, age):
@@ -191,6 +203,11 @@ class ProtocolMachine(RuleBasedStateMachine):
     def handle_stragglers(self, threshold, truncate):
         for gid in self.m.stuck_stragglers(threshold):
             info = self.m.group_info(gid)
+            if info["state"] == "closed":  # truncating an earlier straggler made the buffer Ready
+                assert gid in self.m.closed_windows()
+                self.m.abort_group(gid, "closed_window")
+                self.forget_group(gid)
+                continue
             if not truncate or len(info["live"]) + len(info["done"]) < self.N:
                 self.m.abort_group(gid, "straggler")
                 self.forget_group(gid)
@@ -234,7 +251,9 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self.consume()
                 return
             assert not self.m.stuck_stragglers(self.m.capacity), "stuck with nothing in flight"
-            while self.m.can_admit(self.m.version):
+            for _ in range(self.B):  # admit one batch worth, not the whole window
+                if not self.m.can_admit(self.m.version):
+                    break
                 gid = self.new_id("g")
                 self.done[gid] = set()
                 for _ in range(self.N):
