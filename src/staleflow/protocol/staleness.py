@@ -301,7 +301,7 @@ class StalenessManager:
         return []
 
     def occupy(self, group_id) -> int:
-        g = self._group(group_id)
+        g = self._groups.get(group_id) or self._group(group_id)  # the slow path raises
         if g.occupied:
             raise ProtocolError(f"group {group_id!r} already occupies buffer {g.buffer}")
         if g.buffer is None:
@@ -309,10 +309,10 @@ class StalenessManager:
         if len(g.done) < self.group_size:
             raise ProtocolError(f"group {group_id!r} has {len(g.done)} of group_size={self.group_size} "
                                 f"members complete: occupy after generation and reward of the group")
-        v0 = g.buffer
-        v = v0
+        v = v0 = g.buffer
         full = self._full
-        for cand in range(g.traj_version if g.traj_version > self.version else self.version, v0):  # greedy: earliest free required slot
+        lo = g.traj_version if g.traj_version > self.version else self.version
+        for cand in range(lo, v0):  # greedy: the earliest buffer with a free required slot
             if cand not in full:
                 v = cand
                 break
