@@ -142,9 +142,10 @@ def load_cost_model(name_or_path: str) -> CostModel:
 def fit_cost_model(samples: list[tuple[int, float, float]], kv_capacity: int, name: str = "fitted", source: str = "") -> CostModel:
     """Least-squares fit of latency = k1*KV + max(k2, k3*n + b3) + k4 to (n, KV, seconds) samples.
 
-    The kink of the max is found by scanning the breakpoint n* over the observed batch sizes: below
-    n* the non-attention term is the constant k2, above it k3*n + b3 (continuity at n* ties b3).
-    Each candidate is a linear least-squares problem; the best non-negative one wins.
+    The kink of the max is found by scanning the breakpoint n* over a log grid of batch sizes and
+    refining it by golden-section search: below n* the non-attention term is the constant k2,
+    above it k3*n + b3 (continuity at n* ties b3). Each candidate n* is a linear least-squares
+    problem (coefficients clipped at 0).
     """
     import numpy as np
 
@@ -152,15 +153,25 @@ def fit_cost_model(samples: list[tuple[int, float, float]], kv_capacity: int, na
         raise CostModelError(f"fit needs at least 4 (n, kv, seconds) samples, got {len(samples)}")
     a = np.asarray(samples, dtype=np.float64)
     n, kv, y = a[:, 0], a[:, 1], a[:, 2]
-    best = None
-    for ns in sorted(set(n.tolist())) + [float(n.max()) + 1.0]:
-        # latency = k1*kv + c + k3*max(0, n - ns) with c = k2 + k4 (k4 := 0 in the fit, b3 = k2 - k3*ns)
+
+    def solve(ns: float):
+        # latency = k1*kv + c + k3*max(0, n - ns): c = k2 (+ k4 := 0), and b3 = c - k3*ns
         X = np.stack([kv, np.ones_like(n), np.maximum(0.0, n - ns)], axis=1)
         coef, *_ = np.linalg.lstsq(X, y, rcond=None)
         coef = np.maximum(coef, 0.0)
-        err = float(np.sum((X @ coef - y) ** 2))
-        if best is None or err < best[0]:
-            best = (err, ns, coef)
+        return float(np.sum((X @ coef - y) ** 2)), ns, coef
+
+    grid = np.geomspace(max(0.5, n.min() / 2), n.max() * 2, 400)
+    best = min((solve(float(g)) for g in grid), key=lambda r: r[0])
+    i = int(np.searchsorted(grid, best[1]))
+    lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+    for _ in range(60):  # golden-section refinement of the kink between neighbouring grid points
+        m1, m2 = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
+        if solve(m1)[0] <= solve(m2)[0]:
+            hi = m2
+        else:
+            lo = m1
+    best = min(best, solve((lo + hi) / 2), key=lambda r: r[0])
     _, ns, (k1, c, k3) = best
     return CostModel(k1=float(k1), k2=float(c), k3=float(k3), b3=float(max(0.0, c - k3 * ns)), k4=0.0,
                      kv_capacity=int(kv_capacity), name=name, source=source)

@@ -202,7 +202,7 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
         run = min(run, low[v])
         suffix[v] = run
     vs = sorted(suffix)
-    best, best_ratio = None, cfg.psi
+    best, best_key = None, None
     stop = max(1, cfg.migration_stop)
     for j in insts:
         if len(j.trajs) < stop:
@@ -215,8 +215,9 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
         if base >= load:  # j is no busier than the starved one (also skips j being that instance)
             continue
         ratio = float("inf") if base <= 0 else load / base
-        if ratio > best_ratio:
-            best, best_ratio = j, ratio
+        key = (ratio, load, -j.instance)  # ties (e.g. a starved instance with load 0): the busiest
+        if ratio > cfg.psi and (best_key is None or key > best_key):
+            best, best_key = j, key
     if best is None:
         return None
     return best, tuple(best.trajs)
