@@ -193,6 +193,14 @@ def test_state_dict_round_trip_is_json_and_exact():
     bad["buffers"][0]["reserved"].append(99)
     with pytest.raises(ProtocolError, match="inconsistent"):
         StalenessManager.from_state_dict(bad)
+    bad = json.loads(json.dumps(sd))
+    del bad["groups"][0]["live"]
+    with pytest.raises(ProtocolError, match="malformed .*KeyError"):
+        StalenessManager.from_state_dict(bad)
+    bad = json.loads(json.dumps(sd))
+    bad["consumed"].append(["ghost", 0, 0])
+    with pytest.raises(ProtocolError, match="inconsistent"):
+        StalenessManager.from_state_dict(bad)
 
 
 @pytest.mark.parametrize("kwargs, match", [

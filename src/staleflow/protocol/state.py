@@ -45,13 +45,27 @@ def manager_stats(m) -> dict:
 
 
 def manager_from_state_dict(cls, group_cls, d: dict):
-    from staleflow.protocol.staleness import ProtocolError, _Buffer
+    from staleflow.protocol.staleness import ProtocolError
 
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         got = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise ProtocolError(f"not a staleness-manager state dict (format {got!r}, expected {FORMAT!r})")
-    m = cls(**{k: d[k] for k in _PARAMS})
-    m.version, m.closed_version = d["version"], d["closed_version"]
+    try:
+        m = _rebuild(cls, group_cls, d)
+        validate_manager(m)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ProtocolError):
+            raise
+        raise ProtocolError(f"malformed staleness-manager state dict ({type(e).__name__}: {e}); "
+                            f"pass the dict returned by state_dict()") from None
+    return m
+
+
+def _rebuild(cls, group_cls, d: dict):
+    from staleflow.protocol.staleness import _Buffer
+
+    m = cls(**{k: d[k] for k in _PARAMS}, version=d["version"])
+    m.closed_version = d["closed_version"]
     for rec in d["buffers"]:
         b = m._buffers[rec["version"]] = _Buffer()
         b.reserved = dict.fromkeys(rec["reserved"])
@@ -74,7 +88,6 @@ def manager_from_state_dict(cls, group_cls, d: dict):
         m._log.append((gid, tv, bv))
         m._finished[gid] = "consumed"
     m._member_abort_counts = dict(d["trajs_aborted_by_reason"])
-    validate_manager(m)
     return m
 
 
@@ -141,6 +154,11 @@ def validate_manager(m) -> None:
         fail(f"groups placed in missing buffers {sorted(set(reserved) | set(occupied))}")
     if m.closed_version > m.version:
         fail(f"closed_version {m.closed_version} > version {m.version}")
+    logged = [gid for gid, _, _ in m._log]
+    if len(set(logged)) != len(logged) or set(logged) & set(m._aborted):
+        fail("a group is logged as consumed twice, or as both consumed and aborted")
+    if set(m._finished) != set(logged) | set(m._aborted):
+        fail("finished-group index does not match the consumption log and the abort record")
     last = -1
     for gid, tv, bv in m._log:
         if not (tv <= bv <= tv + m.eta) or bv < last or bv >= m.version:
