@@ -16,6 +16,7 @@ API (ids are ints or strs; misuse raises ``ProtocolError`` naming the bad value)
   StalenessManager(eta, batch_size, capacity=None, group_size=1, group_capacity=None, version=0)
         ``version``: start at that model version (resume without a manager checkpoint).
   .version -> int                   next buffer to consume (starts at ``version``)
+  .closed_version -> int            no V_traj <= this is admitted (its whole window is Ready)
   .can_admit(traj_version, group_id=None) -> bool
         a new group (or a new member of in-flight ``group_id``) at this V_traj may reserve.
   .reserve(traj_id, group_id, traj_version) -> int
@@ -44,7 +45,8 @@ API (ids are ints or strs; misuse raises ``ProtocolError`` naming the bad value)
   .consume(v) -> list[group_id]     v must be version and Ready; frees it; version += 1
   .buffer_state(v) -> BufferState   WAITING / READY / STUCK (for v >= version)
   .buffer_entries(v) -> dict[EntryState, int]
-  .group_info(group_id) -> dict     traj_version, buffer_version, state, members
+  .group_info(group_id) -> dict     group_id, traj_version, buffer_version (None if closed),
+        state ("reserved" | "closed" | "occupied"), live and done member ids (in-flight groups)
   .consumption_log() -> list[(group_id, traj_version, buffer_version)]
   .aborted_groups() -> dict[group_id, reason]
   .stats() -> dict                  JSON-able metrics (per-buffer counts, in flight, aborts)
