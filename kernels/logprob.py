@@ -42,6 +42,7 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true",
 # Tokens per backward chunk; None = sized so the dz workspace stays under BWD_WORKSPACE_BYTES.
 BWD_CHUNK_TOKENS: int | None = None
 BWD_WORKSPACE_BYTES = 1 << 30
+_LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -137,13 +138,19 @@ def _upcast_dot(dtype: torch.dtype) -> bool:
     return _INTERPRETING and dtype == torch.bfloat16  # see _logits_tile: interpreter bf16 dot bug
 
 
+def forward_workspace(T: int, config: KernelConfig, device) -> torch.Tensor:
+    """The forward's fp32 partials buffer [4, num_splits, T] (m, s, w, target logit per split)."""
+    return torch.empty((4, config.num_splits, T), device=device, dtype=torch.float32)
+
+
 def packed_logprobs_forward(hidden, weight, targets, temperature=1.0, row_mask=None,
                             config: KernelConfig | None = None, out=None, workspace=None):
-    """Forward only, no autograd: returns (logp, entropy, lse, ez, rows, n_active).
+    """Forward only, no autograd: returns (logp, entropy, lse2, ez2, rows, n_active).
 
-    ``out``: optional (logp, entropy, lse, ez) fp32 [T] buffers to write into; ``workspace``:
-    optional fp32 [4, num_splits, T] partials buffer (tests poison both to prove every output
-    element is written and no unwritten partial is read).
+    lse2 / ez2 are log-sum-exp and E_p[z] in base-2 units (times log2 e), saved for backward.
+    ``out``: optional (logp, entropy, lse2, ez2) fp32 [T] buffers to write into; ``workspace``:
+    optional ``forward_workspace`` buffer (tests poison both to prove every output element is
+    written and no unwritten partial is read).
     """
     _check_inputs(hidden, weight, targets, temperature, row_mask)
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
@@ -153,26 +160,26 @@ def packed_logprobs_forward(hidden, weight, targets, temperature=1.0, row_mask=N
     cfg = config or default_config(device, hidden.dtype)
     if out is None:
         out = tuple(torch.empty(T, device=device, dtype=torch.float32) for _ in range(4))
-    logp, ent, lse, ez = out
+    logp, ent, lse2, ez2 = out
     rows, pos, n_active = _select_rows(row_mask, T, device)
     if T == 0:
-        return logp, ent, lse, ez, rows, n_active
+        return logp, ent, lse2, ez2, rows, n_active
     if workspace is None:
-        workspace = torch.empty((4, cfg.num_splits, T), device=device, dtype=torch.float32)
+        workspace = forward_workspace(T, cfg, device)
     blocks_per_split = triton.cdiv(triton.cdiv(V, cfg.block_n), cfg.num_splits)
     grid = (triton.cdiv(T, cfg.block_m) * cfg.num_splits,)
     _k.fwd_partials_kernel[grid](
         hidden, weight, targets, rows, n_active, workspace,
-        T, V, H, hidden.stride(0), weight.stride(0), 1.0 / float(temperature), blocks_per_split,
+        T, V, H, hidden.stride(0), weight.stride(0), _LOG2E / float(temperature), blocks_per_split,
         NUM_SPLITS=cfg.num_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(hidden.dtype), UPCAST=_upcast_dot(hidden.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_t = 64
     mask_arg = row_mask if row_mask is not None else rows  # unused when HAS_MASK is False
     _k.fwd_merge_kernel[(triton.cdiv(T, block_t),)](
-        workspace, mask_arg, pos, targets, logp, ent, lse, ez, T, V,
+        workspace, mask_arg, pos, targets, logp, ent, lse2, ez2, T, V,
         HAS_MASK=row_mask is not None, NUM_SPLITS=cfg.num_splits, BLOCK_T=block_t, num_warps=4)
-    return logp, ent, lse, ez, rows, n_active
+    return logp, ent, lse2, ez2, rows, n_active
 
 
 def _bwd_chunk_tokens(V: int, elem: int, block_m: int) -> int:
@@ -193,7 +200,7 @@ def _accumulate_dw(dw_acc: torch.Tensor, dz: torch.Tensor, h_chunk: torch.Tensor
         dw_acc.add_(torch.mm(dz.t().float(), h_chunk.float()))
 
 
-def packed_logprobs_backward(hidden, weight, targets, temperature, rows, n_active_host, lse, ez,
+def packed_logprobs_backward(hidden, weight, targets, temperature, rows, n_active_host, lse2, ez2,
                              grad_logp, grad_ent, need_dh=True, need_dw=True,
                              config: KernelConfig | None = None, has_mask=True):
     """Gradients (dH [T, H] in hidden's dtype, dW [V, H] in weight's dtype), either may be None."""
@@ -213,8 +220,9 @@ def packed_logprobs_backward(hidden, weight, targets, temperature, rows, n_activ
         dz = dz_buf[:c]
         grid = (triton.cdiv(c, cfg.bwd_block_m) * triton.cdiv(V, cfg.bwd_block_n),)
         _k.bwd_dz_kernel[grid](
-            hidden, weight, targets, rows, lse, ez, grad_logp, grad_ent, dz,
-            c0, c, V, H, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / float(temperature),
+            hidden, weight, targets, rows, lse2, ez2, grad_logp, grad_ent, dz,
+            c0, c, V, H, hidden.stride(0), weight.stride(0), dz.stride(0), _LOG2E / float(temperature),
+            1.0 / float(temperature),
             BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, BLOCK_K=cfg.bwd_block_k,
             GROUP_M=cfg.bwd_group_m, DOT_PREC=_dot_precision(hidden.dtype), UPCAST=_upcast_dot(hidden.dtype),
             num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages)
@@ -242,19 +250,19 @@ class _PackedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, row_mask):
         hidden_c, weight_c, targets_c = hidden.contiguous(), weight.contiguous(), targets.contiguous()
-        logp, ent, lse, ez, rows, n_active = packed_logprobs_forward(
+        logp, ent, lse2, ez2, rows, n_active = packed_logprobs_forward(
             hidden_c, weight_c, targets_c, temperature, row_mask)
-        ctx.save_for_backward(hidden_c, weight_c, targets_c, rows, n_active, lse, ez)
+        ctx.save_for_backward(hidden_c, weight_c, targets_c, rows, n_active, lse2, ez2)
         ctx.temperature = float(temperature)
         ctx.has_mask = row_mask is not None
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, targets, rows, n_active, lse, ez = ctx.saved_tensors
+        hidden, weight, targets, rows, n_active, lse2, ez2 = ctx.saved_tensors
         n_host = int(n_active.item()) if ctx.has_mask else hidden.shape[0]  # the one sync
         dh, dw = packed_logprobs_backward(
-            hidden, weight, targets, ctx.temperature, rows, n_host, lse, ez, grad_logp, grad_ent,
+            hidden, weight, targets, ctx.temperature, rows, n_host, lse2, ez2, grad_logp, grad_ent,
             need_dh=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1], has_mask=ctx.has_mask)
         return dh, dw, None, None, None
 

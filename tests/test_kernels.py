@@ -111,7 +111,7 @@ def test_every_output_element_written_and_no_unwritten_partial_read():
     T = hidden.shape[0]
     cfg = kl.default_config(hidden.device, hidden.dtype)
     out = tuple(torch.full((T,), float("nan"), device=DEVICE) for _ in range(4))
-    ws = torch.full((4, cfg.num_splits, T), float("nan"), device=DEVICE)
+    ws = kl.forward_workspace(T, cfg, DEVICE).fill_(float("nan"))
     lp, ent, lse, ez, _, _ = packed_logprobs_forward(hidden, weight, targets, TAU, row_mask, out=out, workspace=ws)
     assert all(torch.isfinite(x).all() for x in (lp, ent, lse, ez))
     rlp, rent = packed_logprobs_reference(hidden, weight, targets, TAU, row_mask)
