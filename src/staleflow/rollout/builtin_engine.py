@@ -170,10 +170,11 @@ class BuiltinEngine:
         for r in requests:
             self.add(r)
             order.append(r.request_id)
-        done: dict = {}
-        while len(done) < len(order):
+        pending, done = set(order), {}
+        while pending:
             for out in self.step():
                 done[out.request_id] = out
+                pending.discard(out.request_id)
         return [done[r] for r in order]
 
     # ---- weights -------------------------------------------------------------------------
