@@ -11,7 +11,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from staleflow.kernels.logprob import packed_logprobs_triton, triton_available  # noqa: E402
@@ -38,6 +38,7 @@ def packings(draw):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(packings())
+@example(([8, 18, 1], [0, 0, 0], 63, 16, 0.3, 6.0, 0))  # |logp| ~ 130: needs the relative allowance
 def test_random_packings_match_reference(case):
     lengths, prompts, V, H, temperature, scale, seed = case
     g = torch.Generator().manual_seed(seed)
@@ -61,8 +62,10 @@ def test_random_packings_match_reference(case):
     ((rlp * g_lp.double()).sum() + (rent * g_h.double()).sum()).backward()
 
     assert torch.all(lp <= 0) and torch.all(ent >= 0) and torch.all(ent <= math.log(V) * (1 + 1e-6) + 1e-6)
-    torch.testing.assert_close(lp.double(), rlp, rtol=0, atol=1e-5)
-    torch.testing.assert_close(ent.double(), rent, rtol=0, atol=1e-4)
+    # fp32 outputs: |logp| reaches ~100 here (scale 6, tau 0.3), where one fp32 ulp is ~1e-5,
+    # so the absolute 1e-5 bound gets a 1e-6 relative allowance on top.
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=1e-6, atol=1e-4)
     for got, ref in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
         scale_ref = max(ref.abs().max().item(), 1e-12)
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4 * scale_ref)
