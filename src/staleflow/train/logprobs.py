@@ -57,13 +57,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
         safe_targets = torch.where(row_mask, targets, torch.zeros_like(targets))
         for a in range(0, T, chunk):
             b = min(a + chunk, T)
-            z = (hidden[a:b].to(cdt) @ w.t()) / temperature  # [C, V]
-            lse_c = torch.logsumexp(z, dim=-1)  # [C]
-            p = torch.exp(z - lse_c[:, None])  # [C, V]
-            ez = (p * z).sum(-1)  # [C]
+            z = hidden[a:b].to(cdt) @ w.t()  # [C, V]
+            if temperature != 1.0:
+                z.div_(temperature)
+            m = z.amax(-1, keepdim=True)  # [C, 1]
+            e = torch.exp(z - m)  # [C, V] exp(z - m), the only other [C, V] buffer
+            s = e.sum(-1, keepdim=True)  # [C, 1]
+            lse_c = (m + torch.log(s))[:, 0]  # [C]
+            ez = (e.mul_(z).sum(-1, keepdim=True) / s)[:, 0]  # E_p[z], reusing e in place
             logp[a:b] = z.gather(1, safe_targets[a:b, None])[:, 0] - lse_c
             entropy[a:b] = lse_c - ez
             lse[a:b] = lse_c
+            del z, e
         mask = row_mask.to(cdt)
         logp = logp * mask
         entropy = entropy * mask
@@ -87,16 +92,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for a in range(0, T, ctx.chunk):
             b = min(a + ctx.chunk, T)
             h = hidden[a:b].to(cdt)  # [C, H]
-            z = (h @ w.t()) / ctx.temperature  # [C, V]
+            z = h @ w.t()  # [C, V], recomputed
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
             p = torch.exp(z - lse[a:b, None])  # [C, V]
             ez = (p * z).sum(-1, keepdim=True)  # [C, 1]
-            dz = -(g_logp[a:b, None] + g_ent[a:b, None] * (z - ez)) * p  # [C, V]
+            # dz = -p * (g_logp + g_ent * (z - E_p[z])) + g_logp * onehot(y), built in z's buffer
+            dz = z.sub_(ez).mul_(g_ent[a:b, None]).add_(g_logp[a:b, None]).mul_(p).neg_()
+            del p
             dz.scatter_add_(1, targets[a:b, None], g_logp[a:b, None])
-            dz = dz / ctx.temperature
+            if ctx.temperature != 1.0:
+                dz.div_(ctx.temperature)
             if need_h:
                 dh[a:b] = dz @ w
             if need_w:
-                dw += dz.t() @ h
+                dw.addmm_(dz.t(), h)
+            del dz, z
         return (
             dh.to(hidden.dtype) if need_h else None,
             dw.to(weight.dtype) if need_w else None,

@@ -204,7 +204,7 @@ class Trainer:
 
         sums: dict[str, torch.Tensor] = {}
         self.policy.train()
-        loss_total = torch.zeros((), dtype=torch.float64)
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         grad_norms = []
         for k, mbs in enumerate(planned):
             self.optimizer.zero_grad(set_to_none=True)
@@ -220,9 +220,9 @@ class Trainer:
                 )
                 loss, stats = policy_loss(self.loss_settings, x)
                 (loss * self.world).backward()
-                loss_total += loss.detach().double().cpu()
+                loss_total += loss.detach().double()
                 for key, v in stats.items():
-                    v = v.detach().double().cpu()
+                    v = v.detach().double()  # stays on the device: one transfer per step, in _metrics
                     if key.endswith("_max"):
                         sums[key] = torch.maximum(sums[key], v) if key in sums else v
                     elif key.endswith("_min"):
@@ -250,14 +250,21 @@ class Trainer:
         mins = {k: v for k, v in sums.items() if k.endswith("_min")}
         adds = {k: v for k, v in sums.items() if k not in maxes and k not in mins}
         adds["loss"] = loss_total
-        if self.sharded:
-            keys = sorted(adds)
-            vec = torch.stack([torch.as_tensor(adds[k], dtype=torch.float64) for k in keys])
+        keys = sorted(adds)
+        vec = torch.stack([torch.as_tensor(adds[k], dtype=torch.float64, device=self.device) for k in keys])
+        ext_keys = sorted(maxes) + sorted(mins)
+        ext = torch.stack([torch.as_tensor({**maxes, **mins}[k], dtype=torch.float64, device=self.device)
+                           for k in ext_keys]) if ext_keys else None
+        if self.sharded:  # on the trainer's device: NCCL reduces CUDA tensors only
             dist.all_reduce(vec, group=self.group)
-            adds = dict(zip(keys, vec))
-            for d, op in ((maxes, dist.ReduceOp.MAX), (mins, dist.ReduceOp.MIN)):
-                for k in sorted(d):
-                    dist.all_reduce(d[k], op=op, group=self.group)
+            if ext is not None:
+                n_max = len(maxes)
+                hi, lo = ext[:n_max].clone(), ext[n_max:].clone()
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
+                ext = torch.cat([hi, lo])
+        adds = dict(zip(keys, vec.cpu().tolist()))
+        extremes = dict(zip(ext_keys, ext.cpu().tolist())) if ext is not None else {}
         kept = [s for s, k in zip(samples, keep) if k]
         n_tok = sum(len(s.response_ids) for s in kept)
         out: dict[str, float] = {
@@ -284,7 +291,7 @@ class Trainer:
             out["token_staleness_mean"] = sum(self.version - 1 - v for v in token_versions) / len(token_versions)
         for k, v in adds.items():
             out[f"{k}_mean"] = float(v) / max(n_tok, 1)
-        out.update({k: float(v) for k, v in {**maxes, **mins}.items()})
+        out.update(extremes)
         return out
 
     # ---- weights out ----------------------------------------------------------------------------
