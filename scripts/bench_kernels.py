@@ -7,6 +7,7 @@
 For each shape (T tokens, H hidden, V vocab; bf16 inputs, all rows selected, temperature 0.9) it
 times forward (no grad) and forward+backward (grads for hidden and weight) of:
   triton         staleflow.kernels.logprob.packed_logprobs_triton
+  triton-half-prompt  the same with half the rows unselected (512 prompt tokens per 1024)
   chunked-local  a verl-style PyTorch path defined here: per 2048-token chunk fp32 logits, lse,
                  entropy; backward recomputes the chunk and runs two GEMMs (fp32 dW accumulator)
   chunked-train  staleflow.train.logprobs.packed_logprobs(..., impl="chunked") when importable
@@ -97,6 +98,7 @@ def naive(hidden, weight, targets, temperature, row_mask=None):
 def _impls():
     impls = {
         "triton": lambda h, w, t, tau, m: kl.packed_logprobs_triton(h, w, t, tau, m),
+        "triton-half-prompt": lambda h, w, t, tau, m: kl.packed_logprobs_triton(h, w, t, tau, m),
         "chunked-local": lambda h, w, t, tau, m: ChunkedLogprobs.apply(h, w, t, tau),
         "naive": naive,
     }
@@ -162,6 +164,8 @@ def run_shape(T, H, V, device, impls, reps, warmup, tau=0.9):
             while True:
                 hidden, weight, targets = _inputs(t_used, H, V, device)
                 mask = torch.ones(t_used, device=device, dtype=torch.bool)
+                if name == "triton-half-prompt":  # 512 prompt + 512 response tokens per 1024
+                    mask = torch.arange(t_used, device=device) % 1024 >= 512
                 try:
                     ms, peak = measure(fn, hidden, weight, targets, tau, mask, backward, reps, warmup)
                     status = "ok"
@@ -176,7 +180,8 @@ def run_shape(T, H, V, device, impls, reps, warmup, tau=0.9):
                     t_used = T // 8
                     continue
                 break
-            flops = (8 if backward else 2) * t_used * H * V
+            selected = t_used // 2 if name == "triton-half-prompt" else t_used
+            flops = (8 if backward else 2) * selected * H * V  # selected tokens only
             rows.append({
                 "T": t_used, "H": H, "V": V, "impl": name, "mode": "fwd+bwd" if backward else "fwd",
                 "status": status, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12 if ms else None,
@@ -265,6 +270,12 @@ def main():
                 if r is not None:
                     ratios[f"{T}x{H}x{V} {mode} triton vs {base}"] = r
                     print(f"ratio {T}x{H}x{V} {mode}: triton is {r:.2f}x {base}")
+    for r in rows:
+        if r["impl"] == "triton-half-prompt" and r["ms"]:
+            full = [q for q in rows if q["impl"] == "triton" and q["mode"] == r["mode"] and q["H"] == r["H"]
+                    and q["V"] == r["V"] and q["ms"]]
+            if full:  # ~0.5 when masked prompt tokens cost nothing
+                ratios[f"{r['T']}x{r['H']}x{r['V']} {r['mode']} half-prompt time / full time"] = r["ms"] / full[0]["ms"]
     big = [r for r in rows if r["impl"] == "triton" and r["mode"] == "fwd" and r["H"] == 4096 and r["ms"]]
     result = {
         "bench": "kernels_logprob", "tests": args.tests_status, "hardware": hw, "torch": torch.__version__,
