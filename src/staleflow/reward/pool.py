@@ -9,9 +9,9 @@
 Why processes (``spawn``) and not threads: math-verify bounds its parsing/verification time with
 ``signal.alarm``, which only works in the main thread of a process, and a hung user function
 cannot be stopped inside a thread. Each worker runs ``score`` in its own main thread, one job at
-a time; the pool times every job from the moment it is handed to an idle worker and, past
-``cfg.timeout_s``, kills that worker, reports reward 0 with ``info["error"]``, and starts a
-replacement. A raising function gives reward 0 with the error (see functions.score); a worker
+a time, with the next job already waiting in its pipe (PIPELINE). The pool times each job from
+the moment its worker starts it and, past ``cfg.timeout_s``, kills that worker, reports reward 0
+with ``info["error"]``, requeues the jobs that were waiting behind it and starts a replacement. A raising function gives reward 0 with the error (see functions.score); a worker
 that dies mid-job gives the same. Every submitted key comes back exactly once.
 
 ``workers=0`` scores inline inside ``submit`` (no processes, no timeout): for debugging.
@@ -32,6 +32,9 @@ from staleflow.config import RewardConfig
 from staleflow.reward.functions import RewardError, resolve_reward_fn, score
 
 _READY = "ready"
+PIPELINE = 2
+"""Jobs in flight per worker: the next job waits in the worker's pipe, so it never idles between
+two polls of the controller. Only the job at the head is running (and timed)."""
 
 
 def _die_with_parent() -> None:
@@ -75,7 +78,8 @@ class _Worker:
         self.proc.start()
         child.close()
         self.ready = False
-        self.job: tuple[int, float] | None = None  # (job id, start time)
+        self.jobs: collections.deque[int] = collections.deque()  # job ids sent, in the order it runs them
+        self.head_start = 0.0  # when jobs[0] started running
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -98,7 +102,8 @@ class RewardPool:
         self._workers = [_Worker(self._ctx, cfg.fn, cfg.format_weight) for _ in range(self.num_workers)]
         self._inline = resolve_reward_fn(cfg.fn) if self.num_workers == 0 else None
         self._queue: collections.deque[tuple[int, str, str, dict]] = collections.deque()
-        self._keys: dict[int, object] = {}
+        self._keys: dict[int, object] = {}  # job id -> key, until the result is finished
+        self._sent: dict[int, tuple[int, str, str, dict]] = {}  # jobs inside a worker, for requeueing
         self._done: list[tuple[object, float, dict]] = []
         self._next_id = 0
         self._closed = False
@@ -175,13 +180,16 @@ class RewardPool:
             self.counters["errors"] += 1
         self._done.append((key, reward, info))
 
-    def _fail_job(self, w: _Worker, why: str) -> None:
-        job_id, _ = w.job
-        w.job = None
+    def _fail_head(self, w: _Worker, why: str) -> None:
+        """The running job of a worker about to be replaced scores 0; the jobs behind it are requeued."""
+        job_id = w.jobs.popleft()
         self._finish(self._keys.pop(job_id), 0.0,
                      {"error": why, "answer_reward": 0.0, "format_reward": 0.0, "elapsed_s": None})
 
     def _replace(self, w: _Worker) -> _Worker:
+        for job_id in reversed(w.jobs):  # sent but not started: run them elsewhere, in order
+            self._queue.appendleft(self._sent.pop(job_id))
+        w.jobs.clear()
         w.kill()
         self.counters["restarts"] += 1
         fresh = _Worker(self._ctx, self.cfg.fn, self.cfg.format_weight)
@@ -190,17 +198,20 @@ class RewardPool:
 
     def _dispatch(self) -> None:
         for w in self._workers:
-            if not self._queue:
-                return
-            if w.ready and w.job is None:
+            while self._queue and w.ready and len(w.jobs) < PIPELINE:
                 job = self._queue.popleft()
                 try:
                     w.conn.send(job)
-                except (OSError, ValueError):  # worker died while idle: requeue, restart
+                except (OSError, ValueError):  # the worker died: requeue, restart
                     self._queue.appendleft(job)
+                    if w.jobs:
+                        self._fail_head(w, "reward worker died while scoring")
                     self._replace(w)
-                    continue
-                w.job = (job[0], time.monotonic())
+                    break
+                if not w.jobs:
+                    w.head_start = time.monotonic()
+                w.jobs.append(job[0])
+                self._sent[job[0]] = job
 
     def _collect(self, timeout: float) -> None:
         by_conn = {w.conn: w for w in self._workers}
@@ -218,8 +229,10 @@ class RewardPool:
                 raise RewardError(f"reward worker cannot load --reward.fn={self.cfg.fn!r}: {msg[1]}")
             else:
                 job_id, reward, info = msg
-                if w.job is not None and w.job[0] == job_id:
-                    w.job = None
+                if w.jobs and w.jobs[0] == job_id:
+                    w.jobs.popleft()
+                    w.head_start = time.monotonic()
+                    del self._sent[job_id]
                     self._finish(self._keys.pop(job_id), reward, info)
 
     def _on_death(self, w: _Worker) -> None:
@@ -229,14 +242,14 @@ class RewardPool:
             self.close()
             raise RewardError(f"a reward worker for --reward.fn={self.cfg.fn!r} died while starting "
                               f"(exit code {code})")
-        if w.job is not None:
-            self._fail_job(w, f"reward worker died (exit code {code}) while scoring")
+        if w.jobs:
+            self._fail_head(w, f"reward worker died (exit code {code}) while scoring")
         self._replace(w)
 
     def _expire(self) -> None:
         now = time.monotonic()
         for w in list(self._workers):
-            if w.job is not None and now - w.job[1] > self.timeout_s:
+            if w.jobs and now - w.head_start > self.timeout_s:
                 self.counters["timeouts"] += 1
-                self._fail_job(w, f"timeout: reward function ran over {self.timeout_s:g} s (--reward.timeout-s)")
+                self._fail_head(w, f"timeout: reward function ran over {self.timeout_s:g} s (--reward.timeout-s)")
                 self._replace(w)
