@@ -204,6 +204,8 @@ class CoordinatorConfig:
     """Batch barrier (sync / one-step-off): route a new batch of B groups only when nothing is in flight."""
     scan_limit: int = 32
     """Routing gives up on a level after this many consecutive trajectories found no instance (bounds tick cost)."""
+    migration_cooldown_s: float = 5.0
+    """An instance holding a trajectory migrated less than this many seconds ago is not migrated again (no ping-pong)."""
 
     def __post_init__(self):
         _check(self.scan_limit >= 1, "coordinator.scan-limit", self.scan_limit, "must be >= 1")

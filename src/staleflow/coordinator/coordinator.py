@@ -74,6 +74,8 @@ class Coordinator:
         self._out: list[Command] = []
         self._admit: dict[int, bool] = {}
         self.counters: Counter = Counter()
+        self.migrated: dict[int, float] = {}  # traj_id -> time of its last migration
+        self.now = float("-inf")
 
     # ---- queries used by strategies --------------------------------------------------------
     @property
@@ -128,6 +130,7 @@ class Coordinator:
         self.pending_interrupts.discard(traj_id)
         it = self.items.pop(traj_id)
         self.queue.forget(traj_id)
+        self.migrated.pop(traj_id, None)
         self.reserved.discard(traj_id)
         self.members[it.group_id].discard(traj_id)
         for t in self.manager.complete(traj_id):  # group redundancy: the surplus is aborted
@@ -136,8 +139,12 @@ class Coordinator:
         self.counters["finished"] += 1
         return [it.group_id] if self.done[it.group_id] == self.manager.group_size else []
 
-    def on_rewarded(self, group_id: int) -> int:
-        """The group's reward is known: Occupy. Returns the buffer version it landed in."""
+    def on_rewarded(self, group_id: int) -> int | None:
+        """The group's reward is known: Occupy. Returns the buffer version it landed in, or None if
+        its window closed meanwhile (every admissible buffer became Ready): the group is aborted."""
+        if self.manager.group_info(group_id)["state"] == "closed":
+            self._abort_group_cmds(group_id, "window-closed", self.clock())
+            return None
         v = self.manager.occupy(group_id)
         self._forget_group(group_id)
         return v
@@ -178,6 +185,7 @@ class Coordinator:
 
     # ---- the cycle -------------------------------------------------------------------------
     def tick(self, now: float) -> list[Command]:
+        self.now = now
         cmds, self._out = self._out, []
         self._admit.clear()
         self.counters["ticks"] += 1
@@ -191,6 +199,8 @@ class Coordinator:
             if picked is not None:
                 inst, ids = picked
                 cmds.append(Interrupt(inst.instance, ids, "migrate"))
+                for t in ids:
+                    self.migrated[t] = now
                 self.pending_interrupts.update(ids)
                 inst.last_change = now
                 self.counters["migrations"] += 1
@@ -337,6 +347,7 @@ class Coordinator:
             return
         self._dequeue(traj_id)
         self.queue.forget(traj_id)
+        self.migrated.pop(traj_id, None)
         i = self._detach(traj_id, now)
         self.reserved.discard(traj_id)
         self.pending_interrupts.discard(traj_id)

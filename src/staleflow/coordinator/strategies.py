@@ -90,7 +90,7 @@ class Waterfall:
                 if inst.waiting > 0 or inst.kv_tokens + tokens > inst.kv_capacity:
                     continue
                 g = self.cost.gain(inst.running, inst.kv_tokens, tokens)
-                if g > best_gain:
+                if g > best_gain or (g == best_gain and inst.load < best.load):
                     best, best_gain = inst, g
             if best is not None and best_gain >= floor:
                 return best
@@ -170,7 +170,8 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     2. Throughput-gap trigger: for each starved instance s (nothing routable at its version and
        room to run more), every other instance j with version <= s's has ratio indicator_j /
        indicator_s; the largest ratio above psi is interrupted entirely (its trajectories loop
-       back and are re-routed), unless it holds fewer than migration_stop trajectories.
+       back and are re-routed), unless it holds fewer than max(2, migration_stop) trajectories or
+       one migrated less than migration_cooldown_s ago (no ping-pong).
        Computed in O(instances): for each j the best s is the least-loaded starved instance
        among those at a version >= j's (a suffix minimum over versions).
     """
@@ -203,9 +204,10 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
         suffix[v] = run
     vs = sorted(suffix)
     best, best_key = None, None
-    stop = max(1, cfg.migration_stop)
+    stop = max(2, cfg.migration_stop)  # moving a lone trajectory cannot make it decode faster
+    cool = ctx.now - cfg.migration_cooldown_s
     for j in insts:
-        if len(j.trajs) < stop:
+        if len(j.trajs) < stop or any(ctx.migrated.get(t, -1e300) > cool for t in j.trajs):
             continue
         k = next((v for v in vs if v >= j.target_version), None)
         if k is None:

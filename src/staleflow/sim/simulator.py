@@ -173,6 +173,7 @@ class Simulation:
         if v is None or len(self.step_end) >= cfg.steps:
             return
         gids = self.manager.consume(v)
+        self.progress_at = self.now
         tokens = samples = train_tokens = 0
         for gid in gids:
             tag = self.group_tag.get(gid)
@@ -253,6 +254,7 @@ class Simulation:
         if self.fate.get(tr.traj_id) != "live" or tr.traj_id not in self.coord.items:
             return  # already aborted (the Abort is on its way): a late finish is dropped
         self.fate[tr.traj_id] = "finished"
+        self.progress_at = self.now
         self.finished_members[tr.group_id].append(tr.traj_id)
         for gid in self.coord.on_finished(instance, tr.traj_id):
             self.coord.on_rewarded(gid)  # reward is instantaneous in the simulation
@@ -262,8 +264,13 @@ class Simulation:
         cfg = self.cfg
         self._stock()
         last_tokens = [0] * self.n_inst
+        self.progress_at = 0.0
+        stall = 2000 * cfg.tick_s
         while len(self.step_end) < cfg.steps or self.now < self.step_end[-1]:
-            if self.now > cfg.max_sim_s:
+            if self.now > cfg.max_sim_s or self.now - self.progress_at > stall:
+                self.violations.append(f"incomplete: no trajectory finished and no step ran for {stall:.0f} s "
+                                       f"(stalled at t={self.now:.0f}s)" if self.now <= cfg.max_sim_s else
+                                       f"incomplete: max-sim-s {cfg.max_sim_s:.0f} reached")
                 break
             self.now += cfg.tick_s
             for inst in self.insts:
@@ -298,7 +305,7 @@ class Simulation:
         aborts = {k[len("aborted_"):]: v for k, v in c.items() if k.startswith("aborted_")}
         fates = Counter(self.fate.values())
         if done < cfg.steps:
-            self.violations.append(f"incomplete: {done}/{cfg.steps} steps by t={self.now:.0f}s (max-sim-s)")
+            self.violations.append(f"incomplete: {done}/{cfg.steps} steps")
         return SimResult(
             mode=self.mode, eta=self.eta, label=self.label, steps_done=done, sim_time_s=end, measured_s=measured,
             tokens=tokens, samples=samples, tokens_per_s=tokens / measured if measured > 0 else 0.0,

@@ -1,0 +1,124 @@
+"""Simulator: protocol invariants over random small runs in every mode, the CLI, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from staleflow.config import ConfigError, CoordinatorConfig
+from staleflow.coordinator import CostModel
+from staleflow.coordinator.modes import MODES
+from staleflow.sim.cli import main
+from staleflow.sim.config import SimConfig, replace
+from staleflow.sim.simulator import Simulation
+
+TINY_COST = CostModel(k1=2e-6, k2=0.01, k3=1e-3, b3=0.004, k4=1e-3, kv_capacity=3000, name="tiny")
+
+
+def tiny(**kw) -> SimConfig:
+    base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1",
+                prefill_tokens_per_s=5000.0, max_running=16, train_tokens_per_gpu_s=2000.0, train_overhead_s=0.1,
+                push_s=0.2, pull_s=0.2, colocated_switch_s=0.2, batch_size=3, group_size=2, prompt_len=20,
+                response_median=40.0, response_sigma=1.0, max_response=300, eta=(1,), steps=5, warmup_steps=1,
+                tick_s=0.05, max_sim_s=3000.0, out_dir="", ablation=False,
+                coordinator=CoordinatorConfig(migration=True, psi=2.0, migration_stop=1, phi_wait=1))
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def audit(sim: Simulation, res) -> None:
+    """The protocol seen from outside the manager: bound, no loss, no double consumption."""
+    assert not [v for v in res.violations if not v.startswith("incomplete")], res.violations
+    assert res.steps_done == sim.cfg.steps, res.violations
+    log = sim.manager.consumption_log()
+    assert len({g for g, _, _ in log}) == len(log)  # no group consumed twice
+    for gid, tv, bv in log:
+        assert tv <= bv <= tv + sim.eta
+    # every trajectory ever created has exactly one fate, and consumed ones match the trained samples
+    assert set(sim.fate.values()) <= {"live", "finished", "consumed", "aborted"}
+    consumed = sum(1 for f in sim.fate.values() if f == "consumed")
+    assert consumed == sum(sim.step_samples) == len(log) * sim.N
+    assert sum(res.staleness_hist.values()) == len(log)
+    live = {t for t, f in sim.fate.items() if f in ("live", "finished")}
+    assert live == set(sim.trajs)  # the payload side holds exactly the live ones
+    assert {t for t in sim.coord.items} <= live
+    for inst in sim.insts:  # nothing runs on an instance older than its V_traj
+        for tr in list(inst.running.values()):
+            assert inst.version >= tr.traj_version
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(MODES), eta=st.integers(0, 2), B=st.integers(1, 3), N=st.integers(1, 3),
+       bred=st.integers(0, 2), gred=st.integers(0, 2), straggler=st.sampled_from(["off", "abort", "truncate"]),
+       routing=st.sampled_from(["waterfall", "least-loaded", "round-robin"]), pull=st.sampled_from(["status", "greedy"]),
+       mlq=st.booleans(), seed=st.integers(0, 10_000))
+def test_random_runs_keep_the_staleness_invariant_and_lose_nothing(mode, eta, B, N, bred, gred, straggler, routing,
+                                                                   pull, mlq, seed):
+    if mode == "sync":
+        eta = 0
+    elif mode == "one-step-off":
+        eta = 1
+    cfg = tiny(batch_size=B, group_size=N, batch_redundancy=bred, group_redundancy=gred, straggler=straggler,
+               seed=seed, eta=(eta,), coordinator=CoordinatorConfig(routing=routing, pull=pull, mlq=mlq, mu=0.2,
+                                                                    migration=True, psi=2.0, migration_stop=1,
+                                                                    phi_wait=1, pull_indicator="requests",
+                                                                    pull_threshold=2))
+    sim = Simulation(cfg, mode, eta, cost=TINY_COST)
+    audit(sim, sim.run())
+
+
+def test_every_mode_finishes_and_staleflow_is_not_slower_than_sync():
+    cfg = tiny(steps=6, eta=(2,))
+    rates = {}
+    for mode in MODES:
+        sim = Simulation(cfg, mode, 2, cost=TINY_COST)
+        res = sim.run()
+        audit(sim, res)
+        rates[mode] = res.tokens_per_s
+        assert max(res.staleness_hist) <= sim.eta
+    assert rates["staleflow"] > rates["sync"] > 0
+
+
+def test_cli_prints_table_and_ratio_json(tmp_path, capsys):
+    cm = tmp_path / "cm.json"
+    cm.write_text(json.dumps({"k1": TINY_COST.k1, "k2": TINY_COST.k2, "k3": TINY_COST.k3, "b3": TINY_COST.b3,
+                              "k4": TINY_COST.k4, "kv_capacity": TINY_COST.kv_capacity}))
+    args = ["--preset", "cpu-small", "--cost-model", str(cm), "--steps", "4", "--warmup-steps", "1", "--eta", "1",
+            "--max-response", "120", "--out-dir", str(tmp_path / "out"), "--no-ablation"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert {"vs_sync", "vs_one_step_off", "vs_areal"} <= set(summary) and summary["violations"] == 0
+    assert all(summary[k] > 0 for k in ("vs_sync", "vs_one_step_off", "vs_areal"))
+    assert any(line.startswith("sync ") for line in out) and (tmp_path / "out" / "sim.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--preset", "paper-64b"], "--preset='paper-64b' is unknown"),
+    (["--modes", "staleflow", "verl"], "unknown mode"),
+    (["--batch-size", "-2"], "--batch-size=-2"),
+    (["--rollout-gpus", "128"], "--rollout-gpus=128"),
+    (["--warmup-steps", "12", "--steps", "12"], "--warmup-steps=12"),
+    (["--cost-model", "no-such-model"], "neither a preset"),
+])
+def test_bad_input_is_a_clear_config_error(argv, match, capsys):
+    """Either our own ConfigError, or tyro's exit 2 after printing the same one-line message."""
+    try:
+        main(argv)
+    except ConfigError as e:
+        assert match in str(e)
+    except SystemExit as e:
+        assert e.code == 2 and match in " ".join(capsys.readouterr().err.split()).replace("│ ", "")
+    else:
+        pytest.fail(f"{argv} was accepted")
+
+
+def test_bad_lengths_file(tmp_path):
+    p = tmp_path / "lens.txt"
+    p.write_text("100\n-3\n")
+    with pytest.raises(ConfigError, match="entry 2 is -3"):
+        Simulation(tiny(lengths_file=str(p)), "staleflow", 1, cost=TINY_COST)
+    assert replace(tiny(), seed=3).seed == 3
