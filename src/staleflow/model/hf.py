@@ -153,6 +153,7 @@ def save_hf(
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
     config = model.args.to_hf_config()
     config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    config["dtype"] = config["torch_dtype"]  # transformers 5 spelling
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
