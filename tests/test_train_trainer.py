@@ -103,6 +103,17 @@ def test_decoupled_recomputed_proximal_equals_tis_token_with_one_update():
     _assert_same(*grads, atol=1e-7)
 
 
+def test_activation_checkpointing_gives_the_same_gradients():
+    samples = random_samples(seed=12, groups=2, min_response=1)
+    grads = []
+    for ac in (False, True):
+        t = Trainer(tiny_model(seed=13), TrainConfig(micro_batch_tokens=30, activation_checkpointing=ac))
+        seen = _capture_grads(t)
+        t.step(samples)
+        grads.append(seen[0])
+    _assert_same(*grads, atol=1e-7)
+
+
 def test_mini_batches_make_several_updates_against_the_proximal_policy():
     samples = random_samples(seed=7, groups=4, min_response=2)
     t = Trainer(tiny_model(seed=8), TrainConfig(lr=5e-2, micro_batch_tokens=40, mini_batches=2,
