@@ -194,7 +194,12 @@ def _accumulate_dw(dw_acc: torch.Tensor, dz: torch.Tensor, h_chunk: torch.Tensor
     if dz.dtype == torch.float32:
         dw_acc.addmm_(dz.t(), h_chunk)
         return
-    try:  # torch >= 2.8 on CUDA: low-precision inputs, fp32 output, no rounded intermediate
+    try:  # torch >= 2.8 on CUDA: cuBLAS accumulates into the fp32 buffer (beta = 1), no temporary
+        torch.addmm(dw_acc, dz.t(), h_chunk, out_dtype=torch.float32, out=dw_acc)
+        return
+    except (TypeError, RuntimeError, NotImplementedError):
+        pass
+    try:  # same without the in-place form: one [V, H] fp32 temporary per chunk
         dw_acc.add_(torch.mm(dz.t(), h_chunk, out_dtype=torch.float32))
     except (TypeError, RuntimeError, NotImplementedError):
         # Elsewhere: the chunk's product is rounded once to the input dtype (fp32 inside the

@@ -62,6 +62,18 @@ def test_real_shapes_match_fp64_reference():
         _check_shape(H, V)
 
 
+def test_real_shape_several_backward_chunks():
+    """dW accumulates across backward chunks (T=2048 is one chunk by default)."""
+    from staleflow.kernels import logprob as kl
+
+    saved = kl.BWD_CHUNK_TOKENS
+    kl.BWD_CHUNK_TOKENS = 500  # ragged: 4 full chunks + 1 partial of the ~1500 selected rows
+    try:
+        _check_shape(*SHAPES[1])
+    finally:
+        kl.BWD_CHUNK_TOKENS = saved
+
+
 def test_real_shape_batch_invariance():
     """A sequence's outputs are bitwise identical alone and inside a large pack."""
     from staleflow.kernels.logprob import packed_logprobs_triton
