@@ -218,3 +218,17 @@ def test_pool_math_in_worker_processes_and_inline():
                 pool.submit(i, completion, answer, {})
             got = {k: (r, info["error"]) for k, r, info in _collect_all(pool, len(cases))}
         assert got == {i: (expected, None) for i, (_, _, expected) in enumerate(cases)}
+
+
+def test_pool_requeues_the_job_waiting_behind_a_killed_worker():
+    # One worker, so each job after "sleep"/"exit" was already sitting in that worker's pipe.
+    cfg = RewardConfig(fn="test_reward_helpers:misbehaving", workers=1, timeout_s=2.0)
+    actions = ["ok", "sleep", "ok", "exit", "ok", "raise", "ok"]
+    with RewardPool(cfg) as pool:
+        for i, do in enumerate(actions):
+            pool.submit(i, "a", "a", {"do": do})
+        got = {k: (r, info["error"]) for k, r, info in _collect_all(pool, len(actions))}
+        assert pool.stats()["timeouts"] == 1 and pool.stats()["restarts"] == 2
+    assert sorted(got) == list(range(len(actions)))
+    assert [got[i][0] for i in range(len(actions))] == [1.0 if do == "ok" else 0.0 for do in actions]
+    assert "timeout" in got[1][1] and "died (exit code 3)" in got[3][1] and "RuntimeError" in got[5][1]
