@@ -140,10 +140,13 @@ def test_dynamic_sampling_and_all_filtered_step():
     t = Trainer(tiny_model(seed=2), TrainConfig(lr=1e-2, dynamic_sampling=True))
     m = t.step(samples)
     assert m["groups_dropped"] == 1 and m["samples_trained"] == len(samples) - 4
+    empty = [TrajectorySample([1], [], [], [], float(i), 7, 0) for i in range(3)]  # only zero-length responses
+    m = t.step(empty)
+    assert m["samples_trained"] == 3 and m["response_tokens"] == 0 and t.optimizer_steps == 1
     flat = [s for s in samples if s.group_id == 0]
     before = t.full_state_dict()
     m = t.step(flat)  # nothing left to learn from: no update, the version still advances
-    assert m["samples_trained"] == 0 and t.version == 2 and t.optimizer_steps == 1
+    assert m["samples_trained"] == 0 and t.version == 3 and t.optimizer_steps == 1
     _assert_same(before, t.full_state_dict(), atol=0)
 
 

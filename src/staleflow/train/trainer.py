@@ -197,7 +197,7 @@ class Trainer:
         self._oversize = 0
         rewards, adv, keep = self.prepare(samples)
         minis = [m for m in self._mini_batches(samples, keep) if m]
-        planned = [self._plan(samples, ids, adv) for ids in minis]
+        planned = [mbs for mbs in (self._plan(samples, ids, adv) for ids in minis) if mbs]  # same on all ranks
         recompute = cfg.off_policy == "decoupled" or len(planned) > 1
         proximal = [self._logprobs_nograd(self.policy, mbs) for mbs in planned] if recompute else None
         ref = [self._logprobs_nograd(self.ref_policy, mbs) for mbs in planned] if self.ref_policy else None
