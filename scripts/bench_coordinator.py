@@ -1,0 +1,121 @@
+"""Benchmark: cost of one coordinator tick at 128 instances with ~10k queued trajectories.
+
+    python scripts/bench_coordinator.py [--instances 128] [--queued 10000] [--ticks 300]
+
+Steady state: every instance runs up to --max-concurrent trajectories (versions 0..3 spread over
+instances), the Trajectory Server holds --queued trajectories (40% interrupted loop-backs tagged
+at versions 0..3, 60% new prompts), and before each tick --finish random trajectories finish
+(on_finished + on_rewarded) and are replaced by new prompts, and every instance sends a snapshot.
+Measured in the same run:
+  staleflow   waterfall + MLQ + status pull + migration (the default strategies)
+  areal       least-loaded routing over a FIFO queue, greedy pull
+  unbounded   staleflow without the per-level scan bound and failure cache (baseline: scans the queue)
+Prints p50/p99 tick time (tick() only, and tick + the 128 snapshots); last line JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+
+from staleflow.config import CoordinatorConfig
+from staleflow.coordinator import Coordinator, InstanceSnapshot, TrajectoryItem, load_cost_model
+from staleflow.protocol.staleness import StalenessManager
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(mode: str, cfg: CoordinatorConfig, args, rng: random.Random):
+    cost = load_cost_model("qwen2.5-32b-tp2")
+    m = StalenessManager(eta=3, batch_size=1_000_000, group_size=1)
+    m.version = 3  # versions 0..3 exist (the trainer consumed three buffers)
+    now = [0.0]
+    c = Coordinator(cfg, cost, m, range(args.instances), mode, version=3, clock=lambda: now[0])
+    for i, inst in c.instances.items():  # spread instance versions 0..3 (pulls not yet done)
+        inst.version = inst.target_version = i % 4
+    c.on_new_version(3)
+    ids = iter(range(10**9))
+    items = []
+    for _ in range(int(args.queued * 0.4)):  # interrupted loop-backs with their tags
+        t, V = next(ids), rng.randint(0, 3)
+        m.reserve(t, t, V)
+        c.reserved.add(t)
+        c.group_tag[t] = V
+        items.append(TrajectoryItem(t, t, V, 512, rng.randint(1, 8000)))
+    fill = args.instances * args.max_concurrent  # routed while filling the instances; ~queued remain
+    items += [TrajectoryItem(t, t, None, 512) for t in (next(ids) for _ in range(args.queued + fill - len(items)))]
+    c.submit(items)
+    return c, m, ids, now
+
+
+def run(mode: str, cfg: CoordinatorConfig, args) -> dict:
+    rng = random.Random(0)
+    c, m, ids, now = build(mode, cfg, args, rng)
+    for _ in range(200):  # fill the instances
+        now[0] += 0.01
+        c.tick(now[0])
+    tick_ms, full_ms = [], []
+    for _ in range(args.ticks):
+        now[0] += 0.01
+        running = [(i, t) for i, s in c.instances.items() for t in s.trajs]
+        for i, t in rng.sample(running, min(args.finish, len(running))):
+            for g in c.on_finished(i, t):
+                c.on_rewarded(g)
+        c.submit([TrajectoryItem(t, t, None, 512) for t in (next(ids) for _ in range(args.finish))])
+        t0 = time.perf_counter()
+        for i, s in c.instances.items():
+            c.on_snapshot(InstanceSnapshot(i, s.version, s.load, 0, s.kv_tokens + 5000, s.kv_capacity, 900.0,
+                                           s.syncing, now[0]))
+        t1 = time.perf_counter()
+        c.tick(now[0])
+        t2 = time.perf_counter()
+        tick_ms.append((t2 - t1) * 1e3)
+        full_ms.append((t2 - t0) * 1e3)
+    q = sorted(tick_ms)
+    return {"mode": mode, "p50_ms": statistics.median(tick_ms), "p99_ms": q[int(0.99 * (len(q) - 1))],
+            "mean_ms": statistics.fmean(tick_ms), "with_snapshots_p50_ms": statistics.median(full_ms),
+            "queued": len(c.queue), "routes": c.counters["routes"], "load": sum(s.load for s in c.instances.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--instances", type=int, default=128)
+    ap.add_argument("--queued", type=int, default=10_000)
+    ap.add_argument("--ticks", type=int, default=300)
+    ap.add_argument("--finish", type=int, default=20, help="trajectories finishing between two ticks")
+    ap.add_argument("--max-concurrent", type=int, default=64)
+    args = ap.parse_args()
+    base = CoordinatorConfig(cost_model="qwen2.5-32b-tp2", max_concurrent=args.max_concurrent, migration=True,
+                             pull="status", pull_indicator="kv", pull_threshold=0.6)
+    print(f"host: {cpu_name()}, {os.cpu_count()} cpus, python {platform.python_version()}; {args.instances} instances, "
+          f"{args.queued} queued, {args.finish} finishes/tick, max_concurrent {args.max_concurrent}, {args.ticks} ticks")
+    rows = [run("staleflow", base, args), run("areal", base, args),
+            run("staleflow", CoordinatorConfig(**{**base.__dict__, "scan_limit": 10**9}), args) | {"mode": "unbounded"}]
+    print(f"{'variant':10s} {'p50 ms':>8s} {'p99 ms':>8s} {'mean ms':>8s} {'+snap p50':>10s} {'queued':>7s} {'routes':>7s}")
+    for r in rows:
+        print(f"{r['mode']:10s} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['mean_ms']:8.3f} "
+              f"{r['with_snapshots_p50_ms']:10.3f} {r['queued']:7d} {r['routes']:7d}")
+    sf, un = rows[0], rows[2]
+    print(json.dumps({"tick_p50_ms": round(sf["p50_ms"], 4), "tick_p99_ms": round(sf["p99_ms"], 4),
+                      "tick_with_snapshots_p50_ms": round(sf["with_snapshots_p50_ms"], 4),
+                      "areal_tick_p50_ms": round(rows[1]["p50_ms"], 4),
+                      "unbounded_tick_p50_ms": round(un["p50_ms"], 4),
+                      "speedup_vs_unbounded": round(un["p50_ms"] / sf["p50_ms"], 2),
+                      "target_met": sf["p50_ms"] < 1.0, "instances": args.instances, "queued": args.queued}))
+
+
+if __name__ == "__main__":
+    main()
