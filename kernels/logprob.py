@@ -78,6 +78,9 @@ def default_config(device: torch.device, dtype: torch.dtype) -> KernelConfig:
     """The fixed tile configuration for a device kind and dtype (independent of T)."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
+    if dtype == torch.float32:  # exact fp32 dot (no tensor cores): small tiles compile spill-free
+        return KernelConfig(block_m=64, block_n=128, block_k=32, num_stages=2, bwd_block_m=64,
+                            bwd_block_n=64, bwd_block_k=32, bwd_num_warps=4, bwd_num_stages=2)
     return KernelConfig()
 
 
