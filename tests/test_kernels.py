@@ -195,3 +195,17 @@ def test_bad_inputs_raise_clear_errors():
         bad[row_mask.nonzero()[0]] = V
         with pytest.raises(ValueError, match="targets"):
             packed_logprobs_triton(hidden, weight, bad, 1.0, row_mask)
+
+
+def test_trainer_entry_point_selects_this_kernel():
+    """The trainer's packed_logprobs(impl="triton") runs this kernel and agrees with its chunked path."""
+    logprobs = pytest.importorskip("staleflow.train.logprobs")
+    hidden, weight, targets, row_mask = packed_batch(LENGTHS[:3], PROMPTS[:3], seed=11)
+    lp_t, ent_t = logprobs.packed_logprobs(hidden, weight, targets, temperature=TAU, row_mask=row_mask,
+                                           impl="triton")
+    lp_k, ent_k = packed_logprobs_triton(hidden, weight, targets, TAU, row_mask)
+    assert torch.equal(lp_t, lp_k) and torch.equal(ent_t, ent_k)
+    lp_c, ent_c = logprobs.packed_logprobs(hidden, weight, targets, temperature=TAU, row_mask=row_mask,
+                                           impl="chunked")
+    torch.testing.assert_close(lp_t, lp_c, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent_t, ent_c, rtol=0, atol=1e-4)
