@@ -244,7 +244,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--sweep", action="store_true", help="also time forward tile configs (first shape)")
+    ap.add_argument("--sweep", action="store_true", help="also time forward tile configs per shape")
     ap.add_argument("--skip", default="", help="comma-separated impls to skip")
     ap.add_argument("--tests-status", default="not run", help="recorded in the JSON (device_check.sh)")
     args = ap.parse_args()
@@ -261,7 +261,8 @@ def main():
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     rows, sweeps, ratios = [], [], {}
     if args.sweep:
-        sweeps = sweep(*shapes[0], device, args.reps, args.warmup)
+        for shape in shapes:
+            sweeps.append({"shape": list(shape), "configs": sweep(*shape, device, args.reps, args.warmup)})
     for T, H, V in shapes:
         rows += run_shape(T, H, V, device, impls, args.reps, args.warmup)
         for mode in ("fwd", "fwd+bwd"):
