@@ -24,6 +24,10 @@ from staleflow.launch.roles import Roles
 class RankDied(RuntimeError):
     """A rank's process disappeared (or reported a Failure) while the run was going on."""
 
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -73,10 +77,10 @@ class Controller:
         if self.stop_requested:
             raise KeyboardInterrupt(self.stop_requested)
         if os.getppid() != self.parent_pid:
-            raise RankDied(f"{self.describe(0)} died (the controller lost its parent)")
+            raise RankDied(f"{self.describe(0)} died (the controller lost its parent)", rank=0)
         for rank, pid in self.pids.items():
             if rank not in self.left and not _pid_alive(pid):
-                raise RankDied(f"{self.describe(rank)} died unexpectedly")
+                raise RankDied(f"{self.describe(rank)} died unexpectedly", rank=rank)
 
     def recv(self, timeout_s: float):
         """Next (rank, message) or None; checks liveness, answers Register/Goodbye/Failure itself."""
@@ -94,11 +98,11 @@ class Controller:
                     self.pids[rank] = msg.pid
                     continue
                 if isinstance(msg, Failure):
-                    raise RankDied(f"{self.describe(rank)} failed: {msg.error}")
+                    raise RankDied(f"{self.describe(rank)} failed: {msg.error}", rank=rank)
                 if isinstance(msg, Goodbye):
                     self.left.add(rank)
                     if not msg.ok:
-                        raise RankDied(f"{self.describe(rank)} left: {msg.reason}")
+                        raise RankDied(f"{self.describe(rank)} left: {msg.reason}", rank=rank)
                     continue
                 return rank, msg
             if time.monotonic() >= deadline:

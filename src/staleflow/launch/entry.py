@@ -204,6 +204,7 @@ def run_rank(cfg: RunConfig, roles: Roles, rank: int) -> int:
         if controller.exitcode not in (0, None):
             code = controller.exitcode if controller.exitcode > 0 else 1
         remove_run_folder(run_id)
+        cleanup_stale_run_files()  # segments of ranks that died without unlinking them
     if not ok and rank == 0 and reason:
         print(f"staleflow: rank {rank}: {reason}", file=sys.stderr, flush=True)
     return code

@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from staleflow.coordinator import Abort, Coordinator, InstanceSnapshot, Interrupt, Pull, Route, TrajectoryItem
 from staleflow.coordinator import apply_mode, load_cost_model
+from staleflow.launch.controller import RankDied
 from staleflow.launch.messages import (FreeRecords, InstanceStats, InterruptTrajs, Pulled, PullWeights, RouteTraj,
                                        Saved, SaveState, StepDone, TrainItem, TrainStep, TrajDone)
 from staleflow.metrics.progress import ProgressDisplay
@@ -67,10 +69,8 @@ class TrainingJob:
         self.rewards = RewardPool(cfg.reward)
         self.version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)
         self.manager = StalenessManager(s.eta, s.batch_size, capacity=s.batch_size + s.batch_redundancy,
-                                        group_size=s.group_size, group_capacity=s.group_size + s.group_redundancy)
-        self.manager.version = self.version
-        self.manager.closed_version = self.version - 1
-        self.manager.validate()
+                                        group_size=s.group_size, group_capacity=s.group_size + s.group_redundancy,
+                                        version=self.version)
         cost = load_cost_model(self.coord_cfg.cost_model)
         roles = ctl.roles
         self.rank_of = {roles.instance_id(r): r for r in roles.rollout_ranks}
@@ -267,6 +267,7 @@ class TrainingJob:
             for t in members:
                 items.append(TrainItem(handle=t.handle, reward=float(t.reward), group_id=gid, traj_version=V))
                 self.step_acc["reward"].append(float(t.reward))
+            self.writer.log_trained(self.version, gid, V, [t.traj_id for t in members], [t.reward for t in members])
         self.ctl.broadcast(TrainStep(version=self.version, items=items), ranks=self.ctl.roles.trainer_ranks)
         self.trainer_busy = (self.version, time.time(), gids)
 
@@ -357,10 +358,26 @@ class TrainingJob:
                 self.on_pulled(rank, msg)
         self.writer.log_span(0, "checkpoint", t0, time.time())
 
+    def emergency_save(self, err: RankDied) -> None:
+        """A rollout rank died: finish the running step and save a resumable checkpoint before stopping."""
+        self.ctl.left.add(err.rank)
+        print(f"staleflow: {err}; saving a checkpoint before stopping", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 600
+        while self.trainer_busy is not None and time.monotonic() < deadline:
+            got = self.ctl.recv(1.0)
+            if got is not None and isinstance(got[1], StepDone):
+                self.on_step_done(got[1])
+        self.save(export=False)
+        print(f"staleflow: resume with --resume {self.run_dir}", file=sys.stderr, flush=True)
+
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
         try:
             self._run()
+        except RankDied as e:
+            if e.rank is not None and self.ctl.roles.role(e.rank) == "rollout":
+                self.emergency_save(e)
+            raise
         finally:
             self.rewards.close()
             self.progress.close()

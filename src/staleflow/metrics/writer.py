@@ -3,6 +3,7 @@ TensorBoard scalars, and the run's resolved config.
 
     run_dir/metrics.jsonl    {"step": v, "reward_mean": ..., "tokens_per_s": ..., "staleness": {...}, ...}
     run_dir/timeline.jsonl   {"rank": r, "kind": "generate"|"train"|"pull"|..., "t0": s, "t1": s}
+    run_dir/trained.jsonl    {"buffer": v, "group_id": g, "traj_version": V, "traj_ids": [...], "rewards": [...]}
     run_dir/tb/              TensorBoard events (scalars of metrics.jsonl)
     run_dir/config.json      the RunConfig of the run
 """
@@ -35,6 +36,7 @@ class MetricsWriter:
         os.makedirs(run_dir, exist_ok=True)
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         self._timeline = open(os.path.join(run_dir, "timeline.jsonl"), "a", buffering=1)
+        self._trained = open(os.path.join(run_dir, "trained.jsonl"), "a", buffering=1)
         self.t_start = time.time()
         self._tb = None
         if tensorboard:
@@ -58,9 +60,17 @@ class MetricsWriter:
         row = {"rank": rank, "kind": kind, "t0": round(t0 - self.t_start, 4), "t1": round(t1 - self.t_start, 4), **extra}
         self._timeline.write(json.dumps(row) + "\n")
 
+    def log_trained(self, buffer_version: int, group_id: int, traj_version: int, traj_ids: list[int],
+                    rewards: list[float]) -> None:
+        """One consumed group: the audit trail of the staleness bound (and of no double training)."""
+        row = {"buffer": buffer_version, "group_id": group_id, "traj_version": traj_version, "traj_ids": traj_ids,
+               "rewards": rewards}
+        self._trained.write(json.dumps(row) + "\n")
+
     def close(self) -> None:
         self._metrics.close()
         self._timeline.close()
+        self._trained.close()
         if self._tb is not None:
             self._tb.close()
 
