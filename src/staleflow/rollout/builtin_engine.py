@@ -134,6 +134,7 @@ class BuiltinEngine:
         logits, rows = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
+        kv_attended = sum(s.num_computed for s in batch.seqs)
         finished: list[RequestOutput] = []
         if rows:
             seqs = [batch.seqs[i] for i in rows]
@@ -152,7 +153,7 @@ class BuiltinEngine:
         self.last_step_latency_s = time.perf_counter() - t0
         if self.profile:
             self.profile_samples.append(CostSample(
-                n_running=len(batch), kv_tokens=sum(s.num_computed for s in batch.seqs),
+                n_running=len(batch), kv_tokens=kv_attended,
                 prefill_tokens=batch.prefill_tokens, latency_s=self.last_step_latency_s))
         return finished
 
