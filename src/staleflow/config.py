@@ -60,6 +60,8 @@ class RolloutConfig:
     max_model_len: int = 2048
     stats_interval_ms: float = 10.0
     """How often a rollout rank reports its stats to the controller."""
+    profile: bool = False
+    """Record (n_running, kv_tokens, step latency) per engine step, for scripts/fit_cost_model.py."""
 
     def __post_init__(self):
         _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")

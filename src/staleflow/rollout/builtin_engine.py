@@ -62,7 +62,7 @@ class BuiltinEngine:
 
     @classmethod
     def from_config(cls, model_cfg, rollout_cfg, device: str | torch.device | None = None,
-                    version: int = 0, profile: bool = False) -> "BuiltinEngine":
+                    version: int = 0, profile: bool | None = None) -> "BuiltinEngine":
         """Build from ModelConfig + RolloutConfig (staleflow.config); loads the model."""
         from staleflow.model import load_model
 
@@ -72,7 +72,8 @@ class BuiltinEngine:
         model = load_model(model_cfg.path, dtype=dtype, device=device)
         return cls(model, max_running=rollout_cfg.max_running, max_kv_tokens=rollout_cfg.max_kv_tokens,
                    block_size=rollout_cfg.block_size, prefill_chunk_tokens=rollout_cfg.prefill_chunk_tokens,
-                   max_model_len=rollout_cfg.max_model_len, version=version, profile=profile)
+                   max_model_len=rollout_cfg.max_model_len, version=version,
+                   profile=rollout_cfg.profile if profile is None else profile)
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
