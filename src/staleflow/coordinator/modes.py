@@ -40,6 +40,12 @@ _OVERRIDES: dict[str, dict[str, dict]] = {
 COLOCATED = {"sync": True, "areal": False, "one-step-off": False, "staleflow": False}
 """Whether the mode runs rollout and training on the same GPUs, one after the other."""
 
+WEIGHT_SYNC = {"staleflow": "ps", "areal": "broadcast-pause", "one-step-off": "broadcast", "sync": "colocated"}
+"""How new weights reach the instances in each system: ps = trainer pushes to the Parameter Server,
+each instance pulls on its own (StaleFlow); broadcast-pause = the trainer broadcasts to every
+instance while all of them pause (AReaL: pause, update, resume); broadcast = broadcast at the batch
+boundary (veRL one-step-off); colocated = in-place update on the same GPUs (veRL sync)."""
+
 
 def check_mode(mode: str) -> str:
     if mode not in _OVERRIDES:

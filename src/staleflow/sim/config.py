@@ -44,6 +44,10 @@ class SimConfig:
     """Trainer -> Parameter Server push of one version (PSRL commit log: 32B push 7 s -> 4 s)."""
     pull_s: float = 2.0
     """Instance pull of one version from the PS (PSRL commit log: 32B pull 25 s -> 2 s with NIXL)."""
+    broadcast_s: float = 8.0
+    """areal / one-step-off: NCCL broadcast of the new weights from the trainer to every instance (no PS).
+    Source: ~64 GB of bf16 32B weights at ~8 GB/s (verl checkpoint engine: ~8.25 GB/s to 30 instances).
+    areal pauses every instance and the trainer for it; one-step-off pays it at the batch boundary."""
     colocated_switch_s: float = 10.0
     """sync mode only: in-place weight update + rollout/train memory switch per step (veRL hybrid engine)."""
     # ---- workload ----------------------------------------------------------------------------
@@ -77,11 +81,11 @@ class SimConfig:
     ablation: bool = True
     """Also run staleflow with each strategy switched off in turn (at the largest eta)."""
     # ---- simulation control ------------------------------------------------------------------
-    steps: int = 12
+    steps: int = 10
     """Training steps simulated per run."""
     warmup_steps: int = 2
     """Steps excluded from the throughput measurement (pipeline fill)."""
-    tick_s: float = 0.5
+    tick_s: float = 1.0
     """Simulated seconds between coordinator ticks (the real loop ticks every 10 ms; events inside a
     tick are applied at its end, so this is the timing resolution)."""
     max_sim_s: float = 200000.0
@@ -97,7 +101,7 @@ class SimConfig:
                f"must be in [gpus-per-instance, total-gpus) = [{self.gpus_per_instance}, {self.total_gpus})")
         for name in ("prefill_tokens_per_s", "train_tokens_per_gpu_s", "response_median"):
             _check(getattr(self, name) > 0, name.replace("_", "-"), getattr(self, name), "must be > 0")
-        for name in ("train_overhead_s", "push_s", "pull_s", "colocated_switch_s", "response_sigma"):
+        for name in ("train_overhead_s", "push_s", "pull_s", "broadcast_s", "colocated_switch_s", "response_sigma"):
             _check(getattr(self, name) >= 0, name.replace("_", "-"), getattr(self, name), "must be >= 0")
         _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
         _check(self.batch_size >= 1, "batch-size", self.batch_size, "must be >= 1")
@@ -132,7 +136,7 @@ def preset_cpu_small() -> SimConfig:
     """The default CPU job's shape: 3 processes (1 trainer + 2 rollout instances), SmolLM2-135M CPU cost model."""
     return SimConfig(total_gpus=3, rollout_gpus=2, gpus_per_instance=1, cost_model="cpu-smollm2",
                      prefill_tokens_per_s=400.0, max_running=64, train_tokens_per_gpu_s=300.0,
-                     train_overhead_s=0.5, push_s=0.3, pull_s=0.3, colocated_switch_s=0.3, batch_size=8,
+                     train_overhead_s=0.5, push_s=0.3, pull_s=0.3, broadcast_s=0.4, colocated_switch_s=0.3, batch_size=8,
                      group_size=4, prompt_len=64, response_median=96.0, response_sigma=0.6, max_response=256,
                      eta=(1, 2), coordinator=CoordinatorConfig(cost_model="cpu-smollm2"), steps=10,
                      warmup_steps=2, tick_s=0.05, out_dir="runs/sim-cpu")

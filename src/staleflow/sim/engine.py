@@ -8,7 +8,8 @@ simulating tokens one by one. Admission from the engine's waiting queue needs a 
 slot and KV room, and costs prefill time (prompt + already generated tokens: a resumed partial
 trajectory recomputes its KV). When growth would overflow the KV cache the newest running
 trajectory is preempted back to the waiting queue (vLLM's recompute preemption).
-A Pull stops decoding for ``pull_s`` and then switches the version.
+A Pull stops decoding for ``pull_s`` and then switches the version; ``pause_until`` holds the
+instance during a global weight broadcast (AReaL-style update: every instance stops together).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class SimInstance:
         self.waiting: deque[SimTraj] = deque()
         self.kv_const = 0  # sum of tok0 over running: KV = kv_const + n * step
         self.sync_until: float | None = None
+        self.pause_until = 0.0
         self.sync_version = 0
         self.tokens_out = 0
         self.busy_s = 0.0
@@ -123,6 +125,12 @@ class SimInstance:
         finished: list[SimTraj] = []
         pulled: list[int] = []
         while self.t < t_end:
+            if self.pause_until > self.t:  # a global weight broadcast holds every instance
+                if self.pause_until > t_end:
+                    self.t = t_end
+                    break
+                self.t = self.pause_until
+                continue
             if self.sync_until is not None:
                 if self.sync_until > t_end:
                     self.t = t_end

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from staleflow.config import CoordinatorConfig
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.cost_model import CostModel, load_cost_model
-from staleflow.coordinator.modes import COLOCATED, mode_overrides
+from staleflow.coordinator.modes import COLOCATED, WEIGHT_SYNC, mode_overrides
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route, TrajectoryItem
 from staleflow.protocol.staleness import StalenessManager
 from staleflow.sim.config import SimConfig
@@ -105,6 +105,8 @@ class Simulation:
         if cfg.prompt_len + 2 > self.cost.kv_capacity:
             raise ValueError(f"--prompt-len={cfg.prompt_len} does not fit the KV capacity {self.cost.kv_capacity}")
         self.colocated = COLOCATED[mode]
+        self.sync = WEIGHT_SYNC[mode]
+        self.pull_time = {"ps": cfg.pull_s, "broadcast": cfg.broadcast_s}.get(self.sync, 0.0)
         gpus = cfg.total_gpus if self.colocated else cfg.rollout_gpus
         self.n_inst = max(1, gpus // cfg.gpus_per_instance)
         self.train_gpus = cfg.total_gpus if self.colocated else cfg.total_gpus - cfg.rollout_gpus
@@ -190,10 +192,17 @@ class Simulation:
                 samples += 1
             self.group_tag.pop(gid, None)
         dur = train_tokens / (cfg.train_tokens_per_gpu_s * self.train_gpus) + cfg.train_overhead_s
-        if self.colocated:
+        if self.sync == "colocated":
             dur += cfg.colocated_switch_s
             publish = self.now + dur
-        else:
+        elif self.sync == "broadcast-pause":  # trainer and every instance stop for the broadcast
+            for inst in self.insts:
+                inst.pause_until = max(inst.pause_until, self.now + dur + cfg.broadcast_s)
+            dur += cfg.broadcast_s
+            publish = self.now + dur
+        elif self.sync == "broadcast":  # paid by the instances at the batch boundary (pull_time)
+            publish = self.now + dur
+        else:  # ps: push to the Parameter Server, instances pull on their own
             publish = self.now + dur + cfg.push_s
         self.trainer_busy_until = self.now + dur
         self.trainer_busy_s += dur
@@ -216,7 +225,7 @@ class Simulation:
             elif isinstance(c, Interrupt):
                 self._interrupt(c)
             elif isinstance(c, Pull):
-                self.insts[c.instance].pull(c.version, self.now, 0.0 if self.colocated else cfg.pull_s)
+                self.insts[c.instance].pull(c.version, self.now, self.pull_time)
             elif isinstance(c, Abort):
                 self._abort(c)
 
