@@ -7,7 +7,9 @@ Same model weights (fp32 unless --dtype), same prompts (seeded random token ids 
 --prompt-len), greedy, eos ignored so every request produces exactly --new-tokens tokens.
 Both sides are measured in this run, alternating (engine, hf, engine, hf, ...) for --repeats
 rounds so background load hits both alike; the best round of each is reported. vLLM is measured
-too when `import vllm` works. Prints a table with hardware and settings; the last line is JSON
+too when `import vllm` works. --skewed N adds an RL-like workload: N requests whose lengths are
+long-tailed, at most --batch at a time (continuous batching vs transformers' static batches,
+useful tokens only). Prints a table with hardware and settings; the last line is JSON
 with tok_s, hf_tok_s, ratio_vs_hf (and vllm_tok_s, ratio_vs_vllm when measured).
 """
 
@@ -56,6 +58,31 @@ def run_engine(model, prompts, new_tokens, args) -> float:
     return sum(len(o.output_ids) for o in outs) / dt
 
 
+def run_engine_lengths(model, prompts, lengths, args) -> float:
+    """Skewed workload: request i stops after lengths[i] tokens (stands in for its eos); at most
+    --batch run at once, a finished request's slot is refilled at the next step."""
+    from staleflow.rollout.builtin_engine import BuiltinEngine
+    from staleflow.rollout.engine import Request, SamplingParams
+
+    total = max(len(p) for p in prompts) + max(lengths) + 1
+    engine = BuiltinEngine(model, max_running=args.batch, max_kv_tokens=args.batch * (total + args.block_size),
+                           block_size=args.block_size, prefill_chunk_tokens=args.prefill_chunk, max_model_len=total)
+    t0 = time.perf_counter()
+    outs = engine.generate([Request(i, p, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))
+                            for i, (p, n) in enumerate(zip(prompts, lengths))])
+    _sync(model)
+    return sum(len(o.output_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def run_hf_lengths(hf_model, prompts, lengths, batch) -> float:
+    """The static-batch equivalent: batches of --batch requests in order, each generating until its
+    longest request is done; only each request's own tokens count as useful."""
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        run_hf(hf_model, prompts[i:i + batch], max(lengths[i:i + batch]))
+    return sum(lengths) / (time.perf_counter() - t0)
+
+
 def run_hf(hf_model, prompts, new_tokens) -> float:
     ids = torch.tensor(prompts, device=hf_model.device)
     t0 = time.perf_counter()
@@ -96,6 +123,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--skewed", type=int, default=0, metavar="N",
+                    help="also run N requests with long-tailed lengths (8 + exponential, mean 24, capped at "
+                         "--new-tokens), at most --batch at a time: continuous vs static batching")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,6 +151,16 @@ def main() -> None:
         hf.append(run_hf(hf_model, prompts, args.new_tokens))
     result = {"tok_s": round(max(eng), 1), "hf_tok_s": round(max(hf), 1),
               "ratio_vs_hf": round(max(eng) / max(hf), 2)}
+    skew_note = "not run (--skewed N)"
+    if args.skewed:
+        lengths = [min(args.new_tokens, 8 + int(x)) for x in
+                   torch.empty(args.skewed).exponential_(1 / 24, generator=gen).tolist()]
+        sprompts = [torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist() for _ in lengths]
+        se = run_engine_lengths(model, sprompts, lengths, args)
+        sh = run_hf_lengths(hf_model, sprompts, lengths, args.batch)
+        result.update(skewed_tok_s=round(se, 1), skewed_hf_tok_s=round(sh, 1), ratio_vs_hf_skewed=round(se / sh, 2))
+        skew_note = (f"{args.skewed} requests, {sum(lengths)} tokens (max {max(lengths)}): engine {se:.1f} tok/s, "
+                     f"transformers static batches {sh:.1f} tok/s, ratio {se / sh:.2f}x")
     vllm_note = "not importable"
     if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
         try:
@@ -140,6 +180,7 @@ def main() -> None:
         ("engine tok/s (rounds)", ", ".join(f"{x:.1f}" for x in eng)),
         ("transformers generate tok/s", ", ".join(f"{x:.1f}" for x in hf)),
         ("vLLM", vllm_note),
+        ("skewed lengths", skew_note),
         ("ratio engine / transformers", f"{result['ratio_vs_hf']:.2f}x (best round each)"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -11,8 +11,9 @@ and the instance throughput is T = n / latency. k1: attention cost per KV token;
 memory-bound floor of the GEMMs (weights streamed once per step); k3: per-sequence GEMM cost
 once compute-bound; k4: a constant. Only pure-decode steps (no prefill tokens) are used.
 The fit is scipy curve_fit with non-negative bounds, on RELATIVE residuals (sigma = latency),
-so small and large batches count alike, from several starting points (the max() makes the
-loss non-smooth, and k2/k4 trade off when the floor always binds).
+so small and large batches count alike, with a robust soft-L1 loss (steps slowed down by other
+jobs on a shared machine are outliers, not signal), from several starting points (the max()
+makes the loss non-smooth, and k2/k4 trade off when the floor always binds).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def fit_cost_model(samples: Iterable[CostSample], min_samples: int = 4) -> dict:
     best = None
     for p0 in starts:
         try:
-            popt, _ = curve_fit(f, np.vstack([n, kv]), y, p0=p0, sigma=y, bounds=(0.0, np.inf), maxfev=20000)
+            popt, _ = curve_fit(f, np.vstack([n, kv]), y, p0=p0, sigma=y, bounds=(0.0, np.inf), maxfev=20000,
+                                loss="soft_l1", f_scale=0.1)
         except RuntimeError:  # no convergence from this start
             continue
         rel = (f(np.vstack([n, kv]), *popt) - y) / y
