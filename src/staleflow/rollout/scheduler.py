@@ -6,7 +6,9 @@ Each step (`schedule()`):
    back to the FRONT of the waiting queue keeping all its tokens, and is re-prefilled later);
 2. running sequences still in prefill get a chunk from the step's prefill token budget;
 3. waiting sequences are admitted in FIFO order while the running cap, the budget and the
-   free blocks (minus a small watermark that keeps room for decodes) allow.
+   free blocks (minus a small watermark that keeps room for decodes) allow;
+4. if nothing at all could be scheduled while sequences run (prefills blocking each other),
+   the newest running sequence is preempted and scheduling retried.
 The result is a ScheduledBatch: decodes first, then prefill chunks, each with its token count.
 """
 
@@ -75,6 +77,16 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> ScheduledBatch:
+        # Nothing runnable while sequences are running means every one of them is a prefill
+        # stuck on blocks held by the others: preempt the newest until the oldest can proceed
+        # (a sequence alone always fits, the engine checks max_model_len <= capacity).
+        while True:
+            batch = self._schedule_once()
+            if len(batch) or not self.running:
+                return batch
+            self._preempt(self.running[-1])
+
+    def _schedule_once(self) -> ScheduledBatch:
         bm = self.block_manager
         batch = ScheduledBatch()
         decode: list[Sequence] = []
