@@ -47,7 +47,7 @@ class SimInstance:
         self.waiting: deque[SimTraj] = deque()
         self.kv_const = 0  # sum of tok0 over running: KV = kv_const + n * step
         self.sync_until: float | None = None
-        self.pause_until = 0.0
+        self.pause = (0.0, 0.0)  # [start, end) of a global weight broadcast
         self.sync_version = 0
         self.tokens_out = 0
         self.busy_s = 0.0
@@ -125,11 +125,18 @@ class SimInstance:
         finished: list[SimTraj] = []
         pulled: list[int] = []
         while self.t < t_end:
-            if self.pause_until > self.t:  # a global weight broadcast holds every instance
-                if self.pause_until > t_end:
+            p0, p1 = self.pause
+            if p0 <= self.t < p1:  # a global weight broadcast holds every instance
+                if p1 > t_end:
                     self.t = t_end
                     break
-                self.t = self.pause_until
+                self.t = p1
+                continue
+            if self.t < p0 < t_end:  # run up to the start of the pause, then pause
+                f, p = self.advance(p0)
+                finished += f
+                pulled += p
+                self.t = max(self.t, p0)  # a partial decode step cut by the pause is dropped
                 continue
             if self.sync_until is not None:
                 if self.sync_until > t_end:

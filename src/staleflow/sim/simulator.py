@@ -197,7 +197,7 @@ class Simulation:
             publish = self.now + dur
         elif self.sync == "broadcast-pause":  # trainer and every instance stop for the broadcast
             for inst in self.insts:
-                inst.pause_until = max(inst.pause_until, self.now + dur + cfg.broadcast_s)
+                inst.pause = (self.now + dur, self.now + dur + cfg.broadcast_s)
             dur += cfg.broadcast_s
             publish = self.now + dur
         elif self.sync == "broadcast":  # paid by the instances at the batch boundary (pull_time)
