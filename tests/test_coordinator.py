@@ -299,3 +299,14 @@ def test_round_robin_and_least_loaded():
     _loaded(c, 0, 2)
     c.submit([TrajectoryItem(1, 1, None, 10)])
     assert routes(c.tick(1.0)) == [(1, 1, 0)]
+
+
+def test_commands_and_snapshots_cross_a_socket_as_msgpack():
+    import msgspec
+
+    from staleflow.coordinator.types import Command
+
+    cmds = [Route(1, 2, 3), Pull(0, 4), Interrupt(1, (5, 6), "pull"), Abort(-1, (), "straggler", True, 9)]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(cmds), type=list[Command]) == cmds
+    s = InstanceSnapshot(0, 1, 2, 0, 100, 1000, 12.5, False, 3.0, (7, 8))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=InstanceSnapshot) == s
