@@ -50,7 +50,7 @@ def audit(sim: Simulation, res) -> None:
             assert inst.version >= tr.traj_version
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(MODES), eta=st.integers(0, 2), B=st.integers(1, 3), N=st.integers(1, 3),
        bred=st.integers(0, 2), gred=st.integers(0, 2), straggler=st.sampled_from(["off", "abort", "truncate"]),
        routing=st.sampled_from(["waterfall", "least-loaded", "round-robin"]), pull=st.sampled_from(["status", "greedy"]),
