@@ -17,7 +17,6 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from staleflow.config import CoordinatorConfig
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.cost_model import CostModel, load_cost_model
 from staleflow.coordinator.modes import COLOCATED, WEIGHT_SYNC, mode_overrides
@@ -330,6 +329,3 @@ class Simulation:
 def run(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, label: str = "") -> SimResult:
     return Simulation(cfg, mode, eta, overrides, label=label).run()
 
-
-def default_coordinator(cfg: SimConfig) -> CoordinatorConfig:
-    return dataclasses.replace(cfg.coordinator, cost_model=cfg.cost_model)
