@@ -295,3 +295,15 @@ def test_stats_track_running_waiting_and_kv(models):
     s2 = eng.stats()
     assert s2.num_running == 2 and s2.kv_tokens == sum(s.num_computed for s in eng.scheduler.running)
     assert s2.kv_capacity == 1024 and s2.tokens_generated >= 1 and s2.last_step_latency_s > 0
+    assert s2.throughput_tok_s > 0 and s2.steps == 2
+
+
+def test_from_config_builds_from_the_run_config():
+    from staleflow.config import ModelConfig, RolloutConfig
+
+    eng = BuiltinEngine.from_config(ModelConfig(path="tiny-qwen2"),
+                                    RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, profile=True),
+                                    device="cpu", version=4)
+    out = eng.generate([Request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))])[0]
+    assert out.versions == [4, 4, 4] and eng.stats().kv_capacity == 512 and eng.profile_samples
+    assert eng.model.args.architecture == "qwen2"

