@@ -257,6 +257,7 @@ def test_bad_input_leaves_engine_unharmed(models):
         eng.add(Request("vocab", [5, 500], params))
     with pytest.raises(EngineError, match="unknown request_id 'nope'"):
         eng.abort(["ok", "nope"])
+    assert eng.abort(["nope"], missing_ok=True) == []
     bad_name = dict(weights, **{"model.layers.0.mlp.gate.weight": torch.zeros(3)})
     with pytest.raises(EngineError, match="unknown parameter name 'model.layers.0.mlp.gate.weight'"):
         eng.load_weights(bad_name, version=1)
@@ -307,3 +308,22 @@ def test_from_config_builds_from_the_run_config():
     out = eng.generate([Request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))])[0]
     assert out.versions == [4, 4, 4] and eng.stats().kv_capacity == 512 and eng.profile_samples
     assert eng.model.args.architecture == "qwen2"
+
+
+def test_resume_on_another_instance_mixes_versions(models):
+    """Interrupted on a version-0 instance, resumed on a version-2 one: per-token versions show both."""
+    _, folder = models["qwen2"]
+    params = SamplingParams(temperature=0.9, max_new_tokens=10, ignore_eos=True, seed=21)
+    p = prompts(1, seed=15)[0]
+    a = engine(folder)
+    a.add(Request("m", p, params))
+    for _ in range(5):
+        a.step()
+    (part,) = a.abort(["m"])
+    b = engine(folder, version=2)
+    (out,) = b.generate([Request("m", p, params, part.output_ids, part.logprobs, part.versions)])
+    k = len(part.output_ids)
+    assert out.output_ids[:k] == part.output_ids and out.logprobs[:k] == part.logprobs
+    assert out.versions == [0] * k + [2] * (10 - k)
+    full = engine(folder).generate([Request("m", p, params)])[0]
+    assert out.output_ids == full.output_ids  # same weights: the seeded stream continues exactly

@@ -108,11 +108,18 @@ class BuiltinEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def abort(self, request_ids: Iterable) -> list[RequestOutput]:
-        """Interrupt requests; returns their partial outputs (finish_reason 'abort')."""
+    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]:
+        """Interrupt requests; returns their partial outputs (finish_reason 'abort').
+
+        An id that is not waiting or running is an error (nothing is aborted), unless missing_ok:
+        then it is skipped - a rank loop racing with step() (the request just finished and its
+        output was already returned) wants that.
+        """
         ids = list(request_ids)
         unknown = [r for r in ids if r not in self.seqs]
-        if unknown:
+        if missing_ok:
+            ids = [r for r in ids if r in self.seqs]
+        elif unknown:
             raise EngineError(f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); "
                               f"nothing was aborted")
         outs = []
