@@ -54,7 +54,8 @@ class ModelRunner:
             slots = torch.where(valid, slots, self.attn.null_slot)
             slot_parts.append(slots.gather(1, (lens_t - 1)[:, None])[:, 0])  # the new token's slot
             ctx.decode_slots = slots.reshape(-1).to(dev, non_blocking=True)
-            ctx.decode_mask = valid[:, None, None, :].to(dev, non_blocking=True)
+            # equal lengths need no mask (SDPA's unmasked path is faster)
+            ctx.decode_mask = None if min(lens) == max_len else valid[:, None, None, :].to(dev, non_blocking=True)
             ctx.decode_len = max_len
             for s in seqs:
                 ids.append(s.token_ids[s.num_computed])

@@ -39,7 +39,7 @@ class StepContext:
     decode_slots: torch.Tensor | None = None
     """[B * Lmax] int64: padded slots of the decoding sequences' contexts."""
     decode_mask: torch.Tensor | None = None
-    """[B, 1, 1, Lmax] bool: True on real keys."""
+    """[B, 1, 1, Lmax] bool: True on real keys; None when every context has length Lmax."""
     decode_len: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
 

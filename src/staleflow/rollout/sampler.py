@@ -55,7 +55,9 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.greedy]
         plain = [i for i, p in enumerate(params) if not p.greedy and p.top_p >= 1.0 and p.top_k == 0]
         trunc = [i for i, p in enumerate(params) if not p.greedy and (p.top_p < 1.0 or p.top_k > 0)]
-        if greedy:
+        if len(greedy) == n:
+            tokens = logits.argmax(dim=-1)
+        elif greedy:
             idx = torch.tensor(greedy, device=device)
             tokens[idx] = logits[idx].argmax(dim=-1)
         if plain:

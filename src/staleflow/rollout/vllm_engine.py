@@ -298,11 +298,17 @@ class VllmEngine:
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
-    def abort(self, request_ids: Iterable) -> list[RequestOutput]:
-        """Interrupt requests; returns their partial outputs (finish_reason 'abort')."""
+    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]:
+        """Interrupt requests; returns their partial outputs (finish_reason 'abort').
+
+        An id that is not waiting or running is an error (nothing is aborted), unless missing_ok
+        (a rank loop racing with step(): the request just finished): then it is skipped.
+        """
         ids = list(dict.fromkeys(request_ids))
         unknown = [r for r in ids if r not in self._live]
-        if unknown:
+        if missing_ok:
+            ids = [r for r in ids if r in self._live]
+        elif unknown:
             raise EngineError(f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); "
                               f"nothing was aborted")
         lives = [self._live.pop(r) for r in ids]
