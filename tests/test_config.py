@@ -34,6 +34,8 @@ BAD = [
     (RolloutConfig, {"max_new_tokens": 0}, "rollout.max-new-tokens"),
     (RolloutConfig, {"max_model_len": 1}, "rollout.max-model-len"),
     (RolloutConfig, {"stats_interval_ms": 0}, "rollout.stats-interval-ms"),
+    (RolloutConfig, {"length_dist": "normal:1:2"}, "rollout.length-dist"),
+    (RolloutConfig, {"length_dist": "lognormal:0:1"}, "rollout.length-dist"),
     (StalenessConfig, {"eta": -1}, "staleness.eta"),
     (StalenessConfig, {"batch_size": 0}, "staleness.batch-size"),
     (StalenessConfig, {"batch_redundancy": -1}, "staleness.batch-redundancy"),

@@ -23,10 +23,19 @@ from test_launch import TORCHRUN, _kill_group, _wait_gone
 pytestmark = pytest.mark.slow
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+REWARD = ["--reward.fn", "e2e_rewards:text_length"]
+
+
+def _env(tag):
+    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, STALEFLOW_TEST_TAG=tag, PYTHONPATH=path)
+
+
 def _train(tag, run_dir, name, *args, **popen):
-    env = dict(os.environ, STALEFLOW_TEST_TAG=tag)
+    env = _env(tag)
     cmd = [*TORCHRUN, "-m", "staleflow", "train", "--preset", "tiny", "--log.run-dir", str(run_dir),
-           "--log.name", name, "--log.no-progress", *args]
+           "--log.name", name, *REWARD, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True, **popen)
 
@@ -132,9 +141,9 @@ def test_killed_rollout_rank_saves_checkpoint_then_resume(tmp_path):
     assert _wait_gone(tag) == []
     # Resume: continues from the saved version to --steps, and the audit trail stays consistent.
     tag2 = uuid.uuid4().hex
-    env = dict(os.environ, STALEFLOW_TEST_TAG=tag2)
+    env = _env(tag2)
     res = subprocess.run([*TORCHRUN, "-m", "staleflow", "train", "--preset", "tiny", "--resume", run,
-                          "--steps", str(saved_version + 2), "--log.no-progress"],
+                          "--steps", str(saved_version + 2), "--log.no-progress", *REWARD],
                          capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     steps = [s["step"] for s in _rows(os.path.join(run, "metrics.jsonl"))]

@@ -21,6 +21,18 @@ def _check(ok: bool, flag: str, value, need: str) -> None:
         raise ConfigError(f"--{flag}={value!r} is invalid: {need}")
 
 
+def parse_length_dist(spec: str) -> tuple[float, float] | None:
+    """'lognormal:MEDIAN:SIGMA' -> (median, sigma); None when malformed."""
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] != "lognormal":
+        return None
+    try:
+        median, sigma = float(parts[1]), float(parts[2])
+    except ValueError:
+        return None
+    return (median, sigma) if median > 0 and sigma >= 0 else None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which policy model to train and how to run it."""
@@ -60,6 +72,10 @@ class RolloutConfig:
     max_model_len: int = 2048
     stats_interval_ms: float = 10.0
     """How often a rollout rank reports its stats to the controller."""
+    length_dist: str = ""
+    """Benchmark workload: 'lognormal:MEDIAN:SIGMA' draws each trajectory's length (capped at
+    max-new-tokens) and ignores eos, to reproduce the long-tailed lengths of reasoning RL with
+    any model. Empty: lengths are whatever the model generates."""
     profile: bool = False
     """Record (n_running, kv_tokens, step latency) per engine step, for scripts/fit_cost_model.py."""
 
@@ -76,6 +92,8 @@ class RolloutConfig:
         _check(self.max_new_tokens >= 1, "rollout.max-new-tokens", self.max_new_tokens, "must be >= 1")
         _check(self.max_model_len > 1, "rollout.max-model-len", self.max_model_len, "must be > 1")
         _check(self.stats_interval_ms > 0, "rollout.stats-interval-ms", self.stats_interval_ms, "must be > 0")
+        _check(self.length_dist == "" or parse_length_dist(self.length_dist) is not None, "rollout.length-dist",
+               self.length_dist, "use 'lognormal:MEDIAN:SIGMA' with MEDIAN > 0 and SIGMA >= 0, or ''")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ class Controller:
     infos: dict[int, dict] = field(default_factory=dict)
     left: set[int] = field(default_factory=set)
     stop_requested: str = ""
+    stop_at: float = 0.0
+    grace_s: float = 0.0
+    """While > 0 (an emergency checkpoint), a stop request is honoured only after this many seconds."""
     _last_beat: float = 0.0
 
     def __post_init__(self):
@@ -72,15 +75,22 @@ class Controller:
         pid = self.pids.get(rank)
         return f"rank {rank} ({role}{extra}{f', pid {pid}' if pid else ''})"
 
-    def check_alive(self) -> None:
-        """Raise RankDied naming the first rank whose process is gone; also stop if rank 0 vanished."""
-        if self.stop_requested:
-            raise KeyboardInterrupt(self.stop_requested)
-        if os.getppid() != self.parent_pid:
-            raise RankDied(f"{self.describe(0)} died (the controller lost its parent)", rank=0)
+    def _raise_if_dead(self) -> None:
         for rank, pid in self.pids.items():
             if rank not in self.left and not _pid_alive(pid):
                 raise RankDied(f"{self.describe(rank)} died unexpectedly", rank=rank)
+
+    def check_alive(self) -> None:
+        """Raise RankDied naming the first rank whose process is gone; also stop if rank 0 vanished.
+
+        A dead rank is the root cause of whatever follows (torchrun then signals the others), so
+        it is checked before the parent, a stop request or another rank's failure report.
+        """
+        self._raise_if_dead()
+        if os.getppid() != self.parent_pid:
+            raise RankDied(f"{self.describe(0)} died (the controller lost its parent)", rank=0)
+        if self.stop_requested and time.monotonic() - self.stop_at >= self.grace_s:
+            raise KeyboardInterrupt(self.stop_requested)
 
     def recv(self, timeout_s: float):
         """Next (rank, message) or None; checks liveness, answers Register/Goodbye/Failure itself."""
@@ -98,10 +108,15 @@ class Controller:
                     self.pids[rank] = msg.pid
                     continue
                 if isinstance(msg, Failure):
+                    self._raise_if_dead()
                     raise RankDied(f"{self.describe(rank)} failed: {msg.error}", rank=rank)
                 if isinstance(msg, Goodbye):
                     self.left.add(rank)
+                    if self.grace_s > 0 and self.roles.role(rank) == "rollout":
+                        continue  # stopping anyway (emergency checkpoint): rollout ranks may go
                     if not msg.ok:
+                        time.sleep(0.2)  # a signal-driven goodbye: let torchrun reap a dead rank first
+                        self._raise_if_dead()
                         raise RankDied(f"{self.describe(rank)} left: {msg.reason}", rank=rank)
                     continue
                 return rank, msg
@@ -177,7 +192,9 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
     ctl = Controller(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir)
 
     def on_signal(signum, _frame):
-        ctl.stop_requested = f"stopped by signal {signal.Signals(signum).name}"
+        if not ctl.stop_requested:
+            ctl.stop_requested = f"stopped by signal {signal.Signals(signum).name}"
+            ctl.stop_at = time.monotonic()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

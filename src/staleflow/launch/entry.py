@@ -50,9 +50,18 @@ class RankContext:
         return self.roles.role(self.rank)
 
     def recv(self, timeout_s: float):
-        """Next controller message other than a heartbeat; raises RunStopped on Shutdown(ok=False)."""
+        """Next controller message other than a heartbeat; raises RunStopped on Shutdown(ok=False).
+
+        After a SIGTERM (torchrun stops every rank when one dies) a trainer rank keeps serving
+        for a grace period, so the controller can still have it save a checkpoint.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
+            if _TERM["at"] is not None:
+                grace = TERM_GRACE_S if self.role == "trainer" else 0.0
+                if time.monotonic() - _TERM["at"] > grace:
+                    raise KeyboardInterrupt("signal SIGTERM")
+                deadline = min(deadline, _TERM["at"] + grace)
             msg = self.client.recv(max(0.0, deadline - time.monotonic()))
             if msg is None:
                 return None
@@ -173,6 +182,7 @@ def run_rank(cfg: RunConfig, roles: Roles, rank: int) -> int:
             worker, more = make_worker(ctx, model)
             info.update(more)
         client.send(Ready(rank=rank, info=info))
+        _TERM["defer"] = True
         if worker is None:
             smoke_loop(ctx, model)
         else:
@@ -210,8 +220,16 @@ def run_rank(cfg: RunConfig, roles: Roles, rank: int) -> int:
     return code
 
 
+TERM_GRACE_S = 20.0  # torchrun SIGKILLs 30 s after its SIGTERM
+_TERM: dict = {"defer": False, "at": None}
+
+
 def _on_sigterm(signum, _frame):
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+    """Before the rank loop: stop at once. In the loop: note it; RankContext.recv stops (after a grace)."""
+    if not _TERM["defer"]:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+    if _TERM["at"] is None:
+        _TERM["at"] = time.monotonic()
 
 
 def main(argv: list[str]) -> int:

@@ -15,6 +15,7 @@ Bytes never pass through here except to decode a finished response for its rewar
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import sys
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 from staleflow.coordinator import Abort, Coordinator, InstanceSnapshot, Interrupt, Pull, Route, TrajectoryItem
 from staleflow.coordinator import apply_mode, load_cost_model
+from staleflow.config import parse_length_dist
 from staleflow.launch.controller import RankDied
 from staleflow.launch.messages import (FreeRecords, InstanceStats, InterruptTrajs, Pulled, PullWeights, RouteTraj,
                                        Saved, SaveState, StepDone, TrainItem, TrainStep, TrajDone)
@@ -44,6 +46,8 @@ class Traj:
     reward: float | None = None
     finished: bool = False
     truncate: bool = False
+    target_len: int = 0  # benchmark workloads: drawn length (0 = the model decides)
+    n_tokens: int = 0
 
 
 @dataclass
@@ -81,6 +85,7 @@ class TrainingJob:
         self.groups: dict[int, Group] = {}
         self.next_traj = self.next_group = 0
         self.rng = random.Random(cfg.seed)
+        self.length_dist = parse_length_dist(cfg.rollout.length_dist) if cfg.rollout.length_dist else None
         self.trainer_busy: tuple[int, float, list[int]] | None = None  # (version, t_sent, group ids)
         self.tokens_generated: dict[int, int] = {}
         self.counts = Counter()
@@ -103,10 +108,16 @@ class TrainingJob:
         items = []
         for _ in range(self.stale_cfg.group_size + self.stale_cfg.group_redundancy):
             tid, self.next_traj = self.next_traj, self.next_traj + 1
-            self.trajs[tid] = Traj(tid, gid, seed=self.rng.getrandbits(62))
+            self.trajs[tid] = Traj(tid, gid, seed=self.rng.getrandbits(62), target_len=self.draw_length())
             g.members.append(tid)
             items.append(TrajectoryItem(traj_id=tid, group_id=gid, traj_version=None, prompt_len=len(prompt.prompt_ids)))
         self.coord.submit(items)
+
+    def draw_length(self) -> int:
+        if not self.length_dist:
+            return 0
+        median, sigma = self.length_dist
+        return max(1, min(self.cfg.rollout.max_new_tokens, int(round(self.rng.lognormvariate(math.log(median), sigma)))))
 
     def refill(self) -> None:
         cap = self.stale_cfg.batch_size + self.stale_cfg.batch_redundancy
@@ -149,8 +160,18 @@ class TrainingJob:
             t.instance, t.traj_version = cmd.instance, cmd.traj_version
             self.ctl.send(self.rank_of[cmd.instance], RouteTraj(
                 traj_id=t.traj_id, group_id=t.group_id, traj_version=cmd.traj_version,
-                prompt_ids=list(g.prompt.prompt_ids), seed=t.seed, partial=t.handle))
+                prompt_ids=list(g.prompt.prompt_ids), seed=t.seed, partial=t.handle, max_new_tokens=t.target_len))
             self.counts["routes"] += 1
+        elif isinstance(cmd, Interrupt) and cmd.instance < 0:  # queued stragglers: their partial is final
+            for tid in cmd.traj_ids:
+                t = self.trajs.get(tid)
+                if t is None:
+                    continue
+                if t.handle is None:  # never generated a token: nothing to keep
+                    self.coord.on_failed(-1, tid, "truncated-empty")
+                    self.drop_traj(tid)
+                else:
+                    self.finish(t, -1, t.handle[0], t.n_tokens)
         elif isinstance(cmd, Interrupt):
             if cmd.reason == "truncate":
                 for tid in cmd.traj_ids:
@@ -184,22 +205,26 @@ class TrainingJob:
             self.free([old])
         instance = self.ctl.roles.instance_id(rank)
         if msg.partial and not t.truncate:
+            t.n_tokens = msg.n_tokens
             g = self.groups[t.group_id]
             self.coord.on_interrupted(instance, [TrajectoryItem(
                 traj_id=t.traj_id, group_id=t.group_id, traj_version=t.traj_version,
                 prompt_len=len(g.prompt.prompt_ids), generated_len=msg.n_tokens, origin=instance)])
             return
+        self.finish(t, instance, rank, msg.n_tokens)
+
+    def finish(self, t: Traj, instance: int, rank: int, n_tokens: int) -> None:
+        """Generation of `t` is over (its record is t.handle in `rank`'s ring): tell the coordinator, score it."""
         t.finished = True
+        t.n_tokens = n_tokens
         for gid in self.coord.on_finished(instance, t.traj_id):
             if gid in self.groups:
                 self.groups[gid].complete = True
-        if t.traj_id not in self.trajs:  # on_finished may abort it (late finish)
-            return
         rec = self.rings[rank].read(RecordHandle(*t.handle))
         text = self.tokenizer.decode(rec.response_ids.tolist(), skip_special_tokens=True)
         g = self.groups[t.group_id]
         self.rewards.submit(t.traj_id, text, g.prompt.answer, dict(g.prompt.meta))
-        self.step_acc["response_len"].append(msg.n_tokens)
+        self.step_acc["response_len"].append(n_tokens)
 
     def on_reward(self, tid: int, reward: float) -> None:
         t = self.trajs.get(tid)
@@ -265,6 +290,7 @@ class TrainingJob:
             if not 0 <= stale <= self.stale_cfg.eta:
                 self.bound_violations += 1
             for t in members:
+                self.step_acc["trained_tokens"].append(t.n_tokens)
                 items.append(TrainItem(handle=t.handle, reward=float(t.reward), group_id=gid, traj_version=V))
                 self.step_acc["reward"].append(float(t.reward))
             self.writer.log_trained(self.version, gid, V, [t.traj_id for t in members], [t.reward for t in members])
@@ -298,6 +324,7 @@ class TrainingJob:
         rewards = self.step_acc.pop("reward", [])
         stale = self.step_acc.pop("staleness", [])
         lens = self.step_acc.pop("response_len", [])
+        trained_tokens = sum(self.step_acc.pop("trained_tokens", []))
         dt = max(now - t_prev, 1e-6)
         self.counts["samples"] += len(rewards)
         hist = Counter(stale)
@@ -313,6 +340,7 @@ class TrainingJob:
             "bound_violations": self.bound_violations,
             "trained_groups": len(stale),
             "trained_trajectories": len(rewards),
+            "trained_tokens": trained_tokens,
             "train_s": msg.train_s, "push_s": msg.push_s,
             "pulls": self.counts["pulls"], "interrupts": self.counts["interrupts"],
             "migrations": self.counts["migrations"], "routes": self.counts["routes"],
@@ -361,6 +389,7 @@ class TrainingJob:
     def emergency_save(self, err: RankDied) -> None:
         """A rollout rank died: finish the running step and save a resumable checkpoint before stopping."""
         self.ctl.left.add(err.rank)
+        self.ctl.grace_s = 20.0  # torchrun's SIGTERM to the survivors follows the death; finish the save
         print(f"staleflow: {err}; saving a checkpoint before stopping", file=sys.stderr, flush=True)
         deadline = time.monotonic() + 600
         while self.trainer_busy is not None and time.monotonic() < deadline:
@@ -406,9 +435,9 @@ class TrainingJob:
                 next_tick = now + tick
             self.maybe_train()
         self.save(export=self.cfg.checkpoint.export_hf)
-        self.finish()
+        self.wrap_up()
 
-    def finish(self) -> None:
+    def wrap_up(self) -> None:
         self.progress.close()
         if self.cfg.log.plot:
             from staleflow.metrics.report import make_report

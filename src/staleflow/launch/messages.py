@@ -114,6 +114,8 @@ class RouteTraj(msgspec.Struct, tag=True):
     prompt_ids: list[int]
     seed: int
     partial: Handle | None = None
+    max_new_tokens: int = 0
+    """0: --rollout.max-new-tokens; > 0: this trajectory's own length target (benchmark workloads, eos ignored)."""
 
 
 class InterruptTrajs(msgspec.Struct, tag=True):

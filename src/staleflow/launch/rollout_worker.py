@@ -64,7 +64,10 @@ class RolloutWorker:
             rec = self._reader(msg.partial[0]).read(RecordHandle(*msg.partial))
             out_ids, out_lp, out_v = rec.response_ids.tolist(), rec.logprobs.tolist(), rec.versions.tolist()
         self.meta[msg.traj_id] = {"group_id": msg.group_id, "traj_version": msg.traj_version}
-        self.engine.add(Request(msg.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **self.params),
+        params = dict(self.params)
+        if msg.max_new_tokens:
+            params.update(max_new_tokens=msg.max_new_tokens, ignore_eos=True)
+        self.engine.add(Request(msg.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **params),
                                 output_ids=out_ids, output_logprobs=out_lp, output_versions=out_v))
 
     def interrupt(self, ids, drop: bool) -> None:
