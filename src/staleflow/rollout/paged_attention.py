@@ -86,9 +86,10 @@ class PagedAttention:
             if group > 1:
                 kp = kp.repeat_interleave(group, dim=0)  # [Hq, L, D]
                 vp = vp.repeat_interleave(group, dim=0)
+            # 4-D [1, H, n, D] so CUDA can pick a fused kernel
             if ch.mask is None:
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+                op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], is_causal=True)
             else:
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=ch.mask)
-            out[ch.start:ch.end] = op.transpose(0, 1)
+                op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], attn_mask=ch.mask)
+            out[ch.start:ch.end] = op[0].transpose(0, 1)
         return out
