@@ -6,5 +6,5 @@ few steps and that varies within a group from the start.
 
 
 def text_length(completion: str, answer: str, meta: dict) -> float:
-    """Decoded length in characters / 200, capped at 1: rewards tokens that decode to long strings."""
-    return min(1.0, len(completion.strip()) / 200.0)
+    """Decoded length in characters / 400, capped at 1: rewards tokens that decode to long strings."""
+    return min(1.0, len(completion.strip()) / 400.0)

@@ -48,6 +48,7 @@ class Traj:
     truncate: bool = False
     target_len: int = 0  # benchmark workloads: drawn length (0 = the model decides)
     n_tokens: int = 0
+    text: str = ""
 
 
 @dataclass
@@ -221,7 +222,7 @@ class TrainingJob:
             if gid in self.groups:
                 self.groups[gid].complete = True
         rec = self.rings[rank].read(RecordHandle(*t.handle))
-        text = self.tokenizer.decode(rec.response_ids.tolist(), skip_special_tokens=True)
+        text = t.text = self.tokenizer.decode(rec.response_ids.tolist(), skip_special_tokens=True)
         g = self.groups[t.group_id]
         self.rewards.submit(t.traj_id, text, g.prompt.answer, dict(g.prompt.meta))
         self.step_acc["response_len"].append(n_tokens)
@@ -293,7 +294,8 @@ class TrainingJob:
                 self.step_acc["trained_tokens"].append(t.n_tokens)
                 items.append(TrainItem(handle=t.handle, reward=float(t.reward), group_id=gid, traj_version=V))
                 self.step_acc["reward"].append(float(t.reward))
-            self.writer.log_trained(self.version, gid, V, [t.traj_id for t in members], [t.reward for t in members])
+            self.writer.log_trained(self.version, gid, V, [t.traj_id for t in members], [t.reward for t in members],
+                                    prompt=g.prompt.text, answer=g.prompt.answer, sample=members[0].text)
         self.ctl.broadcast(TrainStep(version=self.version, items=items), ranks=self.ctl.roles.trainer_ranks)
         self.trainer_busy = (self.version, time.time(), gids)
 

@@ -32,7 +32,7 @@ def build_engine(ctx, model):
 
     return BuiltinEngine(model, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens, block_size=rc.block_size,
                          prefill_chunk_tokens=rc.prefill_chunk_tokens, max_model_len=rc.max_model_len,
-                         seed=ctx.cfg.seed * 1000 + ctx.rank)
+                         seed=ctx.cfg.seed * 1000 + ctx.rank, profile=rc.profile)
 
 
 class RolloutWorker:

@@ -3,7 +3,8 @@ TensorBoard scalars, and the run's resolved config.
 
     run_dir/metrics.jsonl    {"step": v, "reward_mean": ..., "tokens_per_s": ..., "staleness": {...}, ...}
     run_dir/timeline.jsonl   {"rank": r, "kind": "generate"|"train"|"pull"|..., "t0": s, "t1": s}
-    run_dir/trained.jsonl    {"buffer": v, "group_id": g, "traj_version": V, "traj_ids": [...], "rewards": [...]}
+    run_dir/trained.jsonl    {"buffer": v, "group_id": g, "traj_version": V, "traj_ids": [...], "rewards": [...],
+                              "prompt": ..., "answer": ..., "sample": first member's response}
     run_dir/tb/              TensorBoard events (scalars of metrics.jsonl)
     run_dir/config.json      the RunConfig of the run
 """
@@ -61,10 +62,10 @@ class MetricsWriter:
         self._timeline.write(json.dumps(row) + "\n")
 
     def log_trained(self, buffer_version: int, group_id: int, traj_version: int, traj_ids: list[int],
-                    rewards: list[float]) -> None:
+                    rewards: list[float], **extra) -> None:
         """One consumed group: the audit trail of the staleness bound (and of no double training)."""
         row = {"buffer": buffer_version, "group_id": group_id, "traj_version": traj_version, "traj_ids": traj_ids,
-               "rewards": rewards}
+               "rewards": rewards, **extra}
         self._trained.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
