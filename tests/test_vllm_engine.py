@@ -131,6 +131,7 @@ def test_abort_returns_partial_output_that_resumes(engine, smol, reference):
     assert not engine.has_unfinished() and engine.stats().running_ids == []
     with pytest.raises(EngineError, match="unknown request_id 'r'"):
         engine.abort(["r"])
+    assert engine.abort(["r"], missing_ok=True) == []
     (done,) = engine.generate([Request("r", p, greedy(), output_ids=part.output_ids,
                                        output_logprobs=part.logprobs, output_versions=part.versions)])
     assert done.output_ids == ref.output_ids and done.finish_reason == ref.finish_reason

@@ -224,6 +224,7 @@ class VllmEngine:
         self.tokens_generated = 0
         self.steps = 0
         self.last_step_latency_s = 0.0
+        self.throughput_tok_s = 0.0
 
     @classmethod
     def from_config(cls, model_cfg, rollout_cfg, model_path: str | None = None, version: int = 0,
@@ -328,6 +329,7 @@ class VllmEngine:
             return []
         t0 = time.perf_counter()
         finished: list[RequestOutput] = []
+        n_new = 0
         for out in self.llm.step():
             live = self._by_vid.get(out.request_id)
             if live is None:  # output of a request aborted meanwhile (multiprocess mode)
@@ -342,14 +344,17 @@ class VllmEngine:
                 live.output_ids.append(int(tok))
                 live.logprobs.append(float(lp[tok].logprob))
                 live.versions.append(self.version)
-            self.tokens_generated += len(ids)
+            n_new += len(ids)
             if out.finished:
                 reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
                 del self._by_vid[live.vid]
                 del self._live[live.request_id]
                 finished.append(live.output(reason))
         self.steps += 1
+        self.tokens_generated += n_new
         self.last_step_latency_s = time.perf_counter() - t0
+        rate = n_new / max(self.last_step_latency_s, 1e-9)
+        self.throughput_tok_s = rate if self.steps == 1 else 0.8 * self.throughput_tok_s + 0.2 * rate
         return finished
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
@@ -431,7 +436,8 @@ class VllmEngine:
             kv_tokens=int(round(self._sched.get("kv_usage", 0.0) * self.kv_capacity)),
             kv_capacity=self.kv_capacity, tokens_generated=self.tokens_generated,
             last_step_latency_s=self.last_step_latency_s, version=self.version,
-            running_ids=ids[:n_run], waiting_ids=ids[n_run:], steps=self.steps)
+            running_ids=ids[:n_run], waiting_ids=ids[n_run:], steps=self.steps,
+            throughput_tok_s=self.throughput_tok_s)
 
     def close(self) -> None:
         """Stop vLLM's engine (and its engine process in multiprocess mode)."""
