@@ -158,24 +158,26 @@ def _final_reward(run, last=3):
 
 
 def test_bounded_staleness_converges_like_sync(tmp_path):
-    """eta = 2 (asynchronous, off-policy corrected) learns as well as synchronous training (eta = 0).
+    """eta = 2 (asynchronous, partial rollout, TIS) reaches the reward that synchronous training reaches.
 
-    Same seeds, prompts and model; the reward (decoded length) is learnt in a few steps by the tiny
-    model. Tolerance: the mean reward of the last 3 of 10 steps within 0.1 of sync's, and both
-    clearly above their first step.
+    Same seeds, prompts and tiny model; the reward (decoded length) takes off after ~10-20 steps
+    (measured: sync saturates at step ~22, eta 2 at ~30, eta 2 slightly later as staleness delays
+    the signal). Tolerance: after 36 steps the mean reward of the last 3 steps is within 0.1 of
+    sync's, and both gained at least 0.3 over their first step.
     """
     finals = {}
     for mode, eta in (("sync", 0), ("staleflow", 2)):
         tag = uuid.uuid4().hex
-        proc = _train(tag, tmp_path, mode, "--mode", mode, "--staleness.eta", str(eta), "--steps", "10",
-                      "--rollout.max-new-tokens", "24", "--checkpoint.no-export-hf", "--log.no-plot")
+        proc = _train(tag, tmp_path, mode, "--mode", mode, "--staleness.eta", str(eta), "--steps", "36",
+                      "--rollout.max-new-tokens", "32", "--train.lr", "3e-2", "--checkpoint.no-export-hf",
+                      "--log.no-plot", "--log.no-tensorboard")
         try:
-            out, _ = proc.communicate(timeout=600)
+            out, _ = proc.communicate(timeout=900)
         finally:
             _kill_group(proc)
         assert proc.returncode == 0, out
         first, last = _final_reward(os.path.join(tmp_path, mode))
-        assert last > first + 0.1, (mode, first, last)
+        assert last > first + 0.3, (mode, first, last)
         finals[mode] = last
         _check_audit(os.path.join(tmp_path, mode), eta)
     assert abs(finals["staleflow"] - finals["sync"]) <= 0.1, finals
