@@ -46,7 +46,7 @@ def _tagged_processes(tag: str) -> list[int]:
 
 def _run_files(run_id: str) -> list[str]:
     shm = [f for f in os.listdir("/dev/shm") if run_id in f]
-    tmp = [f for f in os.listdir("/tmp") if f == f"staleflow-{run_id}"]
+    tmp = [f for f in os.listdir("/tmp") if f == f"staleflow-run-{run_id}"]
     return shm + tmp
 
 
@@ -120,6 +120,27 @@ def test_killed_rank_ends_the_run_nonzero_naming_it():
     assert re.search(r"staleflow: rank 2 \(rollout instance 1, pid \d+\) died unexpectedly", out), out
     assert _wait_gone(tag) == []
     assert _run_files(run_id) == []
+
+
+def test_cleanup_removes_only_claimed_folders_of_dead_runs(tmp_path, monkeypatch):
+    import tempfile
+
+    from staleflow.launch import cleanup
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = tmp_path / "staleflow-run-dead1"
+    dead.mkdir()
+    (dead / "owner.pid").write_text("999999999")
+    live = tmp_path / "staleflow-run-live1"
+    live.mkdir()
+    (live / "owner.pid").write_text(str(os.getpid()))
+    foreign = tmp_path / "staleflow-run-foreign"  # no pid file: someone else's, never deleted
+    foreign.mkdir()
+    other = tmp_path / "staleflow-bench-x"
+    other.mkdir()
+    removed = cleanup.cleanup_stale_run_files()
+    assert str(dead) in removed
+    assert not dead.exists() and live.exists() and foreign.exists() and other.exists()
 
 
 def test_world_too_small_is_a_config_error():

@@ -1,8 +1,9 @@
 """Run-file hygiene: per-run folders (control sockets) and shared-memory segments of crashed runs.
 
-Each run owns /tmp/staleflow-<run_id>/ with a pid file of the process that created it. At the
-next start, folders whose creator is dead are removed, together with the shared-memory
-segments the servers left behind (staleflow.servers knows their names).
+Each run owns /tmp/staleflow-run-<run_id>/ with a pid file of the process that created it. At
+the next start, such folders whose creator is dead are removed (a folder without our pid file
+is never touched), together with the shared-memory segments the servers left behind
+(staleflow.servers knows their names).
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ import os
 import shutil
 import tempfile
 
+RUN_FOLDER_PREFIX = "staleflow-run-"
+OWNER_FILE = "owner.pid"
+
 
 def run_folder(run_id: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"staleflow-{run_id}")
+    return os.path.join(tempfile.gettempdir(), f"{RUN_FOLDER_PREFIX}{run_id}")
 
 
 def claim_run_folder(run_id: str) -> str:
     folder = run_folder(run_id)
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "owner.pid"), "w") as f:
+    with open(os.path.join(folder, OWNER_FILE), "w") as f:
         f.write(str(os.getpid()))
     return folder
 
@@ -30,11 +34,12 @@ def remove_run_folder(run_id: str) -> None:
 
 
 def _owner_alive(folder: str) -> bool:
+    """False only when the folder's pid file names a process that no longer exists."""
     try:
-        with open(os.path.join(folder, "owner.pid")) as f:
+        with open(os.path.join(folder, OWNER_FILE)) as f:
             pid = int(f.read().strip())
     except (OSError, ValueError):
-        return False
+        return True  # not (or not yet) a claimed run folder: never ours to delete
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -47,7 +52,7 @@ def _owner_alive(folder: str) -> bool:
 def cleanup_stale_run_files() -> list[str]:
     """Remove run folders and shared-memory segments of runs whose owner process is dead."""
     removed = []
-    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "staleflow-*")):
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), RUN_FOLDER_PREFIX + "*")):
         if os.path.isdir(folder) and not _owner_alive(folder):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)

@@ -8,7 +8,6 @@ a rank is its global rank, so the controller addresses ranks by number.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import zmq
 
@@ -17,7 +16,9 @@ from staleflow.launch.messages import decode, encode
 
 def control_address(run_id: str) -> str:
     """The controller's ipc:// address for a run (short path: ipc paths are limited to ~100 bytes)."""
-    folder = os.path.join(tempfile.gettempdir(), f"staleflow-{run_id}")
+    from staleflow.launch.cleanup import run_folder
+
+    folder = run_folder(run_id)
     os.makedirs(folder, exist_ok=True)
     return f"ipc://{folder}/ctl"
 
