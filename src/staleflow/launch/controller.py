@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from staleflow.launch.cleanup import pid_alive
 from staleflow.launch.control import ControlServer, control_address
 from staleflow.launch.messages import Failure, Goodbye, Heartbeat, Ping, Pong, Ready, Register, Shutdown, Welcome
 from staleflow.launch.roles import Roles
@@ -27,21 +28,6 @@ class RankDied(RuntimeError):
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A reaped-later zombie still answers kill(0); check its state on Linux.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 @dataclass
@@ -77,7 +63,7 @@ class Controller:
 
     def _raise_if_dead(self) -> None:
         for rank, pid in self.pids.items():
-            if rank not in self.left and not _pid_alive(pid):
+            if rank not in self.left and not pid_alive(pid):
                 raise RankDied(f"{self.describe(rank)} died unexpectedly", rank=rank)
 
     def check_alive(self) -> None:
@@ -152,7 +138,7 @@ class Controller:
             if got and isinstance(got[1], Goodbye):
                 self.left.add(got[0])
             for rank, pid in self.pids.items():
-                if rank not in self.left and not _pid_alive(pid):
+                if rank not in self.left and not pid_alive(pid):
                     self.left.add(rank)
 
     def close(self) -> None:

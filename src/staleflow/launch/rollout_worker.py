@@ -161,6 +161,7 @@ class RolloutWorker:
                 self.send_stats(now)
 
     def close(self) -> None:
+        getattr(self.engine, "close", lambda: None)()  # vLLM: stop its engine processes
         for r in self.readers.values():
             if r is not self.ring:
                 r.close()
