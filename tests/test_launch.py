@@ -153,3 +153,32 @@ def test_world_too_small_is_a_config_error():
     )
     assert res.returncode != 0
     assert "world size 1 is too small for --rollout.ranks=2" in res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_cleanly():
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does): all exit, nothing is left."""
+    tag = uuid.uuid4().hex
+    proc = _start(tag, {"STALEFLOW_SMOKE_HOLD_S": "120"}, "--smoke")
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "smoke run OK" in line:
+                break
+        out = "".join(lines)
+        assert "smoke run OK" in out, out
+        run_id = re.search(r"\[controller\] run (\w+):", out).group(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        out += rest
+    finally:
+        _kill_group(proc)
+    assert proc.returncode != 0, out
+    assert "interrupted" in out or "SIGINT" in out or "SIGTERM" in out, out
+    assert _wait_gone(tag) == []
+    assert _run_files(run_id) == []

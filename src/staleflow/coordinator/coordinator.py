@@ -71,6 +71,7 @@ class Coordinator:
         self.barrier_budget = 0
         self._admissible: set[int] | None = None
         self._stragglers_done: set[int] = set()
+        self._straggled_buffers: set[int] = set()  # buffer versions whose stragglers were handled
         self._out: list[Command] = []
         self._admit: dict[int, bool] = {}
         self.counters: Counter = Counter()
@@ -223,7 +224,17 @@ class Coordinator:
             self.counters["pulls"] += 1
 
     def _stragglers(self, now: float, cmds: list[Command]) -> None:
-        for gid in self.manager.stuck_stragglers(self.straggler_threshold):
+        """Abort (and retry) or truncate the last stragglers of a Stuck buffer, ONCE per buffer.
+
+        The retried groups reserve into the same window again; acting on them too would abort
+        every retry as soon as it is dispatched (a livelock the simulator's property test found
+        with eta 0 and no redundancy)."""
+        if self.straggler == "off" or self.manager.version in self._straggled_buffers:
+            return
+        gids = self.manager.stuck_stragglers(self.straggler_threshold)
+        if gids:
+            self._straggled_buffers.add(self.manager.version)
+        for gid in gids:
             if gid in self._stragglers_done:
                 continue
             self._stragglers_done.add(gid)

@@ -54,7 +54,7 @@ def make_report(run_dir: str, out: str | None = None) -> str:
         keys = sorted(hist)
         ax.bar(keys, [hist[k] for k in keys], color="tab:purple")
         ax.set_xticks(keys)
-    ax.set_xlabel("V_buf - V_traj (trained trajectories)")
+    ax.set_xlabel("V_buf - V_traj (trained groups)")
     ax.set_title("Staleness histogram")
     ax.grid(alpha=0.3, axis="y")
 

@@ -222,6 +222,13 @@ def run_ring(args, rank: int, world: int) -> dict:
     return stats
 
 
+def _report(row: dict) -> None:
+    """One JSON line in ONE write: the ranks share a pipe, and print() writes the text and the
+    newline separately, so two ranks' lines could interleave."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (json.dumps(row) + "\n").encode())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=["param", "ring"])
@@ -237,11 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         stats = (run_param if args.mode == "param" else run_ring)(args, rank, world)
-        print(json.dumps({"rank": rank, "mode": args.mode, "ok": True, **stats}), flush=True)
+        _report({"rank": rank, "mode": args.mode, "ok": True, **stats})
         return 0
     except Exception as e:  # one line naming the failure; torchrun then stops the other ranks
-        print(json.dumps({"rank": rank, "mode": args.mode, "ok": False, "error": f"{type(e).__name__}: {e}"}),
-              flush=True)
+        _report({"rank": rank, "mode": args.mode, "ok": False, "error": f"{type(e).__name__}: {e}"})
         return 1
     finally:
         if dist.is_initialized():
