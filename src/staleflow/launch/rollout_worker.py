@@ -17,7 +17,7 @@ import torch
 from staleflow.launch.messages import (FreeRecords, InstanceStats, InterruptTrajs, Pulled, PullWeights, RouteTraj,
                                        Shutdown, TrajDone)
 from staleflow.rollout.engine import Request, SamplingParams
-from staleflow.servers import ParameterServer, RecordHandle, RingFull, TrajectoryRecord, TrajectoryRing
+from staleflow.servers import ParameterServer, RecordHandle, RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
 
 RING_BYTES = 256 << 20
 
@@ -61,7 +61,12 @@ class RolloutWorker:
     def route(self, msg: RouteTraj) -> None:
         out_ids, out_lp, out_v = [], [], []
         if msg.partial is not None:
-            rec = self._reader(msg.partial[0]).read(RecordHandle(*msg.partial))
+            try:
+                rec = self._reader(msg.partial[0]).read(RecordHandle(*msg.partial))
+            except StaleHandle:
+                # The controller only frees a partial record that is being resumed when it has
+                # dropped the trajectory (an Abort that crossed this Route): nothing to resume.
+                return
             out_ids, out_lp, out_v = rec.response_ids.tolist(), rec.logprobs.tolist(), rec.versions.tolist()
         self.meta[msg.traj_id] = {"group_id": msg.group_id, "traj_version": msg.traj_version}
         params = dict(self.params)
