@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 import torch
 
 from staleflow.rollout.block_manager import BlockManager
-from staleflow.rollout.engine import CostSample, EngineError, EngineStats, Request, RequestOutput, generate_all
+from staleflow.rollout.engine import CostSample, EngineError, EngineStats, Request, RequestOutput, check_request, generate_all
 from staleflow.rollout.model_runner import ModelRunner
 from staleflow.rollout.sampler import Sampler
 from staleflow.rollout.scheduler import Scheduler
@@ -81,22 +81,7 @@ class BuiltinEngine:
         rid = request.request_id
         if rid in self.seqs:
             raise EngineError(f"request_id={rid!r} is already in the engine: use a fresh id or abort it first")
-        n_prompt, n_out = len(request.prompt_ids), len(request.output_ids)
-        if n_prompt == 0:
-            raise EngineError(f"request {rid!r} has an empty prompt: give at least one prompt token")
-        if n_prompt + n_out >= self.max_model_len:
-            raise EngineError(f"request {rid!r}: prompt of {n_prompt} tokens + {n_out} generated does not fit "
-                              f"max_model_len={self.max_model_len} (need room for one new token): shorten the "
-                              f"prompt or raise --rollout.max-model-len")
-        if not (len(request.output_logprobs) == len(request.output_versions) == n_out):
-            raise EngineError(f"request {rid!r}: output_ids/output_logprobs/output_versions lengths differ "
-                              f"({n_out}, {len(request.output_logprobs)}, {len(request.output_versions)})")
-        if n_out >= request.params.max_new_tokens:
-            raise EngineError(f"request {rid!r} already has {n_out} generated tokens >= max_new_tokens="
-                              f"{request.params.max_new_tokens}: it is finished, do not resume it")
-        bad = [t for t in list(request.prompt_ids) + list(request.output_ids) if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise EngineError(f"request {rid!r} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        check_request(request, self.max_model_len, self.vocab_size)
         seed = request.params.seed
         if seed is None:
             seed = self._rng.getrandbits(63)

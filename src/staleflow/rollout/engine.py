@@ -160,3 +160,24 @@ def generate_all(engine: RolloutEngine, requests: Iterable[Request]) -> list[Req
             done[out.request_id] = out
             pending.discard(out.request_id)
     return [done[r] for r in order]
+
+
+def check_request(request: Request, max_model_len: int, vocab_size: int) -> None:
+    """Raise EngineError (naming the request and the fix) for a request no engine can run."""
+    rid = request.request_id
+    n_prompt, n_out = len(request.prompt_ids), len(request.output_ids)
+    if n_prompt == 0:
+        raise EngineError(f"request {rid!r} has an empty prompt: give at least one prompt token")
+    if n_prompt + n_out >= max_model_len:
+        raise EngineError(f"request {rid!r}: prompt of {n_prompt} tokens + {n_out} generated does not fit "
+                          f"max_model_len={max_model_len} (need room for one new token): shorten the "
+                          f"prompt or raise --rollout.max-model-len")
+    if not (len(request.output_logprobs) == len(request.output_versions) == n_out):
+        raise EngineError(f"request {rid!r}: output_ids/output_logprobs/output_versions lengths differ "
+                          f"({n_out}, {len(request.output_logprobs)}, {len(request.output_versions)})")
+    if n_out >= request.params.max_new_tokens:
+        raise EngineError(f"request {rid!r} already has {n_out} generated tokens >= max_new_tokens="
+                          f"{request.params.max_new_tokens}: it is finished, do not resume it")
+    bad = [t for t in list(request.prompt_ids) + list(request.output_ids) if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise EngineError(f"request {rid!r} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
