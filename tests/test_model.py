@@ -223,3 +223,28 @@ def test_load_weights_copies_in_place_and_rejects_bad_names():
         dst.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\)"):
         dst.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_inference_layout_keeps_outputs_names_and_in_place_loads(arch):
+    model, ref = tiny_model(arch, seed=3), tiny_model(arch, seed=3)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    model.fuse_projections().fuse_projections()  # idempotent
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    assert model.model.layers[0].self_attn.qkv_t is not None
+    lengths = [3, 7, 1]
+    ids = torch.randint(0, TINY["vocab_size"], (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    cu = cu_seqlens_from_lengths(lengths)
+
+    def run(m):
+        with torch.no_grad():
+            return m(ids, packed_positions(cu), PackedAttention(cu))
+
+    torch.testing.assert_close(run(model), run(ref), rtol=0, atol=1e-12)
+    # in-place loads reach the fused matrices: load another model's weights into both
+    other = tiny_model(arch, seed=4)
+    model.load_weights(other.state_dict().items())
+    ref.load_weights(other.state_dict().items())
+    torch.testing.assert_close(run(model), run(ref), rtol=0, atol=1e-12)
+    a = model.model.layers[1].self_attn
+    assert torch.equal(a.qkv_t[:, :a.n_heads * a.head_dim].t(), other.state_dict()["model.layers.1.self_attn.q_proj.weight"])

@@ -39,10 +39,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # F.rms_norm is one fused op and bit-identical to x * rsqrt(mean(x^2) + eps) in
+        # fp32/bf16/fp64 (checked); the weight is applied after the cast back, as HF does
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
@@ -110,9 +109,14 @@ def _yarn(args: ModelArgs, sc: dict) -> tuple[torch.Tensor, float]:
     return inv_freq, float(scale)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated: x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1).
+
+    Written as x * cos + (x2, x1) * (-sin1, sin2) (`sin_signed`, [T, 1, D]): a flip of the two
+    halves instead of chunk + neg + cat, bit-identical (negation is exact) and two ops fewer.
+    """
+    T, H, D = x.shape
+    return x * cos + x.view(T, H, 2, D // 2).flip(2).view(T, H, D) * sin_signed
 
 
 class SelfAttention(nn.Module):
@@ -128,19 +132,36 @@ class SelfAttention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.qkv_t: torch.Tensor | None = None
+        """[hidden, (H + 2 Hkv) D] q|k|v weights, transposed (set by CausalLM.fuse_projections)."""
+        self.qkv_b: torch.Tensor | None = None
+        self.o_t: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, attn: Attention, layer_idx: int):
+        """x [T, hidden]; cos, sin: [T, 1, D] from CausalLM.rope_cos_sin (sin in signed form)."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        if self.qkv_t is not None:  # inference layout (CausalLM.fuse_projections): one GEMM
+            qkv = _mm(x, self.qkv_t, self.qkv_b)
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
+            q = q.view(T, self.n_heads, self.head_dim)
+            k = k.view(T, self.n_kv_heads, self.head_dim)
+            v = v.view(T, self.n_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(T, self.n_heads, self.head_dim)  # [T, H, D]
+            k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)  # [T, Hkv, D]
+            v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = attn(layer_idx, q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
+        if self.qkv_t is not None and not hasattr(self, "q_norm"):  # q|k adjacent: rotate both at once
+            qk = apply_rope(qkv[:, :nq + nkv].view(T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(layer_idx, q, k, v).reshape(T, self.n_heads * self.head_dim)  # [T, H * D]
+        if self.o_t is not None:
+            return _mm(out, self.o_t, self.o_proj.bias)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -151,8 +172,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_t: torch.Tensor | None = None
+        """[hidden, 2 I] gate|up weights, transposed (set by CausalLM.fuse_projections)."""
+        self.down_t: torch.Tensor | None = None
 
     def forward(self, x):
+        if self.gate_up_t is not None:
+            gate, up = torch.mm(x, self.gate_up_t).chunk(2, dim=-1)
+            return torch.mm(F.silu(gate) * up, self.down_t)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -199,7 +226,10 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] for integer positions, computed in float32 then cast to dtype."""
+        """cos, sin_signed [T, 1, head_dim] for integer positions (float32 math, cast to dtype).
+
+        sin_signed is (-sin, sin) over the two halves of head_dim: the form `apply_rope` takes.
+        """
         seq_len = int(positions.max()) + 1 if self.args.rope_type == "dynamic" and positions.numel() else 0
         key = (positions.device, max(seq_len, self.args.max_position_embeddings) if seq_len else 0)
         cached = self._rope_cache.get(key)
@@ -211,7 +241,9 @@ class CausalLM(nn.Module):
             freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
             cos, sin = emb.cos() * scale, emb.sin() * scale
-        return cos.to(dtype), sin.to(dtype)
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last RMSNorm)."""
@@ -269,5 +301,50 @@ class CausalLM(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
         return self
 
+    @torch.no_grad()
+    def fuse_projections(self) -> "CausalLM":
+        """Switch to the inference weight layout; for rollout engines, never for training.
+
+        q|k|v and gate|up become one matrix each and every decoder matrix is stored transposed,
+        [in, out] contiguous: `x @ W_t` is one GEMM instead of three (two), and on CPU the
+        [in, out] layout is the faster one at decode batch sizes (docs/engine.md has the numbers).
+        The Linear parameters are re-pointed to views of those matrices, so names, shapes and
+        values are unchanged and in-place loads (`load_weights`, `copy_`) update the fused
+        matrices too. Idempotent. The views share one storage per layer, which FSDP and
+        optimizers that replace parameters do not expect: hence inference only.
+        """
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            if a.qkv_t is not None:
+                continue
+            a.qkv_t, a.qkv_b = _fuse_linears(a.q_proj, a.k_proj, a.v_proj)
+            a.o_t, _ = _fuse_linears(a.o_proj)
+            m.gate_up_t, _ = _fuse_linears(m.gate_proj, m.up_proj)
+            m.down_t, _ = _fuse_linears(m.down_proj)
+        return self
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ w_t [in, out] (+ bias [out])."""
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the Linears' weights along out, stored transposed [in, sum(out)] contiguous;
+    re-point each weight (and bias) to a view of the new storage. Returns (w_t, bias or None)."""
+    w_t = torch.cat([lin.weight.detach() for lin in linears], 0).t().contiguous()
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = torch.cat([lin.bias.detach() for lin in linears]).contiguous() if all(has_bias) else None
+    if any(has_bias) and bias is None:
+        raise ValueError("fuse_projections: some of the fused projections have a bias and some do not")
+    off = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(w_t[:, off:off + n].t(), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[off:off + n], requires_grad=False)
+        off += n
+    return w_t, bias

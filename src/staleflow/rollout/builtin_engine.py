@@ -42,6 +42,8 @@ class BuiltinEngine:
             raise EngineError(f"max_running={max_running} and prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         model.eval()
         model.requires_grad_(False)
+        if hasattr(model, "fuse_projections"):
+            model.fuse_projections()  # one GEMM for q|k|v and gate|up, [in, out] layout
         self.model = model
         self.vocab_size = int(model.args.vocab_size)
         self.max_model_len = max_model_len
