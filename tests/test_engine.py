@@ -308,6 +308,14 @@ def test_from_config_builds_from_the_run_config():
     out = eng.generate([Request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))])[0]
     assert out.versions == [4, 4, 4] and eng.stats().kv_capacity == 512 and eng.profile_samples
     assert eng.model.args.architecture == "qwen2"
+    # a bf16 rollout engine next to an fp32 trainer: fp32 weights load into it (cast in place)
+    bf = BuiltinEngine.from_config(ModelConfig(path="tiny-qwen2", dtype="float32"),
+                                   RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, dtype="bfloat16"),
+                                   device="cpu")
+    assert next(bf.model.parameters()).dtype == torch.bfloat16
+    bf.load_weights({n: p.float() for n, p in eng.model.named_parameters()}, version=5)
+    out = bf.generate([Request("r", [5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=3, seed=1))])[0]
+    assert out.versions == [5, 5, 5] and all(lp <= 0 for lp in out.logprobs)
 
 
 def test_resume_on_another_instance_mixes_versions(models):

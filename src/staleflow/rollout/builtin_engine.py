@@ -70,8 +70,10 @@ class BuiltinEngine:
         from staleflow.model import load_model
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        name = getattr(rollout_cfg, "dtype", "auto")
+        name = model_cfg.dtype if name == "auto" else name
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            model_cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+            name, torch.bfloat16 if device.type == "cuda" else torch.float32)
         model = load_model(model_cfg.path, dtype=dtype, device=device)
         return cls(model, max_running=rollout_cfg.max_running, max_kv_tokens=rollout_cfg.max_kv_tokens,
                    block_size=rollout_cfg.block_size, prefill_chunk_tokens=rollout_cfg.prefill_chunk_tokens,

@@ -237,7 +237,8 @@ class VllmEngine:
                               f"use --rollout.temperature 1, drop top-p/top-k, or --rollout.engine builtin")
         return cls(model_path or model_cfg.path, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens,
                    block_size=rc.block_size, prefill_chunk_tokens=rc.prefill_chunk_tokens,
-                   max_model_len=rc.max_model_len, dtype=model_cfg.dtype, sampling_temperature=rc.temperature,
+                   max_model_len=rc.max_model_len,
+                   dtype=model_cfg.dtype if getattr(rc, "dtype", "auto") == "auto" else rc.dtype, sampling_temperature=rc.temperature,
                    version=version, **kw)
 
     # ---- requests ------------------------------------------------------------------------
