@@ -335,3 +335,48 @@ def test_resume_on_another_instance_mixes_versions(models):
     assert out.versions == [0] * k + [2] * (10 - k)
     full = engine(folder).generate([Request("m", p, params)])[0]
     assert out.output_ids == full.output_ids  # same weights: the seeded stream continues exactly
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_decode_mirror_equals_paged_gather_under_churn(models, kind, tmp_path):
+    """The dense decode mirror (CPU default) and the per-step paged gather give the same tokens
+    and log-probs through continuous batching, preemption, aborts, resumes and a weight load;
+    the mirror's rows are always exactly the decoding sequences."""
+    _, folder = models[kind]
+    make_hf(kind, seed=11).save_pretrained(tmp_path)
+    new_state = dict(load_model(str(tmp_path)).state_dict())
+    engines = [engine(folder, max_kv_tokens=160, max_model_len=80, max_running=6, decode_mirror=m)
+               for m in (True, False)]
+    assert engines[0].runner.mirror is not None and engines[1].runner.mirror is None
+    reqs = [Request(i, p, SamplingParams(temperature=1.0 if i % 2 else 0, max_new_tokens=int(6 + 3 * (i % 7)),
+                                         ignore_eos=True, seed=i))
+            for i, p in enumerate(prompts(14, lo=3, hi=30, seed=12))]
+    outs = [{}, {}]
+    for e, out in zip(engines, outs):
+        for r in reqs:
+            e.add(r)
+        step = 0
+        while e.has_unfinished():
+            for o in e.step():
+                out[o.request_id] = o
+            step += 1
+            if step == 6:  # interrupt two running requests and resume them at the back
+                for o in e.abort([s.request_id for s in e.scheduler.running[:2]]):
+                    e.add(Request(o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids,
+                                  o.logprobs, o.versions))
+            if step == 12:
+                e.load_weights(new_state, version=1)
+            m = e.runner.mirror
+            for r, s in enumerate(m.rows if m is not None else []):  # valid rows hold the paged K/V
+                if s.kv_epoch == m.row_epoch[r] and s.status.value == "running":
+                    n = m.row_len[r]
+                    assert n == s.num_computed
+                    slots = e.runner._slots(s.block_table, 0, n)
+                    assert torch.equal(m.k[:, r, :, :n], e.runner.attn.k_cache[:, slots].transpose(1, 2))
+                    assert torch.equal(m.v[:, r, :, :n], e.runner.attn.v_cache[:, slots].transpose(1, 2))
+    assert engines[0].scheduler.num_preemptions > 0
+    assert outs[0].keys() == outs[1].keys() == set(range(14))
+    for i in range(14):
+        a, b = outs[0][i], outs[1][i]
+        assert a.output_ids == b.output_ids and a.versions == b.versions
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5

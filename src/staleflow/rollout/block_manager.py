@@ -55,6 +55,7 @@ class BlockManager:
         self.free_blocks.extend(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.kv_epoch += 1
 
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size

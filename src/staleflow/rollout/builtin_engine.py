@@ -6,7 +6,8 @@
         finished = engine.step()
 
 One step = Scheduler.schedule() (continuous batching, chunked prefill, preemption by
-recompute) -> ModelRunner.run() (one packed forward over the paged KV cache) -> Sampler ->
+recompute) -> ModelRunner.run() (one packed forward over the paged KV cache; decodes read a
+dense DecodeMirror of their K/V when decode_mirror, the CPU default) -> Sampler ->
 append tokens, finish on eos / stop ids / max_new_tokens / max_model_len, free the KV blocks of
 finished sequences. Every sampled token is stamped with the engine's weight version.
 load_weights() copies new tensors into the parameters in place (after validating all of them);
@@ -33,7 +34,7 @@ class BuiltinEngine:
     def __init__(self, model: torch.nn.Module, *, max_running: int = 64, max_kv_tokens: int = 65536,
                  block_size: int = 16, prefill_chunk_tokens: int = 2048, max_model_len: int = 2048,
                  eos_ids: Iterable[int] | None = None, version: int = 0, seed: int = 0,
-                 profile: bool = False):
+                 profile: bool = False, decode_mirror: bool | None = None):
         num_blocks = max_kv_tokens // block_size
         if num_blocks * block_size < max_model_len:
             raise EngineError(f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
@@ -51,7 +52,8 @@ class BuiltinEngine:
         self.version = int(version)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_running, prefill_chunk_tokens)
-        self.runner = ModelRunner(model, self.block_manager)
+        self.runner = ModelRunner(model, self.block_manager, max_running=max_running, max_model_len=max_model_len,
+                                  decode_mirror=decode_mirror)
         self.sampler = Sampler()
         self.seqs: dict = {}
         self._rng = random.Random(seed)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 
 from staleflow.rollout.block_manager import BlockManager
+from staleflow.rollout.decode_mirror import DecodeMirror
 from staleflow.rollout.paged_attention import PagedAttention, PrefillChunk, StepContext
 from staleflow.rollout.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_manager: BlockManager):
+    def __init__(self, model: torch.nn.Module, block_manager: BlockManager, max_running: int = 64,
+                 max_model_len: int = 2048, decode_mirror: bool | None = None):
         self.model = model
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -25,6 +27,11 @@ class ModelRunner:
         args = model.args
         self.attn = PagedAttention(args.num_layers, block_manager.capacity_tokens, args.num_kv_heads,
                                    args.head_dim, self.dtype, self.device)
+        if decode_mirror is None:  # auto: on CPU the gather costs as much as the attention itself
+            decode_mirror = self.device.type == "cpu"
+        self.mirror = DecodeMirror(args.num_layers, max_running, max_model_len, args.num_kv_heads, args.head_dim,
+                                   self.dtype, self.device) if decode_mirror else None
+        self.attn.mirror = self.mirror
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """[end - start] cache slots of positions start..end-1 of one sequence."""
@@ -41,7 +48,23 @@ class ModelRunner:
         sample_rows: list[int] = []
         nd = batch.num_decode
         ctx = StepContext(slot_mapping=torch.empty(0), num_decode=nd)
-        if nd:
+        if nd and self.mirror is not None:
+            seqs = self.mirror.prepare(batch.seqs[:nd], self.attn.k_cache, self.attn.v_cache,
+                                       lambda s, n: self._slots(s.block_table, 0, n).to(dev))
+            batch.seqs[:nd] = seqs  # row order (the engine pairs batch.seqs with the sampled rows)
+            lens = [s.num_computed + 1 for s in seqs]
+            max_len = max(lens)
+            slot_parts.append(torch.tensor([self.block_manager.slot(s, s.num_computed) for s in seqs]))
+            ctx.mirror_pos = torch.tensor([s.num_computed for s in seqs]).to(dev, non_blocking=True)
+            ctx.decode_len = max_len
+            if min(lens) != max_len:
+                valid = torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None]
+                ctx.decode_mask = valid[:, None, None, :].to(dev, non_blocking=True)
+            for s in seqs:
+                ids.append(s.token_ids[s.num_computed])
+                positions.append(s.num_computed)
+            sample_rows.extend(range(nd))
+        elif nd:
             seqs = batch.seqs[:nd]
             lens = [s.num_computed + 1 for s in seqs]
             max_len = max(lens)
@@ -93,6 +116,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.attn)  # [T, H]
         finally:
             self.attn.ctx = None
+        if ctx.mirror_pos is not None:
+            self.mirror.advance()
         if not sample_rows:
             return None, []
         ends = []

@@ -7,7 +7,9 @@ sequences and then the prefill chunks. For every layer this object
 2. decodes: gathers each decoding sequence's K/V into a padded [B, Lmax] view (padding points
    at an all-zero null slot) and runs ONE SDPA with a key-length mask. GQA is free: the G query
    heads that share a kv head are laid out as G "query positions" of that head, so K/V are
-   never repeated:  q [B, Hkv, G, D] x k [B, Hkv, Lmax, D];
+   never repeated:  q [B, Hkv, G, D] x k [B, Hkv, Lmax, D]. With a DecodeMirror (the CPU
+   default) the decoding sequences' K/V are already dense rows: the new token is written to its
+   row too and SDPA reads a view, no gather;
 3. prefill chunks: one causal SDPA per chunk over its cached context + the chunk itself.
 Index tensors are built once per step by ModelRunner (`StepContext`) and reused by all layers.
 """
@@ -41,6 +43,9 @@ class StepContext:
     decode_mask: torch.Tensor | None = None
     """[B, 1, 1, Lmax] bool: True on real keys; None when every context has length Lmax."""
     decode_len: int = 0
+    mirror_pos: torch.Tensor | None = None
+    """[B] int64: position of each decoding sequence's new token in its DecodeMirror row (row i
+    = decode i); None when decodes gather from the paged cache instead."""
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -59,6 +64,8 @@ class PagedAttention:
         self.v_cache[:, num_slots].zero_()
         self.null_slot = num_slots
         self.ctx: StepContext | None = None
+        self.mirror = None
+        """A DecodeMirror (set by ModelRunner) when decodes read dense rows instead of gathering."""
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
@@ -72,8 +79,15 @@ class PagedAttention:
         nd = ctx.num_decode
         if nd:
             qd = q[:nd].view(nd, n_kv, group, head_dim)  # [B, Hkv, G, D]
-            kd = kc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
-            vd = vc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
+            if ctx.mirror_pos is not None:  # dense rows: write the new token, attend a view
+                km, vm = self.mirror.k[layer_idx], self.mirror.v[layer_idx]  # [R, Hkv, Lcap, D]
+                rows = torch.arange(nd, device=q.device)
+                km[rows, :, ctx.mirror_pos] = k[:nd].to(km.dtype)
+                vm[rows, :, ctx.mirror_pos] = v[:nd].to(vm.dtype)
+                kd, vd = km[:nd, :, :ctx.decode_len], vm[:nd, :, :ctx.decode_len]  # [B, Hkv, L, D]
+            else:
+                kd = kc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
+                vd = vc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask)  # [B, Hkv, G, D]
             out[:nd] = od.reshape(nd, n_heads, head_dim)
         for ch in ctx.prefills:

@@ -21,7 +21,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     __slots__ = ("request_id", "params", "seed", "token_ids", "num_prompt", "logprobs", "versions",
-                 "num_computed", "block_table", "status", "finish_reason", "arrival")
+                 "num_computed", "block_table", "status", "finish_reason", "arrival", "kv_epoch")
 
     def __init__(self, request: Request, seed: int, arrival: int):
         self.request_id = request.request_id
@@ -36,6 +36,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival = arrival
+        self.kv_epoch = 0
+        """Bumped each time the sequence's cached K/V is dropped (copies of it are then stale)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
