@@ -13,7 +13,10 @@ per decoding sequence, `k, v: [layers, rows, Hkv, Lcap, D]`:
 - storage grows by doubling (rows up to max_rows, length up to max_len) and is zero-initialised:
   a padded position is masked, but 0 * NaN garbage would still poison SDPA's output.
 The paged cache stays the source of truth (prefill, preemption, memory accounting); the mirror
-costs a second copy of the decoding sequences' K/V. A row is valid while its sequence keeps the
+costs a second copy of the decoding sequences' K/V, padded to the longest row. It never holds
+more token slots than `budget_tokens` (the engine passes the paged cache's capacity, so K/V memory
+at most doubles): a step whose rows x length would exceed it releases the mirror and gathers
+instead (`prepare` returns None). A row is valid while its sequence keeps the
 same `kv_epoch` (bumped whenever the block manager frees its blocks) and `num_computed`.
 """
 
@@ -26,9 +29,12 @@ from staleflow.rollout.sequence import Sequence
 
 class DecodeMirror:
     def __init__(self, num_layers: int, max_rows: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, min_len: int = 128):
+                 dtype: torch.dtype, device: torch.device, budget_tokens: int | None = None, min_len: int = 128):
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.max_rows, self.max_len, self.min_len = max_rows, max_len, min_len
+        self.budget_tokens = budget_tokens if budget_tokens is not None else max_rows * max_len
+        self.fallbacks = 0
+        """Steps that gathered from the paged cache because the mirror would exceed its budget."""
         self.dtype, self.device = dtype, device
         self.k = self.v = torch.zeros(0)
         self.rows: list[Sequence] = []
@@ -51,13 +57,15 @@ class DecodeMirror:
             v[:, :r, :, :n] = self.v[:, :r, :, :n]
         self.k, self.v = k, v
 
-    def _grow(self, rows: int, length: int) -> None:
+    def _grown(self, rows: int, length: int) -> tuple[int, int]:
+        """Capacity after growing (by doubling) to hold rows x length."""
         cap_rows, cap_len = self.capacity
-        if rows <= cap_rows and length <= cap_len:
-            return
         new_rows = cap_rows if rows <= cap_rows else min(self.max_rows, max(rows, 2 * cap_rows, 8))
         new_len = cap_len if length <= cap_len else min(self.max_len, max(length, 2 * cap_len, self.min_len))
-        self._alloc(new_rows, new_len)
+        for r, n in ((new_rows, new_len), (max(rows, cap_rows), max(length, cap_len)), (rows, length)):
+            if r * n <= self.budget_tokens:  # doubled, else just enough, else shrunk to fit exactly
+                return r, n
+        return rows, length
 
     def _move(self, src: int, dst: int) -> None:
         n = self.row_len[src]
@@ -69,10 +77,17 @@ class DecodeMirror:
         self.rows, self.row_epoch, self.row_len = [], [], []
 
     def prepare(self, seqs: list[Sequence], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slots_of) -> list[Sequence]:
+                slots_of) -> list[Sequence] | None:
         """Make rows 0..len(seqs)-1 hold exactly these decoding sequences' cached K/V (positions
         0..num_computed-1) and return the sequences in row order. k_cache / v_cache: the paged
-        caches [layers, slots, Hkv, D]; slots_of(seq, n) -> [n] slot ids of its first n tokens."""
+        caches [layers, slots, Hkv, D]; slots_of(seq, n) -> [n] slot ids of its first n tokens.
+        Returns None (mirror released) when the rows would not fit in budget_tokens."""
+        rows, length = self._grown(len(seqs), max(s.num_computed + 1 for s in seqs))
+        if rows * length > self.budget_tokens:
+            self.clear()
+            self._alloc(0, 0)
+            self.fallbacks += 1
+            return None
         wanted = {id(s): s for s in seqs}
         keep = [r for r, s in enumerate(self.rows)
                 if id(s) in wanted and self.row_epoch[r] == s.kv_epoch and self.row_len[r] == s.num_computed]
@@ -83,7 +98,8 @@ class DecodeMirror:
         del self.rows[len(keep):], self.row_epoch[len(keep):], self.row_len[len(keep):]
         have = {id(s) for s in self.rows}
         new = [s for s in seqs if id(s) not in have]
-        self._grow(len(seqs), max(s.num_computed + 1 for s in seqs))
+        if (rows, length) != self.capacity:
+            self._alloc(rows, length)
         for s in new:  # fill from the paged cache (all layers at once)
             r, n = len(self.rows), s.num_computed
             if n:

@@ -30,7 +30,8 @@ class ModelRunner:
         if decode_mirror is None:  # auto: on CPU the gather costs as much as the attention itself
             decode_mirror = self.device.type == "cpu"
         self.mirror = DecodeMirror(args.num_layers, max_running, max_model_len, args.num_kv_heads, args.head_dim,
-                                   self.dtype, self.device) if decode_mirror else None
+                                   self.dtype, self.device,
+                                   budget_tokens=block_manager.capacity_tokens) if decode_mirror else None
         self.attn.mirror = self.mirror
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -48,9 +49,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         nd = batch.num_decode
         ctx = StepContext(slot_mapping=torch.empty(0), num_decode=nd)
+        mirrored = None
         if nd and self.mirror is not None:
-            seqs = self.mirror.prepare(batch.seqs[:nd], self.attn.k_cache, self.attn.v_cache,
-                                       lambda s, n: self._slots(s.block_table, 0, n).to(dev))
+            mirrored = self.mirror.prepare(batch.seqs[:nd], self.attn.k_cache, self.attn.v_cache,
+                                           lambda s, n: self._slots(s.block_table, 0, n).to(dev))
+        if mirrored is not None:
+            seqs = mirrored
             batch.seqs[:nd] = seqs  # row order (the engine pairs batch.seqs with the sampled rows)
             lens = [s.num_computed + 1 for s in seqs]
             max_len = max(lens)
