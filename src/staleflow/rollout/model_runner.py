@@ -4,6 +4,8 @@ It owns the model and the cache (PagedAttention). `run(batch)` builds the step's
 tensors once (tokens, positions, cache slots, padded decode contexts, prefill masks), runs
 `model(input_ids, positions, attn)` and returns fp32 logits only for the sequences whose feed
 completes this step (decodes, and prefills whose last chunk this is) - those get a new token.
+With a DecodeMirror (the CPU default) the decode part of the batch is first put in mirror-row
+order and decode attention reads the dense rows instead of gathering the paged cache.
 """
 
 from __future__ import annotations
@@ -64,10 +66,6 @@ class ModelRunner:
             if min(lens) != max_len:
                 valid = torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None]
                 ctx.decode_mask = valid[:, None, None, :].to(dev, non_blocking=True)
-            for s in seqs:
-                ids.append(s.token_ids[s.num_computed])
-                positions.append(s.num_computed)
-            sample_rows.extend(range(nd))
         elif nd:
             seqs = batch.seqs[:nd]
             lens = [s.num_computed + 1 for s in seqs]
@@ -84,7 +82,8 @@ class ModelRunner:
             # equal lengths need no mask (SDPA's unmasked path is faster)
             ctx.decode_mask = None if min(lens) == max_len else valid[:, None, None, :].to(dev, non_blocking=True)
             ctx.decode_len = max_len
-            for s in seqs:
+        if nd:  # decodes feed their last token; row i of the logits is decode i
+            for s in batch.seqs[:nd]:
                 ids.append(s.token_ids[s.num_computed])
                 positions.append(s.num_computed)
             sample_rows.extend(range(nd))
