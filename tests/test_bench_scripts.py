@@ -32,3 +32,22 @@ def test_bench_decode_step_compares_mirror_and_sampler_paths():
                      "--steps", "2")
     assert set(out) == {"mirror_speedup_ctx8", "mirror_speedup_ctx20", "sample_speedup", "top_p_speedup"}
     assert all(v > 0 for v in out.values())
+
+
+def test_fit_cost_model_output_is_a_loadable_cost_model(tmp_path):
+    """The documented workflow: fit on this machine, hand the JSON to --coordinator.cost-model."""
+    from staleflow.coordinator.cost_model import load_cost_model
+
+    k1, k2, k3, k4 = 2e-5, 3e-3, 4e-3, 5e-2
+    lines = []
+    for n in (1, 4, 8, 16, 32, 48):
+        for kv in (100, 2000, 8000):
+            lat = k1 * kv * n + max(k2, k3 * n) + k4
+            lines.append(json.dumps({"n_running": n, "kv_tokens": kv * n, "prefill_tokens": 0, "latency_s": lat}))
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "fit.json"
+    printed = run_script("fit_cost_model.py", "--samples", str(samples), "--out", str(out))
+    model = load_cost_model(str(out))
+    assert model.k1 == pytest.approx(k1, rel=0.05) and model.k3 == pytest.approx(k3, rel=0.05)
+    assert printed["k1"] == model.k1 and model.kv_capacity == 32768

@@ -26,6 +26,8 @@ from pathlib import Path
 
 PRESET_DIR = Path(__file__).with_name("presets")
 _FIELDS = ("k1", "k2", "k3", "b3", "k4", "kv_capacity")
+_METADATA = ("name", "source", "fit", "model", "dtype", "hardware", "torch", "date", "load_average_1min")
+"""Keys a cost-model JSON may carry besides the coefficients (what scripts/fit_cost_model.py writes)."""
 
 
 class CostModelError(ValueError):
@@ -129,9 +131,10 @@ def load_cost_model(name_or_path: str) -> CostModel:
     if missing:
         raise CostModelError(f"cost model file {str(path)!r} lacks {', '.join(missing)}; "
                              f"needed: k1, k2, k3, kv_capacity (optional b3, k4)")
-    unknown = sorted(set(raw) - set(_FIELDS) - {"name", "source", "fit"})
+    unknown = sorted(set(raw) - set(_FIELDS) - set(_METADATA))
     if unknown:
-        raise CostModelError(f"cost model file {str(path)!r} has unknown keys {unknown}; allowed: {', '.join(_FIELDS)}, name, source")
+        raise CostModelError(f"cost model file {str(path)!r} has unknown keys {unknown}; allowed: "
+                             f"{', '.join(_FIELDS)} and the metadata {', '.join(_METADATA)}")
     vals = {f: raw[f] for f in _FIELDS if f in raw}
     for f, v in vals.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
