@@ -383,3 +383,23 @@ def test_decode_mirror_equals_paged_gather_under_churn(models, kind, tmp_path):
         a, b = outs[0][i], outs[1][i]
         assert a.output_ids == b.output_ids and a.versions == b.versions
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+
+
+def test_rollout_rank_engine_runs_in_the_rollout_dtype():
+    """build_engine (what a rollout rank runs; the rank loads the model in fp32) honours
+    --rollout.dtype, and auto follows --model.dtype."""
+    from types import SimpleNamespace
+
+    from staleflow.config import ModelConfig, RolloutConfig, RunConfig
+    from staleflow.launch.rollout_worker import build_engine
+
+    def dtype_of(**rollout):
+        cfg = RunConfig(model=ModelConfig(path="tiny-qwen2"),
+                        rollout=RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, **rollout))
+        eng = build_engine(SimpleNamespace(cfg=cfg, rank=1), load_model("tiny-qwen2"))
+        out = eng.generate([Request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))])
+        assert len(out[0].output_ids) == 2
+        return next(eng.model.parameters()).dtype
+
+    assert dtype_of(dtype="bfloat16") == torch.bfloat16
+    assert dtype_of() == torch.float32  # auto -> model auto -> float32 on CPU

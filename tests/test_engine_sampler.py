@@ -81,3 +81,19 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
             probs = torch.tensor([probs[0], probs[1], 0, 0, 0]) / (probs[0] + probs[1])
         freq = torch.bincount(torch.tensor(tokens), minlength=5).double() / n
         assert torch.allclose(freq, probs.double(), atol=0.015), (temperature, top_p, freq, probs)
+
+
+def test_kept_set_of_a_row_does_not_depend_on_the_rows_before_it():
+    """A flat row whose top-p cut falls exactly on a token boundary keeps the same set alone and
+    after a row of tiny probabilities (prefix sums are per row, not across the batch)."""
+    vocab = 4096
+    flat = torch.full((vocab,), 2.0 ** -12)  # top_p 0.5: exactly 2048 tokens have less than 0.5 before them
+    g = torch.Generator().manual_seed(0)
+    top_k, top_p = torch.tensor([100, 0]), torch.tensor([1.0, 0.5], dtype=torch.float64)
+    alone = truncation_mask(flat[None], top_k[1:], top_p[1:])[0]
+    assert int(alone.sum()) == 2048
+    for _ in range(20):
+        tiny = torch.empty(vocab)
+        tiny[:10] = 0.09
+        tiny[10:] = 2.0 ** -40 * (1 + 0.1 * torch.rand(vocab - 10, generator=g))
+        assert torch.equal(truncation_mask(torch.stack([tiny, flat]), top_k, top_p)[1], alone)

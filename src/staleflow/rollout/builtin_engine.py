@@ -72,11 +72,7 @@ class BuiltinEngine:
         from staleflow.model import load_model
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        name = getattr(rollout_cfg, "dtype", "auto")
-        name = model_cfg.dtype if name == "auto" else name
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            name, torch.bfloat16 if device.type == "cuda" else torch.float32)
-        model = load_model(model_cfg.path, dtype=dtype, device=device)
+        model = load_model(model_cfg.path, dtype=rollout_dtype(model_cfg, rollout_cfg, device), device=device)
         return cls(model, max_running=rollout_cfg.max_running, max_kv_tokens=rollout_cfg.max_kv_tokens,
                    block_size=rollout_cfg.block_size, prefill_chunk_tokens=rollout_cfg.prefill_chunk_tokens,
                    max_model_len=rollout_cfg.max_model_len, version=version,
@@ -223,4 +219,13 @@ class BuiltinEngine:
             steps=self.steps, throughput_tok_s=self.throughput_tok_s)
 
 
-__all__ = ["BuiltinEngine", "SequenceStatus"]
+def rollout_dtype(model_cfg, rollout_cfg, device: torch.device) -> torch.dtype:
+    """The engine's dtype: --rollout.dtype, where auto means --model.dtype, where auto means
+    bfloat16 on CUDA and float32 on CPU."""
+    name = getattr(rollout_cfg, "dtype", "auto")
+    name = model_cfg.dtype if name == "auto" else name
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        name, torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+
+
+__all__ = ["BuiltinEngine", "SequenceStatus", "rollout_dtype"]

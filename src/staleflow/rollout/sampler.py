@@ -166,10 +166,11 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     o = o[torch.sort(c_rows[o], stable=True).indices]
     c_rows, c_cols, c_vals = c_rows[o], c_cols[o], c_vals[o].double()
     starts = torch.searchsorted(c_rows, torch.arange(r, device=device))  # segment starts
-    cs = c_vals.cumsum(0)
-    base = torch.where(starts > 0, cs[(starts - 1).clamp(min=0)], 0.0) if cs.numel() else cs
-    before = mass_above[c_rows] + (cs - c_vals) - base[c_rows]
     rank = torch.arange(c_rows.numel(), device=device) - starts[c_rows]
+    # per-row prefix sums (a cumsum across rows would let one row's rounding move another's cut)
+    width = int(rank.max()) + 1 if rank.numel() else 0
+    dense = torch.zeros(r, width, dtype=torch.float64, device=device).index_put_((c_rows, rank), c_vals)
+    before = mass_above[c_rows] + dense.cumsum(1)[c_rows, rank] - c_vals
     ok = (before < top_p[c_rows]) & (count_above[c_rows] + rank < k_limit[c_rows])
     keep[idx[c_rows[ok]], c_cols[ok]] = True
     return keep
