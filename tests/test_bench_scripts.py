@@ -51,3 +51,10 @@ def test_fit_cost_model_output_is_a_loadable_cost_model(tmp_path):
     model = load_cost_model(str(out))
     assert model.k1 == pytest.approx(k1, rel=0.05) and model.k3 == pytest.approx(k3, rel=0.05)
     assert printed["k1"] == model.k1 and model.kv_capacity == 32768
+
+
+def test_bench_gemm_layout_times_every_layout():
+    out = run_script("bench_gemm_layout.py", "--model", "tiny-llama", "--m", "4", "--repeats", "1")
+    assert {"float32:linear", "float32:fused mm", "float32:oneDNN prepacked", "float32:MKL prepacked",
+            "bfloat16:fused mm", "bfloat16:oneDNN prepacked"} <= set(out)
+    assert out["float32:linear"] == 1.0 and all(v > 0 for v in out.values())

