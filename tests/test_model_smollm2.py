@@ -66,7 +66,7 @@ def test_tiny_aliases_are_small_seeded_and_use_the_smollm2_tokenizer(alias, tied
     assert (args.vocab_size, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim) \
         == (49152, 64, 2, 4, 2, 16)
     assert args.eos_token_ids == [tok.convert_tokens_to_ids("<|im_end|>")] and tok.chat_template
-    aliases.ALIASES[alias](tmp_path)  # a rebuild from the seed gives the very same weights
+    aliases.ALIASES[alias].build(tmp_path)  # a rebuild from the seed gives the very same weights
     rebuilt = load_model(str(tmp_path))
     for name, t in model.state_dict().items():
         assert torch.equal(rebuilt.state_dict()[name], t), name
@@ -88,7 +88,7 @@ def test_cache_build_is_atomic_and_happens_once(tmp_path, monkeypatch):
         raise RuntimeError("killed mid-conversion")
 
     with pytest.raises(RuntimeError, match="mid-conversion"):
-        aliases._build_once("thing", crashing)
+        aliases._build_once(aliases.Alias("thing", crashing, ("config.json",)))
     assert not (tmp_path / "thing").exists()
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
@@ -96,8 +96,9 @@ def test_cache_build_is_atomic_and_happens_once(tmp_path, monkeypatch):
         calls.append(out)
         (out / "config.json").write_text("{}")
 
-    assert aliases._build_once("thing", good) == tmp_path / "thing"
-    assert aliases._build_once("thing", good) == tmp_path / "thing"
+    thing = aliases.Alias("thing", good, ("config.json",))
+    assert aliases._build_once(thing) == tmp_path / "thing"
+    assert aliases._build_once(thing) == tmp_path / "thing"
     assert len(calls) == 1 and (tmp_path / "thing" / "config.json").read_text() == "{}"
 
 

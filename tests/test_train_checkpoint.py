@@ -115,3 +115,15 @@ def test_exported_policy_loads_in_transformers_with_identical_logits(tmp_path, a
 
 if __name__ == "__main__":
     _killed_run(Path(sys.argv[1]))
+
+
+def test_policy_weights_load_from_a_checkpoint_without_a_trainer(tmp_path):
+    t = _trainer()
+    start = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.step(_batches()[0])
+    path = ck.save_checkpoint(t, tmp_path, keep=1)
+    fresh = tiny_model(seed=0)
+    ck.load_policy_weights(fresh, path)
+    trained = t.model.state_dict()
+    assert all(torch.equal(fresh.state_dict()[k], trained[k]) for k in trained)
+    assert any(not torch.equal(start[k], trained[k]) for k in trained)  # the step moved the weights

