@@ -24,7 +24,8 @@ def test_last_boxed_nested_multiple_and_unclosed():
     assert last_boxed("\\boxed{1} then \\boxed{ 2 }") == "2"
     assert all_boxed("\\boxed{1} \\fbox{2} \\boxed{3}") == ["1", "2", "3"]
     assert last_boxed("\\boxed{7} and \\boxed{8") == "7"  # the unclosed box is not an answer
-    assert last_boxed("no box here") is None
+    assert last_boxed("\\boxed{7} and \\boxed{ }") == "7"  # nor is an empty one
+    assert last_boxed("no box here") is None and last_boxed("\\boxed{}") is None
 
 
 def test_parse_int():
@@ -42,6 +43,9 @@ def test_parse_int():
     ("Final answer: 12", "12", 1.0),      # no box: math-verify's final-answer extraction
     ("I do not know.", "0.5", 0.0),      # missing box and no answer at all
     ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),
+    ("\\boxed{\\text{no idea}} so the final answer is 12", "12", 0.0),  # the box is the answer, not the 12
+    ("\\boxed{12 broke}", "12", 0.0),
+    ("\\boxed{} Final answer: 12", "12", 1.0),  # an empty box is no box: the fallback reads the 12
 ])
 def test_math_reward(completion, answer, expected):
     assert math_reward(completion, answer, {}) == expected
@@ -72,6 +76,9 @@ def test_math_reward_works_off_the_main_thread():
     ("37 + 48 = 85", 1.0),                     # no box: the final number
     ("I cannot compute that.", 0.0),
     ("\\boxed{1,0}", 0.0),
+    ("37 + 48 = 85 \\boxed{85 apples}", 0.0),  # garbage in the box is the answer, and wrong
+    ("\\boxed{37 + 48}", 0.0),
+    ("\\boxed{} so 85", 1.0),                  # an empty box is no box
 ])
 def test_arithmetic_reward(completion, expected):
     assert arithmetic_reward(completion, "85", {}) == expected
@@ -112,7 +119,9 @@ def test_countdown_reward_reads_the_boxed_expression():
     meta = {"numbers": [4, 5, 25], "target": 80}
     assert countdown_reward("Try \\boxed{(25 - 5) \\times 4 = 80}", "", meta) == 1.0
     assert countdown_reward("<answer>(25-5)*4</answer>", "", meta) == 1.0
-    assert countdown_reward("(25 - 5) * 4", "", meta) == 0.0  # no box, no answer tag
+    assert countdown_reward("(25 - 5) * 4 = 80", "", meta) == 1.0  # no box, no tag: the last expression
+    assert countdown_reward("(25 - 5) * 4 or maybe 25 * 4 - 5", "", meta) == 0.0  # the LAST one counts
+    assert countdown_reward("\\boxed{80 yay} since (25 - 5) * 4 = 80", "", meta) == 0.0  # the box is the answer
     assert countdown_reward("\\boxed{25 * 4 - 5}", "", meta) == 0.0
     assert countdown_reward("\\boxed{4 / (5 - 5) * 25}", "", meta) == 0.0
     assert completion_expression("\\boxed{$3 \\div 1$}") == "3 / 1"
@@ -133,13 +142,16 @@ def test_generated_countdown_answers_are_valid(seed, index):
 
 
 def test_format_reward_and_weight():
-    assert format_reward("\\boxed{12}") == 1.0
-    assert format_reward("\\boxed{}") == 0.0 and format_reward("12") == 0.0
+    # The format bonus needs a correct answer in a box (it used to be paid for any non-empty box).
+    assert format_reward("\\boxed{12}", 1.0) == 1.0
+    assert format_reward("\\boxed{12}", 0.0) == 0.0 and format_reward("\\boxed{12}", 0.99) == 0.0
+    assert format_reward("\\boxed{}", 1.0) == 0.0 and format_reward("12", 1.0) == 0.0
     fn = resolve_reward_fn("arithmetic")
     assert score(fn, "\\boxed{85}", "85", {}, format_weight=0.25)[0] == 1.25
-    assert score(fn, "\\boxed{84}", "85", {}, format_weight=0.25)[0] == 0.25
+    reward, info = score(fn, "\\boxed{84}", "85", {}, format_weight=0.25)
+    assert reward == 0.0 and info["format_reward"] == 0.0 and info["boxed"] == 1.0  # was 0.25 before
     reward, info = score(fn, "85", "85", {}, format_weight=0.25)
-    assert reward == 1.0 and info["format_reward"] == 0.0 and info["answer_reward"] == 1.0
+    assert reward == 1.0 and info["format_reward"] == 0.0 and info["answer_reward"] == 1.0 and info["boxed"] == 0.0
 
 
 @pytest.mark.parametrize("do, error", [("raise", "RuntimeError: asked to fail"), ("nan", "finite float"),

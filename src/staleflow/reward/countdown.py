@@ -6,11 +6,14 @@ minus), so nothing the model writes is ever executed. Each given number must be 
 once (the usual Countdown rule).
 
     check_countdown("(25 - 5) * 4", numbers=[4, 5, 25], target=80)  -> (True, "ok")
+    completion_expression("so \\boxed{(25 - 5) \\times 4 = 80}")    -> "(25 - 5) * 4"
+    completion_expression("(25 - 5) * 4 = 80")                      -> "(25 - 5) * 4"  (no box: last expression)
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from fractions import Fraction
 
@@ -23,6 +26,10 @@ _OPS = {
     ast.Div: lambda a, b: a / b,
 }
 MAX_EXPRESSION_CHARS = 200
+_OPERATOR_SPELLINGS = (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("×", "*"), ("÷", "/"), ("−", "-"))
+_PLAIN_EXPRESSION = re.compile(r"(?:\(\s*)*\d+(?:[\s)]*[-+*/][\s(]*\d+)+(?:\s*\))*")
+"""An arithmetic expression in running text: integers joined by + - * / (at least one), with parentheses.
+Single-character classes between mandatory tokens: linear-time matching on any text."""
 
 
 class CountdownInvalid(ValueError):
@@ -66,12 +73,38 @@ def check_countdown(expr: str, numbers: list[int], target: int) -> tuple[bool, s
     return True, "ok"
 
 
+def _normalise(expr: str) -> str:
+    for spelling, op in _OPERATOR_SPELLINGS:
+        expr = expr.replace(spelling, op)
+    return expr
+
+
+def _balanced(expr: str) -> str:
+    """Drop the unmatched '(' at the start and ')' at the end that a regex match picks up from prose."""
+    while expr.startswith("(") and expr.count("(") > expr.count(")"):
+        expr = expr[1:].lstrip()
+    while expr.endswith(")") and expr.count(")") > expr.count("("):
+        expr = expr[:-1].rstrip()
+    return expr
+
+
+def last_plain_expression(text: str) -> str | None:
+    """The last arithmetic expression written in plain text ("so (25 - 5) * 4 = 80." -> "(25 - 5) * 4").
+
+    The LAST one, not the best one: a completion that lists many candidates gets credit only if its
+    final one is right, so listing guesses does not pay.
+    """
+    found = _PLAIN_EXPRESSION.findall(_normalise(text))
+    return _balanced(found[-1].strip()) if found else None
+
+
 def completion_expression(text: str) -> str | None:
-    """The answer expression of a completion: the last \\boxed{} (or <answer></answer>), left of any '='."""
+    """The answer expression of a completion, left of any '=': the last non-empty \\boxed{} if there is
+    one, else the last <answer></answer>, else the last arithmetic expression in the text."""
     expr = last_boxed(text)
     if expr is None and "<answer>" in text:
         expr = text.rsplit("<answer>", 1)[1].split("</answer>", 1)[0]
     if expr is None:
-        return None
-    expr = expr.split("=")[0].replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
-    return expr.replace("×", "*").replace("÷", "/").strip().strip("$").strip() or None
+        return last_plain_expression(text)
+    expr = _normalise(expr.split("=")[0])
+    return expr.strip().strip("$").strip() or None

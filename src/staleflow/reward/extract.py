@@ -4,6 +4,10 @@ Pure string functions shared by the built-in rewards and the format reward:
 
     last_boxed("so \\boxed{\\frac{1}{2}}.")   -> "\\frac{1}{2}"
     final_number("37 + 48 = 85, done")        -> "85"
+
+The rule every built-in reward follows: when a completion has a non-empty box, the last one IS
+its answer (text elsewhere is working); only a completion without one is read by a fallback
+(the last number, math-verify's final-answer extraction, the last expression).
 """
 
 from __future__ import annotations
@@ -31,9 +35,12 @@ def all_boxed(text: str) -> list[str]:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last balanced ``\\boxed{}`` in text, stripped; None if there is none."""
-    boxes = all_boxed(text)
-    return boxes[-1].strip() if boxes else None
+    """Content of the last balanced, non-empty ``\\boxed{}`` in text, stripped; None if there is none.
+
+    An empty box holds no answer, so ``\\boxed{} 85`` is read as unboxed (by the fallback).
+    """
+    boxes = [b.strip() for b in all_boxed(text) if b.strip()]
+    return boxes[-1] if boxes else None
 
 
 def final_number(text: str) -> str | None:

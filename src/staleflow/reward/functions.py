@@ -6,9 +6,16 @@ Every reward function has the signature ``fn(completion_text, answer, meta) -> f
     fn = resolve_reward_fn("math")                 # or "arithmetic", "countdown", "my_pkg.rewards:f"
     reward, info = score(fn, "... \\boxed{\\frac12}", "0.5", {}, format_weight=0.1)
 
-``score`` adds ``format_weight * format_reward`` to the answer reward and never raises: a function
-that raises yields reward 0 with the error recorded in ``info["error"]``. Timeouts are enforced
-by the RewardPool (reward/pool.py), which runs ``score`` in worker processes.
+``score`` returns ``answer_reward + format_weight * format_reward``, where the format reward is 1
+only for a CORRECT answer (answer_reward >= 1) written in a non-empty \\boxed{}. A format bonus
+that a wrong answer could collect is a reward for the box itself: the policy learns to box garbage
+(``\\boxed{66 broke}``) and stops doing arithmetic. Gated on correctness, a wrong answer scores
+its answer reward and nothing more, so for any function that gives wrong answers less than 1 a
+wrong boxed answer never scores above a right unboxed one, whatever the weight.
+
+``score`` never raises: a function that raises yields reward 0 with the error recorded in
+``info["error"]``. Timeouts are enforced by the RewardPool (reward/pool.py), which runs ``score``
+in worker processes.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from staleflow.reward.extract import final_number, last_boxed, parse_int
 
 RewardFn = Callable[[str, str, dict], float]
 REWARDS: dict[str, RewardFn] = {}
+FULL_CREDIT = 1.0
+"""The answer reward of a correct answer; only completions scoring at least this earn the format bonus."""
 
 
 class RewardError(ValueError):
@@ -39,14 +48,23 @@ def register_reward(name: str):
     return wrap
 
 
-def format_reward(completion: str) -> float:
-    """1.0 when the completion puts a non-empty answer in \\boxed{}, else 0.0."""
-    return 1.0 if last_boxed(completion) else 0.0
+def format_reward(completion: str, answer_reward: float) -> float:
+    """1.0 for a correct answer (answer_reward >= FULL_CREDIT) in a non-empty \\boxed{}, else 0.0.
+
+    The built-in rewards read the last box as THE answer when there is one, so "correct and
+    boxed" means the box itself holds the right answer: garbage in a box is a wrong answer and
+    earns nothing.
+    """
+    return 1.0 if answer_reward >= FULL_CREDIT and last_boxed(completion) is not None else 0.0
 
 
 @register_reward("arithmetic")
 def arithmetic_reward(completion: str, answer: str, meta: dict) -> float:
-    """1.0 if the boxed integer (or, with no box, the last number written) equals the answer."""
+    """1.0 if the boxed integer (or, with no box, the last number written) equals the answer.
+
+    A box holding anything but one integer (``\\boxed{66 broke}``, ``\\boxed{58 + 66}``) is a wrong
+    answer, even if the right number appears elsewhere: the box is what the completion answered.
+    """
     gold = parse_int(str(answer))
     if gold is None:
         raise ValueError(f"arithmetic reward needs an integer answer, got {answer!r}")
@@ -62,7 +80,12 @@ def _math_verify_timeout() -> int | None:
 
 @register_reward("math")
 def math_reward(completion: str, answer: str, meta: dict) -> float:
-    """1.0 if math-verify finds the completion's boxed / final answer equivalent to the reference."""
+    """1.0 if math-verify finds the completion's answer equivalent to the reference.
+
+    The answer is the last non-empty box alone when there is one (math-verify on the whole text
+    would fall back to a number outside a box it cannot parse, crediting garbage in the box);
+    without a box, math-verify's own final-answer extraction on the whole completion.
+    """
     from math_verify import parse, verify
 
     limit = _math_verify_timeout()
@@ -71,7 +94,8 @@ def math_reward(completion: str, answer: str, meta: dict) -> float:
         gold = parse(f"${answer}$", parsing_timeout=limit)
     if not gold:
         raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
-    pred = parse(completion, parsing_timeout=limit)
+    boxed = last_boxed(completion)
+    pred = parse(completion if boxed is None else f"\\boxed{{{boxed}}}", parsing_timeout=limit)
     if not pred:
         return 0.0
     return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0
@@ -79,7 +103,11 @@ def math_reward(completion: str, answer: str, meta: dict) -> float:
 
 @register_reward("countdown")
 def countdown_reward(completion: str, answer: str, meta: dict) -> float:
-    """1.0 if the boxed expression uses meta['numbers'] exactly once each and equals meta['target']."""
+    """1.0 if the answer expression uses meta['numbers'] exactly once each and equals meta['target'].
+
+    The expression is the last box, else the last <answer></answer>, else the last arithmetic
+    expression in the text (countdown.completion_expression).
+    """
     if "numbers" not in meta or "target" not in meta:
         raise ValueError("countdown reward needs meta['numbers'] and meta['target'] (fields of the data row)")
     expr = completion_expression(completion)
@@ -116,18 +144,23 @@ def resolve_reward_fn(spec: str) -> RewardFn:
 
 
 def score(fn: RewardFn, completion: str, answer: str, meta: dict, format_weight: float = 0.0) -> tuple[float, dict]:
-    """(total reward, info). Never raises: errors give reward 0 and info['error']."""
+    """(answer_reward + format_weight * format_reward, info). Never raises: errors give reward 0 and info['error'].
+
+    info: answer_reward, format_reward (1 only for a correct boxed answer), boxed (1 if the
+    completion has a non-empty box, right or wrong: the rate the policy boxes at), error, elapsed_s.
+    """
     t0 = time.perf_counter()
-    info: dict = {"error": None, "format_reward": format_reward(completion)}
+    info: dict = {"error": None, "answer_reward": 0.0, "format_reward": 0.0,
+                  "boxed": 1.0 if last_boxed(completion) is not None else 0.0}
     try:
         value = fn(completion, answer, meta)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise TypeError(f"reward function returned {value!r}; it must return a finite float")
-        info["answer_reward"] = float(value)
     except Exception as e:  # a user function may raise anything; the run must go on
-        info["answer_reward"] = 0.0
         info["error"] = f"{type(e).__name__}: {e}"
         return 0.0, _done(info, t0)
+    info["answer_reward"] = float(value)
+    info["format_reward"] = format_reward(completion, info["answer_reward"])
     return info["answer_reward"] + format_weight * info["format_reward"], _done(info, t0)
 
 

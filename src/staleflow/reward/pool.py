@@ -11,8 +11,9 @@ Why processes (``spawn``) and not threads: math-verify bounds its parsing/verifi
 cannot be stopped inside a thread. Each worker runs ``score`` in its own main thread, one job at
 a time, with the next job already waiting in its pipe (PIPELINE). The pool times each job from
 the moment its worker starts it and, past ``cfg.timeout_s``, kills that worker, reports reward 0
-with ``info["error"]``, requeues the jobs that were waiting behind it and starts a replacement. A raising function gives reward 0 with the error (see functions.score); a worker
-that dies mid-job gives the same. Every submitted key comes back exactly once.
+with ``info["error"]``, requeues the jobs that were waiting behind it and starts a replacement.
+A raising function gives reward 0 with the error (see functions.score); a worker that dies
+mid-job gives the same. Every submitted key comes back exactly once.
 
 ``workers=0`` scores inline inside ``submit`` (no processes, no timeout): for debugging.
 Workers ignore SIGINT (the controller decides when to stop) and, on Linux, are killed when the
@@ -29,6 +30,7 @@ import time
 from multiprocessing.connection import Connection, wait
 
 from staleflow.config import RewardConfig
+from staleflow.reward.extract import last_boxed
 from staleflow.reward.functions import RewardError, resolve_reward_fn, score
 
 _READY = "ready"
@@ -183,8 +185,10 @@ class RewardPool:
     def _fail_head(self, w: _Worker, why: str) -> None:
         """The running job of a worker about to be replaced scores 0; the jobs behind it are requeued."""
         job_id = w.jobs.popleft()
+        completion = self._sent.pop(job_id)[1]
         self._finish(self._keys.pop(job_id), 0.0,
-                     {"error": why, "answer_reward": 0.0, "format_reward": 0.0, "elapsed_s": None})
+                     {"error": why, "answer_reward": 0.0, "format_reward": 0.0,
+                      "boxed": 1.0 if last_boxed(completion) is not None else 0.0, "elapsed_s": None})
 
     def _replace(self, w: _Worker) -> _Worker:
         for job_id in reversed(w.jobs):  # sent but not started: run them elsewhere, in order
