@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleflow.train.advantages import compute_advantages, groups_with_signal, overlong_penalty
-from staleflow.train.losses import LossInputs, LossSettings, importance_weights, policy_loss, token_weights
+from staleflow.train.losses import OFF_POLICY, LossInputs, LossSettings, importance_weights, policy_loss, token_weights
 
 # ---- advantages ---------------------------------------------------------------------------------
 
@@ -74,13 +74,17 @@ def test_overlong_penalty_ramp():
 
 
 def test_token_weights_aggregations():
+    # The empty completion is one of the S = 3 sampled sequences (it used to be left out: S = 2).
     lengths = [2, 0, 4]
     assert token_weights("token-mean", lengths) == [1 / 6] * 3
-    assert token_weights("seq-mean", lengths) == pytest.approx([1 / 4, 0.0, 1 / 8])
-    assert token_weights("seq-mean-token-sum", lengths) == [0.5] * 3
+    assert token_weights("seq-mean", lengths) == pytest.approx([1 / 6, 0.0, 1 / 12])
+    assert token_weights("seq-mean-token-sum", lengths) == pytest.approx([1 / 3] * 3)
+    assert token_weights("seq-mean-token-sum-norm", lengths, max_response_tokens=8) == pytest.approx([1 / 24] * 3)
     assert token_weights("token-mean", [0, 0]) == [0.0, 0.0]  # fully empty: no loss, no NaN
     with pytest.raises(ValueError, match="loss_agg='sum'"):
         token_weights("sum", lengths)
+    with pytest.raises(ValueError, match="max_response_tokens=None.*--rollout.max-new-tokens"):
+        token_weights("seq-mean-token-sum-norm", lengths)
 
 
 # ---- losses -----------------------------------------------------------------------------------------
@@ -112,7 +116,9 @@ def _ref_per_token(s: LossSettings, x: LossInputs, i: int, cur: torch.Tensor) ->
     elif s.off_policy == "tis-seq":
         w = min(math.exp(sum(lr(j) for j in members)), s.is_cap)
     else:
-        rho = math.exp(lr(i)) if s.off_policy == "mis-token" else math.exp(sum(lr(j) for j in members) / len(members))
+        rho = {"mis-token": math.exp(lr(i)),
+               "mis-seq": math.exp(sum(lr(j) for j in members)),  # product of the token ratios
+               "mis-seq-geo": math.exp(sum(lr(j) for j in members) / len(members))}[s.off_policy]
         w = rho if s.is_low <= rho <= s.is_high else 0.0
     old = x.behaviour_logp if s.off_policy == "none" else x.proximal_logp
     a = float(x.advantages[i])
@@ -128,7 +134,7 @@ def _ref_per_token(s: LossSettings, x: LossInputs, i: int, cur: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
-@pytest.mark.parametrize("off_policy", ["none", "tis-token", "tis-seq", "mis-token", "mis-seq", "decoupled"])
+@pytest.mark.parametrize("off_policy", OFF_POLICY)
 def test_loss_value_matches_reference(loss, off_policy):
     s = LossSettings(loss=loss, off_policy=off_policy, clip_low=0.2, clip_high=0.28, is_cap=1.5,
                      is_low=0.8, is_high=1.25, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
@@ -153,7 +159,7 @@ def test_loss_gradient_matches_finite_differences_fp64():
     torch.autograd.gradcheck(lambda lp: policy_loss(s, LossInputs(**{**vars(x), "logp": lp}))[0], (x.logp,))
 
 
-@pytest.mark.parametrize("off_policy", ["tis-token", "tis-seq", "mis-token", "mis-seq", "decoupled", "none"])
+@pytest.mark.parametrize("off_policy", OFF_POLICY)
 @pytest.mark.parametrize("loss", ["grpo", "gspo"])
 def test_on_policy_weights_are_one_and_gradient_is_plain_policy_gradient(off_policy, loss):
     x = _batch(seed=11, same=True)
@@ -177,6 +183,19 @@ def test_masked_is_rejects_outside_bounds_and_truncation_caps():
     torch.testing.assert_close(w, torch.tensor([0.3, 1.1, 2.0]))
 
 
+def test_sequence_masked_is_uses_the_product_and_geo_the_geometric_mean():
+    # Three tokens, each rho = 1.5 (inside [0.5, 2]); the sequence's likelihood ratio is 1.5^3 = 3.375.
+    x = _batch(seed=8, lens=(3, 1), gap=0.0)
+    x.behaviour_logp = x.proximal_logp - math.log(1.5)
+    s = dict(is_low=0.5, is_high=2.0)
+    w, _, rejected = importance_weights(LossSettings(off_policy="mis-seq", **s), x)
+    assert rejected.tolist() == [True, True, True, False] and w.tolist() == pytest.approx([0, 0, 0, 1.5])
+    w, _, rejected = importance_weights(LossSettings(off_policy="mis-seq-geo", **s), x)
+    assert not rejected.any() and w.tolist() == pytest.approx([1.5] * 4)
+    w, truncated, _ = importance_weights(LossSettings(off_policy="tis-seq", is_cap=3.0), x)
+    assert truncated.tolist() == [True, True, True, False] and w.tolist() == pytest.approx([3.0, 3.0, 3.0, 1.5])
+
+
 def test_fully_masked_tokens_give_zero_loss_and_zero_gradient():
     x = _batch(seed=6, gap=5.0)  # every ratio far outside [0.9, 1.1]
     x.behaviour_logp = x.proximal_logp + 5.0
@@ -191,7 +210,7 @@ def test_empty_micro_batch_is_zero_not_nan():
     e = torch.zeros(0)
     x = LossInputs(logp=e.clone().requires_grad_(), behaviour_logp=e, proximal_logp=e, advantages=e,
                    token_weight=e, seq_index=torch.zeros(0, dtype=torch.int64), num_seqs=1, entropy=e, ref_logp=e)
-    for off in ("tis-seq", "mis-seq", "tis-token"):
+    for off in ("tis-seq", "mis-seq", "mis-seq-geo", "tis-token"):
         loss_v, stats = policy_loss(LossSettings(loss="gspo", off_policy=off, kl_coef=0.1, entropy_coef=0.1), x)
         assert float(loss_v.detach()) == 0.0 and all(math.isfinite(float(v)) or "_m" in k for k, v in stats.items())
 

@@ -71,6 +71,7 @@ def test_packed_micro_batch_equals_each_sequence_alone():
     ("token-mean", "tis-token", "grpo"),
     ("seq-mean", "mis-seq", "gspo"),
     ("seq-mean-token-sum", "tis-seq", "dapo"),
+    ("seq-mean-token-sum-norm", "mis-seq-geo", "grpo"),
 ])
 def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
     samples = random_samples(seed=3, groups=4)
@@ -78,7 +79,7 @@ def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
     for budget in (4096, 14):
         cfg = TrainConfig(lr=1e-2, micro_batch_tokens=budget, loss_agg=agg, off_policy=off_policy, loss=loss,
                           clip_high=0.28, entropy_coef=0.01, grad_clip=0.5)
-        t = Trainer(tiny_model(seed=4), cfg)
+        t = Trainer(tiny_model(seed=4), cfg, max_response_tokens=8)
         _lipschitz_adam(t)
         grads = _capture_grads(t)
         m = t.step(samples)
@@ -90,6 +91,21 @@ def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
     assert m1["grad_norm"] == pytest.approx(m4["grad_norm"], rel=1e-5)
     _assert_same(g1, g4)  # gradients: fp32-identical
     _assert_same(w1, w4, atol=1e-6)
+
+
+def test_loss_aggregation_reaches_the_micro_batches_with_empty_completions_counted():
+    samples = random_samples(seed=14, groups=3)  # some zero-length responses
+    n_empty = sum(1 for s in samples if not s.response_ids)
+    assert n_empty > 0
+    with pytest.raises(ValueError, match="max_response_tokens=None.*--rollout.max-new-tokens"):
+        Trainer(tiny_model(), TrainConfig(advantage="dr-grpo", loss_agg="auto"))
+    t = Trainer(tiny_model(), TrainConfig(advantage="dr-grpo", loss_agg="auto"), max_response_tokens=8)
+    assert t.loss_agg == "seq-mean-token-sum-norm"
+    t._oversize = 0
+    ids = list(range(len(samples)))
+    weights = torch.cat([mb.token_weight for mb in t._plan(samples, ids, [0.0] * len(samples))])
+    torch.testing.assert_close(weights, torch.full_like(weights, 1 / (len(samples) * 8)))  # S counts the empty ones
+    assert Trainer(tiny_model(), TrainConfig(loss="gspo", loss_agg="auto")).loss_agg == "seq-mean"
 
 
 def test_decoupled_recomputed_proximal_equals_tis_token_with_one_update():

@@ -9,8 +9,10 @@ Estimators, by registered name (``--train.advantage``):
 
 - grpo:       (r - mean_g) / (std_g + eps), std unbiased (n - 1) over the group;
 - grpo-nostd: r - mean_g (no std normalisation: no bias towards easy/hard prompts);
-- dr-grpo:    r - mean_g; Dr. GRPO also drops length normalisation, which is a loss
-              aggregation matter: pair it with ``--train.loss-agg seq-mean-token-sum``;
+- dr-grpo:    r - mean_g (the same numbers as grpo-nostd). Dr. GRPO's other half, a loss
+              divided by a constant (S * max response length) instead of by lengths, is a loss
+              aggregation matter: ``--train.loss-agg auto`` picks ``seq-mean-token-sum-norm`` for
+              dr-grpo, and any other explicit choice warns (losses.resolve_loss_agg);
 - rloo:       r - mean of the OTHER members = n / (n - 1) * (r - mean_g).
 
 A group of one member, or with all rewards equal, gets advantage 0 everywhere.

@@ -15,50 +15,107 @@ Per token, with A the advantage, r = exp(logp - logp_old), and an importance wei
     + kl_coef * KL(pi_theta || pi_ref) (k1 = logp - ref, k3 = exp(ref - logp) - (ref - logp) - 1)
     - entropy_coef * entropy
 
-``--train.off-policy`` chooses logp_old and w (all weights are detached):
-- none:      logp_old = behaviour, w = 1 (naive PPO against the sampler);
-- tis-token: logp_old = proximal, w = min(exp(prox - mu), is_cap) per token;
-- tis-seq:   w = min(exp(sum_t(prox - mu)), is_cap) per sequence;
-- mis-token: w = rho * 1[is_low <= rho <= is_high], rho = exp(prox - mu) (masked IS, IcePop-style);
-- mis-seq:   same per sequence with the geometric-mean ratio exp(mean_t(prox - mu));
-- decoupled: as tis-token, and the trainer always recomputes the proximal log-probs with a
-  separate no-grad forward before the update (AReaL's decoupled PPO).
-When behaviour == proximal every weight is exactly 1.
+``--train.off-policy`` chooses logp_old and w (all weights are detached), rho_t = exp(prox_t - mu_t):
+- none:        logp_old = behaviour, w = 1 (naive PPO against the sampler);
+- tis-token:   logp_old = proximal, w = min(rho_t, is_cap) per token;
+- tis-seq:     w = min(prod_t rho_t, is_cap) per sequence (PRODUCT: the sequence's likelihood ratio);
+- mis-token:   w = rho_t * 1[is_low <= rho_t <= is_high] (masked IS, IcePop-style);
+- mis-seq:     the same per sequence with the PRODUCT prod_t rho_t = exp(sum_t log rho_t)
+               (verl seq-mis, TRL sequence_mask);
+- mis-seq-geo: the same with the GEOMETRIC MEAN exp(mean_t log rho_t) (verl's "geometric" rejection;
+               it does not grow with length, so it needs much tighter bounds to reject anything);
+- decoupled:   as tis-token, and the trainer always recomputes the proximal log-probs with a
+               separate no-grad forward before the update (AReaL's decoupled PPO).
+When behaviour == proximal every weight is exactly 1. A masked token or sequence still counts in
+the aggregation's denominator (IcePop's objective; verl drops rejected ones from it).
 
-Aggregation is done by per-token weights that already hold the GLOBAL normalisation of the
-whole step (`token_weights`), so summing micro-batch losses over micro-batches and ranks gives
-the same loss and gradient whatever the split.
+Aggregation (``--train.loss-agg``) is done by per-token weights that already hold the GLOBAL
+normalisation of the whole mini-batch (`token_weights`), so summing micro-batch losses over
+micro-batches and ranks gives the same loss and gradient whatever the split. With S sequences
+(ALL of them, empty completions included) and L_i response tokens each:
+
+    token-mean               sum_i sum_t l / sum_i L_i      DAPO; TRL "dapo"; verl "token-mean"
+    seq-mean                 1/S sum_i (1/L_i) sum_t l       GRPO, GSPO; TRL "grpo"; verl "seq-mean-token-mean"
+    seq-mean-token-sum       1/S sum_i sum_t l               verl "seq-mean-token-sum"
+    seq-mean-token-sum-norm  1/(S L_max) sum_i sum_t l       Dr. GRPO; TRL "dr_grpo"; verl "seq-mean-token-sum-norm"
+
+L_max is a constant, the run's maximum response length (``--rollout.max-new-tokens``), so a
+Dr. GRPO token's weight does not depend on the lengths of the other completions. An empty
+completion adds nothing to a token count but is one of the S sampled completions, as in the
+papers' 1/G and TRL's mean over the batch (verl leaves fully-masked rows out of S).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum")
-OFF_POLICY = ("none", "tis-token", "tis-seq", "mis-token", "mis-seq", "decoupled")
+AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+OFF_POLICY = ("none", "tis-token", "tis-seq", "mis-token", "mis-seq", "mis-seq-geo", "decoupled")
+LENGTH_WEIGHTED = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""Aggregations under which a sequence's share of the loss grows with its length."""
+_warned: set[tuple[str, str]] = set()
 
 
-def token_weights(agg: str, lengths: list[int]) -> list[float]:
+def _warn_once(key: tuple[str, str], message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def resolve_loss_agg(loss: str, advantage: str, loss_agg: str) -> str:
+    """The aggregation a run uses: ``auto`` follows the loss's / estimator's paper, anything else is kept.
+
+    auto: gspo -> seq-mean (the GSPO objective is a mean over sequences); advantage dr-grpo ->
+    seq-mean-token-sum-norm (Dr. GRPO's constant normaliser); otherwise token-mean. An explicit
+    choice that departs from the paper warns once per process (the run goes on as asked):
+    gspo with a length-weighted aggregation, dr-grpo with anything but seq-mean-token-sum-norm.
+    """
+    if loss_agg == "auto":
+        if loss == "gspo":
+            return "seq-mean"
+        return "seq-mean-token-sum-norm" if advantage == "dr-grpo" else "token-mean"
+    if loss_agg not in AGGREGATIONS:
+        raise ValueError(f"loss_agg={loss_agg!r} is unknown: use auto or one of {list(AGGREGATIONS)} "
+                         "(--train.loss-agg)")
+    if loss == "gspo" and loss_agg in LENGTH_WEIGHTED:
+        _warn_once(("gspo", loss_agg), f"--train.loss gspo with --train.loss-agg {loss_agg}: GSPO's objective is a "
+                   "mean over sequences, and this aggregation weights each sequence by its length; use "
+                   "--train.loss-agg seq-mean (or auto) for GSPO as its paper defines it")
+    if advantage == "dr-grpo" and loss_agg != "seq-mean-token-sum-norm":
+        _warn_once(("dr-grpo", loss_agg), f"--train.advantage dr-grpo with --train.loss-agg {loss_agg}: this drops "
+                   "only the std normalisation; Dr. GRPO also normalises the loss by a constant, use "
+                   "--train.loss-agg seq-mean-token-sum-norm (or auto)")
+    return loss_agg
+
+
+def token_weights(agg: str, lengths: list[int], max_response_tokens: int | None = None) -> list[float]:
     """Per-sequence weight of each of its tokens so that sum(weight * l) is the aggregated loss.
 
-    lengths are the response lengths of ALL sequences of the step (zero-length ones count for
-    nothing). token-mean: 1 / total_tokens; seq-mean: 1 / (num_seqs * L_i) (mean over sequences
-    of per-sequence token means); seq-mean-token-sum: 1 / num_seqs (Dr. GRPO, no length norm).
+    lengths are the response lengths of ALL sequences of the mini-batch, empty ones included:
+    S = len(lengths) (see the module docstring). token-mean: 1 / total_tokens; seq-mean:
+    1 / (S * L_i); seq-mean-token-sum: 1 / S; seq-mean-token-sum-norm: 1 / (S * max_response_tokens).
+    No response token at all: every weight is 0 (no loss, no NaN).
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"loss_agg={agg!r} is unknown: use one of {list(AGGREGATIONS)} (--train.loss-agg)")
+    if agg == "seq-mean-token-sum-norm" and not (max_response_tokens and max_response_tokens >= 1):
+        raise ValueError(f"loss_agg='seq-mean-token-sum-norm' (Dr. GRPO) normalises by the maximum response length, "
+                         f"got max_response_tokens={max_response_tokens!r}: pass the run's --rollout.max-new-tokens")
     total = sum(lengths)
-    seqs = sum(1 for n in lengths if n > 0)
+    seqs = len(lengths)
     if total == 0:
-        return [0.0] * len(lengths)
+        return [0.0] * seqs
     if agg == "token-mean":
-        return [1.0 / total] * len(lengths)
+        return [1.0 / total] * seqs
     if agg == "seq-mean":
         return [1.0 / (seqs * n) if n > 0 else 0.0 for n in lengths]
-    return [1.0 / seqs] * len(lengths)
+    if agg == "seq-mean-token-sum":
+        return [1.0 / seqs] * seqs
+    return [1.0 / (seqs * max_response_tokens)] * seqs
 
 
 def segment_sum(x: torch.Tensor, seg: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -125,6 +182,8 @@ def importance_weights(s: LossSettings, x: LossInputs) -> tuple[torch.Tensor, to
         rho = torch.exp(log_rho)
         return rho.clamp(max=s.is_cap), rho > s.is_cap, none
     if s.off_policy == "mis-seq":
+        log_rho = segment_sum(log_rho, x.seq_index, x.num_seqs)[x.seq_index]  # sequence product
+    elif s.off_policy == "mis-seq-geo":
         count = segment_sum(torch.ones_like(log_rho), x.seq_index, x.num_seqs).clamp(min=1)
         log_rho = (segment_sum(log_rho, x.seq_index, x.num_seqs) / count)[x.seq_index]  # geometric mean
     rho = torch.exp(log_rho)

@@ -1,6 +1,7 @@
 """Trainer: one optimisation step per Ready staleness buffer, FSDP2 over the trainer ranks.
 
-    trainer = Trainer(model, cfg.train, device, process_group=trainer_group)
+    trainer = Trainer(model, cfg.train, device, process_group=trainer_group,
+                      max_response_tokens=cfg.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
     metrics = trainer.step(samples)          # samples: list[TrajectorySample] of buffer v
     for shard in trainer.named_shards(): ... # this rank's own parameter shards -> Parameter Server
     full = trainer.full_state_dict()         # collective; the full fp32 state on rank 0
@@ -13,7 +14,8 @@ what) is computed identically on every rank, with no communication. Steps of `st
 2. split the kept groups into ``mini_batches`` mini-batches; for each, plan micro-batches
    (`packing.plan_step`: Karmarkar-Karp across ranks, FFD under the token budget, equal counts
    per rank) and per-token loss weights normalised by the mini-batch's GLOBAL token/sequence
-   counts;
+   counts (``--train.loss-agg``, resolved once by `losses.resolve_loss_agg`; every sequence,
+   empty ones included, counts in the sequence count);
 3. if the proximal policy can differ from the current one (decoupled PPO, or more than one
    mini-batch) recompute proximal log-probs with a no-grad forward; else use the current
    log-probs detached. Reference log-probs (KL) come from a frozen copy of the initial weights;
@@ -42,7 +44,7 @@ from staleflow.model.attention import PackedAttention
 from staleflow.train.advantages import compute_advantages, groups_with_signal, overlong_penalty
 from staleflow.train.batch import MicroBatch, TrajectorySample, build_micro_batch
 from staleflow.train.logprobs import packed_logprobs
-from staleflow.train.losses import LossInputs, LossSettings, policy_loss, token_weights
+from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
 from staleflow.train.packing import plan_step
 
 
@@ -89,7 +91,9 @@ class Trainer:
     """FSDP2 trainer over `process_group` (None: a single, unsharded rank)."""
 
     def __init__(self, model: nn.Module, cfg, device: str | torch.device = "cpu", process_group=None,
-                 temperature: float = 1.0, total_steps: int | None = None):
+                 temperature: float = 1.0, total_steps: int | None = None, max_response_tokens: int | None = None):
+        """max_response_tokens: the run's --rollout.max-new-tokens, the constant that Dr. GRPO
+        (--train.loss-agg seq-mean-token-sum-norm) divides by; the other aggregations ignore it."""
         if cfg.schedule == "cosine" and not total_steps:
             raise ValueError("--train.schedule cosine needs the run length: pass total_steps (the run's --steps)")
         if not temperature > 0:
@@ -97,6 +101,9 @@ class Trainer:
         self.cfg = cfg
         self.loss_settings = LossSettings.from_config(cfg)
         compute_advantages(cfg.advantage, [], [])  # validates the name early
+        self.loss_agg = resolve_loss_agg(cfg.loss, cfg.advantage, cfg.loss_agg)
+        self.max_response_tokens = max_response_tokens
+        token_weights(self.loss_agg, [], max_response_tokens)  # a missing Dr. GRPO constant fails here
         self.device = torch.device(device)
         self.group = process_group
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
@@ -176,7 +183,7 @@ class Trainer:
     def _plan(self, samples, ids: list[int], adv: list[float]) -> list[MicroBatch]:
         """This rank's micro-batches for mini-batch `ids` (same count on every rank)."""
         resp = [len(samples[i].response_ids) for i in ids]
-        weights = token_weights(self.cfg.loss_agg, resp)
+        weights = token_weights(self.loss_agg, resp, self.max_response_tokens)
         seq_w = [0.0] * len(samples)
         for i, w in zip(ids, weights):
             seq_w[i] = w
