@@ -48,8 +48,9 @@ def test_fit_needs_decode_samples():
 def test_engine_profile_samples_describe_each_step():
     torch.manual_seed(0)
     model = CausalLM(ModelArgs(vocab_size=64, eos_token_ids=[1])).init_weights(seed=0)
+    # the prompts share their first block: without prefix sharing each prefills all of its tokens
     eng = BuiltinEngine(model, max_kv_tokens=256, block_size=4, prefill_chunk_tokens=16, max_model_len=64,
-                        profile=True)
+                        profile=True, prefix_sharing=False)
     for i, plen in enumerate((5, 9, 7)):
         eng.add(Request(i, list(range(2, 2 + plen)), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)))
     eng.step()

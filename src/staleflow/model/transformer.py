@@ -262,9 +262,16 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] hidden -> [T, V] float32 logits (float64 for a float64 model, used by references)."""
-        logits = F.linear(hidden, self.lm_head_weight)
-        return logits if logits.dtype == torch.float64 else logits.float()
+        """[T, H] hidden -> [T, V] float32 logits (float64 for a float64 model, used by references).
+
+        A bf16 / fp16 model's hidden states and LM head are upcast before the product, as the
+        trainer's log-prob path does: logits rounded to bf16 would differ from the trainer's by up
+        to half a bf16 ulp of the logit (0.06 at |logit| 16), a systematic behaviour/trainer gap.
+        """
+        w = self.lm_head_weight
+        if w.dtype == torch.float64:
+            return F.linear(hidden, w)
+        return F.linear(hidden.float(), w.float())
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

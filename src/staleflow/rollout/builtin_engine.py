@@ -6,8 +6,9 @@
         finished = engine.step()
 
 One step = Scheduler.schedule() (continuous batching, chunked prefill, preemption by
-recompute) -> ModelRunner.run() (one packed forward over the paged KV cache; decodes read a
-dense DecodeMirror of their K/V when decode_mirror, the CPU default) -> Sampler ->
+recompute, prompt blocks shared within a GRPO group when prefix_sharing) -> ModelRunner.run()
+(one packed forward over the paged KV cache; decode attention by the backend resolved once in
+decode_backend.py: DecodeMirror rows on CPU, a paged kernel on CUDA) -> Sampler (fp32 logits) ->
 append tokens, finish on eos / stop ids / max_new_tokens / max_model_len, free the KV blocks of
 finished sequences. Every sampled token is stamped with the engine's weight version.
 load_weights() copies new tensors into the parameters in place (after validating all of them);
@@ -26,6 +27,7 @@ from staleflow.rollout.block_manager import BlockManager
 from staleflow.rollout.engine import (CostSample, EngineError, EngineStats, Request, RequestOutput, abort_ids,
                                      check_request, generate_all)
 from staleflow.rollout.model_runner import ModelRunner
+from staleflow.rollout.prefix_sharing import SharingBlockManager
 from staleflow.rollout.sampler import Sampler
 from staleflow.rollout.scheduler import Scheduler
 from staleflow.rollout.sequence import Sequence, SequenceStatus
@@ -35,7 +37,11 @@ class BuiltinEngine:
     def __init__(self, model: torch.nn.Module, *, max_running: int = 64, max_kv_tokens: int = 65536,
                  block_size: int = 16, prefill_chunk_tokens: int = 2048, max_model_len: int = 2048,
                  eos_ids: Iterable[int] | None = None, version: int = 0, seed: int = 0,
-                 profile: bool = False, decode_mirror: bool | None = None):
+                 profile: bool = False, decode_mirror: bool | None = None, decode_backend: str = "auto",
+                 prefix_sharing: bool = True):
+        """decode_backend: "auto" | "mirror" | "gather" | "triton" | "flash" (decode_backend.py);
+        decode_mirror True / False is the older spelling of "mirror" / "gather". prefix_sharing:
+        requests with the same prompt share its full KV blocks (prefix_sharing.py)."""
         num_blocks = max_kv_tokens // block_size
         if num_blocks * block_size < max_model_len:
             raise EngineError(f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
@@ -51,10 +57,10 @@ class BuiltinEngine:
         self.max_model_len = max_model_len
         self.eos_ids = frozenset(model.args.eos_token_ids if eos_ids is None else eos_ids)
         self.version = int(version)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = (SharingBlockManager if prefix_sharing else BlockManager)(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_running, prefill_chunk_tokens)
         self.runner = ModelRunner(model, self.block_manager, max_running=max_running, max_model_len=max_model_len,
-                                  decode_mirror=decode_mirror)
+                                  decode_mirror=decode_mirror, decode_backend=decode_backend)
         self.sampler = Sampler()
         self.seqs: dict = {}
         self._rng = random.Random(seed)
@@ -77,7 +83,9 @@ class BuiltinEngine:
         return cls(model, max_running=rollout_cfg.max_running, max_kv_tokens=rollout_cfg.max_kv_tokens,
                    block_size=rollout_cfg.block_size, prefill_chunk_tokens=rollout_cfg.prefill_chunk_tokens,
                    max_model_len=rollout_cfg.max_model_len, version=version,
-                   profile=rollout_cfg.profile if profile is None else profile)
+                   profile=rollout_cfg.profile if profile is None else profile,
+                   decode_backend=getattr(rollout_cfg, "decode_backend", "auto"),
+                   prefix_sharing=getattr(rollout_cfg, "prefix_sharing", True))
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -160,12 +168,15 @@ class BuiltinEngine:
         return generate_all(self, requests)
 
     # ---- weights -------------------------------------------------------------------------
-    def load_weights(self, named_tensors: Mapping | Iterable, version: int, strict: bool = True) -> None:
+    def load_weights(self, named_tensors: Mapping | Iterable, version: int, strict: bool = True,
+                     keep_kv: bool = False) -> None:
         """Copy named tensors (HF names) into the parameters in place and set the weight version.
 
         Everything is validated first (names, shapes, floating dtype, every parameter covered when
         strict, version not older than the current one); on any error nothing is touched.
-        In-flight requests keep their tokens; their KV is dropped and recomputed with the new weights.
+        In-flight requests keep their tokens; their KV is dropped and recomputed with the new
+        weights, unless keep_kv (--coordinator.interrupt-on-pull false): then the KV computed with
+        the old weights stays and only the next tokens come from the new ones.
         """
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -195,7 +206,8 @@ class BuiltinEngine:
             for name, t in items:
                 params[name].copy_(t)
         self.version = version
-        self.scheduler.evict_all_kv()
+        if not keep_kv:
+            self.scheduler.evict_all_kv()
 
     # ---- stats ---------------------------------------------------------------------------
     def kv_tokens(self) -> int:

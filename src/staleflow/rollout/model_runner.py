@@ -4,15 +4,21 @@ It owns the model and the cache (PagedAttention). `run(batch)` builds the step's
 tensors once (tokens, positions, cache slots, padded decode contexts, prefill masks), runs
 `model(input_ids, positions, attn)` and returns fp32 logits only for the sequences whose feed
 completes this step (decodes, and prefills whose last chunk this is) - those get a new token.
-With a DecodeMirror (the CPU default) the decode part of the batch is first put in mirror-row
-order and decode attention reads the dense rows instead of gathering the paged cache.
+The decode backend is resolved once here (`decode_backend.resolve_decode_backend`): with a
+DecodeMirror (the CPU default) the decode part of the batch is first put in mirror-row order and
+decode attention reads the dense rows; with "triton" / "flash" (CUDA) it gets the decoding
+sequences' block tables and context lengths and a kernel reads the paged cache in place;
+"gather" builds padded slot indices. The sampled rows' logits are fp32 products of the hidden
+state and the LM head (`SampledLogits`), the numbers the trainer computes at the same weights.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from staleflow.rollout.block_manager import BlockManager
+from staleflow.rollout.decode_backend import resolve_decode_backend
 from staleflow.rollout.decode_mirror import DecodeMirror
 from staleflow.rollout.paged_attention import PagedAttention, PrefillChunk, StepContext
 from staleflow.rollout.scheduler import ScheduledBatch
@@ -20,7 +26,7 @@ from staleflow.rollout.scheduler import ScheduledBatch
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, block_manager: BlockManager, max_running: int = 64,
-                 max_model_len: int = 2048, decode_mirror: bool | None = None):
+                 max_model_len: int = 2048, decode_mirror: bool | None = None, decode_backend: str = "auto"):
         self.model = model
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -29,12 +35,15 @@ class ModelRunner:
         args = model.args
         self.attn = PagedAttention(args.num_layers, block_manager.capacity_tokens, args.num_kv_heads,
                                    args.head_dim, self.dtype, self.device)
-        if decode_mirror is None:  # auto: on CPU the gather costs as much as the attention itself
-            decode_mirror = self.device.type == "cpu"
+        if decode_mirror is not None and decode_backend == "auto":  # the older switch: mirror or gather
+            decode_backend = "mirror" if decode_mirror else "gather"
+        self.backend = resolve_decode_backend(decode_backend, self.device, self.dtype, self.block_size)
         self.mirror = DecodeMirror(args.num_layers, max_running, max_model_len, args.num_kv_heads, args.head_dim,
                                    self.dtype, self.device,
-                                   budget_tokens=block_manager.capacity_tokens) if decode_mirror else None
+                                   budget_tokens=block_manager.capacity_tokens) if self.backend == "mirror" else None
         self.attn.mirror = self.mirror
+        self.attn.backend, self.attn.block_size = self.backend, self.block_size
+        self.sampled_logits = SampledLogits(model)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """[end - start] cache slots of positions start..end-1 of one sequence."""
@@ -66,6 +75,15 @@ class ModelRunner:
             if min(lens) != max_len:
                 valid = torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None]
                 ctx.decode_mask = valid[:, None, None, :].to(dev, non_blocking=True)
+        elif nd and self.backend in ("triton", "flash"):
+            seqs = batch.seqs[:nd]
+            lens = [s.num_computed + 1 for s in seqs]
+            max_blocks = max(len(s.block_table) for s in seqs)
+            tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]  # padding never read
+            slot_parts.append(torch.tensor([self.block_manager.slot(s, s.num_computed) for s in seqs]))
+            ctx.block_tables = torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True)  # [B, max_blocks]
+            ctx.context_lens = torch.tensor(lens, dtype=torch.int32).to(dev, non_blocking=True)  # [B]
+            ctx.decode_len = max(lens)
         elif nd:
             seqs = batch.seqs[:nd]
             lens = [s.num_computed + 1 for s in seqs]
@@ -129,5 +147,40 @@ class ModelRunner:
             offset += n
             ends.append(offset - 1)
         last = torch.tensor([ends[i] for i in sample_rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last))  # [N, V]
+        logits = self.sampled_logits(hidden.index_select(0, last))  # [N, V]
         return logits.float(), sample_rows
+
+
+class SampledLogits:
+    """fp32 logits [N, V] of the rows being sampled, from hidden [N, H] and the LM head.
+
+    A bf16 model's logits rounded to bf16 (off by up to half an ulp: 0.06 at |logit| 16) put a
+    systematic gap between behaviour and trainer log-probs at identical weights; the trainer computes
+    `hidden.float() @ W.float().T` (train/logprobs.py, `CausalLM.compute_logits`). Products of
+    bf16 / fp16 values are exact in fp32, so the only difference left is fp32 summation order:
+    - CUDA: `torch.mm(h, W^T, out_dtype=float32)` (16-bit tensor cores, fp32 accumulate and
+      output, no copy of W); where that overload is missing, the path below;
+    - elsewhere: an fp32 copy of W, made again only when W changed (its data pointer or
+      in-place version counter moved: `load_weights`, a pull), since converting W every step
+      cost more than the bf16 product itself on CPU (98 vs 15 ms for SmolLM2 at batch 32).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._w32: torch.Tensor | None = None
+        self._key: tuple[int, int] | None = None
+        self._mm_out_dtype = True
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.lm_head_weight  # [V, H]
+        if w.dtype in (torch.float32, torch.float64):
+            return self.model.compute_logits(hidden)
+        if w.is_cuda and self._mm_out_dtype:
+            try:
+                return torch.mm(hidden, w.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):
+                self._mm_out_dtype = False
+        key = (w.data_ptr(), w._version)
+        if key != self._key:
+            self._w32, self._key = w.float(), key
+        return F.linear(hidden.float(), self._w32)

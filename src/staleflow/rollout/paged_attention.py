@@ -4,13 +4,17 @@ The model calls `attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> 
 per layer (RoPE already applied). T packs, in order, the single tokens of the decoding
 sequences and then the prefill chunks. For every layer this object
 1. writes the step's k/v into the paged cache at `slot_mapping` ([T] flat slot ids);
-2. decodes: gathers each decoding sequence's K/V into a padded [B, Lmax] view (padding points
-   at an all-zero null slot) and runs ONE SDPA with a key-length mask. GQA is free: the G query
-   heads that share a kv head are laid out as G "query positions" of that head, so K/V are
-   never repeated:  q [B, Hkv, G, D] x k [B, Hkv, Lmax, D]. With a DecodeMirror (the CPU
-   default) the decoding sequences' K/V are already dense rows: the new token is written to its
-   row too and SDPA reads a view, no gather;
-3. prefill chunks: one causal SDPA per chunk over its cached context + the chunk itself.
+2. decodes, by the backend ModelRunner resolved once (`decode_backend.py`):
+   - "triton" / "flash" (CUDA): one kernel reads each sequence's K/V in place through its block
+     table (`block_tables`, `context_lens`), no copy;
+   - "mirror" (CPU default): the decoding sequences' K/V are dense DecodeMirror rows; the new
+     token is written to its row too and SDPA reads a view;
+   - "gather": each decoding sequence's K/V is gathered into a padded [B, Lmax] batch (padding
+     points at an all-zero null slot) for ONE SDPA with a key-length mask.
+   In the SDPA paths GQA is free: the G query heads that share a kv head are laid out as G
+   "query positions" of that head, so K/V are never repeated: q [B, Hkv, G, D] x k [B, Hkv, L, D];
+3. prefill chunks: one causal SDPA per chunk over its cached context + the chunk itself, GQA
+   without repeating K/V either (`prefill_sdpa`).
 Index tensors are built once per step by ModelRunner (`StepContext`) and reused by all layers.
 """
 
@@ -20,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from staleflow.rollout.decode_backend import paged_decode
 
 
 @dataclass(slots=True)
@@ -43,6 +49,10 @@ class StepContext:
     decode_mask: torch.Tensor | None = None
     """[B, 1, 1, Lmax] bool: True on real keys; None when every context has length Lmax."""
     decode_len: int = 0
+    block_tables: torch.Tensor | None = None
+    """[B, max_blocks] int32 block tables of the decoding sequences (triton / flash backends)."""
+    context_lens: torch.Tensor | None = None
+    """[B] int32 context lengths of the decoding sequences, new token included (triton / flash)."""
     mirror_pos: torch.Tensor | None = None
     """[B] int64: position of each decoding sequence's new token in its DecodeMirror row (row i
     = decode i); None when decodes gather from the paged cache instead."""
@@ -66,6 +76,9 @@ class PagedAttention:
         self.ctx: StepContext | None = None
         self.mirror = None
         """A DecodeMirror (set by ModelRunner) when decodes read dense rows instead of gathering."""
+        self.backend = "gather"
+        """The decode backend (set by ModelRunner from resolve_decode_backend)."""
+        self.block_size = 1
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
@@ -77,7 +90,10 @@ class PagedAttention:
         group = n_heads // n_kv
         out = torch.empty_like(q)
         nd = ctx.num_decode
-        if nd:
+        if nd and ctx.block_tables is not None:  # a kernel reads the paged cache in place
+            out[:nd] = paged_decode(self.backend, q[:nd], kc, vc, ctx.block_tables, ctx.context_lens,
+                                    self.block_size, ctx.decode_len)
+        elif nd:
             qd = q[:nd].view(nd, n_kv, group, head_dim)  # [B, Hkv, G, D]
             if ctx.mirror_pos is not None:  # dense rows: write the new token, attend a view
                 km, vm = self.mirror.k[layer_idx], self.mirror.v[layer_idx]  # [R, Hkv, Lcap, D]
@@ -97,13 +113,29 @@ class PagedAttention:
             else:
                 kp, vp = kc.index_select(0, ch.context_slots), vc.index_select(0, ch.context_slots)  # [L, Hkv, D]
             kp, vp = kp.to(q.dtype).transpose(0, 1), vp.to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
-            if group > 1:
-                kp = kp.repeat_interleave(group, dim=0)  # [Hq, L, D]
-                vp = vp.repeat_interleave(group, dim=0)
-            # 4-D [1, H, n, D] so CUDA can pick a fused kernel
-            if ch.mask is None:
-                op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], is_causal=True)
-            else:
-                op = F.scaled_dot_product_attention(qp[None], kp[None], vp[None], attn_mask=ch.mask)
-            out[ch.start:ch.end] = op[0].transpose(0, 1)
+            op = prefill_sdpa(qp, kp, vp, ch.mask, stack_groups=ch.mask is not None and q.is_cuda)  # [Hq, n, D]
+            out[ch.start:ch.end] = op.transpose(0, 1)
         return out
+
+
+def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 stack_groups: bool = False) -> torch.Tensor:
+    """Causal attention of one prefill chunk, q [Hq, n, D] over k, v [Hkv, L, D] -> [Hq, n, D];
+    mask [n, L] (the chunk after L - n cached tokens) or None (plain causal, L = n).
+
+    GQA without repeating K/V: `enable_gqa` (bit-identical on CPU to repeating K/V, checked over
+    360 shapes in fp32 and bf16; on CUDA the flash kernel takes it natively). With a mask on CUDA
+    the kernel that accepts masks (memory-efficient) has no GQA and SDPA would fall back to the
+    math path, so `stack_groups` lays the G query heads of a kv head out as G x n query rows of
+    that head instead (the mask repeated G times). 4-D [1, H, n, D] inputs so CUDA picks a fused
+    kernel.
+    """
+    n_heads, n, head_dim = q.shape
+    n_kv = k.shape[0]
+    group = n_heads // n_kv
+    if stack_groups and group > 1:
+        qg = q.reshape(1, n_kv, group * n, head_dim)  # [1, Hkv, G n, D], row g * n + i
+        out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask.repeat(group, 1))
+        return out.view(n_heads, n, head_dim)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=group > 1)[0]

@@ -6,7 +6,10 @@ Each step (`schedule()`):
    back to the FRONT of the waiting queue keeping all its tokens, and is re-prefilled later);
 2. running sequences still in prefill get a chunk from the step's prefill token budget;
 3. waiting sequences are admitted in FIFO order while the running cap, the budget and the
-   free blocks (minus a small watermark that keeps room for decodes) allow;
+   free blocks (minus a small watermark that keeps room for decodes) allow; with a
+   SharingBlockManager an admitted sequence first takes references on the cached full blocks
+   of its prompt (the other members of its GRPO group computed them) and is fed only the rest,
+   and every fed chunk registers the full prompt blocks it completes;
 4. if nothing at all could be scheduled while sequences run (prefills blocking each other),
    the newest running sequence is preempted and scheduling retried.
 The result is a ScheduledBatch: decodes first, then prefill chunks, each with its token count.
@@ -18,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from staleflow.rollout.block_manager import BlockManager
+from staleflow.rollout.prefix_sharing import SharingBlockManager
 from staleflow.rollout.sequence import Sequence, SequenceStatus
 
 
@@ -47,6 +51,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.watermark = max(1, block_manager.num_blocks // 100)
         self.num_preemptions = 0
+        self.sharing = block_manager if isinstance(block_manager, SharingBlockManager) else None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -117,18 +122,26 @@ class Scheduler:
             if not bm.can_grow(seq, seq.num_computed + n):
                 continue
             bm.grow(seq, seq.num_computed + n)
+            if self.sharing:
+                self.sharing.register(seq, seq.num_computed + n)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
+            shared = self.sharing.match_prefix(seq) if self.sharing else []
+            cached = len(shared) * bm.block_size  # < len(seq): at least the last prompt token is fed
+            n = min(len(seq) - cached, budget)
             reserve = self.watermark if self.running else 0
-            if not bm.can_grow(seq, n, reserve):
+            if -(-(cached + n) // bm.block_size) - len(shared) + reserve > bm.num_free:
                 break
             self.waiting.popleft()
-            bm.grow(seq, n)
+            if shared:
+                self.sharing.share(seq, shared)
+            bm.grow(seq, cached + n)
+            if self.sharing:
+                self.sharing.register(seq, cached + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
