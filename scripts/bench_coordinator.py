@@ -24,6 +24,7 @@ import statistics
 import time
 
 from staleflow.config import CoordinatorConfig
+from staleflow.coordinator.modes import apply_mode
 from staleflow.coordinator import Coordinator, InstanceSnapshot, TrajectoryItem, load_cost_model
 from staleflow.protocol.staleness import StalenessManager
 
@@ -43,7 +44,8 @@ def build(mode: str, cfg: CoordinatorConfig, args, rng: random.Random):
     m = StalenessManager(eta=3, batch_size=1_000_000, group_size=1)
     m.version = 3  # versions 0..3 exist (the trainer consumed three buffers)
     now = [0.0]
-    c = Coordinator(cfg, cost, m, range(args.instances), mode, version=3, clock=lambda: now[0])
+    cfg, _ = apply_mode(mode, cfg)
+    c = Coordinator(cfg, cost, m, range(args.instances), version=3, clock=lambda: now[0], label=mode)
     for i, inst in c.instances.items():  # spread instance versions 0..3 (pulls not yet done)
         inst.version = inst.target_version = i % 4
     c.on_new_version(3)

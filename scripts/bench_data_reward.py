@@ -74,7 +74,7 @@ def task_accuracy(model_path: str, task: str, n: int, max_new_tokens: int, tempe
         print(f"  [{r:.0f}] {p.text!r} -> {t[:120]!r}")
     return {"task": task, "n": n, "temperature": temperature, "max_new_tokens": max_new_tokens,
             "accuracy": sum(r for r, _ in results) / n,
-            "boxed_rate": sum(i["format_reward"] for _, i in results) / n, "generate_s": gen_s}
+            "boxed_rate": sum(i["boxed"] for _, i in results) / n, "generate_s": gen_s}
 
 
 def main() -> None:

@@ -1,15 +1,17 @@
-"""Profile the built-in engine and fit the decode cost model T = n / (k1*KV + max(k2, k3*n) + k4).
+"""Profile the built-in engine and fit the decode cost model T = n / (k1*KV + max(k2, k3*n + b3)).
 
     python scripts/fit_cost_model.py                                   # SmolLM2-135M on this machine
-    python scripts/fit_cost_model.py --out src/staleflow/rollout/cpu-smollm2-cost.json
+    python scripts/fit_cost_model.py --out src/staleflow/coordinator/presets/cpu-smollm2.json
     python scripts/fit_cost_model.py --samples run/cost_samples.jsonl  # fit recorded samples only
 
 Profiling runs BuiltinEngine(profile=True) over a grid of batch sizes (--batches) and prompt
 lengths (--prompt-lens) so n and KV vary independently, greedy with eos ignored, and keeps the
 pure-decode steps (the first decode step of each cell is dropped as warm-up). The samples can
-be saved (--save-samples) and re-fitted later. Output JSON: k1..k4 (seconds, per KV token /
-per sequence), b3 = 0 and kv_capacity (so staleflow.coordinator.cost_model.load_cost_model
-reads it), plus model, dtype, hardware, threads, date and fit error. Last line: the JSON.
+be saved (--save-samples) and re-fitted later. The fit is the project's one fitter,
+staleflow.coordinator.fit_cost_model (relative residuals, robust to steps slowed by other jobs).
+Output JSON: k1, k2, k3, b3, k4 = 0 (seconds, per KV token / per sequence) and kv_capacity (a
+coordinator preset: load_cost_model reads it), plus model, dtype, hardware, date and fit
+error. Last line: the JSON.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import time
 
 import torch
 
+from staleflow.coordinator.cost_model import fit_cost_model, fit_error
 from staleflow.rollout.engine import CostSample
-from staleflow.rollout.profiling import fit_cost_model
 
 
 def cpu_name() -> str:
@@ -92,23 +94,25 @@ def main() -> None:
         with open(args.save_samples, "w") as f:
             for s in samples:
                 f.write(json.dumps({k: getattr(s, k) for k in CostSample.__slots__}) + "\n")
-    fit = fit_cost_model(samples)
+    dec = [(s.n_running, float(s.kv_tokens), s.latency_s) for s in samples
+           if s.prefill_tokens == 0 and s.n_running > 0 and s.latency_s > 0]
+    fit = fit_cost_model(dec, args.kv_capacity)
+    mean_err, max_err = fit_error(fit, dec)
     hw = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     out = {
         "name": f"{args.device.split(':')[0]}-{args.model}",
-        "k1": fit["k1"], "k2": fit["k2"], "k3": fit["k3"], "b3": 0.0, "k4": fit["k4"],
+        "k1": fit.k1, "k2": fit.k2, "k3": fit.k3, "b3": fit.b3, "k4": fit.k4,
         "kv_capacity": args.kv_capacity,
         "model": args.model, "dtype": args.dtype, "hardware": hw, "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "load_average_1min": round(os.getloadavg()[0], 1),
-        "fit": {"samples": fit["n_samples"], "mean_rel_err": round(fit["mean_rel_err"], 4),
-                "max_rel_err": round(fit["max_rel_err"], 4)},
-        "source": "scripts/fit_cost_model.py: BuiltinEngine(profile=True) pure-decode steps, scipy curve_fit "
-                  "of latency = k1*KV + max(k2, k3*n) + k4 (k >= 0, relative residuals)",
+        "fit": {"samples": len(dec), "mean_rel_err": round(mean_err, 4), "max_rel_err": round(max_err, 4)},
+        "source": "scripts/fit_cost_model.py: BuiltinEngine(profile=True) pure-decode steps, "
+                  "staleflow.coordinator.fit_cost_model of latency = k1*KV + max(k2, k3*n + b3) "
+                  "(relative residuals, soft-L1)",
     }
-    print(f"fit: k1={fit['k1']:.3e} s/KV-token  k2={fit['k2']:.3e} s  k3={fit['k3']:.3e} s/seq  "
-          f"k4={fit['k4']:.3e} s  mean rel err {fit['mean_rel_err']:.1%} (max {fit['max_rel_err']:.1%}) "
-          f"over {fit['n_samples']} steps")
+    print(f"fit: k1={fit.k1:.3e} s/KV-token  k2={fit.k2:.3e} s  k3={fit.k3:.3e} s/seq  b3={fit.b3:.3e} s  "
+          f"mean rel err {mean_err:.1%} (max {max_err:.1%}) over {len(dec)} steps")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

@@ -26,7 +26,8 @@ def make(n_inst=2, eta=2, B=4, N=1, Np=None, mode="staleflow", version=0, clock=
     m = StalenessManager(eta, B, group_size=N, group_capacity=Np)
     for v in range(version):  # advance the manager so versions up to `version` exist
         m.version = v + 1
-    c = Coordinator(CoordinatorConfig(**cfg), COST, m, range(n_inst), mode, version=version, clock=clock or Clock())
+    ccfg, _ = apply_mode(mode, CoordinatorConfig(**cfg))
+    c = Coordinator(ccfg, COST, m, range(n_inst), version=version, clock=clock or Clock())
     c.on_new_version(version)
     return c, m
 
@@ -235,8 +236,9 @@ def test_group_redundancy_aborts_the_surplus():
     c, m = make(n_inst=1, eta=1, B=1, N=2, Np=3, version=0)
     c.submit([TrajectoryItem(t, 9, None, 10) for t in (1, 2, 3)])
     assert len(routes(c.tick(1.0))) == 3
-    assert c.on_finished(0, 1) == []
-    assert c.on_finished(0, 2) == [9]  # N of N' done: the group is complete
+    assert c.on_finished(0, 1) is True
+    assert c.on_finished(0, 2) is True  # N of N' done: the third member is surplus
+    assert c.on_finished(0, 3) is False  # its finish crossed the Abort: it does not count
     assert Abort(0, (3,), "surplus") in c.tick(2.0)
     assert c.on_rewarded(9) == 0 and m.ready_version() == 0
 
@@ -268,8 +270,10 @@ def test_modes_are_overrides_of_one_config():
     assert apply_mode("staleflow", cfg)[0] == cfg
     with pytest.raises(ValueError, match="unknown"):
         mode_overrides("verl-async")
-    with pytest.raises(ValueError, match="eta 0"):
-        Coordinator(cfg, COST, StalenessManager(1, 2), [0], "sync")
+    from staleflow.config import RunConfig, StalenessConfig, resolve
+
+    run = resolve(RunConfig(mode="sync", staleness=StalenessConfig(eta=3)))
+    assert run.staleness.eta == 0 and run.coordinator.barrier and resolve(run) == run
 
 
 def test_registry_lets_a_fork_add_a_router():

@@ -1,6 +1,6 @@
 """Data plane under real torchrun + gloo (3 processes): concurrent pulls and a ring stress test.
 
-Each test launches ``staleflow.servers.selftest`` (see its docstring for what every rank checks)
+Each test launches ``tests/servers_selftest.py`` (see its docstring for what every rank checks)
 in its own process group, kills the whole group on a timeout, and checks every rank's JSON
 report and that no shared-memory segment of the run is left in /dev/shm.
 """
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def _torchrun(args: list[str], timeout: float = 240) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           "-m", "staleflow.servers.selftest", *args]
+           os.path.join(os.path.dirname(os.path.abspath(__file__)), "servers_selftest.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

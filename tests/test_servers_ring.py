@@ -27,19 +27,19 @@ def _run_id() -> str:
     return "t" + uuid.uuid4().hex[:10]
 
 
-def _record(n_prompt: int, n_resp: int, seed: int = 0, reward=0.5, meta=None) -> TrajectoryRecord:
+def _record(n_prompt: int, n_resp: int, seed: int = 0, meta=None) -> TrajectoryRecord:
     g = torch.Generator().manual_seed(seed)
     return TrajectoryRecord(
         torch.randint(0, 1000, (n_prompt,), generator=g, dtype=torch.int32),
         torch.randint(0, 1000, (n_resp,), generator=g, dtype=torch.int32),
         torch.randn(n_resp, generator=g),
         torch.randint(0, 5, (n_resp,), generator=g, dtype=torch.int32),
-        reward, meta if meta is not None else {"traj_id": seed, "traj_version": 3, "finish_reason": "stop"})
+        meta if meta is not None else {"traj_id": seed, "traj_version": 3, "finish_reason": "stop"})
 
 
 def _same(a: TrajectoryRecord, b: TrajectoryRecord) -> bool:
     return (all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("prompt_ids", "response_ids", "logprobs", "versions"))
-            and a.reward == b.reward and a.meta == b.meta)
+            and a.meta == b.meta)
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_ring_reads_back_every_live_record_and_rejects_freed_ones(ops):
         live, dead = {}, []
         for is_write, n_p, n_r, seed in ops:
             if is_write or not live:
-                rec = _record(n_p, n_r, seed, reward=None if seed % 3 == 0 else 0.25)
+                rec = _record(n_p, n_r, seed)
                 try:
                     h = ring.write(rec)
                 except RingFull:
@@ -134,14 +134,13 @@ def test_ring_reads_back_every_live_record_and_rejects_freed_ones(ops):
 
 # -- ring: round trips through shared memory ---------------------------------------------------------------
 def test_write_read_round_trip_in_another_attachment(ring):
-    recs = [_record(5, 7, 1), _record(1, 0, 2, reward=None), _record(33, 100, 3, meta={"nested": {"a": [1, 2]}})]
+    recs = [_record(5, 7, 1), _record(1, 0, 2), _record(33, 100, 3, meta={"nested": {"a": [1, 2]}})]
     handles = [ring.write(r) for r in recs]
     reader = TrajectoryRing.attach(ring.name.split("-")[1], 0)
     try:
         for r, h in zip(recs, handles):
             got = reader.read(h)
-            assert _same(got, TrajectoryRecord(r.prompt_ids, r.response_ids, r.logprobs, r.versions,
-                                               None if r.reward is None else float(torch.tensor(r.reward)), r.meta))
+            assert _same(got, r)
         with pytest.raises(ServerError, match="only the producer"):
             reader.write(recs[0])
         with pytest.raises(ServerError, match="only the producer"):
@@ -217,7 +216,6 @@ def test_stale_handle_and_double_free(ring):
     (dict(logprobs=torch.zeros(2)), "one of each per response token"),
     (dict(prompt_ids=torch.zeros(2, 2, dtype=torch.int32)), "must be 1-D"),
     (dict(response_ids=torch.zeros(3)), "need torch.int32"),
-    (dict(reward=float("nan")), "must be finite"),
     (dict(meta={"x": object()}), "cannot be encoded"),
 ])
 def test_bad_records_rejected(ring, bad, match):

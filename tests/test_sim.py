@@ -13,7 +13,7 @@ from staleflow.coordinator import CostModel
 from staleflow.coordinator.modes import MODES
 from staleflow.sim.cli import main
 from staleflow.sim.config import SimConfig, replace
-from staleflow.sim.simulator import Simulation
+from staleflow.sim.simulator import _result, build
 
 TINY_COST = CostModel(k1=2e-6, k2=0.01, k3=1e-3, b3=0.004, k4=1e-3, kv_capacity=3000, name="tiny")
 
@@ -29,23 +29,41 @@ def tiny(**kw) -> SimConfig:
     return SimConfig(**base)
 
 
-def audit(sim: Simulation, res) -> None:
+class Sim:
+    """One simulated run built exactly as `run` builds it, kept open for the audit."""
+
+    def __init__(self, cfg, mode, eta, cost=TINY_COST):
+        self.cfg, self.mode = cfg, mode
+        self.loop, self.backend, self.stale = build(cfg, mode, eta, cost=cost)
+
+    def run(self):
+        loop, incomplete, next_tick = self.loop, "", 0.0
+        while not loop.done:
+            next_tick = loop.turn(next_tick)
+            if self.backend.now() > self.cfg.max_sim_s:
+                incomplete = "incomplete: max-sim-s"
+                break
+        return _result(self.cfg, self.mode, self.stale.eta, self.mode, loop, self.backend, incomplete)
+
+
+def audit(sim: Sim, res) -> None:
     """The protocol seen from outside the manager: bound, no loss, no double consumption."""
     assert not [v for v in res.violations if not v.startswith("incomplete")], res.violations
     assert res.steps_done == sim.cfg.steps, res.violations
-    log = sim.manager.consumption_log()
+    loop, led = sim.loop, sim.loop.ledger
+    log = loop.manager.consumption_log()
     assert len({g for g, _, _ in log}) == len(log)  # no group consumed twice
     for gid, tv, bv in log:
-        assert tv <= bv <= tv + sim.eta
+        assert tv <= bv <= tv + sim.stale.eta
     # every trajectory ever created has exactly one fate, and consumed ones match the trained samples
-    assert set(sim.fate.values()) <= {"live", "finished", "consumed", "aborted"}
-    consumed = sum(1 for f in sim.fate.values() if f == "consumed")
-    assert consumed == sum(sim.step_samples) == len(log) * sim.N
+    assert not set(led.ended) & set(led.trajs)
+    assert set(led.ended) | set(led.trajs) == set(range(led.next_traj))
+    assert all(f == "consumed" or f.startswith("aborted: ") for f in led.ended.values())
+    consumed = sum(1 for f in led.ended.values() if f == "consumed")
+    assert consumed == sum(len(r.rewards) for r in loop.steps) == len(log) * sim.stale.group_size
     assert sum(res.staleness_hist.values()) == len(log)
-    live = {t for t, f in sim.fate.items() if f in ("live", "finished")}
-    assert live == set(sim.trajs)  # the payload side holds exactly the live ones
-    assert {t for t in sim.coord.items} <= live
-    for inst in sim.insts:  # nothing runs on an instance older than its V_traj
+    assert set(loop.coord.items) <= set(led.trajs)  # the coordinator schedules only live trajectories
+    for inst in sim.backend.insts:  # nothing runs on an instance older than its V_traj
         for tr in list(inst.running.values()):
             assert inst.version >= tr.traj_version
 
@@ -66,7 +84,7 @@ def test_random_runs_keep_the_staleness_invariant_and_lose_nothing(mode, eta, B,
                                                                     migration=True, psi=2.0, migration_stop=1,
                                                                     phi_wait=1, pull_indicator="requests",
                                                                     pull_threshold=2))
-    sim = Simulation(cfg, mode, eta, cost=TINY_COST)
+    sim = Sim(cfg, mode, eta)
     audit(sim, sim.run())
 
 
@@ -74,11 +92,11 @@ def test_every_mode_finishes_and_staleflow_is_not_slower_than_sync():
     cfg = tiny(steps=6, eta=(2,))
     rates = {}
     for mode in MODES:
-        sim = Simulation(cfg, mode, 2, cost=TINY_COST)
+        sim = Sim(cfg, mode, 2)
         res = sim.run()
         audit(sim, res)
         rates[mode] = res.tokens_per_s
-        assert max(res.staleness_hist) <= sim.eta
+        assert max(res.staleness_hist) <= sim.stale.eta
     assert rates["staleflow"] > rates["sync"] > 0
 
 
@@ -120,5 +138,5 @@ def test_bad_lengths_file(tmp_path):
     p = tmp_path / "lens.txt"
     p.write_text("100\n-3\n")
     with pytest.raises(ConfigError, match="entry 2 is -3"):
-        Simulation(tiny(lengths_file=str(p)), "staleflow", 1, cost=TINY_COST)
+        Sim(tiny(lengths_file=str(p)), "staleflow", 1)
     assert replace(tiny(), seed=3).seed == 3

@@ -41,8 +41,6 @@ class ModelConfig:
     """Hugging Face model folder (config.json + safetensors) or an alias: smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter/compute dtype: auto = bfloat16 on CUDA, float32 on CPU."""
-    attention: Literal["auto", "sdpa", "flash"] = "auto"
-    """Packed attention backend: auto = flash-attn varlen when installed on CUDA, else SDPA."""
 
     def __post_init__(self):
         _check(bool(self.path), "model.path", self.path, "give a model folder or an alias such as smollm2-135m")
@@ -146,10 +144,12 @@ class TrainConfig:
     """Advantage estimator, by registered name: grpo, grpo-nostd, dr-grpo, rloo."""
     loss: str = "grpo"
     """Policy loss, by registered name: grpo (PPO-clip), dapo, gspo, ppo."""
-    loss_agg: Literal["token-mean", "seq-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_agg: Literal["auto", "token-mean", "seq-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "auto"
+    """Loss aggregation (docs/trainer.md maps each to TRL / verl names): auto = the loss's paper
+    (gspo -> seq-mean, --train.advantage dr-grpo -> seq-mean-token-sum-norm, else token-mean)."""
     clip_low: float = 0.2
     clip_high: float = 0.2
-    off_policy: Literal["none", "tis-token", "tis-seq", "mis-token", "mis-seq", "decoupled"] = "tis-token"
+    off_policy: Literal["none", "tis-token", "tis-seq", "mis-token", "mis-seq", "mis-seq-geo", "decoupled"] = "tis-token"
     """Off-policy correction between behaviour (rollout) and current policy."""
     is_cap: float = 2.0
     """Upper cap of truncated importance weights."""
@@ -251,14 +251,21 @@ class RewardConfig:
     """Registered name (arithmetic, math, countdown) or a user function 'module:function'."""
     workers: int = 2
     format_weight: float = 0.0
-    """Weight of the format reward added to the answer reward."""
+    """Bonus added to a correct answer given in \\boxed{} (never to a wrong one)."""
     timeout_s: float = 30.0
     """A reward call running longer than this is killed and scores 0 (its worker is restarted)."""
+    max_consecutive_failures: int = 32
+    """Stop the run after this many reward calls in a row failed (raised, timed out, returned a
+    non-finite or non-number value); 0 never stops. Every failure is counted in metrics.jsonl."""
 
     def __post_init__(self):
         _check(bool(self.fn), "reward.fn", self.fn, "give a registered name or module:function")
         _check(self.workers >= 1, "reward.workers", self.workers, "must be >= 1")
+        _check(self.format_weight >= 0, "reward.format-weight", self.format_weight,
+               "must be >= 0 (a bonus for a correct boxed answer)")
         _check(self.timeout_s > 0, "reward.timeout-s", self.timeout_s, "must be > 0")
+        _check(self.max_consecutive_failures >= 0, "reward.max-consecutive-failures", self.max_consecutive_failures,
+               "must be >= 0 (0 never stops)")
 
 
 @dataclass(frozen=True)
@@ -334,17 +341,22 @@ class RunConfig:
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
 
 
-def replace(cfg, **changes):
-    """dataclasses.replace that also re-runs validation (frozen dataclasses)."""
-    return dataclasses.replace(cfg, **changes)
+def resolve(cfg: RunConfig) -> RunConfig:
+    """The run's config with ``--mode`` applied to its coordinator and staleness sections.
+
+    Called once, where the config is parsed; everything downstream (controller, coordinator,
+    rollout ranks) reads the result and never applies a mode again."""
+    from staleflow.coordinator.modes import apply_mode
+
+    coordinator, staleness = apply_mode(cfg.mode, cfg.coordinator, cfg.staleness)
+    return dataclasses.replace(cfg, coordinator=coordinator, staleness=staleness)
 
 
 def preset_smollm2_cpu() -> RunConfig:
     """The embedded default: SmolLM2-135M-Instruct on the built-in arithmetic task, CPU, 1 trainer + 2 rollout.
 
     Sized to finish in minutes on 2 CPU cores: 4 prompts x 4 responses per step, responses up to
-    128 tokens, eta 1. The reward is the answer check plus 0.5 for a non-empty \\boxed{} (the
-    prompt asks for it; the model rarely does it untrained, so the format is learnt first).
+    128 tokens, eta 1. The reward is the answer check plus 0.5 when the right answer is in \\boxed{}.
     """
     return RunConfig(
         rollout=RolloutConfig(max_new_tokens=128, max_model_len=512, max_kv_tokens=32768),

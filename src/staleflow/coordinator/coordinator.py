@@ -15,11 +15,16 @@ Reserve happens at Route time with a dynamic version tag: the first member of a 
 routed to an instance fixes the group's V_traj to that instance's post-sync version; later
 members and every loop-back keep it. Candidates always have post-sync version >= V_traj.
 
-Runtime contract: ``submit`` new trajectories; report ``on_snapshot``, ``on_finished``
-(returns groups whose N members are done: reward them, then ``on_rewarded``),
-``on_interrupted`` (partial outputs come back with their generated_len), ``on_pull_done``,
-``on_new_version`` (the PS published v), ``on_failed``. The trainer uses the manager directly
-(``ready_version`` / ``consume``).
+Runtime contract (staleflow.controller.loop drives it, in the runtime and the simulator alike):
+``submit`` new trajectories; report ``on_snapshot``, ``on_finished`` (False: the trajectory was
+already dropped, e.g. as group-redundancy surplus), ``on_rewarded`` once the group's N finished
+members are rewarded (Occupy), ``on_interrupted`` (partial outputs come back with their
+generated_len and origin), ``on_pull_done``, ``on_new_version`` (the PS published v),
+``on_failed``. The trainer side uses the manager directly (``ready_version`` / ``consume``).
+The config arrives with its mode already applied (``staleflow.config.resolve``).
+
+With migration off (``--coordinator.migration false``) a loop-back resumes on the instance it
+was interrupted on (its ``origin``), never elsewhere.
 """
 
 from __future__ import annotations
@@ -31,25 +36,19 @@ from typing import Callable, Iterable
 
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.mlq import MultiLevelQueue
-from staleflow.coordinator.modes import apply_mode, mode_overrides
 from staleflow.coordinator.strategies import make_pull, make_routing, pick_migration
 from staleflow.coordinator.types import (Abort, Command, InstanceSnapshot, Interrupt, Pull, Route,
                                          TrajectoryItem)
 
 
 class Coordinator:
-    def __init__(self, cfg, cost_model, manager, instances: Iterable[int], mode: str = "staleflow", *,
-                 straggler: str = "off", straggler_threshold: int = 1, version: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
-        forced = mode_overrides(mode)["staleness"]
-        if "eta" in forced and manager.eta != forced["eta"]:
-            raise ValueError(f"--mode={mode} needs --staleness.eta {forced['eta']}, got {manager.eta}")
+    def __init__(self, cfg, cost_model, manager, instances: Iterable[int], *, straggler: str = "off",
+                 straggler_threshold: int = 1, version: int = 0, clock: Callable[[], float] = time.monotonic,
+                 label: str = "staleflow"):
         if straggler not in ("off", "abort", "truncate"):
             raise ValueError(f"--staleness.straggler={straggler!r} is unknown; choose off, abort or truncate")
-        self.mode = mode
-        self.cfg, _ = apply_mode(mode, cfg)
-        if "straggler" in forced:
-            straggler = forced["straggler"]
+        self.label = label
+        self.cfg = cfg
         self.straggler, self.straggler_threshold = straggler, straggler_threshold
         self.cost_model, self.manager, self.clock = cost_model, manager, clock
         self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
@@ -64,8 +63,7 @@ class Coordinator:
         self.where: dict[int, int] = {}  # traj_id -> instance, while on an instance
         self.reserved: set[int] = set()  # live trajectories holding a reservation (= in flight)
         self.group_tag: dict[int, int] = {}  # group_id -> V_traj fixed at its first route
-        self.members: dict[int, set[int]] = {}  # group_id -> live member ids
-        self.done: Counter = Counter()  # group_id -> members finished
+        self.members: dict[int, set[int]] = {}  # group_id -> its items still scheduled here (queued or in flight)
         self.pending_interrupts: set[int] = set()
         self.queued_tagged: Counter = Counter()  # V_traj -> queued tagged trajectories
         self.barrier_budget = 0
@@ -120,12 +118,13 @@ class Coordinator:
         inst = self._inst(snap.instance)
         return inst.accept(snap)
 
-    def on_finished(self, instance: int, traj_id: int) -> list[int]:
-        """A trajectory finished generation. Returns the groups that now have N finished members."""
+    def on_finished(self, instance: int, traj_id: int) -> bool:
+        """A trajectory finished generation. False if it was already dropped (an Abort crossed the
+        finish: group-redundancy surplus, closed window, straggler): it does not count."""
         now = self.clock()
-        if traj_id not in self.items:  # aborted meanwhile (race with an Abort): nothing to do
+        if traj_id not in self.items:
             self.counters["late_finish"] += 1
-            return []
+            return False
         self._detach(traj_id, now)
         self._dequeue(traj_id)
         self.pending_interrupts.discard(traj_id)
@@ -136,9 +135,8 @@ class Coordinator:
         self.members[it.group_id].discard(traj_id)
         for t in self.manager.complete(traj_id):  # group redundancy: the surplus is aborted
             self._drop(t, "surplus", now)
-        self.done[it.group_id] += 1
         self.counters["finished"] += 1
-        return [it.group_id] if self.done[it.group_id] == self.manager.group_size else []
+        return True
 
     def on_rewarded(self, group_id: int) -> int | None:
         """The group's reward is known: Occupy. Returns the buffer version it landed in, or None if
@@ -195,7 +193,7 @@ class Coordinator:
         if self.straggler != "off":
             self._stragglers(now, cmds)
         self._pulls(now, cmds)
-        if self.cfg.migration and not self.pending_interrupts:
+        if self.cfg.migration and not self.pending_interrupts:  # active migration (paper 6.5)
             picked = pick_migration(self)
             if picked is not None:
                 inst, ids = picked
@@ -268,7 +266,7 @@ class Coordinator:
                     leftover = True
                     break
                 sig = (item.traj_version if item.traj_version is not None else self.group_tag.get(item.group_id),
-                       item.tokens)
+                       item.tokens, -1 if self.cfg.migration else item.origin)
                 if sig in failed:  # same placement problem as one that just failed: skip cheaply
                     fails, leftover = fails + 1, True
                     continue
@@ -300,7 +298,10 @@ class Coordinator:
         else:
             if item.traj_id not in self.reserved and not self.manager.can_admit(V, gid):
                 return None, -1
-            cands = [i for i in open_ if i.target_version >= V]
+            if item.origin >= 0 and not self.cfg.migration:  # no migration: resume where it ran
+                cands = [i for i in open_ if i.instance == item.origin and i.target_version >= V]
+            else:
+                cands = [i for i in open_ if i.target_version >= V]
         inst = self.router.choose(item, V, cands, self) if cands else None
         if inst is None:
             failed.add(sig)
@@ -378,13 +379,12 @@ class Coordinator:
 
     def _forget_group(self, gid: int) -> None:
         self.members.pop(gid, None)
-        self.done.pop(gid, None)
         self.group_tag.pop(gid, None)
         self._stragglers_done.discard(gid)
 
     def stats(self) -> dict:
         """JSON-able counters and per-instance speculative state (metrics)."""
-        return {"mode": self.mode, "queued": len(self.queue), "in_flight": self.in_flight,
+        return {"mode": self.label, "queued": len(self.queue), "in_flight": self.in_flight,
                 "ps_version": self.ps_version, "counters": dict(self.counters),
                 "instances": {i: {"version": s.version, "load": s.load, "kv": s.kv_tokens, "syncing": s.syncing,
                                   "snapshots_used": s.snapshots_used, "snapshots_dropped": s.snapshots_dropped}

@@ -142,13 +142,17 @@ def load_cost_model(name_or_path: str) -> CostModel:
     return CostModel(**vals, name=str(raw.get("name", path.stem)), source=str(raw.get("source", str(path))))
 
 
-def fit_cost_model(samples: list[tuple[int, float, float]], kv_capacity: int, name: str = "fitted", source: str = "") -> CostModel:
-    """Least-squares fit of latency = k1*KV + max(k2, k3*n + b3) + k4 to (n, KV, seconds) samples.
+def fit_cost_model(samples: list[tuple[int, float, float]], kv_capacity: int, name: str = "fitted",
+                   source: str = "", robust: bool = True) -> CostModel:
+    """The one cost-model fitter: latency = k1*KV + max(k2, k3*n + b3) to (n, KV, seconds) samples.
 
+    Residuals are RELATIVE (small and large batches count alike) and, with ``robust``, a
+    soft-L1 loss (iteratively reweighted) discounts steps slowed by other jobs on a shared host.
     The kink of the max is found by scanning the breakpoint n* over a log grid of batch sizes and
     refining it by golden-section search: below n* the non-attention term is the constant k2,
-    above it k3*n + b3 (continuity at n* ties b3). Each candidate n* is a linear least-squares
-    problem (coefficients clipped at 0).
+    above it k3*n + b3 (continuity at n* ties b3 = k2 - k3*n*, clipped at 0). Each candidate n*
+    is a weighted linear least-squares problem (coefficients clipped at 0). A constant per-step
+    cost is absorbed by k2 and b3 (k4 = 0).
     """
     import numpy as np
 
@@ -156,25 +160,43 @@ def fit_cost_model(samples: list[tuple[int, float, float]], kv_capacity: int, na
         raise CostModelError(f"fit needs at least 4 (n, kv, seconds) samples, got {len(samples)}")
     a = np.asarray(samples, dtype=np.float64)
     n, kv, y = a[:, 0], a[:, 1], a[:, 2]
+    if (y <= 0).any() or (n <= 0).any():
+        raise CostModelError("fit needs samples with n >= 1 running sequences and a positive latency")
 
-    def solve(ns: float):
-        # latency = k1*kv + c + k3*max(0, n - ns): c = k2 (+ k4 := 0), and b3 = c - k3*ns
+    def solve(ns: float, w):
+        # latency = k1*kv + c + k3*max(0, n - ns): c = k2, and b3 = c - k3*ns; rows weighted by w / y
         X = np.stack([kv, np.ones_like(n), np.maximum(0.0, n - ns)], axis=1)
-        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        ww = (w / y)[:, None]
+        coef, *_ = np.linalg.lstsq(X * ww, y * ww[:, 0], rcond=None)
         coef = np.maximum(coef, 0.0)
-        return float(np.sum((X @ coef - y) ** 2)), ns, coef
+        rel = (X @ coef - y) / y
+        return float(np.sum(w * rel ** 2)), ns, coef, rel
 
-    grid = np.geomspace(max(0.5, n.min() / 2), n.max() * 2, 400)
-    best = min((solve(float(g)) for g in grid), key=lambda r: r[0])
-    i = int(np.searchsorted(grid, best[1]))
-    lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
-    for _ in range(60):  # golden-section refinement of the kink between neighbouring grid points
-        m1, m2 = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
-        if solve(m1)[0] <= solve(m2)[0]:
-            hi = m2
-        else:
-            lo = m1
-    best = min(best, solve((lo + hi) / 2), key=lambda r: r[0])
-    _, ns, (k1, c, k3) = best
+    def best_kink(w):
+        grid = np.geomspace(max(0.5, n.min() / 2), n.max() * 2, 200)
+        best = min((solve(float(g), w) for g in grid), key=lambda r: r[0])
+        i = int(np.searchsorted(grid, best[1]))
+        lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+        for _ in range(40):  # golden-section refinement between neighbouring grid points
+            m1, m2 = lo + 0.382 * (hi - lo), lo + 0.618 * (hi - lo)
+            if solve(m1, w)[0] <= solve(m2, w)[0]:
+                hi = m2
+            else:
+                lo = m1
+        return min(best, solve((lo + hi) / 2, w), key=lambda r: r[0])
+
+    w = np.ones_like(y)
+    best = best_kink(w)
+    if robust:  # soft-L1 (f_scale 0.1): weight 1 / sqrt(1 + (r / 0.1)^2) on each relative residual
+        for _ in range(4):
+            w = 1.0 / np.sqrt(1.0 + (best[3] / 0.1) ** 2)
+            best = best_kink(w)
+    _, ns, (k1, c, k3), _ = best
     return CostModel(k1=float(k1), k2=float(c), k3=float(k3), b3=float(max(0.0, c - k3 * ns)), k4=0.0,
                      kv_capacity=int(kv_capacity), name=name, source=source)
+
+
+def fit_error(model: CostModel, samples: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """(mean, max) relative error of the model's step time on (n, KV, seconds) samples."""
+    rel = [abs(model.step_time(int(n), kv) - y) / y for n, kv, y in samples]
+    return sum(rel) / max(len(rel), 1), max(rel, default=0.0)

@@ -1,7 +1,8 @@
 """Plain data of the Snapshot-Command cycle: instance snapshots, queued trajectories, commands.
 
-All are msgspec Structs (frozen, tagged where they travel as a union), so the runtime sends
-them over ZeroMQ with ``msgspec.msgpack`` and the simulator passes them around as objects.
+All are msgspec Structs (frozen, tagged where they travel as a union): the runtime sends the
+commands and snapshots over ZeroMQ as they are (``msgspec.msgpack``, see launch/messages.py)
+and the simulator passes them around as objects.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Union
 import msgspec
 
 
-class InstanceSnapshot(msgspec.Struct, frozen=True):
-    """What one rollout instance reports about itself (every ~10 ms in the real system)."""
+class InstanceSnapshot(msgspec.Struct, frozen=True, tag=True):
+    """What one rollout instance reports about itself (every ~10 ms in the real system; sent as is)."""
 
     instance: int
     version: int
@@ -30,6 +31,8 @@ class InstanceSnapshot(msgspec.Struct, frozen=True):
     """Instance-side time the snapshot was taken (same clock as the coordinator's `now`)."""
     traj_ids: tuple[int, ...] = ()
     """Ids of every trajectory the instance holds (running + waiting)."""
+    tokens_generated: int = 0
+    """Tokens generated since the instance started (throughput metrics)."""
 
 
 class TrajectoryItem(msgspec.Struct, frozen=True):

@@ -1,9 +1,10 @@
 """``python -m staleflow train``: the per-rank entry point, run by torchrun on every rank.
 
 Steps on every rank:
-  1. parse the config (tyro, --preset), read RANK / WORLD_SIZE from torchrun, assign the role;
-  2. join the world process group (gloo: control only) and create the trainer group
-     (NCCL on GPU, gloo on CPU);
+  1. parse the config (tyro, --preset) and resolve its mode once; read torchrun's environment
+     and assign the role; build or check the model folder (before any process group exists);
+  2. pick and set the rank's device (cuda:LOCAL_RANK, or cpu), join the world process group
+     (gloo: control only) and create the trainer group (NCCL on GPU, gloo on CPU): launch/dist.py;
   3. global rank 0 starts the controller process (before CUDA is touched) and broadcasts the
      run id; every rank connects to the controller, registers its pid, loads the model, reports Ready;
   4. run the role's loop until the controller says Shutdown; say Goodbye; clean up.
@@ -21,11 +22,14 @@ import traceback
 import uuid
 from dataclasses import dataclass
 
-from staleflow.config import ConfigError, PRESETS, RunConfig
+from staleflow.config import ConfigError, PRESETS, RunConfig, resolve
+from staleflow.launch import dist as rankdist
 from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
 from staleflow.launch.control import ControlClient, control_address
 from staleflow.launch.messages import Failure, Goodbye, Heartbeat, Ping, Pong, Ready, Register, Shutdown
 from staleflow.launch.roles import Roles
+from staleflow.model.aliases import AliasError
+from staleflow.model.hf import ModelLoadError
 
 
 class RunStopped(RuntimeError):
@@ -44,6 +48,7 @@ class RankContext:
     run_dir: str = ""
     trainer_group: object = None
     device: str = "cpu"
+    """This rank's device (launch/dist.py): cuda:LOCAL_RANK on a GPU node, else cpu."""
 
     @property
     def role(self) -> str:
@@ -71,27 +76,6 @@ class RankContext:
             if isinstance(msg, Shutdown) and not msg.ok:
                 raise RunStopped(msg.reason)
             return msg
-
-
-def _torchrun_env() -> tuple[int, int, int]:
-    try:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
-    except KeyError:
-        raise ConfigError(
-            "staleflow train must run under torchrun (RANK/WORLD_SIZE are not set): use ./launch.sh or "
-            "torchrun --standalone --nproc_per_node=3 -m staleflow train"
-        ) from None
-
-
-def _init_groups(roles: Roles, rank: int):
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=roles.world_size)
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    trainer_group = dist.new_group(roles.trainer_ranks, backend=backend)
-    return trainer_group
 
 
 def _make_run_dir(cfg: RunConfig) -> str:
@@ -125,12 +109,30 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
 
 
 def _load_model_info(ctx: RankContext) -> tuple[object, dict]:
+    """The rank's copy of the model on its device (a vLLM rollout rank loads none: vLLM does)."""
     from staleflow.model import load_model
 
+    if ctx.role == "rollout" and ctx.cfg.rollout.engine == "vllm" and not ctx.cfg.smoke:
+        return None, {"model": ctx.cfg.model.path, "params": 0, "load_s": 0.0, "device": ctx.device}
     t0 = time.perf_counter()
     model = load_model(ctx.cfg.model.path, device=ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
-    return model, {"model": ctx.cfg.model.path, "params": n_params, "load_s": time.perf_counter() - t0}
+    return model, {"model": ctx.cfg.model.path, "params": n_params, "load_s": time.perf_counter() - t0,
+                   "device": ctx.device}
+
+
+def make_worker(ctx: RankContext, model):
+    """The rank's worker, built before it reports Ready (rings and the Parameter Server exist by
+    then); returns (worker, extra Ready info)."""
+    if ctx.role == "trainer":
+        from staleflow.launch.trainer_worker import TrainerWorker
+
+        w = TrainerWorker(ctx, model)
+        return w, {"version": w.trainer.version, "resume_extra": w.resume_extra if ctx.rank == 0 else {}}
+    from staleflow.launch.rollout_worker import RolloutWorker
+
+    w = RolloutWorker(ctx, model)
+    return w, {"instance": w.instance}
 
 
 def smoke_loop(ctx: RankContext, model) -> None:
@@ -143,10 +145,13 @@ def smoke_loop(ctx: RankContext, model) -> None:
             return
 
 
-def run_rank(cfg: RunConfig, roles: Roles, rank: int) -> int:
+def run_rank(cfg: RunConfig, roles: Roles, env: rankdist.RankEnv) -> int:
     import torch.distributed as dist
 
-    trainer_group = _init_groups(roles, rank)
+    rank = env.rank
+    device = rankdist.pick_device(env.local_rank)
+    rankdist.set_device(device)
+    trainer_group = rankdist.init_groups(roles, rank, device)
     controller = None
     if rank == 0:
         cleanup_stale_run_files()
@@ -170,15 +175,13 @@ def run_rank(cfg: RunConfig, roles: Roles, rank: int) -> int:
         return 2
     client = ControlClient(control_address(run_id), rank)
     ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, run_dir=run_dir,
-                      trainer_group=trainer_group)
+                      trainer_group=trainer_group, device=device)
     client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname()))
     ok, reason = True, ""
     worker = None
     try:
         model, info = _load_model_info(ctx)
         if not cfg.smoke:
-            from staleflow.launch.runtime import make_worker
-
             worker, more = make_worker(ctx, model)
             info.update(more)
         client.send(Ready(rank=rank, info=info))
@@ -237,12 +240,28 @@ def main(argv: list[str]) -> int:
 
     rank_env = os.environ.get("RANK", "0")
     try:
-        cfg = parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train")
-        rank, world_size, _ = _torchrun_env()
-        roles = Roles(world_size, cfg.rollout.ranks)
+        cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
+        env = rankdist.read_env()
+        roles = Roles(env.world_size, cfg.rollout.ranks)
     except ConfigError as e:
         if rank_env == "0":
             print(f"staleflow: config error: {e}", file=sys.stderr, flush=True)
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
-    return run_rank(cfg, roles, rank)
+    try:
+        _prepare_model(cfg)
+    except (AliasError, ModelLoadError) as e:
+        if rank_env == "0":
+            print(f"staleflow: {e}", file=sys.stderr, flush=True)
+        return 2
+    return run_rank(cfg, roles, env)
+
+
+def _prepare_model(cfg: RunConfig) -> None:
+    """Build (or check) the model folder before any process group exists.
+
+    Every rank calls it; the alias cache's file lock lets one of them build while the others
+    wait, and no library sees a torch.distributed rank while files are written."""
+    from staleflow.model.loader import resolve_model_path
+
+    resolve_model_path(cfg.model.path)

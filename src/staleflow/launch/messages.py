@@ -10,6 +10,9 @@ from typing import Any, Union
 
 import msgspec
 
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
+from staleflow.servers.trajectory import RecordHandle
+
 
 class Register(msgspec.Struct, tag=True):
     """A rank announces itself as soon as it starts (so the controller can watch its pid)."""
@@ -99,68 +102,38 @@ def decode(data: bytes) -> msgspec.Struct:
     return _decoder.decode(data)
 
 
-# ---- training runtime (staleflow.launch.runtime) -------------------------------------------------
-# Record handles are staleflow.servers.RecordHandle encoded as [rank, offset, length, generation].
-
-Handle = tuple[int, int, int, int]
+# ---- training runtime (staleflow.launch.backend <-> rollout_worker / trainer_worker) -----------------
+# The coordinator's commands (Route inside RouteTraj, Interrupt, Abort, Pull), its InstanceSnapshot
+# and the servers' RecordHandle travel as they are.
 
 
 class RouteTraj(msgspec.Struct, tag=True):
-    """Controller -> rollout rank: generate (or resume, from the partial record) a trajectory."""
+    """Controller -> rollout rank: the coordinator's Route plus what the engine needs to run it."""
 
-    traj_id: int
-    group_id: int
-    traj_version: int
+    route: Route
     prompt_ids: list[int]
     seed: int
-    partial: Handle | None = None
+    partial: RecordHandle | None = None
+    """The trajectory's partial record (an interrupted loop-back), resumed from its tokens."""
     max_new_tokens: int = 0
     """0: --rollout.max-new-tokens; > 0: this trajectory's own length target (benchmark workloads, eos ignored)."""
-
-
-class InterruptTrajs(msgspec.Struct, tag=True):
-    """Controller -> rollout rank: stop these trajectories; drop=False writes partial records back."""
-
-    traj_ids: list[int]
-    reason: str = "migrate"
-    drop: bool = False
-
-
-class PullWeights(msgspec.Struct, tag=True):
-    """Controller -> rollout rank: load the newest published weights (>= version) from the PS."""
-
-    version: int
 
 
 class FreeRecords(msgspec.Struct, tag=True):
     """Controller -> the producing rollout rank: these ring records are consumed or aborted."""
 
-    handles: list[Handle]
+    handles: list[RecordHandle]
 
 
 class TrajDone(msgspec.Struct, tag=True):
     """Rollout rank -> controller: a trajectory finished (or was interrupted: partial=True)."""
 
     traj_id: int
-    handle: Handle
+    instance: int
+    handle: RecordHandle
     n_tokens: int
     finish_reason: str
     partial: bool = False
-
-
-class InstanceStats(msgspec.Struct, tag=True):
-    """Rollout rank -> controller: engine snapshot for the coordinator (every few ms)."""
-
-    instance: int
-    version: int
-    running: int
-    waiting: int
-    kv_tokens: int
-    kv_capacity: int
-    tokens_per_s: float
-    tokens_generated: int
-    time: float
-    traj_ids: list[int] = []
 
 
 class Pulled(msgspec.Struct, tag=True):
@@ -172,7 +145,7 @@ class Pulled(msgspec.Struct, tag=True):
 
 
 class TrainItem(msgspec.Struct, array_like=True):
-    handle: Handle
+    handle: RecordHandle
     reward: float
     group_id: int
     traj_version: int
@@ -207,6 +180,6 @@ class Saved(msgspec.Struct, tag=True):
     path: str
 
 
-for _cls in (RouteTraj, InterruptTrajs, PullWeights, FreeRecords, TrajDone, InstanceStats, Pulled, TrainStep,
+for _cls in (RouteTraj, Interrupt, Abort, Pull, InstanceSnapshot, FreeRecords, TrajDone, Pulled, TrainStep,
              StepDone, SaveState, Saved):
     register_message(_cls)

@@ -1,11 +1,16 @@
 """The rollout-rank loop: one rollout instance executing the coordinator's commands.
 
-    RouteTraj      add to the engine (a resumed partial trajectory brings its tokens from a ring)
-    InterruptTrajs abort in the engine; write the partial record and report it (or just drop it)
-    PullWeights    interrupt everything still running, load the newest version from the PS
-    FreeRecords    release ring space the controller no longer needs
+    RouteTraj    add to the engine (a resumed partial trajectory brings its tokens from a ring)
+    Interrupt    abort in the engine; write the partial record and report it (TrajDone partial)
+    Abort        abort in the engine and forget the output
+    Pull         load the newest version from the PS. With --coordinator.interrupt-on-pull (the
+                 default, partial rollout) everything still running is interrupted first; without
+                 it the engine keeps its sequences across the load: their KV cache, computed with
+                 the old weights, is kept and their next tokens come from the new weights (what
+                 the simulator models; per-token versions record it)
+    FreeRecords  release ring space the controller no longer needs
 Between commands the engine steps; finished trajectories are written to this rank's ring and
-announced with TrajDone; an InstanceStats snapshot goes out every --rollout.stats-interval-ms.
+announced with TrajDone; an InstanceSnapshot goes out every --rollout.stats-interval-ms.
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ import time
 
 import torch
 
-from staleflow.launch.messages import (FreeRecords, InstanceStats, InterruptTrajs, Pulled, PullWeights, RouteTraj,
-                                       Shutdown, TrajDone)
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
+from staleflow.launch.messages import FreeRecords, Pulled, RouteTraj, Shutdown, TrajDone
 from staleflow.rollout.engine import Request, SamplingParams
-from staleflow.servers import ParameterServer, RecordHandle, RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
+from staleflow.servers import ParameterServer, RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
 
 RING_BYTES = 256 << 20
 
@@ -49,7 +54,8 @@ class RolloutWorker:
         self.staging: dict[str, torch.Tensor] | None = None
         rc = ctx.cfg.rollout
         self.params = dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens)
-        self.meta: dict[int, dict] = {}  # traj_id -> group_id, traj_version
+        self.meta: dict[int, dict] = {}  # traj_id -> traj_version
+        self.keep_on_pull = not ctx.cfg.coordinator.interrupt_on_pull
         self.unsent: list[tuple] = []  # records waiting for ring space (back-pressure)
         self.stats_every = rc.stats_interval_ms / 1000.0
         self._last_stats = 0.0
@@ -63,19 +69,20 @@ class RolloutWorker:
 
     def route(self, msg: RouteTraj) -> None:
         out_ids, out_lp, out_v = [], [], []
+        r = msg.route
         if msg.partial is not None:
             try:
-                rec = self._reader(msg.partial[0]).read(RecordHandle(*msg.partial))
+                rec = self._reader(msg.partial.rank).read(msg.partial)
             except StaleHandle:
                 # The controller only frees a partial record that is being resumed when it has
                 # dropped the trajectory (an Abort that crossed this Route): nothing to resume.
                 return
             out_ids, out_lp, out_v = rec.response_ids.tolist(), rec.logprobs.tolist(), rec.versions.tolist()
-        self.meta[msg.traj_id] = {"group_id": msg.group_id, "traj_version": msg.traj_version}
+        self.meta[r.traj_id] = {"traj_version": r.traj_version}
         params = dict(self.params)
         if msg.max_new_tokens:
             params.update(max_new_tokens=msg.max_new_tokens, ignore_eos=True)
-        self.engine.add(Request(msg.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **params),
+        self.engine.add(Request(r.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **params),
                                 output_ids=out_ids, output_logprobs=out_lp, output_versions=out_v))
 
     def interrupt(self, ids, drop: bool) -> None:
@@ -88,17 +95,18 @@ class RolloutWorker:
             else:
                 self.emit(out, partial=True)
 
-    def pull(self, msg: PullWeights) -> None:
+    def pull(self, msg: Pull) -> None:
         t0 = time.monotonic()
-        st = self.engine.stats()
-        self.interrupt(list(st.running_ids) + list(st.waiting_ids), drop=False)
+        if not self.keep_on_pull:  # partial rollout: nothing runs across a weight load
+            st = self.engine.stats()
+            self.interrupt(list(st.running_ids) + list(st.waiting_ids), drop=False)
         if self.ps is None:
             self.ps = ParameterServer.attach(self.ctx.run_id, timeout=60)
             self.staging = self.ps.layout.empty()
         version, tensors = self.ps.pull_latest(out=self.staging)
         if version is None or version < msg.version:
-            raise RuntimeError(f"PullWeights({msg.version}): the parameter server only has version {version}")
-        self.engine.load_weights(tensors, version)
+            raise RuntimeError(f"Pull({msg.version}): the parameter server only has version {version}")
+        self.engine.load_weights(tensors, version, **({"keep_kv": True} if self.keep_on_pull else {}))
         self.ctx.client.send(Pulled(instance=self.instance, version=version, seconds=time.monotonic() - t0))
 
     # ---- outputs -------------------------------------------------------------------------
@@ -122,7 +130,7 @@ class RolloutWorker:
             except RingFull:
                 return  # back-pressure: retry after the controller frees records
             self.unsent.pop(0)
-            self.ctx.client.send(TrajDone(traj_id=traj_id, handle=(h.rank, h.offset, h.length, h.generation),
+            self.ctx.client.send(TrajDone(traj_id=traj_id, instance=self.instance, handle=h,
                                           n_tokens=int(rec.response_ids.numel()), finish_reason=reason, partial=partial))
 
     def send_stats(self, now: float) -> None:
@@ -130,10 +138,10 @@ class RolloutWorker:
         dt = max(now - self._last_t, 1e-6)
         rate = (st.tokens_generated - self._last_tokens) / dt
         self._last_tokens, self._last_t = st.tokens_generated, now
-        self.ctx.client.send(InstanceStats(
+        self.ctx.client.send(InstanceSnapshot(
             instance=self.instance, version=st.version, running=st.num_running, waiting=st.num_waiting,
-            kv_tokens=st.kv_tokens, kv_capacity=st.kv_capacity, tokens_per_s=rate,
-            tokens_generated=st.tokens_generated, time=now, traj_ids=list(st.running_ids) + list(st.waiting_ids)))
+            kv_tokens=st.kv_tokens, kv_capacity=st.kv_capacity, tokens_per_s=rate, syncing=False, time=now,
+            traj_ids=tuple(st.running_ids) + tuple(st.waiting_ids), tokens_generated=st.tokens_generated))
         self._last_stats = now
 
     # ---- loop ----------------------------------------------------------------------------
@@ -141,13 +149,15 @@ class RolloutWorker:
         """Execute one command; False on Shutdown."""
         if isinstance(msg, RouteTraj):
             self.route(msg)
-        elif isinstance(msg, InterruptTrajs):
-            self.interrupt(msg.traj_ids, msg.drop)
-        elif isinstance(msg, PullWeights):
+        elif isinstance(msg, Interrupt):
+            self.interrupt(msg.traj_ids, drop=False)
+        elif isinstance(msg, Abort):
+            self.interrupt(msg.traj_ids, drop=True)
+        elif isinstance(msg, Pull):
             self.pull(msg)
         elif isinstance(msg, FreeRecords):
             for h in msg.handles:
-                self.ring.free(RecordHandle(*h))
+                self.ring.free(h)
             self.flush()
         elif isinstance(msg, Shutdown):
             return False
@@ -178,10 +188,3 @@ class RolloutWorker:
         if self.ps is not None:
             self.ps.close()
 
-
-def run_rollout(ctx, model) -> None:
-    worker = RolloutWorker(ctx, model)
-    try:
-        worker.run()
-    finally:
-        worker.close()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from staleflow.launch.messages import SaveState, Saved, Shutdown, StepDone, TrainStep
-from staleflow.servers import ParameterServer, ParamLayout, RecordHandle, TrajectoryRing
+from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.train.batch import TrajectorySample
 from staleflow.train.checkpoint import export_hf, load_checkpoint, latest_checkpoint, save_checkpoint
 from staleflow.train.trainer import Trainer
@@ -28,11 +28,12 @@ class TrainerWorker:
         self.ctx = ctx
         cfg = ctx.cfg
         self.leader = ctx.rank == 0
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(ctx.device)
         layout = ParamLayout.from_named_tensors((n, p.detach()) for n, p in model.named_parameters())
         group = ctx.trainer_group if ctx.roles.num_trainer > 1 else None
         self.trainer = Trainer(model, cfg.train, self.device, process_group=group,
-                               temperature=cfg.rollout.temperature, total_steps=cfg.steps)
+                               temperature=cfg.rollout.temperature, total_steps=cfg.steps,
+                               max_response_tokens=cfg.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
         self.run_dir = ctx.run_dir
         self.resume_extra: dict = {}
         if cfg.resume:
@@ -74,7 +75,7 @@ class TrainerWorker:
     def samples(self, msg: TrainStep) -> list[TrajectorySample]:
         out = []
         for it in msg.items:
-            rec = self._ring(it.handle[0]).read(RecordHandle(*it.handle))
+            rec = self._ring(it.handle.rank).read(it.handle)
             out.append(TrajectorySample(
                 prompt_ids=rec.prompt_ids.tolist(), response_ids=rec.response_ids.tolist(),
                 behaviour_logprobs=rec.logprobs.tolist(), versions=rec.versions.tolist(), reward=it.reward,
@@ -119,10 +120,3 @@ class TrainerWorker:
             r.close()
         self.ps.close()
 
-
-def run_trainer(ctx, model) -> None:
-    worker = TrainerWorker(ctx, model)
-    try:
-        worker.run()
-    finally:
-        worker.close()

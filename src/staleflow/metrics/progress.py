@@ -33,7 +33,9 @@ class ProgressDisplay:
         return (f"step {step}/{total}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
                 f"tok/s {m['tokens_per_s']:.0f}  staleness {m['staleness_mean']:.2f} (max {m['staleness_max']})  "
                 f"len {m['response_len_mean']:.0f}  pulls {m['pulls']}  interrupts {m['interrupts']}  "
-                f"train {m['train_s']:.1f}s")
+                f"train {m['train_s']:.1f}s"
+                + (f"  REWARD ERRORS {m['reward_errors']} (first: {m.get('reward_first_error', '')[:80]})"
+                   if m.get("reward_errors") else ""))
 
     def update(self, step: int, metrics: dict) -> None:
         if not self.enabled:

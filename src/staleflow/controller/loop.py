@@ -1,0 +1,375 @@
+"""The controller loop: prompts -> coordinator -> rollout -> rewards -> staleness buffers -> trainer.
+
+One loop, single-threaded, shared by the real runtime and the simulator (only the Backend
+differs). Each turn of ``run``:
+  1. events from the backend: snapshots, finished or interrupted trajectories, rewards, pulls,
+     finished training steps, published versions;
+  2. train: when buffer ``version`` is Ready and the trainer is idle, Consume it;
+  3. refill: keep enough fresh prompt groups (N' members each) in the Trajectory Server queue;
+  4. every tick: the coordinator's Snapshot-Command cycle; its Route / Interrupt / Pull / Abort
+     commands are executed at once, and their immediate effects handled.
+The ledger is the only table of trajectories; the StalenessManager holds reservations; the
+Coordinator holds the queue and its view of the instances. The loop audits the protocol from
+outside (V_traj of every route, the bound of every trained group, every fate exactly once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from staleflow.controller.backend import (Backend, Finished, PullDone, Published, Rewarded, TrainDone,
+                                          TrainGroup)
+from staleflow.controller.ledger import Ledger, Traj
+from staleflow.coordinator.coordinator import Coordinator
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route, TrajectoryItem
+
+
+class Workload(Protocol):
+    """Where prompts and per-trajectory draws come from (a dataset, or a simulated distribution)."""
+
+    def next_prompt(self) -> Any: ...
+
+    def prompt_len(self, prompt: Any) -> int: ...
+
+    def new_member(self) -> tuple[int, int]:
+        """(sampling seed, target length; 0 = the model decides)."""
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    steps: int
+    """Stop once this many versions are published."""
+    eta: int
+    batch_size: int
+    batch_capacity: int
+    group_size: int
+    group_capacity: int
+    tick_s: float
+    stall_s: float = math.inf
+    """No finish, reward or step for this long: the run is stalled (the loop stops and says so)."""
+    max_reward_failures: int = 0
+    """Stop the run after this many consecutive failed reward calls (0: never)."""
+
+    @classmethod
+    def from_config(cls, staleness, coordinator, steps: int, stall_s: float = math.inf,
+                    max_reward_failures: int = 0) -> "LoopSettings":
+        s = staleness
+        return cls(steps=steps, eta=s.eta, batch_size=s.batch_size, batch_capacity=s.batch_size + s.batch_redundancy,
+                   group_size=s.group_size, group_capacity=s.group_size + s.group_redundancy,
+                   tick_s=coordinator.tick_ms / 1000.0, stall_s=stall_s, max_reward_failures=max_reward_failures)
+
+
+@dataclass
+class StepRecord:
+    """One trained buffer, as the loop saw it (the step metrics are computed from it)."""
+
+    version: int
+    t_start: float
+    groups: list[TrainGroup]
+    staleness: list[int]
+    t_done: float = 0.0
+    t_published: float | None = None
+    train: TrainDone | None = None
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r for g in self.groups for r in g.rewards]
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(sum(g.n_tokens) for g in self.groups)
+
+
+@dataclass
+class Audit:
+    violations: list[str] = field(default_factory=list)
+    bound_violations: int = 0
+
+
+class ControllerLoop:
+    def __init__(self, settings: LoopSettings, coordinator: Coordinator, ledger: Ledger, backend: Backend,
+                 workload: Workload, version: int = 0, on_step: Callable[[StepRecord, dict], None] | None = None):
+        self.s, self.coord, self.manager = settings, coordinator, coordinator.manager
+        self.ledger, self.backend, self.workload = ledger, backend, workload
+        self.version = version
+        """The trainer's version: the next buffer it trains."""
+        self.published = version
+        self.training: StepRecord | None = None
+        self.steps: list[StepRecord] = []
+        self.on_step = on_step
+        self.counts: Counter = Counter()
+        self.reward_errors: Counter = Counter()
+        self.first_reward_error = ""
+        self.reward_failures_in_a_row = 0
+        self.audit = Audit()
+        self.unrouted: set[int] = set()  # live groups none of whose members was routed yet
+        self.group_tag: dict[int, int] = {}  # V_traj carried by a group's routes (audit)
+        self.response_lens: list[int] = []
+        self.progress_at = backend.now()
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def submit_group(self, prompt) -> None:
+        draws = [self.workload.new_member() for _ in range(self.s.group_capacity)]
+        g = self.ledger.new_group(prompt, [d[0] for d in draws], [d[1] for d in draws])
+        plen = self.workload.prompt_len(prompt)
+        self.coord.submit([TrajectoryItem(t, g.group_id, None, plen) for t in g.members])
+        self.unrouted.add(g.group_id)
+
+    def refill(self) -> None:
+        """Keep 2 * (eta + 1) * B' fresh groups queued: admission, never supply, limits the rollout."""
+        want = 2 * (self.s.eta + 1) * self.s.batch_capacity
+        while len(self.unrouted) < want:
+            self.submit_group(self.workload.next_prompt())
+
+    # ---- events ------------------------------------------------------------------------------
+    def handle(self, ev) -> None:
+        if isinstance(ev, InstanceSnapshot):
+            self.coord.on_snapshot(ev)
+        elif isinstance(ev, Finished):
+            self.on_finished(ev)
+        elif isinstance(ev, Rewarded):
+            self.on_rewarded(ev)
+        elif isinstance(ev, PullDone):
+            self.coord.on_pull_done(ev.instance, ev.version)
+        elif isinstance(ev, TrainDone):
+            self.on_train_done(ev)
+        elif isinstance(ev, Published):
+            self.published = max(self.published, ev.version)
+            self.coord.on_new_version(ev.version)
+            if self.steps and self.steps[-1].version + 1 == ev.version:
+                self.steps[-1].t_published = self.backend.now()
+        else:
+            raise TypeError(f"unexpected event {type(ev).__name__}")
+
+    def on_finished(self, ev: Finished) -> None:
+        t = self.ledger.get(ev.traj_id)
+        if t is None:  # dropped meanwhile (an Abort crossed the finish): its record is garbage
+            self.counts["late_records"] += 1
+            self._free([ev.handle])
+            return
+        self._free([self.ledger.set_handle(t.traj_id, ev.handle)])
+        if ev.partial and not t.truncate:  # the loop-back: queued again, same V_traj, same reservation
+            t.n_tokens = ev.n_tokens
+            g = self.ledger.groups[t.group_id]
+            self.coord.on_interrupted(ev.instance, [TrajectoryItem(
+                t.traj_id, t.group_id, t.traj_version, self.workload.prompt_len(g.prompt), ev.n_tokens,
+                origin=ev.instance)])
+            return
+        self.finish(t, ev.instance, ev.n_tokens)
+
+    def finish(self, t: Traj, instance: int, n_tokens: int) -> None:
+        """Generation of `t` is over: the coordinator counts it (or has already dropped it), then score it."""
+        if not self.coord.on_finished(instance, t.traj_id):
+            self._drop(t.traj_id, "late-finish")  # surplus or closed window: its Abort is on its way
+            return
+        self.ledger.accept_finish(t.traj_id, n_tokens)
+        self.response_lens.append(n_tokens)
+        self.progress_at = self.backend.now()
+        g = self.ledger.groups[t.group_id]
+        self.backend.score(t.traj_id, t.handle, g.prompt)
+
+    def on_rewarded(self, ev: Rewarded) -> None:
+        t = self.ledger.set_reward(ev.traj_id, ev.reward, ev.error)
+        if t is None:
+            return
+        if ev.error:
+            self.reward_errors[ev.error.split(":", 1)[0]] += 1
+            self.first_reward_error = self.first_reward_error or ev.error
+            self.reward_failures_in_a_row += 1
+            k = self.s.max_reward_failures
+            if k and self.reward_failures_in_a_row >= k:
+                raise RewardsFailing(f"{k} reward calls in a row failed (first error: {self.first_reward_error}; "
+                                     f"last: {ev.error}): fix --reward.fn, or raise --reward.max-consecutive-failures")
+        else:
+            self.reward_failures_in_a_row = 0
+        self.progress_at = self.backend.now()
+        self.maybe_occupy(t.group_id)
+
+    def maybe_occupy(self, group_id: int) -> None:
+        """Occupy once the group's N accepted finishers are all rewarded."""
+        if self.ledger.rewarded_members(group_id, self.s.group_size) is None:
+            return
+        v = self.coord.on_rewarded(group_id)
+        if v is not None:  # None: its window closed meanwhile; the coordinator aborts the group
+            self.ledger.occupy(group_id, v)
+
+    # ---- commands ------------------------------------------------------------------------------
+    def execute(self, cmd) -> None:
+        if isinstance(cmd, Route):
+            self._route(cmd)
+        elif isinstance(cmd, Interrupt) and cmd.instance < 0:  # queued stragglers: their partial is final
+            for tid in cmd.traj_ids:
+                t = self.ledger.get(tid)
+                if t is None:
+                    continue
+                if t.handle is None:  # never generated a token: nothing to keep
+                    self.coord.on_failed(-1, tid, "truncated-empty")
+                    self._drop(tid, "truncated-empty")
+                else:
+                    self.finish(t, -1, t.n_tokens)
+        elif isinstance(cmd, Interrupt):
+            if cmd.reason == "truncate":
+                for tid in cmd.traj_ids:
+                    if tid in self.ledger.trajs:
+                        self.ledger.trajs[tid].truncate = True
+            self.backend.interrupt(cmd)
+            self.counts["interrupts"] += 1
+            self.counts["migrations"] += cmd.reason == "migrate"
+        elif isinstance(cmd, Pull):
+            self.backend.pull(cmd)
+            self.counts["pulls"] += 1
+        elif isinstance(cmd, Abort):
+            if cmd.instance >= 0:
+                self.backend.abort(cmd)
+            for tid in cmd.traj_ids:
+                if self.ledger.ended.get(tid) == "consumed":
+                    self.audit.violations.append(f"abort of trajectory {tid}, which was already trained")
+                self._drop(tid, cmd.reason)
+            self.counts[f"aborted_{cmd.reason}"] += len(cmd.traj_ids)
+            if cmd.group_id >= 0:
+                self._drop_group(cmd.group_id, cmd.reason, cmd.retry)
+        else:
+            raise TypeError(f"unexpected command {type(cmd).__name__}")
+
+    def _route(self, cmd: Route) -> None:
+        t = self.ledger.trajs[cmd.traj_id]
+        g = self.ledger.groups[t.group_id]
+        tag = self.group_tag.setdefault(g.group_id, cmd.traj_version)
+        if tag != cmd.traj_version:
+            self.audit.violations.append(f"group {g.group_id} routed with V_traj {cmd.traj_version} after {tag}")
+        if t.traj_version is not None and t.traj_version != cmd.traj_version:
+            self.audit.violations.append(f"trajectory {t.traj_id} re-routed with V_traj {cmd.traj_version} "
+                                         f"(was {t.traj_version})")
+        t.instance, t.traj_version = cmd.instance, cmd.traj_version
+        self.unrouted.discard(g.group_id)
+        self.backend.route(cmd, g.prompt, t.seed, t.handle, t.target_len)
+        self.counts["routes"] += 1
+
+    def _free(self, handles) -> None:
+        hs = [h for h in handles if h is not None]
+        if hs:
+            self.backend.free(hs)
+
+    def _drop(self, traj_id: int, reason: str) -> None:
+        t = self.ledger.drop(traj_id, reason)
+        if t is not None:
+            self._free([t.handle])
+
+    def _drop_group(self, group_id: int, reason: str, retry: bool) -> None:
+        g, dropped = self.ledger.drop_group(group_id, reason)
+        if g is None:
+            return
+        self._free([t.handle for t in dropped])
+        self.unrouted.discard(group_id)
+        self.group_tag.pop(group_id, None)
+        self.counts["groups_aborted"] += 1
+        if retry:
+            self.submit_group(g.prompt)
+
+    # ---- training ------------------------------------------------------------------------------
+    def maybe_train(self) -> None:
+        if self.training is not None or self.version >= self.s.steps:
+            return
+        if self.manager.ready_version() != self.version:
+            return
+        v = self.version
+        batch, stale = [], []
+        # Group-id order, members by id: the batch does not depend on finishing order (which the
+        # OS scheduler decides), so a synchronous run is reproducible.
+        for gid in sorted(self.manager.consume(v)):
+            g, trained, surplus = self.ledger.consume(gid)
+            trained.sort(key=lambda t: t.traj_id)
+            self._free([t.handle for t in surplus])
+            self.group_tag.pop(gid, None)
+            if len(trained) != self.s.group_size or any(t.reward is None for t in trained):
+                self.audit.violations.append(f"group {gid} consumed with {len(trained)} rewarded members")
+            V = min(t.traj_version for t in trained)
+            if not V <= v <= V + self.s.eta:
+                self.audit.bound_violations += 1
+                self.audit.violations.append(f"group {gid} V_traj {V} consumed in buffer {v} (eta {self.s.eta})")
+            stale.append(v - V)
+            batch.append(TrainGroup(gid, V, [t.traj_id for t in trained], [t.handle for t in trained],
+                                    [float(t.reward) for t in trained], [t.n_tokens for t in trained],
+                                    self.workload.prompt_len(g.prompt), g.prompt))
+        self.training = StepRecord(v, self.backend.now(), batch, stale)
+        self.backend.train(v, batch)
+
+    def on_train_done(self, ev: TrainDone) -> None:
+        rec = self.training
+        if rec is None or ev.version != rec.version + 1:
+            raise RuntimeError(f"TrainDone({ev.version}) but the trainer was training "
+                               f"{None if rec is None else rec.version}")
+        self.training = None
+        rec.t_done, rec.train = self.backend.now(), ev
+        self._free([h for g in rec.groups for h in g.handles])
+        self.version = ev.version
+        self.steps.append(rec)
+        self.progress_at = rec.t_done
+        if self.on_step is not None:
+            self.on_step(rec, self.step_metrics(rec))
+
+    def step_metrics(self, rec: StepRecord) -> dict:
+        """The per-step numbers every front end reports (runtime metrics.jsonl, simulator tables)."""
+        rewards, stale, lens = rec.rewards, rec.staleness, self.response_lens
+        self.response_lens = []
+        hist = Counter(stale)
+        c = self.counts
+        return {
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "accuracy": sum(r > 0.5 for r in rewards) / max(len(rewards), 1),
+            "response_len_mean": sum(lens) / max(len(lens), 1),
+            "staleness_mean": sum(stale) / max(len(stale), 1),
+            "staleness_max": max(stale, default=0),
+            "staleness_hist": {str(k): n for k, n in sorted(hist.items())},
+            "bound_violations": self.audit.bound_violations,
+            "trained_groups": len(rec.groups),
+            "trained_trajectories": len(rewards),
+            "trained_tokens": rec.response_tokens,
+            "pulls": c["pulls"], "interrupts": c["interrupts"], "migrations": c["migrations"],
+            "routes": c["routes"], "groups_aborted": c["groups_aborted"],
+            "reward_errors": sum(self.reward_errors.values()),
+        }
+
+    # ---- the loop ------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.published >= self.s.steps and self.training is None
+
+    def tick(self, now: float) -> None:
+        for cmd in self.coord.tick(now):
+            self.execute(cmd)
+        for ev in self.backend.poll(now):  # immediate effects of the commands (simulated instances)
+            self.handle(ev)
+
+    def turn(self, next_tick: float) -> float:
+        """One turn of the loop; returns the time of the next coordinator tick."""
+        for ev in self.backend.poll(next_tick):
+            self.handle(ev)
+        self.maybe_train()
+        self.refill()
+        now = self.backend.now()
+        if now >= next_tick:
+            self.tick(now)
+            self.maybe_train()
+            next_tick = now + self.s.tick_s
+        return next_tick
+
+    def run(self) -> None:
+        """Until --steps versions are published; raises Stalled if nothing happens for stall_s."""
+        next_tick = self.backend.now()
+        while not self.done:
+            next_tick = self.turn(next_tick)
+            if self.backend.now() - self.progress_at > self.s.stall_s:
+                raise Stalled(f"no trajectory finished and no step ran for {self.s.stall_s:.0f} s "
+                              f"(version {self.version}, buffer state {self.manager.buffer_state(self.manager.version).value})")
+
+
+class Stalled(RuntimeError):
+    """The loop made no progress for its stall_s."""
+
+
+class RewardsFailing(RuntimeError):
+    """Too many consecutive reward calls failed: the reward function is broken, not unlucky."""

@@ -1,0 +1,83 @@
+"""Rank set-up in one place: torchrun's environment -> identity, device, process groups.
+
+    env = read_env()                         # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK
+    device = pick_device(env.local_rank)     # cuda:LOCAL_RANK when CUDA is there, else cpu
+    set_device(device)                       # before any CUDA work: every later allocation lands there
+    trainer_group = init_groups(roles, env.rank, device)
+
+Node identity comes from torchrun (GROUP_RANK / LOCAL_RANK), never from the hostname. The
+world group is gloo (control collectives only); the trainer group is NCCL on GPUs, gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+from staleflow.config import ConfigError
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> RankEnv:
+    env = os.environ if environ is None else environ
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except KeyError:
+        raise ConfigError(
+            "staleflow train must run under torchrun (RANK/WORLD_SIZE are not set): use ./launch.sh or "
+            "torchrun --standalone --nproc_per_node=3 -m staleflow train"
+        ) from None
+    local = int(env.get("LOCAL_RANK", rank))
+    return RankEnv(rank=rank, world_size=world, local_rank=local,
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+                   node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))))
+
+
+def pick_device(local_rank: int, cuda_count: int | None = None) -> str:
+    """cuda:LOCAL_RANK on a GPU node, cpu otherwise.
+
+    More local ranks than GPUs (e.g. 1 trainer + 1 rollout rank on a one-GPU machine) share GPUs
+    round-robin; that works for rollout ranks and a single trainer rank, not for two NCCL trainer
+    ranks on one GPU."""
+    if cuda_count is None:
+        import torch
+
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda_count <= 0:
+        return "cpu"
+    return f"cuda:{local_rank % cuda_count}"
+
+
+def set_device(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(device)
+
+
+def init_groups(roles, rank: int, device: str):
+    """Join the world (gloo) and build the trainer group (NCCL on CUDA); returns the trainer group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=roles.world_size)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl" and roles.num_trainer > 1 and _shared_gpus(roles):
+        print("staleflow: warning: more trainer ranks than GPUs; NCCL cannot put two ranks on one GPU",
+              file=sys.stderr, flush=True)
+    return dist.new_group(roles.trainer_ranks, backend=backend)
+
+
+def _shared_gpus(roles) -> bool:
+    import torch
+
+    return torch.cuda.device_count() < roles.num_trainer

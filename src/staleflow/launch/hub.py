@@ -1,0 +1,143 @@
+"""The control-plane hub of the controller process: every rank's messages, with liveness checks.
+
+    ctl = Controller(run_id, roles, parent_pid)     # binds the ZeroMQ ROUTER
+    ctl.wait_ready(600)                             # every rank registered (pid) and Ready
+    rank, msg = ctl.recv(timeout_s)                 # next message; raises RankDied naming a dead rank
+    ctl.send(rank, msg); ctl.broadcast(msg, ranks)
+
+It watches every rank's pid and its parent (rank 0): a dead rank stops the run with a message
+naming it. Jobs (the smoke check, the training loop) talk to the ranks only through it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from staleflow.launch.cleanup import pid_alive
+from staleflow.launch.control import ControlServer, control_address
+from staleflow.launch.messages import Failure, Goodbye, Heartbeat, Ready, Register, Shutdown, Welcome
+from staleflow.launch.roles import Roles
+
+class RankDied(RuntimeError):
+    """A rank's process disappeared (or reported a Failure) while the run was going on."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass
+class Controller:
+    """Control-plane hub with liveness checks; jobs talk to ranks through it."""
+
+    run_id: str
+    roles: Roles
+    parent_pid: int
+    run_dir: str = ""
+    server: ControlServer = None
+    pids: dict[int, int] = field(default_factory=dict)
+    infos: dict[int, dict] = field(default_factory=dict)
+    left: set[int] = field(default_factory=set)
+    stop_requested: str = ""
+    stop_at: float = 0.0
+    grace_s: float = 0.0
+    """While > 0 (an emergency checkpoint), a stop request is honoured only after this many seconds."""
+    _last_beat: float = 0.0
+
+    def __post_init__(self):
+        self.server = ControlServer(control_address(self.run_id))
+
+    @property
+    def all_ranks(self) -> list[int]:
+        return list(range(self.roles.world_size))
+
+    def describe(self, rank: int) -> str:
+        role = self.roles.role(rank)
+        extra = f" instance {self.roles.instance_id(rank)}" if role == "rollout" else ""
+        pid = self.pids.get(rank)
+        return f"rank {rank} ({role}{extra}{f', pid {pid}' if pid else ''})"
+
+    def _raise_if_dead(self) -> None:
+        for rank, pid in self.pids.items():
+            if rank not in self.left and not pid_alive(pid):
+                raise RankDied(f"{self.describe(rank)} died unexpectedly", rank=rank)
+
+    def check_alive(self) -> None:
+        """Raise RankDied naming the first rank whose process is gone; also stop if rank 0 vanished.
+
+        A dead rank is the root cause of whatever follows (torchrun then signals the others), so
+        it is checked before the parent, a stop request or another rank's failure report.
+        """
+        self._raise_if_dead()
+        if os.getppid() != self.parent_pid:
+            raise RankDied(f"{self.describe(0)} died (the controller lost its parent)", rank=0)
+        if self.stop_requested and time.monotonic() - self.stop_at >= self.grace_s:
+            raise KeyboardInterrupt(self.stop_requested)
+
+    def recv(self, timeout_s: float):
+        """Next (rank, message) or None; checks liveness, answers Register/Goodbye/Failure itself."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            now = time.monotonic()
+            if now - self._last_beat > 1.0:
+                self.server.broadcast(self.all_ranks, Heartbeat(rank=-1))
+                self._last_beat = now
+            got = self.server.recv(min(0.05, max(0.0, deadline - now)))
+            if got is not None:
+                rank, msg = got
+                if isinstance(msg, Register):
+                    self.pids[rank] = msg.pid
+                    continue
+                if isinstance(msg, Failure):
+                    self._raise_if_dead()
+                    raise RankDied(f"{self.describe(rank)} failed: {msg.error}", rank=rank)
+                if isinstance(msg, Goodbye):
+                    self.left.add(rank)
+                    if self.grace_s > 0 and self.roles.role(rank) == "rollout":
+                        continue  # stopping anyway (emergency checkpoint): rollout ranks may go
+                    if not msg.ok:
+                        time.sleep(0.2)  # a signal-driven goodbye: let torchrun reap a dead rank first
+                        self._raise_if_dead()
+                        raise RankDied(f"{self.describe(rank)} left: {msg.reason}", rank=rank)
+                    continue
+                return rank, msg
+            if time.monotonic() >= deadline:
+                return None
+
+    def send(self, rank: int, msg) -> None:
+        if not self.server.send(rank, msg):
+            self.check_alive()
+
+    def broadcast(self, msg, ranks=None) -> None:
+        self.server.broadcast(self.all_ranks if ranks is None else ranks, msg)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every rank has registered and reported Ready."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.infos) < self.roles.world_size:
+            got = self.recv(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                missing = [r for r in self.all_ranks if r not in self.infos]
+                raise RankDied(f"ranks {missing} did not become ready within {timeout_s:.0f}s")
+            rank, msg = got
+            if isinstance(msg, Ready):
+                self.infos[rank] = msg.info
+        self.broadcast(Welcome(run_id=self.run_id, world_size=self.roles.world_size))
+
+    def shutdown(self, reason: str, ok: bool, wait_s: float = 10.0) -> None:
+        """Tell every rank to stop and wait (briefly) for their Goodbyes."""
+        self.broadcast(Shutdown(reason=reason, ok=ok))
+        deadline = time.monotonic() + wait_s
+        while len(self.left) < len(self.pids) and time.monotonic() < deadline:
+            got = self.server.recv(0.05)
+            if got and isinstance(got[1], Goodbye):
+                self.left.add(got[0])
+            for rank, pid in self.pids.items():
+                if rank not in self.left and not pid_alive(pid):
+                    self.left.add(rank)
+
+    def close(self) -> None:
+        self.server.close()

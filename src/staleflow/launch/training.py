@@ -1,0 +1,192 @@
+"""The training job inside the controller process: the shared controller loop over the real ranks.
+
+    TrainingJob(ctl, cfg).run()
+
+Builds the prompt source, reward pool, staleness manager, coordinator and ledger, wires them to
+the runtime backend (launch/backend.py) and turns the loop (controller/loop.py) until --steps
+versions exist, saving checkpoints between turns. The job adds what only a real run has: the
+run folder (metrics.jsonl, trained.jsonl, TensorBoard, report.png), the progress line,
+checkpoints with the controller's resume state, and the emergency checkpoint when a rollout
+rank dies. Bytes never pass through here except to decode a finished response for its reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import sys
+import time
+
+from staleflow.config import parse_length_dist
+from staleflow.controller import ControllerLoop, Ledger, LoopSettings, StepRecord
+from staleflow.coordinator import Coordinator, Pull, load_cost_model
+from staleflow.launch.backend import RuntimeBackend
+from staleflow.launch.hub import RankDied
+from staleflow.launch.messages import SaveState, StepDone
+from staleflow.metrics.progress import ProgressDisplay
+from staleflow.metrics.writer import MetricsWriter, save_config
+from staleflow.protocol import StalenessManager
+
+
+class RuntimeWorkload:
+    """Prompts from the dataset; a seed per trajectory; lengths drawn only for benchmark workloads."""
+
+    def __init__(self, cfg, source):
+        self.source, self.rng = source, random.Random(cfg.seed)
+        self.length_dist = parse_length_dist(cfg.rollout.length_dist) if cfg.rollout.length_dist else None
+        self.max_new_tokens = cfg.rollout.max_new_tokens
+
+    def next_prompt(self):
+        return next(self.source)
+
+    def prompt_len(self, prompt) -> int:
+        return len(prompt.prompt_ids)
+
+    def new_member(self) -> tuple[int, int]:
+        seed = self.rng.getrandbits(62)
+        if not self.length_dist:
+            return seed, 0
+        median, sigma = self.length_dist
+        return seed, max(1, min(self.max_new_tokens, int(round(self.rng.lognormvariate(math.log(median), sigma)))))
+
+
+class TrainingJob:
+    def __init__(self, ctl, cfg):
+        from staleflow.data import Prompt, PromptSource
+        from staleflow.model import load_tokenizer, resolve_model_path
+        from staleflow.reward import RewardPool
+
+        self.ctl, self.cfg, self.run_dir = ctl, cfg, ctl.run_dir
+        s = cfg.staleness
+        tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
+        self.source = PromptSource(cfg.data, tokenizer)
+        self.rewards = RewardPool(cfg.reward)
+        version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)
+        manager = StalenessManager(s.eta, s.batch_size, capacity=s.batch_size + s.batch_redundancy,
+                                   group_size=s.group_size, group_capacity=s.group_size + s.group_redundancy,
+                                   version=version)
+        instances = [ctl.roles.instance_id(r) for r in ctl.roles.rollout_ranks]
+        coord = Coordinator(cfg.coordinator, load_cost_model(cfg.coordinator.cost_model), manager, instances,
+                            straggler=s.straggler, straggler_threshold=s.straggler_threshold, version=version,
+                            label=cfg.mode)
+        extra = ctl.infos[0].get("resume_extra") or {}
+        ledger = Ledger(extra.get("next_traj", 0), extra.get("next_group", 0))
+        self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.log.tensorboard)
+        save_config(self.run_dir, cfg)
+        self.backend = RuntimeBackend(ctl, cfg, tokenizer, self.rewards, self.writer)
+        settings = LoopSettings.from_config(s, cfg.coordinator, cfg.steps,
+                                            max_reward_failures=cfg.reward.max_consecutive_failures)
+        self.loop = ControllerLoop(settings, coord, ledger,
+                                   self.backend, RuntimeWorkload(cfg, self.source), version=version,
+                                   on_step=self.log_step)
+        self.progress = ProgressDisplay(cfg.steps, enabled=cfg.log.progress, start=version)
+        self._last_log = (time.monotonic(), 0, 0)  # time, tokens generated, samples at the previous step
+        self.samples = 0
+        self.save_due = False
+        if extra:
+            self.source.load_state_dict(extra["data"])
+            self.loop.counts.update(extra.get("counts", {}))
+            for p in extra.get("requeue", []):  # in flight at the checkpoint: generated again from scratch
+                self.loop.submit_group(Prompt(**p))
+
+    # ---- steps -------------------------------------------------------------------------------
+    def log_step(self, rec: StepRecord, metrics: dict) -> None:
+        """The loop finished a step: audit trail, metrics row, progress line; maybe a checkpoint."""
+        texts = self.backend.texts
+        for g in rec.groups:
+            self.writer.log_trained(rec.version, g.group_id, g.traj_version, g.traj_ids, g.rewards,
+                                    prompt=g.prompt.text, answer=g.prompt.answer,
+                                    sample=texts.get(g.traj_ids[0], ""))
+        live = self.loop.ledger.trajs
+        for tid in [t for t in texts if t not in live]:
+            del texts[tid]
+        now = time.monotonic()
+        tokens = sum(self.backend.tokens_generated.values())
+        t_prev, tok_prev, n_prev = self._last_log
+        self.samples += metrics["trained_trajectories"]
+        dt = max(now - t_prev, 1e-6)
+        ev = rec.train
+        row = {**metrics, "tokens_per_s": (tokens - tok_prev) / dt, "samples_per_s": (self.samples - n_prev) / dt,
+               "train_s": ev.train_s, "push_s": ev.push_s, "train": ev.metrics}
+        if self.loop.first_reward_error:
+            row["reward_first_error"] = self.loop.first_reward_error
+        self._last_log = (now, tokens, self.samples)
+        self.writer.log_step(rec.version, row)
+        self.progress.update(ev.version, row)
+        every = self.cfg.checkpoint.every
+        self.save_due = bool(every) and ev.version % every == 0 and ev.version < self.cfg.steps
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def resume_state(self) -> dict:
+        led = self.loop.ledger.state_dict()
+        return {"version": self.loop.version, "data": self.source.state_dict(),
+                "requeue": [dataclasses.asdict(p) for p in led["live_prompts"]], "counts": dict(self.loop.counts),
+                "next_group": led["next_group"], "next_traj": led["next_traj"]}
+
+    def save(self, export: bool) -> None:
+        """Checkpoint collectively on the trainer ranks; events keep flowing into the loop meanwhile."""
+        t0 = time.time()
+        self.save_due = False
+        export_dir = os.path.join(self.run_dir, "hf") if export else ""
+        self.backend.saved = None
+        self.ctl.broadcast(SaveState(step=self.loop.version, extra=self.resume_state(), export_dir=export_dir),
+                           ranks=self.ctl.roles.trainer_ranks)
+        deadline = time.monotonic() + 600
+        while self.backend.saved is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the trainer did not finish saving the checkpoint within 600 s")
+            for ev in self.backend.poll(time.monotonic() + 0.05):
+                self.loop.handle(ev)
+        self.writer.log_span(0, "checkpoint", t0, time.time())
+
+    def emergency_save(self, err: RankDied) -> None:
+        """A rollout rank died: finish the running step and save a resumable checkpoint before stopping."""
+        self.ctl.left.add(err.rank)
+        self.ctl.grace_s = 20.0  # torchrun's SIGTERM to the survivors follows the death; finish the save
+        print(f"staleflow: {err}; saving a checkpoint before stopping", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 600
+        while self.loop.training is not None and time.monotonic() < deadline:
+            got = self.ctl.recv(1.0)
+            if got is not None and isinstance(got[1], StepDone):
+                for ev in self.backend.events_of(*got):
+                    self.loop.handle(ev)
+        self.save(export=False)
+        print(f"staleflow: resume with --resume {self.run_dir}", file=sys.stderr, flush=True)
+
+    # ---- the job -------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._run()
+        except RankDied as e:
+            if e.rank is not None and self.ctl.roles.role(e.rank) == "rollout":
+                self.emergency_save(e)
+            raise
+        finally:
+            self.rewards.close()
+            self.progress.close()
+            self.writer.close()
+            self.backend.close()
+
+    def _run(self) -> None:
+        loop = self.loop
+        if loop.version > 0:  # resumed: every instance loads the trainer's weights first
+            for inst in loop.coord.instances:
+                loop.execute(Pull(instance=inst, version=loop.version))
+        next_tick = self.backend.now()
+        while not loop.done:
+            next_tick = loop.turn(next_tick)
+            if self.save_due:
+                self.save(export=False)
+        self.save(export=self.cfg.checkpoint.export_hf)
+        self.progress.close()
+        if self.cfg.log.plot:
+            from staleflow.metrics.report import make_report
+
+            make_report(self.run_dir)
+        print(f"[controller] run folder: {self.run_dir}", flush=True)
+
+
+def training_job(ctl, cfg) -> None:
+    TrainingJob(ctl, cfg).run()

@@ -1,0 +1,247 @@
+"""The shared controller loop in-process, against a scripted backend (no ranks, no simulator).
+
+Covers the races and rules the runtime and the simulator must agree on: a group-redundancy
+surplus whose finish crosses its Abort (the stall found in review), loop-backs that return to
+their origin instance when migration is off, and pulls that keep running work when
+interrupt-on-pull is off (in the loop and in the rollout rank).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from staleflow.config import CoordinatorConfig, StalenessConfig
+from staleflow.controller import ControllerLoop, Finished, Ledger, LoopSettings, Published, PullDone, Rewarded
+from staleflow.coordinator import Abort, Coordinator, CostModel, Interrupt, Pull, Route
+from staleflow.coordinator.modes import apply_mode
+from staleflow.protocol import StalenessManager
+
+COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
+
+
+class ScriptedBackend:
+    """Records every command; the test pushes the events the ranks would send."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.events: deque = deque()
+        self.sent: list = []
+        self.freed: list = []
+        self.scored: list[int] = []
+        self.trained: list = []
+
+    def now(self):
+        return self.t
+
+    def poll(self, until):
+        self.t = max(self.t, until)
+        while self.events:
+            yield self.events.popleft()
+
+    def route(self, cmd, prompt, seed, partial, target_len):
+        self.sent.append(cmd)
+
+    def interrupt(self, cmd):
+        self.sent.append(cmd)
+
+    def abort(self, cmd):
+        self.sent.append(cmd)
+
+    def pull(self, cmd):
+        self.sent.append(cmd)
+
+    def free(self, handles):
+        self.freed.extend(handles)
+
+    def score(self, traj_id, handle, prompt):
+        self.scored.append(traj_id)
+
+    def train(self, version, batch):
+        self.trained.append((version, batch))
+
+
+class Prompts:
+    def next_prompt(self):
+        return "prompt"
+
+    def prompt_len(self, prompt):
+        return 10
+
+    def new_member(self):
+        return 0, 0
+
+
+def make_loop(n_inst=1, eta=1, B=1, N=1, Np=None, mode="staleflow", steps=2, **coord):
+    coord.setdefault("routing", "least-loaded")
+    coord.setdefault("mlq", False)
+    stale = StalenessConfig(eta=eta, batch_size=B, group_size=N, group_redundancy=(Np or N) - N)
+    ccfg, stale = apply_mode(mode, CoordinatorConfig(**coord), stale)
+    m = StalenessManager(stale.eta, B, group_size=N, group_capacity=Np)
+    be = ScriptedBackend()
+    c = Coordinator(ccfg, COST, m, range(n_inst), clock=be.now)
+    loop = ControllerLoop(LoopSettings.from_config(stale, ccfg, steps), c, Ledger(), be, Prompts())
+    return loop, be
+
+
+def deliver(loop, be, *events):
+    be.events.extend(events)
+    for ev in be.poll(be.t):
+        loop.handle(ev)
+
+
+def routed(be):
+    return [c for c in be.sent if isinstance(c, Route)]
+
+
+def test_controller_surplus_finish_crossing_its_abort_does_not_stall_the_group():
+    """N = 2 of N' = 3: the third member finishes after the group completed but before the
+    coordinator's Abort reached its rank. It must not count; the group occupies and trains."""
+    loop, be = make_loop(n_inst=1, eta=1, B=1, N=2, Np=3, migration=False)
+    loop.refill()
+    loop.tick(be.now())
+    by_group: dict[int, list[int]] = {}
+    for r in routed(be):
+        by_group.setdefault(loop.ledger.trajs[r.traj_id].group_id, []).append(r.traj_id)
+    gid, (a, b, c) = next((g, ids) for g, ids in by_group.items()  # the group reserved in buffer 0
+                          if len(ids) == 3 and loop.manager.group_info(g)["buffer_version"] == 0)
+    deliver(loop, be, Finished(a, 0, "rec-a", 5), Finished(b, 0, "rec-b", 6))  # b completes the group
+    deliver(loop, be, Finished(c, 0, "rec-c", 7))  # the surplus finishes before its Abort is executed
+    assert "rec-c" in be.freed and c not in be.scored and c not in loop.ledger.trajs
+    deliver(loop, be, Rewarded(a, 1.0), Rewarded(b, 0.0))
+    loop.maybe_train()
+    assert [v for v, _ in be.trained] == [0]
+    (group,) = [g for g in be.trained[0][1] if g.group_id == gid]
+    assert sorted(group.traj_ids) == sorted([a, b]) and group.rewards in ([1.0, 0.0], [0.0, 1.0])
+    loop.tick(be.now() + 1)  # the Abort now goes out; it finds nothing left to drop
+    assert Abort(0, (c,), "surplus") in be.sent
+    assert loop.audit.violations == [] and loop.ledger.ended[c].startswith("aborted")
+
+
+@pytest.mark.parametrize("migration", [False, True])
+def test_controller_migration_off_returns_loop_backs_to_their_origin(migration):
+    loop, be = make_loop(n_inst=2, eta=1, B=2, N=1, migration=migration, migration_cooldown_s=1e9)
+    loop.refill()
+    loop.tick(be.now())
+    first = routed(be)
+    origin = first[0].instance
+    tids = [r.traj_id for r in first if r.instance == origin]
+    other = 1 - origin
+    # the origin instance is now the busier one: a free choice would send loop-backs elsewhere
+    for k in range(3):
+        loop.coord.instances[origin].add(10_000 + k, 10, be.now())
+    for t in tids:
+        loop.coord.pending_interrupts.add(t)
+    deliver(loop, be, *[Finished(t, origin, f"partial-{t}", 3, partial=True) for t in tids])
+    be.sent.clear()
+    loop.tick(be.now() + 1)
+    back = [r for r in routed(be) if r.traj_id in tids]
+    assert len(back) == len(tids) >= 1
+    if migration:  # free to go where the load is lower
+        assert other in {r.instance for r in back}, back
+    else:
+        assert {r.instance for r in back} == {origin}, back
+
+
+@pytest.mark.parametrize("interrupt_on_pull", [True, False])
+def test_controller_interrupt_on_pull_false_keeps_work_running_across_a_pull(interrupt_on_pull):
+    loop, be = make_loop(n_inst=1, eta=2, B=2, N=1, migration=False, pull="greedy",
+                         interrupt_on_pull=interrupt_on_pull)
+    loop.refill()
+    loop.tick(be.now())
+    running = [r.traj_id for r in routed(be)]
+    assert running
+    loop.coord.manager.version = 1  # a trained version exists
+    deliver(loop, be, Published(1))
+    be.sent.clear()
+    loop.tick(be.now() + 1)
+    pulls = [c for c in be.sent if isinstance(c, Pull)]
+    interrupts = [c for c in be.sent if isinstance(c, Interrupt)]
+    assert pulls == [Pull(0, 1)]
+    if interrupt_on_pull:
+        assert interrupts and set(interrupts[0].traj_ids) == set(running)
+    else:
+        assert interrupts == []
+        deliver(loop, be, PullDone(0, 1))
+        deliver(loop, be, Finished(running[0], 0, "rec", 4))  # still on its instance: finishes normally
+        assert running[0] in be.scored
+
+
+class _Engine:
+    def __init__(self):
+        self.aborted, self.loads = [], []
+
+    def stats(self):
+        class S:
+            running_ids, waiting_ids = [7, 8], []
+        return S()
+
+    def abort(self, ids):
+        self.aborted += list(ids)
+        return []
+
+    def load_weights(self, tensors, version, keep_kv=False):
+        self.loads.append((version, keep_kv))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_controller_rollout_rank_pull_honours_interrupt_on_pull(keep):
+    from staleflow.launch.rollout_worker import RolloutWorker
+
+    class PS:
+        def pull_latest(self, out):
+            return 1, {}
+
+    sent = []
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.engine, w.ps, w.staging, w.instance, w.keep_on_pull = _Engine(), PS(), {}, 0, keep
+    w.meta, w.unsent = {}, []
+    w.ctx = type("Ctx", (), {"client": type("C", (), {"send": staticmethod(sent.append)})()})()
+    w.pull(Pull(0, 1))
+    assert w.engine.loads == [(1, keep)]
+    assert w.engine.aborted == ([] if keep else [7, 8])
+
+
+@pytest.mark.parametrize("keep_kv", [True, False])
+def test_controller_builtin_engine_keeps_kv_across_a_load_only_when_asked(keep_kv):
+    """interrupt-on-pull false in the real engine: running sequences continue on the KV computed with
+    the old weights (no prefill after the load); otherwise their KV is recomputed."""
+    import torch
+
+    from staleflow.model import CausalLM, ModelArgs
+    from staleflow.rollout import BuiltinEngine, Request, SamplingParams
+
+    model = CausalLM(ModelArgs(vocab_size=64, eos_token_ids=[1])).init_weights(seed=0)
+    eng = BuiltinEngine(model, max_kv_tokens=256, block_size=4, prefill_chunk_tokens=64, max_model_len=64,
+                        profile=True)
+    eng.add(Request(0, list(range(2, 12)), SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)))
+    for _ in range(3):
+        eng.step()
+    before = len(eng.profile_samples)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    eng.load_weights(weights, 1, keep_kv=keep_kv)
+    eng.step()
+    after = eng.profile_samples[before]
+    assert (after.prefill_tokens == 0) == keep_kv, after
+    while eng.has_unfinished():
+        eng.step()
+    assert torch.is_tensor(next(model.parameters()))
+
+
+def test_controller_reward_failures_are_counted_and_k_in_a_row_stop_the_run():
+    from staleflow.controller import RewardsFailing
+
+    loop, be = make_loop(n_inst=1, eta=1, B=3, N=1)
+    loop.s = LoopSettings(**{**loop.s.__dict__, "max_reward_failures": 3})
+    loop.refill()
+    loop.tick(be.now())
+    tids = [r.traj_id for r in routed(be)]
+    deliver(loop, be, *[Finished(t, 0, f"rec-{t}", 4) for t in tids])
+    deliver(loop, be, Rewarded(tids[0], 0.0, "ZeroDivisionError: x"), Rewarded(tids[1], 1.0))
+    assert loop.reward_errors == {"ZeroDivisionError": 1} and loop.first_reward_error == "ZeroDivisionError: x"
+    assert loop.reward_failures_in_a_row == 0  # a success resets the streak
+    more = tids[2:5]
+    assert len(more) == 3
+    with pytest.raises(RewardsFailing, match="3 reward calls in a row failed.*ZeroDivisionError"):
+        deliver(loop, be, *[Rewarded(t, 0.0, "TypeError: returned 'x'") for t in more])

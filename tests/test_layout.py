@@ -1,0 +1,86 @@
+"""The layout is the architecture: no import cycles (module- or function-level) and no file over
+400 lines in src/staleflow and kernels/ (docs/architecture.md, CONVENTIONS.md)."""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    src = ROOT / "src"
+    for dirpath, _, files in os.walk(src / "staleflow", followlinks=True):
+        for f in files:
+            if f.endswith(".py"):
+                p = Path(dirpath) / f
+                name = ".".join(p.relative_to(src).with_suffix("").parts)
+                mods[name.removesuffix(".__init__")] = p
+    return mods
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Every staleflow module this file imports anywhere (top level or inside functions)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in known}
+    return out
+
+
+def import_cycles() -> list[list[str]]:
+    mods = _modules()
+    edges = {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(mods):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_layout_no_import_cycles():
+    assert import_cycles() == []
+
+
+def test_layout_cycle_detector_sees_function_level_imports(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("def f():\n    from staleflow.b import x\n")
+    assert _imports(a, {"staleflow.b"}) == {"staleflow.b"}
+
+
+def test_layout_no_file_over_400_lines():
+    files = list((ROOT / "src" / "staleflow").rglob("*.py")) + list((ROOT / "kernels").glob("*.py"))
+    long = {str(f.relative_to(ROOT)): n for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
