@@ -51,3 +51,33 @@ def test_cuda_bf16_sampled_run_frees_the_cache(folder):
     outs = eng.generate(reqs)
     assert all(1 <= len(o.output_ids) <= 24 and all(lp <= 0 for lp in o.logprobs) for o in outs)
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
+
+
+def test_cuda_auto_backend_is_a_paged_kernel_and_equals_gather(folder):
+    """On CUDA "auto" reads the paged cache in place (flash-attn with 256-token blocks when
+    installed, else the Triton kernel); fp32 outputs equal the gather path's through preemption,
+    aborts, resumes and a weight load."""
+    from test_engine_backends import assert_same_outputs, churn_requests, run_with_churn
+
+    dev = torch.device("cuda")
+    kw = dict(max_kv_tokens=64, block_size=4, prefill_chunk_tokens=8, max_model_len=48, max_running=5)
+    auto = BuiltinEngine(load_model(folder, dtype=torch.float32, device=dev), **kw)
+    gather = BuiltinEngine(load_model(folder, dtype=torch.float32, device=dev), decode_backend="gather", **kw)
+    assert auto.runner.backend == "triton"  # fp32 and block 4: flash does not apply
+    new_state = {n: p * 0.9 for n, p in load_model(folder, dtype=torch.float32).state_dict().items()}
+    reqs = churn_requests()
+    assert_same_outputs(*[run_with_churn(e, reqs, new_state) for e in (auto, gather)], len(reqs))
+
+
+def test_cuda_bf16_engine_samples_from_fp32_logits(folder):
+    """bf16 on CUDA: the sampled rows' logits are the fp32 product of the bf16 hidden state and
+    LM head (torch.mm with out_dtype=float32, or the cached fp32 head where that is missing)."""
+    from staleflow.rollout.model_runner import SampledLogits
+
+    model = load_model(folder, dtype=torch.bfloat16, device=torch.device("cuda"))
+    head = SampledLogits(model)
+    h = torch.randn(7, model.args.hidden_size, device="cuda").to(torch.bfloat16)
+    got = head(h)
+    want = h.double() @ model.lm_head_weight.double().t()
+    print(f"\nSampledLogits on CUDA: {'mm out_dtype' if head._mm_out_dtype else 'cached fp32 head'}")
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-4
