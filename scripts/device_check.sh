@@ -15,7 +15,8 @@ mkdir -p "$LOG_DIR"
 SHIM="$(mktemp -d)"
 mkdir "$SHIM/staleflow"
 for f in "$PWD"/src/staleflow/*; do ln -s "$f" "$SHIM/staleflow/"; done
-ln -s "$PWD/kernels" "$SHIM/staleflow/kernels"
+# src/staleflow/kernels is itself a symlink now; linking again would land inside kernels/
+[ -e "$SHIM/staleflow/kernels" ] || ln -s "$PWD/kernels" "$SHIM/staleflow/kernels"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 
 nvidia-smi -L || true

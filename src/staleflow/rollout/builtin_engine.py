@@ -208,6 +208,8 @@ class BuiltinEngine:
         self.version = version
         if not keep_kv:
             self.scheduler.evict_all_kv()
+        elif isinstance(self.block_manager, SharingBlockManager):
+            self.block_manager.retire_prefixes()  # only in-flight holders keep reading old-weight K/V
 
     # ---- stats ---------------------------------------------------------------------------
     def kv_tokens(self) -> int:

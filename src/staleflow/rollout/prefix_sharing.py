@@ -21,7 +21,10 @@ finished sequences' blocks):
   least one token (its logits give the first sample) and owns every block from its first
   partial one on: all writes after admission go to blocks with a single holder, no copy-on-write;
 - freeing (finish, abort, preemption) drops references; a weight load frees every running
-  sequence's blocks (`Scheduler.evict_all_kv`), so no K/V of the old weights can be matched.
+  sequence's blocks (`Scheduler.evict_all_kv`), so no K/V of the old weights can be matched. A
+  load with keep_kv (in-flight sequences keep their old-weight K/V) calls `retire_prefixes`
+  instead: every block held at that moment leaves the prefix table and may never be registered
+  again while it lives, so a request admitted after the load computes its prompt afresh.
 `stats()` counts the prompt tokens whose prefill sharing saved.
 """
 
@@ -40,6 +43,8 @@ class SharingBlockManager(BlockManager):
         self.block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.shared_tokens = 0
         """Prompt tokens admitted with their K/V already cached (prefill computation saved)."""
+        self.stale: set[int] = set()
+        """Held blocks whose K/V predate a keep_kv weight load: never (re-)registered."""
 
     def shareable_blocks(self, seq: Sequence) -> int:
         """Leading blocks that may be shared: full prompt blocks ending before the last prompt token."""
@@ -83,6 +88,8 @@ class SharingBlockManager(BlockManager):
         table = seq.block_table
         for j in range(min(self.shareable_blocks(seq), num_tokens // self.block_size)):
             blk = table[j]
+            if blk in self.stale:
+                break  # old weights' K/V: neither it nor anything after it may be shared
             if blk in self.block_key:
                 continue
             parent = table[j - 1] if j else -1
@@ -93,6 +100,12 @@ class SharingBlockManager(BlockManager):
                 self.prefix_blocks[key] = blk
                 self.block_key[blk] = key
 
+    def retire_prefixes(self) -> None:
+        """After a weight load that keeps in-flight K/V: nothing cached so far may be matched."""
+        self.stale.update(b for b, c in enumerate(self.ref_count) if c)
+        self.prefix_blocks.clear()
+        self.block_key.clear()
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; blocks nobody holds go back to the free list (unregistered)."""
         released = []
@@ -102,6 +115,7 @@ class SharingBlockManager(BlockManager):
                 key = self.block_key.pop(b, None)
                 if key is not None:
                     del self.prefix_blocks[key]
+                self.stale.discard(b)
                 released.append(b)
         self.free_blocks.extend(released)
         seq.block_table = []
@@ -122,3 +136,4 @@ class SharingBlockManager(BlockManager):
         assert not held & set(self.free_blocks) and len(set(self.free_blocks)) == len(self.free_blocks), \
             "a held block is on the free list"
         assert set(self.block_key) <= held and {v: k for k, v in self.prefix_blocks.items()} == self.block_key
+        assert self.stale <= held and not self.stale & set(self.block_key), "a stale block is shareable"
