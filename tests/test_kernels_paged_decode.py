@@ -23,7 +23,8 @@ from staleflow.kernels import paged_decode as pd
 from staleflow.kernels.paged_decode import paged_decode_attention
 from staleflow.kernels.reference import paged_decode_reference
 
-pytestmark = pytest.mark.skipif(not pd.available(), reason="needs triton with CUDA, or TRITON_INTERPRET=1 set before import")
+pytestmark = pytest.mark.skipif(not pd.available(),
+                                reason="needs triton with CUDA, or TRITON_INTERPRET=1 set before import")
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not _INTERPRET else "cpu"
