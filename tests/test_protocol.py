@@ -47,7 +47,9 @@ def test_worked_example_reserve_latest_occupy_earliest():
 
 
 def test_occupy_never_later_than_reservation_and_within_window():
-    m = StalenessManager(eta=2, batch_size=2)
+    """Without the occupy exchange (the ablation): early finishers cannot enter an earlier buffer
+    whose entries are all reserved (tests/test_occupy_exchange.py has the exchange)."""
+    m = StalenessManager(eta=2, batch_size=2, exchange=False)
     assert [m.reserve(i, i, 0) for i in range(6)] == [2, 2, 1, 1, 0, 0]
     assert not m.can_admit(0)
     with pytest.raises(ProtocolError, match="not admissible"):

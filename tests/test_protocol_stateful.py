@@ -22,10 +22,10 @@ REASONS = ("crash", "redundancy", "filter")
 
 class ProtocolMachine(RuleBasedStateMachine):
     @initialize(eta=st.integers(0, 3), B=st.integers(1, 4), extra_b=st.integers(0, 2),
-                N=st.integers(1, 3), extra_n=st.integers(0, 2))
-    def setup(self, eta, B, extra_b, N, extra_n):
-        self.eta, self.B, self.N = eta, B, N
-        self.m = StalenessManager(eta, B, B + extra_b, N, N + extra_n)
+                N=st.integers(1, 3), extra_n=st.integers(0, 2), exchange=st.booleans())
+    def setup(self, eta, B, extra_b, N, extra_n, exchange):
+        self.eta, self.B, self.N, self.exchange = eta, B, N, exchange
+        self.m = StalenessManager(eta, B, B + extra_b, N, N + extra_n, exchange=exchange)
         self.next_id = 0
         self.versions: dict = {}  # gid -> {traj_id: V_traj} of every member ever reserved
         self.live: dict = {}  # traj_id -> gid, members still generating (runtime view)
@@ -148,12 +148,40 @@ class ProtocolMachine(RuleBasedStateMachine):
         else:
             assert surplus == []
 
+    def reservations(self):
+        """{gid: (buffer, group V_traj)} of every in-flight group holding a reservation."""
+        out = {}
+        for g in self.in_flight():
+            info = self.m.group_info(g)
+            if info["state"] == "reserved":
+                out[g] = (info["buffer_version"], info["traj_version"])
+        return out
+
     def occupy_group(self, gid):
         info = self.m.group_info(gid)
         lo, v0 = max(info["traj_version"], self.m.version), info["buffer_version"]
-        expected = next((v for v in range(lo, v0) if self.has_room(v)), v0)  # earliest free
+        before = self.reservations()
+        # occupy exchange oracle: the earliest buffer in [lo, v0) holding a reservation that may live in v0
+        swap = None
+        if self.exchange:
+            swap = min((b for g, (b, V) in before.items() if g != gid and lo <= b < v0 and V >= v0 - self.eta),
+                       default=None)
+        expected = next((v for v in range(lo, v0) if v == swap or self.has_room(v)), v0)  # earliest free
         v = self.m.occupy(gid)
         assert v == expected and lo <= v <= v0 <= info["traj_version"] + self.eta
+        after = self.reservations()
+        moved = {g: (before[g][0], after[g][0]) for g in after if after[g][0] != before[g][0]}
+        for g, (_, dst) in moved.items():
+            assert after[g][1] <= dst <= after[g][1] + self.eta  # every move stays inside its window
+        # a buffer that just became Ready moves its surplus reservations (B' > B); the rest is the exchange
+        ready = self.m.buffer_state(v).value == "ready"
+        exchanged = [m for g, m in moved.items() if not (ready and m[0] == v)]
+        if swap is None:
+            assert exchanged == []
+        elif ready and swap == v:
+            assert (swap, v0) in moved.values()
+        else:  # exactly one reservation moved, from the swap buffer into the vacated one
+            assert exchanged == [(swap, v0)]
 
     def completed_groups(self):
         return sorted(g for g in self.in_flight()

@@ -1,5 +1,26 @@
-"""staleflow.protocol: the global staleness protocol (Reserve / Occupy / Consume), pure Python."""
+"""staleflow.protocol: batch protocols (which groups may start, which batch the trainer gets), pure Python.
 
+``StalenessManager`` is StaleFlow's per-trajectory Reserve / Occupy / Consume; ``AReaLBuffer`` and
+``VerlAsyncBuffer`` are the count-based rules of the asynchronous peers. All implement
+``interface.BatchProtocol``; ``make_protocol(name, ...)`` builds one by name (the resolved mode
+names it, coordinator/modes.py).
+"""
+
+from staleflow.protocol.areal import AReaLBuffer
+from staleflow.protocol.counted import CountedBuffer
 from staleflow.protocol.staleness import BufferState, EntryState, ProtocolError, StalenessManager
+from staleflow.protocol.verl import VerlAsyncBuffer
 
-__all__ = ["BufferState", "EntryState", "ProtocolError", "StalenessManager"]
+PROTOCOLS = {"staleflow": StalenessManager, "areal": AReaLBuffer, "verl-fully-async": VerlAsyncBuffer}
+
+
+def make_protocol(name: str, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
+                  group_capacity: int | None = None, version: int = 0, **options):
+    """The batch protocol `name` (a PROTOCOLS key) with the staleness settings and its own options."""
+    if name not in PROTOCOLS:
+        raise ProtocolError(f"protocol {name!r} is unknown; choose one of {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[name](eta, batch_size, capacity, group_size, group_capacity, version, **options)
+
+
+__all__ = ["AReaLBuffer", "BufferState", "CountedBuffer", "EntryState", "PROTOCOLS", "ProtocolError",
+           "StalenessManager", "VerlAsyncBuffer", "make_protocol"]

@@ -1,9 +1,9 @@
 """The staleness manager: per-trajectory bounded staleness via Reserve / Occupy / Consume.
 
-Pure, single-threaded bookkeeping (no torch, no I/O) owned by the controller and driven by
-the coordinator or the simulator. Paper terms: V_traj = ``traj_version``, V_buf = buffer
-version, eta = staleness bound. Every consumed group satisfies
-``traj_version <= buffer_version <= traj_version + eta`` (docs/protocol.md has the argument).
+Pure, single-threaded bookkeeping (no torch, no I/O) owned by the controller and driven by the
+coordinator. Paper terms: V_traj = ``traj_version``, V_buf = buffer version, eta = staleness
+bound. Every consumed group satisfies ``traj_version <= buffer_version <= traj_version + eta``
+(docs/protocol.md has the argument).
 
 Model. Versions are ints; training on buffer v produces model v+1; ``manager.version`` is the
 next buffer to consume (= the newest model that can exist). One staleness buffer per version
@@ -11,47 +11,14 @@ next buffer to consume (= the newest model that can exist). One staleness buffer
 OCCUPIED. An entry is one prompt GROUP (GRPO); its members are single trajectories. A group's
 ``traj_version`` is the min V_traj over its members. ``group_capacity`` (N') members may be in
 flight; the group is complete when ``group_size`` (N) have finished, and the rest are aborted.
+Ids are ints or strs; misuse raises ``ProtocolError`` naming the bad value and changes nothing.
 
-API (ids are ints or strs; misuse raises ``ProtocolError`` naming the bad value):
-  StalenessManager(eta, batch_size, capacity=None, group_size=1, group_capacity=None, version=0)
-        ``version``: start at that model version (resume without a manager checkpoint).
-  .version -> int                   next buffer to consume (starts at ``version``)
-  .closed_version -> int            no V_traj <= this is admitted (its whole window is Ready)
-  .can_admit(traj_version, group_id=None) -> bool
-        a new group (or a new member of in-flight ``group_id``) at this V_traj may reserve.
-  .reserve(traj_id, group_id, traj_version) -> int
-        at dispatch: a new group takes the LATEST buffer in [V, V+eta] with an EMPTY entry
-        (worst case); a member of an in-flight group joins its entry (needs buffer <= V+eta).
-        Requires 0 <= traj_version <= version. Returns the reserved buffer version.
-  .complete(traj_id) -> list[traj_id]
-        a member finished generation; when the group reaches N, the still-running members
-        are aborted (reason "group_redundancy") and returned so the runtime stops them.
-  .occupy(group_id) -> int
-        after generation AND reward of N members: release the reservation and take the
-        EARLIEST buffer in [max(Vg, version), Vg+eta] with a free required slot; never later
-        than the reserved buffer. Returns the buffer version.
-  .abort(traj_id, reason) -> list[group_id]
-        drop one member (crash, redundancy); returns [group_id] if the group thereby can no
-        longer reach N members and was aborted with the same reason, else [].
-  .abort_group(group_id, reason) -> list[traj_id]
-        drop an in-flight group (closed window, straggler, filter); returns members to stop.
-  .closed_windows() -> list[group_id]
-        in-flight groups that can no longer be placed (their reservation was in a buffer
-        that became Ready and no other buffer of their window had room); abort them.
-  .stuck_stragglers(threshold) -> list[group_id]
-        if the next buffer is STUCK with <= threshold RESERVED entries: the groups holding
-        them (the runtime aborts them, or truncates them: complete members, then occupy).
-  .ready_version() -> int | None    == version when that buffer is Ready
-  .consume(v) -> list[group_id]     v must be version and Ready; frees it; version += 1
-  .buffer_state(v) -> BufferState   WAITING / READY / STUCK (for v >= version)
-  .buffer_entries(v) -> dict[EntryState, int]
-  .group_info(group_id) -> dict     group_id, traj_version, buffer_version (None if closed),
-        state ("reserved" | "closed" | "occupied"), live and done member ids (in-flight groups)
-  .consumption_log() -> list[(group_id, traj_version, buffer_version)]
-  .aborted_groups() -> dict[group_id, reason]
-  .stats() -> dict                  JSON-able metrics (per-buffer counts, in flight, aborts)
-  .state_dict() -> dict / StalenessManager.from_state_dict(d)    JSON-able checkpoint
-  .validate() -> None               recompute every counter from scratch (tests, debugging)
+Occupy exchange (PSRL ``StalenessInventory.clear_reserved_entries(move_across_buffer=True)``,
+on by default, ``exchange=False`` is the ablation): before a finished group X leaves its
+reservation in buffer b, the newest reservation Y in the earliest earlier buffer of X's window
+whose own window also covers b (b - eta <= V_Y) moves into X's slot in b; X's greedy Occupy then
+finds the slot Y freed. Early finishers fill early buffers, reservations drift to their worst
+case, and both stay inside their windows (Y: b <= V_Y + eta; X: final buffer <= b).
 
 Interrupt and migration change NOTHING here: V_traj is immutable and fixed at dispatch, so an
 interrupted trajectory keeps its reservation; the router must only resume it on an instance
@@ -61,16 +28,24 @@ surplus (B' > B) is moved to the latest other buffer of its window with room, or
 
 from __future__ import annotations
 
-from staleflow.protocol.state import manager_from_state_dict, manager_state_dict, manager_stats, validate_manager
+from staleflow.protocol.state import ManagerState
 from staleflow.protocol.types import (_FAST_ID, BufferState, EntryState, ProtocolError, _Buffer, _check_id,
                                       _Group)
 
 
-class StalenessManager:
-    """Staleness buffers + group tracker; see the module docstring for the full API."""
+class StalenessManager(ManagerState):
+    """Staleness buffers + group tracker (the StaleFlow protocol); see the module docstring.
+
+        m = StalenessManager(eta=1, batch_size=2)
+        m.reserve("t0", "g0", 0); m.complete("t0"); m.occupy("g0"); m.ready_version()
+    """
+
+    bounded = True
+    """Every consumed group is within eta of its V_traj (the loop audits it as a hard invariant)."""
 
     def __init__(self, eta: int, batch_size: int, capacity: int | None = None,
-                 group_size: int = 1, group_capacity: int | None = None, version: int = 0):
+                 group_size: int = 1, group_capacity: int | None = None, version: int = 0,
+                 exchange: bool = True):
         capacity = batch_size if capacity is None else capacity
         group_capacity = group_size if group_capacity is None else group_capacity
         for name, val, low in (("eta", eta, 0), ("batch_size", batch_size, 1), ("capacity", capacity, batch_size),
@@ -80,6 +55,10 @@ class StalenessManager:
                 raise ProtocolError(f"StalenessManager {name}={val!r} is invalid: must be an int >= {low!r}")
         self.eta, self.batch_size, self.capacity = eta, batch_size, capacity
         self.group_size, self.group_capacity = group_size, group_capacity
+        if not isinstance(exchange, bool):
+            raise ProtocolError(f"StalenessManager exchange={exchange!r} is invalid: must be a bool")
+        self.exchange = exchange
+        self.exchanges = 0  # reservations moved by the occupy exchange (metrics)
         self.version = version  # a fresh manager for a run resumed at model `version` has nothing older
         self.closed_version = version - 1  # no V_traj <= this is admitted (its window is Ready/consumed)
         self._buffers: dict[int, _Buffer] = {}
@@ -126,7 +105,8 @@ class StalenessManager:
         return None
 
     def can_admit(self, traj_version: int, group_id=None) -> bool:
-        """True iff ``reserve(_, group_id, traj_version)`` would succeed."""
+        """True iff ``reserve(_, group_id, traj_version)`` would succeed: a new group at this
+        V_traj (or a new member of in-flight ``group_id``) has a buffer in its window with room."""
         V = traj_version
         if type(V) is not int or not 0 <= V <= self.version:
             self._check_version(V)
@@ -146,7 +126,12 @@ class StalenessManager:
                 return True
         return False
 
+    def on_rollout_version(self, version: int) -> None:
+        """Every instance now runs `version` (a global weight update finished). The per-trajectory
+        protocol does not care which version the instances run; count-based peers do."""
+
     def ready_version(self) -> int | None:
+        """``version`` when buffer ``version`` is Ready (the trainer may consume it), else None."""
         b = self._buffers.get(self.version)
         return self.version if b is not None and len(b.occupied) >= self.batch_size else None
 
@@ -188,9 +173,13 @@ class StalenessManager:
         return dict(self._aborted)
 
     def closed_windows(self) -> list:
+        """In-flight groups that can no longer be placed (every buffer of their window became
+        Ready); the runtime aborts them."""
         return list(self._closed)
 
     def stuck_stragglers(self, threshold: int) -> list:
+        """If the next buffer is Stuck with <= threshold RESERVED entries, the groups holding them
+        (the runtime aborts them, or truncates them: complete the members, then occupy)."""
         if not isinstance(threshold, int) or threshold < 1:
             raise ProtocolError(f"stuck_stragglers threshold {threshold!r} must be an int >= 1")
         if self.buffer_state(self.version) is not BufferState.STUCK:
@@ -200,6 +189,9 @@ class StalenessManager:
 
     # ---- operations ----------------------------------------------------------------------
     def reserve(self, traj_id, group_id, traj_version: int) -> int:
+        """At dispatch: a new group takes the LATEST buffer in [V, V+eta] with an EMPTY entry
+        (worst case); a member of an in-flight group joins its entry (needs buffer <= V+eta).
+        Requires 0 <= traj_version <= version. Returns the reserved buffer version."""
         if type(traj_id) not in _FAST_ID:
             _check_id("traj_id", traj_id)
         if type(group_id) not in _FAST_ID:
@@ -246,6 +238,8 @@ class StalenessManager:
         return v
 
     def complete(self, traj_id) -> list:
+        """A member finished generation; once the group has N, the still-running members are
+        aborted (reason "group_redundancy") and returned so the runtime stops them."""
         g = self._trajs.get(traj_id)
         if g is None or traj_id not in g.live:
             state = "already complete" if g is not None else "unknown or aborted"
@@ -259,6 +253,9 @@ class StalenessManager:
         return []
 
     def occupy(self, group_id) -> int:
+        """After generation AND reward of N members: release the reservation (after the occupy
+        exchange) and take the EARLIEST buffer in [max(Vg, version), reserved] with a free
+        required slot. Returns the buffer version."""
         g = self._groups.get(group_id) or self._group(group_id)  # the slow path raises
         if g.occupied:
             raise ProtocolError(f"group {group_id!r} already occupies buffer {g.buffer}")
@@ -270,13 +267,15 @@ class StalenessManager:
         v = v0 = g.buffer
         full = self._full
         lo = g.traj_version if g.traj_version > self.version else self.version
+        if self.exchange and lo < v0:
+            self._exchange(g, lo, v0)
         for cand in range(lo, v0):  # greedy: the earliest buffer with a free required slot
             if cand not in full:
                 v = cand
                 break
         assert self.version <= v <= v0 <= g.traj_version + self.eta, (group_id, v, v0)
         del self._buffers[v0].reserved[group_id]
-        full.discard(v0)  # v0 is not Ready (no reservation survives in a Ready buffer)
+        self._refresh(v0)  # not Ready (no reservation survives in a Ready buffer); may hold the exchanged Y
         b = self._buffers.get(v)
         if b is None:
             b = self._buffers[v] = _Buffer()
@@ -288,6 +287,24 @@ class StalenessManager:
         elif len(b.occupied) + len(b.reserved) >= self.capacity:
             full.add(v)
         return v
+
+    def _exchange(self, g: _Group, lo: int, b: int) -> None:
+        """PSRL's occupy exchange: move the newest reservation Y of the earliest buffer in
+        [lo, b) that may legally live in b (b - eta <= V_Y) into b, freeing its slot for g."""
+        need = b - self.eta
+        for bid in range(lo, b):
+            buf = self._buffers.get(bid)
+            if buf is None or not buf.reserved:
+                continue
+            for yid in reversed(buf.reserved):  # PSRL fills reservations from the back: newest first
+                y = self._groups[yid]
+                if y.traj_version >= need:
+                    del buf.reserved[yid]
+                    self._buffers[b].reserved[yid] = None
+                    y.buffer = b
+                    self.exchanges += 1
+                    self._refresh(bid)
+                    return
 
     def _on_ready(self, v: int, b: _Buffer) -> None:
         """Buffer v just became Ready: move its surplus reservations (B' > B) or close them."""
@@ -309,6 +326,7 @@ class StalenessManager:
                 break
 
     def consume(self, v: int) -> list:
+        """Free buffer ``v`` (== version, Ready) and return its groups; version += 1."""
         if v != self.version:
             raise ProtocolError(f"consume({v!r}) out of order: the next buffer to consume is {self.version}")
         if self.ready_version() is None:
@@ -336,6 +354,8 @@ class StalenessManager:
         self._member_abort_counts[reason] = self._member_abort_counts.get(reason, 0) + 1
 
     def abort(self, traj_id, reason: str) -> list:
+        """Drop one member (crash, redundancy); returns [group_id] if the group can thereby no
+        longer reach N members and was aborted with the same reason, else []."""
         if not isinstance(reason, str) or not reason:
             raise ProtocolError(f"abort reason {reason!r} must be a non-empty str")
         g = self._trajs.get(traj_id)
@@ -351,6 +371,7 @@ class StalenessManager:
         return []
 
     def abort_group(self, group_id, reason: str) -> list:
+        """Drop an in-flight group (closed window, straggler, filter); returns members to stop."""
         if not isinstance(reason, str) or not reason:
             raise ProtocolError(f"abort_group reason {reason!r} must be a non-empty str")
         g = self._group(group_id)
@@ -369,17 +390,3 @@ class StalenessManager:
         self._finished[group_id] = f"aborted: {reason}"
         self._abort_counts[reason] = self._abort_counts.get(reason, 0) + 1
         return live
-
-    # ---- metrics, checkpoints, self-check ------------------------------------------------
-    def stats(self) -> dict:
-        return manager_stats(self)
-
-    def state_dict(self) -> dict:
-        return manager_state_dict(self)
-
-    @classmethod
-    def from_state_dict(cls, d: dict) -> StalenessManager:
-        return manager_from_state_dict(cls, _Group, d)
-
-    def validate(self) -> None:
-        validate_manager(self)

@@ -8,10 +8,30 @@ derived structure from the group table and raises ProtocolError on any inconsist
 
 from __future__ import annotations
 
-from staleflow.protocol.types import ProtocolError, _Buffer
+from staleflow.protocol.types import ProtocolError, _Buffer, _Group
 
 FORMAT = "staleflow.staleness/1"
-_PARAMS = ("eta", "batch_size", "capacity", "group_size", "group_capacity")
+_PARAMS = ("eta", "batch_size", "capacity", "group_size", "group_capacity", "exchange")
+
+
+class ManagerState:
+    """Metrics, checkpoints and the self-check of StalenessManager (kept out of the protocol file)."""
+
+    def stats(self) -> dict:
+        """JSON-able metrics (per-buffer counts, in flight, aborts, occupy exchanges)."""
+        return manager_stats(self)
+
+    def state_dict(self) -> dict:
+        """JSON-able checkpoint; ``from_state_dict`` rebuilds an identical manager."""
+        return manager_state_dict(self)
+
+    @classmethod
+    def from_state_dict(cls, d: dict):
+        return manager_from_state_dict(cls, _Group, d)
+
+    def validate(self) -> None:
+        """Recompute every derived structure from the group table; raise on any mismatch (tests)."""
+        validate_manager(self)
 
 
 def manager_state_dict(m) -> dict:
@@ -29,6 +49,7 @@ def manager_state_dict(m) -> dict:
         "aborted": [[gid, reason] for gid, reason in m._aborted.items()],
         "consumed": [list(rec) for rec in m._log],
         "trajs_aborted_by_reason": dict(m._member_abort_counts),
+        "occupy_exchanges": m.exchanges,
     }
 
 
@@ -42,7 +63,8 @@ def manager_stats(m) -> dict:
             "groups_in_flight": in_flight, "groups_closed": len(m._closed),
             "groups_occupied": len(m._groups) - in_flight,
             "trajs_live": sum(len(g.live) for g in m._groups.values()),
-            "groups_consumed": len(m._log), "groups_aborted_by_reason": dict(m._abort_counts),
+            "groups_consumed": len(m._log), "occupy_exchanges": m.exchanges,
+            "groups_aborted_by_reason": dict(m._abort_counts),
             "trajs_aborted_by_reason": dict(m._member_abort_counts)}
 
 
@@ -64,7 +86,8 @@ def manager_from_state_dict(cls, group_cls, d: dict):
 
 def _rebuild(cls, group_cls, d: dict):
 
-    m = cls(**{k: d[k] for k in _PARAMS}, version=d["version"])
+    # "exchange" is absent from checkpoints written before the occupy exchange existed: they ran without it
+    m = cls(**{k: d[k] for k in _PARAMS if k != "exchange"}, exchange=d.get("exchange", False), version=d["version"])
     m.closed_version = d["closed_version"]
     for rec in d["buffers"]:
         b = m._buffers[rec["version"]] = _Buffer()
@@ -88,6 +111,7 @@ def _rebuild(cls, group_cls, d: dict):
         m._log.append((gid, tv, bv))
         m._finished[gid] = "consumed"
     m._member_abort_counts = dict(d["trajs_aborted_by_reason"])
+    m.exchanges = int(d.get("occupy_exchanges", 0))
     return m
 
 

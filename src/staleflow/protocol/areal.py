@@ -1,0 +1,59 @@
+"""AReaL's admission and batch rule as a batch protocol (the ``areal`` baseline), pure Python.
+
+Peer: inclusionAI/AReaL, ``areal/infra/staleness_manager.py`` (``StalenessManager.get_capacity``)
+and ``areal/infra/workflow_executor.py`` (``BatchTaskDispatcher.wait_results``,
+``WorkflowExecutor.prepare_batch``); docs/baselines.md has the paragraph and the deviations.
+
+Admission: a new prompt group may start iff
+    running < max_concurrent_rollouts  and  accepted + running < (eta + v + 1) * B
+where v is the version the rollout instances run (``on_rollout_version``), ``accepted`` counts
+completed groups since the start (never decremented when the trainer consumes them) and
+``running`` counts started, unfinished groups; a dropped (rejected) group frees its slot.
+Batches: the B completed groups that STARTED earliest among those completed so far (AReaL sorts
+the drained results by ``create_time`` and puts the rest back). Staleness is not bounded per
+trajectory: ``over_eta()`` counts the trained groups that exceeded eta.
+"""
+
+from __future__ import annotations
+
+from staleflow.protocol.counted import CountedBuffer
+from staleflow.protocol.types import ProtocolError
+
+
+class AReaLBuffer(CountedBuffer):
+    """    m = AReaLBuffer(eta=1, batch_size=2); m.can_admit(0)  # True until 2 * 2 groups are started"""
+
+    def __init__(self, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
+                 group_capacity: int | None = None, version: int = 0, max_concurrent: int | None = None):
+        super().__init__(eta, batch_size, capacity, group_size, group_capacity, version)
+        # AReaL's default (None) is consumer_batch_size; its long-CoT example (boba) uses 2 B. We default to
+        # (eta + 1) B, which never binds below the staleness formula, so the cap cannot handicap the baseline.
+        self.max_concurrent = (eta + 1) * batch_size if max_concurrent is None else max_concurrent
+        if type(self.max_concurrent) is not int or self.max_concurrent < 1:
+            raise ProtocolError(f"AReaLBuffer max_concurrent={max_concurrent!r} must be an int >= 1")
+        self.accepted = version * batch_size  # AReaL's on_version_recovered(v) after a resume
+        self.running = 0
+
+    def _room(self, traj_version: int) -> bool:
+        limit = (self.eta + self.rollout_version + 1) * self.batch_size
+        return self.running < self.max_concurrent and self.accepted + self.running < limit
+
+    def _admitted(self, g) -> None:
+        self.running += 1
+
+    def _left(self, g, completed: bool) -> None:
+        self.running -= 1
+        self.accepted += completed
+
+    def _batch(self) -> list:
+        return sorted(self._queue, key=self._seq.__getitem__)[:self.batch_size]
+
+    def _counters(self) -> dict:
+        return {"accepted": self.accepted, "running": self.running, "max_concurrent": self.max_concurrent}
+
+    def validate(self) -> None:
+        super().validate()
+        running = sum(1 for g in self._groups.values() if not g.occupied)
+        if running != self.running or self.running > self.max_concurrent:
+            raise ProtocolError(f"AReaLBuffer running={self.running} but {running} groups are in flight "
+                                f"(cap {self.max_concurrent})")
