@@ -1,14 +1,21 @@
-"""Throughput of the four system modes on the same workload, measured in one invocation.
+"""The real runtime on CPU: StaleFlow and the baselines at matched eta on a skewed workload, and the
+simulator fed the cost model measured here, against the measured throughput of each mode.
 
-    python scripts/bench_modes.py [--steps 8] [--model tiny-llama] [--length-dist lognormal:96:0.9] [--max-new 512]
+    python scripts/bench_modes.py [--steps 8] [--eta 2] [--length-dist lognormal:96:1.0] [--max-new 512]
 
-Each mode (sync, one-step-off, areal, staleflow) runs the real system (torchrun, 1 trainer + 2
-rollout ranks + controller) on the same prompts, seeds and long-tailed response lengths
-(`--rollout.length-dist`: each trajectory's length is drawn from a lognormal and eos is ignored,
-which reproduces the skew of reasoning RL with a small model). Throughput counts only what the
-trainer consumed: trained response tokens and trained trajectories per second, from the end of
-the first step (start-up and the first buffer excluded) to the end of the last. Prints a table
-with the hardware and, last, one JSON line with the ratios against sync.
+1. Measure: the decode cost model of the rollout engine on this machine (scripts/fit_cost_model.py, one
+   thread per rank as under torchrun) and its prefill rate (the same profile's prefill steps).
+2. Run: each mode (verl-sync, verl-one-step-off, verl-fully-async, areal, staleflow) is the real system
+   (torchrun: 1 trainer + 2 rollout ranks + controller) on the same prompts, seeds and long-tailed
+   response lengths (--rollout.length-dist: each trajectory's length is drawn, eos ignored), with the
+   measured cost model in its router. Throughput counts what the trainer consumed: trained response
+   tokens per second from the end of step --warmup to the end of the last step.
+3. Simulate: the same modes in the simulator (the same controller loop over sim/backend.py), fed the
+   measured decode cost model and prefill rate, the training time per token fitted to the verl-sync run
+   (where nothing else runs while it trains), the measured push and pull times, and the CPU sharing of
+   the ranks (--shared-cores: each busy process runs busy/cores times slower).
+Prints the hardware, the table (baselines measured in the same run, ratios) and, last, one JSON line:
+{"staleflow_vs_best_async", "best_async", "<mode>_tok_s", "<mode>_vs_sync", "<mode>_sim_err", "sim_vs_real_max_err"}.
 """
 
 from __future__ import annotations
@@ -22,16 +29,45 @@ import sys
 import tempfile
 import time
 
-MODES = ["sync", "one-step-off", "areal", "staleflow"]
+MODES = ["verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow"]
+ASYNC = ["verl-one-step-off", "verl-fully-async", "areal"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_mode(mode: str, args, root: str) -> dict:
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown cpu"
+
+
+def measure_cost_model(args, root: str) -> tuple[str, float]:
+    """(path of the fitted cost-model JSON, prefill tokens/s) of the rollout engine on this machine."""
+    out, samples = os.path.join(root, "cost.json"), os.path.join(root, "samples.jsonl")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "fit_cost_model.py"), "--model", args.model, "--threads", "1",
+           "--batches", "1,4,8,16,32", "--prompt-lens", "32,256", "--kv-capacity", str(args.kv_tokens),
+           "--save-samples", samples, "--out", out]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if res.returncode != 0:
+        raise SystemExit(f"cost-model profiling failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
+    with open(samples) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    pre = [r for r in rows if r["prefill_tokens"] > 0 and r["n_running"] == 0 and r["latency_s"] > 0]
+    if not pre:  # every prefill step also decoded: use the decode-free share of the latency
+        pre = [r for r in rows if r["prefill_tokens"] > 0 and r["latency_s"] > 0]
+    rate = sum(r["prefill_tokens"] for r in pre) / sum(r["latency_s"] for r in pre)
+    return out, rate
+
+
+def run_mode(mode: str, args, root: str, cost_json: str) -> dict:
     name = f"bench-{mode}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "staleflow",
            "train", "--preset", "tiny", "--model.path", args.model, "--mode", mode, "--steps", str(args.steps),
            "--rollout.length-dist", args.length_dist, "--rollout.max-new-tokens", str(args.max_new),
-           "--rollout.max-model-len", str(args.max_new + 256), "--staleness.batch-size", str(args.batch),
-           "--staleness.group-size", str(args.group), "--staleness.eta", str(0 if mode == "sync" else args.eta),
+           "--rollout.max-model-len", str(args.max_new + 256), "--rollout.max-kv-tokens", str(args.kv_tokens),
+           "--staleness.batch-size", str(args.batch), "--staleness.group-size", str(args.group),
+           "--staleness.eta", str(args.eta), "--coordinator.cost-model", cost_json,
            "--log.run-dir", root, "--log.name", name, "--log.no-progress", "--log.no-plot", "--log.no-tensorboard",
            "--checkpoint.no-export-hf", "--seed", str(args.seed), *args.extra]
     t0 = time.monotonic()
@@ -40,56 +76,115 @@ def run_mode(mode: str, args, root: str) -> dict:
     if res.returncode != 0:
         tail = "\n".join((res.stdout + res.stderr).splitlines()[-15:])
         raise SystemExit(f"mode {mode} failed (exit {res.returncode}):\n{tail}")
-    with open(os.path.join(root, name, "metrics.jsonl")) as f:
+    run_dir = os.path.join(root, name)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    first, rest = rows[0], rows[1:]
+    with open(os.path.join(run_dir, "timeline.jsonl")) as f:
+        spans = [json.loads(line) for line in f if line.strip()]
+    w = args.warmup
+    first, rest = rows[w - 1], rows[w:]
     span = rest[-1]["time"] - first["time"]
-    tokens = sum(r["trained_tokens"] for r in rest)
-    samples = sum(r["trained_trajectories"] for r in rest)
+    pulls = [s["t1"] - s["t0"] for s in spans if s["kind"] == "pull"]
     return {
         "mode": mode, "steps": len(rows), "wall_s": wall, "measured_s": span,
-        "tokens_per_s": tokens / span, "samples_per_s": samples / span,
+        "tokens_per_s": sum(r["trained_tokens"] for r in rest) / span,
         "staleness_mean": sum(r["staleness_mean"] * r["trained_groups"] for r in rest) / max(1, sum(r["trained_groups"] for r in rest)),
-        "interrupts": rows[-1]["interrupts"], "pulls": rows[-1]["pulls"], "migrations": rows[-1]["migrations"],
-        "train_s_mean": sum(r["train_s"] for r in rest) / len(rest),
+        "over_eta": rows[-1].get("over_eta", 0), "interrupts": rows[-1]["interrupts"], "pulls": rows[-1]["pulls"],
+        "train": [(r["trained_tokens"], r["trained_trajectories"], r["train_s"]) for r in rows],
+        "push_s": sum(r["push_s"] for r in rows) / len(rows), "pull_s": sum(pulls) / max(1, len(pulls)),
     }
+
+
+def prompt_len(args) -> int:
+    from staleflow.config import PRESETS
+    from staleflow.data import PromptSource
+    from staleflow.model import load_tokenizer, resolve_model_path
+
+    cfg = PRESETS["tiny"]()
+    src = PromptSource(cfg.data, load_tokenizer(resolve_model_path(args.model)))
+    lens = [len(next(src).prompt_ids) for _ in range(64)]
+    return round(sum(lens) / len(lens))
+
+
+def simulate(mode: str, args, cost_json: str, prefill: float, measured: dict) -> float:
+    """Simulated trained tokens/s of `mode` on the runtime's shape, with everything measured above."""
+    from staleflow.coordinator.cost_model import load_cost_model
+    from staleflow.sim.config import SimConfig
+    from staleflow.sim.simulator import run
+
+    sync = measured["verl-sync"]["train"][args.warmup:]  # nothing else runs while verl-sync trains
+    n = len(sync)
+    toks = [t + n_traj * args.prompt_len for t, n_traj, _ in sync]
+    mx, my = sum(toks) / n, sum(s for _, _, s in sync) / n
+    slope = sum((x - mx) * (s - my) for x, (_, _, s) in zip(toks, sync)) / max(1e-9, sum((x - mx) ** 2 for x in toks))
+    slope = max(slope, 1e-6)
+    overhead = max(0.0, my - slope * mx)
+    median, sigma = (float(x) for x in args.length_dist.split(":")[1:])
+    pull = sum(m["pull_s"] for m in measured.values()) / len(measured)
+    push = sum(m["push_s"] for m in measured.values()) / len(measured)
+    cfg = SimConfig(total_gpus=3, rollout_gpus=2, gpus_per_instance=1, cost_model=cost_json,
+                    kv_capacity=args.kv_tokens, prefill_tokens_per_s=prefill, max_running=args.max_running,
+                    train_tokens_per_gpu_s=1.0 / slope, train_overhead_s=overhead, push_s=push, pull_s=pull,
+                    broadcast_s=pull, colocated_switch_s=0.0, batch_size=args.batch, group_size=args.group,
+                    prompt_len=args.prompt_len, response_median=median, response_sigma=sigma,
+                    max_response=args.max_new, steps=args.steps, warmup_steps=args.warmup, tick_s=0.01,
+                    router_fit_samples=0, shared_cores=args.shared_cores, colocated_sync=False, seed=args.seed,
+                    out_dir="", ablation=False)
+    return run(cfg, mode, args.eta, cost=load_cost_model(cost_json)).tokens_per_s
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the measurement")
     ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--length-dist", default="lognormal:96:0.9")
+    ap.add_argument("--length-dist", default="lognormal:96:1.0")
     ap.add_argument("--max-new", type=int, default=512)
+    ap.add_argument("--kv-tokens", type=int, default=8192, help="engine KV capacity (the tiny preset's)")
+    ap.add_argument("--max-running", type=int, default=64, help="engine running cap (RolloutConfig default)")
     ap.add_argument("--batch", type=int, default=4, help="prompt groups per step (B)")
     ap.add_argument("--group", type=int, default=4, help="responses per prompt (N)")
-    ap.add_argument("--eta", type=int, default=2, help="staleness bound of the asynchronous modes (one-step-off: 1)")
+    ap.add_argument("--eta", type=int, default=2, help="staleness bound (verl-sync: 0, verl-one-step-off: 1)")
+    ap.add_argument("--shared-cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("extra", nargs="*", help="more flags for every run (after --)")
     args = ap.parse_args()
-    if args.steps < 3:
-        raise SystemExit("--steps must be >= 3 (the first step is excluded from the measurement)")
     modes = args.modes.split(",")
+    if args.steps < args.warmup + 3 or "verl-sync" not in modes:
+        raise SystemExit("need --steps >= --warmup + 3 and verl-sync among --modes (the baseline and the train-time fit)")
+    args.prompt_len = prompt_len(args)
     with tempfile.TemporaryDirectory(prefix="staleflow-bench-") as root:
-        results = [run_mode(m, args, root) for m in modes]
-    base = next((r for r in results if r["mode"] == "sync"), None)
-    print(f"# machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, {platform.python_version()}")
-    print(f"# workload: {args.model}, B={args.batch} groups x N={args.group}, lengths {args.length_dist} "
-          f"capped at {args.max_new}, eta={args.eta}, {args.steps} steps (first excluded)")
-    print(f"{'mode':<13}{'tok/s':>9}{'samples/s':>11}{'vs sync':>9}{'staleness':>11}{'interrupts':>11}{'pulls':>7}"
-          f"{'train s':>9}{'wall s':>8}")
-    for r in results:
-        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
-        print(f"{r['mode']:<13}{r['tokens_per_s']:>9.1f}{r['samples_per_s']:>11.3f}{ratio:>9.2f}{r['staleness_mean']:>11.2f}"
-              f"{r['interrupts']:>11}{r['pulls']:>7}{r['train_s_mean']:>9.2f}{r['wall_s']:>8.0f}")
-    out = {f"{r['mode'].replace('-', '_')}_tok_s": round(r["tokens_per_s"], 2) for r in results}
-    if base:
-        for r in results:
-            if r["mode"] != "sync":
-                out[f"{r['mode'].replace('-', '_')}_vs_sync"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-                out[f"{r['mode'].replace('-', '_')}_samples_vs_sync"] = round(r["samples_per_s"] / base["samples_per_s"], 3)
+        cost_json, prefill = measure_cost_model(args, root)
+        with open(cost_json) as f:
+            cost = json.load(f)
+        measured = {m: run_mode(m, args, root, cost_json) for m in modes}
+        sim = {m: simulate(m, args, cost_json, prefill, measured) for m in modes}
+    base = measured["verl-sync"]["tokens_per_s"]
+    print(f"# machine: {cpu_name()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, python "
+          f"{platform.python_version()}; 3 ranks (1 trainer + 2 rollout) share the cores")
+    print(f"# workload: {args.model}, B={args.batch} groups x N={args.group}, prompts {args.prompt_len} tokens, lengths "
+          f"{args.length_dist} capped at {args.max_new}, eta={args.eta}, {args.steps} steps (first {args.warmup} excluded)")
+    print(f"# measured cost model: k1={cost['k1']:.3g} k2={cost['k2']:.3g} k3={cost['k3']:.3g} b3={cost['b3']:.3g} "
+          f"(fit mean err {cost['fit']['mean_rel_err']:.0%}), prefill {prefill:.0f} tok/s")
+    print(f"{'mode':<19}{'tok/s':>8}{'vs sync':>9}{'staleness':>11}{'>eta':>6}{'intr':>6}{'pulls':>7}{'wall s':>8}"
+          f"{'sim tok/s':>11}{'sim err':>9}")
+    out: dict = {}
+    for m in modes:
+        r = measured[m]
+        err = sim[m] / r["tokens_per_s"] - 1.0
+        key = m.replace("-", "_")
+        out[f"{key}_tok_s"] = round(r["tokens_per_s"], 2)
+        out[f"{key}_vs_sync"] = round(r["tokens_per_s"] / base, 3)
+        out[f"{key}_sim_err"] = round(err, 3)
+        print(f"{m:<19}{r['tokens_per_s']:>8.1f}{r['tokens_per_s'] / base:>9.2f}{r['staleness_mean']:>11.2f}"
+              f"{r['over_eta']:>6}{r['interrupts']:>6}{r['pulls']:>7}{r['wall_s']:>8.0f}{sim[m]:>11.1f}{err:>+9.1%}")
+    best = max((m for m in modes if m in ASYNC), key=lambda m: measured[m]["tokens_per_s"], default=None)
+    if "staleflow" in modes and best:
+        out["best_async"] = best
+        out["staleflow_vs_best_async"] = round(measured["staleflow"]["tokens_per_s"] / measured[best]["tokens_per_s"], 3)
+    out["sim_vs_real_max_err"] = round(max(abs(out[f"{m.replace('-', '_')}_sim_err"]) for m in modes), 3)
     print(json.dumps(out))
 
 

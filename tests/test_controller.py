@@ -145,7 +145,9 @@ def test_controller_migration_off_returns_loop_backs_to_their_origin(migration):
 
 
 @pytest.mark.parametrize("interrupt_on_pull", [True, False])
-def test_controller_interrupt_on_pull_false_keeps_work_running_across_a_pull(interrupt_on_pull):
+def test_controller_interrupt_on_pull_false_drains_before_the_pull(interrupt_on_pull):
+    """Partial rollout interrupts the work and pulls at once; without it (the ablation) the instance
+    takes no new work, its trajectories finish under the old weights, and only then does it pull."""
     loop, be = make_loop(n_inst=1, eta=2, B=2, N=1, migration=False, pull="greedy",
                          interrupt_on_pull=interrupt_on_pull)
     loop.refill()
@@ -158,14 +160,21 @@ def test_controller_interrupt_on_pull_false_keeps_work_running_across_a_pull(int
     loop.tick(be.now() + 1)
     pulls = [c for c in be.sent if isinstance(c, Pull)]
     interrupts = [c for c in be.sent if isinstance(c, Interrupt)]
-    assert pulls == [Pull(0, 1)]
     if interrupt_on_pull:
+        assert pulls == [Pull(0, 1)]
         assert interrupts and set(interrupts[0].traj_ids) == set(running)
-    else:
-        assert interrupts == []
-        deliver(loop, be, PullDone(0, 1))
-        deliver(loop, be, Finished(running[0], 0, "rec", 4))  # still on its instance: finishes normally
-        assert running[0] in be.scored
+        return
+    assert pulls == [] and interrupts == [] and loop.coord.instances[0].draining
+    deliver(loop, be, *[Finished(t, 0, f"rec-{t}", 4) for t in running[:-1]])
+    be.sent.clear()
+    loop.tick(be.now() + 1)
+    assert be.sent == []  # still draining: one trajectory left, and no new work is routed to it
+    deliver(loop, be, Finished(running[-1], 0, "rec-last", 4))
+    assert set(running) <= set(be.scored)  # finished under the old weights, normally
+    loop.tick(be.now() + 1)
+    assert [c for c in be.sent if isinstance(c, Pull)] == [Pull(0, 1)]
+    # new work follows the pull (queued in the engine behind the load), tagged with the new version
+    assert routed(be) and all(r.traj_version == 1 for r in routed(be))
 
 
 class _Engine:

@@ -262,11 +262,14 @@ def test_straggler_truncate_and_abort():
 # ---- modes and registry ------------------------------------------------------------------------
 def test_modes_are_overrides_of_one_config():
     cfg = CoordinatorConfig()
-    c, _ = apply_mode("areal", cfg)
+    c, _ = apply_mode("staleflow-simple-strategies", cfg)  # what "areal" meant before issue 15
     assert (c.routing, c.pull, c.migration, c.mlq) == ("least-loaded", "greedy", False, False)
-    c, _ = apply_mode("one-step-off", cfg)
-    assert c.barrier and c.pull == "idle" and not c.interrupt_on_pull
-    assert mode_overrides("sync")["staleness"]["eta"] == 0
+    c, _ = apply_mode("areal", cfg)
+    assert (c.routing, c.pull, c.migration, c.mlq, c.interrupt_on_pull) == ("round-robin", "pause-all", False,
+                                                                           False, True)
+    c, _ = apply_mode("one-step-off", cfg)  # alias of verl-one-step-off
+    assert c.barrier and c.pull == "idle" and not c.interrupt_on_pull and c.routing == "round-robin"
+    assert mode_overrides("sync")["staleness"]["eta"] == 0 == mode_overrides("verl-sync")["staleness"]["eta"]
     assert apply_mode("staleflow", cfg)[0] == cfg
     with pytest.raises(ValueError, match="unknown"):
         mode_overrides("verl-async")

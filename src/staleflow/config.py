@@ -326,9 +326,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    mode: Literal["staleflow", "areal", "one-step-off", "sync"] = "staleflow"
-    """System mode: staleflow, or a baseline run by the same runtime (a baseline overrides the
-    coordinator strategies and, for sync / one-step-off, eta; see staleflow.coordinator.modes)."""
+    mode: Literal["staleflow", "verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow-no-exchange",
+                  "staleflow-simple-strategies", "sync", "one-step-off"] = "staleflow"
+    """staleflow, a baseline named for its system (same loop; sync/one-step-off: verl aliases), or an ablation: docs/baselines.md."""
     steps: int = 20
     """Training steps (weight versions produced)."""
     seed: int = 0

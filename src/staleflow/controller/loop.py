@@ -4,13 +4,17 @@ One loop, single-threaded, shared by the real runtime and the simulator (only th
 differs). Each turn of ``run``:
   1. events from the backend: snapshots, finished or interrupted trajectories, rewards, pulls,
      finished training steps, published versions;
-  2. train: when buffer ``version`` is Ready and the trainer is idle, Consume it;
+  2. train: when buffer ``version`` is Ready, the trainer is idle and the mode's weight-sync rule
+     lets it start (peers whose trainer sends the weights wait for every instance to load them),
+     Consume it;
   3. refill: keep enough fresh prompt groups (N' members each) in the Trajectory Server queue;
   4. every tick: the coordinator's Snapshot-Command cycle; its Route / Interrupt / Pull / Abort
      commands are executed at once, and their immediate effects handled.
-The ledger is the only table of trajectories; the StalenessManager holds reservations; the
-Coordinator holds the queue and its view of the instances. The loop audits the protocol from
-outside (V_traj of every route, the bound of every trained group, every fate exactly once).
+The ledger is the only table of trajectories; the batch protocol (StaleFlow's StalenessManager or
+a peer's count-based rule, chosen by the mode) decides admission and batches; the Coordinator holds
+the queue and its view of the instances. The loop audits the protocol from outside (V_traj of every
+route, the bound of every trained group, every fate exactly once); for a protocol without a
+per-trajectory bound (``bounded`` False) groups beyond eta are counted, not violations.
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ class StepRecord:
 class Audit:
     violations: list[str] = field(default_factory=list)
     bound_violations: int = 0
+    over_eta: int = 0
+    """Trained groups with staleness > eta under a protocol that does not bound it (the peers)."""
 
 
 class ControllerLoop:
@@ -273,7 +279,7 @@ class ControllerLoop:
     def maybe_train(self) -> None:
         if self.training is not None or self.version >= self.s.steps:
             return
-        if self.manager.ready_version() != self.version:
+        if self.manager.ready_version() != self.version or self.coord.trainer_blocked():
             return
         v = self.version
         batch, stale = [], []
@@ -287,7 +293,9 @@ class ControllerLoop:
             if len(trained) != self.s.group_size or any(t.reward is None for t in trained):
                 self.audit.violations.append(f"group {gid} consumed with {len(trained)} rewarded members")
             V = min(t.traj_version for t in trained)
-            if not V <= v <= V + self.s.eta:
+            if V <= v and v > V + self.s.eta and not self.manager.bounded:
+                self.audit.over_eta += 1
+            elif not V <= v <= V + self.s.eta:
                 self.audit.bound_violations += 1
                 self.audit.violations.append(f"group {gid} V_traj {V} consumed in buffer {v} (eta {self.s.eta})")
             stale.append(v - V)
@@ -324,7 +332,7 @@ class ControllerLoop:
             "staleness_mean": sum(stale) / max(len(stale), 1),
             "staleness_max": max(stale, default=0),
             "staleness_hist": {str(k): n for k, n in sorted(hist.items())},
-            "bound_violations": self.audit.bound_violations,
+            "bound_violations": self.audit.bound_violations, "over_eta": self.audit.over_eta,
             "trained_groups": len(rec.groups),
             "trained_trajectories": len(rewards),
             "trained_tokens": rec.response_tokens,

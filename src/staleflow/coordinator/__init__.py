@@ -7,11 +7,11 @@ same ``Coordinator``; see docs/coordinator.md.
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.cost_model import CostModel, CostModelError, fit_cost_model, load_cost_model
 from staleflow.coordinator.mlq import MultiLevelQueue
-from staleflow.coordinator.modes import COLOCATED, MODES, apply_mode, mode_overrides
+from staleflow.coordinator.modes import BASELINES, MODES, apply_mode, build_protocol, mode_of, mode_overrides
 from staleflow.coordinator.strategies import PULL, ROUTING, register_pull, register_routing
 from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Pull, Route, TrajectoryItem
 
-__all__ = ["Abort", "COLOCATED", "Command", "Coordinator", "CostModel", "CostModelError", "InstanceSnapshot",
+__all__ = ["Abort", "BASELINES", "Command", "Coordinator", "CostModel", "CostModelError", "InstanceSnapshot",
            "Interrupt", "MODES", "MultiLevelQueue", "PULL", "Pull", "ROUTING", "Route", "TrajectoryItem",
-           "apply_mode", "fit_cost_model", "load_cost_model", "mode_overrides", "register_pull",
+           "apply_mode", "build_protocol", "fit_cost_model", "mode_of", "load_cost_model", "mode_overrides", "register_pull",
            "register_routing"]

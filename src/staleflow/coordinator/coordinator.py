@@ -24,7 +24,8 @@ generated_len and origin), ``on_pull_done``, ``on_new_version`` (the PS publishe
 The config arrives with its mode already applied (``staleflow.config.resolve``).
 
 With migration off (``--coordinator.migration false``) a loop-back resumes on the instance it
-was interrupted on (its ``origin``), never elsewhere.
+was interrupted on (its ``origin``), never elsewhere. The batch protocol (``manager``) is the one
+the mode names (coordinator/modes.py): StaleFlow's StalenessManager or a peer's count-based rule.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from typing import Callable, Iterable
 
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.mlq import MultiLevelQueue
+from staleflow.coordinator.modes import adopt_protocol
+from staleflow.coordinator.pull import plan_pulls, updating
 from staleflow.coordinator.strategies import make_pull, make_routing, pick_migration
 from staleflow.coordinator.types import (Abort, Command, InstanceSnapshot, Interrupt, Pull, Route,
                                          TrajectoryItem)
@@ -48,14 +51,16 @@ class Coordinator:
         if straggler not in ("off", "abort", "truncate"):
             raise ValueError(f"--staleness.straggler={straggler!r} is unknown; choose off, abort or truncate")
         self.label = label
+        """The resolved mode (the runtime passes --mode); it names the batch protocol."""
         self.cfg = cfg
         self.straggler, self.straggler_threshold = straggler, straggler_threshold
-        self.cost_model, self.manager, self.clock = cost_model, manager, clock
-        self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
-        self.puller = make_pull(self.cfg.pull, self.cfg, cost_model)
         ids = list(instances)
         if not ids or len(set(ids)) != len(ids):
             raise ValueError(f"instances={ids!r} must be a non-empty list of distinct ids")
+        self.cost_model, self.clock = cost_model, clock
+        self.manager = adopt_protocol(label, manager, len(ids))
+        self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
+        self.puller = make_pull(self.cfg.pull, self.cfg, cost_model)
         self.instances: dict[int, InstanceState] = {i: InstanceState(i, cost_model.kv_capacity, version) for i in ids}
         self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first)
         self.ps_version = version
@@ -167,6 +172,11 @@ class Coordinator:
         inst.version = inst.target_version = version
         inst.syncing = False
         inst.last_change = self.clock()
+        self.manager.on_rollout_version(min(i.version for i in self.instances.values()))
+
+    def trainer_blocked(self) -> bool:
+        """The mode's weight-sync rule holds the trainer until every instance runs the newest version."""
+        return self.puller.blocks_trainer and updating(self)
 
     def on_new_version(self, version: int) -> None:
         """The Parameter Server published `version`."""
@@ -192,7 +202,7 @@ class Coordinator:
             self._abort_group_cmds(gid, "window-closed", now, out=cmds)
         if self.straggler != "off":
             self._stragglers(now, cmds)
-        self._pulls(now, cmds)
+        plan_pulls(self, now, cmds)
         if self.cfg.migration and not self.pending_interrupts:  # active migration (paper 6.5)
             picked = pick_migration(self)
             if picked is not None:
@@ -204,22 +214,9 @@ class Coordinator:
                 inst.last_change = now
                 self.counters["migrations"] += 1
                 self.counters["interrupted"] += len(ids)
-        if not self.pending_interrupts:
+        if not self.pending_interrupts and not (self.puller.blocks_routing and updating(self)):
             self._route(now, cmds)
         return cmds
-
-    def _pulls(self, now: float, cmds: list[Command]) -> None:
-        for inst in self.instances.values():
-            if inst.syncing or inst.target_version >= self.ps_version or not self.puller.should_pull(inst, self):
-                continue
-            if self.cfg.interrupt_on_pull and inst.trajs:
-                ids = tuple(inst.trajs)
-                cmds.append(Interrupt(inst.instance, ids, "pull"))
-                self.pending_interrupts.update(ids)
-                self.counters["interrupted"] += len(ids)
-            cmds.append(Pull(inst.instance, self.ps_version))
-            inst.syncing, inst.target_version, inst.last_change = True, self.ps_version, now
-            self.counters["pulls"] += 1
 
     def _stragglers(self, now: float, cmds: list[Command]) -> None:
         """Abort (and retry) or truncate the last stragglers of a Stuck buffer, ONCE per buffer.
@@ -251,7 +248,7 @@ class Coordinator:
 
     def _route(self, now: float, cmds: list[Command]) -> None:
         cap = self.cfg.max_concurrent
-        open_ = [i for i in self.instances.values() if len(i.trajs) < cap]
+        open_ = [i for i in self.instances.values() if len(i.trajs) < cap and not i.draining]
         if not open_ or not len(self.queue):
             return
         if self.cfg.barrier and self.in_flight == 0 and not any(

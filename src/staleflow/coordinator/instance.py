@@ -13,7 +13,7 @@ from staleflow.coordinator.types import InstanceSnapshot
 
 class InstanceState:
     __slots__ = ("instance", "version", "target_version", "trajs", "waiting", "kv_tokens", "kv_capacity",
-                 "tokens_per_s", "syncing", "last_change", "snapshots_used", "snapshots_dropped")
+                 "tokens_per_s", "syncing", "draining", "last_change", "snapshots_used", "snapshots_dropped")
 
     def __init__(self, instance: int, kv_capacity: int, version: int = 0):
         self.instance = instance
@@ -28,6 +28,8 @@ class InstanceState:
         self.kv_capacity = kv_capacity
         self.tokens_per_s = 0.0
         self.syncing = False
+        self.draining = False
+        """Waiting to pull without partial rollout: takes no new work until its trajectories finish."""
         self.last_change = float("-inf")
         self.snapshots_used = 0
         self.snapshots_dropped = 0

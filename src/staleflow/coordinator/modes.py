@@ -1,62 +1,100 @@
-"""System modes: StaleFlow and the baselines as settings of the same coordinator (never separate code).
+"""System modes: StaleFlow, the baselines named for the systems they reproduce, and protocol ablations.
 
-- ``staleflow``: every strategy as configured (waterfall + MLQ + dynamic tags, status pull with
-  partial rollout, migration, redundancy, straggler handling).
-- ``areal`` (AReaL): count-based admission with eta (here the same per-trajectory reservations:
-  a group is admitted iff a buffer in its window has room, so at most (eta + 1) * B groups are
-  ahead of the trainer), least-loaded routing over a FIFO queue, greedy pull that interrupts all
-  in-flight work at every weight update (partial rollout: interrupted work is resubmitted with
-  its tokens), no migration, no redundancy.
-- ``one-step-off`` (veRL one_step_off_policy): disaggregated; batch k+1 is generated with the
-  weights from before training step k (batch-level eta = 1): a whole batch of B groups is
-  dispatched at a barrier (least-loaded), weights are pulled at batch boundaries only (nothing
-  in flight, so nothing is interrupted).
-- ``sync`` (veRL colocated/HybridFlow): eta = 0, same barrier; the simulator also colocates the
-  trainer on the rollout GPUs (generate a batch on all GPUs, then train on all GPUs).
+A mode is data, never a separate loop: coordinator overrides (routing, pull, queue, migration,
+partial rollout, batch barrier), staleness overrides (a fixed eta, no redundancy), the batch
+protocol (protocol/: StaleFlow's per-trajectory StalenessManager or a peer's count-based rule),
+and for the simulator how weights travel and whether rollout and training share the GPUs.
+``apply_mode`` resolves the config sections ONCE (staleflow.config.resolve in the runtime,
+sim/simulator.build in the simulator); ``build_protocol`` / ``adopt_protocol`` give the protocol.
+docs/baselines.md names each peer's mechanism (module and function) and our deviations.
 
-``mode_overrides(mode)`` gives the field overrides per config section so the real runtime and
-the simulator build the mode the same way; ``apply_mode`` applies them to config objects.
+- ``staleflow``: waterfall routing, MLQ, status pull with partial rollout, migration, occupy exchange.
+- ``verl-sync`` (alias ``sync``): veRL ``RayPPOTrainer.fit``; colocated, generate a batch of B groups
+  (round-robin), train, update in place; eta 0.
+- ``verl-one-step-off`` (alias ``one-step-off``): veRL ``OneStepOffRayTrainer.fit``; batch k+1 is
+  generated with the weights before step k while step k trains; sync (broadcast) at batch boundaries.
+- ``verl-fully-async``: veRL ``FullyAsyncRollouter`` / ``FullyAsyncTrainer``; streaming admission by
+  the ``staleness_threshold`` window counter (s = eta, trigger_parameter_sync_step = 1), batches in
+  completion order, every sync interrupts all in-flight work (partial rollout) and resumes it anywhere.
+- ``areal``: AReaL ``StalenessManager.get_capacity`` admission, batches of the earliest-started
+  completed groups, round-robin routing, pause-all + broadcast update with abort and same-server resume.
+- ablations of the protocol: ``staleflow-no-exchange`` (no occupy exchange) and
+  ``staleflow-simple-strategies`` (StaleFlow's protocol with least-loaded routing, FIFO queue, greedy
+  pull and no migration: what this repository called "areal" before issue 15).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 
-MODES = ("staleflow", "areal", "one-step-off", "sync")
+from staleflow.protocol import make_protocol
 
-_BARRIER = {"routing": "least-loaded", "pull": "idle", "migration": False, "mlq": False, "barrier": True,
-            "interrupt_on_pull": False}
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    protocol: str = "staleflow"
+    """protocol.PROTOCOLS key."""
+    coordinator: dict = field(default_factory=dict)
+    staleness: dict = field(default_factory=dict)
+    weight_sync: str = "ps"
+    """ps: the trainer pushes to the Parameter Server, each instance pulls on its own (StaleFlow);
+    broadcast: the trainer sends the weights to the instances that pull (NCCL broadcast in the peers);
+    colocated: in-place update on the GPUs that also train."""
+    colocated: bool = False
+    exchange: bool = True
+    peer: str = ""
+    """The system it reproduces ('' for StaleFlow and its ablations)."""
+
+
 _NO_REDUNDANCY = {"batch_redundancy": 0, "group_redundancy": 0, "straggler": "off"}
+_VERL_BARRIER = {"routing": "round-robin", "pull": "idle", "migration": False, "mlq": False, "barrier": True,
+                 "interrupt_on_pull": False}
+_PAUSE_ALL = {"routing": "round-robin", "pull": "pause-all", "mlq": False, "barrier": False, "interrupt_on_pull": True}
+NEVER_MIGRATE = {"phi_wait": 1 << 30, "psi": float("inf")}
+"""Migration triggers that never fire: loop-backs may go to any instance, nothing is moved actively."""
 
-_OVERRIDES: dict[str, dict[str, dict]] = {
-    "staleflow": {"coordinator": {"barrier": False}, "staleness": {}},
-    "areal": {"coordinator": {"routing": "least-loaded", "pull": "greedy", "migration": False, "mlq": False,
-                              "barrier": False, "interrupt_on_pull": True},
-              "staleness": dict(_NO_REDUNDANCY)},
-    "one-step-off": {"coordinator": dict(_BARRIER), "staleness": {"eta": 1, **_NO_REDUNDANCY}},
-    "sync": {"coordinator": dict(_BARRIER), "staleness": {"eta": 0, **_NO_REDUNDANCY}},
-}
-
-COLOCATED = {"sync": True, "areal": False, "one-step-off": False, "staleflow": False}
-"""Whether the mode runs rollout and training on the same GPUs, one after the other."""
-
-WEIGHT_SYNC = {"staleflow": "ps", "areal": "broadcast-pause", "one-step-off": "broadcast", "sync": "colocated"}
-"""How new weights reach the instances in each system: ps = trainer pushes to the Parameter Server,
-each instance pulls on its own (StaleFlow); broadcast-pause = the trainer broadcasts to every
-instance while all of them pause (AReaL: pause, update, resume); broadcast = broadcast at the batch
-boundary (veRL one-step-off); colocated = in-place update on the same GPUs (veRL sync)."""
+_MODES = [
+    Mode("staleflow", coordinator={"barrier": False}),
+    Mode("verl-sync", coordinator=dict(_VERL_BARRIER), staleness={"eta": 0, **_NO_REDUNDANCY},
+         weight_sync="colocated", colocated=True, peer="verl"),
+    Mode("verl-one-step-off", coordinator=dict(_VERL_BARRIER), staleness={"eta": 1, **_NO_REDUNDANCY},
+         weight_sync="broadcast", peer="verl"),
+    Mode("verl-fully-async", "verl-fully-async", {**_PAUSE_ALL, "migration": True, **NEVER_MIGRATE},
+         dict(_NO_REDUNDANCY), weight_sync="broadcast", peer="verl"),
+    Mode("areal", "areal", {**_PAUSE_ALL, "migration": False}, dict(_NO_REDUNDANCY), weight_sync="broadcast",
+         peer="areal"),
+    Mode("staleflow-no-exchange", coordinator={"barrier": False}, exchange=False),
+    Mode("staleflow-simple-strategies", coordinator={"routing": "least-loaded", "pull": "greedy", "migration": False,
+                                                     "mlq": False, "barrier": False, "interrupt_on_pull": True},
+         staleness=dict(_NO_REDUNDANCY)),
+]
+MODE_TABLE: dict[str, Mode] = {m.name: m for m in _MODES}
+ALIASES = {"sync": "verl-sync", "one-step-off": "verl-one-step-off"}
+"""Old names (kept: scripts and tests that launch ``--mode sync`` keep working)."""
+MODES = tuple(MODE_TABLE)
+BASELINES = ("verl-sync", "verl-one-step-off", "verl-fully-async", "areal")
+ASYNC_BASELINES = ("verl-one-step-off", "verl-fully-async", "areal")
 
 
 def check_mode(mode: str) -> str:
-    if mode not in _OVERRIDES:
-        raise ValueError(f"--mode={mode!r} is unknown; choose one of: {', '.join(MODES)}")
-    return mode
+    """The canonical mode name (aliases resolved); a clear error for an unknown one."""
+    name = ALIASES.get(mode, mode)
+    if name not in MODE_TABLE:
+        raise ValueError(f"--mode={mode!r} is unknown; choose one of: {', '.join(MODES)} "
+                         f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})")
+    return name
+
+
+def mode_of(mode: str) -> Mode:
+    return MODE_TABLE[check_mode(mode)]
 
 
 def mode_overrides(mode: str) -> dict[str, dict]:
     """{"coordinator": {field: value}, "staleness": {field: value}} that define `mode`."""
-    check_mode(mode)
-    return {k: dict(v) for k, v in _OVERRIDES[mode].items()}
+    m = mode_of(mode)
+    return {"coordinator": dict(m.coordinator), "staleness": dict(m.staleness)}
 
 
 def apply_mode(mode: str, coordinator_cfg, staleness_cfg=None):
@@ -65,3 +103,39 @@ def apply_mode(mode: str, coordinator_cfg, staleness_cfg=None):
     c = dataclasses.replace(coordinator_cfg, **o["coordinator"])
     s = dataclasses.replace(staleness_cfg, **o["staleness"]) if staleness_cfg is not None else None
     return c, s
+
+
+def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
+                   group_capacity: int | None = None, version: int = 0, n_instances: int = 1):
+    """The batch protocol of `mode` with the (resolved) staleness settings.
+
+    verl fully-async gets staleness_threshold s = eta: with one version per B groups its window
+    admits (1 + s) B groups ahead of the trainer, the (eta + 1) B that AReaL's formula and StaleFlow's
+    eta + 1 buffers allow (matched eta)."""
+    m = mode_of(mode)
+    opts: dict = {}
+    if m.protocol == "staleflow":
+        opts["exchange"] = m.exchange
+    elif m.protocol == "verl-fully-async":
+        opts.update(staleness_threshold=float(eta), n_instances=n_instances)
+    return make_protocol(m.protocol, eta, batch_size, capacity, group_size, group_capacity, version, **opts)
+
+
+def adopt_protocol(mode: str, manager, n_instances: int):
+    """`manager` if it is the mode's protocol, else the mode's protocol with the same settings.
+
+    The runtime builds a StalenessManager before the coordinator (launch/training.py); for a mode
+    with another protocol (a peer's count-based rule, or the no-exchange ablation) the coordinator
+    swaps in the right one here. Only a fresh manager (nothing admitted or consumed) may be swapped."""
+    if mode not in MODE_TABLE and mode not in ALIASES:
+        return manager  # a free-form label (tests, forks): the caller chose the protocol
+    want = build_protocol(mode, manager.eta, manager.batch_size, manager.capacity, manager.group_size,
+                          manager.group_capacity, manager.version, n_instances)
+    if type(want) is type(manager) and getattr(want, "exchange", None) == getattr(manager, "exchange", None):
+        return manager
+    st = manager.stats()
+    if manager.consumption_log() or st.get("groups_in_flight") or st.get("groups_occupied"):
+        raise ValueError(f"mode {mode!r} needs protocol {type(want).__name__}, but the coordinator was given a "
+                         f"{type(manager).__name__} that already holds work; build it with "
+                         f"staleflow.coordinator.modes.build_protocol({mode!r}, ...)")
+    return want

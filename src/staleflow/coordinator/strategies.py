@@ -11,8 +11,8 @@ A research fork adds a policy in one file::
 
 and selects it with ``--coordinator.routing my-router``. ``candidates`` are already filtered by
 the coordinator: version >= V_traj, a feasible reservation, not at the concurrency cap.
-Pull policies answer ``should_pull(inst, ctx) -> bool`` for an instance behind the PS; the
-migration policy returns ``(instance, traj_ids) | None``. ``ctx`` is the Coordinator itself
+Pull policies (coordinator/pull.py) answer ``should_pull(inst, ctx) -> bool`` for an instance
+behind the PS; the migration policy returns ``(instance, traj_ids) | None``. ``ctx`` is the Coordinator itself
 (read-only use: ps_version, instances, routable_at(version), in_flight, cfg, cost_model).
 """
 
@@ -61,7 +61,9 @@ class Waterfall:
     """Cost-model marginal gain over priority tiers; accept iff gain >= mu * gain on an empty instance.
 
     Tiers: "version" groups candidates by post-sync version, oldest first (older instances get the
-    old work, keeping fresh instances for fresh work); "reserve" puts instances whose version
+    old work, keeping fresh instances for fresh work), except for the first member of a fresh group
+    (dynamic tag), which tries the NEWEST version first (PSRL ``route_strategy.py``): its tag, and
+    with it the deadline V_traj + eta, is as late as possible; "reserve" puts instances whose version
     lets the trajectory join its group's existing reservation first, then newer versions first
     (a new reservation lands in the latest buffer, leaving earlier buffers for occupation).
     Only instances where the trajectory can run at once count: no engine-waiting queue and the
@@ -76,25 +78,52 @@ class Waterfall:
         for inst in candidates:
             by.setdefault(inst.target_version, []).append(inst)
         if self.cfg.tiers == "version":
-            return [by[v] for v in sorted(by)]
+            fresh = item.traj_version is None and ctx.group_version(item.group_id) is None
+            return [by[v] for v in sorted(by, reverse=fresh)]
         joined = ctx.group_version(item.group_id)
         first = [by[v] for v in sorted(by, reverse=True) if joined is not None and v == joined]
         return first + [by[v] for v in sorted(by, reverse=True) if joined is None or v != joined]
 
+    budget = 0
+    """Token budget per request (0: none; see WaterfallBudget)."""
+
+    def request_tokens(self, item: TrajectoryItem) -> int:
+        return item.tokens
+
+    def instance_tokens(self, inst: InstanceState) -> int:
+        return inst.kv_tokens
+
     def choose(self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState], ctx):
-        tokens = item.tokens
+        tokens = self.request_tokens(item)
         floor = self.cfg.mu * self.cost.ideal_gain(tokens)
         for tier in self.tiers(candidates, item, ctx):
             best, best_gain = None, -1.0
             for inst in tier:
-                if inst.waiting > 0 or inst.kv_tokens + tokens > inst.kv_capacity:
+                kv = self.instance_tokens(inst)
+                if inst.waiting > 0 or kv + tokens > inst.kv_capacity:
                     continue
-                g = self.cost.gain(inst.running, inst.kv_tokens, tokens)
+                g = self.cost.gain(inst.running, kv, tokens)
                 if g > best_gain or (g == best_gain and inst.load < best.load):
                     best, best_gain = inst, g
             if best is not None and best_gain >= floor:
                 return best
         return None
+
+
+@register_routing("waterfall-budget")
+class WaterfallBudget(Waterfall):
+    """The waterfall with PSRL's per-request token budget (``throughput_optimal_with_budget``, budget
+    1024): a request counts as prompt + its generated tokens rounded UP to the next budget multiple (at
+    least one budget for a fresh one), and an instance as its KV plus one budget of growth per held
+    request, so the "KV fits" check and the marginal gain see the KV a trajectory is about to grow into."""
+
+    budget = 1024
+
+    def request_tokens(self, item: TrajectoryItem) -> int:
+        return item.prompt_len + -(-(item.generated_len + 1) // self.budget) * self.budget
+
+    def instance_tokens(self, inst: InstanceState) -> int:
+        return inst.kv_tokens + self.budget * inst.load
 
 
 @register_routing("least-loaded")
@@ -122,43 +151,6 @@ class RoundRobin:
         pick = next((i for i in ids if i >= self.next), ids[0])
         self.next = pick + 1
         return next(c for c in candidates if c.instance == pick)
-
-
-# ---- pull ------------------------------------------------------------------------------------
-@register_pull("status")
-class StatusPull:
-    """Pull when the instance has no engine queue, nothing in the TS is routable to it at its
-    current version, and its load indicator is at or below the threshold (paper 6.4)."""
-
-    def __init__(self, cfg, cost_model):
-        self.cfg = cfg
-
-    def should_pull(self, inst: InstanceState, ctx) -> bool:
-        if inst.waiting > 0 or ctx.routable_at(inst.target_version):
-            return False
-        return inst.indicator(self.cfg.pull_indicator) <= self.cfg.pull_threshold
-
-
-@register_pull("greedy")
-class GreedyPull:
-    """Pull as soon as a newer version exists (AReaL: interrupt in-flight work at every update)."""
-
-    def __init__(self, cfg, cost_model):
-        pass
-
-    def should_pull(self, inst, ctx) -> bool:
-        return True
-
-
-@register_pull("idle")
-class IdlePull:
-    """Batch-boundary pull (sync, one-step-off): only once nothing is in flight anywhere."""
-
-    def __init__(self, cfg, cost_model):
-        pass
-
-    def should_pull(self, inst, ctx) -> bool:
-        return ctx.in_flight == 0
 
 
 # ---- migration -------------------------------------------------------------------------------

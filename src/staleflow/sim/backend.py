@@ -1,21 +1,24 @@
 """The controller loop's Backend for the simulator: instances, trainer and weights as a discrete-event model.
 
 Simulated time advances in the loop's ticks (``poll(until)``): every instance decodes until
-``until`` (sim/engine.py: continuous batching whose step time follows the cost model), its
-finishes and completed pulls become events, the trainer's timers fire (a step's end, then the
-publication of its weights), rewards are instantaneous, and every instance reports a snapshot.
-Commands act at once: a Route adds the trajectory to the instance's waiting queue, an Interrupt
-returns its partial output (a loop-back), a Pull stops decoding for the pull time.
+``until`` (sim/engine.py: continuous batching whose step time follows the true cost model, with
+noise), its finishes and completed pulls become events, the trainer's timers fire (a step's end,
+then the publication of its weights), rewards are instantaneous, and every instance reports a
+snapshot. Commands act at once: a Route adds the trajectory to the instance's waiting queue, an
+Interrupt returns its partial output (a loop-back), a Pull stops decoding for the transfer time.
 
-How weights reach the instances depends on the system being modelled (coordinator/modes.py
-WEIGHT_SYNC): ``ps`` the trainer pushes to the Parameter Server and each instance pulls on its
-own; ``broadcast-pause`` every instance and the trainer stop for a broadcast; ``broadcast`` the
-instances pay it at the batch boundary; ``colocated`` rollout and training share the GPUs.
+How weights travel is the mode's ``weight_sync`` (coordinator/modes.py): ``ps`` the trainer pushes
+to the Parameter Server (push_s) and each instance pulls on its own (pull_s); ``broadcast`` the
+trainer sends the weights to the instances (each Pull takes broadcast_s; the pause-all and idle
+pull policies hold the trainer and routing until every instance has them); ``colocated`` rollout
+and training share the GPUs (the step pays colocated_switch_s, the pull is free).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+import random
 from collections import deque
 
 from staleflow.controller.backend import Finished, PullDone, Published, Rewarded, TrainDone, TrainGroup
@@ -23,6 +26,7 @@ from staleflow.coordinator.cost_model import CostModel
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
 from staleflow.sim.config import SimConfig
 from staleflow.sim.engine import SimInstance, SimTraj
+from staleflow.sim.hardware import Derived
 
 
 class SimRecord(tuple):
@@ -30,16 +34,22 @@ class SimRecord(tuple):
 
 
 class SimBackend:
-    def __init__(self, cfg: SimConfig, cost: CostModel, n_instances: int, train_gpus: int, weight_sync: str):
-        self.cfg, self.cost, self.train_gpus, self.sync = cfg, cost, train_gpus, weight_sync
-        self.pull_time = {"ps": cfg.pull_s, "broadcast": cfg.broadcast_s}.get(weight_sync, 0.0)
-        self.insts = [SimInstance(i, cost, cfg.prefill_tokens_per_s, cfg.max_running) for i in range(n_instances)]
+    def __init__(self, cfg: SimConfig, hw: Derived, cost: CostModel, n_instances: int, train_gpus: int,
+                 weight_sync: str):
+        self.cfg, self.hw, self.cost, self.train_gpus, self.sync = cfg, hw, cost, train_gpus, weight_sync
+        self.pull_time = {"ps": hw.pull_s, "broadcast": hw.broadcast_s}.get(weight_sync, 0.0)
+        rng = random.Random(cfg.seed * 7919 + 1)
+        self.rng = random.Random(rng.getrandbits(32))
+        self.insts = [SimInstance(i, cost, hw.prefill_tokens_per_s, cfg.max_running,
+                                  speed=math.exp(rng.gauss(0.0, cfg.instance_spread)), noise=cfg.step_noise,
+                                  rng=random.Random(rng.getrandbits(32))) for i in range(n_instances)]
         self.t = 0.0
         self.pending: deque = deque()
         self.timers: list[tuple[float, int, object]] = []
         self._seq = 0
         self._last_tokens = [0] * n_instances
         self.trainer_busy_s = 0.0
+        self.train_until = 0.0
         self.step_end: list[float] = []
         """Exact publication time of each trained version (throughput is measured on these)."""
 
@@ -47,10 +57,19 @@ class SimBackend:
         return self.t
 
     # ---- time ------------------------------------------------------------------------------------
+    def _contention(self) -> float:
+        """Time-slicing factor of a busy process when all ranks share `shared_cores` CPU cores."""
+        if not self.cfg.shared_cores:
+            return 1.0
+        busy = sum(1 for i in self.insts if i.running or i.waiting or i.syncing) + (self.t < self.train_until)
+        return max(1.0, busy / self.cfg.shared_cores)
+
     def poll(self, until: float):
         advanced = until > self.t
         if advanced:
+            c = self._contention()
             for inst in self.insts:
+                inst.contention = c
                 finished, pulled = inst.advance(until)
                 self.pending.extend(PullDone(inst.instance, v, self.pull_time) for v in pulled)
                 for tr in finished:
@@ -75,10 +94,10 @@ class SimBackend:
         heapq.heappush(self.timers, (t, self._seq, event))
 
     # ---- commands ----------------------------------------------------------------------------------
-    def route(self, cmd: Route, prompt_len: int, seed: int, partial, target_len: int) -> None:
+    def route(self, cmd: Route, prompt, seed: int, partial, target_len: int) -> None:
         """A loop-back resumes from its partial record's tokens (and recomputes their KV on admission)."""
         generated = partial[1] if partial is not None else 0
-        self.insts[cmd.instance].add(SimTraj(cmd.traj_id, -1, cmd.traj_version, prompt_len, target_len, generated))
+        self.insts[cmd.instance].add(SimTraj(cmd.traj_id, -1, cmd.traj_version, prompt, target_len, generated))
 
     def interrupt(self, cmd: Interrupt) -> None:
         for tr in self.insts[cmd.instance].take(cmd.traj_ids):
@@ -98,22 +117,18 @@ class SimBackend:
         self.pending.append(Rewarded(traj_id, 1.0))  # rewards are instantaneous in the model
 
     def train(self, version: int, batch: list[TrainGroup]) -> None:
-        cfg = self.cfg
+        cfg, hw = self.cfg, self.hw
         tokens = sum(g.prompt_len * len(g.n_tokens) + sum(g.n_tokens) for g in batch)
-        dur = tokens / (cfg.train_tokens_per_gpu_s * self.train_gpus) + cfg.train_overhead_s
+        dur = tokens / (hw.train_tokens_per_gpu_s * self.train_gpus) + cfg.train_overhead_s
+        dur *= math.exp(self.rng.gauss(0.0, cfg.train_noise)) if cfg.train_noise else 1.0
+        if cfg.shared_cores:  # the instances busy now compete with the trainer for the cores
+            busy = sum(1 for i in self.insts if i.running or i.waiting) + 1
+            dur *= max(1.0, busy / cfg.shared_cores)
         if self.sync == "colocated":
-            dur += cfg.colocated_switch_s
-            publish = self.t + dur
-        elif self.sync == "broadcast-pause":  # trainer and every instance stop for the broadcast
-            for inst in self.insts:
-                inst.pause = (self.t + dur, self.t + dur + cfg.broadcast_s)
-            dur += cfg.broadcast_s
-            publish = self.t + dur
-        elif self.sync == "broadcast":  # paid by the instances at the batch boundary (pull_time)
-            publish = self.t + dur
-        else:  # ps: push to the Parameter Server, instances pull on their own
-            publish = self.t + dur + cfg.push_s
+            dur += hw.colocated_switch_s
+        publish = self.t + dur + (hw.push_s if self.sync == "ps" else 0.0)
         self.trainer_busy_s += dur
+        self.train_until = self.t + dur
         self.step_end.append(publish)
         self._at(self.t + dur, TrainDone(version + 1, train_s=dur))
         self._at(publish, Published(version + 1))

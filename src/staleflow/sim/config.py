@@ -1,9 +1,11 @@
 """Configuration of the discrete-event simulator (``python -m staleflow sim``).
 
 Every modelling assumption is a named field with its default and where the number comes from
-(docs/simulator.md explains the model). Presets are functions in PRESETS: ``paper-32b``
-(128 H20-class GPUs, Qwen2.5-32B TP2 cost model, GRPO group 8, responses up to 20k tokens,
-eta in {1, 2, 3}) and ``cpu-small`` (the default CPU job's shape: 1 trainer + 2 rollout ranks).
+(docs/simulator.md explains the model). Rates, transfer times and the KV capacity left at None
+are derived from the model's size and the GPU (sim/hardware.py). Presets are functions in
+PRESETS: ``paper-32b`` (128 H20 GPUs, Qwen2.5-32B TP2 cost model, GRPO group 8, responses up to
+20k tokens, eta in {1, 2, 3}) and ``cpu-small`` (the default CPU job's shape: 1 trainer + 2
+rollout ranks). ``--grid paper`` runs the evaluation grid (sim/grid.py) instead of one setting.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from staleflow.config import ConfigError, CoordinatorConfig, _check
-from staleflow.coordinator.modes import MODES
+from staleflow.coordinator.modes import ALIASES, MODES
+from staleflow.sim.lengths import LENGTH_DISTS
+
+DEFAULT_MODES = ("verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow")
 
 
 @dataclass(frozen=True)
@@ -29,27 +34,55 @@ class SimConfig:
     """Tensor-parallel size of one rollout instance (the cost-model preset's TP)."""
     cost_model: str = "qwen2.5-32b-tp2"
     """Decode cost model of one instance: preset name or JSON file (staleflow.coordinator.cost_model)."""
-    prefill_tokens_per_s: float = 2000.0
-    """Prefill (and KV recompute after an interrupt) rate of one instance. Source: estimate, 2 H20 x 148
-    TFLOP/s x ~40% MFU / (2 x 32e9 FLOP/token)."""
+    gpu_memory_gb: float = 96.0
+    """Memory of one GPU (H20: 96 GB); with the model spec it gives the KV capacity."""
+    gpu_tflops: float = 148.0
+    """Dense bf16 peak of one GPU (H20: 148 TFLOP/s); with the model size it gives prefill/train rates."""
+    kv_capacity: int | None = None
+    """KV-cache tokens per instance. None: derived (GPU memory x 0.9 - weights - 4 GB) / KV bytes per
+    token (sim/hardware.py); for a cost model without a known architecture, the cost-model file's value."""
+    prefill_tokens_per_s: float | None = None
+    """Prefill (and KV recompute after an interrupt) rate of one instance. None: TP x peak x 40% MFU /
+    (2 x params) (32B TP2 on H20: ~1.8k tokens/s)."""
     max_running: int = 256
     """Engine cap on running sequences per instance (vLLM max_num_seqs default)."""
     # ---- trainer and weights -----------------------------------------------------------------
-    train_tokens_per_gpu_s: float = 200.0
-    """Training throughput per trainer GPU, tokens/s (fwd+bwd+log-prob recompute). Source: estimate,
-    H20 148 TFLOP/s x ~35% MFU / (8 x 32e9 FLOP/token)."""
+    train_tokens_per_gpu_s: float | None = None
+    """Training throughput per trainer GPU, tokens/s (fwd+bwd+log-prob recompute). None: peak x 35% MFU /
+    (8 x params) (32B on H20: ~200 tokens/s)."""
     train_overhead_s: float = 5.0
     """Fixed seconds per training step (optimizer, data loading, reward stragglers)."""
-    push_s: float = 4.0
-    """Trainer -> Parameter Server push of one version (PSRL commit log: 32B push 7 s -> 4 s)."""
-    pull_s: float = 2.0
-    """Instance pull of one version from the PS (PSRL commit log: 32B pull 25 s -> 2 s with NIXL)."""
-    broadcast_s: float = 8.0
-    """areal / one-step-off: NCCL broadcast of the new weights from the trainer to every instance (no PS).
-    Source: ~64 GB of bf16 32B weights at ~8 GB/s (verl checkpoint engine: ~8.25 GB/s to 30 instances).
-    areal pauses every instance and the trainer for it; one-step-off pays it at the batch boundary."""
-    colocated_switch_s: float = 10.0
-    """sync mode only: in-place weight update + rollout/train memory switch per step (veRL hybrid engine)."""
+    push_s: float | None = None
+    """Trainer -> Parameter Server push of one version. None: weights at 16 GB/s (32B: 4.1 s; PSRL commit
+    log: 32B push 7 s -> 4 s with NIXL)."""
+    pull_s: float | None = None
+    """Instance pull of one version from the PS. None: weights at 32 GB/s (32B: 2.0 s; PSRL: 25 s -> 2 s)."""
+    broadcast_s: float | None = None
+    """Peers' weight update: NCCL broadcast from the trainer to every instance (no PS). None: weights at
+    8 GB/s (32B: 8.2 s; verl's checkpoint engine ~8.25 GB/s). AReaL and verl fully-async pause every instance
+    and the trainer for it; verl one-step-off pays it at the batch boundary."""
+    colocated_switch_s: float | None = None
+    """verl-sync only: in-place weight update + rollout/train memory switch per step. None: weights at
+    8 GB/s + 2 s (32B: 10.2 s)."""
+    # ---- noise and what the router knows -------------------------------------------------------
+    step_noise: float = 0.05
+    """Sigma of the log-normal factor on each stretch of decode steps (jitter, interference)."""
+    instance_spread: float = 0.03
+    """Sigma of each instance's fixed log speed factor (hardware and placement differ)."""
+    train_noise: float = 0.03
+    """Sigma of the log-normal factor on each training step."""
+    router_fit_samples: int = 200
+    """The router's cost model is FITTED (coordinator.fit_cost_model) to this many noisy step times of
+    the simulated instances, as on a real cluster; 0 = it sees the true model (tests only)."""
+    router_fit_noise: float = 0.1
+    """Sigma of the log-normal noise on those profiling samples."""
+    shared_cores: int = 0
+    """CPU runtime model (scripts/bench_modes.py): every rank shares this many cores, so each busy process (an
+    instance with work, the trainer while it trains) runs max(1, busy / shared_cores) times slower (time
+    slicing). 0: dedicated devices (GPUs)."""
+    colocated_sync: bool = True
+    """verl-sync colocates rollout and training on all GPUs (the peer's hybrid engine); False runs it on the
+    same separate ranks as every other mode (what the CPU runtime does)."""
     # ---- workload ----------------------------------------------------------------------------
     batch_size: int = 32
     """B: prompt groups per training step (the authors' all-strategies script: 32)."""
@@ -57,6 +90,9 @@ class SimConfig:
     """N: responses per prompt (GRPO; the authors' scripts use n = 8)."""
     prompt_len: int = 512
     """Prompt tokens (DAPO-Math prompts are a few hundred tokens; max prompt 2k in the scripts)."""
+    length_dist: Literal["lognormal", "long-cot"] = "lognormal"
+    """Response lengths: lognormal (median, sigma below) or long-cot (a mixture parametrised from published
+    long-CoT RL statistics: sim/lengths.py)."""
     response_median: float = 4000.0
     """Median response length (lognormal). Assumption: long-CoT math reasoning at 20k max."""
     response_sigma: float = 0.8
@@ -67,8 +103,8 @@ class SimConfig:
     """Optional empirical response lengths (one int per line), sampled with replacement instead of the lognormal."""
     # ---- staleness, modes, strategies ---------------------------------------------------------
     eta: tuple[int, ...] = (1, 2, 3)
-    """Staleness bounds simulated for the asynchronous modes (sync always 0, one-step-off always 1)."""
-    modes: tuple[str, ...] = MODES
+    """Staleness bounds simulated for the asynchronous modes (verl-sync always 0, verl-one-step-off always 1)."""
+    modes: tuple[str, ...] = DEFAULT_MODES
     batch_redundancy: int = 0
     """staleflow only: B' - B extra groups per buffer (surplus aborted)."""
     group_redundancy: int = 0
@@ -80,12 +116,15 @@ class SimConfig:
     """Strategy settings of the staleflow mode (the baselines override theirs, see coordinator/modes.py).
     Its cost_model field is not used here: --cost-model sets the instances and the router alike."""
     ablation: bool = True
-    """Also run staleflow with each strategy switched off in turn (at the largest eta)."""
+    """Also run staleflow with each part removed in turn (at the largest eta)."""
+    grid: Literal["", "paper"] = ""
+    """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, every
+    mode, ablations at the grid centre) instead of this one setting."""
     # ---- simulation control ------------------------------------------------------------------
-    steps: int = 10
+    steps: int = 40
     """Training steps simulated per run."""
-    warmup_steps: int = 2
-    """Steps excluded from the throughput measurement (pipeline fill)."""
+    warmup_steps: int = 8
+    """Steps excluded from the throughput measurement (pipeline fill); 32 are measured."""
     tick_s: float = 1.0
     """Simulated seconds between coordinator ticks (the real loop ticks every 10 ms; events inside a
     tick are applied at its end, so this is the timing resolution)."""
@@ -100,11 +139,17 @@ class SimConfig:
         _check(self.gpus_per_instance >= 1, "gpus-per-instance", self.gpus_per_instance, "must be >= 1")
         _check(self.gpus_per_instance <= self.rollout_gpus < self.total_gpus, "rollout-gpus", self.rollout_gpus,
                f"must be in [gpus-per-instance, total-gpus) = [{self.gpus_per_instance}, {self.total_gpus})")
-        for name in ("prefill_tokens_per_s", "train_tokens_per_gpu_s", "response_median"):
-            _check(getattr(self, name) > 0, name.replace("_", "-"), getattr(self, name), "must be > 0")
-        for name in ("train_overhead_s", "push_s", "pull_s", "broadcast_s", "colocated_switch_s", "response_sigma"):
-            _check(getattr(self, name) >= 0, name.replace("_", "-"), getattr(self, name), "must be >= 0")
+        for name in ("prefill_tokens_per_s", "train_tokens_per_gpu_s", "response_median", "gpu_memory_gb",
+                     "gpu_tflops", "kv_capacity"):
+            v = getattr(self, name)
+            _check(v is None or v > 0, name.replace("_", "-"), v, "must be > 0 (or unset: derived)")
+        for name in ("train_overhead_s", "push_s", "pull_s", "broadcast_s", "colocated_switch_s", "response_sigma",
+                     "step_noise", "instance_spread", "train_noise", "router_fit_noise", "router_fit_samples"):
+            v = getattr(self, name)
+            _check(v is None or v >= 0, name.replace("_", "-"), v, "must be >= 0")
+        _check(self.length_dist in LENGTH_DISTS, "length-dist", self.length_dist, f"choose {', '.join(LENGTH_DISTS)}")
         _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
+        _check(self.shared_cores >= 0, "shared-cores", self.shared_cores, "must be >= 0 (0: dedicated devices)")
         _check(self.batch_size >= 1, "batch-size", self.batch_size, "must be >= 1")
         _check(self.group_size >= 1, "group-size", self.group_size, "must be >= 1")
         _check(self.prompt_len >= 1, "prompt-len", self.prompt_len, "must be >= 1")
@@ -112,7 +157,7 @@ class SimConfig:
         _check(bool(self.eta) and all(e >= 0 for e in self.eta), "eta", self.eta, "give one or more bounds >= 0")
         _check(bool(self.modes), "modes", self.modes, f"give one or more of {', '.join(MODES)}")
         for m in self.modes:
-            _check(m in MODES, "modes", m, f"unknown mode; choose from {', '.join(MODES)}")
+            _check(m in MODES or m in ALIASES, "modes", m, f"unknown mode; choose from {', '.join(MODES)}")
         _check(self.batch_redundancy >= 0, "batch-redundancy", self.batch_redundancy, "must be >= 0")
         _check(self.group_redundancy >= 0, "group-redundancy", self.group_redundancy, "must be >= 0")
         _check(self.straggler_threshold >= 1, "straggler-threshold", self.straggler_threshold, "must be >= 1")
@@ -134,7 +179,7 @@ def preset_cpu_small() -> SimConfig:
                      prefill_tokens_per_s=400.0, max_running=64, train_tokens_per_gpu_s=300.0,
                      train_overhead_s=0.5, push_s=0.3, pull_s=0.3, broadcast_s=0.4, colocated_switch_s=0.3, batch_size=8,
                      group_size=4, prompt_len=64, response_median=96.0, response_sigma=0.6, max_response=256,
-                     eta=(1, 2), coordinator=CoordinatorConfig(cost_model="cpu-smollm2"), steps=10,
+                     eta=(1, 2), coordinator=CoordinatorConfig(cost_model="cpu-smollm2"), steps=12,
                      warmup_steps=2, tick_s=0.05, out_dir="runs/sim-cpu")
 
 

@@ -8,13 +8,20 @@ simulating tokens one by one. Admission from the engine's waiting queue needs a 
 slot and KV room, and costs prefill time (prompt + already generated tokens: a resumed partial
 trajectory recomputes its KV). When growth would overflow the KV cache the newest running
 trajectory is preempted back to the waiting queue (vLLM's recompute preemption).
-A Pull stops decoding for ``pull_s`` and then switches the version; ``pause_until`` holds the
-instance during a global weight broadcast (AReaL-style update: every instance stops together).
+A Pull stops decoding for its transfer time and then switches the version (a global update is
+every instance pulling at once: the coordinator's pause-all policy).
+
+Noise: the instance is ``speed`` times slower than the cost model (a fixed per-instance factor:
+hardware and placement differ), and each stretch of decode steps (at most one coordinator tick)
+takes exp(N(0, noise)) longer or shorter (interference, kernel-time jitter); prefill scales by
+``speed`` too. The coordinator never sees these factors, only their effect in snapshots.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+import random
 from collections import deque
 
 from staleflow.coordinator.cost_model import CostModel
@@ -36,8 +43,11 @@ class SimTraj:
 
 
 class SimInstance:
-    def __init__(self, instance: int, cost: CostModel, prefill_tokens_per_s: float, max_running: int):
+    def __init__(self, instance: int, cost: CostModel, prefill_tokens_per_s: float, max_running: int,
+                 speed: float = 1.0, noise: float = 0.0, rng: random.Random | None = None):
         self.instance, self.cost = instance, cost
+        self.speed, self.noise, self.rng = speed, noise, rng or random.Random(instance)
+        self.contention = 1.0  # > 1 while it shares CPU cores with other busy processes (set per tick)
         self.prefill_rate, self.max_running = prefill_tokens_per_s, max_running
         self.version = 0
         self.t = 0.0
@@ -47,7 +57,6 @@ class SimInstance:
         self.waiting: deque[SimTraj] = deque()
         self.kv_const = 0  # sum of tok0 over running: KV = kv_const + n * step
         self.sync_until: float | None = None
-        self.pause = (0.0, 0.0)  # [start, end) of a global weight broadcast
         self.sync_version = 0
         self.tokens_out = 0
         self.busy_s = 0.0
@@ -112,7 +121,7 @@ class SimInstance:
             self.kv_const += w.tok0
             heapq.heappush(self.heap, (w.finish_step, w.traj_id))
             prefill += w.tokens
-        return prefill / self.prefill_rate
+        return prefill * self.speed * self.contention / self.prefill_rate
 
     def _next_finish(self) -> int:
         h = self.heap
@@ -125,19 +134,6 @@ class SimInstance:
         finished: list[SimTraj] = []
         pulled: list[int] = []
         while self.t < t_end:
-            p0, p1 = self.pause
-            if p0 <= self.t < p1:  # a global weight broadcast holds every instance
-                if p1 > t_end:
-                    self.t = t_end
-                    break
-                self.t = p1
-                continue
-            if self.t < p0 < t_end:  # run up to the start of the pause, then pause
-                f, p = self.advance(p0)
-                finished += f
-                pulled += p
-                self.t = max(self.t, p0)  # a partial decode step cut by the pause is dropped
-                continue
             if self.sync_until is not None:
                 if self.sync_until > t_end:
                     self.t = t_end
@@ -164,11 +160,12 @@ class SimInstance:
                 self.waiting.appendleft(self.take([tid])[0])
                 self.preemptions += 1
                 continue
-            k_time = self.cost.steps_within(n, kv, t_end - self.t)
+            f = self.speed * self.contention * (math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else 1.0)
+            k_time = self.cost.steps_within(n, kv, (t_end - self.t) / f)
             k = min(k_fin, k_over, k_time)
             if k <= 0:
                 break  # not even one step fits before t_end: carry the remainder to the next tick
-            dt = self.cost.steps_time(n, kv, k)
+            dt = self.cost.steps_time(n, kv, k) * f
             self.t += dt
             self.busy_s += dt
             self.step += k

@@ -1,10 +1,10 @@
-"""Run the comparison (every mode on one workload and seed), the ablation, and report them.
+"""One setting: every mode on one workload and seed, the ablation, and how to print and save them.
 
-``compare(cfg)`` runs sync (eta 0), one-step-off (eta 1), and areal / staleflow at every eta of
-the config, then (optionally) staleflow at the largest eta with each strategy switched off in
-turn. ``table`` formats the rows, ``plot`` writes a PNG (matplotlib, Agg), ``ratios`` gives the
-final JSON line: staleflow tokens/s over each baseline (areal at the same eta; the top-level
-keys use the largest eta, ``by_eta`` has every eta).
+``compare(cfg)`` runs verl-sync (eta 0), verl-one-step-off (eta 1), and the streaming modes
+(verl-fully-async, areal, staleflow, ...) at every eta of the config, then (optionally) staleflow at
+the largest eta with each part removed in turn (``ABLATIONS``). ``ratios`` gives the final JSON
+line: staleflow tokens/s over each baseline AT THE SAME ETA (verl-one-step-off only counts as an
+asynchronous baseline at eta 1, its only bound), and over the best asynchronous one.
 """
 
 from __future__ import annotations
@@ -12,69 +12,86 @@ from __future__ import annotations
 import json
 import os
 
+from staleflow.coordinator.modes import ASYNC_BASELINES, check_mode, mode_of
 from staleflow.sim.config import SimConfig
 from staleflow.sim.simulator import SimResult, run
 
-ABLATIONS: list[tuple[str, dict]] = [
-    ("-waterfall (least-loaded)", {"routing": "least-loaded"}),
-    ("-mlq (fifo)", {"mlq": False}),
-    ("-status pull (greedy)", {"pull": "greedy"}),
-    ("-migration", {"migration": False}),
-    ("-partial rollout", {"interrupt_on_pull": False}),
+ABLATIONS: list[tuple[str, str, dict]] = [
+    ("-occupy exchange", "staleflow-no-exchange", {}),
+    ("-mlq (fifo)", "staleflow", {"mlq": False}),
+    ("-waterfall (least-loaded)", "staleflow", {"routing": "least-loaded"}),
+    ("-status pull (greedy)", "staleflow", {"pull": "greedy"}),
+    ("-migration (resume on origin)", "staleflow", {"migration": False}),
+    ("-partial rollout (drain)", "staleflow", {"interrupt_on_pull": False}),
 ]
+"""Full StaleFlow with exactly one part removed (name, mode, coordinator overrides)."""
+
+FIXED_ETA = {"verl-sync": 0, "verl-one-step-off": 1}
+
+
+def plan(modes, etas) -> list[tuple[str, int, str]]:
+    """(mode, eta, label) of every run of one setting."""
+    out = []
+    for mode in (check_mode(m) for m in modes):
+        if mode in FIXED_ETA:
+            out.append((mode, FIXED_ETA[mode], mode))
+        else:
+            out += [(mode, e, f"{mode} eta={e}") for e in etas]
+    return out
 
 
 def compare(cfg: SimConfig, progress=None) -> tuple[list[SimResult], list[SimResult]]:
-    plan: list[tuple[str, int, dict, str]] = []
-    for mode in cfg.modes:
-        if mode == "sync":
-            plan.append((mode, 0, {}, "sync"))
-        elif mode == "one-step-off":
-            plan.append((mode, 1, {}, "one-step-off"))
-        else:
-            plan += [(mode, e, {}, f"{mode} eta={e}") for e in cfg.eta]
     results = []
-    for mode, eta, ov, label in plan:
-        results.append(run(cfg, mode, eta, ov, label))
+    for mode, eta, label in plan(cfg.modes, cfg.eta):
+        results.append(run(cfg, mode, eta, {}, label))
         if progress:
             progress(results[-1])
     ablation = []
     if cfg.ablation and "staleflow" in cfg.modes:
         e = max(cfg.eta)
-        for name, ov in ABLATIONS:
-            ablation.append(run(cfg, "staleflow", e, ov, f"staleflow eta={e} {name}"))
+        for name, mode, ov in ABLATIONS:
+            ablation.append(run(cfg, mode, e, ov, f"staleflow eta={e} {name}"))
             if progress:
                 progress(ablation[-1])
     return results, ablation
 
 
-def _find(results: list[SimResult], mode: str, eta: int | None = None) -> SimResult | None:
+def find(results: list[SimResult], mode: str, eta: int | None = None) -> SimResult | None:
     for r in results:
         if r.mode == mode and (eta is None or r.eta == eta):
             return r
     return None
 
 
-def _ratio(a: SimResult | None, b: SimResult | None) -> float | None:
+def ratio(a: SimResult | None, b: SimResult | None) -> float | None:
     if a is None or b is None or b.tokens_per_s <= 0:
         return None
     return round(a.tokens_per_s / b.tokens_per_s, 3)
 
 
+def best_async(results: list[SimResult], eta: int) -> SimResult | None:
+    """The fastest asynchronous baseline whose staleness setting is `eta`."""
+    cands = [r for r in results if r.mode in ASYNC_BASELINES and r.eta == eta]
+    return max(cands, key=lambda r: r.tokens_per_s, default=None)
+
+
 def ratios(results: list[SimResult], cfg: SimConfig) -> dict:
     by_eta = {}
     for e in cfg.eta:
-        sf = _find(results, "staleflow", e)
-        by_eta[str(e)] = {"vs_sync": _ratio(sf, _find(results, "sync")),
-                          "vs_one_step_off": _ratio(sf, _find(results, "one-step-off")),
-                          "vs_areal": _ratio(sf, _find(results, "areal", e))}
+        sf = find(results, "staleflow", e)
+        best = best_async(results, e)
+        row = {"vs_sync": ratio(sf, find(results, "verl-sync")), "vs_best_async": ratio(sf, best),
+               "best_async": best.mode if best else None}
+        for m in ASYNC_BASELINES:
+            row[f"vs_{m.replace('-', '_')}"] = ratio(sf, find(results, m, e))
+        by_eta[str(e)] = row
     top = by_eta[str(max(cfg.eta))]
     return {**top, "eta": max(cfg.eta), "by_eta": by_eta}
 
 
 def table(results: list[SimResult], base: SimResult | None = None) -> str:
-    head = (f"{'run':44s} {'tok/s':>9s} {'samp/s':>7s} {'x base':>7s} {'util':>5s} {'step s':>7s} "
-            f"{'pulls':>6s} {'intr':>6s} {'migr':>5s} {'abort':>6s} {'tr idle':>7s}  staleness hist")
+    head = (f"{'run':46s} {'tok/s':>9s} {'samp/s':>7s} {'x base':>7s} {'util':>5s} {'step s':>7s} "
+            f"{'pulls':>6s} {'intr':>6s} {'migr':>5s} {'abort':>6s} {'>eta':>5s} {'tr idle':>7s}  staleness hist")
     lines = [head, "-" * len(head)]
     for r in results:
         util = sum(r.utilisation) / max(1, len(r.utilisation))
@@ -83,10 +100,16 @@ def table(results: list[SimResult], base: SimResult | None = None) -> str:
         x = f"{r.tokens_per_s / base.tokens_per_s:.2f}" if base and base.tokens_per_s > 0 else "-"
         hist = " ".join(f"{k}:{v}" for k, v in r.staleness_hist.items())
         flag = "  !" + "; ".join(r.violations[:2]) if r.violations else ""
-        lines.append(f"{r.label:44s} {r.tokens_per_s:9.0f} {r.samples_per_s:7.2f} {x:>7s} {util:5.2f} {step:7.1f} "
-                     f"{r.pulls:6d} {r.interrupts:6d} {r.migrations:5d} {sum(r.aborts.values()):6d} "
+        lines.append(f"{r.label:46s} {r.tokens_per_s:9.0f} {r.samples_per_s:7.2f} {x:>7s} {util:5.2f} {step:7.1f} "
+                     f"{r.pulls:6d} {r.interrupts:6d} {r.migrations:5d} {sum(r.aborts.values()):6d} {r.over_eta:5d} "
                      f"{r.trainer_idle_frac:7.2f}  {hist}{flag}")
     return "\n".join(lines)
+
+
+def colour(r: SimResult, ablation: list[SimResult]) -> str:
+    if r in ablation:
+        return "tab:gray"
+    return "tab:blue" if mode_of(r.mode).peer == "" else "tab:orange"
 
 
 def plot(results: list[SimResult], ablation: list[SimResult], path: str, title: str) -> None:
@@ -98,8 +121,7 @@ def plot(results: list[SimResult], ablation: list[SimResult], path: str, title: 
     runs = results + ablation
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
     ax1.barh([r.label for r in runs][::-1], [r.tokens_per_s for r in runs][::-1],
-             color=["tab:gray" if r in ablation else "tab:blue" if r.mode == "staleflow" else "tab:orange"
-                    for r in runs][::-1])
+             color=[colour(r, ablation) for r in runs][::-1])
     ax1.set_xlabel("trained tokens / s (steady state)")
     ax1.set_title(title)
     for r in results:

@@ -1,11 +1,14 @@
 """Discrete-event run of one mode: the shared controller loop against the simulated backend.
 
 ``run(cfg, mode, eta, coordinator_overrides)`` builds what the real controller builds (the
-StalenessManager, the Coordinator with the mode resolved once, the Ledger and the
+mode's batch protocol, the Coordinator with the mode resolved once, the Ledger and the
 ControllerLoop of staleflow.controller) and drives it over ``SimBackend`` (sim/backend.py):
-simulated instances, trainer and weight transfers. The loop audits the protocol from outside
-as in the runtime (the V_traj carried by Route commands, the bound of every trained group, the
-fate of every trajectory); the result adds the simulated throughput and utilisation.
+simulated instances, trainer and weight transfers. The router does not see the instances' true
+cost model: it gets one FITTED to noisy profiling samples of them (``router_cost_model``), as a
+real deployment fits its coefficients offline. The loop audits the protocol from outside as in
+the runtime (the V_traj carried by Route commands, the bound of every trained group, the fate of
+every trajectory); the result adds the simulated throughput, utilisation and, for the peers
+without a per-trajectory bound, how many trained groups exceeded eta.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from dataclasses import dataclass, field
 from staleflow.config import StalenessConfig
 from staleflow.controller import ControllerLoop, Ledger, LoopSettings
 from staleflow.coordinator.coordinator import Coordinator
-from staleflow.coordinator.cost_model import CostModel, load_cost_model
-from staleflow.coordinator.modes import COLOCATED, WEIGHT_SYNC, apply_mode
-from staleflow.protocol.staleness import StalenessManager
+from staleflow.coordinator.cost_model import CostModel, fit_cost_model, load_cost_model
+from staleflow.coordinator.modes import apply_mode, build_protocol, check_mode, mode_of
 from staleflow.sim.backend import SimBackend
 from staleflow.sim.config import SimConfig
+from staleflow.sim.hardware import derive
+from staleflow.sim.lengths import LengthSampler
 
 
 @dataclass
@@ -46,6 +50,8 @@ class SimResult:
     aborts: dict[str, int]
     trainer_idle_frac: float
     preemptions: int
+    over_eta: int = 0
+    """Trained groups with staleness > eta (only possible for the peers: no per-trajectory bound)."""
     violations: list[str] = field(default_factory=list)
     fates: dict[str, int] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
@@ -55,21 +61,6 @@ class SimResult:
         d["utilisation_mean"] = sum(self.utilisation) / max(1, len(self.utilisation))
         del d["utilisation"]
         return d
-
-
-class LengthSampler:
-    """Response lengths: lognormal(median, sigma) or an empirical file, capped at max_response."""
-
-    def __init__(self, cfg: SimConfig, rng: random.Random):
-        self.rng, self.cap = rng, cfg.max_response
-        self.mu, self.sigma = math.log(cfg.response_median), cfg.response_sigma
-        self.samples: list[int] = []
-        if cfg.lengths_file:
-            self.samples = read_lengths(cfg.lengths_file)
-
-    def __call__(self) -> int:
-        x = self.rng.choice(self.samples) if self.samples else self.rng.lognormvariate(self.mu, self.sigma)
-        return max(1, min(self.cap, int(round(x))))
 
 
 def read_lengths(path: str) -> list[int]:
@@ -94,14 +85,19 @@ def read_lengths(path: str) -> list[int]:
 
 
 class SimWorkload:
-    """Prompts of a fixed length; response lengths drawn per trajectory (the model does not decide)."""
+    """Prompts of a fixed length; response lengths drawn per trajectory (the model does not decide).
+    A prompt's draws (difficulty, length scale) apply to the members drawn after it (the loop draws a
+    group's members right after its prompt)."""
 
     def __init__(self, cfg: SimConfig, rng: random.Random):
         self.prompt = cfg.prompt_len
-        self.lengths = LengthSampler(cfg, rng)
+        samples = read_lengths(cfg.lengths_file) if cfg.lengths_file else None
+        self.lengths = LengthSampler(cfg.length_dist, cfg.response_median, cfg.response_sigma, cfg.max_response,
+                                     rng, samples)
         self.rng = rng
 
     def next_prompt(self) -> int:
+        self.lengths.new_prompt()
         return self.prompt
 
     def prompt_len(self, prompt: int) -> int:
@@ -111,27 +107,50 @@ class SimWorkload:
         return 0, self.lengths()
 
 
+def router_cost_model(true: CostModel, cfg: SimConfig, rng: random.Random) -> CostModel:
+    """What the coordinator believes: the cost model fitted to `router_fit_samples` noisy decode-step
+    times of the simulated instances over the (n, KV) range they run in (0 samples: the truth)."""
+    if cfg.router_fit_samples <= 0:
+        return true
+    samples = []
+    for _ in range(cfg.router_fit_samples):
+        n = max(1, int(round(math.exp(rng.uniform(0.0, math.log(cfg.max_running))))))
+        kv = rng.uniform(0.0, 1.0) * true.kv_capacity
+        samples.append((n, kv, true.step_time(n, kv) * math.exp(rng.gauss(0.0, cfg.router_fit_noise))))
+    return fit_cost_model(samples, true.kv_capacity, name=f"{true.name}-fitted",
+                          source=f"{len(samples)} noisy samples of the simulated instances")
+
+
 def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, cost: CostModel | None = None,
           label: str = ""):
-    """(loop, backend, resolved staleness config) of one simulated run, built like the runtime's."""
-    cost = cost or load_cost_model(cfg.cost_model)
-    if cfg.prompt_len + 2 > cost.kv_capacity:
-        raise ValueError(f"--prompt-len={cfg.prompt_len} does not fit the KV capacity {cost.kv_capacity}")
+    """(loop, backend, resolved staleness config) of one simulated run, built like the runtime's.
+
+    `cost` given: the instances run it and the router sees it exactly (tests); else the preset
+    with the derived KV capacity runs, and the router sees a fit (``router_cost_model``)."""
+    mode = check_mode(mode)
+    m = mode_of(mode)
+    loaded = cost or load_cost_model(cfg.cost_model)
+    hw = derive(cfg, loaded)
+    true = cost or dataclasses.replace(loaded, kv_capacity=hw.kv_capacity)
+    router = cost or router_cost_model(true, cfg, random.Random(cfg.seed * 31 + 7))
+    if cfg.prompt_len + 2 > true.kv_capacity:
+        raise ValueError(f"--prompt-len={cfg.prompt_len} does not fit the KV capacity {true.kv_capacity}")
     ccfg = dataclasses.replace(cfg.coordinator, **(overrides or {}))
     stale = StalenessConfig(eta=eta, batch_size=cfg.batch_size, batch_redundancy=cfg.batch_redundancy,
                             group_size=cfg.group_size, group_redundancy=cfg.group_redundancy,
                             straggler=cfg.straggler, straggler_threshold=cfg.straggler_threshold)
     ccfg, stale = apply_mode(mode, ccfg, stale)
-    colocated = COLOCATED[mode]
+    colocated = m.colocated and cfg.colocated_sync
     gpus = cfg.total_gpus if colocated else cfg.rollout_gpus
     n_inst = max(1, gpus // cfg.gpus_per_instance)
     train_gpus = cfg.total_gpus if colocated else cfg.total_gpus - cfg.rollout_gpus
-    backend = SimBackend(cfg, cost, n_inst, train_gpus, WEIGHT_SYNC[mode])
+    sync = m.weight_sync if colocated or m.weight_sync != "colocated" else "broadcast"
+    backend = SimBackend(cfg, hw, true, n_inst, train_gpus, sync)
     s = stale
-    manager = StalenessManager(s.eta, s.batch_size, s.batch_size + s.batch_redundancy, s.group_size,
-                               s.group_size + s.group_redundancy)
-    coord = Coordinator(ccfg, cost, manager, range(n_inst), straggler=s.straggler,
-                        straggler_threshold=s.straggler_threshold, clock=backend.now, label=label or mode)
+    manager = build_protocol(mode, s.eta, s.batch_size, s.batch_size + s.batch_redundancy, s.group_size,
+                             s.group_size + s.group_redundancy, n_instances=n_inst)
+    coord = Coordinator(ccfg, router, manager, range(n_inst), straggler=s.straggler,
+                        straggler_threshold=s.straggler_threshold, clock=backend.now, label=mode)
     settings = dataclasses.replace(LoopSettings.from_config(s, ccfg, cfg.steps), tick_s=cfg.tick_s,
                                    stall_s=2000 * cfg.tick_s)
     loop = ControllerLoop(settings, coord, Ledger(), backend, SimWorkload(cfg, random.Random(cfg.seed)))
@@ -140,6 +159,7 @@ def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, co
 
 def run(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, label: str = "",
         cost: CostModel | None = None) -> SimResult:
+    mode = check_mode(mode)
     loop, backend, stale = build(cfg, mode, eta, overrides, cost, label)
     label = label or f"{mode} eta={stale.eta}"
     incomplete = ""
@@ -188,5 +208,6 @@ def _result(cfg: SimConfig, mode: str, eta: int, label: str, loop: ControllerLoo
         staleness_hist=dict(sorted(stale.items())), pulls=c["pulls"], interrupts=c["interrupted"],
         migrations=c["migrations"], aborts=aborts,
         trainer_idle_frac=1.0 - min(1.0, backend.trainer_busy_s / end) if end > 0 else 1.0,
-        preemptions=sum(i.preemptions for i in backend.insts), violations=violations, fates=dict(fates),
+        preemptions=sum(i.preemptions for i in backend.insts), over_eta=loop.audit.over_eta,
+        violations=violations, fates=dict(fates),
         step_times=[b - a for a, b in zip([0.0] + ends[:-1], ends)])

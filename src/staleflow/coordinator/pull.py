@@ -1,0 +1,98 @@
+"""Pull (weight synchronisation) policies and the Pull / Interrupt commands they lead to (paper 6.4).
+
+A policy decides WHEN an instance behind the Parameter Server loads the new version; two flags
+say what else the system's weight-sync rule stops meanwhile:
+  ``blocks_routing`` nothing is routed while an update is in progress (AReaL and verl fully-async
+                     pause the whole rollout side for one global update);
+  ``blocks_trainer`` the trainer does not start its next step before every instance runs the
+                     newest version (the trainer itself sends the weights: AReaL's
+                     ``update_weights``, verl's ``sync_weights`` / ``sync_rollout_weights``).
+How in-flight work crosses a pull is the coordinator config's ``interrupt_on_pull``:
+  True  (partial rollout) the instance's trajectories are interrupted, loop back with their tokens
+        and resume on an instance at version >= V_traj, recomputing their KV;
+  False (no partial rollout) the instance DRAINS: it takes no new work, its in-flight trajectories
+        finish under the old weights, and the Pull is sent once it is empty. The runtime and the
+        simulator execute the same commands, so they agree on this by construction.
+"""
+
+from __future__ import annotations
+
+from staleflow.coordinator.instance import InstanceState
+from staleflow.coordinator.strategies import register_pull
+from staleflow.coordinator.types import Command, Interrupt, Pull
+
+
+class _Policy:
+    blocks_routing = False
+    blocks_trainer = False
+
+    def __init__(self, cfg, cost_model):
+        self.cfg = cfg
+
+
+@register_pull("status")
+class StatusPull(_Policy):
+    """StaleFlow: pull when the instance has no engine queue, nothing in the TS is routable to it at
+    its current version, and its load indicator is at or below the threshold (paper 6.4)."""
+
+    def should_pull(self, inst: InstanceState, ctx) -> bool:
+        if inst.waiting > 0 or ctx.routable_at(inst.target_version):
+            return False
+        return inst.indicator(self.cfg.pull_indicator) <= self.cfg.pull_threshold
+
+
+@register_pull("greedy")
+class GreedyPull(_Policy):
+    """Pull as soon as a newer version exists, each instance on its own (the status-pull ablation)."""
+
+    def should_pull(self, inst, ctx) -> bool:
+        return True
+
+
+@register_pull("idle")
+class IdlePull(_Policy):
+    """Batch boundary (verl sync and one-step-off): pull only once nothing is in flight anywhere, and
+    train the next batch only with the new weights on every instance (``sync_rollout_weights``
+    runs before the next ``update_actor``)."""
+
+    blocks_trainer = True
+
+    def should_pull(self, inst, ctx) -> bool:
+        return ctx.in_flight == 0
+
+
+@register_pull("pause-all")
+class PauseAllPull(_Policy):
+    """One global update per version (AReaL ``pause`` + ``update_weights`` + ``resume``; verl
+    fully-async ``ParameterSynchronizer.sync_weights``): every instance pulls at once, routing waits
+    until all have the new weights, and so does the trainer (it sends them)."""
+
+    blocks_routing = blocks_trainer = True
+
+    def should_pull(self, inst, ctx) -> bool:
+        return True
+
+
+def updating(ctx) -> bool:
+    """Some instance does not run the newest published version yet (a pull is due or in progress)."""
+    return any(i.syncing or i.version < ctx.ps_version for i in ctx.instances.values())
+
+
+def plan_pulls(ctx, now: float, cmds: list[Command]) -> None:
+    """Append this tick's Interrupt / Pull commands; mark instances that drain before their pull."""
+    for inst in ctx.instances.values():
+        if inst.syncing or inst.target_version >= ctx.ps_version:
+            continue
+        if not inst.draining and not ctx.puller.should_pull(inst, ctx):
+            continue
+        if inst.trajs:
+            if not ctx.cfg.interrupt_on_pull:  # no partial rollout: finish the work first, take no more
+                inst.draining = True
+                continue
+            ids = tuple(inst.trajs)
+            cmds.append(Interrupt(inst.instance, ids, "pull"))
+            ctx.pending_interrupts.update(ids)
+            ctx.counters["interrupted"] += len(ids)
+        cmds.append(Pull(inst.instance, ctx.ps_version))
+        inst.syncing, inst.draining, inst.target_version, inst.last_change = True, False, ctx.ps_version, now
+        ctx.counters["pulls"] += 1

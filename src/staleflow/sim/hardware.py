@@ -1,0 +1,126 @@
+"""What the simulator derives from a model's size and the GPU instead of assuming it.
+
+A cost-model preset (coordinator/presets) is a fitted decode-step latency of one instance; its
+``kv_capacity`` there is a hand estimate. Here the model's architecture (``MODEL_SPECS``: public
+config.json values of the Qwen2.5 / Qwen3 models the PSRL coefficients were fitted on) and the GPU
+(memory, bf16 FLOP/s) give, per instance:
+  KV capacity     (GPU memory x utilisation - weights - activation reserve) / KV bytes per token,
+                  per GPU of the tensor-parallel group (KV heads split across TP, replicated when
+                  fewer than TP);
+  prefill rate    TP x peak FLOP/s x prefill MFU / (2 x params) tokens/s (KV recompute after an
+                  interrupt costs the same);
+and per trainer GPU the training rate peak x train MFU / (8 x params) tokens/s (forward, backward
+and the log-prob recompute), and the weight-transfer times from the bf16 weight bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    params_b: float
+    """Parameters, billions (bf16 weights: 2 bytes each)."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tp: int
+    """Tensor-parallel size of one rollout instance (GPUs per instance)."""
+    active_b: float = 0.0
+    """Parameters active per token, billions (MoE); 0 = all (dense). FLOPs scale with these."""
+
+    @property
+    def flop_params(self) -> float:
+        return (self.active_b or self.params_b) * 1e9
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2.0 * self.params_b * 1e9
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    # Qwen2.5-7B: 28 layers, 4 KV heads x 128; Qwen2.5-14B: 48 x 8 x 128; Qwen2.5-32B: 64 x 8 x 128;
+    # Qwen3-30B-A3B: 48 layers, 4 KV heads x 128 (config.json of each model on the Hugging Face hub)
+    "qwen2.5-7b-tp1": ModelSpec(7.62, 28, 4, 128, 1),
+    "qwen2.5-7b-tp2": ModelSpec(7.62, 28, 4, 128, 2),
+    "qwen2.5-14b": ModelSpec(14.8, 48, 8, 128, 1),
+    "qwen2.5-32b-tp2": ModelSpec(32.8, 64, 8, 128, 2),
+    "qwen3-30b-a3b": ModelSpec(30.5, 48, 4, 128, 1, active_b=3.3),
+}
+
+
+@dataclass(frozen=True)
+class GPU:
+    memory_gb: float = 96.0
+    """H20: 96 GB HBM3 (the paper's cluster: 128 H20)."""
+    bf16_tflops: float = 148.0
+    """H20 dense bf16 peak."""
+    mem_util: float = 0.9
+    """vLLM gpu_memory_utilization."""
+    reserve_gb: float = 4.0
+    """Activations, CUDA graphs and the allocator's slack per GPU."""
+    prefill_mfu: float = 0.4
+    train_mfu: float = 0.35
+
+
+def kv_capacity(spec: ModelSpec, gpu: GPU) -> int:
+    """KV-cache tokens one instance (spec.tp GPUs) can hold."""
+    free = gpu.memory_gb * 1e9 * gpu.mem_util - spec.weight_bytes / spec.tp - gpu.reserve_gb * 1e9
+    heads = max(1.0, spec.kv_heads / spec.tp)
+    per_token = spec.layers * 2 * heads * spec.head_dim * 2  # K and V, bf16, per GPU
+    if free <= per_token:
+        raise ValueError(f"a {spec.params_b}B model at TP{spec.tp} does not fit in {gpu.memory_gb} GB x "
+                         f"{gpu.mem_util}; raise --gpus-per-instance or use a larger GPU")
+    return int(free / per_token)
+
+
+def prefill_tokens_per_s(spec: ModelSpec, gpu: GPU) -> float:
+    return spec.tp * gpu.bf16_tflops * 1e12 * gpu.prefill_mfu / (2.0 * spec.flop_params)
+
+
+def train_tokens_per_gpu_s(spec: ModelSpec, gpu: GPU) -> float:
+    return gpu.bf16_tflops * 1e12 * gpu.train_mfu / (8.0 * spec.flop_params)
+
+
+def transfer_s(spec: ModelSpec, gb_per_s: float) -> float:
+    """Seconds to move the bf16 weights at this bandwidth."""
+    return spec.weight_bytes / (gb_per_s * 1e9)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """The numbers one simulated run uses: explicit SimConfig values, else derived from model and GPU."""
+
+    kv_capacity: int
+    prefill_tokens_per_s: float
+    train_tokens_per_gpu_s: float
+    push_s: float
+    pull_s: float
+    broadcast_s: float
+    colocated_switch_s: float
+
+
+def derive(cfg, cost) -> Derived:
+    """Fill the None fields of a SimConfig from the cost model's architecture (MODEL_SPECS) and the GPU."""
+    spec = MODEL_SPECS.get(cost.name)
+    gpu = GPU(memory_gb=cfg.gpu_memory_gb, bf16_tflops=cfg.gpu_tflops)
+
+    def pick(value, derived, what):
+        if value is not None:
+            return value
+        if spec is None:
+            raise ValueError(f"--{what} is unset and cost model {cost.name!r} has no known architecture to derive "
+                             f"it from (known: {', '.join(MODEL_SPECS)}); give --{what}")
+        return derived()
+
+    return Derived(
+        kv_capacity=cfg.kv_capacity or (kv_capacity(spec, gpu) if spec else cost.kv_capacity),
+        prefill_tokens_per_s=pick(cfg.prefill_tokens_per_s, lambda: prefill_tokens_per_s(spec, gpu),
+                                  "prefill-tokens-per-s"),
+        train_tokens_per_gpu_s=pick(cfg.train_tokens_per_gpu_s, lambda: train_tokens_per_gpu_s(spec, gpu),
+                                    "train-tokens-per-gpu-s"),
+        push_s=pick(cfg.push_s, lambda: transfer_s(spec, 16.0), "push-s"),
+        pull_s=pick(cfg.pull_s, lambda: transfer_s(spec, 32.0), "pull-s"),
+        broadcast_s=pick(cfg.broadcast_s, lambda: transfer_s(spec, 8.0), "broadcast-s"),
+        colocated_switch_s=pick(cfg.colocated_switch_s, lambda: transfer_s(spec, 8.0) + 2.0, "colocated-switch-s"))

@@ -1,0 +1,109 @@
+"""The simulator's honesty: a fitted (not true) router cost model, noisy step times, a published-statistics
+length distribution, KV capacity from model size and GPU memory, >= 30 measured steps, and the grid's
+output contract (tables, PNG, last JSON line with exactly the issue's keys)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from staleflow.coordinator.cost_model import load_cost_model
+from staleflow.sim import grid
+from staleflow.sim.config import SimConfig
+from staleflow.sim.hardware import GPU, MODEL_SPECS, derive, kv_capacity
+from staleflow.sim.lengths import LengthSampler
+from staleflow.sim.simulator import build, router_cost_model, run
+
+
+def small(**kw) -> SimConfig:
+    base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1", max_running=16,
+                train_overhead_s=0.1, batch_size=3, group_size=2, prompt_len=20, response_median=40.0,
+                response_sigma=1.0, max_response=300, steps=6, warmup_steps=1, tick_s=0.05, out_dir="",
+                ablation=False)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def test_sim_router_sees_a_fitted_cost_model_not_the_truth():
+    cfg = SimConfig()
+    true = load_cost_model("qwen2.5-32b-tp2")
+    fitted = router_cost_model(true, cfg, random.Random(0))
+    assert fitted != true and fitted.name.endswith("-fitted")
+    rel = [abs(fitted.step_time(n, kv) - true.step_time(n, kv)) / true.step_time(n, kv)
+           for n in (1, 8, 32, 128) for kv in (0, 50_000, 200_000)]
+    assert 0 < max(rel) < 0.2  # close (10 % noise on 200 samples), never exact
+    loop, backend, _ = build(cfg, "staleflow", 2)
+    assert loop.coord.cost_model != backend.cost and backend.cost.kv_capacity == loop.coord.cost_model.kv_capacity
+    assert router_cost_model(true, small(router_fit_samples=0), random.Random(0)) is true
+
+
+def test_sim_kv_capacity_and_rates_come_from_model_size_and_gpu_memory():
+    spec = MODEL_SPECS["qwen2.5-32b-tp2"]
+    # (96 GB x 0.9 - 65.6 GB / 2 - 4 GB) / (64 layers x 2 x 4 heads per GPU x 128 x 2 bytes)
+    assert kv_capacity(spec, GPU()) == int((96e9 * 0.9 - 65.6e9 / 2 - 4e9) / (64 * 2 * 4 * 128 * 2))
+    # an H200 (141 GB) has (126.9 - 32.8 - 4) / (86.4 - 32.8 - 4) = 1.82x the KV room
+    assert kv_capacity(spec, GPU(memory_gb=141)) / kv_capacity(spec, GPU()) == pytest.approx(90.1 / 49.6, rel=1e-3)
+    with pytest.raises(ValueError, match="does not fit"):
+        kv_capacity(MODEL_SPECS["qwen2.5-32b-tp2"], GPU(memory_gb=40))
+    hw = derive(SimConfig(), load_cost_model("qwen2.5-32b-tp2"))
+    assert hw.kv_capacity == kv_capacity(spec, GPU()) and 1700 < hw.prefill_tokens_per_s < 1900
+    assert hw.broadcast_s == pytest.approx(8.2) and hw.pull_s < hw.push_s < hw.broadcast_s
+    assert derive(SimConfig(kv_capacity=1000), load_cost_model("qwen2.5-32b-tp2")).kv_capacity == 1000
+    with pytest.raises(ValueError, match="give --prefill-tokens-per-s"):
+        derive(SimConfig(cost_model="cpu-smollm2"), load_cost_model("cpu-smollm2"))
+
+
+def test_sim_long_cot_lengths_match_the_published_statistics():
+    rng = random.Random(0)
+    s = LengthSampler("long-cot", 4000.0, 0.8, 20000, rng)
+    groups = []
+    for _ in range(3000):
+        s.new_prompt()
+        groups.append([s() for _ in range(8)])
+    xs = sorted(x for g in groups for x in g)
+    assert 5000 < statistics.mean(xs) < 6000  # DeepScaleR ~5.5k
+    assert 0.01 < sum(x == 20000 for x in xs) / len(xs) < 0.05  # AReaL: < 5 % truncated
+    top = xs[int(0.9 * len(xs)):]
+    assert 0.25 < sum(top) / sum(xs) < 0.4  # a long tail
+    # same-prompt responses are alike (Seer): within-group spread is smaller than the overall spread
+    within = statistics.mean(statistics.pstdev(g) for g in groups)
+    assert within < 0.8 * statistics.pstdev(xs)
+    lognormal = LengthSampler("lognormal", 4000.0, 0.8, 20000, random.Random(0))
+    assert abs(statistics.median(lognormal() for _ in range(20000)) - 4000) < 200
+
+
+def test_sim_step_times_are_noisy_and_seeded():
+    a, b, c = (run(small(seed=s), "staleflow", 1) for s in (0, 0, 1))
+    assert a.step_times == b.step_times  # deterministic per seed
+    quiet = run(small(step_noise=0.0, instance_spread=0.0, train_noise=0.0), "staleflow", 1)
+    assert quiet.step_times != a.step_times and a.step_times != c.step_times
+    loop, backend, _ = build(small(), "staleflow", 1)
+    assert len({round(i.speed, 6) for i in backend.insts}) == len(backend.insts) > 1
+
+
+def test_sim_measures_at_least_30_steps_after_warm_up_by_default():
+    cfg = SimConfig()
+    assert cfg.steps - cfg.warmup_steps >= 30
+
+
+def test_sim_grid_prints_tables_saves_png_and_ends_with_the_issue_keys(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(grid, "MODELS", (("7B", "qwen2.5-7b-tp1", 1),))
+    monkeypatch.setattr(grid, "ETAS", (1, 2))
+    monkeypatch.setattr(grid, "DISTS", ("lognormal",))
+    monkeypatch.setattr(grid, "SPLITS", ((3, 1),))
+    monkeypatch.setattr(grid, "CENTRE", ("7B", 2, "lognormal", (3, 1)))
+    base = small(out_dir=str(tmp_path), router_fit_samples=50)
+    assert grid.main(base) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert set(summary) == {"vs_sync_max", "vs_sync_avg", "vs_best_async_max", "vs_best_async_avg", "best_async",
+                            "ablation", "violations"}
+    assert set(summary["ablation"]) == {name for name, _, _ in grid.ABLATIONS} and summary["violations"] == 0
+    assert summary["vs_sync_max"] >= summary["vs_sync_avg"] > 0
+    assert summary["best_async"] in ("verl-one-step-off", "verl-fully-async", "areal")
+    assert any(line.startswith("Summary") for line in out) and (tmp_path / "grid.png").stat().st_size > 1000
+    saved = json.loads((tmp_path / "grid.json").read_text())
+    assert len(saved["settings"]) == 2 and saved["summary"] == summary
