@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from staleflow.cli import parse, split_preset
+from staleflow.presets import PRESETS
 from staleflow.config import (
-    PRESETS,
     CheckpointConfig,
     ConfigError,
     CoordinatorConfig,
@@ -126,3 +126,38 @@ def test_cli_outside_torchrun_says_how_to_launch():
 def test_cli_unknown_subcommand():
     res = _cli("frobnicate")
     assert res.returncode == 2 and "unknown subcommand 'frobnicate'" in res.stderr
+
+
+def test_group_relative_advantages_need_two_responses_per_prompt():
+    from staleflow.config import StalenessConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match="group-size=1.*every advantage is 0"):
+        RunConfig(staleness=StalenessConfig(group_size=1))
+    with pytest.raises(ConfigError, match="rloo compares responses"):
+        RunConfig(staleness=StalenessConfig(group_size=1), train=TrainConfig(advantage="rloo"))
+    RunConfig(staleness=StalenessConfig(group_size=2))
+
+
+def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model(tmp_path):
+    import dataclasses
+    import json
+
+    from staleflow.config import config_from_dict, resolve
+    from staleflow.presets import PRESETS
+    from staleflow.launch.resume import merge_resume_config, supersede_after
+
+    saved = resolve(dataclasses.replace(PRESETS["tiny"](), steps=4))
+    assert config_from_dict(RunConfig, json.loads(json.dumps(dataclasses.asdict(saved)))) == saved
+    defaults = PRESETS["tiny"]()
+    given = resolve(dataclasses.replace(defaults, steps=9, resume="x"))
+    merged, notes = merge_resume_config(saved, given, defaults)
+    assert merged.steps == 9 and merged.resume == "x" and notes == ["resume: --steps 9 (was 4)"]
+    other = dataclasses.replace(defaults, model=dataclasses.replace(defaults.model, path="tiny-qwen2"))
+    with pytest.raises(ConfigError, match="--model.path='tiny-qwen2' differs"):
+        merge_resume_config(saved, other, defaults)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+    (tmp_path / "trained.jsonl").write_text("".join(json.dumps({"buffer": s}) + "\n" for s in range(4)))
+    assert supersede_after(str(tmp_path), 2) == 4
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("superseded", False) for r in rows] == [False, False, True, True]
+    assert supersede_after(str(tmp_path), 2) == 0  # idempotent

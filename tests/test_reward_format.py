@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from staleflow.config import preset_smollm2_cpu
+from staleflow.presets import preset_smollm2_cpu
 from staleflow.data.tasks import arithmetic_row, countdown_row
 from staleflow.reward import resolve_reward_fn, score
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -132,3 +133,43 @@ def test_policy_weights_load_from_a_checkpoint_without_a_trainer(tmp_path):
     trained = t.model.state_dict()
     assert all(torch.equal(fresh.state_dict()[k], trained[k]) for k in trained)
     assert any(not torch.equal(start[k], trained[k]) for k in trained)  # the step moved the weights
+
+
+class _Payload:
+    """Unpickling this runs a command: what a crafted checkpoint would carry."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/staleflow-pwned",))
+
+
+def test_a_crafted_checkpoint_file_runs_no_code(tmp_path):
+    t = _trainer()
+    path = ck.save_checkpoint(t, tmp_path, keep=1)
+    marker = Path("/tmp/staleflow-pwned")
+    marker.unlink(missing_ok=True)
+    torch.save({"torch": _Payload()}, path / "rng_0.pt")
+    with pytest.raises(ck.CheckpointError, match="rng_0.pt does not match"):  # the manifest catches the edit
+        ck.load_checkpoint(_trainer(), path)
+    manifest = json.loads((path / "manifest.json").read_text())  # an attacker who also rewrites the manifest
+    f = path / "rng_0.pt"
+    manifest["files"]["rng_0.pt"] = {"size": f.stat().st_size, "sha256": ck._sha256(f)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(Exception):  # weights_only refuses the global: an error, not a command
+        ck.load_checkpoint(_trainer(), path)
+    assert not marker.exists()
+    assert not list(path.glob("*.pt")) or all("trainer_state" not in p.name for p in path.glob("*.pt"))
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_loudly(tmp_path):
+    t = _trainer()
+    b = _batches()
+    t.step(b[0])
+    ck.save_checkpoint(t, tmp_path, keep=3)
+    t.step(b[1])
+    newest = ck.save_checkpoint(t, tmp_path, keep=3)
+    (newest / "manifest.json").unlink()
+    path, warns = ck.find_resume_checkpoint(tmp_path)
+    assert path.name == "step_00000001"
+    assert any("skipping checkpoint step_00000002" in w and "no manifest" in w for w in warns)
+    assert any("trained again" in w for w in warns)
+    assert ck.find_resume_checkpoint(tmp_path / "none") == (None, [])

@@ -1,7 +1,7 @@
 """One config tree for a StaleFlow run: a frozen dataclass per component, composed in RunConfig.
 
 Exposed on the command line by tyro (``--rollout.ranks 2 --staleness.eta 2``); presets are
-plain Python functions registered in PRESETS (``--preset tiny``). Every ``__post_init__``
+plain Python functions registered in staleflow.presets.PRESETS (``--preset tiny``). Every ``__post_init__``
 validates its fields and raises ConfigError with a one-line message naming the flag.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 
 class ConfigError(ValueError):
@@ -81,6 +81,12 @@ class RolloutConfig:
     any model. Empty: lengths are whatever the model generates."""
     profile: bool = False
     """Record (n_running, kv_tokens, step latency) per engine step, for scripts/fit_cost_model.py."""
+    decode_backend: Literal["auto", "mirror", "gather", "triton", "flash"] = "auto"
+    """Built-in engine decode attention (rollout/decode_backend.py): auto = flash-attn's block-table
+    kernel on CUDA when installed with bf16/fp16 and a block size multiple of 256, else the Triton
+    paged kernel on CUDA; the dense decode mirror on CPU."""
+    prefix_sharing: bool = True
+    """Share the KV blocks of identical prompt prefixes (a GRPO group's prompt is prefilled once)."""
 
     def __post_init__(self):
         _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")
@@ -289,8 +295,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0
-    """Save the full training state every this many steps (0: only at the end)."""
+    every: int = 5
+    """Save the full training state every this many steps (0: only at the end and on a stop).
+    A crash or a restart then repeats at most every-1 steps (their rows are marked superseded)."""
     keep: int = 2
     """Keep the last K training-state checkpoints."""
     export_hf: bool = True
@@ -339,6 +346,28 @@ class RunConfig:
 
     def __post_init__(self):
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        group_relative = ("grpo", "grpo-nostd", "dr-grpo", "rloo")
+        _check(self.staleness.group_size >= 2 or self.train.advantage not in group_relative, "staleness.group-size",
+               self.staleness.group_size, f"--train.advantage {self.train.advantage} compares responses within a "
+               f"group: with 1 response per prompt every advantage is 0 and nothing is learnt; use >= 2")
+
+
+def config_from_dict(cls, d: dict):
+    """Rebuild a config dataclass (nested ones too) from its JSON form (metrics.writer.save_config)."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        v, hint = d[f.name], hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            v = config_from_dict(hint, v)
+        elif isinstance(v, list) and typing.get_origin(hint) is tuple:
+            v = tuple(v)
+        kwargs[f.name] = v
+    return cls(**kwargs)
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -350,35 +379,3 @@ def resolve(cfg: RunConfig) -> RunConfig:
 
     coordinator, staleness = apply_mode(cfg.mode, cfg.coordinator, cfg.staleness)
     return dataclasses.replace(cfg, coordinator=coordinator, staleness=staleness)
-
-
-def preset_smollm2_cpu() -> RunConfig:
-    """The embedded default: SmolLM2-135M-Instruct on the built-in arithmetic task, CPU, 1 trainer + 2 rollout.
-
-    Sized to finish in minutes on 2 CPU cores: 4 prompts x 4 responses per step, responses up to
-    128 tokens, eta 1. The reward is the answer check plus 0.5 when the right answer is in \\boxed{}.
-    """
-    return RunConfig(
-        rollout=RolloutConfig(max_new_tokens=128, max_model_len=512, max_kv_tokens=32768),
-        train=TrainConfig(lr=2e-5, micro_batch_tokens=2048),
-        staleness=StalenessConfig(eta=1, batch_size=4, group_size=4),
-        reward=RewardConfig(fn="arithmetic", format_weight=0.5),
-        steps=20,
-    )
-
-
-def preset_tiny() -> RunConfig:
-    """A tiny random Llama for tests and quick checks (seconds per step on CPU)."""
-    return RunConfig(
-        model=ModelConfig(path="tiny-llama"),
-        rollout=RolloutConfig(max_new_tokens=16, max_model_len=256, max_kv_tokens=8192),
-        train=TrainConfig(lr=1e-3, micro_batch_tokens=1024),
-        staleness=StalenessConfig(eta=1, batch_size=4, group_size=4),
-        steps=4,
-    )
-
-
-PRESETS: dict[str, Callable[[], RunConfig]] = {
-    "smollm2-cpu": preset_smollm2_cpu,
-    "tiny": preset_tiny,
-}

@@ -104,6 +104,8 @@ class ControllerLoop:
         """The trainer's version: the next buffer it trains."""
         self.published = version
         self.training: StepRecord | None = None
+        self.hold_training = False
+        """Set by a front end that must act between two steps (a checkpoint): no buffer is consumed."""
         self.steps: list[StepRecord] = []
         self.on_step = on_step
         self.counts: Counter = Counter()
@@ -277,7 +279,7 @@ class ControllerLoop:
 
     # ---- training ------------------------------------------------------------------------------
     def maybe_train(self) -> None:
-        if self.training is not None or self.version >= self.s.steps:
+        if self.training is not None or self.version >= self.s.steps or self.hold_training:
             return
         if self.manager.ready_version() != self.version or self.coord.trainer_blocked():
             return

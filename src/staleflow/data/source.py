@@ -43,9 +43,12 @@ class Prompt:
 class PromptSource:
     """Endless iterator of Prompt; see the module docstring."""
 
-    def __init__(self, cfg: DataConfig, tokenizer):
+    def __init__(self, cfg: DataConfig, tokenizer, answer_check=None):
+        """answer_check(answer) -> why the run's reward cannot score it, or None (a file row whose
+        answer fails it is a bad row, reported with its row number like any other)."""
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.answer_check = answer_check
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError("--data.chat-template is on but the tokenizer has no chat template: "
                             "use an instruct model folder or pass --data.no-chat-template")
@@ -131,7 +134,17 @@ class PromptSource:
     def _load_file(self) -> None:
         path = resolve_file(self.cfg.source)
         rows, bad, self._blank_lines = read_rows(path, self.cfg)
+        if self.answer_check is not None:
+            scorable = []
+            for row in rows:
+                why = self.answer_check(row.answer)
+                if why is None:
+                    scorable.append(row)
+                else:
+                    bad.append(BadRow(row.location, "unscorable", why))
+            rows = scorable
         if bad and self.cfg.bad_rows == "error":
+            bad.sort(key=lambda b: int(b.location.rsplit(":", 1)[1]))
             self._reject(bad[0])
         keep: list[FileRow] = []
         for start in range(0, len(rows), _ENCODE_BATCH):

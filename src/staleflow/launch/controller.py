@@ -52,10 +52,16 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
     roles = Roles(world_size, cfg.rollout.ranks)
     ctl = Controller(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir)
 
+    from staleflow.launch.rank import set_title
+
+    set_title("staleflow[controller]")
+    stop_signal = {"num": signal.SIGINT}
+
     def on_signal(signum, _frame):
         if not ctl.stop_requested:
             ctl.stop_requested = f"stopped by signal {signal.Signals(signum).name}"
             ctl.stop_at = time.monotonic()
+            stop_signal["num"] = signum
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -73,14 +79,30 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
     except KeyboardInterrupt as e:
         print(f"staleflow: {e or 'interrupted'}; stopping the run", file=sys.stderr, flush=True)
         ctl.shutdown("interrupted", ok=False, wait_s=3)
-        code = 130
+        code = 128 + int(stop_signal["num"])  # 130 for SIGINT, 143 for SIGTERM
     except Exception as e:  # a bug or bad input inside the job: report it in one line, stop everyone
-        print(f"staleflow: controller error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        fatal = _no_restart_helps(e)
+        print(f"staleflow: {'' if fatal else 'controller error: '}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         ctl.shutdown(f"controller error: {e}", ok=False, wait_s=3)
         code = 1
+        if fatal:  # bad input: restarting the run would fail the same way
+            from staleflow.launch.resume import mark_fatal
+
+            mark_fatal(f"{type(e).__name__}: {e}")
+            code = 2
     finally:
         ctl.close()
     sys.exit(code)
+
+
+def _no_restart_helps(e: Exception) -> bool:
+    from staleflow.config import ConfigError
+    from staleflow.controller import RewardsFailing
+    from staleflow.data import DataError
+    from staleflow.model.hf import ModelLoadError
+    from staleflow.reward.functions import RewardError
+
+    return isinstance(e, (ConfigError, RewardsFailing, DataError, ModelLoadError, RewardError))
 
 
 def _training_job():

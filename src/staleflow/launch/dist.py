@@ -67,14 +67,33 @@ def set_device(device: str) -> None:
 
 def init_groups(roles, rank: int, device: str):
     """Join the world (gloo) and build the trainer group (NCCL on CUDA); returns the trainer group."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=roles.world_size)
+    # A bounded wait: a collective whose peer died fails in minutes, never hangs for gloo's 30.
+    timeout = timedelta(seconds=float(os.environ.get("STALEFLOW_COLLECTIVE_TIMEOUT_S", "600")))
+    dist.init_process_group("gloo", store=_attempt_store(rank, roles.world_size, timeout), rank=rank,
+                            world_size=roles.world_size, timeout=timeout)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl" and roles.num_trainer > 1 and _shared_gpus(roles):
         print("staleflow: warning: more trainer ranks than GPUs; NCCL cannot put two ranks on one GPU",
               file=sys.stderr, flush=True)
-    return dist.new_group(roles.trainer_ranks, backend=backend)
+    return dist.new_group(roles.trainer_ranks, backend=backend, timeout=timeout)
+
+
+def _attempt_store(rank: int, world_size: int, timeout):
+    """torchrun's bootstrap store, under a prefix per elastic attempt.
+
+    torchrun's c10d rendezvous keeps one shared TCPStore across restarts, so the keys of the
+    previous attempt's process groups (peer addresses) are still there and a restarted rank
+    would connect to dead peers. A prefix with TORCHELASTIC_RESTART_COUNT isolates attempts."""
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=(not agent and rank == 0), timeout=timeout, multi_tenant=not agent)
+    return dist.PrefixStore(f"/staleflow/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _shared_gpus(roles) -> bool:

@@ -5,16 +5,18 @@ Steps on every rank:
      and assign the role; build or check the model folder (before any process group exists);
   2. pick and set the rank's device (cuda:LOCAL_RANK, or cpu), join the world process group
      (gloo: control only) and create the trainer group (NCCL on GPU, gloo on CPU): launch/dist.py;
-  3. global rank 0 starts the controller process (before CUDA is touched) and broadcasts the
-     run id; every rank connects to the controller, registers its pid, loads the model, reports Ready;
+  3. global rank 0 cleans up after crashed runs, picks the run folder and config (a new run,
+     --resume, or an elastic restart that resumes by itself: launch/resume.py), starts the
+     controller process (before CUDA is touched) and broadcasts all that; every rank connects
+     to the controller, registers its pid, loads the model, reports Ready;
   4. run the role's loop until the controller says Shutdown; say Goodbye; clean up.
-The exit code is non-zero when the run failed; rank 0 returns the controller's exit code.
+The exit code is non-zero when the run failed; rank 0 returns the controller's exit code
+(128 + signal number when a signal stopped the run).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
 import time
@@ -22,78 +24,17 @@ import traceback
 import uuid
 from dataclasses import dataclass
 
-from staleflow.config import ConfigError, PRESETS, RunConfig, resolve
+from staleflow.config import ConfigError, RunConfig, resolve
+from staleflow.presets import PRESETS
 from staleflow.launch import dist as rankdist
 from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
 from staleflow.launch.control import ControlClient, control_address
-from staleflow.launch.messages import Failure, Goodbye, Heartbeat, Ping, Pong, Ready, Register, Shutdown
+from staleflow.launch.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
+from staleflow.launch.rank import (RankContext, RunStopped, defer_signals, install_signal_handlers,
+                                   set_title)
 from staleflow.launch.roles import Roles
 from staleflow.model.aliases import AliasError
 from staleflow.model.hf import ModelLoadError
-
-
-class RunStopped(RuntimeError):
-    """The controller ended the run (ok=False) or disappeared."""
-
-
-@dataclass
-class RankContext:
-    """What a rank's loop needs: its identity, the config, the control client and process groups."""
-
-    cfg: RunConfig
-    roles: Roles
-    rank: int
-    run_id: str
-    client: ControlClient
-    run_dir: str = ""
-    trainer_group: object = None
-    device: str = "cpu"
-    """This rank's device (launch/dist.py): cuda:LOCAL_RANK on a GPU node, else cpu."""
-
-    @property
-    def role(self) -> str:
-        return self.roles.role(self.rank)
-
-    def recv(self, timeout_s: float):
-        """Next controller message other than a heartbeat; raises RunStopped on Shutdown(ok=False).
-
-        After a SIGTERM (torchrun stops every rank when one dies) a trainer rank keeps serving
-        for a grace period, so the controller can still have it save a checkpoint.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if _TERM["at"] is not None:
-                grace = TERM_GRACE_S if self.role == "trainer" else 0.0
-                if time.monotonic() - _TERM["at"] > grace:
-                    raise KeyboardInterrupt("signal SIGTERM")
-                deadline = min(deadline, _TERM["at"] + grace)
-            msg = self.client.recv(max(0.0, deadline - time.monotonic()))
-            if msg is None:
-                return None
-            if isinstance(msg, Heartbeat):
-                self._last_heartbeat = time.monotonic()
-                continue
-            if isinstance(msg, Shutdown) and not msg.ok:
-                raise RunStopped(msg.reason)
-            return msg
-
-
-def _make_run_dir(cfg: RunConfig) -> str:
-    """The run folder: --resume's folder, or --log.run-dir/--log.name (default: a timestamp)."""
-    if cfg.resume:
-        if not os.path.isdir(os.path.join(cfg.resume, "checkpoints")):
-            raise ConfigError(f"--resume={cfg.resume!r} is not a run folder with checkpoints/: give the folder a "
-                              f"previous run printed as its run folder")
-        return cfg.resume
-    name = cfg.log.name or time.strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(cfg.log.run_dir, name)
-    if cfg.log.name and os.path.exists(path) and os.listdir(path):
-        raise ConfigError(f"--log.name={cfg.log.name!r}: {path} already exists; choose another name or --resume {path}")
-    n = 1
-    while os.path.exists(path):
-        path, n = os.path.join(cfg.log.run_dir, f"{name}-{n}"), n + 1
-    os.makedirs(path)
-    return path
 
 
 def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str):
@@ -106,6 +47,28 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
     )
     proc.start()
     return proc
+
+
+def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles):
+    """Rank 0: clean up after crashed runs, pick the run folder and config (new, --resume or elastic
+    restart), start the controller. Returns (what every rank needs, the controller, the run)."""
+    from staleflow.launch.resume import prepare_run
+
+    cleanup_stale_run_files()
+    run_id = uuid.uuid4().hex[:10]
+    claim_run_folder(run_id)
+    try:
+        run = None if cfg.smoke else prepare_run(cfg, defaults)
+    except ConfigError as e:
+        return {"run_id": run_id, "error": str(e)}, None, None
+    for note in (run.notes if run else []):
+        print(f"staleflow: {note}", file=sys.stderr, flush=True)
+    cfg = run.cfg if run else cfg
+    run_dir = run.run_dir if run else ""
+    controller = _start_controller(cfg, run_id, roles.world_size, run_dir)
+    shared = {"run_id": run_id, "error": "", "run_dir": run_dir, "cfg": cfg, "controller_pid": controller.pid,
+              "resume_from": run.resume_from if run else "", "node": os.environ.get("GROUP_RANK", "0")}
+    return shared, controller, run
 
 
 def _load_model_info(ctx: RankContext) -> tuple[object, dict]:
@@ -145,37 +108,32 @@ def smoke_loop(ctx: RankContext, model) -> None:
             return
 
 
-def run_rank(cfg: RunConfig, roles: Roles, env: rankdist.RankEnv) -> int:
+def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv) -> int:
     import torch.distributed as dist
 
     rank = env.rank
     device = rankdist.pick_device(env.local_rank)
     rankdist.set_device(device)
     trainer_group = rankdist.init_groups(roles, rank, device)
-    controller = None
+    controller = run = None
+    obj = [None]
     if rank == 0:
-        cleanup_stale_run_files()
-        run_id = uuid.uuid4().hex[:10]
-        claim_run_folder(run_id)
-        try:
-            run_dir = "" if cfg.smoke else _make_run_dir(cfg)
-        except ConfigError as e:
-            run_dir = f"ERROR {e}"
-        if not run_dir.startswith("ERROR"):
-            controller = _start_controller(cfg, run_id, roles.world_size, run_dir)
-        obj = [run_id, run_dir]
-    else:
-        obj = [None, None]
+        obj[0], controller, run = _start_run(cfg, defaults, roles)
     dist.broadcast_object_list(obj, src=0)
-    run_id, run_dir = obj
-    if run_dir.startswith("ERROR"):
+    shared = obj[0]
+    if shared["error"]:
         if rank == 0:
-            print(f"staleflow: config error: {run_dir[6:]}", file=sys.stderr, flush=True)
-            remove_run_folder(run_id)
+            print(f"staleflow: config error: {shared['error']}", file=sys.stderr, flush=True)
+            remove_run_folder(shared["run_id"])
         return 2
+    run_id, cfg = shared["run_id"], shared["cfg"]
+    same_node = shared["node"] == str(env.node_rank)
     client = ControlClient(control_address(run_id), rank)
-    ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, run_dir=run_dir,
-                      trainer_group=trainer_group, device=device)
+    ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, run_dir=shared["run_dir"],
+                      trainer_group=trainer_group, device=device, resume_from=shared["resume_from"],
+                      controller_pid=shared["controller_pid"] if same_node else 0)
+    set_title(f"staleflow[trainer {rank}]" if ctx.role == "trainer"
+              else f"staleflow[rollout {roles.instance_id(rank)}]")
     client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname()))
     ok, reason = True, ""
     worker = None
@@ -185,16 +143,16 @@ def run_rank(cfg: RunConfig, roles: Roles, env: rankdist.RankEnv) -> int:
             worker, more = make_worker(ctx, model)
             info.update(more)
         client.send(Ready(rank=rank, info=info))
-        _TERM["defer"] = True
+        defer_signals(forward_to=controller.pid if controller is not None else None)
         if worker is None:
             smoke_loop(ctx, model)
         else:
             worker.run()
     except RunStopped as e:  # the controller reports the cause; only rank 0 carries the exit code
-        ok, reason = rank != 0, f"stopped by the controller: {e}"
-    except KeyboardInterrupt:
-        ok, reason = False, "interrupted"
-    except Exception as e:  # report to the controller in one line, keep the traceback for the log
+        ok, reason = rank != 0, f"stopped: {e}"
+    except KeyboardInterrupt as e:
+        ok, reason = False, f"interrupted ({e})" if str(e) else "interrupted"
+    except (Exception, _checkpoint_exception()) as e:  # one line to the controller, the traceback to the log
         ok, reason = False, f"{type(e).__name__}: {e}"
         traceback.print_exc()
         client.send(Failure(rank=rank, error=reason))
@@ -207,39 +165,55 @@ def run_rank(cfg: RunConfig, roles: Roles, env: rankdist.RankEnv) -> int:
             client.close()
     code = 0 if ok else 1
     if controller is not None:
-        try:
-            controller.join(timeout=30)
-        except KeyboardInterrupt:
-            pass
-        if controller.is_alive():
-            controller.terminate()
-            controller.join(timeout=5)
-        if controller.exitcode not in (0, None):
-            code = controller.exitcode if controller.exitcode > 0 else 1
-        remove_run_folder(run_id)
-        cleanup_stale_run_files()  # segments of ranks that died without unlinking them
+        from staleflow.launch.resume import elastic_pointer, is_fatal, remove_if_empty
+
+        code = _finish_controller(controller, run_id, code)
+        if code != 0 and run is not None and run.created:
+            remove_if_empty(run.run_dir)  # died while starting: no empty run folder is left behind
+        pointer = elastic_pointer()
+        if code == 2 and is_fatal() and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            code = 0  # bad input: exit 0 so that torchrun does not restart; launch.sh reads the mark, exits 2
+        elif pointer is not None and code in (0, 130, 143):  # finished or stopped on purpose: no restart follows
+            pointer.unlink(missing_ok=True)
     if not ok and rank == 0 and reason:
         print(f"staleflow: rank {rank}: {reason}", file=sys.stderr, flush=True)
     return code
 
 
-TERM_GRACE_S = 20.0  # torchrun SIGKILLs 30 s after its SIGTERM
-_TERM: dict = {"defer": False, "at": None}
+def _checkpoint_exception():
+    """torch.distributed.checkpoint's CheckpointException is a BaseException: name it to catch it."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:
+        return Exception
+    return CheckpointException
 
 
-def _on_sigterm(signum, _frame):
-    """Before the rank loop: stop at once. In the loop: note it; RankContext.recv stops (after a grace)."""
-    if not _TERM["defer"]:
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-    if _TERM["at"] is None:
-        _TERM["at"] = time.monotonic()
+def _finish_controller(controller, run_id: str, code: int) -> int:
+    """Rank 0: wait for the controller (bounded), take its exit code, remove the run's files."""
+    try:
+        controller.join(timeout=60)
+    except KeyboardInterrupt:
+        controller.join(timeout=30)
+    if controller.is_alive():
+        controller.terminate()
+        controller.join(timeout=5)
+    if controller.exitcode not in (0, None):
+        code = controller.exitcode if controller.exitcode > 0 else 1
+    remove_run_folder(run_id)
+    cleanup_stale_run_files()  # segments of ranks that died without unlinking them
+    return code
 
 
 def main(argv: list[str]) -> int:
     from staleflow.cli import parse
 
+    from staleflow.cli import split_preset
+
     rank_env = os.environ.get("RANK", "0")
+    install_signal_handlers()
     try:
+        defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
         cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
         env = rankdist.read_env()
         roles = Roles(env.world_size, cfg.rollout.ranks)
@@ -247,14 +221,13 @@ def main(argv: list[str]) -> int:
         if rank_env == "0":
             print(f"staleflow: config error: {e}", file=sys.stderr, flush=True)
         return 2
-    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         _prepare_model(cfg)
     except (AliasError, ModelLoadError) as e:
         if rank_env == "0":
             print(f"staleflow: {e}", file=sys.stderr, flush=True)
         return 2
-    return run_rank(cfg, roles, env)
+    return run_rank(cfg, defaults, roles, env)
 
 
 def _prepare_model(cfg: RunConfig) -> None:

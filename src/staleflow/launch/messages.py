@@ -176,8 +176,12 @@ class SaveState(msgspec.Struct, tag=True):
 
 
 class Saved(msgspec.Struct, tag=True):
+    """Trainer leader -> controller: the checkpoint of `step` is written (error: it failed, and the
+    previous checkpoint is untouched)."""
+
     step: int
     path: str
+    error: str = ""
 
 
 for _cls in (RouteTraj, Interrupt, Abort, Pull, InstanceSnapshot, FreeRecords, TrajDone, Pulled, TrainStep,

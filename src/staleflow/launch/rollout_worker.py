@@ -33,14 +33,9 @@ def build_engine(ctx, model):
         from staleflow.rollout.vllm_engine import VllmEngine  # optional extra; clear error when missing
 
         return VllmEngine.from_config(ctx.cfg.model, rc, model_path=ctx.cfg.model.path)
-    from staleflow.rollout.builtin_engine import BuiltinEngine, rollout_dtype
+    from staleflow.rollout.builtin_engine import BuiltinEngine
 
-    dtype = rollout_dtype(ctx.cfg.model, rc, next(model.parameters()).device)
-    if next(model.parameters()).dtype != dtype:  # the rank loaded the model in fp32
-        model = model.to(dtype)
-    return BuiltinEngine(model, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens, block_size=rc.block_size,
-                         prefill_chunk_tokens=rc.prefill_chunk_tokens, max_model_len=rc.max_model_len,
-                         seed=ctx.cfg.seed * 1000 + ctx.rank, profile=rc.profile)
+    return BuiltinEngine.from_config(ctx.cfg.model, rc, model=model, seed=ctx.cfg.seed * 1000 + ctx.rank)
 
 
 class RolloutWorker:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from staleflow.launch.messages import SaveState, Saved, Shutdown, StepDone, TrainStep
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.train.batch import TrajectorySample
-from staleflow.train.checkpoint import export_hf, load_checkpoint, latest_checkpoint, save_checkpoint
+from staleflow.train.checkpoint import CheckpointError, export_hf, load_checkpoint, save_checkpoint
 from staleflow.train.trainer import Trainer
 
 
@@ -36,12 +36,15 @@ class TrainerWorker:
                                max_response_tokens=cfg.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
         self.run_dir = ctx.run_dir
         self.resume_extra: dict = {}
-        if cfg.resume:
-            ckpt = latest_checkpoint(os.path.join(cfg.resume, "checkpoints"))
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume={cfg.resume!r}: no checkpoint under {cfg.resume}/checkpoints; "
-                                        f"start a new run without --resume")
-            self.resume_extra = load_checkpoint(self.trainer, ckpt)
+        if ctx.resume_from:  # chosen by rank 0 (launch/resume.py): the newest intact checkpoint
+            try:
+                self.resume_extra = load_checkpoint(self.trainer, ctx.resume_from)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise CheckpointError(f"cannot load {ctx.resume_from} into {cfg.model.path!r}: "
+                                      f"{str(e).splitlines()[0][:300]} (was the run started with another model?)"
+                                      ) from None
         if self.leader:
             ps_device = self.device if self.device.type == "cuda" else "cpu"
             self.ps = ParameterServer.create(ctx.run_id, layout, device=ps_device)
@@ -95,15 +98,25 @@ class TrainerWorker:
             self.ctx.client.send(StepDone(version=self.trainer.version, metrics=clean, train_s=train_s, push_s=push_s))
 
     def save(self, msg: SaveState) -> None:
+        """Save (collectively); a failure (disk full, DCP error) is reported, not raised: the
+        previous checkpoint stays valid and the controller decides what to do."""
         cfg = self.ctx.cfg
-        path = save_checkpoint(self.trainer, os.path.join(self.run_dir, "checkpoints"), extra=msg.extra,
-                               keep=cfg.checkpoint.keep)
-        if msg.export_dir:
-            from staleflow.model import resolve_model_path
+        try:
+            path = save_checkpoint(self.trainer, os.path.join(self.run_dir, "checkpoints"), extra=msg.extra,
+                                   keep=cfg.checkpoint.keep)
+            if msg.export_dir:
+                from staleflow.model import resolve_model_path
 
-            export_hf(self.trainer, msg.export_dir, tokenizer_from=resolve_model_path(cfg.model.path))
+                export_hf(self.trainer, msg.export_dir, tokenizer_from=resolve_model_path(cfg.model.path))
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            if self.leader:
+                self.ctx.client.send(Saved(step=msg.step, path="", error=f"{type(e).__name__}: "
+                                                                         f"{str(e).splitlines()[0][:300]}"))
+            return
         if self.leader:
-            self.ctx.client.send(Saved(step=msg.step, path=str(path)))
+            self.ctx.client.send(Saved(step=self.trainer.version, path=str(path)))
 
     def run(self) -> None:
         while True:

@@ -25,6 +25,7 @@ from staleflow.coordinator import Coordinator, Pull, load_cost_model
 from staleflow.launch.backend import RuntimeBackend
 from staleflow.launch.hub import RankDied
 from staleflow.launch.messages import SaveState, StepDone
+from staleflow.launch.resume import read_ids, write_ids
 from staleflow.metrics.progress import ProgressDisplay
 from staleflow.metrics.writer import MetricsWriter, save_config
 from staleflow.protocol import StalenessManager
@@ -57,11 +58,12 @@ class TrainingJob:
         from staleflow.data import Prompt, PromptSource
         from staleflow.model import load_tokenizer, resolve_model_path
         from staleflow.reward import RewardPool
+        from staleflow.reward.functions import answer_problem
 
         self.ctl, self.cfg, self.run_dir = ctl, cfg, ctl.run_dir
         s = cfg.staleness
         tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
-        self.source = PromptSource(cfg.data, tokenizer)
+        self.source = PromptSource(cfg.data, tokenizer, answer_check=lambda a: answer_problem(cfg.reward.fn, a))
         self.rewards = RewardPool(cfg.reward)
         version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)
         manager = StalenessManager(s.eta, s.batch_size, capacity=s.batch_size + s.batch_redundancy,
@@ -72,7 +74,9 @@ class TrainingJob:
                             straggler=s.straggler, straggler_threshold=s.straggler_threshold, version=version,
                             label=cfg.mode)
         extra = ctl.infos[0].get("resume_extra") or {}
-        ledger = Ledger(extra.get("next_traj", 0), extra.get("next_group", 0))
+        ids = read_ids(self.run_dir)  # written every step: ids never repeat, even past the checkpoint
+        ledger = Ledger(max(extra.get("next_traj", 0), ids.get("next_traj", 0)),
+                        max(extra.get("next_group", 0), ids.get("next_group", 0)))
         self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.log.tensorboard)
         save_config(self.run_dir, cfg)
         self.backend = RuntimeBackend(ctl, cfg, tokenizer, self.rewards, self.writer)
@@ -114,9 +118,12 @@ class TrainingJob:
             row["reward_first_error"] = self.loop.first_reward_error
         self._last_log = (now, tokens, self.samples)
         self.writer.log_step(rec.version, row)
+        led = self.loop.ledger
+        write_ids(self.run_dir, led.next_traj, led.next_group)
         self.progress.update(ev.version, row)
         every = self.cfg.checkpoint.every
         self.save_due = bool(every) and ev.version % every == 0 and ev.version < self.cfg.steps
+        self.loop.hold_training = self.save_due  # the checkpoint holds exactly this version
 
     # ---- checkpoints -------------------------------------------------------------------------
     def resume_state(self) -> dict:
@@ -125,35 +132,60 @@ class TrainingJob:
                 "requeue": [dataclasses.asdict(p) for p in led["live_prompts"]], "counts": dict(self.loop.counts),
                 "next_group": led["next_group"], "next_traj": led["next_traj"]}
 
-    def save(self, export: bool) -> None:
-        """Checkpoint collectively on the trainer ranks; events keep flowing into the loop meanwhile."""
+    def save(self, export: bool, timeout_s: float = 600.0, final: bool = False) -> bool:
+        """Checkpoint collectively on the trainer ranks; events keep flowing into the loop meanwhile.
+
+        A failed periodic save (disk full, DCP error) is reported and the run goes on: the previous
+        checkpoint is untouched. A failed final save fails the run."""
         t0 = time.time()
         self.save_due = False
+        assert self.loop.training is None, "a checkpoint is taken between two steps"
         export_dir = os.path.join(self.run_dir, "hf") if export else ""
         self.backend.saved = None
         self.ctl.broadcast(SaveState(step=self.loop.version, extra=self.resume_state(), export_dir=export_dir),
                            ranks=self.ctl.roles.trainer_ranks)
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + timeout_s
         while self.backend.saved is None:
             if time.monotonic() > deadline:
-                raise RuntimeError("the trainer did not finish saving the checkpoint within 600 s")
+                raise RuntimeError(f"the trainer did not finish saving the checkpoint within {timeout_s:.0f} s")
             for ev in self.backend.poll(time.monotonic() + 0.05):
                 self.loop.handle(ev)
         self.writer.log_span(0, "checkpoint", t0, time.time())
+        self.loop.hold_training = False
+        if self.backend.saved.step != self.loop.version and not self.backend.saved.error:
+            raise RuntimeError(f"the trainer saved version {self.backend.saved.step}, the controller's resume state "
+                               f"is for {self.loop.version}")
+        if self.backend.saved.error:
+            msg = (f"checkpoint of version {self.loop.version} failed ({self.backend.saved.error}); the previous "
+                   f"checkpoint is still valid")
+            if final:
+                raise RuntimeError(msg)
+            print(f"staleflow: warning: {msg}; the run goes on", file=sys.stderr, flush=True)
+            return False
+        return True
 
-    def emergency_save(self, err: RankDied) -> None:
-        """A rollout rank died: finish the running step and save a resumable checkpoint before stopping."""
-        self.ctl.left.add(err.rank)
-        self.ctl.grace_s = 20.0  # torchrun's SIGTERM to the survivors follows the death; finish the save
-        print(f"staleflow: {err}; saving a checkpoint before stopping", file=sys.stderr, flush=True)
-        deadline = time.monotonic() + 600
-        while self.loop.training is not None and time.monotonic() < deadline:
-            got = self.ctl.recv(1.0)
-            if got is not None and isinstance(got[1], StepDone):
-                for ev in self.backend.events_of(*got):
-                    self.loop.handle(ev)
-        self.save(export=False)
-        print(f"staleflow: resume with --resume {self.run_dir}", file=sys.stderr, flush=True)
+    def save_before_stop(self, why: str, grace_s: float = 18.0) -> None:
+        """The run is stopping (a rank died, a signal): finish the running step and save a
+        resumable checkpoint, within the grace the trainer ranks keep after their SIGTERM."""
+        self.ctl.grace_s = grace_s + 2.0  # a stop request waits this long: the save comes first
+        deadline = time.monotonic() + grace_s
+        print(f"staleflow: {why}; saving a checkpoint before stopping", file=sys.stderr, flush=True)
+        try:
+            while self.loop.training is not None and time.monotonic() < deadline:
+                got = self.ctl.recv(0.5)
+                if got is not None and isinstance(got[1], StepDone):
+                    for ev in self.backend.events_of(*got):
+                        self.loop.handle(ev)
+            if self.loop.training is not None:
+                print("staleflow: the training step did not finish in time; the last checkpoint stays the resume "
+                      "point", file=sys.stderr, flush=True)
+                return
+            if self.save(export=False, timeout_s=max(1.0, deadline - time.monotonic())):
+                print(f"staleflow: saved version {self.loop.version}; resume with --resume {self.run_dir} "
+                      f"(launch.sh restarts resume by themselves)", file=sys.stderr, flush=True)
+        except (RankDied, RuntimeError) as e:
+            print(f"staleflow: no checkpoint on the way out ({e}); the last checkpoint stays the resume point",
+                  file=sys.stderr, flush=True)
 
     # ---- the job -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -161,7 +193,11 @@ class TrainingJob:
             self._run()
         except RankDied as e:
             if e.rank is not None and self.ctl.roles.role(e.rank) == "rollout":
-                self.emergency_save(e)
+                self.ctl.left.add(e.rank)
+                self.save_before_stop(str(e))
+            raise
+        except KeyboardInterrupt as e:
+            self.save_before_stop(str(e) or "interrupted")
             raise
         finally:
             self.rewards.close()
@@ -179,7 +215,7 @@ class TrainingJob:
             next_tick = loop.turn(next_tick)
             if self.save_due:
                 self.save(export=False)
-        self.save(export=self.cfg.checkpoint.export_hf)
+        self.save(export=self.cfg.checkpoint.export_hf, final=True)
         self.progress.close()
         if self.cfg.log.plot:
             from staleflow.metrics.report import make_report

@@ -21,7 +21,7 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    steps = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if not r.get("superseded")]
     spans = read_jsonl(os.path.join(run_dir, "timeline.jsonl"))
     if not steps:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl has no steps: nothing to report (did the run train?)")

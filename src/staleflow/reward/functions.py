@@ -117,6 +117,21 @@ def countdown_reward(completion: str, answer: str, meta: dict) -> float:
     return 1.0 if ok else 0.0
 
 
+def answer_problem(spec: str, answer: str) -> str | None:
+    """Why the reward `spec` can never score a dataset answer (None: it can). Checked when the
+    data is loaded, so an unscorable row is reported with its row number instead of failing at
+    every reward call: e.g. ``\\frac{5}{2}`` under the integer ``arithmetic`` reward."""
+    if spec == "arithmetic" and parse_int(str(answer)) is None:
+        return f"answer {answer!r} is not an integer: the arithmetic reward scores integer answers only " \
+               f"(use --reward.fn math)"
+    if spec == "math":
+        from math_verify import parse
+
+        if not parse(str(answer)) and not parse(f"${answer}$"):
+            return f"math-verify cannot parse the answer {answer!r}"
+    return None
+
+
 def resolve_reward_fn(spec: str) -> RewardFn:
     """A registered name or 'module:function'; RewardError naming the problem and the fix otherwise."""
     if spec in REWARDS:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import multiprocessing as mp
+import os
 import signal
 import time
 from multiprocessing.connection import Connection, wait
@@ -46,10 +47,17 @@ def _die_with_parent() -> None:
         pass  # not Linux: the worker still exits when its pipe closes
 
 
-def _worker_main(conn: Connection, fn_spec: str, format_weight: float) -> None:
+def _worker_main(conn: Connection, fn_spec: str, format_weight: float, index: int = 0) -> None:
     """Worker loop: resolve the function once, then score jobs until told to stop (None)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    try:
+        os.environ["SPT_NOENV"] = "1"  # keep /proc/<pid>/environ readable (see launch/rank.set_title)
+        import setproctitle
+
+        setproctitle.setproctitle(f"staleflow[reward {index}]")
+    except ImportError:  # a declared dependency; without it only the process title is lost
+        pass
     try:
         fn = resolve_reward_fn(fn_spec)
         if fn_spec == "math":
@@ -73,9 +81,10 @@ def _worker_main(conn: Connection, fn_spec: str, format_weight: float) -> None:
 class _Worker:
     """One worker process and the job it is running (if any)."""
 
-    def __init__(self, ctx, fn_spec: str, format_weight: float):
+    def __init__(self, ctx, fn_spec: str, format_weight: float, index: int = 0):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, fn_spec, format_weight),
+        self.index = index
+        self.proc = ctx.Process(target=_worker_main, args=(child, fn_spec, format_weight, index),
                                 name="staleflow-reward", daemon=True)
         self.proc.start()
         child.close()
@@ -101,7 +110,7 @@ class RewardPool:
             raise RewardError(f"RewardPool workers={self.num_workers} is invalid: must be >= 0 (0 = inline)")
         self.timeout_s = cfg.timeout_s if timeout_s is None else timeout_s
         self._ctx = mp.get_context("spawn")
-        self._workers = [_Worker(self._ctx, cfg.fn, cfg.format_weight) for _ in range(self.num_workers)]
+        self._workers = [_Worker(self._ctx, cfg.fn, cfg.format_weight, i) for i in range(self.num_workers)]
         self._inline = resolve_reward_fn(cfg.fn) if self.num_workers == 0 else None
         self._queue: collections.deque[tuple[int, str, str, dict]] = collections.deque()
         self._keys: dict[int, object] = {}  # job id -> key, until the result is finished
@@ -196,7 +205,7 @@ class RewardPool:
         w.jobs.clear()
         w.kill()
         self.counters["restarts"] += 1
-        fresh = _Worker(self._ctx, self.cfg.fn, self.cfg.format_weight)
+        fresh = _Worker(self._ctx, self.cfg.fn, self.cfg.format_weight, w.index)
         self._workers[self._workers.index(w)] = fresh
         return fresh
 

@@ -74,18 +74,27 @@ class BuiltinEngine:
 
     @classmethod
     def from_config(cls, model_cfg, rollout_cfg, device: str | torch.device | None = None,
-                    version: int = 0, profile: bool | None = None) -> "BuiltinEngine":
-        """Build from ModelConfig + RolloutConfig (staleflow.config); loads the model."""
+                    version: int = 0, profile: bool | None = None, model: CausalLM | None = None,
+                    seed: int = 0) -> "BuiltinEngine":
+        """The one way to build an engine from ModelConfig + RolloutConfig (staleflow.config).
+
+        `model`: an already loaded CausalLM (a rollout rank's), cast here to the rollout dtype;
+        None loads --model.path onto `device`."""
         from staleflow.model import load_model
 
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = load_model(model_cfg.path, dtype=rollout_dtype(model_cfg, rollout_cfg, device), device=device)
-        return cls(model, max_running=rollout_cfg.max_running, max_kv_tokens=rollout_cfg.max_kv_tokens,
-                   block_size=rollout_cfg.block_size, prefill_chunk_tokens=rollout_cfg.prefill_chunk_tokens,
-                   max_model_len=rollout_cfg.max_model_len, version=version,
-                   profile=rollout_cfg.profile if profile is None else profile,
-                   decode_backend=getattr(rollout_cfg, "decode_backend", "auto"),
-                   prefix_sharing=getattr(rollout_cfg, "prefix_sharing", True))
+        if model is not None:
+            device = next(model.parameters()).device
+            dtype = rollout_dtype(model_cfg, rollout_cfg, device)
+            if next(model.parameters()).dtype != dtype:  # a rank loads fp32 weights
+                model = model.to(dtype)
+        else:
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = load_model(model_cfg.path, dtype=rollout_dtype(model_cfg, rollout_cfg, device), device=device)
+        rc = rollout_cfg
+        return cls(model, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens, block_size=rc.block_size,
+                   prefill_chunk_tokens=rc.prefill_chunk_tokens, max_model_len=rc.max_model_len, version=version,
+                   seed=seed, profile=rc.profile if profile is None else profile,
+                   decode_backend=rc.decode_backend, prefix_sharing=rc.prefix_sharing)
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:

@@ -185,6 +185,22 @@ def list_segments(prefix: str = PREFIX) -> list[str]:
         return []
 
 
+def segment_owner(name: str) -> tuple[int, int] | None:
+    """(creator pid, its start time; 0 = unknown) of a segment or leftover temp file, or None if the
+    file is not one of ours (we never touch a file we cannot attribute)."""
+    try:
+        with open(segment_path(name), "rb") as f:
+            head = f.read(_PREFIX.size)
+    except OSError:
+        return None
+    if len(head) == _PREFIX.size and head[:8] == MAGIC:
+        _, _, pid, start, _ = _PREFIX.unpack(head)
+        return pid, start
+    if ".tmp" in name and name.rsplit(".tmp", 1)[1].isdigit():
+        return int(name.rsplit(".tmp", 1)[1]), 0
+    return None
+
+
 def cleanup_stale_segments(prefix: str = PREFIX) -> list[str]:
     """Remove segments (and leftover temp files) of runs whose creating process is dead.
 
@@ -194,17 +210,10 @@ def cleanup_stale_segments(prefix: str = PREFIX) -> list[str]:
     removed = []
     for name in list_segments(prefix):
         path = segment_path(name)
-        try:
-            with open(path, "rb") as f:
-                head = f.read(_PREFIX.size)
-        except OSError:
+        owner = segment_owner(name)
+        if owner is None:
             continue
-        if len(head) == _PREFIX.size and head[:8] == MAGIC:
-            _, _, pid, start, _ = _PREFIX.unpack(head)
-        elif ".tmp" in name and name.rsplit(".tmp", 1)[1].isdigit():
-            pid, start = int(name.rsplit(".tmp", 1)[1]), 0
-        else:
-            continue  # not ours: never delete a file we cannot attribute
+        pid, start = owner
         if not _pid_alive(pid, start):
             try:
                 os.unlink(path)

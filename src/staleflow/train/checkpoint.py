@@ -6,14 +6,16 @@
 
 A checkpoint folder ``step_{version:08d}`` holds the sharded model + optimizer state written
 by torch.distributed.checkpoint (each rank writes its own shards; it reloads on any number of
-ranks), ``trainer_state.pt`` (version, LR scheduler, an ``extra`` dict the runtime fills, e.g.
-the staleness manager and queues), ``rng_{rank}.pt`` and, written last, ``manifest.json`` with the
-size and sha256 of every file. Saving steps: all ranks write into ``.tmp-step_*``; barrier;
+ranks), ``trainer_state.json`` (version, LR scheduler, an ``extra`` dict the runtime fills: the
+controller's resume state), ``rng_{rank}.pt`` (tensors and ints only: loaded with
+``weights_only=True``, so a crafted file cannot run code) and, written last, ``manifest.json``
+with the size and sha256 of every file. Saving steps: all ranks write into ``.tmp-step_*``; barrier;
 rank 0 writes the trainer state and the manifest and renames the folder into place (an atomic
 rename on one filesystem), then deletes all but the newest `keep` checkpoints. A crash leaves at
 most a ``.tmp-`` folder that `latest_checkpoint` ignores; the previous checkpoint is untouched.
 Loading verifies the manifest first and raises CheckpointError naming the bad file and the
-previous checkpoint to fall back to.
+previous checkpoint to fall back to; ``find_resume_checkpoint`` picks the newest intact one and
+says in a warning when it had to skip a newer, damaged one (steps will be repeated).
 """
 
 from __future__ import annotations
@@ -82,6 +84,30 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def find_resume_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and a warning for every newer one that did not.
+
+    A ``step_*`` folder without its manifest (deleted, or a crash after the rename on a foreign
+    file system) or whose files do not match it is skipped loudly: resuming from an older
+    checkpoint repeats steps, and the user must know."""
+    root = Path(root)
+    if not root.is_dir():
+        return None, []
+    folders = sorted((p for p in root.iterdir() if p.is_dir() and _version_of(p) is not None), key=_version_of)
+    warnings_: list[str] = []
+    for path in reversed(folders):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            warnings_.append(f"skipping checkpoint {path.name}: {str(e).split('; the previous')[0]}")
+            continue
+        if warnings_:
+            warnings_.append(f"resuming from the older checkpoint {path.name}: steps after version "
+                             f"{_version_of(path)} are trained again")
+        return path, warnings_
+    return None, warnings_
+
+
 def verify_checkpoint(path: str | Path) -> dict:
     """Check every file against the manifest; return the manifest or raise CheckpointError."""
     path = Path(path)
@@ -111,7 +137,8 @@ def _dcp_state(trainer):
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """Tensors, ints and tuples only (weights_only=True loads it)."""
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate())}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -137,13 +164,9 @@ def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: 
     torch.save(_rng_state(), tmp / f"rng_{trainer.rank}.pt")
     _barrier(trainer)
     if trainer.rank == 0:
-        torch.save({
-            "version": trainer.version,
-            "optimizer_steps": trainer.optimizer_steps,
-            "scheduler": trainer.scheduler.state_dict(),
-            "world": trainer.world,
-            "extra": extra or {},
-        }, tmp / "trainer_state.pt")
+        state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
+                 "scheduler": trainer.scheduler.state_dict(), "world": trainer.world, "extra": extra or {}}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
         files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
                  for f in sorted(tmp.rglob("*")) if f.is_file()}
         manifest = {"version": trainer.version, "world": trainer.world, "files": files}
@@ -172,14 +195,18 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
         dcp.load(state, checkpoint_id=str(path), process_group=trainer.group, no_dist=not trainer.sharded)
     set_state_dict(trainer.policy, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    meta = torch.load(path / "trainer_state.pt", weights_only=False)
+    try:
+        meta = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable trainer_state.json ({e})") from None
     trainer.version = meta["version"]
     trainer.optimizer_steps = meta["optimizer_steps"]
     trainer.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / f"rng_{trainer.rank}.pt"
-    rng = torch.load(rng_file if rng_file.is_file() else path / "rng_0.pt", weights_only=False)
+    rng = torch.load(rng_file if rng_file.is_file() else path / "rng_0.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return meta["extra"]

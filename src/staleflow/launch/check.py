@@ -1,0 +1,53 @@
+"""``python -m staleflow check [train flags]``: everything about a run that can be checked before
+any process starts. launch.sh runs it first, so a bad flag, a missing model folder or package,
+an unimportable reward function, a missing data file or a --resume that cannot work is one line
+and exit 2, printed once, with no torchrun traceback and no elastic restarts of a doomed run.
+
+It also builds the model alias on first use (one process, before torchrun starts the ranks).
+STALEFLOW_NPROC (set by launch.sh) is the number of processes the run will have.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from staleflow.config import ConfigError, RunConfig, resolve
+from staleflow.presets import PRESETS
+
+
+def check(argv: list[str]) -> RunConfig:
+    from staleflow.cli import parse, split_preset
+    from staleflow.data.tasks import TASKS
+    from staleflow.launch.roles import Roles
+    from staleflow.model.loader import resolve_model_path
+    from staleflow.reward.functions import resolve_reward_fn
+
+    defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
+    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
+    nproc = os.environ.get("STALEFLOW_NPROC")
+    if nproc:
+        Roles(int(nproc), cfg.rollout.ranks)
+    if cfg.resume:
+        from staleflow.launch.resume import check_resume
+
+        cfg = check_resume(cfg, defaults)
+    resolve_model_path(cfg.model.path)
+    resolve_reward_fn(cfg.reward.fn)
+    if cfg.data.source not in TASKS and not os.path.isfile(cfg.data.source):
+        raise ConfigError(f"--data.source={cfg.data.source!r} is neither a built-in task ({', '.join(TASKS)}) "
+                          f"nor an existing .jsonl / .parquet file")
+    return cfg
+
+
+def main(argv: list[str]) -> int:
+    from staleflow.model.aliases import AliasError
+    from staleflow.model.hf import ModelLoadError
+    from staleflow.reward.functions import RewardError
+
+    try:
+        check(argv)
+    except (ConfigError, AliasError, ModelLoadError, RewardError) as e:
+        print(f"staleflow: {'config error: ' if isinstance(e, ConfigError) else ''}{e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
