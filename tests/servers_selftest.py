@@ -57,7 +57,7 @@ def run_param(args, rank: int, world: int) -> dict:
     group = dist.new_group(list(range(1, world)))  # every rank creates it, before anything else
     if rank == 0:
         layout = ParamLayout.from_named_tensors(version_tensors(0))
-        ps = ParameterServer.create(args.run_id, layout, device=device)
+        ps = ParameterServer.create(args.run_id, layout, device=device, readers=world)  # reader index = rank
         dist.barrier()
         for v in range(1, versions + 1):
             ps.begin_push(v)
@@ -71,7 +71,7 @@ def run_param(args, rank: int, world: int) -> dict:
         stats = {"pushed": versions}
     else:
         dist.barrier()
-        ps = ParameterServer.attach(args.run_id, timeout=30)
+        ps = ParameterServer.attach(args.run_id, timeout=30, reader=rank)
         out = ps.layout.empty(device)
         pulled, gone, last = [], 0, None
         while last != versions:

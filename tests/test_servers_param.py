@@ -180,8 +180,8 @@ def test_bad_pushes_and_pulls(servers):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_slots_round_trip_in_process():
     run = "g" + uuid.uuid4().hex[:10]
-    leader = ParameterServer.create(run, ParamLayout.from_named_tensors(_state(0)), device="cuda")
-    reader = ParameterServer.attach(run)
+    leader = ParameterServer.create(run, ParamLayout.from_named_tensors(_state(0)), device="cuda", readers=1)
+    reader = ParameterServer.attach(run, reader=0)
     try:
         _push(leader, 1, {k: v.cuda() for k, v in _state(1).items()})
         out = {k: v.cuda() for k, v in reader.layout.empty().items()}

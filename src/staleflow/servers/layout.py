@@ -4,6 +4,11 @@ Built once from the policy's state dict (on the trainer leader, with full, unsha
 it travels to every rank inside control messages (a msgspec Struct) and is also stored in
 each parameter-server slot, so a rollout engine can load a version in place, name by name.
 Offsets are aligned (256 bytes by default) so every parameter view is aligned for any dtype.
+
+A slot can be split into ``pieces`` (one per trainer GPU on CUDA): piece p holds rows
+``piece_rows(shape, pieces, p)`` of every parameter, the rows FSDP2 gives trainer rank p
+(torch.chunk along dim 0: ceil(n / pieces) rows per piece), so each trainer rank writes its
+shards into a piece on its own GPU. ``split(pieces)`` is the layout of each piece.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ def dtype_of(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype name {name!r} is not supported: use one of {sorted(_DTYPES)}") from None
+
+
+def piece_rows(shape: tuple[int, ...], pieces: int, piece: int) -> tuple[int, int]:
+    """Rows [a, b) of dim 0 held by ``piece`` of ``pieces`` (FSDP2's dim-0 chunking: rank r holds
+    rows [r*c, min((r+1)*c, n)), c = ceil(n / pieces)). A 0-dim tensor counts as one row, in piece 0."""
+    n = shape[0] if shape else 1
+    c = -(-n // pieces)
+    return min(piece * c, n), min((piece + 1) * c, n)
 
 
 class ParamEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -67,21 +80,45 @@ class ParamLayout(msgspec.Struct, frozen=True):
         ``dtype`` overrides every floating-point parameter's dtype (e.g. bfloat16 slots for fp32
         master weights); only shapes and dtypes are read, never the values.
         """
+        items = list(named.items()) if isinstance(named, Mapping) else list(named)
+        specs = [(name, tuple(int(s) for s in t.shape),
+                  dtype_name(dtype if dtype is not None and t.is_floating_point() else t.dtype)) for name, t in items]
+        if not specs:
+            raise ValueError("ParamLayout.from_named_tensors got no tensors: pass a non-empty state dict")
+        return cls.from_specs(specs, align)
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[tuple[str, tuple[int, ...], str]], align: int = 256) -> ParamLayout:
+        """Layout of (name, shape, dtype name) triples, in their order."""
         if align <= 0 or align & (align - 1):
             raise ValueError(f"ParamLayout align={align} is invalid: must be a power of two")
-        items = list(named.items()) if isinstance(named, Mapping) else list(named)
         entries, offset, seen = [], 0, set()
-        for name, t in items:
+        for name, shape, dt in specs:
             if name in seen:
                 raise ValueError(f"parameter name {name!r} appears twice: names must be unique")
             seen.add(name)
-            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
-            e = ParamEntry(name, offset, tuple(int(s) for s in t.shape), dtype_name(dt))
+            e = ParamEntry(name, offset, tuple(shape), dtype_name(dtype_of(dt)))
             entries.append(e)
             offset += (e.nbytes + align - 1) // align * align
-        if not entries:
-            raise ValueError("ParamLayout.from_named_tensors got no tensors: pass a non-empty state dict")
         return cls(tuple(entries), offset, align)
+
+    def split(self, pieces: int) -> list[ParamLayout]:
+        """The layout of each of ``pieces`` pieces: piece p holds rows ``piece_rows(shape, pieces, p)``
+        of every parameter (a shape with those rows; zero rows where a parameter has fewer rows
+        than pieces). ``split(1)`` is this layout."""
+        if pieces < 1:
+            raise ValueError(f"split(pieces={pieces}) is invalid: need at least 1 piece")
+        if pieces == 1:
+            return [self]
+        out = []
+        for p in range(pieces):
+            specs = []
+            for e in self.entries:
+                a, b = piece_rows(e.shape, pieces, p)
+                shape = (b - a, *e.shape[1:]) if e.shape else (() if b > a else (0,))
+                specs.append((e.name, shape, e.dtype))
+            out.append(ParamLayout.from_specs(specs, self.align))
+        return out
 
     def index(self) -> dict[str, ParamEntry]:
         """name -> entry (build once and keep)."""

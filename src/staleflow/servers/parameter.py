@@ -1,23 +1,27 @@
 """Parameter Server: versioned, double-buffered weight slots that rollout instances pull.
 
-Two slots, each a segment ``staleflow-<run_id>-ps-<slot>``:
-
-    slot header (64 B): magic, slot u32, state u32 (EMPTY/FILLING/PUBLISHED), version i64,
-                        stamp u64 (seqlock: odd while filling), data offset, layout and
-                        CUDA-handle lengths
-    ParamLayout (msgpack), CUDA IPC handle (device slots only)
-    data (CPU transport): the flat weights, laid out by the layout
+Two slots, each a segment ``staleflow-<run_id>-ps-<slot>`` made by the leader, written in full
+before it appears: a header (slot.py: state EMPTY/FILLING/PUBLISHED, version, seqlock stamp,
+data offset, layout length, pieces, reader handles), the ParamLayout (msgpack) and, on CPU, the
+flat weights. On CUDA a slot's weights live in ``pieces`` GPU pieces (pieces.py): piece p, on
+the GPU of trainer rank p, holds the rows FSDP2 gives rank p of every parameter, so each trainer
+writes only into its own GPU and the slots' memory is spread evenly.
 
 Push (trainer ranks; the creator of the server is the leader)::
 
+    ps = ParameterServer.create(run_id, layout, "cuda:0", pieces=P, readers=K)  # leader, owns piece 0
+    ps = ParameterServer.attach(run_id, piece=r, device="cuda:r")                # trainer rank r
     slot = ps.begin_push(v)        # leader claims the slot not holding the newest version;
                                    # the others wait until the leader has claimed it
-    ps.write_shard(name, shard, offset_in_param)   # every rank writes its own shard
+    ps.write_shard(name, shard, offset_in_param)   # queued copies (cast to the slot dtype)
+    ps.end_push()                  # one device sync per push, not one per parameter
     dist.barrier(trainer_group)
     ps.publish(v)                  # leader only
 
-Pull (rollout ranks): ``latest_version()``, ``pull(v, out=tensors)`` copies in place,
-``pull_latest(out)`` returns (version, tensors).
+Pull (rollout ranks, each with its own reader index): ``attach(run_id, reader=i)``,
+``latest_version()``, ``pull(v, out=tensors)`` copies in place (e.g. straight into an engine's
+parameters, cast on their device), ``pull_latest(out)`` returns (version, tensors),
+``stream(v, device)`` yields whole tensors one by one (a vLLM worker's ``reload_weights``).
 
 Readers never return a torn slot, by two independent guards:
 1. a lock per slot (``flock`` on the slot file): a reader holds it shared while copying and the
@@ -31,117 +35,125 @@ Readers never return a torn slot, by two independent guards:
 from __future__ import annotations
 
 import fcntl
-import os
-import struct
+import math
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
 from staleflow.servers.errors import ServerError, TornRead, VersionNotFound
-from staleflow.servers.layout import ParamLayout
-from staleflow.servers.segment import KIND_PARAM, Segment, check_run_id, segment_path
-from staleflow.servers.transport import cuda_slot_create, cuda_slot_open, cuda_slot_release, sync_device
+from staleflow.servers.layout import ParamLayout, dtype_of, piece_rows
+from staleflow.servers.pieces import Piece
+from staleflow.servers.segment import KIND_PARAM, Segment
+from staleflow.servers.slot import EMPTY, FILLING, NUM_SLOTS, PUBLISHED, SLOT_HEADER, SLOT_MAGIC, _Slot, slot_name
+from staleflow.servers.transport import sync_device
 
-SLOT_HEADER = struct.Struct("<8sIIqQQII")  # magic, slot, state, version, stamp, data offset, layout len, ipc len
-SLOT_MAGIC = b"STLFSLOT"
-EMPTY, FILLING, PUBLISHED = 0, 1, 2
-_STATE, _VERSION, _STAMP = 12, 16, 24  # byte offsets of the mutable header fields
-NUM_SLOTS = 2
-
-
-def slot_name(run_id: str, slot: int) -> str:
-    return f"staleflow-{check_run_id(run_id)}-ps-{slot}"
-
-
-class _Slot:
-    """One mapped slot: its segment, a lock fd, and the flat uint8 weights (CPU view or CUDA tensor)."""
-
-    def __init__(self, seg: Segment, slot: int, layout: ParamLayout, flat: torch.Tensor):
-        self.seg, self.slot, self.flat = seg, slot, flat
-        self.views = layout.views(flat)
-        self.lock_fd = os.open(segment_path(seg.name), os.O_RDWR)
-
-    def header(self) -> tuple[int, int, int]:
-        """(state, version, stamp)."""
-        return (struct.unpack_from("<I", self.seg.buf, _STATE)[0], struct.unpack_from("<q", self.seg.buf, _VERSION)[0],
-                struct.unpack_from("<Q", self.seg.buf, _STAMP)[0])
-
-    def set(self, state: int | None = None, version: int | None = None, bump: bool = False) -> None:
-        if bump:
-            struct.pack_into("<Q", self.seg.buf, _STAMP, struct.unpack_from("<Q", self.seg.buf, _STAMP)[0] + 1)
-        if version is not None:
-            struct.pack_into("<q", self.seg.buf, _VERSION, version)
-        if state is not None:
-            struct.pack_into("<I", self.seg.buf, _STATE, state)
-
-    def close(self) -> None:
-        self.views = self.flat = None
-        os.close(self.lock_fd)
-        self.seg.close()
-
+__all__ = ["EMPTY", "FILLING", "PUBLISHED", "ParameterServer", "slot_name"]
 
 class ParameterServer:
     """Both slots of a run. ``create`` on the trainer leader, ``attach`` on every other rank."""
 
-    def __init__(self, slots: list[_Slot], layout: ParamLayout, leader: bool, device: torch.device):
-        self.slots, self.layout, self.leader, self.device = slots, layout, leader, device
+    def __init__(self, slots: list[_Slot], layout: ParamLayout, leader: bool, device: torch.device, pieces: int):
+        self.slots, self.layout, self.leader, self.device, self.pieces = slots, layout, leader, device, pieces
         self._index = layout.index()
+        self._rows = {e.name: [piece_rows(e.shape, pieces, p) for p in range(pieces)] for e in layout.entries}
         self._filling: _Slot | None = None
+        self._dirty: set[torch.device] = set()
 
     @classmethod
-    def create(cls, run_id: str, layout: ParamLayout, device: str | torch.device = "cpu") -> ParameterServer:
-        """Create both slots (leader). ``device`` cpu: shared memory; cuda[:i]: GPU slots shared by CUDA IPC."""
+    def create(cls, run_id: str, layout: ParamLayout, device: str | torch.device = "cpu", pieces: int = 1,
+               readers: int = 0) -> ParameterServer:
+        """Create both slots (leader). ``device`` cpu: shared memory; cuda[:i]: GPU pieces shared by
+        CUDA IPC, this process owning piece 0 of ``pieces``, with ``readers`` reader indices."""
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"ParameterServer device={device} is invalid: use cpu or cuda[:index]")
+        if pieces < 1 or readers < 0 or (device.type == "cpu" and pieces != 1):
+            raise ValueError(f"ParameterServer pieces={pieces}, readers={readers} are invalid: pieces >= 1 "
+                             f"(exactly 1 on cpu: one shared-memory slot), readers >= 0")
+        cuda = device.type == "cuda"
         lay = layout.encode()
-        slots = []
+        first = layout.split(pieces)[0]
+        slots: list[_Slot] = []
+        own: Piece | None = None
         try:
             for s in range(NUM_SLOTS):
-                name = slot_name(run_id, s)
-                ipc, flat = b"", None
-                if device.type == "cuda":
-                    flat, ipc = cuda_slot_create(name, layout.nbytes, device)
-                data_off = (SLOT_HEADER.size + len(lay) + len(ipc) + 4095) // 4096 * 4096
-                seg = Segment.create(name, data_off + (layout.nbytes if flat is None else 0), KIND_PARAM)
-                seg.buf[SLOT_HEADER.size:SLOT_HEADER.size + len(lay)] = lay
-                seg.buf[SLOT_HEADER.size + len(lay):SLOT_HEADER.size + len(lay) + len(ipc)] = ipc
-                SLOT_HEADER.pack_into(seg.buf, 0, SLOT_MAGIC, s, EMPTY, -1, 0, data_off, len(lay), len(ipc))
-                slots.append(_Slot(seg, s, layout, flat if flat is not None else seg.u8[data_off:]))
+                own = Piece.create(run_id, s, 0, first, device, readers) if cuda else None
+                data_off = 0 if cuda else (SLOT_HEADER.size + len(lay) + 4095) // 4096 * 4096
+
+                def init(buf: memoryview, s=s, data_off=data_off) -> None:
+                    SLOT_HEADER.pack_into(buf, 0, SLOT_MAGIC, s, EMPTY, -1, 0, data_off, len(lay), pieces, readers)
+                    buf[SLOT_HEADER.size:SLOT_HEADER.size + len(lay)] = lay
+
+                size = SLOT_HEADER.size + len(lay) if cuda else data_off + layout.nbytes
+                seg = Segment.create(slot_name(run_id, s), size, KIND_PARAM, init=init)
+                views = [own.views] + [None] * (pieces - 1) if cuda else [layout.views(seg.u8[data_off:])]
+                slots.append(_Slot(seg, s, views, [own] if cuda else ()))
+                own = None
         except BaseException:
+            if own is not None:
+                own.close(wait_readers_s=0)
             for sl in slots:
                 sl.close()
                 sl.seg.unlink()
             raise
-        return cls(slots, layout, leader=True, device=device)
+        return cls(slots, layout, leader=True, device=device, pieces=pieces)
 
     @classmethod
-    def attach(cls, run_id: str, timeout: float = 0.0) -> ParameterServer:
-        """Attach to a run's server (trainer non-leaders write shards; rollout ranks pull)."""
-        slots, layout, device = [], None, torch.device("cpu")
-        for s in range(NUM_SLOTS):
-            seg = Segment.attach(slot_name(run_id, s), KIND_PARAM, timeout)
-            magic, got, _, _, _, data_off, n_lay, n_ipc = SLOT_HEADER.unpack_from(seg.buf, 0)
-            if magic != SLOT_MAGIC or got != s:
-                raise ServerError(f"segment {seg.name} is not parameter-server slot {s}")
-            layout = ParamLayout.decode(bytes(seg.buf[SLOT_HEADER.size:SLOT_HEADER.size + n_lay]))
-            if n_ipc:
-                blob = bytes(seg.buf[SLOT_HEADER.size + n_lay:SLOT_HEADER.size + n_lay + n_ipc])
-                flat = cuda_slot_open(seg.name, blob)
-                device = flat.device
-            else:
-                flat = seg.u8[data_off:]
-            slots.append(_Slot(seg, s, layout, flat))
-        return cls(slots, layout, leader=False, device=device)
+    def attach(cls, run_id: str, timeout: float = 0.0, *, reader: int | None = None, piece: int | None = None,
+               device: str | torch.device | None = None) -> ParameterServer:
+        """Attach to a run's server. CPU slots: every rank reads and writes the shared memory.
+        GPU pieces: a trainer rank passes ``piece`` (its rank) and ``device`` and creates its own
+        piece there; a puller passes its ``reader`` index and maps every piece; with neither,
+        only the slot headers are attached (versions, not weights)."""
+        deadline = time.monotonic() + timeout
+        slots: list[_Slot] = []
+        try:
+            for s in range(NUM_SLOTS):
+                seg = Segment.attach(slot_name(run_id, s), KIND_PARAM, max(0.0, deadline - time.monotonic()))
+                magic, got, _, _, _, data_off, n_lay, pieces, readers = SLOT_HEADER.unpack_from(seg.buf, 0)
+                if magic != SLOT_MAGIC or got != s:
+                    seg.close()
+                    raise ServerError(f"segment {seg.name} is not parameter-server slot {s}")
+                layout = ParamLayout.decode(bytes(seg.buf[SLOT_HEADER.size:SLOT_HEADER.size + n_lay]))
+                if data_off:
+                    slots.append(_Slot(seg, s, [layout.views(seg.u8[data_off:])]))
+                    continue
+                sl = _Slot(seg, s, [None] * pieces, [None] * pieces)
+                slots.append(sl)
+                split = layout.split(pieces)
+                if piece is not None:
+                    if not 0 <= piece < pieces or device is None:
+                        raise ServerError(f"attach(piece={piece}, device={device}): this server has pieces "
+                                          f"0..{pieces - 1}; pass the owning trainer rank and its GPU")
+                    sl.pieces[piece] = Piece.create(run_id, s, piece, split[piece], torch.device(device), readers)
+                    sl.views[piece] = sl.pieces[piece].views
+                for p in range(pieces) if reader is not None else ():
+                    if sl.pieces[p] is None:
+                        sl.pieces[p] = Piece.attach(run_id, s, p, split[p], reader,
+                                                    max(0.0, deadline - time.monotonic()))
+                        sl.views[p] = sl.pieces[p].views
+        except BaseException:
+            for sl in slots:
+                sl.close()
+            raise
+        if not slots[0].pieces:
+            dev = torch.device("cpu")
+        elif device is not None:
+            dev = torch.device(device)
+        elif torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        else:
+            dev = torch.device("cpu")
+        return cls(slots, layout, leader=False, device=dev, pieces=len(slots[0].views))
 
     def close(self) -> None:
-        """Unmap the slots; the leader also removes them (as it would at exit)."""
+        """Unmap the slots (a piece owner first waits for its readers); the leader also removes them."""
         for sl in self.slots:
-            name = sl.seg.name
             sl.close()
             if self.leader:
                 sl.seg.unlink()
-                cuda_slot_release(name)
         self.slots = []
 
     # -- state ----------------------------------------------------------------------------------
@@ -191,10 +203,11 @@ class ParameterServer:
         return target.slot
 
     def write_shard(self, name: str, tensor: torch.Tensor, offset_in_param: int = 0) -> None:
-        """Copy this rank's shard of parameter ``name`` (flattened) at element ``offset_in_param``.
+        """Queue the copy of this rank's shard of parameter ``name`` (flattened) at element
+        ``offset_in_param``, cast to the slot dtype; ``end_push`` waits for the copies.
 
         A dim-0 shard of rows [a, b) of a [N, ...] parameter starts at element a * prod(shape[1:]).
-        The shard is cast to the slot dtype if they differ.
+        On GPU pieces the elements must lie in pieces this process mapped (its own).
         """
         sl = self._filling
         if sl is None:
@@ -210,14 +223,30 @@ class ParameterServer:
         if st != FILLING:
             raise ServerError(f"write_shard({name!r}): slot {sl.slot} is no longer filling (state {st}, "
                               f"version {v}); call begin_push for the next version")
-        dst = sl.views[name].view(-1)[offset_in_param:offset_in_param + n]
-        dst.copy_(tensor.detach().reshape(-1))
-        sync_device(dst.device)
-        if tensor.device != dst.device:
-            sync_device(tensor.device)
+        row = math.prod(entry.shape[1:])
+        parts = []
+        for p, (a, b) in enumerate(self._rows[name]):
+            lo, hi = max(offset_in_param, a * row), min(offset_in_param + n, b * row)
+            if lo >= hi:
+                continue
+            if sl.views[p] is None:
+                raise ServerError(f"write_shard({name!r}): elements [{lo}, {hi}) belong to piece {p}, owned by "
+                                  f"trainer rank {p}; each rank writes only its own shard")
+            parts.append((sl.views[p][name].view(-1)[lo - a * row:hi - a * row], lo - offset_in_param, hi - lo))
+        src = tensor.detach().reshape(-1)
+        for dst, at, count in parts:
+            dst.copy_(src[at:at + count])
+            self._dirty.add(dst.device)
+        self._dirty.add(src.device)
+
+    def end_push(self) -> None:
+        """Wait for this rank's queued shard copies (every writer, before the trainer barrier)."""
+        for dev in self._dirty:
+            sync_device(dev)
+        self._dirty.clear()
 
     def publish(self, version: int) -> None:
-        """Make ``version`` pullable (leader only, after every rank finished its write_shard calls)."""
+        """Make ``version`` pullable (leader only, after every rank finished its writes and end_push)."""
         if not self.leader:
             raise ServerError("publish: only the leader (the process that created the server) publishes")
         sl = self._filling
@@ -225,6 +254,7 @@ class ParameterServer:
         if sl is None or st != FILLING or v != version:
             raise ServerError(f"publish({version}): no slot is filling version {version} "
                               f"(call begin_push({version}) and write the shards first)")
+        self.end_push()
         sl.set(state=PUBLISHED)
         sl.set(bump=True)  # stamp even: stable
         self._filling = None
@@ -234,8 +264,9 @@ class ParameterServer:
              retries: int = 3) -> dict[str, torch.Tensor]:
         """Copy published ``version`` into ``out`` in place (or into new tensors) and return it.
 
-        ``out`` needs every layout name with the layout's shape (any dtype/device: copy_ casts).
-        Raises VersionNotFound when the version is not published or was already overwritten.
+        ``out`` needs every layout name with the layout's shape (any dtype/device, any strides:
+        copy_ casts). Raises VersionNotFound when the version is not published or was already
+        overwritten; a torn copy is retried (``out`` then holds the clean retry).
         """
         out = self._prepare(out)
         for _ in range(retries + 1):
@@ -261,12 +292,60 @@ class ParameterServer:
                 return version, out
         raise TornRead(f"pull_latest: the newest slot changed during each of {retries + 2} copies")
 
+    @contextmanager
+    def stream(self, version: int, device: str | torch.device | None = None
+               ) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+        """Hold published ``version`` (shared lock) and yield an iterator of (name, whole tensor on
+        ``device``): the slot's own view where one piece holds the parameter on that device, else a
+        tensor assembled from the pieces. Use the tensors inside the block; on leaving it the
+        stamp is checked and a change raises TornRead (load again)."""
+        sl = self._slot_of(version)
+        if sl is None:
+            self._not_found(version)
+        device = torch.device(device) if device is not None else self.device
+        fcntl.flock(sl.lock_fd, fcntl.LOCK_SH)
+        try:
+            before = sl.header()
+            if before[0] != PUBLISHED or before[1] != version or before[2] & 1:
+                self._not_found(version)
+            self._check_mapped(sl)
+            yield self._tensors(sl, device)
+            for dev in {device} | {t.device for views in sl.views for t in list(views.values())[:1]}:
+                sync_device(dev)
+            if sl.header() != before:
+                raise TornRead(f"stream({version}): the slot changed while it was read; load it again")
+        finally:
+            fcntl.flock(sl.lock_fd, fcntl.LOCK_UN)
+
+    def _tensors(self, sl: _Slot, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        for e in self.layout.entries:
+            held = [p for p, (a, b) in enumerate(self._rows[e.name]) if b > a]
+            if len(held) == 1 and sl.views[held[0]][e.name].device == device:
+                yield e.name, sl.views[held[0]][e.name]
+                continue
+            t = torch.empty(e.shape, dtype=dtype_of(e.dtype), device=device)
+            self._copy_param(sl, e.name, t)
+            yield e.name, t
+
     def _prepare(self, out: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         if out is None:
             return self.layout.empty(self.device)
         self._check_out(out)
         return out
 
+    def _check_mapped(self, sl: _Slot) -> None:
+        missing = [p for p, v in enumerate(sl.views) if v is None]
+        if missing:
+            raise ServerError(f"this process has not mapped pieces {missing} of the parameter server: "
+                              f"attach(run_id, reader=<its reader index>) to pull")
+
+    def _copy_param(self, sl: _Slot, name: str, dst: torch.Tensor) -> None:
+        for p, (a, b) in enumerate(self._rows[name]):
+            if b > a:
+                src = sl.views[p][name]
+                (dst if dst.dim() == 0 else dst[a:b]).copy_(src)
+
+    @torch.no_grad()
     def _copy(self, sl: _Slot, version: int, out: dict[str, torch.Tensor]) -> bool | None:
         """Copy ``sl`` under its shared lock: None if it no longer holds ``version``, else
         whether the copy is clean (seqlock stamp unchanged across it)."""
@@ -276,9 +355,14 @@ class ParameterServer:
             st, v, stamp = before
             if st != PUBLISHED or v != version or stamp & 1:
                 return None
+            self._check_mapped(sl)
+            devices = set()
             for name, dst in out.items():
-                dst.copy_(sl.views[name])
-            for dev in {sl.flat.device, *(t.device for t in out.values())}:
+                self._copy_param(sl, name, dst)
+                devices.add(dst.device)
+            for views in sl.views:
+                devices.update(t.device for t in list(views.values())[:1])
+            for dev in devices:
                 sync_device(dev)
             return sl.header() == before
         finally:

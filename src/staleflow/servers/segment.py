@@ -30,6 +30,7 @@ import re
 import struct
 import time
 import weakref
+from typing import Callable
 
 import torch
 
@@ -41,6 +42,7 @@ MAGIC = b"STLFSEG1"
 PREFIX_BYTES = 64
 KIND_RING = 1
 KIND_PARAM = 2
+KIND_PIECE = 3
 _PREFIX = struct.Struct("<8sIIQQ")  # magic, kind, pid, start time, payload size
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 
@@ -100,8 +102,13 @@ class Segment:
         self._finalizer = weakref.finalize(self, _unlink_if_owner, segment_path(name), os.getpid()) if owner else None
 
     @classmethod
-    def create(cls, name: str, nbytes: int, kind: int) -> Segment:
-        """Create (exclusively) and map a zero-filled segment with a payload of ``nbytes``."""
+    def create(cls, name: str, nbytes: int, kind: int,
+               init: Callable[[memoryview], None] | None = None) -> Segment:
+        """Create (exclusively) and map a zero-filled segment with a payload of ``nbytes``.
+
+        ``init(payload)`` fills the payload (headers, layouts, handles) BEFORE the file appears
+        under its name, so an attacher that finds the file always finds it initialised.
+        """
         if nbytes <= 0:
             raise SegmentError(f"segment {name}: nbytes={nbytes} is invalid: must be > 0")
         path = segment_path(name)
@@ -114,6 +121,16 @@ class Segment:
             os.close(fd)
         pid = os.getpid()
         mm[:_PREFIX.size] = _PREFIX.pack(MAGIC, kind, pid, _pid_start_time(pid), nbytes)
+        if init is not None:
+            payload = memoryview(mm)[PREFIX_BYTES:PREFIX_BYTES + nbytes]
+            try:
+                init(payload)
+            except BaseException:
+                payload.release()
+                mm.close()
+                os.unlink(tmp)
+                raise
+            payload.release()
         try:  # publish atomically: an attacher never sees a half-initialised file
             os.link(tmp, path)
         except FileExistsError:

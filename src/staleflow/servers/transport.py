@@ -1,9 +1,14 @@
 """Weight transports of the Parameter Server besides CPU shared memory.
 
-- CUDA IPC: the slots are flat uint8 tensors on a GPU, allocated by the leader. Their IPC
-  handles (``torch.multiprocessing.reductions.reduce_tensor``) are written into the slot
-  segments so any process of the node can map them and copy device-to-device. The
-  creating process keeps the tensors alive for the lifetime of the server.
+- CUDA IPC pieces: a slot piece is a flat uint8 tensor on the GPU of the trainer rank that owns
+  it, allocated by that rank. Its owner shares it ONCE PER READER: torch counts exactly one
+  consumer per share (`reduce_tensor` -> `_share_cuda_`: a reference counter set to 1, which the
+  consumer decrements when it drops the mapping; while it is above 0 the owner's caching
+  allocator keeps the block out of reuse). One handle opened by N processes would drop that
+  counter to 0 after the first reader let go, and the owner could then reuse memory the
+  others still read. So a piece carries one handle per reader index (servers/pieces.py).
+  Handles name the GPU by its UUID, not by an index, so a process with another
+  CUDA_VISIBLE_DEVICES order (a vLLM engine started on its own GPU first) maps the right one.
 - Broadcast: ``broadcast_pull`` moves a pulled version from one rank to a whole process
   group (NCCL on GPU, gloo on CPU), coalesced per dtype into buckets, for instances that
   pull together or live on other nodes.
@@ -17,34 +22,64 @@ import pickle
 import torch
 import torch.distributed as dist
 
-# Slot tensors owned by this process, by segment name: a process cannot open its own IPC handle.
-_LOCAL_CUDA_SLOTS: dict[str, torch.Tensor] = {}
+from staleflow.servers.errors import ServerError
+
+# Piece tensors owned by this process, by segment name: a process cannot open its own IPC handle.
+_LOCAL_PIECES: dict[str, torch.Tensor] = {}
+_STORAGE_DEVICE = 6  # position of storage_device in rebuild_cuda_tensor's arguments
 
 
-def cuda_slot_create(seg_name: str, nbytes: int, device: torch.device) -> tuple[torch.Tensor, bytes]:
-    """Allocate a slot on ``device`` and return it with its serialised IPC handle."""
+def device_uuid(device: torch.device) -> str:
+    """A GPU's identity across processes (its UUID; the index only where torch has no UUID)."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    return str(uuid) if uuid is not None else f"index-{torch.device(device).index or 0}"
+
+
+def local_device_of(uuid: str) -> torch.device:
+    """This process's index of the GPU ``uuid`` (CUDA_VISIBLE_DEVICES may order GPUs differently)."""
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", i)) == uuid:
+            return torch.device("cuda", i)
+    raise ServerError(f"the GPU {uuid} holding a parameter-server piece is not visible in this process "
+                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): make it visible")
+
+
+def cuda_piece_create(seg_name: str, nbytes: int, device: torch.device,
+                      readers: int) -> tuple[torch.Tensor, list[bytes], str]:
+    """Allocate a piece on ``device``; returns it, one serialised IPC handle per reader index and
+    the GPU's UUID."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    slot = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    _LOCAL_CUDA_SLOTS[seg_name] = slot
-    rebuild, args = reduce_tensor(slot)
-    # Our own bytes, written by our own process into our own segment: pickle is safe here.
-    return slot, pickle.dumps((os.getpid(), rebuild, args))
+    piece = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
+    _LOCAL_PIECES[seg_name] = piece
+    blobs = []
+    for _ in range(readers):
+        _, args = reduce_tensor(piece)  # a fresh reference counter per reader
+        # Our own bytes, written by our own process into our own segment: pickle is safe here.
+        blobs.append(pickle.dumps((os.getpid(), args)))
+    torch.cuda.synchronize(device)  # the zeros are written before anyone maps the piece
+    return piece, blobs, device_uuid(device)
 
 
-def cuda_slot_open(seg_name: str, blob: bytes) -> torch.Tensor:
-    """Map a slot created by ``cuda_slot_create`` (in this or another process of the node)."""
-    local = _LOCAL_CUDA_SLOTS.get(seg_name)
+def cuda_piece_open(seg_name: str, blob: bytes, uuid: str) -> torch.Tensor:
+    """Map a piece created by ``cuda_piece_create`` (in this or another process of the node)."""
+    local = _LOCAL_PIECES.get(seg_name)
     if local is not None:
         return local
-    pid, rebuild, args = pickle.loads(blob)
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    pid, args = pickle.loads(blob)
     if pid == os.getpid():
-        raise RuntimeError(f"slot {seg_name} was created by this process but is no longer alive here")
-    return rebuild(*args)
+        raise ServerError(f"piece {seg_name} was created by this process but is no longer alive here")
+    args = list(args)
+    args[_STORAGE_DEVICE] = local_device_of(uuid).index
+    return rebuild_cuda_tensor(*args)
 
 
-def cuda_slot_release(seg_name: str) -> None:
-    _LOCAL_CUDA_SLOTS.pop(seg_name, None)
+def cuda_piece_release(seg_name: str) -> None:
+    """The owner drops its piece (torch keeps the block out of reuse while a reader still maps it)."""
+    _LOCAL_PIECES.pop(seg_name, None)
 
 
 def sync_device(device: torch.device) -> None:
