@@ -122,8 +122,9 @@ def test_decoupled_recomputed_proximal_equals_tis_token_with_one_update():
 def test_activation_checkpointing_gives_the_same_gradients():
     samples = random_samples(seed=12, groups=2, min_response=1)
     grads = []
-    for ac in (False, True):
+    for ac in ("off", "on"):
         t = Trainer(tiny_model(seed=13), TrainConfig(micro_batch_tokens=30, activation_checkpointing=ac))
+        assert t.model.gradient_checkpointing == (ac == "on")
         seen = _capture_grads(t)
         t.step(samples)
         grads.append(seen[0])
@@ -143,9 +144,48 @@ def test_mini_batches_make_several_updates_against_the_proximal_policy():
 def test_kl_to_reference_is_zero_before_the_first_update():
     samples = random_samples(seed=9, groups=2, min_response=1)
     t = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-2, kl_coef=0.1, kl_estimator="k3"))
+    ref = dict(t.ref_policy.lm.named_parameters())
+    for name, p in t.model.named_parameters():  # its own storage, the compute dtype, frozen
+        assert ref[name].data_ptr() != p.data_ptr() and ref[name].dtype == torch.float32
+        assert torch.equal(ref[name], p) and not ref[name].requires_grad
     m1 = t.step(samples)
     m2 = t.step(samples)
     assert m1["ref_kl_k3_mean"] == pytest.approx(0.0, abs=1e-9) and m2["ref_kl_k3_mean"] > 1e-7
+
+
+def test_activation_checkpointing_auto_is_on_for_cuda_only_and_old_booleans_still_load():
+    from staleflow.train.parallelize import activation_checkpointing_on, compute_dtype
+
+    assert TrainConfig().activation_checkpointing == "auto"
+    assert activation_checkpointing_on("auto", "cuda") and not activation_checkpointing_on("auto", "cpu")
+    assert activation_checkpointing_on(True, "cpu") and not activation_checkpointing_on(False, "cuda")  # old configs
+    with pytest.raises(ValueError, match="train.activation-checkpointing"):
+        activation_checkpointing_on("sometimes", "cpu")
+    assert compute_dtype("cuda") == torch.bfloat16 and compute_dtype("cpu") == torch.float32
+    assert Trainer(tiny_model(seed=1), TrainConfig()).model.gradient_checkpointing is False  # auto on CPU
+
+
+def test_lm_head_reaches_the_logprob_op_in_the_autocast_dtype(monkeypatch):
+    """A single CUDA rank keeps fp32 master weights under bf16 autocast: the LM head must reach
+    the log-prob kernel in bf16 (tensor cores), not fp32. CPU autocast stands in for CUDA's."""
+    import staleflow.train.trainer as trainer_mod
+
+    seen = []
+    real = trainer_mod.packed_logprobs
+
+    def spy(hidden, weight, *a, **k):
+        seen.append((hidden.dtype, weight.dtype))
+        return real(hidden, weight, *a, **k)
+
+    monkeypatch.setattr(trainer_mod, "packed_logprobs", spy)
+    head = PolicyHead(tiny_model(seed=1))
+    samples = random_samples(seed=2, groups=1, min_response=1)
+    mb = build_micro_batch(samples, list(range(len(samples))), [0.0] * len(samples), [1.0] * len(samples))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = head(mb, 1.0, "chunked")
+    head(mb, 1.0, "chunked")
+    assert seen == [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
+    assert logp.dtype == torch.float32 and head.lm.lm_head_weight.dtype == torch.float32
 
 
 def test_dynamic_sampling_and_all_filtered_step():
@@ -250,6 +290,11 @@ def test_two_ranks_match_one_rank(tmp_path):
     _assert_same({k.removeprefix("lm."): v for k, v in got["grads"].items()}, strip)
     full = t.full_state_dict()
     _assert_same(got["full"], full, atol=1e-5)
+    _assert_same(got["rank0_only"], got["full"], atol=0)
+    # gradients are reduce-scattered after EVERY micro-batch: from the second micro-batch of a
+    # step on, the parameters already hold sharded gradients (no unsharded ones are kept)
+    assert got["reduced"].count(False) == 2 and len(got["reduced"]) > 2 and all(got["reduced"][1:2])
+    assert got["ref_ok"] and got["kl0"] == pytest.approx(0.0, abs=1e-9)
 
     # each rank's own shards tile the full tensors exactly
     shards = [torch.load(tmp_path / f"shards{r}.pt", weights_only=False) for r in (0, 1)]
@@ -283,12 +328,31 @@ def _worker():
     t = Trainer(tiny_model(seed=20), TrainConfig(**DIST_CFG), process_group=dist.group.WORLD)
     _lipschitz_adam(t)
     grads = _capture_grads(t)
+    reduced = []  # before each micro-batch's forward: do the params hold sharded (reduced) grads yet?
+    forward = t._forward
+
+    def spy(policy, mb):
+        if policy is t.policy and torch.is_grad_enabled():
+            reduced.append(all(p.grad is not None and hasattr(p.grad, "to_local") for p in t.policy.parameters()))
+        return forward(policy, mb)
+
+    t._forward = spy
     metrics = [t.step(a), t.step(b)]
     torch.save(list(t.named_shards()), out / f"shards{rank}.pt")
     full = t.full_state_dict()
+    on_rank = t.full_state_dict(rank0_only=True)
     save_checkpoint(t, out / "ckpt", extra={"from": "two ranks"})
+    # the KL reference: sharded like the policy, its own storage, equal to the starting weights
+    k = Trainer(tiny_model(seed=20), TrainConfig(**DIST_CFG, kl_coef=0.1), process_group=dist.group.WORLD)
+    ref_ok = all(hasattr(q, "to_local") and torch.equal(q.to_local(), p.to_local())
+                 and q.to_local().data_ptr() != p.to_local().data_ptr()
+                 for p, q in zip(k.model.parameters(), k.ref_policy.lm.parameters()))
+    kl0 = k.step(a)["ref_kl_k3_mean"]
+    if rank != 0:
+        assert on_rank == {}, "rank0_only: another rank kept gathered tensors"
     if rank == 0:
-        torch.save({"metrics": metrics, "grads": grads[1], "full": full}, out / "rank0.pt")
+        torch.save({"metrics": metrics, "grads": grads[1], "full": full, "rank0_only": on_rank,
+                    "reduced": reduced, "ref_ok": ref_ok, "kl0": kl0}, out / "rank0.pt")
     dist.destroy_process_group()
 
 

@@ -176,8 +176,8 @@ class TrainConfig:
     """DAPO overlong shaping: response length where the penalty reaches -1 (0 disables)."""
     overlong_cache_tokens: int = 0
     """DAPO overlong shaping: length of the linear penalty ramp before overlong-max-tokens."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward (less activation memory, ~30% more compute)."""
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """Recompute each decoder layer in backward (less memory, ~30% more compute); auto: on for CUDA only."""
 
     def __post_init__(self):
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")

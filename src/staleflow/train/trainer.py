@@ -4,7 +4,7 @@
                       max_response_tokens=cfg.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
     metrics = trainer.step(samples)          # samples: list[TrajectorySample] of buffer v
     for shard in trainer.named_shards(): ... # this rank's own parameter shards -> Parameter Server
-    full = trainer.full_state_dict()         # collective; the full fp32 state on rank 0
+    full = trainer.full_state_dict(rank0_only=True)  # collective; the full fp32 state on rank 0 only
 
 Every trainer rank must be passed the SAME sample list (same order): the plan (who trains
 what) is computed identically on every rank, with no communication. Steps of `step`:
@@ -18,19 +18,24 @@ what) is computed identically on every rank, with no communication. Steps of `st
    empty ones included, counts in the sequence count);
 3. if the proximal policy can differ from the current one (decoupled PPO, or more than one
    mini-batch) recompute proximal log-probs with a no-grad forward; else use the current
-   log-probs detached. Reference log-probs (KL) come from a frozen copy of the initial weights;
-4. per mini-batch: forward + backward each micro-batch (gradient sync only on the last),
-   clip the global grad norm, AdamW update; then advance the LR schedule and the version.
+   log-probs detached. Reference log-probs (KL) come from a frozen, sharded copy of the initial
+   weights in the compute dtype (bf16 on CUDA: what the policy's forward sees anyway);
+4. per mini-batch: forward + backward each micro-batch, each backward reduce-scattering its
+   gradients into the sharded fp32 gradients (no unsharded gradient is kept across
+   micro-batches: +4 bytes per parameter per rank otherwise), clip the global grad norm, AdamW
+   update; then advance the LR schedule and the version.
 
 Gradients equal those of the global loss whatever the split: each micro-batch's loss is a
 sum with globally normalised weights, and FSDP's mean over ranks is undone by scaling the
-loss by the world size. On CUDA, FSDP2 keeps fp32 sharded master weights and computes in
-bf16 with fp32 gradient reduction; a single rank without a process group uses bf16 autocast.
+loss by the world size. On CUDA, FSDP2 keeps fp32 sharded master weights (MASTER_DTYPE) and
+computes in bf16 with fp32 gradient reduction (``mixed_precision``); a single rank without a
+process group uses bf16 autocast, the LM head included. Activation checkpointing follows
+``--train.activation-checkpointing`` (auto: on for CUDA). The memory plan (staleflow.plan)
+reads these same definitions.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -46,6 +51,17 @@ from staleflow.train.batch import MicroBatch, TrajectorySample, build_micro_batc
 from staleflow.train.logprobs import packed_logprobs
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
 from staleflow.train.packing import plan_step
+from staleflow.train.parallelize import MASTER_DTYPE, activation_checkpointing_on, compute_dtype, shard_policy
+
+def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head's inputs in autocast's dtype when autocast is on: the fp32 master LM head of a
+    single CUDA rank would otherwise reach the log-prob kernel in fp32 (no tensor cores); the
+    kernel still accumulates the logits in fp32."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return hidden.to(dt), weight.to(dt)
+    return hidden, weight
 
 
 class PolicyHead(nn.Module):
@@ -58,9 +74,8 @@ class PolicyHead(nn.Module):
     def forward(self, mb: MicroBatch, temperature: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
         attn = PackedAttention(mb.cu_seqlens)
         hidden = self.lm(mb.input_ids, mb.positions, attn)  # [T, H]
-        logp, entropy = packed_logprobs(
-            hidden[mb.rows], self.lm.lm_head_weight, mb.targets, temperature=temperature, impl=impl
-        )  # [N], [N]
+        rows, weight = head_operands(hidden[mb.rows], self.lm.lm_head_weight)  # [N, H], [V, H]
+        logp, entropy = packed_logprobs(rows, weight, mb.targets, temperature=temperature, impl=impl)  # [N], [N]
         if mb.rows.numel() == 0:  # padding micro-batch: keep every parameter in the graph
             logp = logp + 0.0 * hidden.sum()
         return logp, entropy
@@ -113,18 +128,14 @@ class Trainer:
         self.version = 0
         self.optimizer_steps = 0
 
-        model.to(self.device, dtype=torch.float32)
-        model.gradient_checkpointing = cfg.activation_checkpointing
+        model.to(self.device, dtype=MASTER_DTYPE)
+        model.gradient_checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, self.device.type)
         self.model = model
         self.policy = PolicyHead(model)
-        self.ref_policy = None
-        if cfg.kl_coef > 0:
-            self.ref_policy = PolicyHead(copy.deepcopy(model)).requires_grad_(False)
         self.sharded = process_group is not None
         if self.sharded:
             self._shard(self.policy)
-            if self.ref_policy is not None:
-                self._shard(self.ref_policy)
+        self.ref_policy = self._reference() if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8,
             foreach=True,
@@ -136,15 +147,26 @@ class Trainer:
     # ---- setup -------------------------------------------------------------------------------
     def _shard(self, policy: PolicyHead) -> None:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = DeviceMesh.from_group(self.group, self.device.type)
-        mp = MixedPrecisionPolicy()
-        if self.device.type == "cuda":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in policy.lm.model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(policy, mesh=mesh, mp_policy=mp)
+        shard_policy(policy, DeviceMesh.from_group(self.group, self.device.type), self.device.type)
+
+    def _reference(self) -> PolicyHead:
+        """A frozen copy of the current weights for the KL term, in the compute dtype and sharded
+        like the policy: built on the meta device, then filled shard by shard (never a full copy
+        of the fp32 model, which a deepcopy before sharding would make on every rank)."""
+        with torch.device("meta"):
+            lm = type(self.model)(self.model.args).to(compute_dtype(self.device.type))
+        ref = PolicyHead(lm).requires_grad_(False)
+        if self.sharded:
+            self._shard(ref)
+        ref.to_empty(device=self.device)
+        with torch.no_grad():
+            for (name, p), (name_r, q) in zip(self.model.named_parameters(), lm.named_parameters()):
+                if name != name_r:
+                    raise RuntimeError(f"reference policy: parameter {name_r!r} where {name!r} was expected")
+                src = p.to_local() if hasattr(p, "to_local") else p
+                (q.to_local() if hasattr(q, "to_local") else q).copy_(src)
+        return ref
 
     def _autocast(self):
         on = self.device.type == "cuda" and not self.sharded
@@ -216,8 +238,6 @@ class Trainer:
         for k, mbs in enumerate(planned):
             self.optimizer.zero_grad(set_to_none=True)
             for m, mb in enumerate(mbs):
-                if self.sharded:
-                    self.policy.set_requires_gradient_sync(m == len(mbs) - 1)
                 logp, entropy = self._forward(self.policy, mb)
                 x = LossInputs(
                     logp=logp, behaviour_logp=mb.behaviour_logp,
@@ -317,12 +337,21 @@ class Trainer:
             else:
                 yield ParamShard(name, p.detach(), 0, tuple(p.shape))
 
-    def full_state_dict(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
-        """Full (unsharded) HF-named state dict; a collective when sharded, complete on every rank."""
+    def full_state_dict(self, to_cpu: bool = True, rank0_only: bool = False,
+                        dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Full (unsharded) HF-named state dict; a collective when sharded. Parameters are gathered
+        one at a time; with ``rank0_only`` the other ranks drop each one at once (they return {}),
+        so only rank 0 ever holds the whole model. ``dtype`` casts floating tensors (before the copy
+        to the CPU)."""
         out = {}
         for name, t in self.model.state_dict().items():
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
+            if rank0_only and self.rank != 0:
+                continue
             t = t.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
             out[name] = t.cpu() if to_cpu else t
         return out
+

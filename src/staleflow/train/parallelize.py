@@ -1,0 +1,52 @@
+"""How the trainer's model is parallelised and in which dtypes: one place, read by the trainer and
+by the memory plan (staleflow.plan), so a change here changes both.
+
+    shard_policy(policy, mesh, "cuda")   # FSDP2: one unit per decoder layer + the root
+    mixed_precision("cuda").param_dtype  # bf16 compute, fp32 gradient reduction
+    MASTER_DTYPE                         # fp32 master weights, gradients, AdamW state
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASTER_DTYPE = torch.float32
+"""Dtype of the trainer's (sharded) master weights, gradients and AdamW state."""
+
+
+def mixed_precision(device_type: str):
+    """FSDP2's MixedPrecisionPolicy for a device type: bf16 compute with fp32 reduction on CUDA,
+    the master dtype everywhere on CPU (exact tests)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def compute_dtype(device_type: str) -> torch.dtype:
+    """The dtype the forward runs in: bf16 on CUDA (FSDP2 param_dtype or autocast), else the master's."""
+    return torch.bfloat16 if device_type == "cuda" else MASTER_DTYPE
+
+
+def activation_checkpointing_on(setting: str | bool, device_type: str) -> bool:
+    """--train.activation-checkpointing: auto = on for CUDA (activations dominate there), off on CPU."""
+    if setting in (True, "on"):
+        return True
+    if setting in (False, "off"):
+        return False
+    if setting == "auto":
+        return device_type == "cuda"
+    raise ValueError(f"--train.activation-checkpointing={setting!r} is invalid: use auto, on or off")
+
+
+def shard_policy(policy, mesh, device_type: str) -> None:
+    """FSDP2 over ``mesh``: one unit per decoder layer, the root (embeddings, final norm, LM head)
+    on the PolicyHead; ``mixed_precision(device_type)``. The memory plan's tests shard a meta-device
+    policy with this same function."""
+    from torch.distributed.fsdp import fully_shard
+
+    mp = mixed_precision(device_type)
+    for layer in policy.lm.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
