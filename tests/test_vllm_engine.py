@@ -196,3 +196,33 @@ def test_weight_load_matches_fresh_engine_with_those_weights(engine, smol, refer
     assert flight.output_ids == cont.output_ids
     assert max(abs(a - b) for a, b in zip(flight.logprobs, cont.logprobs)) < LOGPROB_TOL
     assert math.isclose(engine.stats().version, 1)
+
+
+def test_pull_from_the_parameter_server_through_the_worker(engine, smol):
+    """The runtime's path: vLLM's worker maps the Parameter Server itself and reloads from the
+    slot's views (no file), with a reader index of its own; runs after the weight-load test."""
+    import uuid
+
+    from staleflow.servers import ParameterServer, ParamLayout
+
+    new = perturbed(smol["model"], seed=8)
+    run = "v" + uuid.uuid4().hex[:8]
+    leader = ParameterServer.create(run, ParamLayout.from_named_tensors(smol["model"].named_parameters()),
+                                    readers=2)
+    try:
+        leader.begin_push(2)
+        for name, t in new.items():
+            leader.write_shard(name, t)
+        leader.publish(2)
+        assert engine.load_from_server(run, reader=1) == 2 and engine.version == 2
+        (out,) = engine.generate([Request("ps", smol["prompts"][0], greedy())])
+        from staleflow.model import load_model
+
+        ref_engine = builtin(load_model(smol["folder"], dtype=torch.float32))
+        ref_engine.load_weights(new, version=2)
+        (ref,) = ref_engine.generate([Request("r", smol["prompts"][0], greedy())])
+        assert out.output_ids == ref.output_ids and out.versions == [2] * len(ref.output_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < LOGPROB_TOL
+    finally:
+        engine.llm.collective_rpc("staleflow_detach")
+        leader.close()

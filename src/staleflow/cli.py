@@ -1,7 +1,8 @@
-"""Command line: ``python -m staleflow {train,check,sim} [--preset NAME] [--flags ...]``.
+"""Command line: ``python -m staleflow {train,check,plan,sim} [--preset NAME] [--flags ...]``.
 
-``train`` runs inside torchrun (``./launch.sh`` starts it); ``sim`` runs the discrete-event
-simulator in one process. Each subcommand parses its own config tree with tyro; ``--preset``
+``train`` runs inside torchrun (``./launch.sh`` starts it); ``plan`` prints the memory plan of a
+run's flags (per rank and GPU, no GPU needed); ``sim`` runs the discrete-event simulator in one
+process. Each subcommand parses its own config tree with tyro; ``--preset``
 picks the defaults that the flags then override.
 """
 
@@ -17,6 +18,7 @@ T = TypeVar("T")
 SUBCOMMANDS = {
     "train": "staleflow.launch.entry:main",
     "check": "staleflow.launch.check:main",
+    "plan": "staleflow.plan.cli:main",
     "sim": "staleflow.sim.cli:main",
 }
 
@@ -53,7 +55,8 @@ def parse(cls: type[T], argv: Sequence[str], presets: dict[str, Callable[[], T]]
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        print("usage: python -m staleflow {train,check,sim} [--preset NAME] [--help] [flags...]", file=sys.stderr)
+        print("usage: python -m staleflow {train,check,plan,sim} [--preset NAME] [--help] [flags...]",
+              file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: unknown subcommand {argv[0]!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)

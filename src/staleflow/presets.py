@@ -2,6 +2,7 @@
 
     smollm2-cpu   the embedded default: SmolLM2-135M-Instruct, arithmetic, 1 trainer + 2 rollout on CPU
     tiny          a tiny random Llama for tests and quick checks (seconds per step on CPU)
+    gpu-7b        Qwen2.5-7B-Instruct on one 8-GPU node (80 GB each): 4 trainer + 4 rollout ranks
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from staleflow.config import ModelConfig, RewardConfig, RolloutConfig, RunConfig, StalenessConfig, TrainConfig
+from staleflow.config import CheckpointConfig, CoordinatorConfig, DataConfig
 
 
 def preset_smollm2_cpu() -> RunConfig:
@@ -37,7 +39,34 @@ def preset_tiny() -> RunConfig:
     )
 
 
+def preset_gpu_7b() -> RunConfig:
+    """Qwen2.5-7B-Instruct on one node of 8 GPUs with 80 GB each: 4 trainer ranks (FSDP2, fp32
+    master weights, bf16 compute, activation checkpointing) and 4 rollout ranks (built-in engine
+    in bf16, Triton paged decode). Launch with the model folder:
+
+        torchrun --standalone --nproc_per_node=8 -m staleflow train --preset gpu-7b \\
+            --model.path /models/Qwen2.5-7B-Instruct
+
+    Sized by the memory plan (``python -m staleflow plan --preset gpu-7b --gpu-memory-gib 80``,
+    docs/memory-plan.md): 8k-token trajectories (1k prompt + 7k response), 896k KV tokens per
+    rollout GPU (~112 full-length sequences), 16k-token micro-batches; the coordinator's cost
+    model is an unmeasured H100 rescaling of PSRL's Qwen2.5-7B fit (re-fit it on the node).
+    """
+    return RunConfig(
+        model=ModelConfig(path="Qwen/Qwen2.5-7B-Instruct"),
+        rollout=RolloutConfig(ranks=4, max_running=128, max_kv_tokens=917504, prefill_chunk_tokens=8192,
+                              max_new_tokens=7168, max_model_len=8192, stats_interval_ms=50.0),
+        train=TrainConfig(lr=1e-6, micro_batch_tokens=16384, warmup_steps=10),
+        staleness=StalenessConfig(eta=1, batch_size=32, group_size=8),
+        coordinator=CoordinatorConfig(cost_model="gpu-7b-h100"),
+        data=DataConfig(max_prompt_tokens=1024),
+        checkpoint=CheckpointConfig(every=10),
+        steps=200,
+    )
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "smollm2-cpu": preset_smollm2_cpu,
     "tiny": preset_tiny,
+    "gpu-7b": preset_gpu_7b,
 }

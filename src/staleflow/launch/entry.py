@@ -52,7 +52,8 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
 def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles):
     """Rank 0: clean up after crashed runs, pick the run folder and config (new, --resume or elastic
     restart), start the controller. Returns (what every rank needs, the controller, the run)."""
-    from staleflow.launch.resume import prepare_run
+    from staleflow.launch.resume import prepare_run, remove_if_empty
+    from staleflow.plan import at_start
 
     cleanup_stale_run_files()
     run_id = uuid.uuid4().hex[:10]
@@ -64,6 +65,11 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles):
     for note in (run.notes if run else []):
         print(f"staleflow: {note}", file=sys.stderr, flush=True)
     cfg = run.cfg if run else cfg
+    refusal = "" if cfg.smoke else at_start(cfg, roles.world_size)  # prints the memory plan
+    if refusal:  # a GPU would overflow: one line naming the flag to change
+        if run is not None and run.created:
+            remove_if_empty(run.run_dir)
+        return {"run_id": run_id, "error": refusal}, None, None
     run_dir = run.run_dir if run else ""
     controller = _start_controller(cfg, run_id, roles.world_size, run_dir)
     shared = {"run_id": run_id, "error": "", "run_dir": run_dir, "cfg": cfg, "controller_pid": controller.pid,

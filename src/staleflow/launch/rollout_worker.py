@@ -21,6 +21,7 @@ import torch
 
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.launch.messages import FreeRecords, Pulled, RouteTraj, Shutdown, TrajDone
+from staleflow.plan.placement import reader_index
 from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.servers import ParameterServer, RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
 
@@ -32,10 +33,29 @@ def build_engine(ctx, model):
     if rc.engine == "vllm":
         from staleflow.rollout.vllm_engine import VllmEngine  # optional extra; clear error when missing
 
-        return VllmEngine.from_config(ctx.cfg.model, rc, model_path=ctx.cfg.model.path)
+        return VllmEngine.from_config(ctx.cfg.model, rc, model_path=ctx.cfg.model.path, **vllm_cuda_settings(ctx))
     from staleflow.rollout.builtin_engine import BuiltinEngine
 
     return BuiltinEngine.from_config(ctx.cfg.model, rc, model=model, seed=ctx.cfg.seed * 1000 + ctx.rank)
+
+
+def vllm_cuda_settings(ctx) -> dict:
+    """A vLLM rank on a GPU: its engine starts with its own GPU first and no other rollout rank's
+    visible, and asks for the GPU share the memory plan gives it."""
+    if not str(ctx.device).startswith("cuda"):
+        return {}
+    import os
+
+    from staleflow.plan import build_plan
+    from staleflow.plan.placement import engine_visible_devices, gpu_of
+
+    gpus = torch.cuda.device_count()
+    plan = build_plan(ctx.cfg, ctx.roles.world_size, torch.cuda.get_device_properties(ctx.device).total_memory,
+                      num_gpus=gpus)
+    pieces = [gpu_of(t, gpus) for t in ctx.roles.trainer_ranks]
+    return {"gpu_memory_utilization": plan.vllm_utilization[ctx.rank],
+            "visible_devices": engine_visible_devices(torch.device(ctx.device).index, pieces, gpus,
+                                                      os.environ.get("CUDA_VISIBLE_DEVICES"))}
 
 
 class RolloutWorker:
@@ -46,7 +66,6 @@ class RolloutWorker:
         self.ring = TrajectoryRing.create(ctx.run_id, ctx.rank, RING_BYTES)
         self.readers: dict[int, TrajectoryRing] = {ctx.rank: self.ring}
         self.ps: ParameterServer | None = None
-        self.staging: dict[str, torch.Tensor] | None = None
         rc = ctx.cfg.rollout
         self.params = dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens)
         self.meta: dict[int, dict] = {}  # traj_id -> traj_version
@@ -95,13 +114,21 @@ class RolloutWorker:
         if not self.keep_on_pull:  # partial rollout: nothing runs across a weight load
             st = self.engine.stats()
             self.interrupt(list(st.running_ids) + list(st.waiting_ids), drop=False)
-        if self.ps is None:
-            self.ps = ParameterServer.attach(self.ctx.run_id, timeout=60)
-            self.staging = self.ps.layout.empty()
-        version, tensors = self.ps.pull_latest(out=self.staging)
-        if version is None or version < msg.version:
+        world, rank = self.ctx.roles.world_size, self.ctx.rank
+        vllm = hasattr(self.engine, "load_from_server")
+        if self.ps is None:  # a vLLM rank maps only the slot headers: its engine's worker maps the weights
+            self.ps = ParameterServer.attach(self.ctx.run_id, timeout=60,
+                                             reader=None if vllm else reader_index(rank, world))
+        keep = {"keep_kv": True} if self.keep_on_pull else {}
+        if vllm:
+            worker = reader_index(rank, world, engine_worker=True)
+            version = self.engine.load_from_server(self.ctx.run_id, worker, **keep)
+        else:  # straight from the slot into the engine's parameters (cast on their device): no staging copy
+            targets = dict(self.engine.model.named_parameters())
+            version, _ = self.ps.pull_latest(out=targets)
+            self.engine.load_weights(targets, version, **keep)  # validates and stamps; copying onto itself is free
+        if version < msg.version:
             raise RuntimeError(f"Pull({msg.version}): the parameter server only has version {version}")
-        self.engine.load_weights(tensors, version, **({"keep_kv": True} if self.keep_on_pull else {}))
         self.ctx.client.send(Pulled(instance=self.instance, version=version, seconds=time.monotonic() - t0))
 
     # ---- outputs -------------------------------------------------------------------------

@@ -4,7 +4,9 @@
                          every trainer rank), Trainer.step, then write this rank's shards into the
                          Parameter Server slot of version v+1; the leader publishes it and reports
     SaveState            save the full training state (and export the HF policy) collectively
-The leader (trainer rank 0) creates the Parameter Server and publishes the starting weights.
+The leader (trainer rank 0) creates the Parameter Server and publishes the starting weights. The
+slots hold the rollout engines' dtype (bf16 on CUDA) and live where plan/placement.py says: on
+CUDA one piece per trainer rank on its own GPU, created by that rank; on CPU in shared memory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from staleflow.launch.messages import SaveState, Saved, Shutdown, StepDone, TrainStep
+from staleflow.plan.placement import slot_dtype, slot_placement
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.train.batch import TrajectorySample
 from staleflow.train.checkpoint import CheckpointError, export_hf, load_checkpoint, save_checkpoint
@@ -29,7 +32,12 @@ class TrainerWorker:
         cfg = ctx.cfg
         self.leader = ctx.rank == 0
         self.device = torch.device(ctx.device)
-        layout = ParamLayout.from_named_tensors((n, p.detach()) for n, p in model.named_parameters())
+        self.slot_dtype = slot_dtype(cfg, self.device.type)
+        # the exported policy: --model.dtype (auto: bf16 on CUDA, fp32 on CPU), cast one tensor at a time on rank 0
+        self.export_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+            cfg.model.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        layout = ParamLayout.from_named_tensors(((n, p.detach()) for n, p in model.named_parameters()),
+                                                dtype=self.slot_dtype)
         group = ctx.trainer_group if ctx.roles.num_trainer > 1 else None
         self.trainer = Trainer(model, cfg.train, self.device, process_group=group,
                                temperature=cfg.rollout.temperature, total_steps=cfg.steps,
@@ -45,9 +53,12 @@ class TrainerWorker:
                 raise CheckpointError(f"cannot load {ctx.resume_from} into {cfg.model.path!r}: "
                                       f"{str(e).splitlines()[0][:300]} (was the run started with another model?)"
                                       ) from None
+        place = slot_placement(ctx.roles.num_trainer, ctx.roles.world_size, self.device.type)
         if self.leader:
-            ps_device = self.device if self.device.type == "cuda" else "cpu"
-            self.ps = ParameterServer.create(ctx.run_id, layout, device=ps_device)
+            self.ps = ParameterServer.create(ctx.run_id, layout, device=self.device, pieces=place.pieces,
+                                             readers=place.readers)
+        elif self.device.type == "cuda":  # this rank's own piece of each slot, on its GPU
+            self.ps = ParameterServer.attach(ctx.run_id, timeout=120, piece=ctx.rank, device=self.device)
         else:
             self.ps = ParameterServer.attach(ctx.run_id, timeout=120)
         self.push(self.trainer.version)  # the starting weights are version 0 (or the resumed version)
@@ -64,6 +75,7 @@ class TrainerWorker:
         for sh in self.trainer.named_shards():
             row = math.prod(sh.global_shape[1:]) if len(sh.global_shape) > 1 else 1
             self.ps.write_shard(sh.name, sh.local, sh.row_offset * row)
+        self.ps.end_push()  # one device sync for all the queued copies
         self._barrier()
         if self.leader:
             self.ps.publish(version)
@@ -107,7 +119,8 @@ class TrainerWorker:
             if msg.export_dir:
                 from staleflow.model import resolve_model_path
 
-                export_hf(self.trainer, msg.export_dir, tokenizer_from=resolve_model_path(cfg.model.path))
+                export_hf(self.trainer, msg.export_dir, tokenizer_from=resolve_model_path(cfg.model.path),
+                          dtype=self.export_dtype)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise

