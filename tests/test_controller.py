@@ -179,7 +179,10 @@ def test_controller_interrupt_on_pull_false_drains_before_the_pull(interrupt_on_
 
 class _Engine:
     def __init__(self):
+        import torch
+
         self.aborted, self.loads = [], []
+        self.model = torch.nn.Linear(2, 2)
 
     def stats(self):
         class S:
@@ -206,7 +209,10 @@ def test_controller_rollout_rank_pull_honours_interrupt_on_pull(keep):
     w = RolloutWorker.__new__(RolloutWorker)
     w.engine, w.ps, w.staging, w.instance, w.keep_on_pull = _Engine(), PS(), {}, 0, keep
     w.meta, w.unsent = {}, []
-    w.ctx = type("Ctx", (), {"client": type("C", (), {"send": staticmethod(sent.append)})()})()
+    from staleflow.launch.roles import Roles
+
+    w.ctx = type("Ctx", (), {"client": type("C", (), {"send": staticmethod(sent.append)})(), "roles": Roles(3, 2),
+                             "rank": 1, "run_id": "x"})()
     w.pull(Pull(0, 1))
     assert w.engine.loads == [(1, keep)]
     assert w.engine.aborted == ([] if keep else [7, 8])

@@ -69,16 +69,13 @@ class RolloutConfig:
     max_new_tokens: int = 256
     max_model_len: int = 2048
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Rollout engine dtype: auto = the trainer's --model.dtype. bfloat16 with a float32 CPU
-    trainer decodes ~2x faster on CPUs with AMX / AVX512-BF16 (docs/perf.md); behaviour
-    log-probs then differ from the trainer's by bf16 rounding, which the off-policy correction
-    absorbs (--train.off-policy, default tis-token)."""
+    """Rollout engine dtype: auto = the trainer's --model.dtype. bfloat16 decodes ~2x faster on CPUs
+    with AMX / AVX512-BF16 (docs/perf.md); the off-policy correction absorbs the rounding."""
     stats_interval_ms: float = 10.0
     """How often a rollout rank reports its stats to the controller."""
     length_dist: str = ""
     """Benchmark workload: 'lognormal:MEDIAN:SIGMA' draws each trajectory's length (capped at
-    max-new-tokens) and ignores eos, to reproduce the long-tailed lengths of reasoning RL with
-    any model. Empty: lengths are whatever the model generates."""
+    max-new-tokens, eos ignored): reasoning-RL length skew with any model. Empty: the model decides."""
     profile: bool = False
     """Record (n_running, kv_tokens, step latency) per engine step, for scripts/fit_cost_model.py."""
     decode_backend: Literal["auto", "mirror", "gather", "triton", "flash"] = "auto"
@@ -309,6 +306,24 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: greedy answers to prompts never used for training, on the rollout ranks."""
+
+    n: int = 0
+    """Held-out prompts per evaluation (0: no evaluation). They are set aside from the data
+    before training starts and never trained on."""
+    every: int = 10
+    """Evaluate every this many steps, besides at step 0 and at the end (0: only those two)."""
+    max_new_tokens: int = 0
+    """Answer length cap (0: --rollout.max-new-tokens)."""
+
+    def __post_init__(self):
+        _check(self.n >= 0, "eval.n", self.n, "must be >= 0 (0 disables evaluation)")
+        _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0: only at the start and the end)")
+        _check(self.max_new_tokens >= 0, "eval.max-new-tokens", self.max_new_tokens, "must be >= 0")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     run_dir: str = "runs"
     """Parent folder of run folders."""
@@ -318,6 +333,9 @@ class LogConfig:
     """Rich progress display on the console."""
     tensorboard: bool = True
     plot: bool = True
+    wandb: bool = False
+    """Also log to Weights & Biases (extra staleflow[wandb]; WANDB_MODE=offline works without an account)."""
+    wandb_project: str = "staleflow"
 
 
 @dataclass(frozen=True)
@@ -333,6 +351,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     mode: Literal["staleflow", "verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow-no-exchange",
                   "staleflow-simple-strategies", "sync", "one-step-off"] = "staleflow"
     """staleflow, a baseline named for its system (same loop; sync/one-step-off: verl aliases), or an ablation: docs/baselines.md."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from staleflow.config import ModelConfig, RewardConfig, RolloutConfig, RunConfig, StalenessConfig, TrainConfig
+from staleflow.config import (EvalConfig, ModelConfig, RewardConfig, RolloutConfig, RunConfig, StalenessConfig,
+                              TrainConfig)
 from staleflow.config import CheckpointConfig, CoordinatorConfig, DataConfig
 
 
@@ -24,6 +25,7 @@ def preset_smollm2_cpu() -> RunConfig:
         train=TrainConfig(lr=2e-5, micro_batch_tokens=2048),
         staleness=StalenessConfig(eta=1, batch_size=4, group_size=4),
         reward=RewardConfig(fn="arithmetic", format_weight=0.5),
+        eval=EvalConfig(n=64, every=10),
         steps=20,
     )
 

@@ -63,6 +63,37 @@ class PromptSource:
         self._offset = 0
         self._order: list[int] = []
         self._order_epoch = -1
+        self._held_out_texts: set[str] = set()
+        self._index = 0  # built-in tasks: next row to generate (skips held-out prompts)
+
+    def hold_out(self, n: int) -> list[Prompt]:
+        """Set aside n prompts for evaluation, never trained on; call before drawing any prompt.
+
+        A file gives up n rows (a seeded choice) that training never reads. A built-in task draws
+        them from its own stream (negative row indices) and training skips any row whose text is
+        one of them (the arithmetic space is small: the same question can come up again)."""
+        if n <= 0:
+            return []
+        if self._next_id:
+            raise DataError("hold_out must be called before any training prompt is drawn")
+        if self.task is not None:
+            rows, k = [], 0
+            while len(rows) < n:
+                k += 1
+                text, answer, meta = self.task(self.cfg.seed, -k)
+                if text not in self._held_out_texts:
+                    self._held_out_texts.add(text)
+                    rows.append((text, answer, {**meta, "held_out": True}))
+        else:
+            if len(self.rows) < 2 * n:
+                raise DataError(f"--data.source={self.cfg.source!r} has {len(self.rows)} valid rows: too few to hold "
+                                f"out --eval.n={n} for evaluation and train on the rest (need >= {2 * n})")
+            picked = sorted(random.Random(f"held-out:{self.cfg.seed}").sample(range(len(self.rows)), n))
+            chosen = set(picked)
+            rows = [(self.rows[i].text, self.rows[i].answer, {**self.rows[i].meta, "held_out": True}) for i in picked]
+            self.rows = [r for i, r in enumerate(self.rows) if i not in chosen]
+        ids = self.encode([text for text, _, _ in rows])
+        return [Prompt(-(i + 1), text, answer, pid, meta) for i, ((text, answer, meta), pid) in enumerate(zip(rows, ids))]
 
     # ---- iteration ----------------------------------------------------------------------------
 
@@ -71,8 +102,12 @@ class PromptSource:
 
     def __next__(self) -> Prompt:
         if self.task is not None:
-            index = self._next_id
-            text, answer, meta = self.task(self.cfg.seed, index)
+            while True:  # a held-out question is never trained on
+                index = self._index
+                self._index += 1
+                text, answer, meta = self.task(self.cfg.seed, index)
+                if text not in self._held_out_texts:
+                    break
             meta = {**meta, "index": index}
         else:
             if self._offset == len(self.rows):
@@ -105,7 +140,7 @@ class PromptSource:
 
     def state_dict(self) -> dict:
         return {"source": self.cfg.source, "seed": self.cfg.seed, "num_rows": len(self.rows),
-                "next_id": self._next_id, "epoch": self._epoch, "offset": self._offset}
+                "next_id": self._next_id, "epoch": self._epoch, "offset": self._offset, "index": self._index}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where the saved source stopped; DataError if it read different data."""
@@ -115,6 +150,7 @@ class PromptSource:
                 raise DataError(f"cannot resume the prompt source: the checkpoint has {key}={state.get(key)!r} "
                                 f"but this run has {key}={mine[key]!r}; resume with the same --data settings and file")
         self._next_id, self._epoch, self._offset = int(state["next_id"]), int(state["epoch"]), int(state["offset"])
+        self._index = int(state.get("index", self._next_id))
 
     def stats(self) -> dict:
         kinds = collections.Counter(b.kind for b in self.bad_rows)

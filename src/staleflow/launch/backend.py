@@ -14,8 +14,8 @@ from collections import defaultdict
 
 from staleflow.controller.backend import Finished, PullDone, Published, Rewarded, TrainDone, TrainGroup
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
-from staleflow.launch.messages import (FreeRecords, Pulled, RouteTraj, Saved, StepDone, TrainItem, TrainStep,
-                                       TrajDone)
+from staleflow.launch.messages import (Evaluated, FreeRecords, Pulled, RouteTraj, Saved, StepDone, TrainItem,
+                                       TrainStep, TrajDone)
 from staleflow.servers import RecordHandle, TrajectoryRing
 
 
@@ -29,6 +29,8 @@ class RuntimeBackend:
         """Decoded responses of scored trajectories (trained.jsonl shows one per group)."""
         self.tokens_generated: dict[int, int] = {}
         self.saved: Saved | None = None
+        self.evaluated: list[Evaluated] = []
+        """Held-out answers (launch/evaluation.py), taken by the training job: not loop events."""
         self._gen_since: dict[int, float | None] = {i: None for i in self.rank_of}
         self._pull_since: dict[int, float] = {}
         self._train_sent = 0.0
@@ -100,6 +102,8 @@ class RuntimeBackend:
             yield Published(msg.version)
         elif isinstance(msg, Saved):
             self.saved = msg
+        elif isinstance(msg, Evaluated):
+            self.evaluated.append(msg)
         else:
             raise RuntimeError(f"unexpected message {type(msg).__name__} from rank {rank}")
 

@@ -184,6 +184,25 @@ class Saved(msgspec.Struct, tag=True):
     error: str = ""
 
 
+class Evaluate(msgspec.Struct, tag=True):
+    """Controller -> rollout rank: answer these held-out prompts greedily (alongside the rollout)."""
+
+    eval_id: int
+    indices: list[int]
+    prompts: list[list[int]]
+    max_new_tokens: int
+
+
+class Evaluated(msgspec.Struct, tag=True):
+    """Rollout rank -> controller: one held-out answer (token ids) and the weight versions it used."""
+
+    eval_id: int
+    index: int
+    response_ids: list[int]
+    min_version: int
+    max_version: int
+
+
 for _cls in (RouteTraj, Interrupt, Abort, Pull, InstanceSnapshot, FreeRecords, TrajDone, Pulled, TrainStep,
-             StepDone, SaveState, Saved):
+             StepDone, SaveState, Saved, Evaluate, Evaluated):
     register_message(_cls)

@@ -75,7 +75,6 @@ class RankContext:
                 if now - _TERM["at"] > grace:
                     raise KeyboardInterrupt(f"signal {signal.Signals(_TERM['signum']).name}")
                 deadline = min(deadline, _TERM["at"] + grace)
-            self._check_controller(now)
             msg = self.client.recv(max(0.0, min(deadline - now, 0.5)))
             if msg is not None:
                 self._last_heard = time.monotonic()
@@ -84,6 +83,9 @@ class RankContext:
                 if isinstance(msg, Shutdown) and not msg.ok:
                     raise RunStopped(msg.reason)
                 return msg
+            # Only after the queue is empty: a rank busy for minutes (a training step) finds the
+            # heartbeats sent meanwhile waiting in its socket, not a silent controller.
+            self._check_controller(time.monotonic())
             if time.monotonic() >= deadline:
                 return None
 

@@ -20,7 +20,8 @@ import time
 import torch
 
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
-from staleflow.launch.messages import FreeRecords, Pulled, RouteTraj, Shutdown, TrajDone
+from staleflow.launch.evaluation import eval_request_id, is_eval, split_eval_id
+from staleflow.launch.messages import Evaluate, Evaluated, FreeRecords, Pulled, RouteTraj, Shutdown, TrajDone
 from staleflow.plan.placement import reader_index
 from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.servers import ParameterServer, RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
@@ -113,7 +114,7 @@ class RolloutWorker:
         t0 = time.monotonic()
         if not self.keep_on_pull:  # partial rollout: nothing runs across a weight load
             st = self.engine.stats()
-            self.interrupt(list(st.running_ids) + list(st.waiting_ids), drop=False)
+            self.interrupt([t for t in list(st.running_ids) + list(st.waiting_ids) if not is_eval(t)], drop=False)
         world, rank = self.ctx.roles.world_size, self.ctx.rank
         vllm = hasattr(self.engine, "load_from_server")
         if self.ps is None:  # a vLLM rank maps only the slot headers: its engine's worker maps the weights
@@ -160,16 +161,33 @@ class RolloutWorker:
         dt = max(now - self._last_t, 1e-6)
         rate = (st.tokens_generated - self._last_tokens) / dt
         self._last_tokens, self._last_t = st.tokens_generated, now
+        running = [t for t in st.running_ids if not is_eval(t)]  # held-out answers are not the coordinator's
+        waiting = [t for t in st.waiting_ids if not is_eval(t)]
         self.ctx.client.send(InstanceSnapshot(
-            instance=self.instance, version=st.version, running=st.num_running, waiting=st.num_waiting,
+            instance=self.instance, version=st.version, running=len(running), waiting=len(waiting),
             kv_tokens=st.kv_tokens, kv_capacity=st.kv_capacity, tokens_per_s=rate, syncing=False, time=now,
-            traj_ids=tuple(st.running_ids) + tuple(st.waiting_ids), tokens_generated=st.tokens_generated))
+            traj_ids=tuple(running) + tuple(waiting), tokens_generated=st.tokens_generated))
         self._last_stats = now
 
     # ---- loop ----------------------------------------------------------------------------
+    def evaluate(self, msg: Evaluate) -> None:
+        """Held-out prompts, answered greedily in the same engine as the rollout (negative ids)."""
+        max_new = msg.max_new_tokens or self.params["max_new_tokens"]
+        for index, prompt in zip(msg.indices, msg.prompts):
+            self.engine.add(Request(eval_request_id(msg.eval_id, index), list(prompt),
+                                    SamplingParams(temperature=0.0, max_new_tokens=max_new)))
+
+    def answered(self, out) -> None:
+        eval_id, index = split_eval_id(out.request_id)
+        versions = list(out.versions) or [self.engine.stats().version]
+        self.ctx.client.send(Evaluated(eval_id=eval_id, index=index, response_ids=list(out.output_ids),
+                                       min_version=min(versions), max_version=max(versions)))
+
     def handle(self, msg) -> bool:
         """Execute one command; False on Shutdown."""
-        if isinstance(msg, RouteTraj):
+        if isinstance(msg, Evaluate):
+            self.evaluate(msg)
+        elif isinstance(msg, RouteTraj):
             self.route(msg)
         elif isinstance(msg, Interrupt):
             self.interrupt(msg.traj_ids, drop=False)
@@ -196,7 +214,10 @@ class RolloutWorker:
             now = time.monotonic()
             if self.engine.has_unfinished():
                 for out in self.engine.step():
-                    self.emit(out, partial=False)
+                    if is_eval(out.request_id):
+                        self.answered(out)
+                    else:
+                        self.emit(out, partial=False)
             if now - self._last_stats >= self.stats_every:
                 self.send_stats(now)
 

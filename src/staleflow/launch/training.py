@@ -64,6 +64,12 @@ class TrainingJob:
         s = cfg.staleness
         tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
         self.source = PromptSource(cfg.data, tokenizer, answer_check=lambda a: answer_problem(cfg.reward.fn, a))
+        self.held_out = None
+        if cfg.eval.n:  # set aside before any training prompt is drawn
+            from staleflow.launch.evaluation import HeldOutEval
+
+            self.held_out = HeldOutEval(self.source.hold_out(cfg.eval.n), cfg.reward.fn, tokenizer,
+                                        cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
         self.rewards = RewardPool(cfg.reward)
         version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)
         manager = StalenessManager(s.eta, s.batch_size, capacity=s.batch_size + s.batch_redundancy,
@@ -77,7 +83,9 @@ class TrainingJob:
         ids = read_ids(self.run_dir)  # written every step: ids never repeat, even past the checkpoint
         ledger = Ledger(max(extra.get("next_traj", 0), ids.get("next_traj", 0)),
                         max(extra.get("next_group", 0), ids.get("next_group", 0)))
-        self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.log.tensorboard)
+        self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.log.tensorboard,
+                                    wandb_project=cfg.log.wandb_project if cfg.log.wandb else "",
+                                    config=dataclasses.asdict(cfg))
         save_config(self.run_dir, cfg)
         self.backend = RuntimeBackend(ctl, cfg, tokenizer, self.rewards, self.writer)
         settings = LoopSettings.from_config(s, cfg.coordinator, cfg.steps,
@@ -121,9 +129,50 @@ class TrainingJob:
         led = self.loop.ledger
         write_ids(self.run_dir, led.next_traj, led.next_group)
         self.progress.update(ev.version, row)
+        k = self.cfg.eval.every
+        if self.held_out is not None and k and ev.version % k == 0 and ev.version < self.cfg.steps:
+            self.start_eval(ev.version)
         every = self.cfg.checkpoint.every
         self.save_due = bool(every) and ev.version % every == 0 and ev.version < self.cfg.steps
         self.loop.hold_training = self.save_due  # the checkpoint holds exactly this version
+
+    # ---- held-out evaluation -----------------------------------------------------------------
+    def start_eval(self, step: int) -> None:
+        self.held_out.start(step, self.ctl.roles.rollout_ranks, self.ctl.send)
+
+    def collect_evals(self) -> None:
+        """Score the held-out answers that arrived; log an evaluation once all of its answers are in."""
+        got, self.backend.evaluated = self.backend.evaluated, []
+        for msg in got:
+            row = self.held_out.on_answer(msg) if self.held_out is not None else None
+            if row is not None:
+                step = row.pop("step")
+                self.writer.log_eval(step, row)
+                print(f"eval at step {step}: held-out accuracy {row['eval_accuracy']:.3f} on {row['eval_n']} "
+                      f"prompts (greedy, mean length {row['eval_response_len_mean']:.0f})", flush=True)
+
+    def final_eval(self, timeout_s: float = 900.0) -> None:
+        """Every instance loads the final weights, then answers the held-out set once more."""
+        loop = self.loop
+        for inst in loop.coord.instances:
+            loop.execute(Pull(instance=inst, version=loop.version))
+        deadline = time.monotonic() + timeout_s
+        while any(i.syncing for i in loop.coord.instances.values()) and time.monotonic() < deadline:
+            for ev in self.backend.poll(time.monotonic() + 0.05):
+                loop.handle(ev)
+        self.start_eval(loop.version)
+        while self.held_out.running and time.monotonic() < deadline:
+            for ev in self.backend.poll(time.monotonic() + 0.05):
+                loop.handle(ev)
+            self.collect_evals()
+        if self.held_out.running:
+            print(f"staleflow: warning: the final evaluation did not finish within {timeout_s:.0f} s",
+                  file=sys.stderr, flush=True)
+        first, last = self.held_out.results[0] if self.held_out.results else None, \
+            self.held_out.results[-1] if self.held_out.results else None
+        if first is not None and last is not None and last is not first:
+            print(f"held-out accuracy {first['eval_accuracy']:.3f} (step {first['step']}) -> "
+                  f"{last['eval_accuracy']:.3f} (step {last['step']}) on {last['eval_n']} prompts", flush=True)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def resume_state(self) -> dict:
@@ -210,11 +259,16 @@ class TrainingJob:
         if loop.version > 0:  # resumed: every instance loads the trainer's weights first
             for inst in loop.coord.instances:
                 loop.execute(Pull(instance=inst, version=loop.version))
+        if self.held_out is not None and loop.version == 0:
+            self.start_eval(0)
         next_tick = self.backend.now()
         while not loop.done:
             next_tick = loop.turn(next_tick)
+            self.collect_evals()
             if self.save_due:
                 self.save(export=False)
+        if self.held_out is not None:
+            self.final_eval()
         self.save(export=self.cfg.checkpoint.export_hf, final=True)
         self.progress.close()
         if self.cfg.log.plot:

@@ -40,7 +40,7 @@ def audit_run(run_dir: str | Path, steps: int, batch_size: int, group_size: int,
     run = Path(run_dir)
     a = Audit()
     trained = _rows(run / "trained.jsonl")
-    metrics = _rows(run / "metrics.jsonl")
+    metrics = [m for m in _rows(run / "metrics.jsonl") if "eval_n" not in m]  # evaluation rows are not steps
     live = [r for r in trained if not r.get("superseded")]
     a.superseded_rows = len(trained) - len(live) + sum(1 for m in metrics if m.get("superseded"))
     a.buffers = dict(sorted(collections.Counter(r["buffer"] for r in live).items()))

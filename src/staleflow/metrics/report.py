@@ -1,4 +1,5 @@
-"""The PNG report of a run folder: reward curve, throughput, staleness histogram, per-rank timeline.
+"""The PNG report of a run folder: reward and held-out accuracy, throughput, staleness histogram,
+per-rank timeline.
 
     python -m staleflow.metrics.report RUN_DIR      (written at the end of every run as RUN_DIR/report.png)
 """
@@ -21,7 +22,9 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if not r.get("superseded")]
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if not r.get("superseded")]
+    steps = [r for r in rows if "eval_n" not in r]
+    evals = [r for r in rows if "eval_n" in r]
     spans = read_jsonl(os.path.join(run_dir, "timeline.jsonl"))
     if not steps:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl has no steps: nothing to report (did the run train?)")
@@ -31,9 +34,12 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     ax = axes[0][0]
     ax.plot(x, [s.get("reward_mean", 0.0) for s in steps], "o-", label="mean reward")
     if any("accuracy" in s for s in steps):
-        ax.plot(x, [s.get("accuracy", 0.0) for s in steps], "s--", label="accuracy")
+        ax.plot(x, [s.get("accuracy", 0.0) for s in steps], "s--", label="accuracy (training samples)")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval_accuracy"] for e in evals], "D-", color="black",
+                label=f"held-out accuracy ({evals[-1]['eval_n']} prompts, greedy)")
     ax.set_xlabel("step (weight version)")
-    ax.set_title("Reward")
+    ax.set_title("Reward and accuracy")
     ax.legend()
     ax.grid(alpha=0.3)
 

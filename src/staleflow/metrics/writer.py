@@ -6,6 +6,7 @@ TensorBoard scalars, and the run's resolved config.
     run_dir/trained.jsonl    {"buffer": v, "group_id": g, "traj_version": V, "traj_ids": [...], "rewards": [...],
                               "prompt": ..., "answer": ..., "sample": first member's response}
     run_dir/tb/              TensorBoard events (scalars of metrics.jsonl)
+    run_dir/wandb/           Weights & Biases files (--log.wandb; the same metric names as TensorBoard)
     run_dir/config.json      the RunConfig of the run
 """
 
@@ -32,7 +33,9 @@ def _scalars(prefix: str, d: dict[str, Any]):
 class MetricsWriter:
     """Append-only metrics of one run; safe to reopen on resume (appends)."""
 
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = True, wandb_project: str = "", config: dict | None = None):
+        """wandb_project: also log to Weights & Biases (optional extra staleflow[wandb]); the W&B
+        run id is derived from the run folder, so a resumed run continues the same W&B run."""
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
@@ -47,12 +50,28 @@ class MetricsWriter:
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
             except ImportError:  # tensorboard is a declared dependency; tolerate its absence in forks
                 self._tb = None
+        self._wb = _wandb_run(run_dir, wandb_project, config) if wandb_project else None
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, "time": round(time.time() - self.t_start, 4), **metrics}
         self._metrics.write(json.dumps(row, sort_keys=True) + "\n")
+        if self._wb is not None:
+            self._wb.log({k: v for k, v in _scalars("", metrics)}, step=step)
         if self._tb is not None:
             for key, value in _scalars("", metrics):
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def log_eval(self, step: int, row: dict[str, Any]) -> None:
+        """A held-out evaluation: a metrics.jsonl row with eval_accuracy / eval_n (no training
+        fields), TensorBoard scalars under eval/."""
+        out = {"step": step, "time": round(time.time() - self.t_start, 4), **row}
+        self._metrics.write(json.dumps(out, sort_keys=True) + "\n")
+        if self._wb is not None:  # own x-axis (eval/step): an evaluation may arrive after later steps
+            self._wb.log({"eval/step": step, **dict(_scalars("eval/", {k.removeprefix("eval_"): v
+                                                                   for k, v in row.items()}))})
+        if self._tb is not None:
+            for key, value in _scalars("eval/", {k.removeprefix("eval_"): v for k, v in row.items()}):
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
 
@@ -74,6 +93,23 @@ class MetricsWriter:
         self._trained.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wb is not None:
+            self._wb.finish()
+
+
+def _wandb_run(run_dir: str, project: str, config: dict | None):
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("--log.wandb needs the optional extra: pip install 'staleflow[wandb]' (or pip install "
+                           "wandb); set WANDB_MODE=offline to log without an account") from None
+    import hashlib
+
+    run_id = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    run = wandb.init(project=project, name=os.path.basename(os.path.abspath(run_dir)), id=run_id, resume="allow",
+                     dir=run_dir, config=config or {})
+    run.define_metric("eval/*", step_metric="eval/step")
+    return run
 
 
 def save_config(run_dir: str, cfg) -> None:

@@ -1,0 +1,79 @@
+"""Held-out evaluation on the rollout ranks: greedy answers decoded alongside the rollout.
+
+Controller side (``HeldOutEval``, used by launch/training.py): the held-out prompts are split
+across the instances (``Evaluate``); answers come back one by one (``Evaluated``), are decoded
+and scored with the run's reward function in the controller (correct = answer reward >= 1), and
+an evaluation row goes to metrics.jsonl once all of them are in. Rank side (``is_eval``,
+``eval_request_id``): evaluation requests live in the same engine under negative ids, so the
+coordinator never sees them (they are left out of snapshots and never interrupted by a pull).
+"""
+
+from __future__ import annotations
+
+import time
+
+from staleflow.launch.messages import Evaluate, Evaluated
+
+_SPAN = 1 << 20
+
+
+def eval_request_id(eval_id: int, index: int) -> int:
+    """Engine request id of held-out prompt `index` of evaluation `eval_id` (negative: never a trajectory)."""
+    return -(eval_id * _SPAN + index + 1)
+
+
+def is_eval(request_id) -> bool:
+    return isinstance(request_id, int) and request_id < 0
+
+
+def split_eval_id(request_id: int) -> tuple[int, int]:
+    k = -request_id - 1
+    return k // _SPAN, k % _SPAN
+
+
+class HeldOutEval:
+    """One held-out set; evaluations are started by step and finished when every answer is in."""
+
+    def __init__(self, prompts, reward_fn, tokenizer, max_new_tokens: int):
+        from staleflow.reward.functions import resolve_reward_fn
+
+        self.prompts, self.tokenizer, self.max_new_tokens = prompts, tokenizer, max_new_tokens
+        self.fn = resolve_reward_fn(reward_fn)
+        self.running: dict[int, dict] = {}  # eval_id -> {"step", "answers", "t0", ...}
+        self.results: list[dict] = []
+        self._next = 0
+
+    def start(self, step: int, ranks: list[int], send) -> int:
+        """Send the held-out prompts round-robin to the rollout ranks; returns the eval id."""
+        eval_id, self._next = self._next, self._next + 1
+        self.running[eval_id] = {"step": step, "answers": {}, "t0": time.monotonic(), "versions": []}
+        for j, rank in enumerate(ranks):
+            idx = list(range(j, len(self.prompts), len(ranks)))
+            if idx:
+                send(rank, Evaluate(eval_id=eval_id, indices=idx, prompts=[list(self.prompts[i].prompt_ids) for i in idx],
+                                    max_new_tokens=self.max_new_tokens))
+        return eval_id
+
+    def on_answer(self, msg: Evaluated) -> dict | None:
+        """Record one answer; returns the finished evaluation row once all answers are in."""
+        from staleflow.reward.functions import score
+
+        run = self.running.get(msg.eval_id)
+        if run is None:
+            return None
+        p = self.prompts[msg.index]
+        text = self.tokenizer.decode(msg.response_ids, skip_special_tokens=True)
+        _, info = score(self.fn, text, p.answer, dict(p.meta))
+        run["answers"][msg.index] = (info["answer_reward"] >= 1.0, len(msg.response_ids), info["boxed"], text)
+        run["versions"] += [msg.min_version, msg.max_version]
+        if len(run["answers"]) < len(self.prompts):
+            return None
+        del self.running[msg.eval_id]
+        answers = [run["answers"][i] for i in range(len(self.prompts))]
+        row = {"eval_accuracy": sum(a[0] for a in answers) / len(answers), "eval_n": len(answers),
+               "eval_response_len_mean": sum(a[1] for a in answers) / len(answers),
+               "eval_boxed_rate": sum(a[2] for a in answers) / len(answers),
+               "eval_versions": [min(run["versions"]), max(run["versions"])],
+               "eval_s": time.monotonic() - run["t0"], "eval_sample": answers[0][3][:300]}
+        self.results.append({"step": run["step"], **row})
+        return {"step": run["step"], **row}

@@ -1,0 +1,85 @@
+"""Held-out evaluation: the held-out split is never trained on, answers are scored with the run's
+reward, and a run logs evaluation rows at step 0, every K steps and at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from staleflow.config import DataConfig
+from staleflow.data import PromptSource
+from staleflow.launch.evaluation import HeldOutEval, eval_request_id, is_eval, split_eval_id
+from staleflow.launch.messages import Evaluated
+from staleflow.model import load_tokenizer
+from staleflow.model.aliases import ensure_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(str(ensure_tokenizer()))
+
+
+def test_eval_held_out_task_prompts_are_never_drawn_for_training(tok):
+    src = PromptSource(DataConfig(source="arithmetic", seed=3), tok)
+    held = src.hold_out(64)
+    texts = {p.text for p in held}
+    assert len(texts) == 64 and all(p.meta["held_out"] for p in held)
+    train = [next(src).text for _ in range(3000)]
+    assert not texts & set(train)
+    again = PromptSource(DataConfig(source="arithmetic", seed=3), tok)
+    assert [p.text for p in again.hold_out(64)] == [p.text for p in held]  # the same split every time
+    with pytest.raises(Exception, match="before any training prompt"):
+        src.hold_out(4)
+
+
+def test_eval_held_out_file_rows_leave_the_training_set(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    src = PromptSource(DataConfig(source=str(path)), tok)
+    held = src.hold_out(10)
+    train = {next(src).text for _ in range(30)}
+    assert len(train) == 30 and not {p.text for p in held} & train
+    with pytest.raises(Exception, match="too few to hold out"):
+        PromptSource(DataConfig(source=str(path)), tok).hold_out(25)
+
+
+def test_eval_answers_are_scored_with_the_reward_and_logged_once_complete(tok):
+    src = PromptSource(DataConfig(source="arithmetic"), tok)
+    prompts = src.hold_out(3)
+    ev = HeldOutEval(prompts, "arithmetic", tok, max_new_tokens=32)
+    sent = []
+    eval_id = ev.start(5, [1, 2], lambda rank, msg: sent.append((rank, msg)))
+    assert sorted(i for _, m in sent for i in m.indices) == [0, 1, 2]
+    answers = [f"The answer is \\boxed{{{prompts[0].answer}}}", prompts[1].answer, "\\boxed{-999}"]
+    rows = [ev.on_answer(Evaluated(eval_id, i, tok.encode(a), 4, 5)) for i, a in enumerate(answers)]
+    assert rows[:2] == [None, None]
+    row = rows[2]
+    assert row["step"] == 5 and row["eval_n"] == 3 and row["eval_accuracy"] == pytest.approx(2 / 3)
+    assert row["eval_boxed_rate"] == pytest.approx(2 / 3) and row["eval_versions"] == [4, 5]
+
+
+def test_eval_request_ids_are_negative_and_round_trip():
+    for e, i in ((0, 0), (3, 17), (9, (1 << 20) - 1)):
+        rid = eval_request_id(e, i)
+        assert is_eval(rid) and split_eval_id(rid) == (e, i)
+    assert not is_eval(0) and not is_eval(12)
+
+
+@pytest.mark.slow
+def test_eval_rows_in_a_run_at_start_every_k_and_end(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "staleflow",
+           "train", "--preset", "tiny", "--steps", "4", "--eval.n", "6", "--eval.every", "2", "--log.run-dir",
+           str(tmp_path), "--log.name", "run", "--log.no-progress", "--reward.fn", "e2e_rewards:text_length"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_n" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(r["eval_n"] == 6 for r in evals)
+    assert evals[-1]["eval_versions"] == [4, 4]  # the final evaluation runs on the final weights
+    assert [r["step"] for r in rows if "eval_n" not in r] == [0, 1, 2, 3]
+    assert "held-out accuracy" in res.stdout
