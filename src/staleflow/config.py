@@ -79,9 +79,8 @@ class RolloutConfig:
     profile: bool = False
     """Record (n_running, kv_tokens, step latency) per engine step, for scripts/fit_cost_model.py."""
     decode_backend: Literal["auto", "mirror", "gather", "triton", "flash"] = "auto"
-    """Built-in engine decode attention (rollout/decode_backend.py): auto = flash-attn's block-table
-    kernel on CUDA when installed with bf16/fp16 and a block size multiple of 256, else the Triton
-    paged kernel on CUDA; the dense decode mirror on CPU."""
+    """Built-in engine decode attention (rollout/decode_backend.py; auto: flash-attn's block-table
+    kernel on CUDA when it applies, else the Triton paged kernel; the dense decode mirror on CPU)."""
     prefix_sharing: bool = True
     """Share the KV blocks of identical prompt prefixes (a GRPO group's prompt is prefilled once)."""
 
@@ -173,6 +172,8 @@ class TrainConfig:
     """DAPO overlong shaping: response length where the penalty reaches -1 (0 disables)."""
     overlong_cache_tokens: int = 0
     """DAPO overlong shaping: length of the linear penalty ramp before overlong-max-tokens."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype over fp32 master weights: auto = bf16 on CUDA, fp32 on CPU (LM head always fp32 on CPU)."""
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"
     """Recompute each decoder layer in backward (less memory, ~30% more compute); auto: on for CUDA only."""
 
@@ -390,10 +391,8 @@ def config_from_dict(cls, d: dict):
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """The run's config with ``--mode`` applied to its coordinator and staleness sections.
-
-    Called once, where the config is parsed; everything downstream (controller, coordinator,
-    rollout ranks) reads the result and never applies a mode again."""
+    """The run's config with ``--mode`` applied to its coordinator and staleness sections: called
+    once where the config is parsed; nothing downstream applies a mode again."""
     from staleflow.coordinator.modes import apply_mode
 
     coordinator, staleness = apply_mode(cfg.mode, cfg.coordinator, cfg.staleness)

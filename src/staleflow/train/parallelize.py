@@ -24,8 +24,16 @@ def mixed_precision(device_type: str):
     return MixedPrecisionPolicy()
 
 
-def compute_dtype(device_type: str) -> torch.dtype:
-    """The dtype the forward runs in: bf16 on CUDA (FSDP2 param_dtype or autocast), else the master's."""
+def compute_dtype(device_type: str, setting: str = "auto") -> torch.dtype:
+    """The dtype the forward runs in (--train.compute-dtype): auto = bf16 on CUDA (FSDP2
+    param_dtype or autocast), the master's on CPU (exact); bfloat16 on CPU autocasts the decoder
+    (CPUs with AVX512-BF16 / AMX run it ~2x faster; docs/perf.md) with the LM head kept in fp32."""
+    if setting == "float32":
+        return MASTER_DTYPE
+    if setting == "bfloat16":
+        return torch.bfloat16
+    if setting != "auto":
+        raise ValueError(f"--train.compute-dtype={setting!r} is invalid: use auto, float32 or bfloat16")
     return torch.bfloat16 if device_type == "cuda" else MASTER_DTYPE
 
 

@@ -36,6 +36,7 @@ reads these same definitions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Ten
     single CUDA rank would otherwise reach the log-prob kernel in fp32 (no tensor cores); the
     kernel still accumulates the logits in fp32."""
     dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
+    if dev == "cuda" and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         return hidden.to(dt), weight.to(dt)
     return hidden, weight
@@ -75,7 +76,10 @@ class PolicyHead(nn.Module):
         attn = PackedAttention(mb.cu_seqlens)
         hidden = self.lm(mb.input_ids, mb.positions, attn)  # [T, H]
         rows, weight = head_operands(hidden[mb.rows], self.lm.lm_head_weight)  # [N, H], [V, H]
-        logp, entropy = packed_logprobs(rows, weight, mb.targets, temperature=temperature, impl=impl)  # [N], [N]
+        # On CPU the head stays fp32 even under bf16 autocast: the ratio against the rollout's
+        # fp32 log-probs must not carry bf16 logit rounding (~1e-2).
+        with torch.autocast("cpu", enabled=False) if rows.device.type == "cpu" else contextlib.nullcontext():
+            logp, entropy = packed_logprobs(rows, weight, mb.targets, temperature=temperature, impl=impl)  # [N], [N]
         if mb.rows.numel() == 0:  # padding micro-batch: keep every parameter in the graph
             logp = logp + 0.0 * hidden.sum()
         return logp, entropy
@@ -155,7 +159,7 @@ class Trainer:
         like the policy: built on the meta device, then filled shard by shard (never a full copy
         of the fp32 model, which a deepcopy before sharding would make on every rank)."""
         with torch.device("meta"):
-            lm = type(self.model)(self.model.args).to(compute_dtype(self.device.type))
+            lm = type(self.model)(self.model.args).to(compute_dtype(self.device.type, self.cfg.compute_dtype))
         ref = PolicyHead(lm).requires_grad_(False)
         if self.sharded:
             self._shard(ref)
@@ -169,8 +173,12 @@ class Trainer:
         return ref
 
     def _autocast(self):
-        on = self.device.type == "cuda" and not self.sharded
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on)
+        """CUDA: bf16 autocast for a single rank (FSDP2's mixed precision does it when sharded);
+        CPU: bf16 autocast of the decoder only with --train.compute-dtype bfloat16."""
+        bf16 = compute_dtype(self.device.type, self.cfg.compute_dtype) == torch.bfloat16
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and not self.sharded)
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
     def _forward(self, policy: PolicyHead, mb: MicroBatch):
         with self._autocast():
