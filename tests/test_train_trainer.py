@@ -184,6 +184,80 @@ def test_lm_head_reaches_the_logprob_op_in_the_autocast_dtype_on_cuda(monkeypatc
     assert head_operands(rows, head) == (rows, head)  # no autocast (FSDP2's bf16 params): untouched
 
 
+def test_dynamic_sampling_and_all_filtered_step():
+    samples = random_samples(seed=10, groups=3, min_response=1)
+    for s in samples:
+        if s.group_id == 0:
+            s.reward = 1.0
+    t = Trainer(tiny_model(seed=2), TrainConfig(lr=1e-2, dynamic_sampling=True))
+    m = t.step(samples)
+    assert m["groups_dropped"] == 1 and m["samples_trained"] == len(samples) - 4
+    empty = [TrajectorySample([1], [], [], [], float(i), 7, 0) for i in range(3)]  # only zero-length responses
+    m = t.step(empty)
+    assert m["samples_trained"] == 3 and m["response_tokens"] == 0 and t.optimizer_steps == 1
+    flat = [s for s in samples if s.group_id == 0]
+    before = t.full_state_dict()
+    m = t.step(flat)  # nothing left to learn from: no update, the version still advances
+    assert m["samples_trained"] == 0 and t.version == 3 and t.optimizer_steps == 1
+    _assert_same(before, t.full_state_dict(), atol=0)
+
+
+def test_bad_samples_and_config_are_rejected_with_clear_errors():
+    t = Trainer(tiny_model(), TrainConfig())
+    bad = TrajectorySample([1, 2], [3, 4], [-0.1], [0, 0], 1.0, 0, 0)
+    with pytest.raises(ValueError, match="sample 0: 1 behaviour_logprobs for 2 response tokens"):
+        t.step([bad])
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        t.step([TrajectorySample([], [3], [-0.1], [0], 1.0, 0, 0)])
+    with pytest.raises(ValueError, match="advantage='gae'"):
+        Trainer(tiny_model(), TrainConfig(advantage="gae"))
+    with pytest.raises(ValueError, match="total_steps"):
+        Trainer(tiny_model(), TrainConfig(schedule="cosine"))
+
+
+def test_lr_schedule():
+    assert [lr_factor(s, 2, "constant", None) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cos = [lr_factor(s, 1, "cosine", 5) for s in range(6)]
+    assert cos[0] == 1.0 and cos[1] == 1.0 and cos[3] == pytest.approx(0.5) and cos[5] == pytest.approx(0.0)
+
+
+def test_named_shards_unsharded_are_the_full_parameters():
+    t = Trainer(tiny_model(seed=3), TrainConfig())
+    full = t.full_state_dict()
+    shards = list(t.named_shards())
+    assert {s.name for s in shards} == set(full)
+    for s in shards:
+        assert s.row_offset == 0 and s.global_shape == tuple(full[s.name].shape)
+        torch.testing.assert_close(s.local, full[s.name], atol=0, rtol=0)
+
+
+def _target_reward(resp: list[int], target: int) -> float:
+    return sum(t == target for t in resp) / len(resp)
+
+
+def test_grpo_learns_a_toy_reward():
+    """GRPO on-policy: reward = fraction of response tokens equal to 5 (chance: 1/16); 12 steps must lift it."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    model = tiny_model(seed=11, vocab=16)
+    t = Trainer(model, TrainConfig(lr=5e-3, micro_batch_tokens=512, advantage="grpo", off_policy="tis-token"))
+    prompts = [[1, 2], [3], [4, 7, 9], [6]]
+    history = []
+    for step in range(12):
+        group_prompts = [p for p in prompts for _ in range(6)]
+        resp, logps = sample_responses(model, group_prompts, 4, gen)
+        samples = [TrajectorySample(p, r, lp, [t.version] * len(r), _target_reward(r, 5), gi // 6, t.version)
+                   for gi, (p, r, lp) in enumerate(zip(group_prompts, resp, logps))]
+        m = t.step(samples)
+        history.append(m["reward_mean"])
+        if step == 0:  # on-policy: behaviour == proximal up to sampler/trainer float noise
+            assert m["behaviour_gap_abs_mean"] < 1e-5
+    first, last = sum(history[:2]) / 2, sum(history[-3:]) / 3
+    assert first < 0.15 and last > first + 0.4, history
+
+
+# ---- two trainer ranks (real torchrun + gloo) -------------------------------------------------------
+
 DIST_CFG = dict(lr=1e-2, micro_batch_tokens=20, loss_agg="seq-mean", off_policy="tis-token", grad_clip=0.3)
 
 
