@@ -140,6 +140,10 @@ def test_a_dtype_changed_in_the_runtime_changes_the_plan(monkeypatch):
                             nproc=8, gpu_bytes=80 * GiB)
     assert fp32_slots.ranks[0].items["slots"] == pytest.approx(2 * base.ranks[0].items["slots"], rel=0.05)
     assert fp32_slots.ranks[4].items["kv_cache"] == 2 * base.ranks[4].items["kv_cache"]
+    cpu = RunConfig(model=cfg.model, train=TrainConfig(kl_coef=0.1))
+    bf16 = RunConfig(model=cfg.model, train=TrainConfig(kl_coef=0.1, compute_dtype="bfloat16"))
+    fp32_ref = build_plan(cpu, nproc=3, gpu_bytes=0, device_type="cpu").ranks[0].items["reference"]
+    assert build_plan(bf16, nproc=3, gpu_bytes=0, device_type="cpu").ranks[0].items["reference"] == fp32_ref // 2
     monkeypatch.setattr(parallelize, "MASTER_DTYPE", torch.float64)  # the trainer's master dtype
     wide = build_plan(cfg, nproc=8, gpu_bytes=80 * GiB)
     assert wide.ranks[0].items["weights"] == 2 * base.ranks[0].items["weights"]

@@ -139,7 +139,7 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
     named = list(lm.named_parameters())
     shapes = [tuple(p.shape) for _, p in named]
     total = sum(math.prod(s) for s in shapes)
-    cdt = compute_dtype(device_type)
+    cdt = compute_dtype(device_type, cfg.train.compute_dtype)
     ms = MASTER_DTYPE.itemsize
     sharded = world > 1
     if sharded:
@@ -168,7 +168,7 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
     logprob = x_bytes  # the response rows' hidden states, kept for backward
     if impl == "chunked":
         chunk = max(1, DEFAULT_CHUNK_ELEMENTS // args.vocab_size) * args.vocab_size
-        logprob += 2 * chunk * 4 + (head * 4 if cdt != torch.float32 else 0)  # [C, V] z and exp; fp32 W copy
+        logprob += 2 * chunk * 4 + (head * 4 if device_type == "cuda" else 0)  # [C, V] z, exp; bf16 W in fp32
     elif impl == "naive":
         logprob += 3 * tokens * args.vocab_size * 4
     plan.add("activations", acts + logprob, f"{tokens} tokens per micro-batch, activation checkpointing "
