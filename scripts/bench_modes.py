@@ -4,16 +4,21 @@ simulator fed the cost model measured here, against the measured throughput of e
     python scripts/bench_modes.py [--steps 8] [--eta 2] [--length-dist lognormal:96:1.0] [--max-new 512]
 
 1. Measure: the decode cost model of the rollout engine on this machine (scripts/fit_cost_model.py, one
-   thread per rank as under torchrun) and its prefill rate (the same profile's prefill steps).
+   thread per rank as under torchrun) and its prefill rate (prefill steps of the same engine).
 2. Run: each mode (verl-sync, verl-one-step-off, verl-fully-async, areal, staleflow) is the real system
    (torchrun: 1 trainer + 2 rollout ranks + controller) on the same prompts, seeds and long-tailed
    response lengths (--rollout.length-dist: each trajectory's length is drawn, eos ignored), with the
    measured cost model in its router. Throughput counts what the trainer consumed: trained response
    tokens per second from the end of step --warmup to the end of the last step.
 3. Simulate: the same modes in the simulator (the same controller loop over sim/backend.py), fed the
-   measured decode cost model and prefill rate, the training time per token fitted to the verl-sync run
-   (where nothing else runs while it trains), the measured push and pull times, and the CPU sharing of
-   the ranks (--shared-cores: each busy process runs busy/cores times slower).
+   measured decode cost model and prefill rate, the trainer's step time per token as measured in that
+   mode's runs (on a shared machine the trainer's CPU share changes with the load, so it is an input,
+   not a prediction), the measured push and pull times, and the CPU sharing of the ranks
+   (--shared-cores: an instance with work decodes busy/cores times slower while the trainer or the
+   other instance is busy). What the simulator predicts is how the rollout side and the schedule
+   compose: generation time, overlap, waits.
+Each mode runs --repeats times, interleaved (mode order rotates), and the mean is reported: the
+2-core machine is shared, and the load drifts over minutes.
 Prints the hardware, the table (baselines measured in the same run, ratios) and, last, one JSON line:
 {"staleflow_vs_best_async", "best_async", "<mode>_tok_s", "<mode>_vs_sync", "<mode>_sim_err", "sim_vs_real_max_err"}.
 """
@@ -51,17 +56,42 @@ def measure_cost_model(args, root: str) -> tuple[str, float]:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if res.returncode != 0:
         raise SystemExit(f"cost-model profiling failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
-    with open(samples) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    pre = [r for r in rows if r["prefill_tokens"] > 0 and r["n_running"] == 0 and r["latency_s"] > 0]
-    if not pre:  # every prefill step also decoded: use the decode-free share of the latency
-        pre = [r for r in rows if r["prefill_tokens"] > 0 and r["latency_s"] > 0]
-    rate = sum(r["prefill_tokens"] for r in pre) / sum(r["latency_s"] for r in pre)
-    return out, rate
+    return out, measure_prefill(args)
 
 
-def run_mode(mode: str, args, root: str, cost_json: str) -> dict:
-    name = f"bench-{mode}"
+def measure_prefill(args) -> float:
+    """Prefill tokens/s of the built-in engine, one thread (as each torchrun rank): prompts of 64-256
+    tokens, the step that prefills them (what a resumed partial trajectory also pays to recompute KV)."""
+    import torch
+
+    from staleflow.model import load_model
+    from staleflow.rollout.builtin_engine import BuiltinEngine
+    from staleflow.rollout.engine import Request, SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        tokens = seconds = 0.0
+        for plen in (64, 128, 256, 256, 128, 64):
+            eng = BuiltinEngine(model, max_running=4, max_kv_tokens=args.kv_tokens, block_size=16,
+                                prefill_chunk_tokens=4 * plen, max_model_len=plen + 4, profile=True)
+            for r in range(4):
+                ids = torch.randint(100, model.args.vocab_size, (plen,), generator=gen).tolist()
+                eng.add(Request(r, ids, SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)))
+            while eng.has_unfinished():
+                eng.step()
+            for smp in eng.profile_samples:
+                if smp.prefill_tokens > 0:
+                    tokens, seconds = tokens + smp.prefill_tokens, seconds + smp.latency_s
+    finally:
+        torch.set_num_threads(threads)
+    return tokens / seconds
+
+
+def run_mode(mode: str, args, root: str, cost_json: str, rep: int = 0) -> dict:
+    name = f"bench-{mode}-{rep}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "staleflow",
            "train", "--preset", "tiny", "--model.path", args.model, "--mode", mode, "--steps", str(args.steps),
            "--rollout.length-dist", args.length_dist, "--rollout.max-new-tokens", str(args.max_new),
@@ -69,7 +99,8 @@ def run_mode(mode: str, args, root: str, cost_json: str) -> dict:
            "--staleness.batch-size", str(args.batch), "--staleness.group-size", str(args.group),
            "--staleness.eta", str(args.eta), "--coordinator.cost-model", cost_json,
            "--log.run-dir", root, "--log.name", name, "--log.no-progress", "--log.no-plot", "--log.no-tensorboard",
-           "--checkpoint.no-export-hf", "--seed", str(args.seed), *args.extra]
+           "--checkpoint.no-export-hf", "--seed", str(args.seed), *args.extra,
+           *(args.staleflow_flags.split() if mode == "staleflow" else [])]
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.monotonic() - t0
@@ -96,7 +127,7 @@ def run_mode(mode: str, args, root: str, cost_json: str) -> dict:
 
 
 def prompt_len(args) -> int:
-    from staleflow.config import PRESETS
+    from staleflow.presets import PRESETS
     from staleflow.data import PromptSource
     from staleflow.model import load_tokenizer, resolve_model_path
 
@@ -106,22 +137,27 @@ def prompt_len(args) -> int:
     return round(sum(lens) / len(lens))
 
 
-def simulate(mode: str, args, cost_json: str, prefill: float, measured: dict) -> float:
+def train_fit(steps: list[tuple[int, int, float]], prompt_len: int) -> tuple[float, float]:
+    """(seconds per token, seconds per step) of the trainer: least squares over (tokens, train_s) of the steps."""
+    toks = [t + n_traj * prompt_len for t, n_traj, _ in steps]
+    n = len(steps)
+    mx, my = sum(toks) / n, sum(s for _, _, s in steps) / n
+    slope = sum((x - mx) * (s - my) for x, (_, _, s) in zip(toks, steps)) / max(1e-9, sum((x - mx) ** 2 for x in toks))
+    if slope <= 0:  # too noisy to separate the two: all of it per token
+        return my / mx, 0.0
+    return slope, max(0.0, my - slope * mx)
+
+
+def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], everything: list[dict]) -> float:
     """Simulated trained tokens/s of `mode` on the runtime's shape, with everything measured above."""
     from staleflow.coordinator.cost_model import load_cost_model
     from staleflow.sim.config import SimConfig
     from staleflow.sim.simulator import run
 
-    sync = measured["verl-sync"]["train"][args.warmup:]  # nothing else runs while verl-sync trains
-    n = len(sync)
-    toks = [t + n_traj * args.prompt_len for t, n_traj, _ in sync]
-    mx, my = sum(toks) / n, sum(s for _, _, s in sync) / n
-    slope = sum((x - mx) * (s - my) for x, (_, _, s) in zip(toks, sync)) / max(1e-9, sum((x - mx) ** 2 for x in toks))
-    slope = max(slope, 1e-6)
-    overhead = max(0.0, my - slope * mx)
+    slope, overhead = train_fit([s for r in runs for s in r["train"][1:]], args.prompt_len)
     median, sigma = (float(x) for x in args.length_dist.split(":")[1:])
-    pull = sum(m["pull_s"] for m in measured.values()) / len(measured)
-    push = sum(m["push_s"] for m in measured.values()) / len(measured)
+    pull = sum(m["pull_s"] for m in everything) / len(everything)
+    push = sum(m["push_s"] for m in everything) / len(everything)
     cfg = SimConfig(total_gpus=3, rollout_gpus=2, gpus_per_instance=1, cost_model=cost_json,
                     kv_capacity=args.kv_tokens, prefill_tokens_per_s=prefill, max_running=args.max_running,
                     train_tokens_per_gpu_s=1.0 / slope, train_overhead_s=overhead, push_s=push, pull_s=pull,
@@ -130,12 +166,17 @@ def simulate(mode: str, args, cost_json: str, prefill: float, measured: dict) ->
                     max_response=args.max_new, steps=args.steps, warmup_steps=args.warmup, tick_s=0.01,
                     router_fit_samples=0, shared_cores=args.shared_cores, colocated_sync=False, seed=args.seed,
                     out_dir="", ablation=False)
-    return run(cfg, mode, args.eta, cost=load_cost_model(cost_json)).tokens_per_s
+    overrides = {}
+    flags = args.staleflow_flags.split() if mode == "staleflow" else []
+    if "--coordinator.mu" in flags:
+        overrides["mu"] = float(flags[flags.index("--coordinator.mu") + 1])
+    return run(cfg, mode, args.eta, overrides, cost=load_cost_model(cost_json)).tokens_per_s
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per mode (interleaved); the mean is reported")
     ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the measurement")
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--length-dist", default="lognormal:96:1.0")
@@ -149,23 +190,42 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--keep", default="", help="keep the run folders here (default: a temporary folder)")
+    ap.add_argument("--staleflow-flags", default="--coordinator.mu 0",
+                    help="flags for the staleflow mode only. Default mu 0: the CPU cost curve is compute-bound from "
+                         "n = 1, so the GPU default mu 0.2 makes the waterfall hold work back (2-3 trajectories per "
+                         "instance), which keeps the rollout ranks busy and slows the trainer sharing their cores")
     ap.add_argument("extra", nargs="*", help="more flags for every run (after --)")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if args.steps < args.warmup + 3 or "verl-sync" not in modes:
-        raise SystemExit("need --steps >= --warmup + 3 and verl-sync among --modes (the baseline and the train-time fit)")
+    if args.steps < args.warmup + 3 or "verl-sync" not in modes or args.repeats < 1:
+        raise SystemExit("need --steps >= --warmup + 3, --repeats >= 1 and verl-sync among --modes (the baseline)")
     args.prompt_len = prompt_len(args)
-    with tempfile.TemporaryDirectory(prefix="staleflow-bench-") as root:
+    with tempfile.TemporaryDirectory(prefix="staleflow-bench-") as tmp:
+        root = args.keep or tmp
+        os.makedirs(root, exist_ok=True)
         cost_json, prefill = measure_cost_model(args, root)
         with open(cost_json) as f:
             cost = json.load(f)
-        measured = {m: run_mode(m, args, root, cost_json) for m in modes}
-        sim = {m: simulate(m, args, cost_json, prefill, measured) for m in modes}
+        load0 = os.getloadavg()[0]
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for rep in range(args.repeats):
+            order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+            for m in order:
+                runs[m].append(run_mode(m, args, root, cost_json, rep))
+        everything = [r for rs in runs.values() for r in rs]
+        sim = {m: simulate(m, args, cost_json, prefill, runs[m], everything) for m in modes}
+    measured = {m: {k: sum(r[k] for r in rs) / len(rs) for k in ("tokens_per_s", "staleness_mean", "over_eta",
+                                                                 "interrupts", "pulls", "wall_s")}
+                for m, rs in runs.items()}
     base = measured["verl-sync"]["tokens_per_s"]
-    print(f"# machine: {cpu_name()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, python "
-          f"{platform.python_version()}; 3 ranks (1 trainer + 2 rollout) share the cores")
+    print(f"# machine: {cpu_name()}, {os.cpu_count()} cores, load {load0:.1f} -> {os.getloadavg()[0]:.1f} (shared), "
+          f"python {platform.python_version()}; 3 ranks (1 trainer + 2 rollout) share the cores")
+    print("# per run tok/s: " + "; ".join(f"{m} " + ", ".join(f"{r['tokens_per_s']:.0f}" for r in rs)
+                                        for m, rs in runs.items()))
     print(f"# workload: {args.model}, B={args.batch} groups x N={args.group}, prompts {args.prompt_len} tokens, lengths "
           f"{args.length_dist} capped at {args.max_new}, eta={args.eta}, {args.steps} steps (first {args.warmup} excluded)")
+    print(f"# staleflow flags: {args.staleflow_flags or '(none)'}; every mode: {' '.join(args.extra) or '(none)'}")
     print(f"# measured cost model: k1={cost['k1']:.3g} k2={cost['k2']:.3g} k3={cost['k3']:.3g} b3={cost['b3']:.3g} "
           f"(fit mean err {cost['fit']['mean_rel_err']:.0%}), prefill {prefill:.0f} tok/s")
     print(f"{'mode':<19}{'tok/s':>8}{'vs sync':>9}{'staleness':>11}{'>eta':>6}{'intr':>6}{'pulls':>7}{'wall s':>8}"
@@ -179,7 +239,8 @@ def main() -> None:
         out[f"{key}_vs_sync"] = round(r["tokens_per_s"] / base, 3)
         out[f"{key}_sim_err"] = round(err, 3)
         print(f"{m:<19}{r['tokens_per_s']:>8.1f}{r['tokens_per_s'] / base:>9.2f}{r['staleness_mean']:>11.2f}"
-              f"{r['over_eta']:>6}{r['interrupts']:>6}{r['pulls']:>7}{r['wall_s']:>8.0f}{sim[m]:>11.1f}{err:>+9.1%}")
+              f"{r['over_eta']:>6.0f}{r['interrupts']:>6.0f}{r['pulls']:>7.0f}{r['wall_s']:>8.0f}{sim[m]:>11.1f}"
+              f"{err:>+9.1%}")
     best = max((m for m in modes if m in ASYNC), key=lambda m: measured[m]["tokens_per_s"], default=None)
     if "staleflow" in modes and best:
         out["best_async"] = best

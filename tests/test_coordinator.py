@@ -317,3 +317,46 @@ def test_commands_and_snapshots_cross_a_socket_as_msgpack():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(cmds), type=list[Command]) == cmds
     s = InstanceSnapshot(0, 1, 2, 0, 100, 1000, 12.5, False, 3.0, (7, 8))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=InstanceSnapshot) == s
+
+
+def test_waterfall_sends_a_fresh_group_to_the_newest_version_first():
+    """PSRL's dynamic-tag rule: the first member of a fresh group tries the newest instances first (its
+    deadline V_traj + eta is as late as possible); tagged work keeps the oldest-first tiers."""
+    c, m = make(n_inst=2, eta=2, version=1, mu=0.2, pull="idle")
+    set_version(c, 0, 0)
+    set_version(c, 1, 1)
+    c.reserved.add(999)  # something in flight: the idle policy does not pull instance 0 meanwhile
+    c.submit([TrajectoryItem(1, 1, None, 100)])
+    assert routes(c.tick(1.0)) == [(1, 1, 1)]
+    reserve_as_loopback(c, m, 2, 2, V=0)
+    assert routes(c.tick(2.0)) == [(2, 0, 0)]
+
+
+def test_waterfall_budget_counts_the_kv_a_request_grows_into():
+    """PSRL's throughput_optimal_with_budget: a request is prompt + generated rounded up to the budget
+    (1024), an instance its KV + one budget per held request; "KV fits" uses those."""
+    from staleflow.coordinator.strategies import WaterfallBudget
+
+    r = WaterfallBudget(CoordinatorConfig(), COST)
+    assert r.request_tokens(TrajectoryItem(1, 1, None, 100)) == 100 + 1024
+    assert r.request_tokens(TrajectoryItem(1, 1, 0, 100, generated_len=1024)) == 100 + 2048
+    for routing, expect in (("waterfall", [(1, 0, 0)]), ("waterfall-budget", [])):
+        c, _ = make(n_inst=1, eta=2, version=0, mu=0.0, routing=routing)
+        c.on_snapshot(snap(c, 0, t=0.5))
+        c.instances[0].kv_tokens = 99_000  # room for the prompt now, not for its next 1024 tokens
+        c.submit([TrajectoryItem(1, 1, None, 100)])
+        assert routes(c.tick(1.0)) == expect, routing
+
+
+def test_adopt_protocol_swaps_a_fresh_manager_and_refuses_one_with_work():
+    from staleflow.coordinator.modes import adopt_protocol
+    from staleflow.protocol import AReaLBuffer
+
+    fresh = StalenessManager(1, 2)
+    assert isinstance(adopt_protocol("areal", fresh, 2), AReaLBuffer)
+    assert adopt_protocol("staleflow", fresh, 2) is fresh and adopt_protocol("my-label", fresh, 2) is fresh
+    fresh.reserve("t", "g", 0)
+    with pytest.raises(ValueError, match="already holds work"):
+        adopt_protocol("areal", fresh, 2)
+    c = Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="staleflow-no-exchange")
+    assert c.manager.exchange is False

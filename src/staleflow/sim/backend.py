@@ -121,9 +121,6 @@ class SimBackend:
         tokens = sum(g.prompt_len * len(g.n_tokens) + sum(g.n_tokens) for g in batch)
         dur = tokens / (hw.train_tokens_per_gpu_s * self.train_gpus) + cfg.train_overhead_s
         dur *= math.exp(self.rng.gauss(0.0, cfg.train_noise)) if cfg.train_noise else 1.0
-        if cfg.shared_cores:  # the instances busy now compete with the trainer for the cores
-            busy = sum(1 for i in self.insts if i.running or i.waiting) + 1
-            dur *= max(1.0, busy / cfg.shared_cores)
         if self.sync == "colocated":
             dur += hw.colocated_switch_s
         publish = self.t + dur + (hw.push_s if self.sync == "ps" else 0.0)

@@ -77,9 +77,10 @@ class SimConfig:
     router_fit_noise: float = 0.1
     """Sigma of the log-normal noise on those profiling samples."""
     shared_cores: int = 0
-    """CPU runtime model (scripts/bench_modes.py): every rank shares this many cores, so each busy process (an
-    instance with work, the trainer while it trains) runs max(1, busy / shared_cores) times slower (time
-    slicing). 0: dedicated devices (GPUs)."""
+    """CPU runtime model (scripts/bench_modes.py): the ranks share this many cores, so an instance with work
+    decodes and prefills max(1, busy / shared_cores) times slower, busy counting the instances with work and
+    the trainer while it trains (time slicing). The trainer's own step time is an input (train_tokens_per_gpu_s,
+    train_overhead_s): give it as measured under the same sharing. 0: dedicated devices (GPUs)."""
     colocated_sync: bool = True
     """verl-sync colocates rollout and training on all GPUs (the peer's hybrid engine); False runs it on the
     same separate ranks as every other mode (what the CPU runtime does)."""
@@ -117,6 +118,8 @@ class SimConfig:
     Its cost_model field is not used here: --cost-model sets the instances and the router alike."""
     ablation: bool = True
     """Also run staleflow with each part removed in turn (at the largest eta)."""
+    jobs: int = 0
+    """--grid: settings simulated in parallel processes (0: one per CPU core)."""
     grid: Literal["", "paper"] = ""
     """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, every
     mode, ablations at the grid centre) instead of this one setting."""
@@ -149,6 +152,7 @@ class SimConfig:
             _check(v is None or v >= 0, name.replace("_", "-"), v, "must be >= 0")
         _check(self.length_dist in LENGTH_DISTS, "length-dist", self.length_dist, f"choose {', '.join(LENGTH_DISTS)}")
         _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
+        _check(self.jobs >= 0, "jobs", self.jobs, "must be >= 0 (0: one per CPU core)")
         _check(self.shared_cores >= 0, "shared-cores", self.shared_cores, "must be >= 0 (0: dedicated devices)")
         _check(self.batch_size >= 1, "batch-size", self.batch_size, "must be >= 1")
         _check(self.group_size >= 1, "group-size", self.group_size, "must be >= 1")

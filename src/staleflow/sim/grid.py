@@ -6,11 +6,14 @@ from the model size and an H20, sim/hardware.py), eta in {1, 2, 3}, two response
 distributions (lognormal and long-cot, sim/lengths.py) and two rollout:train splits of 128 GPUs
 (64:64 and 96:32, the splits of verl's fully-async example scripts). Every setting runs verl-sync,
 verl-one-step-off (their eta is fixed: 0 and 1), verl-fully-async, areal and staleflow (at the
-setting's eta); the ablations (report.ABLATIONS) run at the grid centre. Per setting: staleflow over
-verl-sync and over the best asynchronous baseline at the same eta (verl-one-step-off only counts
-at eta 1). Prints per-setting tables and a summary, saves grid.png and grid.json, and ends with
-the JSON line {"vs_sync_max", "vs_sync_avg", "vs_best_async_max", "vs_best_async_avg",
-"best_async", "ablation", "violations"} (averages: arithmetic over the 24 settings).
+setting's eta); the ablations (report.ABLATIONS) run at the grid centre, each over ABLATION_SEEDS
+(ratio of the means). Per setting: staleflow over verl-sync and over the best asynchronous baseline
+at the same eta (verl-one-step-off only counts at eta 1), staleflow's step time against its tail
+floor, and, because the peers bound admission but not trajectories, staleflow
+at the eta equal to each peer's OBSERVED worst staleness (matched worst case). Prints per-setting
+tables and summaries, saves grid.png and grid.json, and ends with the JSON line {"vs_sync_max",
+"vs_sync_avg", "vs_best_async_max", "vs_best_async_avg", "best_async", "ablation", "violations"}
+(averages: arithmetic over the 24 settings; "best_async": the baseline best most often).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import time
 from collections import Counter
 
+from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.coordinator.modes import ASYNC_BASELINES
 from staleflow.sim.config import SimConfig
 from staleflow.sim.report import ABLATIONS, FIXED_ETA, best_async, find, ratio, table
@@ -33,6 +37,26 @@ DISTS = ("lognormal", "long-cot")
 SPLITS = ((64, 64), (96, 32))
 MODES = ("verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow")
 CENTRE = ("32B", 2, "long-cot", (64, 64))
+ABLATION_SEEDS = (0, 1, 2)
+MAX_MATCHED_ETA = 6
+"""Staleflow runs at a peer's observed worst staleness only up to this eta (bounds the grid's cost)."""
+
+
+def tail_floor_s(cfg: SimConfig, eta: int, train_s: float) -> float:
+    """A lower bound on the step time of any schedule that keeps EVERY trajectory within eta.
+
+    A group tagged V can start no earlier than version V is published (the end of training step
+    V - 1) and must be in buffer V + eta, whose training starts eta + 1 steps after step V - 1
+    started: so (eta + 1) x step >= train + the group's generation time. With a response at the
+    length cap in (almost) every batch, generation >= that response decoded alone (n = 1), and
+    step >= (longest decode + train) / (eta + 1) (weight transfers ignored)."""
+    cost = load_cost_model(cfg.cost_model)
+    return (cost.steps_time(1, cfg.prompt_len, cfg.max_response) + train_s) / (eta + 1)
+
+
+def mean_step(r: SimResult, warmup: int) -> float:
+    steps = r.step_times[warmup:] or r.step_times
+    return sum(steps) / max(1, len(steps))
 
 
 def setting_cfg(base: SimConfig, cost_model: str, tp: int, dist: str, split: tuple[int, int]) -> SimConfig:
@@ -40,40 +64,73 @@ def setting_cfg(base: SimConfig, cost_model: str, tp: int, dist: str, split: tup
                                total_gpus=sum(split), rollout_gpus=split[0], out_dir="")
 
 
-def run_grid(base: SimConfig, progress=None) -> tuple[list[dict], list[SimResult], dict]:
-    """(per-setting rows, every result, ablation ratios at the centre)."""
-    rows, every, ablation = [], [], {}
-    for model, cost_model, tp in MODELS:
-        for dist in DISTS:
-            for split in SPLITS:
-                cfg = setting_cfg(base, cost_model, tp, dist, split)
-                results = []
-                for mode in MODES:
-                    for eta in ([FIXED_ETA[mode]] if mode in FIXED_ETA else ETAS):
-                        results.append(run(cfg, mode, eta, {}, f"{mode} eta={eta}"))
-                        if progress:
-                            progress(model, dist, split, results[-1])
-                every += results
-                name = f"{model} {dist} {split[0]}:{split[1]}"
-                for eta in ETAS:
-                    sf, best = find(results, "staleflow", eta), best_async(results, eta)
-                    rows.append({"setting": name, "model": model, "dist": dist, "split": f"{split[0]}:{split[1]}",
-                                 "eta": eta, "staleflow": sf.tokens_per_s, "best_async": best.mode,
-                                 "best_async_tok_s": best.tokens_per_s, "vs_best_async": ratio(sf, best),
-                                 "vs_sync": ratio(sf, find(results, "verl-sync")),
-                                 **{f"vs_{m}": ratio(sf, find(results, m, eta)) for m in ASYNC_BASELINES},
-                                 "over_eta": {m: find(results, m, eta).over_eta for m in ASYNC_BASELINES
-                                              if find(results, m, eta) is not None}})
-                if (model, dist, split) == (CENTRE[0], CENTRE[2], CENTRE[3]):
-                    full = find(results, "staleflow", CENTRE[1])
-                    for label, mode, ov in ABLATIONS:
-                        r = run(cfg, mode, CENTRE[1], ov, f"staleflow eta={CENTRE[1]} {label}")
-                        every.append(r)
-                        ablation[label] = ratio(r, full)
-                        if progress:
-                            progress(model, dist, split, r)
-                if progress:
-                    progress(model, dist, split, None, table(results, find(results, "verl-sync")))
+def run_setting(base: SimConfig, model: str, cost_model: str, tp: int, dist: str,
+                split: tuple[int, int]) -> tuple[list[dict], list[SimResult], str]:
+    """Every mode of one setting, staleflow at the peers' observed worst staleness: (rows, results, table)."""
+    cfg = setting_cfg(base, cost_model, tp, dist, split)
+    results = [run(cfg, mode, eta, {}, f"{mode} eta={eta}")
+               for mode in MODES for eta in ([FIXED_ETA[mode]] if mode in FIXED_ETA else ETAS)]
+    name = f"{model} {dist} {split[0]}:{split[1]}"
+    matched = []  # staleflow at each peer's observed worst staleness
+    for peer in [r for r in results if r.mode in ("verl-fully-async", "areal")]:
+        worst = max(peer.staleness_hist, default=0)
+        if worst > MAX_MATCHED_ETA:
+            continue
+        sf = find(results, "staleflow", worst)
+        if sf is None:
+            sf = run(cfg, "staleflow", worst, {}, f"staleflow eta={worst}")
+            results.append(sf)
+        matched.append({"setting": name, "peer": peer.mode, "peer_eta": peer.eta, "worst": worst,
+                        "peer_tok_s": peer.tokens_per_s, "staleflow_tok_s": sf.tokens_per_s, "ratio": ratio(sf, peer)})
+    rows = []
+    for eta in ETAS:
+        sf, best = find(results, "staleflow", eta), best_async(results, eta)
+        rows.append({"setting": name, "model": model, "dist": dist, "split": f"{split[0]}:{split[1]}", "eta": eta,
+                     "staleflow": sf.tokens_per_s, "best_async": best.mode, "best_async_tok_s": best.tokens_per_s,
+                     "vs_best_async": ratio(sf, best), "vs_sync": ratio(sf, find(results, "verl-sync")),
+                     **{f"vs_{m}": ratio(sf, find(results, m, eta)) for m in ASYNC_BASELINES},
+                     "over_eta": {m: find(results, m, eta).over_eta for m in ASYNC_BASELINES
+                                  if find(results, m, eta) is not None},
+                     "step_s": mean_step(sf, cfg.warmup_steps), "floor_s": tail_floor_s(cfg, eta, sf.train_s_mean),
+                     "matched": [x for x in matched if x["peer_eta"] == eta]})
+    return rows, results, f"== {name} (x base = over verl-sync) ==\n{table(results, find(results, 'verl-sync'))}"
+
+
+def run_ablation(base: SimConfig) -> tuple[dict, list[SimResult]]:
+    """Ablated / full staleflow tokens/s at the centre, each the ratio of the means over ABLATION_SEEDS."""
+    model, eta, dist, split = CENTRE
+    _, cost_model, tp = next(m for m in MODELS if m[0] == model)
+    cfg = setting_cfg(base, cost_model, tp, dist, split)
+    full = [run(dataclasses.replace(cfg, seed=s), "staleflow", eta, {}, f"staleflow eta={eta} seed={s}")
+            for s in ABLATION_SEEDS]
+    every = list(full)
+    mean_full = sum(r.tokens_per_s for r in full) / len(full)
+    out = {}
+    for label, mode, ov in ABLATIONS:
+        rs = [run(dataclasses.replace(cfg, seed=s), mode, eta, ov, f"staleflow eta={eta} {label} seed={s}")
+              for s in ABLATION_SEEDS]
+        every += rs
+        out[label] = round(sum(r.tokens_per_s for r in rs) / len(rs) / mean_full, 3)
+    return out, every
+
+
+def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[dict], list[SimResult], dict]:
+    """(per-setting rows, every result, ablation ratios at the centre), settings in `jobs` processes."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    tasks = [(model, cost_model, tp, dist, split) for model, cost_model, tp in MODELS for dist in DISTS
+             for split in SPLITS]
+    rows, every = [], []
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        abl = pool.submit(run_ablation, base)
+        futures = [pool.submit(run_setting, base, *t) for t in tasks]
+        for f in futures:  # in grid order, as they finish
+            r, results, tab = f.result()
+            rows += r
+            every += results
+            progress(tab + "\n")
+        ablation, runs = abl.result()
+        every += runs
     return rows, every, ablation
 
 
@@ -89,14 +146,27 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
 
 def summary_table(rows: list[dict]) -> str:
     head = (f"{'setting':26s} {'eta':>3s} {'staleflow':>10s} {'best async':>18s} {'tok/s':>8s} {'x best':>7s} "
-            f"{'x sync':>7s}  groups over eta (fully-async / areal)")
+            f"{'x sync':>7s} {'step s':>7s} {'floor s':>7s}  groups over eta (fully-async / areal)")
     lines = [head, "-" * len(head)]
     for r in rows:
         oe = r["over_eta"]
         lines.append(f"{r['setting']:26s} {r['eta']:3d} {r['staleflow']:10.0f} {r['best_async']:>18s} "
-                     f"{r['best_async_tok_s']:8.0f} {r['vs_best_async']:7.3f} {r['vs_sync']:7.3f}  "
-                     f"{oe.get('verl-fully-async', 0)} / {oe.get('areal', 0)}")
+                     f"{r['best_async_tok_s']:8.0f} {r['vs_best_async']:7.3f} {r['vs_sync']:7.3f} {r['step_s']:7.1f} "
+                     f"{r['floor_s']:7.1f}  {oe.get('verl-fully-async', 0)} / {oe.get('areal', 0)}")
     return "\n".join(lines)
+
+
+def matched_table(rows: list[dict]) -> tuple[str, dict]:
+    """Staleflow bounded at each peer's observed worst staleness, against that peer (and the summary)."""
+    ms = [m for r in rows for m in r["matched"]]
+    head = f"{'setting':26s} {'peer':>17s} {'peer eta':>8s} {'worst':>5s} {'peer tok/s':>10s} {'staleflow':>9s} {'ratio':>6s}"
+    lines = [head, "-" * len(head)]
+    for m in ms:
+        lines.append(f"{m['setting']:26s} {m['peer']:>17s} {m['peer_eta']:8d} {m['worst']:5d} {m['peer_tok_s']:10.0f} "
+                     f"{m['staleflow_tok_s']:9.0f} {m['ratio']:6.3f}")
+    rs = [m["ratio"] for m in ms]
+    stats = {"avg": round(sum(rs) / len(rs), 3), "max": max(rs), "min": min(rs), "n": len(rs)} if rs else {}
+    return "\n".join(lines), stats
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -126,26 +196,27 @@ def main(base: SimConfig) -> int:
     print(f"staleflow sim --grid paper: {len(MODELS) * len(DISTS) * len(SPLITS) * len(ETAS)} settings "
           f"(models {[m for m, _, _ in MODELS]}, eta {list(ETAS)}, lengths {list(DISTS)}, splits "
           f"{[f'{a}:{b}' for a, b in SPLITS]}), modes {list(MODES)}, ablations at {CENTRE}; {base.steps} steps per "
-          f"run, first {base.warmup_steps} not measured, B={base.batch_size} x N={base.group_size}, seed {base.seed}",
-          flush=True)
+          f"run, first {base.warmup_steps} not measured, B={base.batch_size} x N={base.group_size}, seed {base.seed}; "
+          f"{base.jobs or os.cpu_count()} processes", flush=True)
 
-    def progress(model, dist, split, r, tab=None):
-        if tab is not None:
-            print(f"\n== {model} {dist} {split[0]}:{split[1]} (x base = over verl-sync) ==\n{tab}\n", flush=True)
-        else:
-            print(f"  {model} {dist} {split[0]}:{split[1]} {r.label:46s} {r.tokens_per_s:9.0f} tok/s "
-                  f"({time.perf_counter() - t0:6.1f} s)", flush=True)
+    def progress(text):
+        print(f"\n{text}({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    rows, every, ablation = run_grid(base, progress)
+    jobs = base.jobs or os.cpu_count() or 1
+    rows, every, ablation = run_grid(base, jobs, progress)
     print("\nSummary: staleflow at each setting and eta vs verl-sync and the best asynchronous baseline at that eta")
     print(summary_table(rows))
-    print("\nAblation at the grid centre (ablated / full staleflow tokens/s): "
-          + ", ".join(f"{k} {v}" for k, v in ablation.items()))
+    tab, matched = matched_table(rows)
+    print("\nMatched worst case: staleflow with eta = the peer's observed worst staleness (the peer's own eta bounds"
+          f" admission only)\n{tab}\nmatched worst case, staleflow / peer: {matched}")
+    print(f"\nAblation at the grid centre {CENTRE} (ablated / full staleflow tokens/s, means over seeds "
+          f"{list(ABLATION_SEEDS)}): " + ", ".join(f"{k} {v}" for k, v in ablation.items()))
     out = summary(rows, every, ablation)
     out_dir = base.out_dir or "runs/sim-grid"
     plot(rows, os.path.join(out_dir, "grid.png"))
     with open(os.path.join(out_dir, "grid.json"), "w") as f:
-        json.dump({"summary": out, "settings": rows, "runs": [r.row() for r in every]}, f, indent=1, default=str)
+        json.dump({"summary": out, "matched_worst_case": matched, "settings": rows, "runs": [r.row() for r in every]},
+                  f, indent=1, default=str)
     print(f"\nwrote {os.path.join(out_dir, 'grid.png')} and {os.path.join(out_dir, 'grid.json')}; "
           f"{len(every)} runs in {time.perf_counter() - t0:.0f} s")
     for r in every:

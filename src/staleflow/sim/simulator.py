@@ -52,6 +52,8 @@ class SimResult:
     preemptions: int
     over_eta: int = 0
     """Trained groups with staleness > eta (only possible for the peers: no per-trajectory bound)."""
+    train_s_mean: float = 0.0
+    """Mean seconds the trainer spent per step (training only)."""
     violations: list[str] = field(default_factory=list)
     fates: dict[str, int] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
@@ -209,5 +211,6 @@ def _result(cfg: SimConfig, mode: str, eta: int, label: str, loop: ControllerLoo
         migrations=c["migrations"], aborts=aborts,
         trainer_idle_frac=1.0 - min(1.0, backend.trainer_busy_s / end) if end > 0 else 1.0,
         preemptions=sum(i.preemptions for i in backend.insts), over_eta=loop.audit.over_eta,
+        train_s_mean=backend.trainer_busy_s / max(1, len(backend.step_end)),
         violations=violations, fates=dict(fates),
         step_times=[b - a for a, b in zip([0.0] + ends[:-1], ends)])
