@@ -57,7 +57,7 @@ def task_accuracy(model_path: str, task: str, n: int, max_new_tokens: int, tempe
     tok = load_tokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = PromptSource(DataConfig(source=task, seed=1234), tok).take(n)
-    fn = resolve_reward_fn(task)
+    fn = resolve_reward_fn(task.removesuffix("-easy"))  # arithmetic-easy is scored by the arithmetic reward
     width = max(len(p.prompt_ids) for p in prompts)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ids = torch.tensor([[pad] * (width - len(p.prompt_ids)) + p.prompt_ids for p in prompts])

@@ -83,3 +83,17 @@ def test_eval_rows_in_a_run_at_start_every_k_and_end(tmp_path):
     assert evals[-1]["eval_versions"] == [4, 4]  # the final evaluation runs on the final weights
     assert [r["step"] for r in rows if "eval_n" not in r] == [0, 1, 2, 3]
     assert "held-out accuracy" in res.stdout
+
+
+def test_eval_easy_arithmetic_answers_are_right_and_in_range():
+    import re
+
+    from staleflow.data.tasks import TASKS
+
+    for k in range(300):
+        text, answer, meta = TASKS["arithmetic-easy"](0, k)
+        a, op, b = re.match(r"What is (\d+) ([-+*]) (\d+)\?", text).groups()
+        a, b = int(a), int(b)
+        assert int(answer) == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0 and meta["task"] == "arithmetic-easy"
+        assert (a <= 30 and b <= 30) if op == "+" else (a <= 50) if op == "-" else (a <= 9 and b <= 9)
+    assert TASKS["arithmetic-easy"](0, 5) == TASKS["arithmetic-easy"](0, 5) != TASKS["arithmetic"](0, 5)

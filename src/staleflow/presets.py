@@ -9,22 +9,26 @@ from __future__ import annotations
 
 from typing import Callable
 
-from staleflow.config import (EvalConfig, ModelConfig, RewardConfig, RolloutConfig, RunConfig, StalenessConfig,
-                              TrainConfig)
-from staleflow.config import CheckpointConfig, CoordinatorConfig, DataConfig
+from staleflow.config import (CheckpointConfig, CoordinatorConfig, DataConfig, EvalConfig, ModelConfig, RewardConfig,
+                              RolloutConfig, RunConfig, StalenessConfig, TrainConfig)
 
 
 def preset_smollm2_cpu() -> RunConfig:
-    """The embedded default: SmolLM2-135M-Instruct on the built-in arithmetic task, CPU, 1 trainer + 2 rollout.
+    """The embedded default: SmolLM2-135M-Instruct learns easy arithmetic on 2 CPU cores in minutes.
 
-    Sized to finish in minutes on 2 CPU cores: 4 prompts x 4 responses per step, responses up to
-    128 tokens, eta 1. The reward is the answer check plus 0.5 when the right answer is in \\boxed{}.
+    Chosen from measurements (docs/perf.md, "Default recipe"): on `arithmetic-easy` the model is
+    right ~40% of the time greedily and ~23% when sampling at temperature 0.7 (at 1.0: 5%, too few
+    correct samples for a learning signal); 2 prompts x 8 responses per step give most groups
+    both right and wrong answers; responses up to 64 tokens (its answers are short); lr 2e-5;
+    eta 1. The reward is the answer check plus 0.5 when the right answer is in \\boxed{}. 64
+    held-out prompts are evaluated at steps 0, 10 and 20: measured 0.41 -> 0.62 in under 8 min.
     """
     return RunConfig(
-        rollout=RolloutConfig(max_new_tokens=128, max_model_len=512, max_kv_tokens=32768),
+        rollout=RolloutConfig(max_new_tokens=64, max_model_len=512, max_kv_tokens=32768, temperature=0.7),
         train=TrainConfig(lr=2e-5, micro_batch_tokens=2048),
-        staleness=StalenessConfig(eta=1, batch_size=4, group_size=4),
+        staleness=StalenessConfig(eta=1, batch_size=2, group_size=8),
         reward=RewardConfig(fn="arithmetic", format_weight=0.5),
+        data=DataConfig(source="arithmetic-easy"),
         eval=EvalConfig(n=64, every=10),
         steps=20,
     )

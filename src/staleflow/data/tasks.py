@@ -25,21 +25,33 @@ def _rng(task: str, seed: int, index: int) -> random.Random:
     return random.Random(f"{task}:{seed}:{index}")
 
 
-def arithmetic_row(seed: int, index: int) -> TaskRow:
-    rng = _rng("arithmetic", seed, index)
+def _arithmetic(task: str, seed: int, index: int, add: tuple[int, int], sub: tuple[int, int],
+                mul: tuple[int, int]) -> TaskRow:
+    rng = _rng(task, seed, index)
     op = rng.choices("+-*", weights=(4, 3, 3))[0]
     if op == "+":
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = rng.randint(*add), rng.randint(*add)
         value = a + b
     elif op == "-":
-        a = rng.randint(20, 99)
+        a = rng.randint(*sub)
         b = rng.randint(1, a)
         value = a - b
     else:
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        a, b = rng.randint(*mul), rng.randint(*mul)
         value = a * b
     text = f"What is {a} {op} {b}? Put the final answer in \\boxed{{}}."
-    return text, str(value), {"task": "arithmetic"}
+    return text, str(value), {"task": task}
+
+
+def arithmetic_row(seed: int, index: int) -> TaskRow:
+    """Two-digit sums and differences, products up to 12 x 12."""
+    return _arithmetic("arithmetic", seed, index, add=(10, 99), sub=(20, 99), mul=(2, 12))
+
+
+def arithmetic_easy_row(seed: int, index: int) -> TaskRow:
+    """Sums of numbers up to 30, differences from up to 50, products up to 9 x 9: the level where
+    SmolLM2-135M is right about half the time, so a few RL steps have room to sharpen it."""
+    return _arithmetic("arithmetic-easy", seed, index, add=(2, 30), sub=(5, 50), mul=(2, 9))
 
 
 def _combine(rng: random.Random, left: tuple[Fraction, str], right: tuple[Fraction, str]):
@@ -75,5 +87,6 @@ def countdown_row(seed: int, index: int) -> TaskRow:
 
 TASKS: dict[str, Callable[[int, int], TaskRow]] = {
     "arithmetic": arithmetic_row,
+    "arithmetic-easy": arithmetic_easy_row,
     "countdown": countdown_row,
 }
