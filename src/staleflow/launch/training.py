@@ -22,13 +22,13 @@ import time
 from staleflow.config import parse_length_dist
 from staleflow.controller import ControllerLoop, Ledger, LoopSettings, StepRecord
 from staleflow.coordinator import Coordinator, Pull, load_cost_model
+from staleflow.coordinator.modes import build_protocol
 from staleflow.launch.backend import RuntimeBackend
 from staleflow.launch.hub import RankDied
 from staleflow.launch.messages import SaveState, StepDone
 from staleflow.launch.resume import read_ids, write_ids
 from staleflow.metrics.progress import ProgressDisplay
 from staleflow.metrics.writer import MetricsWriter, save_config
-from staleflow.protocol import StalenessManager
 
 
 class RuntimeWorkload:
@@ -72,10 +72,9 @@ class TrainingJob:
                                         cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
         self.rewards = RewardPool(cfg.reward)
         version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)
-        manager = StalenessManager(s.eta, s.batch_size, capacity=s.batch_size + s.batch_redundancy,
-                                   group_size=s.group_size, group_capacity=s.group_size + s.group_redundancy,
-                                   version=version)
         instances = [ctl.roles.instance_id(r) for r in ctl.roles.rollout_ranks]
+        manager = build_protocol(cfg.mode, s.eta, s.batch_size, s.batch_size + s.batch_redundancy, s.group_size,
+                                 s.group_size + s.group_redundancy, version=version, n_instances=len(instances))
         coord = Coordinator(cfg.coordinator, load_cost_model(cfg.coordinator.cost_model), manager, instances,
                             straggler=s.straggler, straggler_threshold=s.straggler_threshold, version=version,
                             label=cfg.mode)
