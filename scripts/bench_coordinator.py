@@ -27,16 +27,7 @@ from staleflow.config import CoordinatorConfig
 from staleflow.coordinator.modes import apply_mode
 from staleflow.coordinator import Coordinator, InstanceSnapshot, TrajectoryItem, load_cost_model
 from staleflow.protocol.staleness import StalenessManager
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from staleflow.metrics.hardware import cpu_name
 
 
 def build(mode: str, cfg: CoordinatorConfig, args, rng: random.Random):

@@ -25,17 +25,7 @@ import platform
 import time
 
 import torch
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from staleflow.metrics.hardware import cpu_name
 
 
 def hardware(device: torch.device) -> str:

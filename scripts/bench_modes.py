@@ -34,17 +34,11 @@ import sys
 import tempfile
 import time
 
+from staleflow.metrics.hardware import cpu_name
+
 MODES = ["verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow"]
 ASYNC = ["verl-one-step-off", "verl-fully-async", "areal"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown cpu"
 
 
 def measure_cost_model(args, root: str) -> tuple[str, float]:

@@ -14,30 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
 
 import torch
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "?"
-    return " ".join(f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "none of avx512/bf16/amx"
+from staleflow.metrics.hardware import cpu_flags, cpu_name
 
 
 def samples(n_groups: int, group_size: int, resp_len: int, vocab: int, seed: int):

@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import multiprocessing as mp
-import os
 import random
 import socket
 import sys

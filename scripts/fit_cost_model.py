@@ -19,24 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 import torch
 
 from staleflow.coordinator.cost_model import fit_cost_model, fit_error
 from staleflow.rollout.engine import CostSample
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from staleflow.metrics.hardware import cpu_name
 
 
 def profile(args) -> list[CostSample]:

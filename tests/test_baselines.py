@@ -15,6 +15,7 @@ from staleflow.controller import (ControllerLoop, Finished, Ledger, LoopSettings
 from staleflow.coordinator import Coordinator, CostModel, Interrupt, Pull, Route, apply_mode, build_protocol
 from staleflow.coordinator.modes import BASELINES, mode_of
 from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessManager, VerlAsyncBuffer
+from controller_fakes import Prompts, ScriptedBackend
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
 
@@ -114,54 +115,9 @@ def test_baseline_modes_name_their_protocols_and_aliases_resolve():
 
 
 # ---- weight-sync rules through the shared loop ---------------------------------------------------------
-class Backend:
-    def __init__(self):
-        self.t, self.events, self.sent, self.trained = 0.0, [], [], []
-
-    def now(self):
-        return self.t
-
-    def poll(self, until):
-        self.t = max(self.t, until)
-        while self.events:
-            yield self.events.pop(0)
-
-    def route(self, cmd, prompt, seed, partial, target_len):
-        self.sent.append(cmd)
-
-    def interrupt(self, cmd):
-        self.sent.append(cmd)
-
-    def abort(self, cmd):
-        self.sent.append(cmd)
-
-    def pull(self, cmd):
-        self.sent.append(cmd)
-
-    def free(self, handles):
-        pass
-
-    def score(self, traj_id, handle, prompt):
-        self.events.append(Rewarded(traj_id, 1.0))
-
-    def train(self, version, batch):
-        self.trained.append((version, [g.traj_version for g in batch]))
-
-
-class Prompts:
-    def next_prompt(self):
-        return "p"
-
-    def prompt_len(self, prompt):
-        return 10
-
-    def new_member(self):
-        return 0, 0
-
-
 def loop_of(mode, n_inst=2, eta=2, B=2):
     ccfg, stale = apply_mode(mode, CoordinatorConfig(), StalenessConfig(eta=eta, batch_size=B, group_size=1))
-    be = Backend()
+    be = ScriptedBackend(reward=1.0)
     m = build_protocol(mode, stale.eta, B, n_instances=n_inst)
     c = Coordinator(ccfg, COST, m, range(n_inst), clock=be.now, label=mode)
     return ControllerLoop(LoopSettings.from_config(stale, ccfg, 5), c, Ledger(), be, Prompts()), be
@@ -223,7 +179,7 @@ def test_baseline_verl_one_step_off_batch_k_plus_1_uses_the_weights_before_step_
     assert [c for c in be.sent if isinstance(c, Pull)] and len(be.trained) == 1  # sync before training batch 2
     assert not [r for r in routes(be) if r.traj_version == 1]  # and before generating batch 3
     step(loop, be, PullDone(0, 1), PullDone(1, 1))
-    assert [v for v, _ in be.trained] == [0, 1] and be.trained[1][1] == [0, 0]  # staleness exactly 1
+    assert [v for v, _ in be.trained] == [0, 1] and [g.traj_version for g in be.trained[1][1]] == [0, 0]  # staleness exactly 1
     assert {r.traj_version for r in routes(be)[-2:]} == {1}
 
 

@@ -8,8 +8,6 @@ interrupt-on-pull is off (in the loop and in the rollout rank).
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 
 from staleflow.config import CoordinatorConfig, StalenessConfig
@@ -17,60 +15,9 @@ from staleflow.controller import ControllerLoop, Finished, Ledger, LoopSettings,
 from staleflow.coordinator import Abort, Coordinator, CostModel, Interrupt, Pull, Route
 from staleflow.coordinator.modes import apply_mode
 from staleflow.protocol import StalenessManager
+from controller_fakes import Prompts, ScriptedBackend
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
-
-
-class ScriptedBackend:
-    """Records every command; the test pushes the events the ranks would send."""
-
-    def __init__(self):
-        self.t = 0.0
-        self.events: deque = deque()
-        self.sent: list = []
-        self.freed: list = []
-        self.scored: list[int] = []
-        self.trained: list = []
-
-    def now(self):
-        return self.t
-
-    def poll(self, until):
-        self.t = max(self.t, until)
-        while self.events:
-            yield self.events.popleft()
-
-    def route(self, cmd, prompt, seed, partial, target_len):
-        self.sent.append(cmd)
-
-    def interrupt(self, cmd):
-        self.sent.append(cmd)
-
-    def abort(self, cmd):
-        self.sent.append(cmd)
-
-    def pull(self, cmd):
-        self.sent.append(cmd)
-
-    def free(self, handles):
-        self.freed.extend(handles)
-
-    def score(self, traj_id, handle, prompt):
-        self.scored.append(traj_id)
-
-    def train(self, version, batch):
-        self.trained.append((version, batch))
-
-
-class Prompts:
-    def next_prompt(self):
-        return "prompt"
-
-    def prompt_len(self, prompt):
-        return 10
-
-    def new_member(self):
-        return 0, 0
 
 
 def make_loop(n_inst=1, eta=1, B=1, N=1, Np=None, mode="staleflow", steps=2, **coord):
