@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import CoordinatorConfig, StalenessConfig
-from staleflow.controller import (ControllerLoop, Finished, Ledger, LoopSettings, Published, PullDone, Rewarded,
-                                  TrainDone)
+from staleflow.controller import (ControllerLoop, Finished, Ledger, LoopSettings, Published, PullDone, TrainDone)
 from staleflow.coordinator import Coordinator, CostModel, Interrupt, Pull, Route, apply_mode, build_protocol
 from staleflow.coordinator.modes import BASELINES, mode_of
 from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessManager, VerlAsyncBuffer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import CoordinatorConfig, StalenessConfig
-from staleflow.controller import ControllerLoop, Finished, Ledger, LoopSettings, Published, PullDone, Rewarded
+from staleflow.controller import ControllerLoop, Finished, Ledger, LoopSettings, Published, Rewarded
 from staleflow.coordinator import Abort, Coordinator, CostModel, Interrupt, Pull, Route
 from staleflow.coordinator.modes import apply_mode
 from staleflow.protocol import StalenessManager
