@@ -349,7 +349,14 @@ def _worker():
     if rank == 0:
         torch.save({"metrics": metrics, "grads": grads[1], "full": full, "rank0_only": on_rank,
                     "reduced": reduced, "ref_ok": ref_ok, "kl0": kl0}, out / "rank0.pt")
+    dist.barrier()
     dist.destroy_process_group()
+    # no interpreter shutdown: a gloo worker thread may still be freeing the last collective's
+    # Python-owned tensors, and one that needs the GIL during finalization aborts the process
+    # (the runtime's ranks leave the same way, staleflow.cli._leave)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

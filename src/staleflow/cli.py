@@ -69,4 +69,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as e:
         print(f"staleflow: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    if argv[0] == "train":
+        _leave(code or 0)
     sys.exit(code or 0)
+
+
+def _leave(code: int) -> None:
+    """End a rank process without the interpreter's shutdown.
+
+    A gloo worker thread frees each finished collective's tensors after the caller's wait
+    returns; when that frees a Python-owned tensor while the interpreter is finalizing, the thread
+    cannot take the GIL and the process aborts ("terminate called without an active exception",
+    SIGABRT), which torchrun reads as a failed worker. Everything a rank owns (servers, sockets,
+    the controller process) is closed before ``main`` returns, so only the buffers are left."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
