@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from staleflow.model import load_model
-from staleflow.rollout import BuiltinEngine, EngineError, Request, SamplingParams
+from staleflow.rollout import EngineError, Request, SamplingParams
 from staleflow.rollout import decode_backend as db
 from staleflow.rollout.paged_attention import prefill_sdpa
 

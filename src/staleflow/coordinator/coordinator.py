@@ -40,7 +40,7 @@ from staleflow.coordinator.mlq import MultiLevelQueue
 from staleflow.coordinator.modes import adopt_protocol
 from staleflow.coordinator.pull import plan_pulls, updating
 from staleflow.coordinator.strategies import make_pull, make_routing, pick_migration
-from staleflow.coordinator.types import (Abort, Command, InstanceSnapshot, Interrupt, Pull, Route,
+from staleflow.coordinator.types import (Abort, Command, InstanceSnapshot, Interrupt, Route,
                                          TrajectoryItem)
 
 
