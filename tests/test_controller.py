@@ -149,13 +149,15 @@ def test_controller_rollout_rank_pull_honours_interrupt_on_pull(keep):
     from staleflow.launch.rollout_worker import RolloutWorker
 
     class PS:
+        layout = type("Layout", (), {"nbytes": 64})()
+
         def pull_latest(self, out):
             return 1, {}
 
     sent = []
     w = RolloutWorker.__new__(RolloutWorker)
     w.engine, w.ps, w.staging, w.instance, w.keep_on_pull = _Engine(), PS(), {}, 0, keep
-    w.meta, w.unsent = {}, []
+    w.meta, w.unsent, w.remote_ps = {}, [], None
     from staleflow.launch.roles import Roles
 
     w.ctx = type("Ctx", (), {"client": type("C", (), {"send": staticmethod(sent.append)})(), "roles": Roles(3, 2),

@@ -5,6 +5,11 @@ RouteTraj with the prompt; Interrupt, Abort and Pull as they are); ranks answer 
 InstanceSnapshot, Pulled and StepDone, which become the loop's events. Finished responses are
 read from the rollout rank's ring, decoded and scored in the reward pool. The timeline
 (generate / pull / train spans per rank) is written here, where the times are known.
+
+In a multi-node run a rollout rank on another node ships its finished records to this node's
+mirror of its ring (servers/mirror.py); a record announced before its bytes arrived is scored
+once they do (checked at every poll, never waited for). ``traffic_row`` adds the cross-node
+counters and each instance's pull times to the step's metrics row.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from staleflow.controller.backend import Finished, PullDone, Published, Rewarded
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
 from staleflow.launch.messages import (Evaluated, FreeRecords, Pulled, RouteTraj, Saved, StepDone, TrainItem,
                                        TrainStep, TrajDone)
-from staleflow.servers import RecordHandle, TrajectoryRing
+from staleflow.servers import RecordHandle, StaleHandle, TrajectoryRing
+from staleflow.servers.mirror import RecordLate, arrived, attach_mirror
+
+RECORD_WAIT_S = 120.0
 
 
 class RuntimeBackend:
@@ -24,7 +32,14 @@ class RuntimeBackend:
         self.ctl, self.cfg, self.tokenizer, self.rewards, self.writer = ctl, cfg, tokenizer, rewards, writer
         roles = ctl.roles
         self.rank_of = {roles.instance_id(r): r for r in roles.rollout_ranks}
-        self.rings = {r: TrajectoryRing.attach(ctl.run_id, r, timeout=30) for r in roles.rollout_ranks}
+        topo = ctl.topology
+        self.mirrored = {r for r in roles.rollout_ranks if topo is not None and not topo.same_node(r, 0)}
+        self.rings = {r: attach_mirror(ctl.run_id, r, topo.home, timeout=60) if r in self.mirrored
+                      else TrajectoryRing.attach(ctl.run_id, r, timeout=30) for r in roles.rollout_ranks}
+        self._unscored: list[tuple[int, RecordHandle, object, float]] = []  # still on the way from another node
+        self.traffic = {"cross_node_records": 0, "cross_node_record_bytes": 0, "cross_node_pull_bytes": 0,
+                        "cross_node_partial_fetches": 0}
+        self._pull_times: dict[int, list[float]] = defaultdict(list)
         self.texts: dict[int, str] = {}
         """Decoded responses of scored trajectories (trained.jsonl shows one per group)."""
         self.tokens_generated: dict[int, int] = {}
@@ -62,10 +77,30 @@ class RuntimeBackend:
             self.ctl.send(rank, FreeRecords(handles=hs))
 
     def score(self, traj_id: int, handle: RecordHandle, prompt) -> None:
+        if handle.rank in self.mirrored and not arrived(self.rings[handle.rank], handle):
+            self._unscored.append((traj_id, handle, prompt, time.monotonic() + RECORD_WAIT_S))
+            return
         rec = self.rings[handle.rank].read(handle)
         text = self.tokenizer.decode(rec.response_ids.tolist(), skip_special_tokens=True)
         self.texts[traj_id] = text
         self.rewards.submit(traj_id, text, prompt.answer, dict(prompt.meta))
+
+    def _score_arrived(self):
+        """Score the mirrored records that arrived since; a record freed before it could be scored
+        belongs to a trajectory dropped meanwhile (its reward is then ignored by the loop)."""
+        waiting, self._unscored = self._unscored, []
+        for traj_id, handle, prompt, deadline in waiting:
+            if not arrived(self.rings[handle.rank], handle):
+                if time.monotonic() > deadline:
+                    raise RecordLate(f"the record of trajectory {traj_id} ({handle}) announced by rank {handle.rank} "
+                                     f"did not reach this node within {RECORD_WAIT_S:.0f} s: is the record receiver "
+                                     f"(trainer rank 0) alive and the network between the nodes up?")
+                self._unscored.append((traj_id, handle, prompt, deadline))
+                continue
+            try:
+                self.score(traj_id, handle, prompt)
+            except StaleHandle as e:
+                yield Rewarded(traj_id, 0.0, f"StaleHandle: {e}")
 
     def train(self, version: int, batch: list[TrainGroup]) -> None:
         items = [TrainItem(handle=h, reward=r, group_id=g.group_id, traj_version=g.traj_version)
@@ -80,6 +115,8 @@ class RuntimeBackend:
         while got is not None:
             yield from self.events_of(*got)
             got = self.ctl.recv(0.0)
+        if self._unscored:
+            yield from self._score_arrived()
         for key, reward, info in self.rewards.poll():
             yield Rewarded(key, float(reward), str(info.get("error") or ""))
 
@@ -89,10 +126,17 @@ class RuntimeBackend:
             self._on_snapshot(rank, msg)
             yield msg
         elif isinstance(msg, TrajDone):
+            self.traffic["cross_node_records"] += msg.cross_node_copies
+            self.traffic["cross_node_record_bytes"] += msg.cross_node_bytes
+            self.traffic["cross_node_partial_fetches"] += msg.fetched
             yield Finished(msg.traj_id, msg.instance, msg.handle, msg.n_tokens, msg.partial)
         elif isinstance(msg, Pulled):
             t0 = self._pull_since.pop(msg.instance, time.time() - msg.seconds)
-            self.writer.log_span(rank, "pull", t0, time.time(), version=msg.version)
+            self.writer.log_span(rank, "pull", t0, time.time(), version=msg.version, nbytes=msg.nbytes,
+                                 cross_node=msg.cross_node)
+            self._pull_times[msg.instance].append(msg.seconds)
+            if msg.cross_node:
+                self.traffic["cross_node_pull_bytes"] += msg.nbytes
             yield PullDone(msg.instance, msg.version, msg.seconds)
         elif isinstance(msg, StepDone):
             now = time.time()
@@ -117,6 +161,18 @@ class RuntimeBackend:
             self.writer.log_span(rank, "generate", since, time.time())
             self._gen_since[msg.instance] = None
 
+    def traffic_row(self) -> dict:
+        """Run totals of cross-node traffic, and each instance's mean pull time since the last row."""
+        row = dict(self.traffic)
+        row["pull_s_by_instance"] = {str(i): sum(ts) / len(ts) for i, ts in sorted(self._pull_times.items()) if ts}
+        self._pull_times.clear()
+        return row
+
     def close(self) -> None:
+        t = self.traffic
+        if self.mirrored:
+            print(f"[controller] cross-node traffic: {t['cross_node_records']} records "
+                  f"({t['cross_node_record_bytes'] / 1e6:.2f} MB), {t['cross_node_pull_bytes'] / 1e6:.1f} MB of "
+                  f"weights pulled", flush=True)
         for r in self.rings.values():
             r.close()

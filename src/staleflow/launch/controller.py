@@ -5,6 +5,9 @@ Ready, runs the job (the smoke check, or the training loop of launch/training.py
 broadcasts Shutdown.
 
     rank 0 ──spawn──> controller  <──ZeroMQ──>  every rank (trainer and rollout)
+
+In a multi-node run it also binds a CURVE TCP socket for the ranks on other nodes (net/curve.py)
+and reports its endpoint to rank 0 through a pipe, which rank 0 broadcasts with the run secret.
 """
 
 from __future__ import annotations
@@ -47,10 +50,25 @@ def smoke_job(ctl: Controller, cfg) -> None:
 
 
 def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir: str = "",
-                    job: Callable | None = None) -> None:
-    """Entry point of the controller process (multiprocessing spawn target). Exits 0 on success."""
+                    job: Callable | None = None, topology=None, secret: bytes = b"", endpoint_pipe=None) -> None:
+    """Entry point of the controller process (multiprocessing spawn target). Exits 0 on success.
+
+    ``topology`` (launch/topology.py) with ranks on other nodes: ``secret`` keys the TCP socket and
+    its endpoint goes back to rank 0 through ``endpoint_pipe``."""
     roles = Roles(world_size, cfg.rollout.ranks)
-    ctl = Controller(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir)
+    secure = None
+    if topology is not None and topology.multi_node:
+        from staleflow.net.curve import RunKeys, SecureContext
+
+        secure = SecureContext(RunKeys(secret, world_size), "controller")
+    ctl = None
+    try:
+        ctl = Controller(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir, topology=topology,
+                         secure=secure)
+    finally:
+        if endpoint_pipe is not None:  # an empty endpoint tells rank 0 that binding failed
+            endpoint_pipe.send(ctl.server.tcp_endpoint if ctl is not None else "")
+            endpoint_pipe.close()
 
     from staleflow.launch.rank import set_title
 
@@ -74,7 +92,7 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
         ctl.shutdown("run finished", ok=True)
     except RankDied as e:
         print(f"staleflow: {e}; stopping the run", file=sys.stderr, flush=True)
-        ctl.shutdown(str(e), ok=False, wait_s=3)
+        ctl.shutdown(str(e), ok=False, wait_s=3, restart=True)
         code = 1
     except KeyboardInterrupt as e:
         print(f"staleflow: {e or 'interrupted'}; stopping the run", file=sys.stderr, flush=True)
@@ -83,7 +101,7 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
     except Exception as e:  # a bug or bad input inside the job: report it in one line, stop everyone
         fatal = _no_restart_helps(e)
         print(f"staleflow: {'' if fatal else 'controller error: '}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        ctl.shutdown(f"controller error: {e}", ok=False, wait_s=3)
+        ctl.shutdown(f"controller error: {e}", ok=False, wait_s=3, restart=not fatal)
         code = 1
         if fatal:  # bad input: restarting the run would fail the same way
             from staleflow.launch.resume import mark_fatal
@@ -92,6 +110,8 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
             code = 2
     finally:
         ctl.close()
+        if secure is not None:
+            secure.close()
     sys.exit(code)
 
 

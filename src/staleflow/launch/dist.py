@@ -3,10 +3,13 @@
     env = read_env()                         # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK
     device = pick_device(env.local_rank)     # cuda:LOCAL_RANK when CUDA is there, else cpu
     set_device(device)                       # before any CUDA work: every later allocation lands there
-    trainer_group = init_groups(roles, env.rank, device)
+    init_world(roles.world_size, env.rank)   # gloo world group (control collectives only)
+    topo = gather_topology(...)              # launch/topology.py: every rank's node
+    trainer_group, pull_groups = make_groups(roles, device, owners, topo.remote_pullers)
 
 Node identity comes from torchrun (GROUP_RANK / LOCAL_RANK), never from the hostname. The
-world group is gloo (control collectives only); the trainer group is NCCL on GPUs, gloo on CPUs.
+trainer group is NCCL on GPUs, gloo on CPUs; so is the group of each rollout rank that pulls
+weights from another node (the Parameter Server's piece owners + that rank).
 """
 
 from __future__ import annotations
@@ -65,21 +68,42 @@ def set_device(device: str) -> None:
         torch.cuda.set_device(device)
 
 
-def init_groups(roles, rank: int, device: str):
-    """Join the world (gloo) and build the trainer group (NCCL on CUDA); returns the trainer group."""
+def _timeout():
     from datetime import timedelta
 
+    # A bounded wait: a collective whose peer died fails in minutes, never hangs for gloo's 30.
+    return timedelta(seconds=float(os.environ.get("STALEFLOW_COLLECTIVE_TIMEOUT_S", "600")))
+
+
+def init_world(world_size: int, rank: int) -> None:
+    """Join the world process group (gloo: control collectives only)."""
     import torch.distributed as dist
 
-    # A bounded wait: a collective whose peer died fails in minutes, never hangs for gloo's 30.
-    timeout = timedelta(seconds=float(os.environ.get("STALEFLOW_COLLECTIVE_TIMEOUT_S", "600")))
-    dist.init_process_group("gloo", store=_attempt_store(rank, roles.world_size, timeout), rank=rank,
-                            world_size=roles.world_size, timeout=timeout)
+    timeout = _timeout()
+    dist.init_process_group("gloo", store=_attempt_store(rank, world_size, timeout), rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
+def make_groups(roles, device: str, owners: list[int] = (), remote_pullers: list[int] = ()):
+    """The trainer group, and one group per rollout rank that pulls weights over the network (the
+    Parameter Server's piece ``owners`` + that rank). Every rank calls this, in the same order
+    (new_group is collective over the world). Returns (trainer group, {puller rank: group})."""
+    import torch.distributed as dist
+
+    timeout = _timeout()
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl" and roles.num_trainer > 1 and _shared_gpus(roles):
         print("staleflow: warning: more trainer ranks than GPUs; NCCL cannot put two ranks on one GPU",
               file=sys.stderr, flush=True)
-    return dist.new_group(roles.trainer_ranks, backend=backend, timeout=timeout)
+    trainer_group = dist.new_group(roles.trainer_ranks, backend=backend, timeout=timeout)
+    pulls = {r: dist.new_group(sorted({*owners, r}), backend=backend, timeout=timeout) for r in sorted(remote_pullers)}
+    return trainer_group, pulls
+
+
+def init_groups(roles, rank: int, device: str):
+    """Join the world (gloo) and build the trainer group (NCCL on CUDA); returns the trainer group."""
+    init_world(roles.world_size, rank)
+    return make_groups(roles, device)[0]
 
 
 def _attempt_store(rank: int, world_size: int, timeout):

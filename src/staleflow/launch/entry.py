@@ -22,7 +22,6 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
 
 from staleflow.config import ConfigError, RunConfig, resolve
 from staleflow.presets import PRESETS
@@ -33,23 +32,42 @@ from staleflow.launch.messages import Failure, Goodbye, Ping, Pong, Ready, Regis
 from staleflow.launch.rank import (RankContext, RunStopped, defer_signals, install_signal_handlers,
                                    set_title)
 from staleflow.launch.roles import Roles
+from staleflow.launch.topology import Topology
 from staleflow.model.aliases import AliasError
 from staleflow.model.hf import ModelLoadError
 
 
-def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str):
+def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str, topo: Topology):
+    """The controller process; in a multi-node run also the per-run secret and the endpoint of its
+    TCP control socket (which it reports through a pipe once bound): (process, secret, endpoint)."""
     import multiprocessing as mp
 
     from staleflow.launch.controller import controller_main
 
-    proc = mp.get_context("spawn").Process(
-        target=controller_main, args=(cfg, run_id, world_size, os.getpid(), run_dir), name="staleflow-controller", daemon=False
-    )
+    ctx = mp.get_context("spawn")
+    secret, endpoint, reader, writer = b"", "", None, None
+    if topo.multi_node:
+        from staleflow.net.curve import new_secret
+
+        secret = new_secret()
+        reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=controller_main, args=(cfg, run_id, world_size, os.getpid(), run_dir),
+                       kwargs={"topology": topo, "secret": secret, "endpoint_pipe": writer},
+                       name="staleflow-controller", daemon=False)
     proc.start()
-    return proc
+    if reader is not None:
+        writer.close()
+        endpoint = reader.recv() if reader.poll(180) else ""
+        reader.close()
+        if not endpoint:
+            proc.terminate()
+            proc.join(timeout=10)
+            raise OSError(f"the controller did not open its TCP control socket on {topo.addrs[topo.home]} "
+                               f"(exit code {proc.exitcode}): see its error above; STALEFLOW_BIND_ADDR sets the address")
+    return proc, secret, endpoint
 
 
-def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles):
+def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology):
     """Rank 0: clean up after crashed runs, pick the run folder and config (new, --resume or elastic
     restart), start the controller. Returns (what every rank needs, the controller, the run)."""
     from staleflow.launch.resume import prepare_run, remove_if_empty
@@ -71,9 +89,17 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles):
             remove_if_empty(run.run_dir)
         return {"run_id": run_id, "error": refusal}, None, None
     run_dir = run.run_dir if run else ""
-    controller = _start_controller(cfg, run_id, roles.world_size, run_dir)
+    try:
+        controller, secret, endpoint = _start_controller(cfg, run_id, roles.world_size, run_dir, topo)
+    except OSError as e:
+        if run is not None and run.created:
+            remove_if_empty(run.run_dir)
+        return {"run_id": run_id, "error": str(e)}, None, None
+    print(topo.describe(controller=endpoint), flush=True)
+    # The secret crosses the network once, inside this gloo broadcast (as the run id does): see
+    # docs/multinode.md for what it does and does not protect.
     shared = {"run_id": run_id, "error": "", "run_dir": run_dir, "cfg": cfg, "controller_pid": controller.pid,
-              "resume_from": run.resume_from if run else "", "node": os.environ.get("GROUP_RANK", "0")}
+              "resume_from": run.resume_from if run else "", "secret": secret, "control_endpoint": endpoint}
     return shared, controller, run
 
 
@@ -114,17 +140,42 @@ def smoke_loop(ctx: RankContext, model) -> None:
             return
 
 
+def _topology(roles: Roles, env: rankdist.RankEnv) -> Topology:
+    """Every rank's node (a collective), or the single-node topology when one agent runs them all."""
+    if env.local_world_size == env.world_size:
+        return Topology.single_node(roles)
+    from staleflow.launch.topology import gather_topology
+    from staleflow.net.address import ip_towards
+
+    addr = ip_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
+    return gather_topology(roles, env.node_rank, env.local_rank, addr)
+
+
 def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv) -> int:
     import torch.distributed as dist
+
+    from staleflow.plan.placement import slot_placement
 
     rank = env.rank
     device = rankdist.pick_device(env.local_rank)
     rankdist.set_device(device)
-    trainer_group = rankdist.init_groups(roles, rank, device)
+    rankdist.init_world(roles.world_size, rank)
+    topo = _topology(roles, env)
+    try:
+        topo.validate(cfg.rollout.engine)
+    except ConfigError as e:  # every rank sees the same topology: all stop, rank 0 says why
+        if rank == 0:
+            print(f"staleflow: config error: {e}", file=sys.stderr, flush=True)
+        return 2
+    owners = range(slot_placement(roles.num_trainer, roles.world_size, device.split(":")[0]).pieces)
+    trainer_group, pull_groups = rankdist.make_groups(roles, device, list(owners), topo.remote_pullers)
+    on_home = topo.same_node(rank, 0)
+    if env.local_rank == 0 and not on_home:
+        cleanup_stale_run_files()  # leftovers of crashed runs on this node (rank 0 does its own)
     controller = run = None
     obj = [None]
     if rank == 0:
-        obj[0], controller, run = _start_run(cfg, defaults, roles)
+        obj[0], controller, run = _start_run(cfg, defaults, roles, topo)
     dist.broadcast_object_list(obj, src=0)
     shared = obj[0]
     if shared["error"]:
@@ -133,14 +184,19 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
             remove_run_folder(shared["run_id"])
         return 2
     run_id, cfg = shared["run_id"], shared["cfg"]
-    same_node = shared["node"] == str(env.node_rank)
-    client = ControlClient(control_address(run_id), rank)
+    net = None
+    if topo.multi_node:
+        from staleflow.launch.netplane import NetPlane
+
+        net = NetPlane.open(topo, rank, run_id, shared["secret"], pull_groups, device)
+    client = (ControlClient(control_address(run_id), rank) if on_home
+              else net.control_client(shared["control_endpoint"]))
     ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, run_dir=shared["run_dir"],
                       trainer_group=trainer_group, device=device, resume_from=shared["resume_from"],
-                      controller_pid=shared["controller_pid"] if same_node else 0)
+                      controller_pid=shared["controller_pid"] if on_home else 0, net=net)
     set_title(f"staleflow[trainer {rank}]" if ctx.role == "trainer"
               else f"staleflow[rollout {roles.instance_id(rank)}]")
-    client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname()))
+    client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname(), node=env.node_rank))
     ok, reason = True, ""
     worker = None
     try:
@@ -154,8 +210,10 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
             smoke_loop(ctx, model)
         else:
             worker.run()
-    except RunStopped as e:  # the controller reports the cause; only rank 0 carries the exit code
-        ok, reason = rank != 0, f"stopped: {e}"
+    except RunStopped as e:  # the controller reports the cause; only rank 0 carries the exit code ...
+        # ... and, after a failure a restart may fix, the ranks of other nodes: their torchrun agents
+        # restart them only if one of their workers fails.
+        ok, reason = rank != 0 and (on_home or not e.restart), f"stopped: {e}"
     except KeyboardInterrupt as e:
         ok, reason = False, f"interrupted ({e})" if str(e) else "interrupted"
     except (Exception, _checkpoint_exception()) as e:  # one line to the controller, the traceback to the log
@@ -169,6 +227,8 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
             client.send(Goodbye(rank=rank, ok=ok, reason=reason))
         finally:
             client.close()
+            if net is not None:
+                net.close()
     code = 0 if ok else 1
     if controller is not None:
         from staleflow.launch.resume import elastic_pointer, is_fatal, remove_if_empty

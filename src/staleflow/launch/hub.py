@@ -5,8 +5,10 @@
     rank, msg = ctl.recv(timeout_s)                 # next message; raises RankDied naming a dead rank
     ctl.send(rank, msg); ctl.broadcast(msg, ranks)
 
-It watches every rank's pid and its parent (rank 0): a dead rank stops the run with a message
-naming it. Jobs (the smoke check, the training loop) talk to the ranks only through it.
+It watches every rank on its node by pid and its parent (rank 0); a rank on another node (a
+multi-node run, ``topology``) by its TCP connection: one that stays unreachable for
+REMOTE_LOST_S (the process or its node is gone) counts as dead. A dead rank stops the run with
+a message naming it. Jobs (the smoke check, the training loop) talk to the ranks only through it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from staleflow.launch.cleanup import pid_alive
 from staleflow.launch.control import ControlServer, control_address
 from staleflow.launch.messages import Failure, Goodbye, Heartbeat, Ready, Register, Shutdown, Welcome
 from staleflow.launch.roles import Roles
+from staleflow.launch.topology import Topology
+
+REMOTE_LOST_S = 3.0
+
 
 class RankDied(RuntimeError):
     """A rank's process disappeared (or reported a Failure) while the run was going on."""
@@ -44,10 +50,22 @@ class Controller:
     stop_at: float = 0.0
     grace_s: float = 0.0
     """While > 0 (an emergency checkpoint), a stop request is honoured only after this many seconds."""
+    topology: Topology | None = None
+    """Where the ranks are (None: all on this node)."""
+    secure: object = None
+    """The controller's SecureContext (net/curve.py) when ranks on other nodes connect over TCP."""
     _last_beat: float = 0.0
+    _lost_since: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.server = ControlServer(control_address(self.run_id))
+        topo = self.topology
+        remote = [r for r in self.all_ranks if topo is not None and not topo.same_node(r, 0)]
+        ip = topo.addrs.get(topo.home, "127.0.0.1") if topo is not None else ""
+        self.server = ControlServer(control_address(self.run_id), self.roles.world_size, remote=self.secure,
+                                    remote_ranks=remote, ip=ip)
+
+    def is_local(self, rank: int) -> bool:
+        return self.topology is None or self.topology.same_node(rank, 0)
 
     @property
     def all_ranks(self) -> list[int]:
@@ -57,12 +75,49 @@ class Controller:
         role = self.roles.role(rank)
         extra = f" instance {self.roles.instance_id(rank)}" if role == "rollout" else ""
         pid = self.pids.get(rank)
-        return f"rank {rank} ({role}{extra}{f', pid {pid}' if pid else ''})"
+        node = f", node {self.topology.node_of(rank)}" if self.topology is not None and self.topology.multi_node else ""
+        return f"rank {rank} ({role}{extra}{node}{f', pid {pid}' if pid else ''})"
 
     def _raise_if_dead(self) -> None:
         for rank, pid in self.pids.items():
-            if rank not in self.left and not pid_alive(pid):
+            if rank not in self.left and self.is_local(rank) and not pid_alive(pid):
                 raise RankDied(f"{self.describe(rank)} died unexpectedly", rank=rank)
+        now = time.monotonic()
+        for rank, since in self._lost_since.items():
+            if rank not in self.left and now - since > REMOTE_LOST_S:
+                raise RankDied(f"{self.describe(rank)} lost its connection to the controller for {REMOTE_LOST_S:.0f} s "
+                               f"(its process or its node is gone)", rank=rank)
+
+    def _find_lost_sibling(self, rank: int) -> None:
+        """A rank of another node that left on a signal was most likely stopped by its torchrun
+        agent because a rank beside it died: watch that node's ranks (for at most REMOTE_LOST_S
+        and a bit) and raise RankDied naming the one whose connection is lost, the cause."""
+        node = self.topology.node_of(rank)
+        deadline = time.monotonic() + REMOTE_LOST_S + 1.5
+        while time.monotonic() < deadline:
+            got = self.server.recv(0.1)
+            if got is not None and isinstance(got[1], Goodbye):
+                self.left.add(got[0])  # stopped by the same agent: not the cause
+            self._heartbeat()
+            now = time.monotonic()
+            for other, since in self._lost_since.items():
+                if other not in self.left and self.topology.node_of(other) == node and now - since > REMOTE_LOST_S:
+                    raise RankDied(f"{self.describe(other)} lost its connection to the controller for "
+                                   f"{REMOTE_LOST_S:.0f} s (its process or its node is gone); {self.describe(rank)} "
+                                   f"was stopped by its torchrun agent", rank=other)
+            if not any(self.topology.node_of(r) == node for r in self._lost_since if r not in self.left):
+                if now > deadline - REMOTE_LOST_S:  # nobody on that node went missing: the signal is the cause
+                    return
+
+    def _heartbeat(self) -> None:
+        """Heartbeats to every rank; a registered remote rank that cannot be reached starts its clock."""
+        lost = set(self.server.broadcast(self.all_ranks, Heartbeat(rank=-1)))
+        now = time.monotonic()
+        for rank in self.pids:
+            if rank in lost:
+                self._lost_since.setdefault(rank, now)
+            else:
+                self._lost_since.pop(rank, None)
 
     def check_alive(self) -> None:
         """Raise RankDied naming the first rank whose process is gone; also stop if rank 0 vanished.
@@ -83,7 +138,7 @@ class Controller:
             self.check_alive()
             now = time.monotonic()
             if now - self._last_beat > 1.0:
-                self.server.broadcast(self.all_ranks, Heartbeat(rank=-1))
+                self._heartbeat()
                 self._last_beat = now
             got = self.server.recv(min(0.05, max(0.0, deadline - now)))
             if got is not None:
@@ -101,6 +156,8 @@ class Controller:
                     if not msg.ok:
                         time.sleep(0.2)  # a signal-driven goodbye: let torchrun reap a dead rank first
                         self._raise_if_dead()
+                        if not self.is_local(rank) and msg.reason.startswith("interrupted"):
+                            self._find_lost_sibling(rank)
                         raise RankDied(f"{self.describe(rank)} left: {msg.reason}", rank=rank)
                     continue
                 return rank, msg
@@ -127,16 +184,21 @@ class Controller:
                 self.infos[rank] = msg.info
         self.broadcast(Welcome(run_id=self.run_id, world_size=self.roles.world_size))
 
-    def shutdown(self, reason: str, ok: bool, wait_s: float = 10.0) -> None:
-        """Tell every rank to stop and wait (briefly) for their Goodbyes."""
-        self.broadcast(Shutdown(reason=reason, ok=ok))
+    def shutdown(self, reason: str, ok: bool, wait_s: float = 10.0, restart: bool = False) -> None:
+        """Tell every rank to stop and wait (briefly) for their Goodbyes. ``restart``: the failure is
+        one an elastic restart may fix (ranks on other nodes then exit non-zero, so that their
+        torchrun agents restart them too)."""
+        self.broadcast(Shutdown(reason=reason, ok=ok, restart=restart))
         deadline = time.monotonic() + wait_s
         while len(self.left) < len(self.pids) and time.monotonic() < deadline:
+            remote = [r for r in self.pids if r not in self.left and not self.is_local(r)]
+            if remote:
+                self.left.update(self.server.broadcast(remote, Heartbeat(rank=-1)))  # unreachable: gone
             got = self.server.recv(0.05)
             if got and isinstance(got[1], Goodbye):
                 self.left.add(got[0])
             for rank, pid in self.pids.items():
-                if rank not in self.left and not pid_alive(pid):
+                if rank not in self.left and self.is_local(rank) and not pid_alive(pid):
                     self.left.add(rank)
 
     def close(self) -> None:

@@ -22,6 +22,8 @@ class Register(msgspec.Struct, tag=True):
     pid: int
     host: str
     info: dict[str, Any] = {}
+    node: int = 0
+    """torchrun's node (GROUP_RANK) of the rank; its pid means something only on that node."""
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -50,10 +52,11 @@ class Failure(msgspec.Struct, tag=True):
 
 
 class Shutdown(msgspec.Struct, tag=True):
-    """Controller -> rank: stop now (ok=False: the run failed)."""
+    """Controller -> rank: stop now (ok=False: the run failed; restart: an elastic restart may fix it)."""
 
     reason: str
     ok: bool = True
+    restart: bool = False
 
 
 class Goodbye(msgspec.Struct, tag=True):
@@ -134,6 +137,12 @@ class TrajDone(msgspec.Struct, tag=True):
     n_tokens: int
     finish_reason: str
     partial: bool = False
+    cross_node_copies: int = 0
+    """Copies of this trajectory's records that crossed nodes since its last TrajDone (shipped to
+    trainer nodes, or a partial record fetched from another node to resume it)."""
+    cross_node_bytes: int = 0
+    fetched: int = 0
+    """Of those copies, partial records fetched from another node to resume the trajectory."""
 
 
 class Pulled(msgspec.Struct, tag=True):
@@ -142,6 +151,9 @@ class Pulled(msgspec.Struct, tag=True):
     instance: int
     version: int
     seconds: float
+    nbytes: int = 0
+    """Weight bytes loaded; cross_node: they came over the network (the PS is on another node)."""
+    cross_node: bool = False
 
 
 class TrainItem(msgspec.Struct, array_like=True):

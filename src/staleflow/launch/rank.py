@@ -30,7 +30,12 @@ _TERM: dict = {"defer": False, "at": None, "signum": None, "forward": None}
 
 
 class RunStopped(RuntimeError):
-    """The controller ended the run (ok=False), or disappeared."""
+    """The controller ended the run (ok=False), or disappeared. ``restart``: an elastic restart may
+    fix the cause (a rank or the controller died), as opposed to a signal or bad input."""
+
+    def __init__(self, message: str, restart: bool = True):
+        super().__init__(message)
+        self.restart = restart
 
 
 @dataclass
@@ -48,6 +53,8 @@ class RankContext:
     """This rank's device (launch/dist.py): cuda:LOCAL_RANK on a GPU node, else cpu."""
     controller_pid: int = 0
     """The controller's pid when it runs on this node (0: another node, heartbeats only)."""
+    net: object = None
+    """This rank's cross-node plane (launch/netplane.py) in a multi-node run, else None."""
     resume_from: str = ""
     """The checkpoint folder to load (trainer ranks), chosen by rank 0."""
     _last_heard: float = field(default_factory=time.monotonic)
@@ -81,7 +88,7 @@ class RankContext:
                 if isinstance(msg, Heartbeat):
                     continue
                 if isinstance(msg, Shutdown) and not msg.ok:
-                    raise RunStopped(msg.reason)
+                    raise RunStopped(msg.reason, restart=msg.restart)
                 return msg
             # Only after the queue is empty: a rank busy for minutes (a training step) finds the
             # heartbeats sent meanwhile waiting in its socket, not a silent controller.

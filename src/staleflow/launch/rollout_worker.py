@@ -11,6 +11,11 @@
     FreeRecords  release ring space the controller no longer needs
 Between commands the engine steps; finished trajectories are written to this rank's ring and
 announced with TrajDone; an InstanceSnapshot goes out every --rollout.stats-interval-ms.
+
+In a multi-node run (ctx.net, launch/netplane.py) a rank on a node without trainer ranks also
+ships each finished record to the trainer nodes before its TrajDone; a partial record produced on
+another node is fetched from its producer before the trajectory resumes (consecutive RouteTrajs
+are fetched together); a rank off the Parameter Server's node pulls weights over the network.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from staleflow.launch.messages import Evaluate, Evaluated, FreeRecords, Pulled, 
 from staleflow.plan.placement import reader_index
 from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.servers import ParameterServer, RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
+from staleflow.servers.trajectory import DEFAULT_RING_BYTES
 
-RING_BYTES = 256 << 20
+RING_BYTES = DEFAULT_RING_BYTES
 
 
 def build_engine(ctx, model):
@@ -75,6 +81,10 @@ class RolloutWorker:
         self.stats_every = rc.stats_interval_ms / 1000.0
         self._last_stats = 0.0
         self._last_tokens, self._last_t = 0, time.monotonic()
+        self.net = ctx.net
+        self.remote_ps = self.net.remote_weights() if self.net is not None else None
+        self.waiting_fetch: list[RouteTraj] = []  # routes whose partial record is on another node
+        self.crossed: dict[int, tuple[int, int]] = {}  # traj_id -> (copies, bytes) fetched to resume it
 
     # ---- commands ------------------------------------------------------------------------
     def _reader(self, rank: int) -> TrajectoryRing:
@@ -82,16 +92,20 @@ class RolloutWorker:
             self.readers[rank] = TrajectoryRing.attach(self.ctx.run_id, rank, timeout=30)
         return self.readers[rank]
 
-    def route(self, msg: RouteTraj) -> None:
+    def route(self, msg: RouteTraj, rec: TrajectoryRecord | None = None) -> None:
         out_ids, out_lp, out_v = [], [], []
         r = msg.route
-        if msg.partial is not None:
+        if msg.partial is not None and rec is None:
+            if self.net is not None and self.net.fetches_from(msg.partial.rank):
+                self.waiting_fetch.append(msg)  # fetched with its neighbours before anything else runs
+                return
             try:
                 rec = self._reader(msg.partial.rank).read(msg.partial)
             except StaleHandle:
                 # The controller only frees a partial record that is being resumed when it has
                 # dropped the trajectory (an Abort that crossed this Route): nothing to resume.
                 return
+        if rec is not None:
             out_ids, out_lp, out_v = rec.response_ids.tolist(), rec.logprobs.tolist(), rec.versions.tolist()
         self.meta[r.traj_id] = {"traj_version": r.traj_version}
         params = dict(self.params)
@@ -99,6 +113,24 @@ class RolloutWorker:
             params.update(max_new_tokens=msg.max_new_tokens, ignore_eos=True)
         self.engine.add(Request(r.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **params),
                                 output_ids=out_ids, output_logprobs=out_lp, output_versions=out_v))
+
+    def fetch_waiting(self) -> None:
+        """Fetch the partial records of the routes waiting for them (one round trip for all of them,
+        serving this rank's own records meanwhile), then route them in their order."""
+        if not self.waiting_fetch:
+            return
+        routes, self.waiting_fetch = self.waiting_fetch, []
+        got = self.net.fetcher.fetch([m.partial for m in routes], serve=self.serve_records)
+        for m in routes:
+            rec = got.get(m.partial)
+            if rec is None:  # freed by the controller meanwhile (the trajectory was dropped)
+                continue
+            self.crossed[m.route.traj_id] = (1, m.partial.length)
+            self.route(m, rec)
+
+    def serve_records(self) -> None:
+        if self.net is not None and self.net.record_server is not None:
+            self.net.record_server.serve(self.ring)
 
     def interrupt(self, ids, drop: bool) -> None:
         st = self.engine.stats()
@@ -117,10 +149,16 @@ class RolloutWorker:
             self.interrupt([t for t in list(st.running_ids) + list(st.waiting_ids) if not is_eval(t)], drop=False)
         world, rank = self.ctx.roles.world_size, self.ctx.rank
         vllm = hasattr(self.engine, "load_from_server")
+        keep = {"keep_kv": True} if self.keep_on_pull else {}
+        if self.remote_ps is not None:  # the PS is on another node: its piece owners send the bytes
+            targets = dict(self.engine.model.named_parameters())
+            version, nbytes = self.remote_ps.pull_latest(out=targets)
+            self.engine.load_weights(targets, version, **keep)
+            self._pulled(msg, version, t0, nbytes, cross_node=True)
+            return
         if self.ps is None:  # a vLLM rank maps only the slot headers: its engine's worker maps the weights
             self.ps = ParameterServer.attach(self.ctx.run_id, timeout=60,
                                              reader=None if vllm else reader_index(rank, world))
-        keep = {"keep_kv": True} if self.keep_on_pull else {}
         if vllm:
             worker = reader_index(rank, world, engine_worker=True)
             version = self.engine.load_from_server(self.ctx.run_id, worker, **keep)
@@ -128,9 +166,13 @@ class RolloutWorker:
             targets = dict(self.engine.model.named_parameters())
             version, _ = self.ps.pull_latest(out=targets)
             self.engine.load_weights(targets, version, **keep)  # validates and stamps; copying onto itself is free
+        self._pulled(msg, version, t0, self.ps.layout.nbytes)
+
+    def _pulled(self, msg: Pull, version: int, t0: float, nbytes: int, cross_node: bool = False) -> None:
         if version < msg.version:
             raise RuntimeError(f"Pull({msg.version}): the parameter server only has version {version}")
-        self.ctx.client.send(Pulled(instance=self.instance, version=version, seconds=time.monotonic() - t0))
+        self.ctx.client.send(Pulled(instance=self.instance, version=version, seconds=time.monotonic() - t0,
+                                    nbytes=nbytes, cross_node=cross_node))
 
     # ---- outputs -------------------------------------------------------------------------
     def emit(self, out, partial: bool) -> None:
@@ -153,8 +195,14 @@ class RolloutWorker:
             except RingFull:
                 return  # back-pressure: retry after the controller frees records
             self.unsent.pop(0)
+            fetched, nbytes = self.crossed.pop(traj_id, (0, 0))
+            copies = fetched
+            if not partial and self.net is not None and self.net.shipper is not None:
+                shipped = self.net.shipper.ship(self.ring, h)  # before TrajDone: the bytes lead the news
+                copies, nbytes = copies + shipped[0], nbytes + shipped[1]
             self.ctx.client.send(TrajDone(traj_id=traj_id, instance=self.instance, handle=h,
-                                          n_tokens=int(rec.response_ids.numel()), finish_reason=reason, partial=partial))
+                                          n_tokens=int(rec.response_ids.numel()), finish_reason=reason, partial=partial,
+                                          cross_node_copies=copies, cross_node_bytes=nbytes, fetched=fetched))
 
     def send_stats(self, now: float) -> None:
         st = self.engine.stats()
@@ -183,8 +231,21 @@ class RolloutWorker:
         self.ctx.client.send(Evaluated(eval_id=eval_id, index=index, response_ids=list(out.output_ids),
                                        min_version=min(versions), max_version=max(versions)))
 
+    def free(self, handles) -> None:
+        """Release ring records (exactly once, on the controller's word): after any zero-copy send of
+        their bytes has left the ring, and the mirrors of other nodes are told."""
+        for h in handles:
+            if self.net is not None:
+                self.net.sends.wait(h)
+            self.ring.free(h)
+        if self.net is not None and self.net.shipper is not None:
+            self.net.shipper.freed(handles)
+        self.flush()
+
     def handle(self, msg) -> bool:
         """Execute one command; False on Shutdown."""
+        if not isinstance(msg, RouteTraj):
+            self.fetch_waiting()  # a command after a route acts on the trajectory as routed
         if isinstance(msg, Evaluate):
             self.evaluate(msg)
         elif isinstance(msg, RouteTraj):
@@ -196,9 +257,7 @@ class RolloutWorker:
         elif isinstance(msg, Pull):
             self.pull(msg)
         elif isinstance(msg, FreeRecords):
-            for h in msg.handles:
-                self.ring.free(h)
-            self.flush()
+            self.free(msg.handles)
         elif isinstance(msg, Shutdown):
             return False
         return True
@@ -211,6 +270,8 @@ class RolloutWorker:
                 if not self.handle(msg):
                     return
                 msg = self.ctx.recv(0.0)
+            self.fetch_waiting()
+            self.serve_records()
             now = time.monotonic()
             if self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -226,6 +287,8 @@ class RolloutWorker:
         for r in self.readers.values():
             if r is not self.ring:
                 r.close()
+        if self.net is not None:
+            self.net.sends.wait_all()  # zero-copy sends read the ring until they are out
         self.ring.close()
         self.ring.unlink()
         if self.ps is not None:

@@ -1,31 +1,60 @@
-"""``python -m staleflow.launch.torchrun [torchrun args]``: torchrun whose stores listen on
-loopback only, when the rendezvous endpoint and --local-addr are loopback (single-node runs).
+"""``python -m staleflow.launch.torchrun [torchrun args]``: torchrun whose stores listen only on the
+address they are given, when that address is loopback or an IP of this machine.
 
-torchrun hosts two TCPStores (the c10d rendezvous store, and the store the workers bootstrap
-their process groups from) and torch binds both to every interface, whatever address it is
-given: on a shared machine any host could join or poison the rendezvous. TCPStore accepts an
-already-listening socket (``master_listen_fd``), so this wrapper binds that socket to 127.0.0.1
-itself and hands it over; every other torchrun behaviour (elastic restarts, worker monitoring)
-is unchanged. Multi-node runs (routable addresses) are not touched. launch.sh uses it.
+torchrun hosts TCPStores (the c10d rendezvous store and the store the workers bootstrap their
+process groups from, or the static rendezvous' single store) and torch binds them to every
+interface, whatever address it is given: on a shared machine any host could join or poison the
+rendezvous. TCPStore accepts an already-listening socket (``master_listen_fd``), so this wrapper
+binds that socket itself and hands it over:
+  - single-node runs (launch.sh: rendezvous endpoint and --local-addr 127.0.0.1) listen on loopback;
+  - multi-node runs given IP addresses (``--master-addr 10.0.0.1``, ``--rdzv-endpoint 10.0.0.1:29400``,
+    ``--local-addr``) listen on that interface only (two agents on one machine: on loopback);
+  - a host name is left to torch (every interface): another node may resolve it to an address this
+    machine does not know it has (a Debian host's own name resolves to 127.0.1.1 locally).
+Every other torchrun behaviour (rendezvous, elastic restarts, worker monitoring) is unchanged.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import sys
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _loopback_tcp_store(make):
-    def create(host, port, *args, is_master: bool = False, **kw):
-        if is_master and host in LOOPBACK and "master_listen_fd" not in kw:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def listen_address(host: str) -> str | None:
+    """The address a store for ``host`` should listen on, or None for torch's default (all)."""
+    if host in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.is_unspecified:
+        return None
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:  # an address of this machine? (binding port 0 tells, without keeping anything)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except OSError:
+        return None
+    return host
+
+
+def _bound_tcp_store(make):
+    """Wrap a TCPStore constructor: a master store gets a socket listening on listen_address(host)."""
+
+    def create(host, port, *args, **kw):
+        is_master = kw.get("is_master", args[1] if len(args) > 1 else False)
+        addr = listen_address(host) if is_master and kw.get("master_listen_fd") is None else None
+        if addr is not None:
+            sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", int(port)))
+            sock.bind((addr, int(port)))
             sock.listen(1024)
             kw["master_listen_fd"] = sock.detach()
-        return make(host, port, *args, is_master=is_master, **kw)
+        return make(host, port, *args, **kw)
 
     return create
 
@@ -34,13 +63,16 @@ def main() -> None:
     import torch.distributed as dist
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
+    import torch.distributed.elastic.rendezvous.static_tcp_rendezvous as static
     from torch.distributed.run import main as torchrun_main
 
-    if hasattr(c10d_backend, "TCPStore"):  # the rendezvous store
-        c10d_backend.TCPStore = _loopback_tcp_store(c10d_backend.TCPStore)
+    if hasattr(c10d_backend, "TCPStore"):  # the c10d rendezvous store
+        c10d_backend.TCPStore = _bound_tcp_store(c10d_backend.TCPStore)
+    if hasattr(static, "TCPStore"):  # the static rendezvous store (--master-addr/--node-rank)
+        static.TCPStore = _bound_tcp_store(static.TCPStore)
     handler = getattr(dynamic, "DynamicRendezvousHandler", None)
     if handler is not None and hasattr(handler, "_create_tcp_store_server"):  # the workers' store
-        make = _loopback_tcp_store(dist.TCPStore)
+        make = _bound_tcp_store(dist.TCPStore)
         handler._create_tcp_store_server = lambda self, master_addr, master_port: make(
             master_addr, master_port, is_master=True, multi_tenant=True)
     torchrun_main(sys.argv[1:])

@@ -7,6 +7,10 @@
 The leader (trainer rank 0) creates the Parameter Server and publishes the starting weights. The
 slots hold the rollout engines' dtype (bf16 on CUDA) and live where plan/placement.py says: on
 CUDA one piece per trainer rank on its own GPU, created by that rank; on CPU in shared memory.
+
+In a multi-node run (ctx.net) the node's first trainer rank also receives the records that rollout
+ranks of other nodes ship (mirror rings: samples wait for a record that is still on its way), and
+every piece owner serves its piece to the rollout ranks of other nodes (servers/remote_weights.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from staleflow.launch.messages import SaveState, Saved, Shutdown, StepDone, TrainStep
 from staleflow.plan.placement import slot_dtype, slot_placement
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
+from staleflow.servers.mirror import read_arrived
 from staleflow.train.batch import TrajectorySample
 from staleflow.train.checkpoint import CheckpointError, export_hf, load_checkpoint, save_checkpoint
 from staleflow.train.trainer import Trainer
@@ -31,6 +36,8 @@ class TrainerWorker:
         self.ctx = ctx
         cfg = ctx.cfg
         self.leader = ctx.rank == 0
+        if ctx.net is not None:
+            ctx.net.start_receiver()  # mirrors exist before Ready: the controller attaches them next
         self.device = torch.device(ctx.device)
         self.slot_dtype = slot_dtype(cfg, self.device.type)
         # the exported policy: --model.dtype (auto: bf16 on CUDA, fp32 on CPU), cast one tensor at a time on rank 0
@@ -62,7 +69,9 @@ class TrainerWorker:
         else:
             self.ps = ParameterServer.attach(ctx.run_id, timeout=120)
         self.push(self.trainer.version)  # the starting weights are version 0 (or the resumed version)
-        self.rings: dict[int, TrajectoryRing] = {}
+        if ctx.net is not None:
+            ctx.net.start_weight_server(self.ps, piece=ctx.rank if self.device.type == "cuda" else 0)
+        self.rings: dict[int, tuple[TrajectoryRing, bool]] = {}
 
     def _barrier(self):
         if self.ctx.roles.num_trainer > 1:
@@ -82,15 +91,19 @@ class TrainerWorker:
         self._barrier()
         return time.perf_counter() - t0
 
-    def _ring(self, rank: int) -> TrajectoryRing:
-        if rank not in self.rings:
-            self.rings[rank] = TrajectoryRing.attach(self.ctx.run_id, rank, timeout=30)
-        return self.rings[rank]
+    def _read(self, handle):
+        """A record from its producer's ring on this node, or from this node's mirror of it."""
+        if handle.rank not in self.rings:
+            net = self.ctx.net
+            self.rings[handle.rank] = (net.ring_reader(handle.rank) if net is not None
+                                       else (TrajectoryRing.attach(self.ctx.run_id, handle.rank, timeout=30), False))
+        ring, mirror = self.rings[handle.rank]
+        return read_arrived(ring, handle) if mirror else ring.read(handle)
 
     def samples(self, msg: TrainStep) -> list[TrajectorySample]:
         out = []
         for it in msg.items:
-            rec = self._ring(it.handle.rank).read(it.handle)
+            rec = self._read(it.handle)
             out.append(TrajectorySample(
                 prompt_ids=rec.prompt_ids.tolist(), response_ids=rec.response_ids.tolist(),
                 behaviour_logprobs=rec.logprobs.tolist(), versions=rec.versions.tolist(), reward=it.reward,
@@ -142,7 +155,10 @@ class TrainerWorker:
                 return
 
     def close(self) -> None:
-        for r in self.rings.values():
+        for r, _ in self.rings.values():
             r.close()
+        if self.ctx.net is not None and self.ctx.net.weight_server is not None:
+            self.ctx.net.weight_server.close()  # before the slots it serves go
+            self.ctx.net.weight_server = None
         self.ps.close()
 

@@ -120,7 +120,7 @@ class TrainingJob:
         dt = max(now - t_prev, 1e-6)
         ev = rec.train
         row = {**metrics, "tokens_per_s": (tokens - tok_prev) / dt, "samples_per_s": (self.samples - n_prev) / dt,
-               "train_s": ev.train_s, "push_s": ev.push_s, "train": ev.metrics}
+               "train_s": ev.train_s, "push_s": ev.push_s, "train": ev.metrics, **self.backend.traffic_row()}
         if self.loop.first_reward_error:
             row["reward_first_error"] = self.loop.first_reward_error
         self._last_log = (now, tokens, self.samples)

@@ -1,5 +1,5 @@
 """The PNG report of a run folder: reward and held-out accuracy, throughput, staleness histogram,
-per-rank timeline.
+per-rank timeline, each instance's pull time, and the traffic between nodes (multi-node runs).
 
     python -m staleflow.metrics.report RUN_DIR      (written at the end of every run as RUN_DIR/report.png)
 """
@@ -28,7 +28,7 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     spans = read_jsonl(os.path.join(run_dir, "timeline.jsonl"))
     if not steps:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl has no steps: nothing to report (did the run train?)")
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    fig, axes = plt.subplots(3, 2, figsize=(13, 12.5))
     x = [s["step"] for s in steps]
 
     ax = axes[0][0]
@@ -79,12 +79,48 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     if seen:
         ax.legend(loc="upper right", fontsize=8)
 
+    _pull_panels(axes[2], steps, x)
     fig.suptitle(f"StaleFlow run {os.path.basename(os.path.abspath(run_dir))}")
     fig.tight_layout()
     out = out or os.path.join(run_dir, "report.png")
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def _pull_panels(row, steps: list[dict], x: list[int]) -> None:
+    """Mean pull time of each instance per step; weights and records that crossed nodes (run totals)."""
+    ax = row[0]
+    instances = sorted({i for s in steps for i in (s.get("pull_s_by_instance") or {})}, key=int)
+    for i in instances:
+        pts = [(s["step"], s["pull_s_by_instance"][i] * 1000) for s in steps if i in (s.get("pull_s_by_instance") or {})]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"instance {i}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.set_title("Weight pull time per instance (mean over the step)")
+    if instances:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+    ax = row[1]
+    pull_mb = [s.get("cross_node_pull_bytes", 0) / 1e6 for s in steps]
+    rec_mb = [s.get("cross_node_record_bytes", 0) / 1e6 for s in steps]
+    if any(pull_mb) or any(rec_mb):
+        ax.plot(x, pull_mb, "o-", label="weights pulled from another node")
+        ax.set_ylabel("weights, MB")
+        right = ax.twinx()  # records are a thousandth of the weights' bytes: their own scale
+        right.plot(x, rec_mb, "s--", color="tab:orange", label="records shipped or fetched")
+        right.set_ylabel("records, MB")
+        recs = steps[-1].get("cross_node_records", 0)
+        ax.set_title(f"Cross-node traffic (run totals; {recs} records)")
+        ax.legend(loc="upper left", fontsize=8)
+        right.legend(loc="lower right", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "single node: nothing crossed the network", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_title("Cross-node traffic")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
 
 
 if __name__ == "__main__":

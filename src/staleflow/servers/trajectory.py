@@ -50,6 +50,8 @@ RING_HEADER_BYTES = 64
 REC_HEADER = struct.Struct("<IIQQIII")  # state, flags (0; reserved), generation, length, n_prompt, n_response, n_meta
 REC_HEADER_BYTES = 64
 LIVE, FREED = 0x4556494C, 0x44455246  # b"LIVE", b"FRED" little-endian
+DEFAULT_RING_BYTES = 256 << 20
+GENERATIONS_AT = 24  # ring header: generations written (a mirror: the newest generation received)
 
 
 class RecordHandle(msgspec.Struct, frozen=True, array_like=True):
@@ -163,6 +165,20 @@ class TrajectoryRing:
         return self._producer_only("used_bytes").used_bytes
 
     @property
+    def generations_written(self) -> int:
+        """The newest generation written (in a mirror ring: received from the producer's node)."""
+        return struct.unpack_from("<Q", self._seg.buf, GENERATIONS_AT)[0]
+
+    def record_view(self, handle: RecordHandle) -> memoryview:
+        """The bytes of a live record, header included, as a view of the ring (no copy: what is
+        shipped to another node). Valid until the record is freed (producer only)."""
+        self._producer_only("record_view")
+        self._check_handle(handle)
+        state, _flags, gen, length = REC_HEADER.unpack_from(self._buf, handle.offset)[:4]
+        self._check_header(handle, state, gen, length)
+        return self._buf[handle.offset:handle.offset + length]
+
+    @property
     def live_records(self) -> int:
         """Records not yet reclaimed (freed ones behind an older live record still count)."""
         return len(self._producer_only("live_records"))
@@ -235,6 +251,24 @@ class TrajectoryRing:
         return TrajectoryRecord(prompt, response, logprobs.view(torch.float32), versions, meta=meta)
 
     # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def decode(data, handle: RecordHandle) -> TrajectoryRecord:
+        """A record from its bytes (``record_view`` of the producer, received over the network):
+        the header must be LIVE and match ``handle``; the tensors share one fresh buffer."""
+        buf = memoryview(data)
+        if len(buf) != handle.length or handle.length < REC_HEADER_BYTES:
+            raise StaleHandle(f"record {handle}: got {len(buf)} bytes")
+        state, _flags, gen, length, n_p, n_r, n_m = REC_HEADER.unpack_from(buf, 0)
+        if state != LIVE or gen != handle.generation or length != handle.length \
+                or _record_length(n_p, n_r, n_m) != length:
+            raise StaleHandle(f"record {handle}: the bytes received are not that record (generation {gen})")
+        words = torch.frombuffer(bytearray(buf[REC_HEADER_BYTES:REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)]),
+                                 dtype=torch.int32) if n_p + n_r else torch.zeros(0, dtype=torch.int32)
+        a, b, c = n_p, n_p + n_r, n_p + 2 * n_r
+        m0 = REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)
+        meta = msgspec.msgpack.decode(buf[m0:m0 + n_m]) if n_m else {}
+        return TrajectoryRecord(words[:a], words[a:b], words[b:c].view(torch.float32), words[c:], meta=meta)
+
     def _producer_only(self, what: str) -> RingAllocator:
         if not self.producer:
             raise ServerError(f"TrajectoryRing.{what} on ring {self.name}: only the producer (rollout rank "
