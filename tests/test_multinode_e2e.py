@@ -34,16 +34,19 @@ def _free_port() -> int:
 
 
 def agents(tag: str, run_dir: Path, name: str, *args: str, nproc: int = 2,
-           launcher: str = "torch.distributed.run") -> list[subprocess.Popen]:
+           launcher: str = "torch.distributed.run", c10d: bool = False) -> list[subprocess.Popen]:
     """`torchrun --nnodes 2 --node-rank 0|1 ... --master-addr 127.0.0.1 --master-port P`, twice
-    (``launcher`` staleflow.launch.torchrun: our wrapper, whose stores listen on that address only)."""
+    (``launcher`` staleflow.launch.torchrun: our wrapper, whose stores listen on that address only;
+    ``c10d``: the c10d rendezvous instead, which assigns the node ranks itself)."""
     port = _free_port()
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, STALEFLOW_TEST_TAG=tag, PYTHONPATH=path)
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", launcher, "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+        rdzv = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
+                 "--local-addr", "127.0.0.1"] if c10d
+                else ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)])
+        cmd = [sys.executable, "-m", launcher, "--nnodes", "2", "--nproc-per-node", str(nproc), *rdzv,
                "-m", "staleflow", "train", *TINY, "--log.run-dir", str(run_dir), "--log.name", name, *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                       start_new_session=True))
@@ -168,3 +171,17 @@ def test_multinode_a_rollout_rank_dying_on_the_other_node_stops_the_run_naming_i
     assert "saved version" in out0 or "no checkpoint on the way out" in out0 or "did not finish in time" in out0
     assert _wait_gone(tag) == []
     assert _leaked(shm_before) == set()
+
+
+def test_multinode_c10d_rendezvous_through_our_wrapper(tmp_path):
+    """c10d rendezvous, both agents on one machine: one hosts the store (bound to 127.0.0.1 by our
+    wrapper), the other finds the port taken and joins it as a client, as torch's rendezvous does."""
+    tag = uuid.uuid4().hex
+    procs = agents(tag, tmp_path, "run", "--steps", "4", "--rollout.ranks", "2", launcher="staleflow.launch.torchrun",
+                   c10d=True)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert any("staleflow: 4 ranks on 2 nodes (2 trainer, 2 rollout)" in out for out in outs)
+    last = [r for r in _rows(tmp_path / "run") if "eval_n" not in r][-1]
+    assert last["step"] == 3 and last["cross_node_records"] > 0 and last["cross_node_pull_bytes"] > 0
+    assert _wait_gone(tag) == []

@@ -50,10 +50,16 @@ def _bound_tcp_store(make):
         addr = listen_address(host) if is_master and kw.get("master_listen_fd") is None else None
         if addr is not None:
             sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((addr, int(port)))
-            sock.listen(1024)
-            kw["master_listen_fd"] = sock.detach()
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((addr, int(port)))
+                sock.listen(1024)
+            except OSError:
+                # Taken (another agent on this machine hosts the c10d store): torch's own attempt then
+                # fails the way its rendezvous expects, and it joins that store as a client.
+                sock.close()
+            else:
+                kw["master_listen_fd"] = sock.detach()
         return make(host, port, *args, **kw)
 
     return create
