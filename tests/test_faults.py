@@ -63,6 +63,26 @@ def _wait_for_step(run: Path, step: int, proc, timeout: float = 300) -> None:
     pytest.fail(f"no step {step} within {timeout} s")
 
 
+def _listening_on(pids) -> list[str]:
+    """Local addresses (hex, /proc/net format) of the TCP sockets these processes listen on."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # state LISTEN, one of these processes' sockets
+                out.append(f[1].split(":")[0])
+    return out
+
+
 def _shm() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("staleflow-")}
 
@@ -149,23 +169,9 @@ def test_faults_stores_listen_on_loopback_and_processes_have_titles(tmp_path):
         for title in ("staleflow[controller]", "staleflow[trainer 0]", "staleflow[rollout 0]",
                       "staleflow[rollout 1]", "staleflow[reward 0]"):
             assert _titled(tag, title), title
-        inodes = set()
-        for pid in _tagged_processes(tag) + [proc.pid]:
-            for fd in Path(f"/proc/{pid}/fd").glob("*"):
-                try:
-                    link = os.readlink(fd)
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        listening = []
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if f[3] == "0A" and f[9] in inodes:  # state LISTEN, one of the run's sockets
-                    listening.append(f[1])
+        listening = _listening_on(_tagged_processes(tag) + [proc.pid])
         assert listening
-        assert all(a.split(":")[0] in ("0100007F", "00000000000000000000000001000000") for a in listening), listening
+        assert all(a in ("0100007F", "00000000000000000000000001000000") for a in listening), listening
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.communicate(timeout=120)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from staleflow.metrics.audit import audit_run
-from test_faults import _leaked, _shm, _titled
+from test_faults import _leaked, _listening_on, _shm, _titled
 from test_launch import _kill_group, _tagged_processes, _wait_gone
 
 pytestmark = pytest.mark.slow
@@ -71,25 +71,10 @@ def _rows(run: Path) -> list[dict]:
 def _listening(tag: str, ours_only: bool) -> list[str]:
     """Local addresses (hex, /proc/net format) of the TCP sockets the run's processes listen on
     (``ours_only``: the ranks and the controller, not the torchrun agents)."""
-    inodes = set()
     pids = _tagged_processes(tag)
     if ours_only:
         pids = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"staleflow[")]
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").glob("*"):
-            try:
-                link = os.readlink(fd)
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and f[9] in inodes:
-                out.append(f[1].split(":")[0])
-    return out
+    return _listening_on(pids)
 
 
 def test_multinode_two_agents_train_with_records_and_weights_crossing_nodes(tmp_path):
