@@ -153,7 +153,9 @@ def test_multinode_a_rollout_rank_dying_on_the_other_node_stops_the_run_naming_i
     assert procs[0].returncode != 0 and procs[1].returncode != 0
     assert "rank 2 (rollout instance 0, node 1" in out0 and ("lost its connection" in out0 or "died" in out0), \
         out0[-3000:]
-    assert "saved version" in out0 or "no checkpoint on the way out" in out0 or "did not finish in time" in out0
+    # the emergency save lands (a StepDone that arrived while the controller looked for the cause
+    # was once dropped, and the save then waited for a step that had long finished)
+    assert "saved version" in out0, out0[-3000:]
     assert _wait_gone(tag) == []
     assert _leaked(shm_before) == set()
 

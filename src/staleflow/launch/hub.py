@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from staleflow.launch.cleanup import pid_alive
@@ -56,6 +57,8 @@ class Controller:
     """The controller's SecureContext (net/curve.py) when ranks on other nodes connect over TCP."""
     _last_beat: float = 0.0
     _lost_since: dict = field(default_factory=dict)
+    _held: deque = field(default_factory=deque)
+    """Messages received while _find_lost_sibling watched; recv returns them first."""
 
     def __post_init__(self):
         topo = self.topology
@@ -88,26 +91,23 @@ class Controller:
                 raise RankDied(f"{self.describe(rank)} lost its connection to the controller for {REMOTE_LOST_S:.0f} s "
                                f"(its process or its node is gone)", rank=rank)
 
-    def _find_lost_sibling(self, rank: int) -> None:
+    def _find_lost_sibling(self) -> None:
         """A rank of another node that left on a signal was most likely stopped by its torchrun
-        agent because a rank beside it died: watch that node's ranks (for at most REMOTE_LOST_S
-        and a bit) and raise RankDied naming the one whose connection is lost, the cause."""
-        node = self.topology.node_of(rank)
-        deadline = time.monotonic() + REMOTE_LOST_S + 1.5
-        while time.monotonic() < deadline:
+        agent because a rank beside it died: keep heart-beating for up to REMOTE_LOST_S and a bit,
+        so that _raise_if_dead names the rank whose connection is lost (the cause). Messages that
+        arrive meanwhile are kept for recv (a StepDone dropped here would stall the emergency save)."""
+        start = time.monotonic()
+        while time.monotonic() < start + REMOTE_LOST_S + 1.5:
             got = self.server.recv(0.1)
-            if got is not None and isinstance(got[1], Goodbye):
-                self.left.add(got[0])  # stopped by the same agent: not the cause
+            if got is not None:
+                if isinstance(got[1], Goodbye):
+                    self.left.add(got[0])  # stopped by the same agent: not the cause
+                else:
+                    self._held.append(got)
             self._heartbeat()
-            now = time.monotonic()
-            for other, since in self._lost_since.items():
-                if other not in self.left and self.topology.node_of(other) == node and now - since > REMOTE_LOST_S:
-                    raise RankDied(f"{self.describe(other)} lost its connection to the controller for "
-                                   f"{REMOTE_LOST_S:.0f} s (its process or its node is gone); {self.describe(rank)} "
-                                   f"was stopped by its torchrun agent", rank=other)
-            if not any(self.topology.node_of(r) == node for r in self._lost_since if r not in self.left):
-                if now > deadline - REMOTE_LOST_S:  # nobody on that node went missing: the signal is the cause
-                    return
+            self._raise_if_dead()
+            if time.monotonic() > start + 1.5 and all(r in self.left for r in self._lost_since):
+                return  # nobody went missing: the signal itself is the cause
 
     def _heartbeat(self) -> None:
         """Heartbeats to every rank; a registered remote rank that cannot be reached starts its clock."""
@@ -140,7 +140,7 @@ class Controller:
             if now - self._last_beat > 1.0:
                 self._heartbeat()
                 self._last_beat = now
-            got = self.server.recv(min(0.05, max(0.0, deadline - now)))
+            got = self._held.popleft() if self._held else self.server.recv(min(0.05, max(0.0, deadline - now)))
             if got is not None:
                 rank, msg = got
                 if isinstance(msg, Register):
@@ -157,7 +157,7 @@ class Controller:
                         time.sleep(0.2)  # a signal-driven goodbye: let torchrun reap a dead rank first
                         self._raise_if_dead()
                         if not self.is_local(rank) and msg.reason.startswith("interrupted"):
-                            self._find_lost_sibling(rank)
+                            self._find_lost_sibling()
                         raise RankDied(f"{self.describe(rank)} left: {msg.reason}", rank=rank)
                     continue
                 return rank, msg

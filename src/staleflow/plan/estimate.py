@@ -87,7 +87,7 @@ class _AttentionSaves(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # never run: only the saved tensors are counted
-        raise NotImplementedError
+        raise RuntimeError("_AttentionSaves is a meta-device stand-in for counting saved tensors; it has no backward")
 
 
 def layer_saved_bytes(args, tokens: int, dtype: torch.dtype, expand_kv: bool) -> int:
