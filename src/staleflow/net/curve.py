@@ -260,3 +260,16 @@ def user_rank(frame: zmq.Frame) -> int | None:
     except zmq.ZMQError:
         return None
     return int(user) if user and user.isdigit() else None
+
+
+def incoming(sock: zmq.Socket, stop: threading.Event, poll_ms: int = 100):
+    """The multipart messages (zero-copy frames) arriving on a server thread's socket, until
+    ``stop`` is set; a failed receive is skipped."""
+    while not stop.is_set():
+        try:
+            if not sock.poll(poll_ms):
+                continue
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            continue
+        yield frames

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from staleflow.net.curve import user_rank
+from staleflow.net.curve import incoming, user_rank
 from staleflow.servers.errors import ServerError, TornRead, VersionNotFound
 from staleflow.servers.layout import ParamLayout, dtype_of, piece_rows
 from staleflow.servers.segment import segment_path
@@ -80,13 +80,7 @@ class WeightServer:
     def _run(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: NCCL sends from this piece's GPU
-        while not self._stop.is_set():
-            try:
-                if not self.sock.poll(100):
-                    continue
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:
-                continue
+        for frames in incoming(self.sock, self._stop):
             try:
                 if len(frames) != 2:
                     raise ServerError(f"{len(frames)} frames")

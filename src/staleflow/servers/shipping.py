@@ -28,7 +28,7 @@ from typing import Callable
 import msgspec
 import zmq
 
-from staleflow.net.curve import user_rank
+from staleflow.net.curve import incoming, user_rank
 from staleflow.servers.errors import ServerError, StaleHandle
 from staleflow.servers.mirror import MirrorRing
 from staleflow.servers.trajectory import RecordHandle, TrajectoryRecord, TrajectoryRing
@@ -142,13 +142,7 @@ class RecordReceiver:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self.sock.poll(100):
-                    continue
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:
-                continue
+        for frames in incoming(self.sock, self._stop):
             try:
                 self.handle(frames)
             except (ServerError, msgspec.MsgspecError, ValueError, TypeError) as e:
