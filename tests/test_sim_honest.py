@@ -84,6 +84,27 @@ def test_sim_step_times_are_noisy_and_seeded():
     assert len({round(i.speed, 6) for i in backend.insts}) == len(backend.insts) > 1
 
 
+@pytest.mark.parametrize("eta", [1, 2])
+def test_sim_no_trained_group_beat_its_tail_floor(eta):
+    """The premise of the grid's tail floor: a group tagged V starts after version V is published and
+    its longest response takes at least that many tokens decoded alone on the fastest instance."""
+    cfg = small(steps=10)
+    loop, backend, _ = build(cfg, "staleflow", eta)
+    next_tick = 0.0
+    while not loop.done:
+        next_tick = loop.turn(next_tick)
+    cost = load_cost_model(cfg.cost_model)
+    fastest = min(i.speed for i in backend.insts)
+    checked = 0
+    for rec in loop.steps:
+        for g in rec.groups:
+            published = 0.0 if g.traj_version == 0 else backend.step_end[g.traj_version - 1]
+            alone = cost.steps_time(1, g.prompt_len, max(g.n_tokens)) * fastest
+            assert rec.t_start - published >= 0.95 * alone, (rec.version, g.traj_version, max(g.n_tokens))
+            checked += 1
+    assert checked == cfg.steps * cfg.batch_size
+
+
 def test_sim_measures_at_least_30_steps_after_warm_up_by_default():
     cfg = SimConfig()
     assert cfg.steps - cfg.warmup_steps >= 30
@@ -107,3 +128,5 @@ def test_sim_grid_prints_tables_saves_png_and_ends_with_the_issue_keys(tmp_path,
     assert any(line.startswith("Summary") for line in out) and (tmp_path / "grid.png").stat().st_size > 1000
     saved = json.loads((tmp_path / "grid.json").read_text())
     assert len(saved["settings"]) == 2 and saved["summary"] == summary
+    assert set(saved["tail_floor"]) == {"bound_vs_best_async_avg", "bound_vs_best_async_max", "capped_batches_min"}
+    assert all(r["floor_s"] > 0 and r["bound_vs_best_async"] > 0 for r in saved["settings"])

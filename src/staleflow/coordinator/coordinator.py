@@ -78,7 +78,8 @@ class Coordinator:
         self._out: list[Command] = []
         self._admit: dict[int, bool] = {}
         self.counters: Counter = Counter()
-        self.migrated: dict[int, float] = {}  # traj_id -> time of its last migration
+        self.migrated: dict[int, float] = {}  # traj_id -> time of its migration (at most one per trajectory)
+        self.moved_off: dict[int, int] = {}  # migrated traj_id -> the instance it left, until re-routed
         self.now = float("-inf")
 
     # ---- queries used by strategies --------------------------------------------------------
@@ -136,6 +137,7 @@ class Coordinator:
         it = self.items.pop(traj_id)
         self.queue.forget(traj_id)
         self.migrated.pop(traj_id, None)
+        self.moved_off.pop(traj_id, None)
         self.reserved.discard(traj_id)
         self.members[it.group_id].discard(traj_id)
         for t in self.manager.complete(traj_id):  # group redundancy: the surplus is aborted
@@ -210,6 +212,7 @@ class Coordinator:
                 cmds.append(Interrupt(inst.instance, ids, "migrate"))
                 for t in ids:
                     self.migrated[t] = now
+                    self.moved_off[t] = inst.instance
                 self.pending_interrupts.update(ids)
                 inst.last_change = now
                 self.counters["migrations"] += 1
@@ -263,7 +266,7 @@ class Coordinator:
                     leftover = True
                     break
                 sig = (item.traj_version if item.traj_version is not None else self.group_tag.get(item.group_id),
-                       item.tokens, -1 if self.cfg.migration else item.origin)
+                       item.tokens, self.moved_off.get(item.traj_id, -1) if self.cfg.migration else item.origin)
                 if sig in failed:  # same placement problem as one that just failed: skip cheaply
                     fails, leftover = fails + 1, True
                     continue
@@ -297,8 +300,10 @@ class Coordinator:
                 return None, -1
             if item.origin >= 0 and not self.cfg.migration:  # no migration: resume where it ran
                 cands = [i for i in open_ if i.instance == item.origin and i.target_version >= V]
-            else:
+            else:  # a migrated trajectory does not go back to the instance it left, unless nothing else can run it
                 cands = [i for i in open_ if i.target_version >= V]
+                left = self.moved_off.get(item.traj_id, -1)
+                cands = [i for i in cands if i.instance != left] or cands
         inst = self.router.choose(item, V, cands, self) if cands else None
         if inst is None:
             failed.add(sig)
@@ -317,6 +322,7 @@ class Coordinator:
             self._admit.clear()
             self._admissible = None
         self._dequeue(t)
+        self.moved_off.pop(t, None)
         if item.traj_version != V:
             self.items[t] = msgspec.structs.replace(item, traj_version=V)
         inst.add(t, item.tokens, now)
@@ -357,6 +363,7 @@ class Coordinator:
         self._dequeue(traj_id)
         self.queue.forget(traj_id)
         self.migrated.pop(traj_id, None)
+        self.moved_off.pop(traj_id, None)
         i = self._detach(traj_id, now)
         self.reserved.discard(traj_id)
         self.pending_interrupts.discard(traj_id)

@@ -161,9 +161,15 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
        newest trajectories beyond phi_wait (the engine queued them; another instance may run them).
     2. Throughput-gap trigger: for each starved instance s (nothing routable at its version and
        room to run more), every other instance j with version <= s's has ratio indicator_j /
-       indicator_s; the largest ratio above psi is interrupted entirely (its trajectories loop
-       back and are re-routed), unless it holds fewer than max(2, migration_stop) trajectories or
-       one migrated less than migration_cooldown_s ago (no ping-pong).
+       indicator_s; the largest ratio above psi gives back every trajectory it holds that was never
+       migrated (they loop back and are re-routed, never to j), unless fewer than
+       max(2, migration_stop) such trajectories remain, one migrated less than migration_cooldown_s
+       ago, or j made no decode progress in its last snapshot while holding running work: it is
+       still prefilling what it was just given (a resumed trajectory recomputes its KV first), and
+       moving that restarts the prefill elsewhere.
+       Each trajectory moves at most once: a move costs a full re-prefill, and without the limit
+       two instances could hand the same long loop-backs back and forth forever whenever their
+       re-prefill outlasts the cooldown (the simulator found such a livelock).
        Computed in O(instances): for each j the best s is the least-loaded starved instance
        among those at a version >= j's (a suffix minimum over versions).
     """
@@ -201,6 +207,10 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     for j in insts:
         if len(j.trajs) < stop or any(ctx.migrated.get(t, -1e300) > cool for t in j.trajs):
             continue
+        if j.running and j.tokens_per_s <= 0:  # prefilling
+            continue
+        if sum(t not in ctx.migrated for t in j.trajs) < stop:
+            continue
         k = next((v for v in vs if v >= j.target_version), None)
         if k is None:
             continue
@@ -214,4 +224,4 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
             best, best_key = j, key
     if best is None:
         return None
-    return best, tuple(best.trajs)
+    return best, tuple(t for t in best.trajs if t not in ctx.migrated)

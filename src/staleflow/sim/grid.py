@@ -28,6 +28,7 @@ from collections import Counter
 from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.coordinator.modes import ASYNC_BASELINES
 from staleflow.sim.config import SimConfig
+from staleflow.sim.hardware import derive
 from staleflow.sim.report import ABLATIONS, FIXED_ETA, best_async, find, ratio, table
 from staleflow.sim.simulator import SimResult, run
 
@@ -42,16 +43,19 @@ MAX_MATCHED_ETA = 6
 """Staleflow runs at a peer's observed worst staleness only up to this eta (bounds the grid's cost)."""
 
 
-def tail_floor_s(cfg: SimConfig, eta: int, train_s: float) -> float:
-    """A lower bound on the step time of any schedule that keeps EVERY trajectory within eta.
+def tail_floor_s(cfg: SimConfig, eta: int, train_s: float, speed: float = 1.0) -> float:
+    """A lower bound on the mean step time of any schedule that keeps EVERY trajectory within eta.
 
-    A group tagged V can start no earlier than version V is published (the end of training step
-    V - 1) and must be in buffer V + eta, whose training starts eta + 1 steps after step V - 1
-    started: so (eta + 1) x step >= train + the group's generation time. With a response at the
-    length cap in (almost) every batch, generation >= that response decoded alone (n = 1), and
-    step >= (longest decode + train) / (eta + 1) (weight transfers ignored)."""
+    Version V is published train + push after step V - 1 starts; a group tagged V starts no earlier
+    and must be in buffer V + eta, whose training starts eta + 1 steps after step V - 1 started: so
+    (eta + 1) x step >= train + push + the group's generation time. With a response at the length
+    cap in (almost) every batch (the grid: 256 responses, 2-3% capped), generation >= that response
+    decoded alone (n = 1) on the fastest instance (`speed`: its factor on the cost model; the
+    per-stretch noise averages out over hundreds of stretches). The trainer also needs train per
+    step: step >= max(train, (decode at the cap + train + push) / (eta + 1))."""
     cost = load_cost_model(cfg.cost_model)
-    return (cost.steps_time(1, cfg.prompt_len, cfg.max_response) + train_s) / (eta + 1)
+    push = derive(cfg, cost).push_s
+    return max(train_s, (cost.steps_time(1, cfg.prompt_len, cfg.max_response) * speed + train_s + push) / (eta + 1))
 
 
 def mean_step(r: SimResult, warmup: int) -> float:
@@ -85,13 +89,18 @@ def run_setting(base: SimConfig, model: str, cost_model: str, tp: int, dist: str
     rows = []
     for eta in ETAS:
         sf, best = find(results, "staleflow", eta), best_async(results, eta)
+        step, floor = mean_step(sf, cfg.warmup_steps), tail_floor_s(cfg, eta, sf.train_s_mean, sf.fastest_speed)
         rows.append({"setting": name, "model": model, "dist": dist, "split": f"{split[0]}:{split[1]}", "eta": eta,
                      "staleflow": sf.tokens_per_s, "best_async": best.mode, "best_async_tok_s": best.tokens_per_s,
                      "vs_best_async": ratio(sf, best), "vs_sync": ratio(sf, find(results, "verl-sync")),
                      **{f"vs_{m}": ratio(sf, find(results, m, eta)) for m in ASYNC_BASELINES},
                      "over_eta": {m: find(results, m, eta).over_eta for m in ASYNC_BASELINES
                                   if find(results, m, eta) is not None},
-                     "step_s": mean_step(sf, cfg.warmup_steps), "floor_s": tail_floor_s(cfg, eta, sf.train_s_mean),
+                     "step_s": step, "floor_s": floor,
+                     # no schedule within the bound beats best async by more than this (same batches):
+                     "bound_vs_best_async": round(sf.tokens_per_s / best.tokens_per_s * step / floor, 3),
+                     "capped_batches": sum(n >= cfg.max_response for n in sf.longest[cfg.warmup_steps:])
+                     / max(1, len(sf.longest[cfg.warmup_steps:])),
                      "matched": [x for x in matched if x["peer_eta"] == eta]})
     return rows, results, f"== {name} (x base = over verl-sync) ==\n{table(results, find(results, 'verl-sync'))}"
 
@@ -146,14 +155,24 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
 
 def summary_table(rows: list[dict]) -> str:
     head = (f"{'setting':26s} {'eta':>3s} {'staleflow':>10s} {'best async':>18s} {'tok/s':>8s} {'x best':>7s} "
-            f"{'x sync':>7s} {'step s':>7s} {'floor s':>7s}  groups over eta (fully-async / areal)")
+            f"{'x sync':>7s} {'step s':>7s} {'floor s':>7s} {'bound':>6s}  groups over eta (fully-async / areal)")
     lines = [head, "-" * len(head)]
     for r in rows:
         oe = r["over_eta"]
         lines.append(f"{r['setting']:26s} {r['eta']:3d} {r['staleflow']:10.0f} {r['best_async']:>18s} "
                      f"{r['best_async_tok_s']:8.0f} {r['vs_best_async']:7.3f} {r['vs_sync']:7.3f} {r['step_s']:7.1f} "
-                     f"{r['floor_s']:7.1f}  {oe.get('verl-fully-async', 0)} / {oe.get('areal', 0)}")
+                     f"{r['floor_s']:7.1f} {r['bound_vs_best_async']:6.3f}  "
+                     f"{oe.get('verl-fully-async', 0)} / {oe.get('areal', 0)}")
     return "\n".join(lines)
+
+
+def bound_stats(rows: list[dict]) -> dict:
+    """What the tail floor allows: staleflow / best async if staleflow stepped AT its floor (any schedule
+    that keeps every trajectory within eta, trains the same batches and changes no data)."""
+    b = [r["bound_vs_best_async"] for r in rows]
+    capped = [r["capped_batches"] for r in rows]
+    return {"bound_vs_best_async_avg": round(sum(b) / len(b), 3), "bound_vs_best_async_max": max(b),
+            "capped_batches_min": round(min(capped), 3)}
 
 
 def matched_table(rows: list[dict]) -> tuple[str, dict]:
@@ -209,13 +228,20 @@ def main(base: SimConfig) -> int:
     tab, matched = matched_table(rows)
     print("\nMatched worst case: staleflow with eta = the peer's observed worst staleness (the peer's own eta bounds"
           f" admission only)\n{tab}\nmatched worst case, staleflow / peer: {matched}")
+    bound = bound_stats(rows)
+    print("\nTail floor: no schedule that keeps every trajectory within eta (same batches, no data dropped or "
+          "truncated) steps faster than floor s, so staleflow / best async can reach at most "
+          f"{bound['bound_vs_best_async_avg']} on average and {bound['bound_vs_best_async_max']} at most "
+          f"(the 'bound' column; a response at the cap was in >= {bound['capped_batches_min']:.0%} of the "
+          f"measured batches of every setting): {bound}")
     print(f"\nAblation at the grid centre {CENTRE} (ablated / full staleflow tokens/s, means over seeds "
           f"{list(ABLATION_SEEDS)}): " + ", ".join(f"{k} {v}" for k, v in ablation.items()))
     out = summary(rows, every, ablation)
     out_dir = base.out_dir or "runs/sim-grid"
     plot(rows, os.path.join(out_dir, "grid.png"))
     with open(os.path.join(out_dir, "grid.json"), "w") as f:
-        json.dump({"summary": out, "matched_worst_case": matched, "settings": rows, "runs": [r.row() for r in every]},
+        json.dump({"summary": out, "matched_worst_case": matched, "tail_floor": bound, "settings": rows,
+                   "runs": [r.row() for r in every]},
                   f, indent=1, default=str)
     print(f"\nwrote {os.path.join(out_dir, 'grid.png')} and {os.path.join(out_dir, 'grid.json')}; "
           f"{len(every)} runs in {time.perf_counter() - t0:.0f} s")

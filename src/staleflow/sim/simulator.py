@@ -57,6 +57,10 @@ class SimResult:
     violations: list[str] = field(default_factory=list)
     fates: dict[str, int] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
+    fastest_speed: float = 1.0
+    """Smallest per-instance speed factor (< 1: faster than the cost model); the tail floor uses it."""
+    longest: list[int] = field(default_factory=list)
+    """Longest response trained in each step."""
 
     def row(self) -> dict:
         d = dataclasses.asdict(self)
@@ -213,4 +217,6 @@ def _result(cfg: SimConfig, mode: str, eta: int, label: str, loop: ControllerLoo
         preemptions=sum(i.preemptions for i in backend.insts), over_eta=loop.audit.over_eta,
         train_s_mean=backend.trainer_busy_s / max(1, len(backend.step_end)),
         violations=violations, fates=dict(fates),
-        step_times=[b - a for a, b in zip([0.0] + ends[:-1], ends)])
+        step_times=[b - a for a, b in zip([0.0] + ends[:-1], ends)],
+        fastest_speed=min((i.speed for i in backend.insts), default=1.0),
+        longest=[max((n for g in r.groups for n in g.n_tokens), default=0) for r in steps])
