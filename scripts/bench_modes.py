@@ -170,7 +170,7 @@ def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=2, help="runs per mode (interleaved); the mean is reported")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode (interleaved); the mean is reported")
     ap.add_argument("--warmup", type=int, default=2, help="steps excluded from the measurement")
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--length-dist", default="lognormal:96:1.0")
