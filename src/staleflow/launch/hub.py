@@ -81,9 +81,17 @@ class Controller:
         node = f", node {self.topology.node_of(rank)}" if self.topology is not None and self.topology.multi_node else ""
         return f"rank {rank} ({role}{extra}{node}{f', pid {pid}' if pid else ''})"
 
+    def _stopping_anyway(self, rank: int) -> bool:
+        """A signal stops the run or an emergency checkpoint is under way: torchrun signals every
+        rank at once, and rollout ranks (not needed for the save) may leave before the controller."""
+        return self.roles.role(rank) == "rollout" and (self.grace_s > 0 or bool(self.stop_requested))
+
     def _raise_if_dead(self) -> None:
         for rank, pid in self.pids.items():
             if rank not in self.left and self.is_local(rank) and not pid_alive(pid):
+                if self._stopping_anyway(rank):
+                    self.left.add(rank)
+                    continue
                 raise RankDied(f"{self.describe(rank)} died unexpectedly", rank=rank)
         now = time.monotonic()
         for rank, since in self._lost_since.items():
@@ -151,8 +159,8 @@ class Controller:
                     raise RankDied(f"{self.describe(rank)} failed: {msg.error}", rank=rank)
                 if isinstance(msg, Goodbye):
                     self.left.add(rank)
-                    if self.grace_s > 0 and self.roles.role(rank) == "rollout":
-                        continue  # stopping anyway (emergency checkpoint): rollout ranks may go
+                    if self._stopping_anyway(rank):
+                        continue
                     if not msg.ok:
                         time.sleep(0.2)  # a signal-driven goodbye: let torchrun reap a dead rank first
                         self._raise_if_dead()
