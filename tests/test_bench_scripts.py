@@ -69,3 +69,12 @@ def test_bench_convergence_runs_sync_and_staleflow_and_plots(tmp_path, monkeypat
     assert all(0 <= r["acc_end"] <= 1 and r["wall_s"] > 0 for r in out.values())
     assert out["sync"]["wall_vs_sync"] == 1.0
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
+
+
+def test_bench_trainer_load_measures_both_paths_on_sharded_ranks():
+    out = run_script("bench_trainer_load.py", "--model", "tiny-llama", "--ranks", "2")
+    assert out["stored_dtype"] == "bfloat16" and out["ranks"] == 2
+    assert out["shard_mib"] == pytest.approx(out["full_model_mib"] / 2, rel=0.05)  # each rank keeps half the rows
+    # the baseline holds the whole fp32 model (cast from the bf16 file) at its peak: the sampler sees it
+    assert out["baseline_full_peak_anon_mib"] >= out["full_model_mib"]
+    assert out["lazy_vs_full_peak_anon"] > 0 and out["lazy_vs_full_vm_hwm"] > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from staleflow.model import (CausalLM, ModelArgs, ModelLoadError, PackedAttention, load_model,
+from staleflow.model import (CausalLM, ModelArgs, ModelLoadError, PackedAttention, lazy_model, load_model,
                              resolve_model_path, save_hf)
 from staleflow.model.attention import cu_seqlens_from_lengths, packed_positions
 
@@ -150,6 +150,29 @@ def test_sharded_checkpoints_load_both_ways(tmp_path):
     assert [p.name for p in (tmp_path / "ours").glob("*.safetensors")] == ["model.safetensors"]
     assert not (tmp_path / "ours" / "model.safetensors.index.json").exists()
     load_model(str(tmp_path / "ours"))
+
+
+def test_lazy_model_is_on_meta_and_streams_the_loaded_weights_one_at_a_time(tmp_path):
+    hf_model("qwen3").save_pretrained(tmp_path, max_shard_size="60KB")
+    eager = load_model(str(tmp_path)).state_dict()
+    model, weights = lazy_model(str(tmp_path))
+    assert all(p.is_meta for p in model.parameters()) and set(model.state_dict()) == set(eager)
+    seen = []
+    for name, t in weights():  # a generator: one tensor read per step, none kept by the loader
+        assert name not in seen and t.device.type == "cpu" and t.dtype == torch.float32
+        torch.testing.assert_close(t, eager[name], atol=0, rtol=0)
+        seen.append(name)
+    assert sorted(seen) == sorted(eager)
+
+
+def test_lazy_model_names_missing_and_unexpected_tensors_after_the_stream(tmp_path):
+    hf_model("qwen2").save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.layers.0.attn.q.weight"] = sd.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _, weights = lazy_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match=r"1 missing tensors \['model.layers.0.self_attn.q_proj.weight'\]"):
+        list(weights())
 
 
 def test_bf16_load_casts_parameters(tmp_path):

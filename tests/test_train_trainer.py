@@ -215,6 +215,27 @@ def test_bad_samples_and_config_are_rejected_with_clear_errors():
         Trainer(tiny_model(), TrainConfig(schedule="cosine"))
 
 
+def test_a_meta_model_filled_from_its_weights_equals_the_loaded_one(tmp_path):
+    from staleflow.model import lazy_model, save_hf
+
+    save_hf(tiny_model(seed=5, tied=False), tmp_path)
+    model, weights = lazy_model(str(tmp_path))
+    lazy = Trainer(model, TrainConfig(), weights=weights())
+    eager = Trainer(tiny_model(seed=5, tied=False), TrainConfig())
+    _assert_same(lazy.full_state_dict(), eager.full_state_dict(), atol=0)
+    samples = random_samples(seed=3)
+    assert lazy.step(samples)["loss"] == eager.step(samples)["loss"]
+
+    with pytest.raises(ValueError, match="meta device needs its weights"):
+        Trainer(lazy_model(str(tmp_path))[0], TrainConfig())
+    model, weights = lazy_model(str(tmp_path))
+    with pytest.raises(ValueError, match=r"parameters were never given, e.g. \['lm_head.weight'\]"):
+        Trainer(model, TrainConfig(), weights=((n, t) for n, t in weights() if n != "lm_head.weight"))
+    model, _ = lazy_model(str(tmp_path))
+    with pytest.raises(ValueError, match="'extra.weight' is not a parameter"):
+        Trainer(model, TrainConfig(), weights=iter([("extra.weight", torch.zeros(1))]))
+
+
 def test_lr_schedule():
     assert [lr_factor(s, 2, "constant", None) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     cos = [lr_factor(s, 1, "cosine", 5) for s in range(6)]
@@ -267,6 +288,10 @@ def _dist_samples():
 
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(tmp_path):
+    from staleflow.model import save_hf
+
+    for tied in (True, False):  # the folders the lazy, shard-wise load reads (Trainer(..., weights=...))
+        save_hf(tiny_model(seed=20, tied=tied), tmp_path / f"hf-tied{int(tied)}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STALEFLOW_TEST_OUT": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -291,6 +316,8 @@ def test_two_ranks_match_one_rank(tmp_path):
     # step on, the parameters already hold sharded gradients (no unsharded ones are kept)
     assert got["reduced"].count(False) == 2 and len(got["reduced"]) > 2 and all(got["reduced"][1:2])
     assert got["ref_ok"] and got["kl0"] == pytest.approx(0.0, abs=1e-9)
+    # a meta-device model filled shard-wise from its folder equals the full model sharded, rank by rank
+    assert got["lazy"] == {True: True, False: True} and got["lazy_other_rank"] == {True: True, False: True}
 
     # each rank's own shards tile the full tensors exactly
     shards = [torch.load(tmp_path / f"shards{r}.pt", weights_only=False) for r in (0, 1)]
@@ -312,6 +339,22 @@ def test_two_ranks_match_one_rank(tmp_path):
     _assert_same(r.full_state_dict(), t.full_state_dict(), atol=1e-5)
 
 
+def _lazy_equals_eager(folder: Path, tied: bool) -> bool:
+    """Each rank's shards after the lazy load equal those of the full model sharded (no rank ever
+    held the full model in the lazy case)."""
+    import torch.distributed as dist
+
+    from staleflow.model import lazy_model
+
+    model, weights = lazy_model(str(folder))
+    assert all(p.is_meta for p in model.parameters())
+    lazy = Trainer(model, TrainConfig(**DIST_CFG), process_group=dist.group.WORLD, weights=weights())
+    eager = Trainer(tiny_model(seed=20, tied=tied), TrainConfig(**DIST_CFG), process_group=dist.group.WORLD)
+    pairs = list(zip(lazy.model.named_parameters(), eager.model.named_parameters(), strict=True))
+    return all(n == m and hasattr(p, "to_local") and p.placements == q.placements
+               and torch.equal(p.to_local(), q.to_local()) for (n, p), (m, q) in pairs)
+
+
 def _worker():
     import torch.distributed as dist
 
@@ -320,6 +363,9 @@ def _worker():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = Path(os.environ["STALEFLOW_TEST_OUT"])
+    lazy = {tied: _lazy_equals_eager(out / f"hf-tied{int(tied)}", tied) for tied in (True, False)}
+    lazy_all = [None, None]
+    dist.all_gather_object(lazy_all, lazy)
     a, b = _dist_samples()
     t = Trainer(tiny_model(seed=20), TrainConfig(**DIST_CFG), process_group=dist.group.WORLD)
     _lipschitz_adam(t)
@@ -348,7 +394,8 @@ def _worker():
         assert on_rank == {}, "rank0_only: another rank kept gathered tensors"
     if rank == 0:
         torch.save({"metrics": metrics, "grads": grads[1], "full": full, "rank0_only": on_rank,
-                    "reduced": reduced, "ref_ok": ref_ok, "kl0": kl0}, out / "rank0.pt")
+                    "reduced": reduced, "ref_ok": ref_ok, "kl0": kl0, "lazy": lazy, "lazy_other_rank": lazy_all[1]},
+                   out / "rank0.pt")
     dist.barrier()
     dist.destroy_process_group()
     # no interpreter shutdown: a gloo worker thread may still be freeing the last collective's

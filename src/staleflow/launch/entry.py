@@ -103,27 +103,41 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology
     return shared, controller, run
 
 
-def _load_model_info(ctx: RankContext) -> tuple[object, dict]:
-    """The rank's copy of the model on its device (a vLLM rollout rank loads none: vLLM does)."""
-    from staleflow.model import load_model
+def _load_model_info(ctx: RankContext) -> tuple[object, object, dict]:
+    """(model, weights, info). A rollout rank's copy of the model on its device (a vLLM rollout
+    rank loads none: vLLM does). A trainer rank's model on the meta device with a stream of its
+    weights: the trainer shards it first and keeps only its own rows (Trainer(..., weights=...))."""
+    from staleflow.model import lazy_model, load_model
 
     if ctx.role == "rollout" and ctx.cfg.rollout.engine == "vllm" and not ctx.cfg.smoke:
-        return None, {"model": ctx.cfg.model.path, "params": 0, "load_s": 0.0, "device": ctx.device}
+        return None, None, {"model": ctx.cfg.model.path, "params": 0, "load_s": 0.0, "device": ctx.device}
     t0 = time.perf_counter()
-    model = load_model(ctx.cfg.model.path, device=ctx.device)
+    weights = None
+    if ctx.role == "trainer":
+        model, weights = lazy_model(ctx.cfg.model.path)
+        weights = weights()
+    else:  # cast tensor by tensor to the engine's dtype as it loads: never the whole fp32 model on the device
+        import torch
+
+        from staleflow.rollout.builtin_engine import rollout_dtype
+
+        dtype = rollout_dtype(ctx.cfg.model, ctx.cfg.rollout, torch.device(ctx.device))
+        model = load_model(ctx.cfg.model.path, dtype=dtype, device=ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
-    return model, {"model": ctx.cfg.model.path, "params": n_params, "load_s": time.perf_counter() - t0,
-                   "device": ctx.device}
+    return model, weights, {"model": ctx.cfg.model.path, "params": n_params, "load_s": time.perf_counter() - t0,
+                            "device": ctx.device}
 
 
-def make_worker(ctx: RankContext, model):
+def make_worker(ctx: RankContext, model, weights=None):
     """The rank's worker, built before it reports Ready (rings and the Parameter Server exist by
     then); returns (worker, extra Ready info)."""
     if ctx.role == "trainer":
         from staleflow.launch.trainer_worker import TrainerWorker
 
-        w = TrainerWorker(ctx, model)
-        return w, {"version": w.trainer.version, "resume_extra": w.resume_extra if ctx.rank == 0 else {}}
+        t0 = time.perf_counter()
+        w = TrainerWorker(ctx, model, weights)
+        return w, {"version": w.trainer.version, "resume_extra": w.resume_extra if ctx.rank == 0 else {},
+                   "load_s": time.perf_counter() - t0}  # the weights are read while the trainer is built
     from staleflow.launch.rollout_worker import RolloutWorker
 
     w = RolloutWorker(ctx, model)
@@ -200,9 +214,10 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
     ok, reason = True, ""
     worker = None
     try:
-        model, info = _load_model_info(ctx)
+        model, weights, info = _load_model_info(ctx)
         if not cfg.smoke:
-            worker, more = make_worker(ctx, model)
+            worker, more = make_worker(ctx, model, weights)
+            more["load_s"] = info["load_s"] + more.get("load_s", 0.0)
             info.update(more)
         client.send(Ready(rank=rank, info=info))
         defer_signals(forward_to=controller.pid if controller is not None else None)

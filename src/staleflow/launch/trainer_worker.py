@@ -32,7 +32,9 @@ from staleflow.train.trainer import Trainer
 
 
 class TrainerWorker:
-    def __init__(self, ctx, model):
+    def __init__(self, ctx, model, weights=None):
+        """``model`` on the meta device with ``weights`` streaming its tensors: the trainer keeps
+        only its own rows of each (see Trainer); a full model (weights None) is sharded as it is."""
         self.ctx = ctx
         cfg = ctx.cfg
         self.leader = ctx.rank == 0
@@ -48,7 +50,8 @@ class TrainerWorker:
         group = ctx.trainer_group if ctx.roles.num_trainer > 1 else None
         self.trainer = Trainer(model, cfg.train, self.device, process_group=group,
                                temperature=cfg.rollout.temperature, total_steps=cfg.steps,
-                               max_response_tokens=cfg.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
+                               max_response_tokens=cfg.rollout.max_new_tokens,  # Dr. GRPO's constant normaliser
+                               weights=weights)
         self.run_dir = ctx.run_dir
         self.resume_extra: dict = {}
         if ctx.resume_from:  # chosen by rank 0 (launch/resume.py): the newest intact checkpoint

@@ -13,12 +13,13 @@ See docs/model.md.
 from staleflow.model.args import ModelArgs, ModelConfigError
 from staleflow.model.attention import PackedAttention, cu_seqlens_from_lengths, packed_positions
 from staleflow.model.hf import ModelLoadError, load_folder, save_hf
-from staleflow.model.loader import load_model, resolve_model_path
+from staleflow.model.loader import lazy_model, load_model, resolve_model_path
 from staleflow.model.tokenizer import load_tokenizer
 from staleflow.model.transformer import CausalLM
 
 __all__ = [
     "CausalLM", "ModelArgs", "ModelConfigError", "ModelLoadError", "PackedAttention",
-    "cu_seqlens_from_lengths", "packed_positions", "load_folder", "load_model", "save_hf", "resolve_model_path",
+    "cu_seqlens_from_lengths", "packed_positions", "lazy_model", "load_folder", "load_model", "save_hf",
+    "resolve_model_path",
     "load_tokenizer",
 ]

@@ -66,8 +66,18 @@ def safetensors_files(folder: str | Path) -> list[Path]:
 
 def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
     """Build a CausalLM from a HF folder and load its weights (cast to dtype, on device)."""
-    from safetensors import safe_open
+    model, weights = lazy_folder(folder, dtype, device)
+    model.load_state_dict(dict(weights()), assign=True, strict=True)
+    return model
 
+
+def lazy_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu"):
+    """The model of a HF folder on the meta device, and a function that streams its weights.
+
+    ``weights()`` yields (name, tensor) one tensor at a time (cast to dtype, on device), each
+    checked against the shape config.json implies; after the last one it raises ModelLoadError
+    if a tensor was missing or unexpected. A sharded trainer fills only its own rows from it, so
+    no rank ever holds the whole model (staleflow.train.trainer.Trainer(..., weights=...))."""
     folder = str(folder)
     try:
         args = ModelArgs.from_hf_config(read_config(folder))
@@ -78,35 +88,40 @@ def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="
     with torch.device("meta"):
         model = CausalLM(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-
-    state: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
+    files = safetensors_files(folder)
     dev = torch.device(device)
     dev = f"cuda:{dev.index or 0}" if dev.type == "cuda" else str(dev)
-    for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device=dev) as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (args.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                if name not in expected:
-                    unexpected.append(name)
-                    continue
-                t = f.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name]):
-                    raise ModelLoadError(
-                        f"tensor {name!r} in {file.name} has shape {tuple(t.shape)}, config.json implies "
-                        f"{tuple(expected[name])}: config and weights do not match"
-                    )
-                state[name] = t.to(dtype) if t.is_floating_point() else t
-    missing = sorted(set(expected) - set(state))
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"checkpoint in {folder!r} does not match a {args.architecture} model: "
-            f"{len(missing)} missing tensors {missing[:4]}, {len(unexpected)} unexpected tensors "
-            f"{sorted(unexpected)[:4]}"
-        )
-    model.load_state_dict(state, assign=True, strict=True)
-    return model
+
+    def weights():
+        from safetensors import safe_open
+
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        for file in files:
+            with safe_open(str(file), framework="pt", device=dev) as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES) or (args.tie_word_embeddings and name == "lm_head.weight"):
+                        continue
+                    if name not in expected:
+                        unexpected.append(name)
+                        continue
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != tuple(expected[name]):
+                        raise ModelLoadError(
+                            f"tensor {name!r} in {file.name} has shape {tuple(t.shape)}, config.json implies "
+                            f"{tuple(expected[name])}: config and weights do not match"
+                        )
+                    seen.add(name)
+                    yield name, (t.to(dtype) if t.is_floating_point() else t)
+        missing = sorted(set(expected) - seen)
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"checkpoint in {folder!r} does not match a {args.architecture} model: "
+                f"{len(missing)} missing tensors {missing[:4]}, {len(unexpected)} unexpected tensors "
+                f"{sorted(unexpected)[:4]}"
+            )
+
+    return model, weights
 
 
 def _atomic_write(path: Path, write) -> None:

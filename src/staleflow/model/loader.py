@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from staleflow.model.aliases import ALIASES, ensure_alias
-from staleflow.model.hf import ModelLoadError, load_folder
+from staleflow.model.hf import ModelLoadError, lazy_folder, load_folder
 from staleflow.model.transformer import CausalLM
 
 
@@ -31,3 +31,8 @@ def resolve_model_path(path_or_alias: str) -> str:
 def load_model(path_or_alias: str, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
     """Build a CausalLM from a HF folder or alias and load its weights (cast to dtype, on device)."""
     return load_folder(resolve_model_path(path_or_alias), dtype, device)
+
+
+def lazy_model(path_or_alias: str, dtype: torch.dtype = torch.float32):
+    """(the model on the meta device, a function streaming its weights on CPU): see hf.lazy_folder."""
+    return lazy_folder(resolve_model_path(path_or_alias), dtype, "cpu")

@@ -186,7 +186,11 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
         plan.add("buffers", total * cdt.itemsize, "autocast's cached bf16 copies of the fp32 weights")
     if device_type == "cuda":
         plan.add("contexts", PRIMARY_CONTEXT_BYTES + (NCCL_BYTES if sharded else 0))
-    plan.load_peak = total * ms + (padded * ms if sharded else 0)  # the full fp32 load, then its shard
+    # the lazy load (Trainer(..., weights=...)): the (sharded) weights allocated, then one full fp32
+    # tensor at a time on the device, plus its rows that distribute_tensor cuts from it
+    largest = max(math.prod(s) for s in shapes)
+    plan.load_peak = padded * ms + largest * ms + (_fsdp_padded(max(shapes, key=math.prod), world) * ms
+                                                   if sharded else 0)
     return plan.finish()
 
 
@@ -226,7 +230,11 @@ def builtin_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
     else:
         plan.notes.append("kv_cache: on CPU the decode mirror adds up to the KV cache again, as used")
     total = sum(p.numel() for p in engine.model.parameters())
-    plan.load_peak = total * 4 + (total * dtype.itemsize if dtype != torch.float32 else 0)  # fp32 load + cast
+    largest = max(p.numel() for p in engine.model.parameters())
+    layer = sum(p.numel() for p in engine.model.model.layers[0].parameters())
+    # launch/entry.py loads in the engine's dtype, casting one tensor at a time (read as fp32 at most),
+    # and fuse_projections then builds one layer's fused matrices beside the loaded ones
+    plan.load_peak = total * dtype.itemsize + largest * 4 + layer * dtype.itemsize
     return plan.finish()
 
 

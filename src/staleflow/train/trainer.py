@@ -40,7 +40,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,9 +110,14 @@ class Trainer:
     """FSDP2 trainer over `process_group` (None: a single, unsharded rank)."""
 
     def __init__(self, model: nn.Module, cfg, device: str | torch.device = "cpu", process_group=None,
-                 temperature: float = 1.0, total_steps: int | None = None, max_response_tokens: int | None = None):
+                 temperature: float = 1.0, total_steps: int | None = None, max_response_tokens: int | None = None,
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None):
         """max_response_tokens: the run's --rollout.max-new-tokens, the constant that Dr. GRPO
-        (--train.loss-agg seq-mean-token-sum-norm) divides by; the other aggregations ignore it."""
+        (--train.loss-agg seq-mean-token-sum-norm) divides by; the other aggregations ignore it.
+
+        A model on the meta device comes with ``weights``, (name, full tensor) pairs streamed one at
+        a time (staleflow.model.lazy_model): it is sharded first and each rank keeps only its own
+        rows, so no rank holds the whole fp32 model (the load peak is the shard plus one tensor)."""
         if cfg.schedule == "cosine" and not total_steps:
             raise ValueError("--train.schedule cosine needs the run length: pass total_steps (the run's --steps)")
         if not temperature > 0:
@@ -132,13 +137,20 @@ class Trainer:
         self.version = 0
         self.optimizer_steps = 0
 
-        model.to(self.device, dtype=MASTER_DTYPE)
+        lazy = any(p.is_meta for p in model.parameters())
+        if lazy and weights is None:
+            raise ValueError("a model on the meta device needs its weights: pass weights=... "
+                             "(staleflow.model.lazy_model gives both)")
+        model.to(dtype=MASTER_DTYPE, **({} if lazy else {"device": self.device}))
         model.gradient_checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, self.device.type)
         self.model = model
         self.policy = PolicyHead(model)
         self.sharded = process_group is not None
         if self.sharded:
             self._shard(self.policy)
+        if lazy:
+            self.policy.to_empty(device=self.device)
+            self._fill(weights)
         self.ref_policy = self._reference() if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8,
@@ -153,6 +165,27 @@ class Trainer:
         from torch.distributed.device_mesh import DeviceMesh
 
         shard_policy(policy, DeviceMesh.from_group(self.group, self.device.type), self.device.type)
+
+    def _fill(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each full tensor's rows that this rank keeps into the (possibly sharded) parameter."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = dict(self.model.named_parameters())
+        filled: set[str] = set()
+        with torch.no_grad():
+            for name, full in weights:
+                p = params.get(name)
+                if p is None:
+                    raise ValueError(f"weights: {name!r} is not a parameter of the {type(self.model).__name__}")
+                full = full.to(self.device, MASTER_DTYPE)
+                if isinstance(p, DTensor):  # no communication: every rank reads the tensor and keeps its rows
+                    full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                    p = p.to_local()
+                p.copy_(full)
+                filled.add(name)
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise ValueError(f"weights: {len(missing)} parameters were never given, e.g. {missing[:3]}")
 
     def _reference(self) -> PolicyHead:
         """A frozen copy of the current weights for the KL term, in the compute dtype and sharded
