@@ -86,12 +86,25 @@ class Controller:
         rank at once, and rollout ranks (not needed for the save) may leave before the controller."""
         return self.roles.role(rank) == "rollout" and (self.grace_s > 0 or bool(self.stop_requested))
 
+    def _goodbye_queued(self, rank: int, wait_s: float = 0.3) -> bool:
+        """Whether ``rank`` said Goodbye before its process ended (a rank stopped by a signal does;
+        one killed or crashed does not). Its Goodbye may still sit unread behind the pid check:
+        read what has arrived (up to wait_s) into _held, in order, for recv to handle."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if any(r == rank and isinstance(m, Goodbye) for r, m in self._held):
+                return True
+            got = self.server.recv(0.02)
+            if got is not None:
+                self._held.append(got)
+            elif time.monotonic() >= deadline:
+                return False
+
     def _raise_if_dead(self) -> None:
         for rank, pid in self.pids.items():
             if rank not in self.left and self.is_local(rank) and not pid_alive(pid):
-                if self._stopping_anyway(rank):
-                    self.left.add(rank)
-                    continue
+                if self._goodbye_queued(rank):
+                    continue  # it left in order: recv reads its Goodbye next (a dead rank is checked first)
                 raise RankDied(f"{self.describe(rank)} died unexpectedly", rank=rank)
         now = time.monotonic()
         for rank, since in self._lost_since.items():
