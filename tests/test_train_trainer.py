@@ -234,6 +234,15 @@ def test_a_meta_model_filled_from_its_weights_equals_the_loaded_one(tmp_path):
     model, _ = lazy_model(str(tmp_path))
     with pytest.raises(ValueError, match="'extra.weight' is not a parameter"):
         Trainer(model, TrainConfig(), weights=iter([("extra.weight", torch.zeros(1))]))
+    model, _ = lazy_model(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'lm_head.weight' has shape \(1, 32\), the parameter \(\d+, 32\)"):
+        Trainer(model, TrainConfig(), weights=iter([("lm_head.weight", torch.zeros(1, 32))]))  # would broadcast
+    model, weights = lazy_model(str(tmp_path))
+    twice = list(weights())
+    with pytest.raises(ValueError, match="given twice"):
+        Trainer(model, TrainConfig(), weights=iter(twice[:1] + twice))
+    with pytest.raises(ValueError, match="already loaded"):
+        Trainer(tiny_model(seed=5), TrainConfig(), weights=iter(twice))
 
 
 def test_lr_schedule():
@@ -291,7 +300,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     from staleflow.model import save_hf
 
     for tied in (True, False):  # the folders the lazy, shard-wise load reads (Trainer(..., weights=...))
-        save_hf(tiny_model(seed=20, tied=tied), tmp_path / f"hf-tied{int(tied)}")
+        save_hf(tiny_model(seed=20, tied=tied, vocab=LAZY_VOCAB), tmp_path / f"hf-tied{int(tied)}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STALEFLOW_TEST_OUT": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -339,20 +348,37 @@ def test_two_ranks_match_one_rank(tmp_path):
     _assert_same(r.full_state_dict(), t.full_state_dict(), atol=1e-5)
 
 
+LAZY_VOCAB = 37  # odd: the embedding's rows split 19 / 18, so FSDP2 pads one rank's shard
+
+
 def _lazy_equals_eager(folder: Path, tied: bool) -> bool:
     """Each rank's shards after the lazy load equal those of the full model sharded (no rank ever
-    held the full model in the lazy case)."""
+    held the full model in the lazy case), padding included, and so does a step (with KL) after."""
     import torch.distributed as dist
 
     from staleflow.model import lazy_model
 
+    cfg = TrainConfig(**DIST_CFG, kl_coef=0.1)
     model, weights = lazy_model(str(folder))
     assert all(p.is_meta for p in model.parameters())
-    lazy = Trainer(model, TrainConfig(**DIST_CFG), process_group=dist.group.WORLD, weights=weights())
-    eager = Trainer(tiny_model(seed=20, tied=tied), TrainConfig(**DIST_CFG), process_group=dist.group.WORLD)
-    pairs = list(zip(lazy.model.named_parameters(), eager.model.named_parameters(), strict=True))
-    return all(n == m and hasattr(p, "to_local") and p.placements == q.placements
-               and torch.equal(p.to_local(), q.to_local()) for (n, p), (m, q) in pairs)
+    lazy = Trainer(model, cfg, process_group=dist.group.WORLD, weights=weights())
+    eager = Trainer(tiny_model(seed=20, tied=tied, vocab=LAZY_VOCAB), cfg, process_group=dist.group.WORLD)
+
+    def same() -> bool:
+        pairs = list(zip(lazy.model.named_parameters(), eager.model.named_parameters(), strict=True))
+        return all(n == m and hasattr(p, "to_local") and p.placements == q.placements
+                   and torch.equal(p.to_local(), q.to_local()) for (n, p), (m, q) in pairs)
+
+    def padded(trainer) -> list[torch.Tensor]:  # FSDP2's padded shard storage: what its all-gather reads
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.policy.modules()
+                  if hasattr(m, "_get_fsdp_state")]
+        return [fp._sharded_param_data for g in groups if g is not None for fp in g.fsdp_params]
+
+    pairs = list(zip(padded(lazy), padded(eager), strict=True))
+    ok = same() and bool(pairs) and all(torch.equal(a, b) for a, b in pairs)
+    samples = random_samples(seed=31, groups=4, vocab=LAZY_VOCAB)
+    ml, me = lazy.step(samples), eager.step(samples)
+    return ok and ml["loss"] == me["loss"] and ml["ref_kl_k3_mean"] == me["ref_kl_k3_mean"] and same()
 
 
 def _worker():

@@ -116,6 +116,9 @@ def _load_model_info(ctx: RankContext) -> tuple[object, object, dict]:
     if ctx.role == "trainer":
         model, weights = lazy_model(ctx.cfg.model.path)
         weights = weights()
+        if ctx.cfg.smoke:  # no trainer is built: read the weights through once (a bad checkpoint fails here)
+            for _ in weights:
+                pass
     else:  # cast tensor by tensor to the engine's dtype as it loads: never the whole fp32 model on the device
         import torch
 
@@ -134,10 +137,9 @@ def make_worker(ctx: RankContext, model, weights=None):
     if ctx.role == "trainer":
         from staleflow.launch.trainer_worker import TrainerWorker
 
-        t0 = time.perf_counter()
         w = TrainerWorker(ctx, model, weights)
         return w, {"version": w.trainer.version, "resume_extra": w.resume_extra if ctx.rank == 0 else {},
-                   "load_s": time.perf_counter() - t0}  # the weights are read while the trainer is built
+                   "load_s": w.load_s}  # the weights are read while the trainer is built
     from staleflow.launch.rollout_worker import RolloutWorker
 
     w = RolloutWorker(ctx, model)

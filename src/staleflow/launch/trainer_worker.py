@@ -48,10 +48,12 @@ class TrainerWorker:
         layout = ParamLayout.from_named_tensors(((n, p.detach()) for n, p in model.named_parameters()),
                                                 dtype=self.slot_dtype)
         group = ctx.trainer_group if ctx.roles.num_trainer > 1 else None
+        t0 = time.perf_counter()
         self.trainer = Trainer(model, cfg.train, self.device, process_group=group,
                                temperature=cfg.rollout.temperature, total_steps=cfg.steps,
                                max_response_tokens=cfg.rollout.max_new_tokens,  # Dr. GRPO's constant normaliser
                                weights=weights)
+        self.load_s = time.perf_counter() - t0  # with lazy weights: reading them into this rank's shards
         self.run_dir = ctx.run_dir
         self.resume_extra: dict = {}
         if ctx.resume_from:  # chosen by rank 0 (launch/resume.py): the newest intact checkpoint

@@ -141,6 +141,9 @@ class Trainer:
         if lazy and weights is None:
             raise ValueError("a model on the meta device needs its weights: pass weights=... "
                              "(staleflow.model.lazy_model gives both)")
+        if weights is not None and not lazy:
+            raise ValueError("weights=... fills a model built on the meta device; this model is already loaded: "
+                             "pass weights=None (or build it with staleflow.model.lazy_model)")
         model.to(dtype=MASTER_DTYPE, **({} if lazy else {"device": self.device}))
         model.gradient_checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, self.device.type)
         self.model = model
@@ -177,6 +180,11 @@ class Trainer:
                 p = params.get(name)
                 if p is None:
                     raise ValueError(f"weights: {name!r} is not a parameter of the {type(self.model).__name__}")
+                if name in filled:
+                    raise ValueError(f"weights: {name!r} was given twice")
+                if tuple(full.shape) != tuple(p.shape):  # a DTensor's shape is the global one
+                    raise ValueError(f"weights: {name!r} has shape {tuple(full.shape)}, the parameter "
+                                     f"{tuple(p.shape)}")
                 full = full.to(self.device, MASTER_DTYPE)
                 if isinstance(p, DTensor):  # no communication: every rank reads the tensor and keeps its rows
                     full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
