@@ -4,6 +4,7 @@ by the memory plan (staleflow.plan), so a change here changes both.
     shard_policy(policy, mesh, "cuda")   # FSDP2: one unit per decoder layer + the root
     mixed_precision("cuda").param_dtype  # bf16 compute, fp32 gradient reduction
     MASTER_DTYPE                         # fp32 master weights, gradients, AdamW state
+    fill_parameters(model, weights, dev)  # a sharded meta model, materialised: each rank its rows
 """
 
 from __future__ import annotations
@@ -58,3 +59,33 @@ def shard_policy(policy, mesh, device_type: str) -> None:
     for layer in policy.lm.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
+
+
+def fill_parameters(model, weights, device) -> None:
+    """Copy the rows of each (name, full tensor) in ``weights`` that this rank keeps into the
+    model's parameter of that name (sharded by FSDP2 or not; materialised, e.g. by to_empty).
+
+    Every rank reads each full tensor and keeps its own rows (no communication), one tensor at a
+    time, so no rank ever holds the whole model. Every parameter must be given exactly once."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    with torch.no_grad():
+        for name, full in weights:
+            p = params.get(name)
+            if p is None:
+                raise ValueError(f"weights: {name!r} is not a parameter of the {type(model).__name__}")
+            if name in filled:
+                raise ValueError(f"weights: {name!r} was given twice")
+            if tuple(full.shape) != tuple(p.shape):  # a DTensor's shape is the global one
+                raise ValueError(f"weights: {name!r} has shape {tuple(full.shape)}, the parameter {tuple(p.shape)}")
+            full = full.to(device, MASTER_DTYPE)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p = p.to_local()
+            p.copy_(full)
+            filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"weights: {len(missing)} parameters were never given, e.g. {missing[:3]}")

@@ -52,7 +52,8 @@ from staleflow.train.batch import MicroBatch, TrajectorySample, build_micro_batc
 from staleflow.train.logprobs import packed_logprobs
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
 from staleflow.train.packing import plan_step
-from staleflow.train.parallelize import MASTER_DTYPE, activation_checkpointing_on, compute_dtype, shard_policy
+from staleflow.train.parallelize import (MASTER_DTYPE, activation_checkpointing_on, compute_dtype, fill_parameters,
+                                         shard_policy)
 
 def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The LM head's inputs in autocast's dtype when autocast is on: the fp32 master LM head of a
@@ -153,7 +154,7 @@ class Trainer:
             self._shard(self.policy)
         if lazy:
             self.policy.to_empty(device=self.device)
-            self._fill(weights)
+            fill_parameters(model, weights, self.device)
         self.ref_policy = self._reference() if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8,
@@ -168,32 +169,6 @@ class Trainer:
         from torch.distributed.device_mesh import DeviceMesh
 
         shard_policy(policy, DeviceMesh.from_group(self.group, self.device.type), self.device.type)
-
-    def _fill(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each full tensor's rows that this rank keeps into the (possibly sharded) parameter."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        params = dict(self.model.named_parameters())
-        filled: set[str] = set()
-        with torch.no_grad():
-            for name, full in weights:
-                p = params.get(name)
-                if p is None:
-                    raise ValueError(f"weights: {name!r} is not a parameter of the {type(self.model).__name__}")
-                if name in filled:
-                    raise ValueError(f"weights: {name!r} was given twice")
-                if tuple(full.shape) != tuple(p.shape):  # a DTensor's shape is the global one
-                    raise ValueError(f"weights: {name!r} has shape {tuple(full.shape)}, the parameter "
-                                     f"{tuple(p.shape)}")
-                full = full.to(self.device, MASTER_DTYPE)
-                if isinstance(p, DTensor):  # no communication: every rank reads the tensor and keeps its rows
-                    full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                    p = p.to_local()
-                p.copy_(full)
-                filled.add(name)
-        missing = sorted(set(params) - filled)
-        if missing:
-            raise ValueError(f"weights: {len(missing)} parameters were never given, e.g. {missing[:3]}")
 
     def _reference(self) -> PolicyHead:
         """A frozen copy of the current weights for the KL term, in the compute dtype and sharded
