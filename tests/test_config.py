@@ -144,6 +144,7 @@ def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model
 
     from staleflow.config import config_from_dict, resolve
     from staleflow.presets import PRESETS
+    from staleflow.cli import given_flags
     from staleflow.launch.resume import merge_resume_config, supersede_after
 
     saved = resolve(dataclasses.replace(PRESETS["tiny"](), steps=4))
@@ -152,6 +153,12 @@ def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model
     given = resolve(dataclasses.replace(defaults, steps=9, resume="x"))
     merged, notes = merge_resume_config(saved, given, defaults)
     assert merged.steps == 9 and merged.resume == "x" and notes == ["resume: --steps 9 (was 4)"]
+    # a flag named on the command line counts even where it equals the preset's value (tiny: 4 steps)
+    saved50 = dataclasses.replace(saved, steps=50)
+    given4 = dataclasses.replace(defaults, resume="x")
+    assert merge_resume_config(saved50, given4, defaults)[0].steps == 50  # not named: the saved run's
+    merged, notes = merge_resume_config(saved50, given4, defaults, given_flags(["--resume", "x", "--steps", "4"]))
+    assert merged.steps == 4 and notes == ["resume: --steps 4 (was 50)"]
     other = dataclasses.replace(defaults, model=dataclasses.replace(defaults.model, path="tiny-qwen2"))
     with pytest.raises(ConfigError, match="--model.path='tiny-qwen2' differs"):
         merge_resume_config(saved, other, defaults)
@@ -161,3 +168,12 @@ def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("superseded", False) for r in rows] == [False, False, True, True]
     assert supersede_after(str(tmp_path), 2) == 0  # idempotent
+
+
+def test_given_flags_names_the_keys_the_command_line_sets():
+    from staleflow.cli import given_flags
+
+    flags = given_flags(["--preset", "tiny", "--steps", "4", "--rollout.max-new-tokens=24", "--log.no-progress",
+                         "--train.loss_agg", "seq-mean", "-h", "4"])
+    assert {"steps", "rollout.max_new_tokens", "log.progress", "train.loss_agg", "preset"} <= flags
+    assert "4" not in flags and "h" not in flags

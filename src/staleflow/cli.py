@@ -52,6 +52,22 @@ def parse(cls: type[T], argv: Sequence[str], presets: dict[str, Callable[[], T]]
     return tyro.cli(cls, args=rest, default=base, prog=prog, description=description)
 
 
+def given_flags(argv: Sequence[str]) -> frozenset[str]:
+    """The dotted config keys the command line names: ``--rollout.max-new-tokens 24`` and
+    ``--rollout.max_new_tokens=24`` give ``rollout.max_new_tokens``; ``--log.no-progress`` gives
+    ``log.progress`` (and ``log.no_progress``). A resumed run applies these even where they equal
+    the preset's value (launch/resume.merge_resume_config)."""
+    out = set()
+    for tok in argv:
+        if tok.startswith("--") and len(tok) > 2:
+            name = tok[2:].split("=", 1)[0].replace("-", "_")
+            head, dot, last = name.rpartition(".")
+            out.add(name)
+            if last.startswith("no_"):
+                out.add(f"{head}{dot}{last[3:]}")
+    return frozenset(out)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:

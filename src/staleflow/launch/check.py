@@ -31,7 +31,9 @@ def check(argv: list[str]) -> RunConfig:
     if cfg.resume:
         from staleflow.launch.resume import check_resume
 
-        cfg = check_resume(cfg, defaults)
+        from staleflow.cli import given_flags
+
+        cfg = check_resume(cfg, defaults, given_flags(argv))
     resolve_model_path(cfg.model.path)
     resolve_reward_fn(cfg.reward.fn)
     if cfg.data.source not in TASKS and not os.path.isfile(cfg.data.source):

@@ -67,7 +67,7 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
     return proc, secret, endpoint
 
 
-def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology):
+def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology, flags: frozenset[str]):
     """Rank 0: clean up after crashed runs, pick the run folder and config (new, --resume or elastic
     restart), start the controller. Returns (what every rank needs, the controller, the run)."""
     from staleflow.launch.resume import prepare_run, remove_if_empty
@@ -77,7 +77,7 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology
     run_id = uuid.uuid4().hex[:10]
     claim_run_folder(run_id)
     try:
-        run = None if cfg.smoke else prepare_run(cfg, defaults)
+        run = None if cfg.smoke else prepare_run(cfg, defaults, flags)
     except ConfigError as e:
         return {"run_id": run_id, "error": str(e)}, None, None
     for note in (run.notes if run else []):
@@ -167,7 +167,8 @@ def _topology(roles: Roles, env: rankdist.RankEnv) -> Topology:
     return gather_topology(roles, env.node_rank, env.local_rank, addr)
 
 
-def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv) -> int:
+def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv,
+             flags: frozenset[str] = frozenset()) -> int:
     import torch.distributed as dist
 
     from staleflow.plan.placement import slot_placement
@@ -191,7 +192,7 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
     controller = run = None
     obj = [None]
     if rank == 0:
-        obj[0], controller, run = _start_run(cfg, defaults, roles, topo)
+        obj[0], controller, run = _start_run(cfg, defaults, roles, topo, flags)
     dist.broadcast_object_list(obj, src=0)
     shared = obj[0]
     if shared["error"]:
@@ -291,7 +292,7 @@ def _finish_controller(controller, run_id: str, code: int) -> int:
 def main(argv: list[str]) -> int:
     from staleflow.cli import parse
 
-    from staleflow.cli import split_preset
+    from staleflow.cli import given_flags, split_preset
 
     rank_env = os.environ.get("RANK", "0")
     install_signal_handlers()
@@ -310,7 +311,7 @@ def main(argv: list[str]) -> int:
         if rank_env == "0":
             print(f"staleflow: {e}", file=sys.stderr, flush=True)
         return 2
-    return run_rank(cfg, defaults, roles, env)
+    return run_rank(cfg, defaults, roles, env, given_flags(argv))
 
 
 def _prepare_model(cfg: RunConfig) -> None:

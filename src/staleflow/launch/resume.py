@@ -1,6 +1,6 @@
 """Where a run lives and how it continues: run folders, elastic restarts, --resume.
 
-    run = prepare_run(cfg, preset_cfg)      # global rank 0, before the controller starts
+    run = prepare_run(cfg, preset_cfg, given_flags(argv))   # global rank 0, before the controller starts
     run.cfg, run.run_dir, run.notes
 
 - A new run gets a fresh folder under --log.run-dir and records it in a pointer file keyed by
@@ -102,15 +102,19 @@ def _replace_path(cfg, key: str, value):
     return dataclasses.replace(cfg, **{head: _replace_path(getattr(cfg, head), rest, value)})
 
 
-def merge_resume_config(saved: RunConfig, given: RunConfig, defaults: RunConfig) -> tuple[RunConfig, list[str]]:
-    """The saved config with the flags given now (values that differ from the preset's) applied.
+def merge_resume_config(saved: RunConfig, given: RunConfig, defaults: RunConfig,
+                        flags: frozenset[str] = frozenset()) -> tuple[RunConfig, list[str]]:
+    """The saved config with the values given now applied: those named on the command line
+    (``flags``, cli.given_flags) and those that differ from the preset's.
 
+    A flag equal to the preset's value counts only through ``flags``: ``--resume RUN --steps 4``
+    with a preset of 4 steps once silently kept the saved run's 50.
     Raises ConfigError for a flag in FROZEN_ON_RESUME that differs from the saved run's."""
     g, d, s = _flat(given), _flat(defaults), _flat(saved)
     notes = []
     merged = saved
     for key, value in g.items():
-        if key in _NOT_COMPARED or value == d.get(key) or value == s.get(key):
+        if key in _NOT_COMPARED or value == s.get(key) or (value == d.get(key) and key not in flags):
             continue
         flag = "--" + key.replace("_", "-")
         if key in FROZEN_ON_RESUME:
@@ -144,15 +148,15 @@ def _resume_point(run_dir: str, required: bool):
     return ckpt, warns
 
 
-def check_resume(cfg: RunConfig, defaults: RunConfig) -> RunConfig:
+def check_resume(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = frozenset()) -> RunConfig:
     """Validate --resume without touching the folder: an intact checkpoint and a compatible config."""
     _resume_point(cfg.resume, required=True)
     if os.path.isfile(os.path.join(cfg.resume, "config.json")):
-        cfg, _ = merge_resume_config(_saved_config(cfg.resume), cfg, defaults)
+        cfg, _ = merge_resume_config(_saved_config(cfg.resume), cfg, defaults, flags)
     return cfg
 
 
-def prepare_run(cfg: RunConfig, defaults: RunConfig) -> PreparedRun:
+def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = frozenset()) -> PreparedRun:
     """Rank 0: the run folder and the config to run with (new run, --resume, or elastic restart)."""
     pointer = elastic_pointer()
     run_dir, notes, created = "", [], False
@@ -171,7 +175,7 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig) -> PreparedRun:
     ckpt, warns = _resume_point(run_dir, required=bool(cfg.resume) and restart_count() == 0)
     notes += warns
     if os.path.isfile(os.path.join(run_dir, "config.json")):
-        cfg, more = merge_resume_config(_saved_config(run_dir), cfg, defaults)
+        cfg, more = merge_resume_config(_saved_config(run_dir), cfg, defaults, flags)
         notes += more
     version = 0
     if ckpt is not None:
