@@ -386,8 +386,8 @@ def test_decode_mirror_equals_paged_gather_under_churn(models, kind, tmp_path):
 
 
 def test_rollout_rank_engine_runs_in_the_rollout_dtype():
-    """build_engine (what a rollout rank runs; the rank loads the model in fp32) honours
-    --rollout.dtype, and auto follows --model.dtype."""
+    """build_engine (what a rollout rank runs) honours --rollout.dtype, and auto follows
+    --model.dtype, from an fp32 model as well as from one the rank loaded in that dtype."""
     from types import SimpleNamespace
 
     from staleflow.config import ModelConfig, RolloutConfig, RunConfig
@@ -403,3 +403,17 @@ def test_rollout_rank_engine_runs_in_the_rollout_dtype():
 
     assert dtype_of(dtype="bfloat16") == torch.bfloat16
     assert dtype_of() == torch.float32  # auto -> model auto -> float32 on CPU
+
+
+def test_load_rollout_model_casts_each_tensor_to_the_rollout_dtype_as_it_loads():
+    """What a built-in rollout rank loads (launch/entry.py): the same values as the fp32 model cast
+    afterwards, without the fp32 copy."""
+    from staleflow.config import ModelConfig, RolloutConfig
+    from staleflow.rollout.builtin_engine import load_rollout_model
+
+    m = load_rollout_model(ModelConfig(path="tiny-qwen2"), RolloutConfig(dtype="bfloat16"), "cpu")
+    ref = load_model("tiny-qwen2").to(torch.bfloat16).state_dict()
+    got = m.state_dict()
+    assert got.keys() == ref.keys() and all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], ref[k]) for k in ref)
+    assert next(load_rollout_model(ModelConfig(path="tiny-qwen2"), RolloutConfig(), "cpu").parameters()).dtype \
+        == torch.float32  # auto on CPU

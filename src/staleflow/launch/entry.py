@@ -107,25 +107,22 @@ def _load_model_info(ctx: RankContext) -> tuple[object, object, dict]:
     """(model, weights, info). A rollout rank's copy of the model on its device (a vLLM rollout
     rank loads none: vLLM does). A trainer rank's model on the meta device with a stream of its
     weights: the trainer shards it first and keeps only its own rows (Trainer(..., weights=...))."""
-    from staleflow.model import lazy_model, load_model
+    from staleflow.model import lazy_model
 
     if ctx.role == "rollout" and ctx.cfg.rollout.engine == "vllm" and not ctx.cfg.smoke:
         return None, None, {"model": ctx.cfg.model.path, "params": 0, "load_s": 0.0, "device": ctx.device}
     t0 = time.perf_counter()
     weights = None
     if ctx.role == "trainer":
-        model, weights = lazy_model(ctx.cfg.model.path)
-        weights = weights()
+        model, stream = lazy_model(ctx.cfg.model.path)
+        weights = stream()
         if ctx.cfg.smoke:  # no trainer is built: read the weights through once (a bad checkpoint fails here)
             for _ in weights:
                 pass
-    else:  # cast tensor by tensor to the engine's dtype as it loads: never the whole fp32 model on the device
-        import torch
+    else:
+        from staleflow.rollout.builtin_engine import load_rollout_model
 
-        from staleflow.rollout.builtin_engine import rollout_dtype
-
-        dtype = rollout_dtype(ctx.cfg.model, ctx.cfg.rollout, torch.device(ctx.device))
-        model = load_model(ctx.cfg.model.path, dtype=dtype, device=ctx.device)
+        model = load_rollout_model(ctx.cfg.model, ctx.cfg.rollout, ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
     return model, weights, {"model": ctx.cfg.model.path, "params": n_params, "load_s": time.perf_counter() - t0,
                             "device": ctx.device}
@@ -139,7 +136,7 @@ def make_worker(ctx: RankContext, model, weights=None):
 
         w = TrainerWorker(ctx, model, weights)
         return w, {"version": w.trainer.version, "resume_extra": w.resume_extra if ctx.rank == 0 else {},
-                   "load_s": w.load_s}  # the weights are read while the trainer is built
+                   "build_load_s": w.load_s}  # the weights are read while the trainer is built
     from staleflow.launch.rollout_worker import RolloutWorker
 
     w = RolloutWorker(ctx, model)
@@ -220,7 +217,7 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
         model, weights, info = _load_model_info(ctx)
         if not cfg.smoke:
             worker, more = make_worker(ctx, model, weights)
-            more["load_s"] = info["load_s"] + more.get("load_s", 0.0)
+            info["load_s"] += more.pop("build_load_s", 0.0)
             info.update(more)
         client.send(Ready(rank=rank, info=info))
         defer_signals(forward_to=controller.pid if controller is not None else None)

@@ -83,12 +83,10 @@ def advice(plan) -> str:
     if rp.role == "rollout" and kv > over:
         fit = int(plan.kv_tokens * (kv - over * 1.1) / kv) // 1024 * 1024
         return f"{where}; lower --rollout.max-kv-tokens from {plan.kv_tokens} to {fit} or less"
-    if rp.load_peak > rp.steady and rp.role == "trainer":
-        return (f"{where}; loading the weights needs {_g(rp.load_peak)} GiB on one GPU: use more trainer "
-                f"ranks (raise --nproc_per_node or lower --rollout.ranks) or GPUs with more memory")
     if rp.load_peak > rp.steady:
-        return (f"{where}; loading the fp32 model before its cast to the rollout dtype needs {_g(rp.load_peak)} GiB "
-                f"on one GPU: use GPUs with more memory")
+        more = "use more trainer ranks (raise --nproc_per_node or lower --rollout.ranks) or " \
+            if rp.role == "trainer" else "use "
+        return f"{where}; loading the weights needs {_g(rp.load_peak)} GiB on one GPU: {more}GPUs with more memory"
     if rp.role == "trainer" and "activation checkpointing off" in " ".join(rp.notes):
         return f"{where}; set --train.activation-checkpointing on"
     if rp.role == "trainer" and rp.items.get("activations", 0) > over * 2:

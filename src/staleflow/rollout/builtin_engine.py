@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
@@ -31,6 +31,9 @@ from staleflow.rollout.prefix_sharing import SharingBlockManager
 from staleflow.rollout.sampler import Sampler
 from staleflow.rollout.scheduler import Scheduler
 from staleflow.rollout.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from staleflow.model import CausalLM
 
 
 class BuiltinEngine:
@@ -78,18 +81,16 @@ class BuiltinEngine:
                     seed: int = 0) -> "BuiltinEngine":
         """The one way to build an engine from ModelConfig + RolloutConfig (staleflow.config).
 
-        `model`: an already loaded CausalLM (a rollout rank's), cast here to the rollout dtype;
-        None loads --model.path onto `device`."""
-        from staleflow.model import load_model
-
+        `model`: an already loaded CausalLM (a rollout rank's, see load_rollout_model), cast here to
+        the rollout dtype if it is in another one; None loads --model.path onto `device`."""
         if model is not None:
             device = next(model.parameters()).device
             dtype = rollout_dtype(model_cfg, rollout_cfg, device)
-            if next(model.parameters()).dtype != dtype:  # a rank loads fp32 weights
+            if next(model.parameters()).dtype != dtype:
                 model = model.to(dtype)
         else:
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            model = load_model(model_cfg.path, dtype=rollout_dtype(model_cfg, rollout_cfg, device), device=device)
+            model = load_rollout_model(model_cfg, rollout_cfg, device)
         rc = rollout_cfg
         return cls(model, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens, block_size=rc.block_size,
                    prefill_chunk_tokens=rc.prefill_chunk_tokens, max_model_len=rc.max_model_len, version=version,
@@ -234,6 +235,14 @@ class BuiltinEngine:
             steps=self.steps, throughput_tok_s=self.throughput_tok_s)
 
 
+def load_rollout_model(model_cfg, rollout_cfg, device) -> CausalLM:
+    """--model.path on `device` in the engine's dtype, each tensor cast as it is read: never the
+    whole fp32 model on the device first (the memory plan's rollout load peak)."""
+    from staleflow.model import load_model
+
+    return load_model(model_cfg.path, dtype=rollout_dtype(model_cfg, rollout_cfg, torch.device(device)), device=device)
+
+
 def rollout_dtype(model_cfg, rollout_cfg, device: torch.device) -> torch.dtype:
     """The engine's dtype: --rollout.dtype, where auto means --model.dtype, where auto means
     bfloat16 on CUDA and float32 on CPU."""
@@ -242,4 +251,4 @@ def rollout_dtype(model_cfg, rollout_cfg, device: torch.device) -> torch.dtype:
         name, torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
 
 
-__all__ = ["BuiltinEngine", "SequenceStatus", "rollout_dtype"]
+__all__ = ["BuiltinEngine", "SequenceStatus", "load_rollout_model", "rollout_dtype"]
