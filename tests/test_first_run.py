@@ -77,7 +77,8 @@ def cache(tmp_path, monkeypatch):
 
 
 @needs_smollm2
-@pytest.mark.parametrize("damage", ["tokenizer-only", "truncated-weights", "no-marker", "bad-marker"])
+@pytest.mark.parametrize("damage", ["tokenizer-only", "truncated-weights", "no-marker", "bad-marker",
+                                    "same-size-weights", "old-marker"])
 def test_first_run_incomplete_cache_folder_is_rebuilt(cache, damage, capsys):
     folder = Path(resolve_model_path("tiny-llama"))
     good = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".safetensors"}
@@ -93,11 +94,22 @@ def test_first_run_incomplete_cache_folder_is_rebuilt(cache, damage, capsys):
     elif damage == "no-marker":
         (folder / aliases.COMPLETE_MARKER).unlink()
         expected = "no completion marker"
+    elif damage == "same-size-weights":  # one tensor overwritten in place: only the content hash sees it
+        data = bytearray(weights.read_bytes())
+        data[-64:] = b"\x7f" * 64
+        weights.write_bytes(bytes(data))
+        assert aliases.incomplete_reason(folder, aliases.MODEL_FILES) is None  # sizes alone miss it
+        expected = "sha256 differs"
+    elif damage == "old-marker":  # sizes only, as written before content hashes
+        marker = json.loads((folder / aliases.COMPLETE_MARKER).read_text())
+        marker["files"] = {k: v["size"] for k, v in marker["files"].items()}
+        (folder / aliases.COMPLETE_MARKER).write_text(json.dumps(marker))
+        expected = "no content hashes"
     else:
         (folder / aliases.COMPLETE_MARKER).write_text("{not json")
         expected = "unreadable completion marker"
     capsys.readouterr()
-    again = Path(resolve_model_path("tiny-llama"))
+    again = Path(resolve_model_path("tiny-llama", verify=True))
     err = capsys.readouterr().err
     assert again == folder and err.count("\n") == 1 and "incomplete" in err and expected in err, err
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".safetensors"} == good

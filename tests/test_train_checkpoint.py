@@ -87,12 +87,12 @@ def test_corrupted_checkpoint_is_detected_and_previous_one_stays(tmp_path):
         paths.append(ck.save_checkpoint(t, tmp_path, keep=2))
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
 
-    shard = next(paths[-1].glob("*.distcp"))
+    shard = paths[-1] / "rank_0.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     fresh = _trainer(seed=7)
-    with pytest.raises(ck.CheckpointError, match=r"step_00000003 is corrupted: .*distcp.*step_00000002 is intact"):
+    with pytest.raises(ck.CheckpointError, match=r"step_00000003 is corrupted: rank_0.safetensors.*step_00000002 is intact"):
         ck.load_checkpoint(fresh, paths[-1])
     ck.load_checkpoint(fresh, paths[-2])
     assert fresh.version == 2
@@ -142,22 +142,93 @@ class _Payload:
         return (os.system, ("touch /tmp/staleflow-pwned",))
 
 
-def test_a_crafted_checkpoint_file_runs_no_code(tmp_path):
+def _reseal(path: Path) -> None:
+    """What an attacker who can write the folder also does: rewrite the manifest to match."""
+    files = {str(f.relative_to(path)): {"size": f.stat().st_size, "sha256": ck._sha256(f)}
+             for f in sorted(path.rglob("*")) if f.is_file() and f.name != ck.MANIFEST}
+    (path / ck.MANIFEST).write_text(json.dumps({"version": 0, "world": 1, "files": files}))
+
+
+def test_a_checkpoint_holds_only_safetensors_and_json(tmp_path):
+    """No file of a checkpoint is a pickle: every one is a safetensors file (8-byte length, JSON
+    header) or JSON, so loading one parses data and never runs code."""
+    t = _trainer()
+    t.step(_batches()[0])
+    path = ck.save_checkpoint(t, tmp_path, keep=1)
+    names = sorted(f.name for f in path.iterdir())
+    assert names == ["manifest.json", "rank_0.safetensors", "rng_0.json", "rng_0.safetensors", "state.json",
+                     "trainer_state.json"]
+    for f in path.iterdir():
+        data = f.read_bytes()
+        if f.suffix == ".json":
+            json.loads(data)
+        else:
+            n = int.from_bytes(data[:8], "little")
+            assert json.loads(data[8:8 + n])["__metadata__"] == {"format": "pt"}
+        assert not data.startswith(b"\x80")  # a pickle protocol 2+ stream starts with PROTO
+
+
+def test_a_pickle_planted_in_a_checkpoint_runs_no_code(tmp_path):
+    """A DCP-style .metadata pickle (what torch's DCP would unpickle) and a torch.save'd payload in
+    place of the generator state, with the manifest rewritten to match: refused, no code runs."""
     t = _trainer()
     path = ck.save_checkpoint(t, tmp_path, keep=1)
     marker = Path("/tmp/staleflow-pwned")
     marker.unlink(missing_ok=True)
-    torch.save({"torch": _Payload()}, path / "rng_0.pt")
-    with pytest.raises(ck.CheckpointError, match="rng_0.pt does not match"):  # the manifest catches the edit
+    import pickle
+
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    (path / "state.json").unlink()
+    _reseal(path)
+    with pytest.raises(ck.CheckpointError, match="DCP format .* refused"):
         ck.load_checkpoint(_trainer(), path)
-    manifest = json.loads((path / "manifest.json").read_text())  # an attacker who also rewrites the manifest
-    f = path / "rng_0.pt"
-    manifest["files"]["rng_0.pt"] = {"size": f.stat().st_size, "sha256": ck._sha256(f)}
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(Exception):  # weights_only refuses the global: an error, not a command
+    with pytest.raises(ck.CheckpointError, match="DCP format .* refused"):
+        ck.load_policy_weights(tiny_model(seed=0), path)
+    assert not marker.exists()
+
+    path = ck.save_checkpoint(t, tmp_path / "b", keep=1)
+    torch.save({"torch": _Payload()}, path / "rng_0.safetensors")
+    with pytest.raises(ck.CheckpointError, match="rng_0.safetensors does not match"):  # the manifest catches it
+        ck.load_checkpoint(_trainer(), path)
+    _reseal(path)
+    with pytest.raises(ck.CheckpointError, match="unreadable random-generator state"):
         ck.load_checkpoint(_trainer(), path)
     assert not marker.exists()
-    assert not list(path.glob("*.pt")) or all("trainer_state" not in p.name for p in path.glob("*.pt"))
+
+
+def test_a_checkpoint_of_another_shape_is_refused_by_name(tmp_path):
+    t = _trainer()
+    path = ck.save_checkpoint(t, tmp_path, keep=1)
+    index = json.loads((path / "state.json").read_text())
+    name = next(k for k, e in index["tensors"].items() if k.startswith("model/") and len(e["shape"]) == 2)
+    index["tensors"][name]["shape"][0] += 1
+    (path / "state.json").write_text(json.dumps(index))
+    _reseal(path)
+    with pytest.raises(ck.CheckpointError, match=f"{name}: stored F32"):
+        ck.load_checkpoint(_trainer(), path)
+    index["tensors"][name]["shape"][0] -= 1
+    index["tensors"]["model/extra.weight"] = {"shape": [2], "dtype": "F32", "sharded": False}
+    (path / "state.json").write_text(json.dumps(index))
+    _reseal(path)
+    with pytest.raises(ck.CheckpointError, match="1 unexpected"):
+        ck.load_checkpoint(_trainer(), path)
+
+
+def test_a_failed_save_removes_its_temporary_folder_and_names_a_full_disk(tmp_path, monkeypatch):
+    import errno
+
+    t = _trainer()
+    first = ck.save_checkpoint(t, tmp_path, keep=2)
+    t.step(_batches()[0])
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck, "write_safetensors", full)
+    with pytest.raises(ck.CheckpointError, match="disk is full"):
+        ck.save_checkpoint(t, tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # no .tmp- folder left behind
+    assert ck.find_resume_checkpoint(tmp_path)[0] == first
 
 
 def test_resume_skips_a_damaged_newest_checkpoint_loudly(tmp_path):

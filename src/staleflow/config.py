@@ -8,6 +8,7 @@ validates its fields and raises ConfigError with a one-line message naming the f
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +20,19 @@ class ConfigError(ValueError):
 def _check(ok: bool, flag: str, value, need: str) -> None:
     if not ok:
         raise ConfigError(f"--{flag}={value!r} is invalid: {need}")
+
+
+def _check_finite(cfg, prefix: str = "") -> None:
+    """Every float of a config (nested sections and tuples too) must be finite: inf or nan never
+    means anything a run can use, and it fails far from the flag (a NaN loss, a hang)."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        flag = f"{prefix}{f.name.replace('_', '-')}"
+        if dataclasses.is_dataclass(v):
+            _check_finite(v, f"{flag}.")
+        for x in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, float):
+                _check(math.isfinite(x), flag, v, "must be a finite number")
 
 
 def parse_length_dist(spec: str) -> tuple[float, float] | None:
@@ -178,7 +192,8 @@ class TrainConfig:
     """Recompute each decoder layer in backward (less memory, ~30% more compute); auto: on for CUDA only."""
 
     def __post_init__(self):
-        _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _check(math.isfinite(self.lr) and 0 < self.lr <= 1, "train.lr", self.lr,
+               "must be in (0, 1] (a step that large destroys the weights; typical RL values are 1e-7 to 1e-4)")
         _check(self.weight_decay >= 0, "train.weight-decay", self.weight_decay, "must be >= 0")
         _check(self.warmup_steps >= 0, "train.warmup-steps", self.warmup_steps, "must be >= 0")
         _check(self.grad_clip >= 0, "train.grad-clip", self.grad_clip, "must be >= 0 (0 disables)")
@@ -365,6 +380,7 @@ class RunConfig:
     """Launcher smoke run: every rank registers, loads the model, reports, and exits."""
 
     def __post_init__(self):
+        _check_finite(self)
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         group_relative = ("grpo", "grpo-nostd", "dr-grpo", "rloo")
         _check(self.staleness.group_size >= 2 or self.train.advantage not in group_relative, "staleness.group-size",

@@ -34,12 +34,28 @@ def check(argv: list[str]) -> RunConfig:
         from staleflow.cli import given_flags
 
         cfg = check_resume(cfg, defaults, given_flags(argv))
-    resolve_model_path(cfg.model.path)
+    from staleflow.model.hf import lazy_folder
+
+    lazy_folder(resolve_model_path(cfg.model.path, verify=True))  # config.json and every safetensors header
     resolve_reward_fn(cfg.reward.fn)
+    check_writable(cfg.resume or cfg.log.run_dir, "--resume" if cfg.resume else "--log.run-dir")
     if cfg.data.source not in TASKS and not os.path.isfile(cfg.data.source):
         raise ConfigError(f"--data.source={cfg.data.source!r} is neither a built-in task ({', '.join(TASKS)}) "
                           f"nor an existing .jsonl / .parquet file")
     return cfg
+
+
+def check_writable(folder: str, flag: str) -> None:
+    """The run folder (or the folder run folders are made in) exists or can be made, and takes a file."""
+    import tempfile
+
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".staleflow-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag}={folder!r} is not writable ({e.strerror}): make it writable or give another "
+                          f"folder") from None
 
 
 def main(argv: list[str]) -> int:

@@ -67,7 +67,7 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
                          secure=secure)
     finally:
         if endpoint_pipe is not None:  # an empty endpoint tells rank 0 that binding failed
-            endpoint_pipe.send(ctl.server.tcp_endpoint if ctl is not None else "")
+            endpoint_pipe.send_bytes((ctl.server.tcp_endpoint if ctl is not None else "").encode())
             endpoint_pipe.close()
 
     from staleflow.launch.rank import set_title
@@ -99,7 +99,9 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
         ctl.shutdown("interrupted", ok=False, wait_s=3)
         code = 128 + int(stop_signal["num"])  # 130 for SIGINT, 143 for SIGTERM
     except Exception as e:  # a bug or bad input inside the job: report it in one line, stop everyone
-        fatal = _no_restart_helps(e)
+        from staleflow.launch.resume import no_restart_helps
+
+        fatal = no_restart_helps(e)
         print(f"staleflow: {'' if fatal else 'controller error: '}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         ctl.shutdown(f"controller error: {e}", ok=False, wait_s=3, restart=not fatal)
         code = 1
@@ -113,16 +115,6 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
         if secure is not None:
             secure.close()
     sys.exit(code)
-
-
-def _no_restart_helps(e: Exception) -> bool:
-    from staleflow.config import ConfigError
-    from staleflow.controller import RewardsFailing
-    from staleflow.data import DataError
-    from staleflow.model.hf import ModelLoadError
-    from staleflow.reward.functions import RewardError
-
-    return isinstance(e, (ConfigError, RewardsFailing, DataError, ModelLoadError, RewardError))
 
 
 def _training_job():

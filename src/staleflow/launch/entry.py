@@ -16,6 +16,7 @@ The exit code is non-zero when the run failed; rank 0 returns the controller's e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -23,7 +24,7 @@ import time
 import traceback
 import uuid
 
-from staleflow.config import ConfigError, RunConfig, resolve
+from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
 from staleflow.presets import PRESETS
 from staleflow.launch import dist as rankdist
 from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
@@ -57,7 +58,7 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
     proc.start()
     if reader is not None:
         writer.close()
-        endpoint = reader.recv() if reader.poll(180) else ""
+        endpoint = reader.recv_bytes(4096).decode() if reader.poll(180) else ""
         reader.close()
         if not endpoint:
             proc.terminate()
@@ -98,8 +99,9 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology
     print(topo.describe(controller=endpoint), flush=True)
     # The secret crosses the network once, inside this gloo broadcast (as the run id does): see
     # docs/multinode.md for what it does and does not protect.
-    shared = {"run_id": run_id, "error": "", "run_dir": run_dir, "cfg": cfg, "controller_pid": controller.pid,
-              "resume_from": run.resume_from if run else "", "secret": secret, "control_endpoint": endpoint}
+    shared = {"run_id": run_id, "error": "", "run_dir": run_dir, "cfg": dataclasses.asdict(cfg),
+              "controller_pid": controller.pid, "resume_from": run.resume_from if run else "", "secret": secret.hex(),
+              "control_endpoint": endpoint}
     return shared, controller, run
 
 
@@ -166,8 +168,6 @@ def _topology(roles: Roles, env: rankdist.RankEnv) -> Topology:
 
 def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv,
              flags: frozenset[str] = frozenset()) -> int:
-    import torch.distributed as dist
-
     from staleflow.plan.placement import slot_placement
 
     rank = env.rank
@@ -187,22 +187,21 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
     if env.local_rank == 0 and not on_home:
         cleanup_stale_run_files()  # leftovers of crashed runs on this node (rank 0 does its own)
     controller = run = None
-    obj = [None]
+    shared = None
     if rank == 0:
-        obj[0], controller, run = _start_run(cfg, defaults, roles, topo, flags)
-    dist.broadcast_object_list(obj, src=0)
-    shared = obj[0]
+        shared, controller, run = _start_run(cfg, defaults, roles, topo, flags)
+    shared = rankdist.broadcast_json(shared, src=0)
     if shared["error"]:
         if rank == 0:
             print(f"staleflow: config error: {shared['error']}", file=sys.stderr, flush=True)
             remove_run_folder(shared["run_id"])
         return 2
-    run_id, cfg = shared["run_id"], shared["cfg"]
+    run_id, cfg = shared["run_id"], config_from_dict(RunConfig, shared["cfg"])
     net = None
     if topo.multi_node:
         from staleflow.launch.netplane import NetPlane
 
-        net = NetPlane.open(topo, rank, run_id, shared["secret"], pull_groups, device)
+        net = NetPlane.open(topo, rank, run_id, bytes.fromhex(shared["secret"]), pull_groups, device)
     client = (ControlClient(control_address(run_id), rank) if on_home
               else net.control_client(shared["control_endpoint"]))
     ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, run_dir=shared["run_dir"],
@@ -211,7 +210,7 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
     set_title(f"staleflow[trainer {rank}]" if ctx.role == "trainer"
               else f"staleflow[rollout {roles.instance_id(rank)}]")
     client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname(), node=env.node_rank))
-    ok, reason = True, ""
+    ok, reason, fatal = True, "", False
     worker = None
     try:
         model, weights, info = _load_model_info(ctx)
@@ -231,10 +230,14 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
         ok, reason = rank != 0 and (on_home or not e.restart), f"stopped: {e}"
     except KeyboardInterrupt as e:
         ok, reason = False, f"interrupted ({e})" if str(e) else "interrupted"
-    except (Exception, _checkpoint_exception()) as e:  # one line to the controller, the traceback to the log
+    except Exception as e:  # one line to the controller, the traceback to the log
+        from staleflow.launch.resume import no_restart_helps
+
         ok, reason = False, f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-        client.send(Failure(rank=rank, error=reason))
+        fatal = no_restart_helps(e)
+        if not fatal:  # bad input is said in one line (by the controller), a bug with its traceback
+            traceback.print_exc()
+        client.send(Failure(rank=rank, error=reason, fatal=fatal))
     finally:
         try:
             if worker is not None:
@@ -244,7 +247,7 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
             client.close()
             if net is not None:
                 net.close()
-    code = 0 if ok else 1
+    code = 0 if ok or fatal else 1  # a fatal failure: no restart (the controller marks the run and says why)
     if controller is not None:
         from staleflow.launch.resume import elastic_pointer, is_fatal, remove_if_empty
 
@@ -259,15 +262,6 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
     if not ok and rank == 0 and reason:
         print(f"staleflow: rank {rank}: {reason}", file=sys.stderr, flush=True)
     return code
-
-
-def _checkpoint_exception():
-    """torch.distributed.checkpoint's CheckpointException is a BaseException: name it to catch it."""
-    try:
-        from torch.distributed.checkpoint.api import CheckpointException
-    except ImportError:
-        return Exception
-    return CheckpointException
 
 
 def _finish_controller(controller, run_id: str, code: int) -> int:

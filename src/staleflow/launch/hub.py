@@ -35,6 +35,10 @@ class RankDied(RuntimeError):
         self.rank = rank
 
 
+class FatalFailure(RuntimeError):
+    """A rank failed on bad input or a broken environment: the run stops, no restart can help."""
+
+
 @dataclass
 class Controller:
     """Control-plane hub with liveness checks; jobs talk to ranks through it."""
@@ -168,6 +172,8 @@ class Controller:
                     self.pids[rank] = msg.pid
                     continue
                 if isinstance(msg, Failure):
+                    if msg.fatal:
+                        raise FatalFailure(f"{self.describe(rank)}: {msg.error}")
                     self._raise_if_dead()
                     raise RankDied(f"{self.describe(rank)} failed: {msg.error}", rank=rank)
                 if isinstance(msg, Goodbye):

@@ -49,6 +49,8 @@ class Failure(msgspec.Struct, tag=True):
 
     rank: int
     error: str
+    fatal: bool = False
+    """Bad input or environment (launch/resume.no_restart_helps): restarting would fail the same way."""
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -194,6 +196,8 @@ class Saved(msgspec.Struct, tag=True):
     step: int
     path: str
     error: str = ""
+    disk: bool = False
+    """The save failed on a full, read-only or forbidden disk: the run stops (no retry fixes it)."""
 
 
 class Evaluate(msgspec.Struct, tag=True):

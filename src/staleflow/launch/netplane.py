@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from staleflow.launch.control import ControlClient
+from staleflow.launch.dist import all_gather_json
 from staleflow.launch.topology import Topology
 from staleflow.net.curve import RunKeys, SecureContext
 from staleflow.plan.placement import slot_placement
@@ -54,8 +55,6 @@ class NetPlane:
     def open(cls, topo: Topology, rank: int, run_id: str, secret: bytes, pull_groups: dict,
              device: str) -> NetPlane:
         """Bind this rank's servers and gather every rank's endpoints (all ranks call it together)."""
-        import torch.distributed as dist
-
         roles = topo.roles
         secure = SecureContext(RunKeys(secret, roles.world_size), f"rank {rank}", rank)
         net = cls(topo, rank, run_id, secure, pull_groups, device)
@@ -67,8 +66,7 @@ class NetPlane:
             net._bound["weights"], mine["weights"] = secure.server(zmq.ROUTER, ip, b"weights")
         if roles.role(rank) == "rollout" and topo.fetches_partials:
             net._bound["fetch"], mine["fetch"] = secure.server(zmq.ROUTER, ip, b"fetch")
-        net.endpoints = [None] * roles.world_size
-        dist.all_gather_object(net.endpoints, mine)
+        net.endpoints = all_gather_json(mine)
         if roles.role(rank) == "rollout":
             net._rollout_side()
         return net

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
+from staleflow.durable import atomic_write_json, atomic_write_text, read_jsonl
 
 IDS_FILE = "ids.json"
 FROZEN_ON_RESUME = ("model.path", "data.source", "data.prompt_field", "data.answer_field", "data.seed",
@@ -58,7 +59,23 @@ def mark_fatal(message: str) -> None:
         return
     state = json.loads(pointer.read_text()) if pointer.is_file() else {}
     state["fatal"] = message
-    pointer.write_text(json.dumps(state))
+    atomic_write_json(pointer, state)
+
+
+def no_restart_helps(e: BaseException) -> bool:
+    """Whether an error comes from bad input or the environment, so that an elastic restart would
+    fail the same way (the run then stops with exit 2 instead of restarting)."""
+    from staleflow.controller import RewardsFailing
+    from staleflow.data import DataError
+    from staleflow.durable import disk_problem
+    from staleflow.launch.hub import FatalFailure
+    from staleflow.model.aliases import AliasError
+    from staleflow.model.hf import ModelLoadError
+    from staleflow.reward.functions import RewardError
+    from staleflow.train.checkpoint import CheckpointError
+
+    return (isinstance(e, (ConfigError, RewardsFailing, DataError, ModelLoadError, RewardError, AliasError,
+                           CheckpointError, FatalFailure)) or disk_problem(e) is not None)
 
 
 def is_fatal() -> bool:
@@ -182,30 +199,30 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
         cfg = dataclasses.replace(cfg, resume=run_dir)
         version = int(ckpt.name.split("_")[1])
         notes.append(f"resuming from {ckpt} (version {version})")
-    supersede_after(run_dir, version)
+    supersede_after(run_dir, version, notes)
     return PreparedRun(cfg, run_dir, str(ckpt or ""), notes, created)
 
 
-def supersede_after(run_dir: str, version: int) -> int:
-    """Mark rows of steps >= version superseded (they will be trained again); returns how many."""
+def supersede_after(run_dir: str, version: int, notes: list[str] | None = None) -> int:
+    """Mark rows of steps >= version superseded (they will be trained again); returns how many.
+
+    A line torn by a crash (half written) is dropped, said in ``notes``, and the file rewritten
+    whole (atomically), so the resumed run appends after a clean line."""
     n = 0
     for name, key in (("metrics.jsonl", "step"), ("trained.jsonl", "buffer")):
         path = Path(run_dir) / name
         if not path.is_file():
             continue
-        rows, changed = [], 0
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
+        rows, torn = read_jsonl(path)
+        changed = 0
+        for row in rows:
             if row.get(key, -1) >= version and not row.get("superseded"):
                 row["superseded"] = True
                 changed += 1
-            rows.append(json.dumps(row, sort_keys=name == "metrics.jsonl"))
-        if changed:
-            tmp = path.with_name(f".{name}.tmp")
-            tmp.write_text("".join(r + "\n" for r in rows))
-            os.replace(tmp, path)
+        if torn and notes is not None:
+            notes.append(f"{path}: dropped {torn} unreadable line(s) (torn by a crash)")
+        if changed or torn:
+            atomic_write_text(path, "".join(json.dumps(r, sort_keys=name == "metrics.jsonl") + "\n" for r in rows))
             n += changed
     return n
 
@@ -218,10 +235,7 @@ def read_ids(run_dir: str) -> dict:
 
 
 def write_ids(run_dir: str, next_traj: int, next_group: int) -> None:
-    path = Path(run_dir) / IDS_FILE
-    tmp = path.with_name(f".{IDS_FILE}.tmp")
-    tmp.write_text(json.dumps({"next_traj": next_traj, "next_group": next_group}))
-    os.replace(tmp, path)
+    atomic_write_json(Path(run_dir) / IDS_FILE, {"next_traj": next_traj, "next_group": next_group})
 
 
 def remove_if_empty(run_dir: str) -> bool:

@@ -129,11 +129,9 @@ class Topology:
 
 def gather_topology(roles: Roles, node_rank: int, local_rank: int, addr: str) -> Topology:
     """Every rank's (node, local rank, bind address), gathered over the world group (a collective)."""
-    import torch.distributed as dist
+    from staleflow.launch.dist import all_gather_json
 
-    mine = (int(node_rank), int(local_rank), str(addr))
-    got: list = [None] * roles.world_size
-    dist.all_gather_object(got, mine)
+    got = all_gather_json([int(node_rank), int(local_rank), str(addr)])
     addrs = {}
     for node, _, a in got:
         addrs.setdefault(node, a)

@@ -27,7 +27,9 @@ from staleflow.plan.placement import slot_dtype, slot_placement
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
 from staleflow.train.batch import TrajectorySample
-from staleflow.train.checkpoint import CheckpointError, export_hf, load_checkpoint, save_checkpoint
+from staleflow.durable import disk_problem
+from staleflow.train.checkpoint import (CheckpointDiskError, CheckpointError, export_hf, load_checkpoint,
+                                        save_checkpoint)
 from staleflow.train.trainer import Trainer
 
 
@@ -128,7 +130,7 @@ class TrainerWorker:
             self.ctx.client.send(StepDone(version=self.trainer.version, metrics=clean, train_s=train_s, push_s=push_s))
 
     def save(self, msg: SaveState) -> None:
-        """Save (collectively); a failure (disk full, DCP error) is reported, not raised: the
+        """Save (collectively); a failure (disk full, a write error) is reported, not raised: the
         previous checkpoint stays valid and the controller decides what to do."""
         cfg = self.ctx.cfg
         try:
@@ -139,12 +141,11 @@ class TrainerWorker:
 
                 export_hf(self.trainer, msg.export_dir, tokenizer_from=resolve_model_path(cfg.model.path),
                           dtype=self.export_dtype)
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
+        except Exception as e:
             if self.leader:
+                disk = isinstance(e, CheckpointDiskError) or disk_problem(e) is not None
                 self.ctx.client.send(Saved(step=msg.step, path="", error=f"{type(e).__name__}: "
-                                                                         f"{str(e).splitlines()[0][:300]}"))
+                                                                         f"{str(e).splitlines()[0][:300]}", disk=disk))
             return
         if self.leader:
             self.ctx.client.send(Saved(step=self.trainer.version, path=str(path)))

@@ -21,6 +21,7 @@ import time
 
 from staleflow.config import parse_length_dist
 from staleflow.controller import ControllerLoop, Ledger, LoopSettings, StepRecord
+from staleflow.durable import DiskError
 from staleflow.coordinator import Coordinator, Pull, load_cost_model
 from staleflow.coordinator.modes import build_protocol
 from staleflow.launch.backend import RuntimeBackend
@@ -206,6 +207,11 @@ class TrainingJob:
         if self.backend.saved.error:
             msg = (f"checkpoint of version {self.loop.version} failed ({self.backend.saved.error}); the previous "
                    f"checkpoint is still valid")
+            if self.backend.saved.disk:  # no retry or restart makes room: stop with the last checkpoint intact
+                import errno
+
+                raise DiskError(errno.ENOSPC, f"{msg}; stopping: free space (or make the run folder writable) and "
+                                              f"resume with --resume {self.run_dir}")
             if final:
                 raise RuntimeError(msg)
             print(f"staleflow: warning: {msg}; the run goes on", file=sys.stderr, flush=True)

@@ -12,9 +12,10 @@ and scripts/chaos.py; a user can run it on any run folder.
 from __future__ import annotations
 
 import collections
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from staleflow.durable import read_jsonl
 
 
 @dataclass
@@ -31,9 +32,7 @@ class Audit:
 
 
 def _rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)[0]  # a line torn by a crash is not a trained group
 
 
 def audit_run(run_dir: str | Path, steps: int, batch_size: int, group_size: int, eta: int) -> Audit:

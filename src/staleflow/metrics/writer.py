@@ -18,6 +18,8 @@ import os
 import time
 from typing import Any
 
+from staleflow import durable
+
 
 def _scalars(prefix: str, d: dict[str, Any]):
     for k, v in d.items():
@@ -113,12 +115,10 @@ def _wandb_run(run_dir: str, project: str, config: dict | None):
 
 
 def save_config(run_dir: str, cfg) -> None:
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
+    durable.atomic_write_text(os.path.join(run_dir, "config.json"),
+                              json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
 
 
 def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a run's JSONL log; a line torn by a crash is skipped (staleflow.durable)."""
+    return durable.read_jsonl(path)[0]

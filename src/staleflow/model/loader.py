@@ -15,10 +15,11 @@ from staleflow.model.hf import ModelLoadError, lazy_folder, load_folder
 from staleflow.model.transformer import CausalLM
 
 
-def resolve_model_path(path_or_alias: str) -> str:
-    """An alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3) or a folder -> an existing folder."""
+def resolve_model_path(path_or_alias: str, verify: bool = False) -> str:
+    """An alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3) or a folder -> an existing folder.
+    ``verify``: an alias's cached files are hashed against their build marker (rebuilt if changed)."""
     if path_or_alias in ALIASES:
-        return str(ensure_alias(path_or_alias))
+        return str(ensure_alias(path_or_alias, verify))
     folder = Path(path_or_alias).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(

@@ -158,6 +158,10 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+MAX_ABS_REWARD = 1e6
+"""A reward beyond this magnitude is a bug in the reward function (it overflows the advantages)."""
+
+
 def score(fn: RewardFn, completion: str, answer: str, meta: dict, format_weight: float = 0.0) -> tuple[float, dict]:
     """(answer_reward + format_weight * format_reward, info). Never raises: errors give reward 0 and info['error'].
 
@@ -171,6 +175,9 @@ def score(fn: RewardFn, completion: str, answer: str, meta: dict, format_weight:
         value = fn(completion, answer, meta)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise TypeError(f"reward function returned {value!r}; it must return a finite float")
+        if abs(value) > MAX_ABS_REWARD:
+            raise ValueError(f"reward function returned {value!r}, beyond +-{MAX_ABS_REWARD:g}: advantages of rewards "
+                             f"that large overflow; scale the reward down")
     except Exception as e:  # a user function may raise anything; the run must go on
         info["error"] = f"{type(e).__name__}: {e}"
         return 0.0, _done(info, t0)

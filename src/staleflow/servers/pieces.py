@@ -49,7 +49,7 @@ class Piece:
     def __init__(self, seg: Segment, flat: torch.Tensor, layout: ParamLayout, reader: int | None, owner: bool):
         self.seg, self.flat, self.layout, self.reader, self.owner = seg, flat, layout, reader, owner
         self.views = layout.views(flat)
-        self.lock_fd = os.open(segment_path(seg.name), os.O_RDWR)  # claims work after the owner unlinks
+        self.lock_fd = os.open(segment_path(seg.name), os.O_RDWR | os.O_NOFOLLOW)  # claims work after the owner unlinks
         self.readers = PIECE_HEADER.unpack_from(seg.buf, 0)[4]
 
     @classmethod
@@ -84,7 +84,7 @@ class Piece:
             if not 0 <= reader < readers:
                 raise ServerError(f"reader index {reader} is outside the {readers} handles of {seg.name}: the "
                                   f"creator sized it for readers 0..{readers - 1} (ParameterServer.create(readers=))")
-            fd = os.open(segment_path(seg.name), os.O_RDWR)
+            fd = os.open(segment_path(seg.name), os.O_RDWR | os.O_NOFOLLOW)
             try:
                 _claim(seg, fd, reader, os.getpid())
                 try:

@@ -71,7 +71,7 @@ class WeightServer:
     def __init__(self, ps, piece: int, sock: zmq.Socket, groups: dict[int, object], device: torch.device):
         self.ps, self.piece, self.sock, self.groups, self.device = ps, piece, sock, groups, torch.device(device)
         # Our own descriptors: a flock on the main thread's fd would merely convert its lock.
-        self._lock_fds = [os.open(segment_path(sl.seg.name), os.O_RDWR) for sl in ps.slots]
+        self._lock_fds = [os.open(segment_path(sl.seg.name), os.O_RDWR | os.O_NOFOLLOW) for sl in ps.slots]
         self.served = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="staleflow-weights", daemon=True)

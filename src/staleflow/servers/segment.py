@@ -24,9 +24,11 @@ Usage::
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
+import stat
 import struct
 import time
 import weakref
@@ -76,6 +78,20 @@ def _pid_alive(pid: int, start_time: int) -> bool:
     except PermissionError:
         return True
     return start_time == 0 or _pid_start_time(pid) in (0, start_time)
+
+
+def _check_owned(fd: int, path: str) -> None:
+    """A segment is ours only if this user created it as a private regular file (0600): a file
+    that another local user planted under the name before the run created it is refused."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise SegmentError(f"segment {path} is not a regular file: remove it")
+    if st.st_uid != os.getuid():
+        raise SegmentError(f"segment {path} belongs to uid {st.st_uid}, not this user ({os.getuid()}): another user "
+                           f"created it; remove it or pick another run id")
+    if st.st_mode & 0o077:
+        raise SegmentError(f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, segments are created 0600: "
+                           f"someone else made or changed it; remove it")
 
 
 def _unlink_if_owner(path: str, owner_pid: int) -> None:
@@ -148,14 +164,20 @@ class Segment:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                fd = os.open(path, os.O_RDWR)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
                 break
             except FileNotFoundError:
                 if time.monotonic() >= deadline:
                     raise SegmentError(f"segment {path} does not exist: start its creator first "
                                        f"(or check run_id/rank)") from None
                 time.sleep(0.005)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise SegmentError(f"segment {path} is a symbolic link, not a segment this run created: "
+                                       f"remove it (another user may have planted it)") from None
+                raise SegmentError(f"segment {path} cannot be opened ({e.strerror})") from None
         try:
+            _check_owned(fd, path)
             total = os.fstat(fd).st_size
             mm = mmap.mmap(fd, total)
         finally:

@@ -31,7 +31,7 @@ class _Slot:
     def __init__(self, seg: Segment, slot: int, views: list[dict[str, torch.Tensor] | None],
                  pieces: list[Piece | None] = ()):
         self.seg, self.slot, self.views, self.pieces = seg, slot, views, list(pieces)
-        self.lock_fd = os.open(segment_path(seg.name), os.O_RDWR)
+        self.lock_fd = os.open(segment_path(seg.name), os.O_RDWR | os.O_NOFOLLOW)
 
     def header(self) -> tuple[int, int, int]:
         """(state, version, stamp)."""

@@ -17,8 +17,8 @@
 from __future__ import annotations
 
 import os
-import pickle
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -27,6 +27,63 @@ from staleflow.servers.errors import ServerError
 # Piece tensors owned by this process, by segment name: a process cannot open its own IPC handle.
 _LOCAL_PIECES: dict[str, torch.Tensor] = {}
 _STORAGE_DEVICE = 6  # position of storage_device in rebuild_cuda_tensor's arguments
+
+
+class CudaHandle(msgspec.Struct, array_like=True, frozen=True):
+    """One reader's CUDA IPC handle of a piece, as plain data: what ``reduce_tensor`` returns for
+    ``rebuild_cuda_tensor``, with the three Python objects it holds (tensor class, storage class,
+    dtype) written as names from a fixed list. It sits in a segment other local users might
+    plant, so it is decoded as typed data (msgspec), never unpickled."""
+
+    pid: int
+    tensor_cls: str
+    size: list[int]
+    stride: list[int]
+    offset: int
+    storage_cls: str
+    dtype: str
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    requires_grad: bool
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+def _classes() -> dict[str, type]:
+    return {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "TypedStorage": torch.storage.TypedStorage,
+            "UntypedStorage": torch.UntypedStorage}
+
+
+def encode_cuda_handle(pid: int, args: tuple) -> bytes:
+    """``reduce_tensor(t)[1]`` of a CUDA tensor as bytes (CudaHandle)."""
+    names = {v: k for k, v in _classes().items()}
+    (tcls, size, stride, offset, scls, dtype, device, handle, ssize, soff, grad, rc_handle, rc_off,
+     ev_handle, ev_sync) = args
+    if tcls not in names or scls not in names:
+        raise ServerError(f"cannot share a {tcls.__name__} over a {scls.__name__} by CUDA IPC")
+    return msgspec.msgpack.encode(CudaHandle(
+        pid, names[tcls], list(size), list(stride), int(offset), names[scls], str(dtype).removeprefix("torch."),
+        int(device), bytes(handle), int(ssize), int(soff), bool(grad), bytes(rc_handle), int(rc_off),
+        None if ev_handle is None else bytes(ev_handle), bool(ev_sync)))
+
+
+def decode_cuda_handle(blob: bytes) -> tuple[int, tuple]:
+    """(creator pid, rebuild_cuda_tensor's arguments) of a CudaHandle; ServerError if malformed."""
+    try:
+        h = msgspec.msgpack.decode(blob, type=CudaHandle)
+    except msgspec.DecodeError as e:
+        raise ServerError(f"a CUDA IPC handle of a parameter-server piece is malformed ({e})") from None
+    cls = _classes()
+    dtype = getattr(torch, h.dtype, None)
+    if h.tensor_cls not in cls or h.storage_cls not in cls or not isinstance(dtype, torch.dtype):
+        raise ServerError(f"a CUDA IPC handle names unknown types ({h.tensor_cls}, {h.storage_cls}, {h.dtype})")
+    return h.pid, (cls[h.tensor_cls], torch.Size(h.size), tuple(h.stride), h.offset, cls[h.storage_cls], dtype,
+                   h.device, h.handle, h.storage_size_bytes, h.storage_offset_bytes, h.requires_grad,
+                   h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required)
 
 
 def device_uuid(device: torch.device) -> str:
@@ -56,8 +113,7 @@ def cuda_piece_create(seg_name: str, nbytes: int, device: torch.device,
     blobs = []
     for _ in range(readers):
         _, args = reduce_tensor(piece)  # a fresh reference counter per reader
-        # Our own bytes, written by our own process into our own segment: pickle is safe here.
-        blobs.append(pickle.dumps((os.getpid(), args)))
+        blobs.append(encode_cuda_handle(os.getpid(), args))
     torch.cuda.synchronize(device)  # the zeros are written before anyone maps the piece
     return piece, blobs, device_uuid(device)
 
@@ -69,7 +125,7 @@ def cuda_piece_open(seg_name: str, blob: bytes, uuid: str) -> torch.Tensor:
         return local
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    pid, args = pickle.loads(blob)
+    pid, args = decode_cuda_handle(blob)
     if pid == os.getpid():
         raise ServerError(f"piece {seg_name} was created by this process but is no longer alive here")
     args = list(args)

@@ -4,15 +4,20 @@
     extra = load_checkpoint(trainer, latest_checkpoint("runs/x/checkpoints"))
     export_hf(trainer, "runs/x/policy", tokenizer_from=resolve_model_path("smollm2-135m"))
 
-A checkpoint folder ``step_{version:08d}`` holds the sharded model + optimizer state written
-by torch.distributed.checkpoint (each rank writes its own shards; it reloads on any number of
-ranks), ``trainer_state.json`` (version, LR scheduler, an ``extra`` dict the runtime fills: the
-controller's resume state), ``rng_{rank}.pt`` (tensors and ints only: loaded with
-``weights_only=True``, so a crafted file cannot run code) and, written last, ``manifest.json``
-with the size and sha256 of every file. Saving steps: all ranks write into ``.tmp-step_*``; barrier;
-rank 0 writes the trainer state and the manifest and renames the folder into place (an atomic
-rename on one filesystem), then deletes all but the newest `keep` checkpoints. A crash leaves at
-most a ``.tmp-`` folder that `latest_checkpoint` ignores; the previous checkpoint is untouched.
+A checkpoint folder ``step_{version:08d}`` holds the sharded model + optimizer state as
+safetensors written by every trainer rank (``rank_{r}.safetensors``: its own rows; it reloads on
+any number of ranks) with a JSON index ``state.json`` (shapes, dtypes, the optimizer's param
+groups; train/state_store.py), ``trainer_state.json`` (version, LR scheduler, an ``extra`` dict
+the runtime fills: the controller's resume state), ``rng_{rank}.safetensors`` + ``rng_{rank}.json``
+and, written last, ``manifest.json`` with the size and sha256 of every file. Nothing in a
+checkpoint is unpickled or executed: safetensors headers and JSON only (torch's DCP format, which
+unpickles its metadata, is refused with a one-line error). Saving steps: all ranks write into
+``.tmp-step_*``; every rank's success is agreed on collectively; rank 0 writes the trainer state
+and the manifest and renames the folder into place (an atomic rename on one filesystem, then the
+directory is fsynced), then deletes all but the newest `keep` checkpoints. A failed save (disk
+full: named as such) removes its temporary folder at once; a crash leaves at most a ``.tmp-``
+folder that `latest_checkpoint` ignores and the next save removes; the previous checkpoint is
+untouched.
 Loading verifies the manifest first and raises CheckpointError naming the bad file and the
 previous checkpoint to fall back to; ``find_resume_checkpoint`` picks the newest intact one and
 says in a warning when it had to skip a newer, damaged one (steps will be repeated).
@@ -25,12 +30,14 @@ import json
 import os
 import random
 import shutil
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from staleflow.durable import DiskError, atomic_write_json, disk_errors, fsync_dir
+from staleflow.train.state_store import (StateError, flatten_state, load_rank_state, read_full, read_index,
+                                         restore_groups, write_rank_state, write_safetensors)
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -40,18 +47,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, partial or corrupted."""
 
 
+class CheckpointDiskError(CheckpointError):
+    """A save failed because the disk is full, read-only or not permitted: no retry fixes it."""
+
+
 def _barrier(trainer) -> None:
     if trainer.sharded:
         dist.barrier(group=trainer.group)
-
-
-@contextmanager
-def _quiet_single_process(trainer):
-    """DCP warns that it 'assumes a single process' when told no_dist: that is what we mean."""
-    with warnings.catch_warnings():
-        if not trainer.sharded:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _sha256(path: Path) -> str:
@@ -129,87 +131,177 @@ def verify_checkpoint(path: str | Path) -> dict:
     return manifest
 
 
-def _dcp_state(trainer):
+def _live_state(trainer) -> tuple[dict, dict]:
+    """torch's (model, optimizer) state dicts of the trainer: DTensor shards when sharded (the
+    optimizer's state is created here if no step ran yet, so every name exists)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(trainer.policy, trainer.optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    return get_state_dict(trainer.policy, trainer.optimizer)
 
 
-def _rng_state() -> dict:
-    """Tensors, ints and tuples only (weights_only=True loads it)."""
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate())}
+def _rng_tensors(trainer) -> tuple[list[tuple[str, torch.Tensor]], list]:
+    """This rank's generator states: tensors (torch, CUDA) and the JSON-able Python state."""
+    tensors = [("torch", torch.get_rng_state())]
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        tensors += [(f"cuda_{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+    version, internal, gauss = random.getstate()
+    return tensors, [version, list(internal), gauss]
+
+
+_OK, _FAILED, _DISK = 0, 1, 2
+
+
+def _worst(trainer, code: int) -> int:
+    """The worst outcome over the trainer ranks (a collective: every rank calls it, failed or not)."""
+    if not trainer.sharded:
+        return code
+    flag = torch.tensor([code], dtype=torch.int32, device=trainer.device if trainer.device.type == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=trainer.group)
+    return int(flag.item())
+
+
+def _outcome(e: BaseException | None) -> int:
+    return _OK if e is None else _DISK if isinstance(e, DiskError) else _FAILED
+
+
+def _raise(code: int, error: BaseException | None, otherwise: str) -> None:
+    if code == _OK:
+        return
+    msg = str(error) if error is not None else otherwise
+    if code == _DISK:
+        raise CheckpointDiskError(msg if isinstance(error, DiskError) else f"{otherwise} (a disk problem on another "
+                                  f"rank: the disk is full, read-only or not permitted)")
+    raise CheckpointError(msg)
+
+
+def _write_rank_files(trainer, tmp: Path) -> dict:
+    model_sd, optim_sd = _live_state(trainer)
+    flat, groups = flatten_state(model_sd, optim_sd)
+    index = write_rank_state(tmp, trainer.rank, trainer.world, flat)
+    index["param_groups"] = groups
+    rng, py_state = _rng_tensors(trainer)
+    write_safetensors(tmp / f"rng_{trainer.rank}.safetensors", rng)
+    (tmp / f"rng_{trainer.rank}.json").write_text(json.dumps({"python": py_state}))
+    return index
 
 
 def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: int = 2) -> Path:
-    """Save the full training state of `trainer` (collective over its ranks); returns the folder."""
-    import torch.distributed.checkpoint as dcp
+    """Save the full training state of `trainer` (collective over its ranks); returns the folder.
 
+    Raises CheckpointError (every rank) when any rank failed to write; the temporary folder is
+    removed at once and the previous checkpoint stays the resume point."""
     if keep < 1:
         raise ValueError(f"keep={keep!r} is invalid: keep at least 1 checkpoint (--checkpoint.keep)")
     root = Path(root)
     final = root / f"{PREFIX}{trainer.version:08d}"
     tmp = root / f".tmp-{final.name}"
+    error: BaseException | None = None
     if trainer.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier(trainer)
-    with _quiet_single_process(trainer):
-        dcp.save(_dcp_state(trainer), checkpoint_id=str(tmp), process_group=trainer.group, no_dist=not trainer.sharded)
-    torch.save(_rng_state(), tmp / f"rng_{trainer.rank}.pt")
-    _barrier(trainer)
+        try:
+            with disk_errors(f"creating {tmp}", root):
+                root.mkdir(parents=True, exist_ok=True)
+                for stale in root.glob(".tmp-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir()
+        except OSError as e:
+            error = e
+    _raise(_worst(trainer, _outcome(error)), error, f"checkpoint {final.name}: the leader could not create {tmp}")
+    index = None
+    try:
+        with disk_errors(f"writing checkpoint {final.name} (rank {trainer.rank})", root):
+            index = _write_rank_files(trainer, tmp)
+    except (OSError, StateError) as e:
+        error = e
+    code = _worst(trainer, _outcome(error))
+    if code != _OK and trainer.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _raise(code, error, f"checkpoint {final.name}: another trainer rank failed to write its part; the previous "
+                        f"checkpoint stays the resume point")
     if trainer.rank == 0:
-        state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
-                 "scheduler": trainer.scheduler.state_dict(), "world": trainer.world, "extra": extra or {}}
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
-                 for f in sorted(tmp.rglob("*")) if f.is_file()}
-        manifest = {"version": trainer.version, "world": trainer.world, "files": files}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier(trainer)
+        try:
+            with disk_errors(f"finishing checkpoint {final.name}", root):
+                _finish(trainer, tmp, final, index, extra)
+                for old in list_checkpoints(root)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+    _raise(_worst(trainer, _outcome(error)), error, f"checkpoint {final.name}: the leader failed to finish it")
     return final
+
+
+def _finish(trainer, tmp: Path, final: Path, index: dict, extra: dict | None) -> None:
+    """Rank 0: index, trainer state and manifest (last), then the atomic rename into place."""
+    atomic_write_json(tmp / "state.json", index)
+    state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
+             "scheduler": trainer.scheduler.state_dict(), "world": trainer.world, "extra": extra or {}}
+    atomic_write_json(tmp / "trainer_state.json", state)
+    files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(tmp.rglob("*")) if f.is_file()}
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    atomic_write_json(tmp / MANIFEST, {"version": trainer.version, "world": trainer.world, "files": files}, indent=1)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def _refuse_legacy(path: Path) -> None:
+    if (path / ".metadata").is_file() and not (path / "state.json").is_file():
+        raise CheckpointError(f"checkpoint {path} is in torch's DCP format (written by an older StaleFlow), which "
+                              f"unpickles its metadata on load and is refused: start a fresh run")
 
 
 def load_checkpoint(trainer, path: str | Path) -> dict:
     """Restore `trainer` from a checkpoint folder (any number of ranks); returns its `extra` dict."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
     verify_checkpoint(path)
-    state = _dcp_state(trainer)
-    with _quiet_single_process(trainer):
-        dcp.load(state, checkpoint_id=str(path), process_group=trainer.group, no_dist=not trainer.sharded)
-    set_state_dict(trainer.policy, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    _refuse_legacy(path)
+    model_sd, optim_sd = _live_state(trainer)
+    flat, _ = flatten_state(model_sd, optim_sd)
+    try:
+        index = read_index(path)
+        load_rank_state(path, trainer.rank, trainer.world, flat, index)
+        restore_groups(optim_sd["param_groups"], index.get("param_groups"))
+        for fqn, st in optim_sd.get("state", {}).items():  # scalars came back as tensors: give the type back
+            for key, v in list(st.items()):
+                if not isinstance(v, torch.Tensor):
+                    st[key] = type(v)(flat[f"optim/{fqn}/{key}"].item())
+    except StateError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+    set_state_dict(trainer.policy, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     try:
         meta = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError) as e:
+        trainer.version = int(meta["version"])
+        trainer.optimizer_steps = int(meta["optimizer_steps"])
+        trainer.scheduler.load_state_dict(meta["scheduler"])
+        extra = meta["extra"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable trainer_state.json ({e})") from None
-    trainer.version = meta["version"]
-    trainer.optimizer_steps = meta["optimizer_steps"]
-    trainer.scheduler.load_state_dict(meta["scheduler"])
-    rng_file = path / f"rng_{trainer.rank}.pt"
-    rng = torch.load(rng_file if rng_file.is_file() else path / "rng_0.pt", weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    version, internal, gauss = rng["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return meta["extra"]
+    _load_rng(path, trainer.rank)
+    return extra
+
+
+def _load_rng(path: Path, rank: int) -> None:
+    from safetensors.torch import load_file
+
+    r = rank if (path / f"rng_{rank}.safetensors").is_file() else 0
+    try:
+        tensors = load_file(str(path / f"rng_{r}.safetensors"))
+        version, internal, gauss = json.loads((path / f"rng_{r}.json").read_text())["python"]
+        torch.set_rng_state(tensors["torch"])
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    except Exception as e:  # safetensors raises its own SafetensorError on a bad header
+        raise CheckpointError(f"checkpoint {path}: unreadable random-generator state of rank {r} "
+                              f"({str(e).splitlines()[0][:200]})") from None
+    cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def export_hf(trainer, folder: str | Path, tokenizer_from: str | None = None,
@@ -231,12 +323,17 @@ def load_policy_weights(model, path: str | Path) -> None:
     """Load only the policy weights of a checkpoint folder into an unsharded CausalLM (in place).
 
     For tools outside a training run (export checks, evaluation): no optimizer, no process group."""
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     verify_checkpoint(path)
-    sd = {f"lm.{k}": v for k, v in model.state_dict().items()}  # Trainer.policy = PolicyHead(lm=model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": sd}, checkpoint_id=str(path), no_dist=True)
-    model.load_state_dict({k[len("lm."):]: v for k, v in sd.items()})
+    _refuse_legacy(path)
+    try:
+        index = read_index(path)
+        sd = {}
+        for k, v in model.state_dict().items():  # Trainer.policy = PolicyHead(lm=model)
+            t = read_full(path, f"model/lm.{k}", index)
+            if t.shape != v.shape:
+                raise StateError(f"model/lm.{k}: stored {list(t.shape)}, the model has {list(v.shape)}")
+            sd[k] = t.to(v.dtype)
+    except StateError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+    model.load_state_dict(sd)
