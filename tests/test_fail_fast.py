@@ -124,3 +124,25 @@ def test_fail_fast_a_model_file_with_a_corrupted_header_is_one_line(tmp_path):
     assert no_restart_helps(e.value)
     r = _check("--model.path", str(folder))
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"staleflow: {f} is not a readable")
+
+
+def test_stall_sends_to_a_gone_controller_time_out_and_stats_are_dropped(tmp_path):
+    """A rank whose controller is gone does not block for ever: a send gives up after its timeout
+    (ControllerGone, one line), and a snapshot is dropped instead of queued without end."""
+    import time
+
+    from staleflow.coordinator.types import InstanceSnapshot
+    from staleflow.launch.control import ControllerGone
+    from staleflow.launch.messages import Ping
+
+    c = ControlClient(f"ipc://{tmp_path}/nobody", 1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ControllerGone, match=r"rank 1: the controller took no message for 0 s \(Ping"):
+            for i in range(5000):  # ZeroMQ queues up to its high-water mark (1000), then there is no room
+                c.send(Ping(rank=1, seq=i), timeout_s=0.3)
+        assert 1000 <= i < 5000 and time.monotonic() - t0 < 10
+        assert not c.send_stats(InstanceSnapshot(0, 0, 0, 0, 0, 1, 0.0, False, 0.0))
+        assert c.stats_dropped == 1
+    finally:
+        c.close()

@@ -166,8 +166,19 @@ class ControlServer:
                 pass
 
 
+class ControllerGone(RuntimeError):
+    """A message to the controller could not be queued for the send timeout: it is gone or stuck."""
+
+
+SEND_TIMEOUT_S = float(os.environ.get("STALEFLOW_SEND_TIMEOUT_S", "120"))
+
+
 class ControlClient:
-    """Rank side: one DEALER socket to the controller (ipc on its node, CURVE TCP from elsewhere)."""
+    """Rank side: one DEALER socket to the controller (ipc on its node, CURVE TCP from elsewhere).
+
+    A send never blocks for ever: ZeroMQ queues up to its high-water mark (1000 messages) while
+    the controller is away; ``send`` then waits at most ``timeout_s`` for room and raises
+    ControllerGone; ``send_stats`` (snapshots, which the next one supersedes) drops instead."""
 
     def __init__(self, address: str, rank: int, secure: SecureContext | None = None):
         self.rank = rank
@@ -182,9 +193,29 @@ class ControlClient:
             self._sock.connect(address)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        self.stats_dropped = 0
 
-    def send(self, msg) -> None:
-        self._sock.send(encode(msg))
+    def send(self, msg, timeout_s: float | None = None) -> None:
+        """Queue ``msg``; ControllerGone if there is no room for ``timeout_s`` (default SEND_TIMEOUT_S)."""
+        data = encode(msg)
+        timeout = SEND_TIMEOUT_S if timeout_s is None else timeout_s
+        if self._sock.poll(int(timeout * 1000), zmq.POLLOUT):
+            try:
+                self._sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        raise ControllerGone(f"rank {self.rank}: the controller took no message for {timeout:.0f} s "
+                             f"({type(msg).__name__} not sent): it is gone or stuck")
+
+    def send_stats(self, msg) -> bool:
+        """Queue a message that a newer one supersedes (a snapshot); dropped when the queue is full."""
+        try:
+            self._sock.send(encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.stats_dropped += 1
+            return False
 
     def recv(self, timeout_s: float):
         """Next message from the controller, or None after timeout_s seconds."""

@@ -28,7 +28,7 @@ from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
 from staleflow.presets import PRESETS
 from staleflow.launch import dist as rankdist
 from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
-from staleflow.launch.control import ControlClient, control_address
+from staleflow.launch.control import ControlClient, ControllerGone, control_address
 from staleflow.launch.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
 from staleflow.launch.rank import (RankContext, RunStopped, defer_signals, install_signal_handlers,
                                    set_title)
@@ -237,12 +237,18 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
         fatal = no_restart_helps(e)
         if not fatal:  # bad input is said in one line (by the controller), a bug with its traceback
             traceback.print_exc()
-        client.send(Failure(rank=rank, error=reason, fatal=fatal))
+        try:
+            client.send(Failure(rank=rank, error=reason, fatal=fatal), timeout_s=5.0)
+        except ControllerGone:
+            pass
     finally:
         try:
             if worker is not None:
                 worker.close()
-            client.send(Goodbye(rank=rank, ok=ok, reason=reason))
+            try:
+                client.send(Goodbye(rank=rank, ok=ok, reason=reason), timeout_s=5.0)
+            except ControllerGone:
+                pass
         finally:
             client.close()
             if net is not None:

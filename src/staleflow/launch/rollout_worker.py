@@ -211,7 +211,7 @@ class RolloutWorker:
         self._last_tokens, self._last_t = st.tokens_generated, now
         running = [t for t in st.running_ids if not is_eval(t)]  # held-out answers are not the coordinator's
         waiting = [t for t in st.waiting_ids if not is_eval(t)]
-        self.ctx.client.send(InstanceSnapshot(
+        self.ctx.client.send_stats(InstanceSnapshot(
             instance=self.instance, version=st.version, running=len(running), waiting=len(waiting),
             kv_tokens=st.kv_tokens, kv_capacity=st.kv_capacity, tokens_per_s=rate, syncing=False, time=now,
             traj_ids=tuple(running) + tuple(waiting), tokens_generated=st.tokens_generated))
