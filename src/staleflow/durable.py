@@ -15,6 +15,7 @@ Nothing here parses anything but JSON: no file a run reads can run code.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 from contextlib import contextmanager
@@ -75,6 +76,15 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 def atomic_write_json(path: str | Path, obj, indent: int | None = None) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=indent))
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_jsonl(path: str | Path) -> tuple[list[dict], int]:

@@ -29,8 +29,9 @@ from staleflow.launch.evaluation import eval_request_id, is_eval, split_eval_id
 from staleflow.launch.messages import Evaluate, Evaluated, FreeRecords, Pulled, RouteTraj, Shutdown, TrajDone
 from staleflow.plan.placement import reader_index
 from staleflow.rollout.engine import Request, SamplingParams
-from staleflow.servers import ParameterServer, RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
+from staleflow.servers import RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES
+from staleflow.servers.weights import open_weight_source
 
 RING_BYTES = DEFAULT_RING_BYTES
 
@@ -72,7 +73,6 @@ class RolloutWorker:
         self.engine = build_engine(ctx, model)
         self.ring = TrajectoryRing.create(ctx.run_id, ctx.rank, RING_BYTES)
         self.readers: dict[int, TrajectoryRing] = {ctx.rank: self.ring}
-        self.ps: ParameterServer | None = None
         rc = ctx.cfg.rollout
         self.params = dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens)
         self.meta: dict[int, dict] = {}  # traj_id -> traj_version
@@ -82,7 +82,10 @@ class RolloutWorker:
         self._last_stats = 0.0
         self._last_tokens, self._last_t = 0, time.monotonic()
         self.net = ctx.net
-        self.remote_ps = self.net.remote_weights() if self.net is not None else None
+        world = ctx.roles.world_size
+        self.weights = open_weight_source(ctx.run_id, rc.engine, reader=reader_index(ctx.rank, world),
+                                          worker_reader=reader_index(ctx.rank, world, engine_worker=True),
+                                          remote=self.net.remote_weights() if self.net is not None else None)
         self.waiting_fetch: list[RouteTraj] = []  # routes whose partial record is on another node
         self.crossed: dict[int, tuple[int, int]] = {}  # traj_id -> (copies, bytes) fetched to resume it
 
@@ -147,26 +150,8 @@ class RolloutWorker:
         if not self.keep_on_pull:  # partial rollout: nothing runs across a weight load
             st = self.engine.stats()
             self.interrupt([t for t in list(st.running_ids) + list(st.waiting_ids) if not is_eval(t)], drop=False)
-        world, rank = self.ctx.roles.world_size, self.ctx.rank
-        vllm = hasattr(self.engine, "load_from_server")
-        keep = {"keep_kv": True} if self.keep_on_pull else {}
-        if self.remote_ps is not None:  # the PS is on another node: its piece owners send the bytes
-            targets = dict(self.engine.model.named_parameters())
-            version, nbytes = self.remote_ps.pull_latest(out=targets)
-            self.engine.load_weights(targets, version, **keep)
-            self._pulled(msg, version, t0, nbytes, cross_node=True)
-            return
-        if self.ps is None:  # a vLLM rank maps only the slot headers: its engine's worker maps the weights
-            self.ps = ParameterServer.attach(self.ctx.run_id, timeout=60,
-                                             reader=None if vllm else reader_index(rank, world))
-        if vllm:
-            worker = reader_index(rank, world, engine_worker=True)
-            version = self.engine.load_from_server(self.ctx.run_id, worker, **keep)
-        else:  # straight from the slot into the engine's parameters (cast on their device): no staging copy
-            targets = dict(self.engine.model.named_parameters())
-            version, _ = self.ps.pull_latest(out=targets)
-            self.engine.load_weights(targets, version, **keep)  # validates and stamps; copying onto itself is free
-        self._pulled(msg, version, t0, self.ps.layout.nbytes)
+        version, nbytes, cross_node = self.weights.load(self.engine, keep_kv=self.keep_on_pull)
+        self._pulled(msg, version, t0, nbytes, cross_node)
 
     def _pulled(self, msg: Pull, version: int, t0: float, nbytes: int, cross_node: bool = False) -> None:
         if version < msg.version:
@@ -283,7 +268,7 @@ class RolloutWorker:
                 self.send_stats(now)
 
     def close(self) -> None:
-        getattr(self.engine, "close", lambda: None)()  # vLLM: stop its engine processes
+        self.engine.close()  # vLLM: stop its engine processes
         for r in self.readers.values():
             if r is not self.ring:
                 r.close()
@@ -291,6 +276,5 @@ class RolloutWorker:
             self.net.sends.wait_all()  # zero-copy sends read the ring until they are out
         self.ring.close()
         self.ring.unlink()
-        if self.ps is not None:
-            self.ps.close()
+        self.weights.close()
 

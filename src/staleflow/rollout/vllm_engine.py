@@ -291,6 +291,11 @@ class VllmEngine:
                               f"parameter (vLLM reloads whole checkpoints); nothing was loaded")
         return keep
 
+    def weight_targets(self) -> None:
+        """None: the weights live in vLLM's worker process (a source hands over its own tensors,
+        or the worker maps the Parameter Server itself: load_from_server)."""
+        return None
+
     def load_weights(self, named_tensors: Mapping | Iterable, version: int, keep_kv: bool = False) -> None:
         """Load HF-named tensors in place and set the weight version.
 

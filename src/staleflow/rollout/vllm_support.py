@@ -39,24 +39,22 @@ class WeightReloadExtension:
         on this GPU is passed as the slot's own view, others are assembled on this GPU from the
         pieces (peer copies); vLLM's weight loaders copy (and cast) them into place. A torn or
         overwritten version is loaded again."""
-        from staleflow.servers import ParameterServer, TornRead, VersionNotFound
+        from staleflow.servers import ParameterServer
+        from staleflow.servers.slot import read_clean
 
         ps = getattr(self, "_staleflow_ps", None)
         if ps is None:
             ps = self._staleflow_ps = ParameterServer.attach(run_id, timeout=timeout, reader=reader)
         device = next(self.get_model().parameters()).device
-        for _ in range(4):
-            version = ps.latest_version()
-            if version is None:
-                raise VersionNotFound("staleflow_pull_weights: nothing published yet")
-            try:
-                with ps.stream(version, device=device) as tensors:
-                    self.reload_weights(weights_iterator=tensors)
-            except (TornRead, VersionNotFound):
-                continue
-            self._staleflow_refresh_tied_head()
-            return version
-        raise TornRead("staleflow_pull_weights: the newest version changed during 4 loads in a row")
+
+        def read(version: int) -> bool:
+            with ps.stream(version, device=device) as tensors:  # raises TornRead / VersionNotFound
+                self.reload_weights(weights_iterator=tensors)
+            return True
+
+        version = read_clean(read, ps.latest_version, 4, "staleflow_pull_weights")
+        self._staleflow_refresh_tied_head()
+        return version
 
     def staleflow_detach(self) -> int:
         """Release this worker's Parameter Server reader indices (before the engine shuts down)."""

@@ -46,7 +46,8 @@ from staleflow.servers.errors import ServerError, TornRead, VersionNotFound
 from staleflow.servers.layout import ParamLayout, dtype_of, piece_rows
 from staleflow.servers.pieces import Piece
 from staleflow.servers.segment import KIND_PARAM, Segment
-from staleflow.servers.slot import EMPTY, FILLING, NUM_SLOTS, PUBLISHED, SLOT_HEADER, SLOT_MAGIC, _Slot, slot_name
+from staleflow.servers.slot import (EMPTY, FILLING, NUM_SLOTS, PUBLISHED, SLOT_HEADER, SLOT_MAGIC, _Slot, read_clean,
+                                    slot_name)
 from staleflow.servers.transport import sync_device
 
 __all__ = ["EMPTY", "FILLING", "PUBLISHED", "ParameterServer", "slot_name"]
@@ -269,28 +270,22 @@ class ParameterServer:
         overwritten; a torn copy is retried (``out`` then holds the clean retry).
         """
         out = self._prepare(out)
-        for _ in range(retries + 1):
-            sl = self._slot_of(version)
-            clean = None if sl is None else self._copy(sl, version, out)
-            if clean is None:
-                self._not_found(version)
-            if clean:
-                return out
-        raise TornRead(f"pull({version}): the slot changed during each of {retries + 1} copies; "
-                       f"a writer is bypassing the slot lock")
+        try:
+            read_clean(lambda v: self._read(v, out), lambda: version, retries + 1, f"pull({version})",
+                       follow_newest=False)
+        except VersionNotFound:
+            self._not_found(version)
+        return out
 
     def pull_latest(self, out: dict[str, torch.Tensor] | None = None,
                     retries: int = 3) -> tuple[int, dict[str, torch.Tensor]]:
         """Copy the newest published version; returns (version, tensors)."""
         out = self._prepare(out)
-        for _ in range(retries + 2):
-            version = self.latest_version()
-            if version is None:
-                raise VersionNotFound("pull_latest: no version has been published yet; wait for the first push")
-            sl = self._slot_of(version)
-            if sl is not None and self._copy(sl, version, out):
-                return version, out
-        raise TornRead(f"pull_latest: the newest slot changed during each of {retries + 2} copies")
+        return read_clean(lambda v: self._read(v, out), self.latest_version, retries + 2, "pull_latest"), out
+
+    def _read(self, version: int, out: dict[str, torch.Tensor]) -> bool | None:
+        sl = self._slot_of(version)
+        return None if sl is None else self._copy(sl, version, out)
 
     @contextmanager
     def stream(self, version: int, device: str | torch.device | None = None

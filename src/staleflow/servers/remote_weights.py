@@ -35,10 +35,10 @@ import torch.distributed as dist
 import zmq
 
 from staleflow.net.curve import incoming, user_rank
-from staleflow.servers.errors import ServerError, TornRead, VersionNotFound
+from staleflow.servers.errors import ServerError
 from staleflow.servers.layout import ParamLayout, dtype_of, piece_rows
 from staleflow.servers.segment import segment_path
-from staleflow.servers.slot import PUBLISHED
+from staleflow.servers.slot import PUBLISHED, read_clean
 from staleflow.servers.transport import sync_device
 
 
@@ -190,25 +190,23 @@ class RemoteWeights:
     @torch.no_grad()
     def pull_latest(self, out: dict[str, torch.Tensor], retries: int = 3) -> tuple[int, int]:
         """Copy the newest published version into ``out`` in place; returns (version, bytes received)."""
-        total = 0
-        for _ in range(retries + 1):
-            version = self.latest_version()
-            if version is None:
-                raise VersionNotFound("pull_latest: no version has been published yet; wait for the first push")
+        got = {"bytes": 0}
+
+        def read(version: int) -> bool | None:
             self._check(out)
             for sock in self.socks:
                 sock.send(_encode(WeightRequest(version)))
             offers = [self._answer(p) for p in range(self.pieces)]
             complete = all(o.ok for o in offers)
             for p, offer in enumerate(offers):
-                if offer.ok:
-                    total += self._receive(p, out if complete else None)
+                if offer.ok:  # an owner that offered sends its rows anyway: receive (and drop) them
+                    got["bytes"] += self._receive(p, out if complete else None)
             clean = all(self._answer(p).clean for p, o in enumerate(offers) if o.ok)
             sync_device(self.device)
-            if complete and clean:
-                return version, total
-        raise TornRead(f"pull_latest: version {version} was overwritten or changed during each of {retries + 1} "
-                       f"pulls from another node")
+            return clean if complete else None
+
+        version = read_clean(read, self.latest_version, retries + 1, "pull_latest from another node")
+        return version, got["bytes"]
 
     def _check(self, out: dict[str, torch.Tensor]) -> None:
         index = self.layout.index()

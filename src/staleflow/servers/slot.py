@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Callable
 
 import torch
 
+from staleflow.servers.errors import TornRead, VersionNotFound
 from staleflow.servers.pieces import Piece
 from staleflow.servers.segment import Segment, check_run_id, segment_path
 
@@ -56,3 +58,32 @@ class _Slot:
         self.seg.close()
 
 
+
+
+def read_clean(read: Callable[[int], bool | None], version: Callable[[], int | None], attempts: int,
+               what: str, follow_newest: bool = True) -> int:
+    """The one retry loop of every weight reader (local slots, another node's owners, a vLLM
+    worker): ``read(v)`` copies version v and returns True when the copy is clean (the seqlock
+    stamp did not move), False when it was torn, None when v is no longer there (overwritten).
+
+    ``version()`` says what to read now: the newest published version (``follow_newest``: a torn
+    or overwritten copy is retried with whatever is newest then), or one fixed version (then
+    "overwritten" is final: VersionNotFound). Returns the version read; TornRead after
+    ``attempts`` unclean copies. ``read`` may also raise TornRead / VersionNotFound to mean
+    False / None (a stream that notices the change on leaving)."""
+    for _ in range(attempts):
+        v = version()
+        if v is None:
+            raise VersionNotFound(f"{what}: no version has been published yet; wait for the first push")
+        try:
+            clean = read(v)
+        except TornRead:
+            clean = False
+        except VersionNotFound:
+            clean = None
+        if clean:
+            return v
+        if clean is None and not follow_newest:
+            raise VersionNotFound(f"{what}: version {v} is not available any more (overwritten); pull the newest")
+    raise TornRead(f"{what}: the slot changed during each of {attempts} copies (a writer bypassing the slot "
+                   f"lock, or versions published faster than they can be read)")

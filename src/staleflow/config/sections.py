@@ -1,15 +1,11 @@
-"""One config tree for a StaleFlow run: a frozen dataclass per component, composed in RunConfig.
-
-Exposed on the command line by tyro (``--rollout.ranks 2 --staleness.eta 2``); presets are
-plain Python functions registered in staleflow.presets.PRESETS (``--preset tiny``). Every ``__post_init__``
-validates its fields and raises ConfigError with a one-line message naming the flag.
-"""
+"""The config section of each component (model, rollout, train, staleness, coordinator, reward,
+data, checkpoint, eval, log): a frozen dataclass each, validated in ``__post_init__`` with a
+one-line ConfigError naming the flag. RunConfig (config/run.py) composes them."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 
@@ -20,19 +16,6 @@ class ConfigError(ValueError):
 def _check(ok: bool, flag: str, value, need: str) -> None:
     if not ok:
         raise ConfigError(f"--{flag}={value!r} is invalid: {need}")
-
-
-def _check_finite(cfg, prefix: str = "") -> None:
-    """Every float of a config (nested sections and tuples too) must be finite: inf or nan never
-    means anything a run can use, and it fails far from the flag (a NaN loss, a hang)."""
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        flag = f"{prefix}{f.name.replace('_', '-')}"
-        if dataclasses.is_dataclass(v):
-            _check_finite(v, f"{flag}.")
-        for x in (v if isinstance(v, tuple) else (v,)):
-            if isinstance(x, float):
-                _check(math.isfinite(x), flag, v, "must be a finite number")
 
 
 def parse_length_dist(spec: str) -> tuple[float, float] | None:
@@ -352,64 +335,3 @@ class LogConfig:
     wandb: bool = False
     """Also log to Weights & Biases (extra staleflow[wandb]; WANDB_MODE=offline works without an account)."""
     wandb_project: str = "staleflow"
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """A whole training run (``python -m staleflow train``)."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    staleness: StalenessConfig = field(default_factory=StalenessConfig)
-    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    mode: Literal["staleflow", "verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow-no-exchange",
-                  "staleflow-simple-strategies", "sync", "one-step-off"] = "staleflow"
-    """staleflow, a baseline named for its system (same loop; sync/one-step-off: verl aliases), or an ablation: docs/baselines.md."""
-    steps: int = 20
-    """Training steps (weight versions produced)."""
-    seed: int = 0
-    resume: str = ""
-    """Resume from this run folder's last checkpoint."""
-    smoke: bool = False
-    """Launcher smoke run: every rank registers, loads the model, reports, and exits."""
-
-    def __post_init__(self):
-        _check_finite(self)
-        _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
-        group_relative = ("grpo", "grpo-nostd", "dr-grpo", "rloo")
-        _check(self.staleness.group_size >= 2 or self.train.advantage not in group_relative, "staleness.group-size",
-               self.staleness.group_size, f"--train.advantage {self.train.advantage} compares responses within a "
-               f"group: with 1 response per prompt every advantage is 0 and nothing is learnt; use >= 2")
-
-
-def config_from_dict(cls, d: dict):
-    """Rebuild a config dataclass (nested ones too) from its JSON form (metrics.writer.save_config)."""
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in d:
-            continue
-        v, hint = d[f.name], hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            v = config_from_dict(hint, v)
-        elif isinstance(v, list) and typing.get_origin(hint) is tuple:
-            v = tuple(v)
-        kwargs[f.name] = v
-    return cls(**kwargs)
-
-
-def resolve(cfg: RunConfig) -> RunConfig:
-    """The run's config with ``--mode`` applied to its coordinator and staleness sections: called
-    once where the config is parsed; nothing downstream applies a mode again."""
-    from staleflow.coordinator.modes import apply_mode
-
-    coordinator, staleness = apply_mode(cfg.mode, cfg.coordinator, cfg.staleness)
-    return dataclasses.replace(cfg, coordinator=coordinator, staleness=staleness)

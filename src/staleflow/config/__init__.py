@@ -1,0 +1,16 @@
+"""One config tree for a StaleFlow run: a frozen dataclass per component (config/sections.py),
+composed in RunConfig (config/run.py).
+
+Exposed on the command line by tyro (``--rollout.ranks 2 --staleness.eta 2``); presets are
+plain Python functions registered in staleflow.presets.PRESETS (``--preset tiny``). Every ``__post_init__``
+validates its fields and raises ConfigError with a one-line message naming the flag.
+"""
+
+from staleflow.config.run import RunConfig, config_from_dict, resolve
+from staleflow.config.sections import (CheckpointConfig, ConfigError, CoordinatorConfig, DataConfig, EvalConfig,
+                                       LogConfig, ModelConfig, RewardConfig, RolloutConfig, StalenessConfig,
+                                       TrainConfig, _check, parse_length_dist)
+
+__all__ = ["CheckpointConfig", "ConfigError", "CoordinatorConfig", "DataConfig", "EvalConfig", "LogConfig",
+           "ModelConfig", "RewardConfig", "RolloutConfig", "RunConfig", "StalenessConfig", "TrainConfig", "_check",
+           "config_from_dict", "parse_length_dist", "resolve"]

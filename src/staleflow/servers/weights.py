@@ -1,0 +1,112 @@
+"""Where a rollout instance gets its weights: one WeightSource, chosen once at start-up.
+
+    source = open_weight_source(run_id, "builtin", reader=2, worker_reader=5, remote=None)
+    version, nbytes, cross_node = source.load(engine, keep_kv=False)    # a Pull
+    source.close()
+
+Three transports sit behind the one interface; the rollout worker never asks which:
+
+- ``LocalWeights``: the Parameter Server on this node (CPU shared memory, or GPU pieces mapped by
+  CUDA IPC), copied straight into the engine's parameters (``engine.weight_targets()``), cast on
+  their device, no staging copy;
+- ``RemoteSource``: the Parameter Server on another node; its piece owners send the bytes
+  (servers/remote_weights.py) into the engine's parameters, or into staging tensors for an engine
+  that has none to offer (vLLM), which then loads them with ``engine.load_weights``;
+- ``EngineLoadsItself``: a vLLM engine, whose worker process maps the Parameter Server itself
+  (its own reader index) and reloads from the slot's views (``engine.load_from_server``).
+
+Each reads a version clean or not at all: every transport goes through the one torn-read retry
+loop (``slot.read_clean``). ``load`` returns (version, bytes moved, crossed nodes).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from staleflow.servers.parameter import ParameterServer
+
+
+class WeightSource(Protocol):
+    """What a rollout worker pulls from."""
+
+    def load(self, engine, keep_kv: bool) -> tuple[int, int, bool]:
+        """Load the newest published version into ``engine``; (version, bytes, cross_node)."""
+
+    def close(self) -> None: ...
+
+
+class LocalWeights:
+    """This node's Parameter Server, read as reader index ``reader`` (attached on the first pull)."""
+
+    def __init__(self, run_id: str, reader: int, timeout: float = 60.0):
+        self.run_id, self.reader, self.timeout = run_id, reader, timeout
+        self.ps: ParameterServer | None = None
+
+    def load(self, engine, keep_kv: bool) -> tuple[int, int, bool]:
+        if self.ps is None:
+            self.ps = ParameterServer.attach(self.run_id, timeout=self.timeout, reader=self.reader)
+        targets = engine.weight_targets()
+        version, _ = self.ps.pull_latest(out=targets)
+        engine.load_weights(targets, version, keep_kv=keep_kv)  # validates and stamps; copying onto itself is free
+        return version, self.ps.layout.nbytes, False
+
+    def close(self) -> None:
+        if self.ps is not None:
+            self.ps.close()
+            self.ps = None
+
+
+class RemoteSource:
+    """The Parameter Server of another node, through its piece owners (RemoteWeights)."""
+
+    def __init__(self, remote):
+        self.remote = remote
+        self._staging: dict[str, torch.Tensor] | None = None
+
+    def load(self, engine, keep_kv: bool) -> tuple[int, int, bool]:
+        targets = engine.weight_targets()
+        if targets is None:  # the engine holds its weights elsewhere (vLLM): receive, then hand over
+            if self.remote.layout is None:
+                self.remote.latest_version()  # learns the layout
+            if self._staging is None:
+                self._staging = self.remote.layout.empty(self.remote.device)
+            targets = self._staging
+        version, nbytes = self.remote.pull_latest(out=targets)
+        engine.load_weights(targets, version, keep_kv=keep_kv)
+        return version, nbytes, True
+
+    def close(self) -> None:
+        self._staging = None
+
+
+class EngineLoadsItself:
+    """A vLLM engine: its worker maps this node's Parameter Server with its own reader index."""
+
+    def __init__(self, run_id: str, worker_reader: int):
+        self.run_id, self.worker_reader = run_id, worker_reader
+        self.nbytes = 0
+
+    def load(self, engine, keep_kv: bool) -> tuple[int, int, bool]:
+        version = engine.load_from_server(self.run_id, self.worker_reader, keep_kv=keep_kv)
+        if not self.nbytes:  # the slot headers only (versions and layout), never the weights
+            ps = ParameterServer.attach(self.run_id, timeout=60.0)
+            self.nbytes = ps.layout.nbytes
+            ps.close()
+        return version, self.nbytes, False
+
+    def close(self) -> None:
+        pass
+
+
+def open_weight_source(run_id: str, engine_kind: str, reader: int, worker_reader: int,
+                       remote=None) -> WeightSource:
+    """The one weight source of a rollout rank: remote when the Parameter Server is on another node
+    (``remote``: its RemoteWeights), else the engine's own loader (vLLM, whose worker process reads
+    as ``worker_reader``) or a local reader (``reader``: plan.placement.reader_index)."""
+    if remote is not None:
+        return RemoteSource(remote)
+    if engine_kind == "vllm":
+        return EngineLoadsItself(run_id, worker_reader)
+    return LocalWeights(run_id, reader)
