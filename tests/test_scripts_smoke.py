@@ -42,24 +42,25 @@ class Smoke:
     env: dict[str, str] = field(default_factory=dict)
 
 
+BENCH = "tests/test_bench_scripts.py::"
+HERE = "tests/test_scripts_smoke.py::"
 SMOKE: dict[str, Smoke] = {
     "bench_convergence.py": Smoke("run", ("--smoke", "--out", "{tmp}"), env={"PYTHONPATH": "tests"}),
     "bench_coordinator.py": Smoke("run", ("--instances", "8", "--queued", "200", "--ticks", "10"),
                                   ("tick_p50_ms", "unbounded_tick_p50_ms", "speedup_vs_unbounded")),
     "bench_data_reward.py": Smoke("run", ("--n", "8"), ("reward",)),
-    "bench_decode_step.py": Smoke(
-        "test", test="tests/test_bench_scripts.py::test_bench_decode_step_compares_mirror_and_sampler_paths"),
-    "bench_engine.py": Smoke("test", test="tests/test_bench_scripts.py::test_bench_engine_reports_ratios_and_the_gemm_floor"),
-    "bench_gemm_layout.py": Smoke("test", test="tests/test_bench_scripts.py::test_bench_gemm_layout_times_every_layout"),
+    "bench_decode_step.py": Smoke("test", test=BENCH + "test_bench_decode_step_compares_mirror_and_sampler_paths"),
+    "bench_engine.py": Smoke("test", test=BENCH + "test_bench_engine_reports_ratios_and_the_gemm_floor"),
+    "bench_gemm_layout.py": Smoke("test", test=BENCH + "test_bench_gemm_layout_times_every_layout"),
     "bench_kernels.py": Smoke("run", ("--device", "cpu", "--shapes", "64x32x300", "--reps", "1", "--warmup", "0"),
                               ("rows", "triton"), env={"TRITON_INTERPRET": "1"}),
     "bench_logprobs.py": Smoke("run", ("--tokens", "64", "--vocab", "512", "--hidden", "32"),
                                ("mem_ratio_vs_naive", "time_ratio_vs_naive")),
     "bench_model.py": Smoke("run", ("--model", "tiny-llama", "--lengths", "8,16", "--reps", "1"),
                             ("forward", "forward+backward")),
-    "bench_modes.py": Smoke("test", test="tests/test_scripts_smoke.py::test_scripts_smoke_bench_modes_then_check_export"),
-    "bench_prefix_sharing.py": Smoke(
-        "test", test="tests/test_engine_bench_prefix_sharing.py::test_bench_prefix_sharing_reports_prefill_saved_and_agreement"),
+    "bench_modes.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
+    "bench_prefix_sharing.py": Smoke("test", test="tests/test_engine_bench_prefix_sharing.py::"
+                                                  "test_bench_prefix_sharing_reports_prefill_saved_and_agreement"),
     "bench_protocol.py": Smoke("run", ("--groups", "2000", "--repeats", "1"), ("manager_ops_per_s", "manager_vs_dict")),
     "bench_pull.py": Smoke("test", test="tests/test_bench_pull.py::test_bench_pull_smoke"),
     "bench_servers.py": Smoke("run", ("--param-mb", "4", "--records", "8", "--prompt", "16", "--response", "64",
@@ -68,19 +69,17 @@ SMOKE: dict[str, Smoke] = {
                                   ("wall_ratio", "throughput_ratio")),
     "bench_train_step.py": Smoke("run", ("--model", "tiny-llama", "--groups", "1", "--group-size", "2", "--len", "8",
                                          "--repeats", "1"), ("fp32_step_s", "bf16_step_s", "speedup")),
-    "bench_trainer_load.py": Smoke(
-        "test", test="tests/test_bench_scripts.py::test_bench_trainer_load_measures_both_paths_on_sharded_ranks"),
+    "bench_trainer_load.py": Smoke("test", test=BENCH + "test_bench_trainer_load_measures_both_paths_on_sharded_ranks"),
     "chaos.py": Smoke("run", ("--runs", "1", "--steps", "4", "--timeout", "300"),
                       ("runs", "lost", "duplicated", "hangs", "leaks")),
-    "check_export.py": Smoke("test", test="tests/test_scripts_smoke.py::test_scripts_smoke_bench_modes_then_check_export"),
+    "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
     "check_latest_deps.sh": Smoke("static", why="installs the newest allowed versions into a fresh venv from PyPI "
                                   "(~1 GB, minutes); .ci/run runs it at the end of every CI run"),
-    "device_check.sh": Smoke("test", test="tests/test_scripts_smoke.py::test_scripts_smoke_device_check_cpu_step"),
+    "device_check.sh": Smoke("test", test=HERE + "test_scripts_smoke_device_check_cpu_step"),
     "device_check_prepare.sh": Smoke("static", why="downloads wheels from PyPI into .whl/ and copies the tiny model "
                                      "into .devcheck/ of the checkout; its pins are checked against the lock below"),
     "device_check_steps.py": Smoke("test", test="tests/test_device_check.py::test_device_check_step_runs_on_cpu"),
-    "fit_cost_model.py": Smoke(
-        "test", test="tests/test_bench_scripts.py::test_fit_cost_model_output_is_a_loadable_cost_model"),
+    "fit_cost_model.py": Smoke("test", test=BENCH + "test_fit_cost_model_output_is_a_loadable_cost_model"),
     "lock_deps.sh": Smoke("static", why="builds a venv with the newest allowed versions from PyPI and rewrites "
                           "requirements.lock"),
     "setup_env.sh": Smoke("static", why="builds .venv (CPU torch first, ~900 MB); .ci/run's first step runs it for "
@@ -95,7 +94,7 @@ def _scripts() -> list[str]:
 
 def test_scripts_smoke_table_lists_every_script():
     files, rows = set(_scripts()), set(SMOKE)
-    assert files - rows == set(), f"scripts without a smoke row in tests/test_scripts_smoke.py SMOKE: {sorted(files - rows)}"
+    assert files - rows == set(), f"scripts without a row in tests/test_scripts_smoke.py SMOKE: {sorted(files - rows)}"
     assert rows - files == set(), f"SMOKE rows for scripts that no longer exist: {sorted(rows - files)}"
     for name, row in SMOKE.items():
         assert row.kind in ("run", "test", "static"), name
@@ -124,7 +123,7 @@ def test_scripts_smoke_rows_name_real_tests(name):
     assert func_name in funcs, f"{path} has no {func_name}"
     func = funcs[func_name]
     # the script's name in the test itself, or (another file) in a module constant the test uses
-    runs_it = name in ast.get_source_segment(source, func) or (path != "tests/test_scripts_smoke.py" and name in source)
+    runs_it = name in ast.get_source_segment(source, func) or (path != HERE.rstrip(":") and name in source)
     assert runs_it, f"{path}::{func_name} does not run {name}"
     assert func_name.startswith("test_scripts_smoke") or _marked_smoke(tree, func), \
         f"{path}::{func_name} is not selected by pytest -k scripts_smoke (mark it scripts_smoke)"
