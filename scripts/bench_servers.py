@@ -8,7 +8,7 @@ Run: python scripts/bench_servers.py [--param-mb 128] [--prompt 512 --response 4
   ``copy_`` of a flat tensor of the same bytes (the baseline; a per-tensor copy between
   ordinary tensors is printed too).
 - ring: ``write`` + ``read`` + ``free`` of records (prompt, response, log-probs, versions,
-  reward, metadata), against the same tensors copied into a preallocated buffer and cloned back
+  metadata; rewards live in the controller's ledger, not in the ring), against the same tensors copied into a preallocated buffer and cloned back
   out, record by record (the baseline). A flat copy of all the bytes is printed for reference.
 - manager: staleness-manager reserve+occupy pairs/s from scripts/bench_protocol.py, if present.
 
@@ -109,7 +109,7 @@ def bench_ring(args) -> dict:
     recs = [TrajectoryRecord(torch.randint(0, 50000, (args.prompt,), generator=g, dtype=torch.int32),
                              torch.randint(0, 50000, (args.response,), generator=g, dtype=torch.int32),
                              -torch.rand(args.response, generator=g), torch.full((args.response,), 3, dtype=torch.int32),
-                             0.5, {"traj_id": i, "group_id": i // 8, "traj_version": 3, "finish_reason": "stop"})
+                             {"traj_id": i, "group_id": i // 8, "traj_version": 3, "finish_reason": "stop"})
             for i in range(args.records)]
     payload = sum(4 * (r.prompt_ids.numel() + 3 * r.response_ids.numel()) for r in recs)
     ring = TrajectoryRing.create("b" + uuid.uuid4().hex[:10], 0, 2 * payload + (1 << 20))

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_pull.py"
+pytestmark = pytest.mark.scripts_smoke  # a row of tests/test_scripts_smoke.py
 
 
 def test_bench_pull_smoke():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.scripts_smoke  # tests/test_scripts_smoke.py lists these rows
 
 
 def run_script(name, *args):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.scripts_smoke]  # a row of tests/test_scripts_smoke.py
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check_steps.py"
 
 

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.scripts_smoke  # a row of tests/test_scripts_smoke.py
 
 
 def test_bench_prefix_sharing_reports_prefill_saved_and_agreement():

@@ -87,6 +87,27 @@ def test_real_shape_batch_invariance():
     assert torch.equal(lp[a0:a1], lp1) and torch.equal(ent[a0:a1], ent1)
 
 
+def test_fp32_batch_invariance_at_another_tile_position():
+    """fp32 (exact fp32 dots): bitwise identical alone and packed where the sequence's first
+    selected row sits at another position of its BLOCK_M tile. The CPU interpreter can only
+    promise that up to a few ulps (its tile product is a BLAS sgemm): tests/test_kernels.py."""
+    from staleflow.kernels import logprob as kl
+
+    H, V = SHAPES[1]
+    hidden, weight, targets, row_mask = _batch(1024, H, V, seed=5, dtype=torch.float32)
+    block_m = kl.default_config(hidden.device, torch.float32).block_m
+    a0, a1 = 333, 333 + 300
+    before = int(row_mask[:a0].sum())
+    if before % block_m == 0:  # the random mask put the sequence at tile position 0: move it by one
+        row_mask[a0 - 1] = not bool(row_mask[a0 - 1])
+        before = int(row_mask[:a0].sum())
+    assert before % block_m != 0
+    with torch.no_grad():
+        lp, ent = kl.packed_logprobs_triton(hidden, weight, targets, 0.8, row_mask)
+        lp1, ent1 = kl.packed_logprobs_triton(hidden[a0:a1], weight, targets[a0:a1], 0.8, row_mask[a0:a1])
+    assert torch.equal(lp[a0:a1], lp1) and torch.equal(ent[a0:a1], ent1)
+
+
 def test_forward_extra_memory_is_linear_in_tokens():
     from staleflow.kernels.logprob import packed_logprobs_triton
 
