@@ -126,10 +126,10 @@ def test_controller_interrupt_on_pull_false_drains_before_the_pull(interrupt_on_
 
 class _Engine:
     def __init__(self):
-        import torch
-
         self.aborted, self.loads = [], []
-        self.model = torch.nn.Linear(2, 2)
+
+    def weight_targets(self):
+        return {}
 
     def stats(self):
         class S:
@@ -148,16 +148,15 @@ class _Engine:
 def test_controller_rollout_rank_pull_honours_interrupt_on_pull(keep):
     from staleflow.launch.rollout_worker import RolloutWorker
 
-    class PS:
-        layout = type("Layout", (), {"nbytes": 64})()
-
-        def pull_latest(self, out):
-            return 1, {}
+    class Source:  # the rank's one weight source (servers/weights.py): loads, then stamps
+        def load(self, engine, keep_kv):
+            engine.load_weights(engine.weight_targets(), 1, keep_kv=keep_kv)
+            return 1, 64, False
 
     sent = []
     w = RolloutWorker.__new__(RolloutWorker)
-    w.engine, w.ps, w.staging, w.instance, w.keep_on_pull = _Engine(), PS(), {}, 0, keep
-    w.meta, w.unsent, w.remote_ps = {}, [], None
+    w.engine, w.weights, w.instance, w.keep_on_pull = _Engine(), Source(), 0, keep
+    w.meta, w.unsent = {}, []
     from staleflow.launch.roles import Roles
 
     w.ctx = type("Ctx", (), {"client": type("C", (), {"send": staticmethod(sent.append)})(), "roles": Roles(3, 2),
