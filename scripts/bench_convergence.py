@@ -42,6 +42,8 @@ from staleflow.metrics.stats import t_interval
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODES = "verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1"
 TARGET_MARGIN = 0.02
+DIAG = ("token_staleness_mean", "is_truncated_frac_mean", "ppo_clipped_frac_mean", "behaviour_k3_mean", "entropy_mean")
+"""Off-policy diagnostics from the trainer (mean over steps): why a mode learns less, if it does."""
 
 
 def parse_modes(spec: str) -> list[tuple[str, int]]:
@@ -76,7 +78,10 @@ def summarize_run(run_dir: Path, wall_s: float) -> dict:
     return {"wall_s": wall_s, "evals": evals, "steps": len(steps),
             "staleness_mean": sum(k * n for k, n in hist.items()) / max(groups, 1),
             "staleness_max": max(hist, default=0), "staleness_hist": hist,
-            "reward_last5": fmean(r["reward_mean"] for r in steps[-5:]) if steps else 0.0}
+            "reward_last5": fmean(r["reward_mean"] for r in steps[-5:]) if steps else 0.0,
+            "diag": {k: fmean(r.get("train", {}).get(k, 0.0) for r in steps) if steps else 0.0 for k in DIAG} |
+                    {"over_eta": sum(r.get("over_eta", 0) for r in steps),
+                     "train_acc_last5": fmean(r.get("accuracy", 0.0) for r in steps[-5:]) if steps else 0.0}}
 
 
 def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -> dict | None:
@@ -140,6 +145,7 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
             "ttt_s": fmean(ttt) if ttt else None, "ttt_reached": len(ttt),
             "ttt_vs_sync": fmean(ttt) / fmean(sync_ttt) if ttt and sync_ttt and fmean(sync_ttt) > 0 else None,
             "load": fmean((r["load_start"] + r["load_end"]) / 2 for r in runs),
+            "diag": {k: fmean(r["diag"][k] for r in runs) for k in runs[0].get("diag", {})},
         }
     return target, stats
 
@@ -157,6 +163,14 @@ def table(stats: dict, target: float) -> str:
         lines.append(f"{label(mode, eta):24s} {s['seeds']:5d} {s['acc_start']:6.3f} {s['acc_final_mean']:10.3f} "
                      f"{s['acc_final_std']:6.3f} {s['diff_vs_sync']:+8.3f} {ci:>16s} {s['wall_s']:7.0f} "
                      f"{s['wall_vs_sync']:6.2f} {s['staleness_mean']:9.2f} / {s['staleness_max']:<2d} {ttt:>18s} {ratio:>6s}")
+    lines.append(f"\n{'diagnostics (mean over steps)':32s} {'token stale':>11s} {'IS truncated':>12s} {'PPO clipped':>11s} "
+                 f"{'KL(behav||cur)':>14s} {'entropy':>8s} {'over eta':>8s} {'train acc last5':>15s}")
+    for (mode, eta), s in stats.items():
+        d = s["diag"]
+        if d:
+            lines.append(f"{label(mode, eta):32s} {d['token_staleness_mean']:11.2f} {d['is_truncated_frac_mean']:12.4f} "
+                         f"{d['ppo_clipped_frac_mean']:11.4f} {d['behaviour_k3_mean']:14.2e} {d['entropy_mean']:8.3f} "
+                         f"{d['over_eta'] / s['seeds']:8.1f} {d['train_acc_last5']:15.3f}")
     lines.append(f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "
                  f"the start of each run's metrics (model loaded) to the version that first reached it")
     return "\n".join(lines)
