@@ -60,6 +60,8 @@ class EvalCommand:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Engine dtype: auto = bfloat16 on CUDA, float32 on CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = 0
+    """CPU threads of the engine (0: torch's default, one per core)."""
     progress: bool = True
     """Progress bar on stderr."""
     out: str = ""
@@ -72,6 +74,7 @@ class EvalCommand:
         _check(0 < self.top_p <= 1, "top-p", self.top_p, "must be in (0, 1]")
         _check(self.max_new_tokens >= 1, "max-new-tokens", self.max_new_tokens, "must be >= 1")
         _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
+        _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: torch's default)")
 
 
 def model_folder(spec: str) -> str:
@@ -111,6 +114,8 @@ def build_engine(cfg: EvalCommand, folder: str, max_prompt: int):
     from staleflow.rollout.builtin_engine import BuiltinEngine
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     max_len = max_prompt + cfg.max_new_tokens + 1
     rollout = RolloutConfig(max_running=cfg.max_running, max_kv_tokens=max(cfg.max_kv_tokens, max_len + 16),
                             max_new_tokens=cfg.max_new_tokens, max_model_len=max_len, dtype=cfg.dtype)
