@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/convergence")
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, 1 seed, 4 prompts, 2 modes")
     args = ap.parse_args(argv)
-    args.preset = []
+    args.out, args.preset = os.path.abspath(args.out), []  # launch.sh runs in the repository root
     if args.smoke:
         args.preset, args.steps, args.eval_every, args.eval_n = ["--preset", "tiny"], 2, 1, 4
         args.seeds, args.modes = "0", "verl-sync,staleflow:1"
