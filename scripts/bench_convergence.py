@@ -1,13 +1,27 @@
-"""Convergence at bounded staleness: held-out accuracy of sync and StaleFlow at several eta, same task.
+"""Convergence at bounded staleness, with statistics: held-out accuracy of each mode over seeds.
 
-    python scripts/bench_convergence.py [--etas 1,2,4] [--steps 20] [--out runs/convergence] [-- extra train flags]
+    python scripts/bench_convergence.py [--seeds 0,1,2] [--steps 30] [--eval-every 5] [--eval-n 128]
+        [--modes verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1] [--out runs/convergence]
+        [--smoke] [-- extra train flags]
 
-Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic, held-out evaluation
-of 64 prompts) once in `--mode sync` (eta 0, the baseline) and once per eta in `--mode staleflow`,
-each for the same number of steps and the same seed. Reads every run's held-out evaluations
-(metrics.jsonl rows with eval_accuracy) and its wall time, prints a table (accuracy at step 0 and
-at the end, gain, wall time, the ratio of wall time to sync's) with the hardware, writes one PNG
-with held-out accuracy against step and against wall time, and ends with one JSON line.
+Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic-easy) once per mode and
+seed: verl-sync (eta 0, the baseline), staleflow at eta 1 and 2, and verl-fully-async and areal at
+NOMINAL eta 1 (their own staleness rules: the observed staleness is reported, it may exceed 1).
+Seed s sets --seed s and --data.seed s, so the runs of one seed share their held-out prompts
+(--eval-n of them, never trained on) and their prompt stream: the comparison with sync is paired.
+Runs go seed by seed (every mode of seed 0, then seed 1, ...) so that a shared machine's load drift
+spreads over the modes. Each finished run is saved (RUN/bench.json next to its metrics.jsonl); a
+second call resumes where the first stopped (finished runs are read back, an unfinished one is
+started again from scratch).
+
+Prints per mode: final held-out accuracy (mean and standard deviation over seeds), the paired
+difference against sync (mean over seeds, 95% Student t interval over the per-seed differences),
+wall time (and its ratio to sync's), mean and maximum staleness of the trained groups, and
+time-to-target: the time since the run started at which the first evaluated policy reached the
+target = sync's mean final accuracy - 0.02 (mean over the seeds that reached it). Writes one PNG
+(held-out accuracy against wall time and against step, mean over seeds with a +-1 std band) and
+ends with one JSON line. --smoke: tiny preset, 2 steps, 1 seed, 4 held-out prompts, sync and
+staleflow eta 1 only (checks the plumbing; its accuracies mean nothing).
 """
 
 from __future__ import annotations
@@ -15,51 +29,180 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import fmean, pstdev, stdev
+
 from staleflow.metrics.hardware import cpu_name
+from staleflow.metrics.stats import t_interval
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODES = "verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1"
+TARGET_MARGIN = 0.02
+DIAG = ("token_staleness_mean", "is_truncated_frac_mean", "ppo_clipped_frac_mean", "behaviour_k3_mean", "entropy_mean")
+"""Off-policy diagnostics from the trainer (mean over steps): why a mode learns less, if it does."""
 
 
-def run(name: str, mode: str, eta: int, args, extra: list[str]) -> dict:
-    cmd = ["bash", str(ROOT / "launch.sh"), "--mode", mode, "--staleness.eta", str(eta), "--steps", str(args.steps),
-           "--seed", str(args.seed), "--log.run-dir", args.out, "--log.name", name, "--log.no-progress",
-           "--eval.every", str(args.eval_every), *extra]
-    t0 = time.monotonic()
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, STALEFLOW_MAX_RESTARTS="0"))
-    wall = time.monotonic() - t0
-    if res.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
-    rows = [json.loads(x) for x in (Path(args.out) / name / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    evals = [r for r in rows if "eval_n" in r and not r.get("superseded")]
-    steps = [r for r in rows if "eval_n" not in r and not r.get("superseded")]
-    return {"name": name, "mode": mode, "eta": eta, "wall_s": wall,
-            "eval": [(r["step"], r["eval_accuracy"], r["time"]) for r in evals],
-            "reward_last5": sum(r["reward_mean"] for r in steps[-5:]) / max(1, len(steps[-5:])),
-            "staleness_mean": sum(r["staleness_mean"] for r in steps) / max(1, len(steps))}
+def parse_modes(spec: str) -> list[tuple[str, int]]:
+    """'verl-sync,staleflow:1' -> [('verl-sync', 0), ('staleflow', 1)]; verl-sync is always eta 0."""
+    out = []
+    for item in spec.split(","):
+        mode, _, eta = item.strip().partition(":")
+        out.append((mode, 0 if mode == "verl-sync" else int(eta or 1)))
+    if ("verl-sync", 0) not in out:
+        raise SystemExit("--modes must include verl-sync: it is the baseline every other mode is paired with")
+    return out
 
 
-def plot(results: list[dict], path: str) -> None:
+def label(mode: str, eta: int) -> str:
+    return mode if mode == "verl-sync" else f"{mode} eta {eta}"
+
+
+def summarize_run(run_dir: Path, wall_s: float) -> dict:
+    """The numbers the bench needs from one finished run folder (metrics.jsonl)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if not r.get("superseded")]
+    steps = sorted((r for r in rows if "eval_n" not in r), key=lambda r: r["step"])
+    made = {0: 0.0, **{r["step"] + 1: r["time"] for r in steps}}  # version v exists once buffer v-1 is trained
+    evals = [{"step": r["step"], "accuracy": r["eval_accuracy"], "ci95_low": r["eval_ci95_low"],
+              "ci95_high": r["eval_ci95_high"], "n": r["eval_n"], "t_policy": made.get(r["step"], r["time"])}
+             for r in sorted((r for r in rows if "eval_n" in r), key=lambda r: r["step"])]
+    hist: dict[int, int] = {}
+    for r in steps:
+        for k, n in (r.get("staleness_hist") or {}).items():
+            hist[int(k)] = hist.get(int(k), 0) + n
+    groups = sum(hist.values())
+    return {"wall_s": wall_s, "evals": evals, "steps": len(steps),
+            "staleness_mean": sum(k * n for k, n in hist.items()) / max(groups, 1),
+            "staleness_max": max(hist, default=0), "staleness_hist": hist,
+            "reward_last5": fmean(r["reward_mean"] for r in steps[-5:]) if steps else 0.0,
+            "diag": {k: fmean(r.get("train", {}).get(k, 0.0) for r in steps) if steps else 0.0 for k in DIAG} |
+                    {"over_eta": sum(r.get("over_eta", 0) for r in steps),
+                     "train_acc_last5": fmean(r.get("accuracy", 0.0) for r in steps[-5:]) if steps else 0.0}}
+
+
+def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -> dict | None:
+    """One run of the main job, or its saved result; None if it failed twice."""
+    out = Path(args.out) / name
+    saved = out / "bench.json"
+    if saved.is_file():
+        return json.loads(saved.read_text())
+    for attempt in (1, 2):
+        if out.exists():  # an unfinished run (the bench was stopped): start it again
+            shutil.rmtree(out)
+        cmd = ["bash", str(ROOT / "launch.sh"), *args.preset, "--mode", mode, "--staleness.eta", str(eta),
+               "--steps", str(args.steps), "--seed", str(seed), "--data.seed", str(seed), "--eval.n", str(args.eval_n),
+               "--eval.every", str(args.eval_every), "--log.run-dir", args.out, "--log.name", name, "--log.no-progress",
+               "--checkpoint.every", "0", *extra]
+        load0, t0 = os.getloadavg()[0], time.monotonic()
+        log = Path(args.out) / f"{name}.log"
+        with open(log, "w") as fh:
+            res = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                 env=dict(os.environ, STALEFLOW_MAX_RESTARTS="0"))
+        wall = time.monotonic() - t0
+        if res.returncode == 0 and (out / "metrics.jsonl").is_file():
+            result = {"name": name, "mode": mode, "eta": eta, "seed": seed, "load_start": load0,
+                      "load_end": os.getloadavg()[0], **summarize_run(out, wall)}
+            if result["evals"] and result["evals"][-1]["step"] == args.steps:
+                saved.write_text(json.dumps(result))
+                return result
+        print(f"  {name}: attempt {attempt} failed (exit {res.returncode}); log {log}:\n"
+              f"{log.read_text()[-1500:]}", file=sys.stderr, flush=True)
+    return None
+
+
+def time_to_target(run: dict, target: float) -> float | None:
+    """Seconds since the run started at which the first evaluated policy reached the target."""
+    return next((e["t_policy"] for e in run["evals"] if e["accuracy"] >= target - 1e-12), None)
+
+
+def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[float, dict]:
+    """(target, per-mode statistics); paired differences use the seeds both runs finished."""
+    sync = {r["seed"]: r for r in results[sync_key]}
+    target = fmean(r["evals"][-1]["accuracy"] for r in sync.values()) - TARGET_MARGIN
+    sync_wall = fmean(r["wall_s"] for r in sync.values())
+    sync_ttt = [t for t in (time_to_target(r, target) for r in sync.values()) if t is not None]
+    stats = {}
+    for key, runs in results.items():
+        if not runs:
+            continue
+        final = [r["evals"][-1]["accuracy"] for r in runs]
+        diffs = [r["evals"][-1]["accuracy"] - sync[r["seed"]]["evals"][-1]["accuracy"] for r in runs if r["seed"] in sync]
+        ci = t_interval(diffs) if key != sync_key else None
+        ttt = [t for t in (time_to_target(r, target) for r in runs) if t is not None]
+        groups = sum(sum(r["staleness_hist"].values()) for r in runs)
+        stats[key] = {
+            "seeds": len(runs), "acc_start": fmean(r["evals"][0]["accuracy"] for r in runs),
+            "acc_final_mean": fmean(final), "acc_final_std": stdev(final) if len(final) > 1 else 0.0,
+            "diff_vs_sync": fmean(diffs) if diffs and key != sync_key else 0.0,
+            "diff_ci95": list(ci) if ci else None, "paired_seeds": len(diffs),
+            "wall_s": fmean(r["wall_s"] for r in runs), "wall_vs_sync": fmean(r["wall_s"] for r in runs) / sync_wall,
+            "staleness_mean": sum(sum(int(k) * n for k, n in r["staleness_hist"].items()) for r in runs) / max(groups, 1),
+            "staleness_max": max(r["staleness_max"] for r in runs),
+            "ttt_s": fmean(ttt) if ttt else None, "ttt_reached": len(ttt),
+            "ttt_vs_sync": fmean(ttt) / fmean(sync_ttt) if ttt and sync_ttt and fmean(sync_ttt) > 0 else None,
+            "load": fmean((r["load_start"] + r["load_end"]) / 2 for r in runs),
+            "diag": {k: fmean(r["diag"][k] for r in runs) for k in runs[0].get("diag", {})},
+        }
+    return target, stats
+
+
+def table(stats: dict, target: float) -> str:
+    head = (f"{'mode':24s} {'seeds':>5s} {'acc@0':>6s} {'final mean':>10s} {'std':>6s} {'diff vs sync [95% CI]':>25s} "
+            f"{'wall s':>7s} {'x sync':>6s} {'stale mean/max':>14s} {'time-to-target s':>18s} {'x sync':>6s}")
+    lines = [head]
+    for (mode, eta), s in stats.items():
+        ci = f"[{s['diff_ci95'][0]:+.3f}, {s['diff_ci95'][1]:+.3f}]" if s["diff_ci95"] else "(baseline)" \
+            if mode == "verl-sync" else "(1 seed: no CI)"
+        ttt = f"{s['ttt_s']:.0f} ({s['ttt_reached']}/{s['seeds']})" if s["ttt_s"] is not None else \
+            f"not reached (0/{s['seeds']})"
+        ratio = f"{s['ttt_vs_sync']:.2f}" if s["ttt_vs_sync"] is not None else "-"
+        lines.append(f"{label(mode, eta):24s} {s['seeds']:5d} {s['acc_start']:6.3f} {s['acc_final_mean']:10.3f} "
+                     f"{s['acc_final_std']:6.3f} {s['diff_vs_sync']:+8.3f} {ci:>16s} {s['wall_s']:7.0f} "
+                     f"{s['wall_vs_sync']:6.2f} {s['staleness_mean']:9.2f} / {s['staleness_max']:<2d} {ttt:>18s} {ratio:>6s}")
+    lines.append(f"\n{'diagnostics (mean over steps)':32s} {'token stale':>11s} {'IS truncated':>12s} {'PPO clipped':>11s} "
+                 f"{'KL(behav||cur)':>14s} {'entropy':>8s} {'over eta':>8s} {'train acc last5':>15s}")
+    for (mode, eta), s in stats.items():
+        d = s["diag"]
+        if d:
+            lines.append(f"{label(mode, eta):32s} {d['token_staleness_mean']:11.2f} {d['is_truncated_frac_mean']:12.4f} "
+                         f"{d['ppo_clipped_frac_mean']:11.4f} {d['behaviour_k3_mean']:14.2e} {d['entropy_mean']:8.3f} "
+                         f"{d['over_eta'] / s['seeds']:8.1f} {d['train_acc_last5']:15.3f}")
+    lines.append(f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "
+                 f"the start of each run's metrics (model loaded) to the version that first reached it")
+    return "\n".join(lines)
+
+
+def plot(results: dict, stats: dict, target: float, path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        label = "sync" if r["mode"] == "sync" else f"staleflow eta={r['eta']}"
-        a1.plot([e[0] for e in r["eval"]], [e[1] for e in r["eval"]], "o-", label=label)
-        a2.plot([e[2] / 60 for e in r["eval"]], [e[1] for e in r["eval"]], "o-", label=label)
-    a1.set_xlabel("step (weight version)")
-    a2.set_xlabel("wall time (min)")
-    for a in (a1, a2):
-        a.set_ylabel("held-out accuracy (greedy)")
-        a.grid(alpha=0.3)
-        a.legend()
-    fig.suptitle(f"Convergence at bounded staleness ({cpu_name()}, {os.cpu_count()} cores)")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for key, runs in results.items():
+        if not runs:
+            continue
+        steps = sorted({e["step"] for e in runs[0]["evals"]})
+        at = [[next(e for e in r["evals"] if e["step"] == s) for r in runs] for s in steps]
+        acc = [fmean(e["accuracy"] for e in col) for col in at]
+        sd = [pstdev([e["accuracy"] for e in col]) if len(col) > 1 else 0.0 for col in at]
+        t = [fmean(e["t_policy"] for e in col) / 60 for col in at]
+        lab = f"{label(*key)} ({len(runs)} seeds)"
+        for ax, x in ((a1, t), (a2, steps)):
+            (line,) = ax.plot(x, acc, "o-", label=lab)
+            ax.fill_between(x, [a - s for a, s in zip(acc, sd)], [a + s for a, s in zip(acc, sd)],
+                            color=line.get_color(), alpha=0.15)
+    for ax, xl in ((a1, "wall time since the run started (min)"), (a2, "step (weight version)")):
+        ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:.3f}")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("held-out accuracy (greedy), mean over seeds +- 1 std")
+        ax.grid(alpha=0.3)
+    a1.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -70,33 +213,45 @@ def main() -> None:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--etas", default="1,2,4")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--modes", default=DEFAULT_MODES, help="mode[:eta] list; verl-sync (eta 0) is the baseline")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-n", type=int, default=128)
     ap.add_argument("--out", default="runs/convergence")
+    ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, 1 seed, 4 prompts, 2 modes")
     args = ap.parse_args(argv)
-    print(f"hardware: {cpu_name()}, {os.cpu_count()} cores; {args.steps} steps each, seed {args.seed}; "
-          f"extra flags: {extra or 'none'}", flush=True)
-    plan = [("sync", "sync", 0)] + [(f"staleflow-eta{e}", "staleflow", int(e)) for e in args.etas.split(",")]
-    results = []
-    for name, mode, eta in plan:
-        results.append(run(name, mode, eta, args, extra))
-        r = results[-1]
-        print(f"  {name:18s} held-out {r['eval'][0][1]:.3f} -> {r['eval'][-1][1]:.3f}  wall {r['wall_s']:.0f} s",
-              flush=True)
-    base = results[0]
-    print(f"\n{'run':18s} {'acc@0':>6s} {'acc@end':>8s} {'gain':>6s} {'wall s':>7s} {'x sync time':>11s} "
-          f"{'reward last5':>12s} {'staleness':>9s}")
-    for r in results:
-        a0, a1 = r["eval"][0][1], r["eval"][-1][1]
-        print(f"{r['name']:18s} {a0:6.3f} {a1:8.3f} {a1 - a0:+6.3f} {r['wall_s']:7.0f} "
-              f"{r['wall_s'] / base['wall_s']:11.2f} {r['reward_last5']:12.3f} {r['staleness_mean']:9.2f}")
+    args.out, args.preset = os.path.abspath(args.out), []  # launch.sh runs in the repository root
+    if args.smoke:
+        args.preset, args.steps, args.eval_every, args.eval_n = ["--preset", "tiny"], 2, 1, 4
+        args.seeds, args.modes = "0", "verl-sync,staleflow:1"
+    modes, seeds = parse_modes(args.modes), [int(s) for s in args.seeds.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    print(f"hardware: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; "
+          f"{args.steps} steps, held-out {args.eval_n} prompts every {args.eval_every} steps, seeds {seeds}; "
+          f"extra flags: {' '.join(args.preset + extra) or 'none'}", flush=True)
+    results: dict[tuple[str, int], list[dict]] = {key: [] for key in modes}
+    for seed in seeds:
+        for mode, eta in modes:
+            name = f"{mode}-eta{eta}-seed{seed}"
+            r = run_one(name, mode, eta, seed, args, extra)
+            if r is None:
+                continue
+            results[(mode, eta)].append(r)
+            e0, e1 = r["evals"][0], r["evals"][-1]
+            print(f"  {name:30s} held-out {e0['accuracy']:.3f} -> {e1['accuracy']:.3f} "
+                  f"[{e1['ci95_low']:.3f}, {e1['ci95_high']:.3f}]  wall {r['wall_s']:.0f} s  staleness mean "
+                  f"{r['staleness_mean']:.2f} max {r['staleness_max']}  load {r['load_start']:.1f}->{r['load_end']:.1f}",
+                  flush=True)
+    if not results[("verl-sync", 0)]:
+        raise SystemExit("no verl-sync run finished: nothing to compare against")
+    target, stats = aggregate(results, ("verl-sync", 0))
+    print("\n" + table(stats, target))
     png = os.path.join(args.out, "convergence.png")
-    plot(results, png)
+    plot(results, stats, target, png, f"Held-out accuracy vs wall time ({cpu_name()}, {os.cpu_count()} cores, "
+                                      f"{args.eval_n} prompts, seeds {seeds})")
     print(f"wrote {png}")
-    print(json.dumps({r["name"]: {"acc_start": r["eval"][0][1], "acc_end": r["eval"][-1][1], "wall_s": round(r["wall_s"]),
-                                  "wall_vs_sync": round(r["wall_s"] / base["wall_s"], 3)} for r in results}))
+    print(json.dumps({"target": target, **{label(*k): v for k, v in stats.items()}}))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,12 @@ def _parse_staleflow(sub: str, args: list[str]) -> None:
                 from staleflow.sim.config import SimConfig
 
                 parse(SimConfig, args, SIM_PRESETS, default="paper-32b", prog="staleflow sim")
+            elif sub == "eval":
+                import tyro
+
+                from staleflow.eval.command import EvalCommand
+
+                tyro.cli(EvalCommand, args=args, prog="staleflow eval")
             else:
                 raise ValueError(f"unknown subcommand {sub!r}")
     except SystemExit as e:

@@ -61,17 +61,6 @@ def test_bench_gemm_layout_times_every_layout():
     assert out["float32:linear"] == 1.0 and all(v > 0 for v in out.values())
 
 
-@pytest.mark.slow
-def test_bench_convergence_runs_sync_and_staleflow_and_plots(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
-    out = run_script("bench_convergence.py", "--etas", "2", "--steps", "2", "--eval-every", "1", "--out",
-                     str(tmp_path), "--", "--preset", "tiny", "--eval.n", "4", "--reward.fn", "e2e_rewards:text_length")
-    assert set(out) == {"sync", "staleflow-eta2"}
-    assert all(0 <= r["acc_end"] <= 1 and r["wall_s"] > 0 for r in out.values())
-    assert out["sync"]["wall_vs_sync"] == 1.0
-    assert (tmp_path / "convergence.png").stat().st_size > 10_000
-
-
 def test_bench_trainer_load_measures_both_paths_on_sharded_ranks():
     out = run_script("bench_trainer_load.py", "--model", "tiny-llama", "--ranks", "2")
     assert out["stored_dtype"] == "bfloat16" and out["ranks"] == 2

@@ -61,6 +61,12 @@ FENCED: dict[str, str] = {
                                      "smallest configuration",
     "python scripts/bench_convergence.py": "trains several runs, ~1 h on 2 cores; its smoke run is a row of "
                                            "tests/test_scripts_smoke.py",
+    ".venv/bin/python -m staleflow eval --model 'runs/<run>/hf' --data.source arithmetic-easy --n 256":
+        "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
+    ".venv/bin/python -m staleflow eval --model 'runs/<run>' --data.source arithmetic-easy --n 256":
+        "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder",
+    ".venv/bin/python -m staleflow eval --model smollm2-135m --data.source qa.jsonl --reward.fn math --samples 8 "
+    "--temperature 0.7": "needs the user's qa.jsonl; tests/test_eval_command.py samples K answers on a file",
     "python scripts/bench_engine.py": "SmolLM2-135M at batch 32, minutes; tests/test_bench_scripts.py runs it small",
     "python scripts/bench_trainer_load.py": "two torchrun launches that load SmolLM2-135M (~1-2 min); "
                                             "tests/test_bench_scripts.py runs it on tiny-llama",
@@ -74,6 +80,8 @@ FENCED: dict[str, str] = {
 # Inline commands that are records of runs, kept as they were written (docs/perf.md's sections are
 # not rewritten); the reason says what replaced them.
 INLINE_RECORDS = {
+    "python scripts/bench_convergence.py --etas 1,2,4 --steps 20 --eval-every 5":
+        "docs/perf.md's issue-16 record (one seed); the script takes modes and seeds since issue 24",
     "python scripts/fit_cost_model_cpu.py --out src/staleflow/coordinator/presets/cpu-smollm2.json":
         "docs/perf.md's 2026-11-30 record; the script is scripts/fit_cost_model.py since, with the same --out",
 }

@@ -62,6 +62,45 @@ def test_eval_answers_are_scored_with_the_reward_and_logged_once_complete(tok):
     assert row["eval_boxed_rate"] == pytest.approx(2 / 3) and row["eval_versions"] == [4, 5]
 
 
+def test_ci95_in_held_out_rows_console_lines_and_report_plot(tok, tmp_path):
+    """The main job's evaluation row carries its Wilson interval; the console line and the report
+    plot show it."""
+    from staleflow.launch.evaluation import eval_line, gain_line
+    from staleflow.metrics.report import _held_out, make_report
+    from staleflow.metrics.stats import wilson
+    from staleflow.metrics.writer import MetricsWriter
+
+    prompts = PromptSource(DataConfig(source="arithmetic-easy"), tok).hold_out(10)
+    ev = HeldOutEval(prompts, "arithmetic", tok, max_new_tokens=16)
+    eval_id = ev.start(0, [1], lambda rank, msg: None)
+    for i, p in enumerate(prompts):  # 7 of 10 right
+        row = ev.on_answer(Evaluated(eval_id, i, tok.encode(p.answer if i < 7 else "-5"), 0, 0))
+    assert row["eval_accuracy"] == pytest.approx(0.7)
+    assert (row["eval_ci95_low"], row["eval_ci95_high"]) == wilson(7, 10)
+    assert f"0.700 (95% CI {row['eval_ci95_low']:.3f}-{row['eval_ci95_high']:.3f})" in eval_line(0, row)
+    first = {**row, "eval_accuracy": 0.4, "step": 0}
+    assert "gain +0.300" in gain_line(first, {**row, "step": 20})
+
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    w.log_step(0, {"reward_mean": 0.1})
+    for step, k in ((0, 4), (10, 7)):
+        lo, hi = wilson(k, 10)
+        w.log_eval(step, {"eval_accuracy": k / 10, "eval_ci95_low": lo, "eval_ci95_high": hi, "eval_n": 10})
+    w.close()
+    assert os.path.isfile(make_report(str(tmp_path)))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    _held_out(ax, [{"step": 0, "eval_accuracy": 0.4, "eval_ci95_low": 0.2, "eval_ci95_high": 0.65, "eval_n": 10}])
+    (bars,) = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    segment = bars.lines[2][0].get_segments()[0]  # the vertical bar spans exactly the interval
+    assert [round(y, 6) for _, y in segment] == [0.2, 0.65]
+    plt.close(fig)
+
+
 def test_eval_request_ids_are_negative_and_round_trip():
     for e, i in ((0, 0), (3, 17), (9, (1 << 20) - 1)):
         rid = eval_request_id(e, i)

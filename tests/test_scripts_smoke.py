@@ -45,7 +45,8 @@ class Smoke:
 BENCH = "tests/test_bench_scripts.py::"
 HERE = "tests/test_scripts_smoke.py::"
 SMOKE: dict[str, Smoke] = {
-    "bench_convergence.py": Smoke("run", ("--smoke", "--out", "{tmp}"), env={"PYTHONPATH": "tests"}),
+    "bench_convergence.py": Smoke("test", test="tests/test_bench_convergence.py::"
+                                                "test_bench_convergence_smoke_runs_and_resumes"),
     "bench_coordinator.py": Smoke("run", ("--instances", "8", "--queued", "200", "--ticks", "10"),
                                   ("tick_p50_ms", "unbounded_tick_p50_ms", "speedup_vs_unbounded")),
     "bench_data_reward.py": Smoke("run", ("--n", "8"), ("reward",)),
@@ -150,18 +151,9 @@ def run_script(name: str, args, env=None, timeout=600) -> tuple[dict, subprocess
     return out, proc
 
 
-def _convergence_has_smoke() -> bool:
-    return "--smoke" in (SCRIPTS / "bench_convergence.py").read_text()
-
-
 def _run_params():
     for name in sorted(n for n, r in SMOKE.items() if r.kind == "run"):
-        marks = []
-        if name == "bench_convergence.py" and not _convergence_has_smoke():
-            # Issue 24 gives bench_convergence.py its --smoke flag; until that branch is merged the row
-            # fails on the unknown flag. Only this row is allowed to.
-            marks.append(pytest.mark.xfail(reason="bench_convergence.py has no --smoke yet (issue 24)", strict=False))
-        yield pytest.param(name, marks=marks, id=name)
+        yield pytest.param(name, id=name)
 
 
 @pytest.mark.parametrize("name", list(_run_params()))

@@ -1,8 +1,9 @@
-"""Command line: ``python -m staleflow {train,check,plan,sim} [--preset NAME] [--flags ...]``.
+"""Command line: ``python -m staleflow {train,check,plan,sim,eval} [--preset NAME] [--flags ...]``.
 
 ``train`` runs inside torchrun (``./launch.sh`` starts it); ``plan`` prints the memory plan of a
 run's flags (per rank and GPU, no GPU needed); ``sim`` runs the discrete-event simulator in one
-process. Each subcommand parses its own config tree with tyro; ``--preset``
+process; ``eval`` scores a model or a run's exported policy on a task (accuracy with its 95%
+interval, one JSON line). Each subcommand parses its own config tree with tyro; ``--preset``
 picks the defaults that the flags then override.
 """
 
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
     "check": "staleflow.launch.check:main",
     "plan": "staleflow.plan.cli:main",
     "sim": "staleflow.sim.cli:main",
+    "eval": "staleflow.eval.command:main",
 }
 
 
@@ -71,7 +73,7 @@ def given_flags(argv: Sequence[str]) -> frozenset[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        print("usage: python -m staleflow {train,check,plan,sim} [--preset NAME] [--help] [flags...]",
+        print("usage: python -m staleflow {train,check,plan,sim,eval} [--preset NAME] [--help] [flags...]",
               file=sys.stderr)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: unknown subcommand {argv[0]!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)

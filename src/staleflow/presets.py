@@ -29,7 +29,7 @@ def preset_smollm2_cpu() -> RunConfig:
         staleness=StalenessConfig(eta=1, batch_size=2, group_size=8),
         reward=RewardConfig(fn="arithmetic", format_weight=0.5),
         data=DataConfig(source="arithmetic-easy"),
-        eval=EvalConfig(n=64, every=10),
+        eval=EvalConfig(n=128, every=10),
         steps=20,
     )
 

@@ -80,6 +80,9 @@ class PromptSource:
             rows, k = [], 0
             while len(rows) < n:
                 k += 1
+                if k > 20 * n + 10_000:  # a finite task (arithmetic-easy has ~2,200 questions) ran dry
+                    raise DataError(f"built-in task {self.cfg.source!r} gave only {len(rows)} distinct prompts in "
+                                    f"{k - 1} draws: too few to hold out {n}; ask for fewer prompts")
                 text, answer, meta = self.task(self.cfg.seed, -k)
                 if text not in self._held_out_texts:
                     self._held_out_texts.add(text)

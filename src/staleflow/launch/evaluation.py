@@ -2,8 +2,9 @@
 
 Controller side (``HeldOutEval``, used by launch/training.py): the held-out prompts are split
 across the instances (``Evaluate``); answers come back one by one (``Evaluated``), are decoded
-and scored with the run's reward function in the controller (correct = answer reward >= 1), and
-an evaluation row goes to metrics.jsonl once all of them are in. Rank side (``is_eval``,
+and scored with the run's reward function in the controller (correct = answer reward >= 1, as in
+``staleflow eval``: eval/scoring.py), and an evaluation row goes to metrics.jsonl once all of them
+are in, with its 95% Wilson interval (``eval_ci95_low``, ``eval_ci95_high``). Rank side (``is_eval``,
 ``eval_request_id``): evaluation requests live in the same engine under negative ids, so the
 coordinator never sees them (they are left out of snapshots and never interrupted by a pull).
 """
@@ -56,24 +57,44 @@ class HeldOutEval:
 
     def on_answer(self, msg: Evaluated) -> dict | None:
         """Record one answer; returns the finished evaluation row once all answers are in."""
-        from staleflow.reward.functions import score
+        from staleflow.eval.scoring import is_correct, summarize
 
         run = self.running.get(msg.eval_id)
         if run is None:
             return None
         p = self.prompts[msg.index]
         text = self.tokenizer.decode(msg.response_ids, skip_special_tokens=True)
-        _, info = score(self.fn, text, p.answer, dict(p.meta))
-        run["answers"][msg.index] = (info["answer_reward"] >= 1.0, len(msg.response_ids), info["boxed"], text)
+        ok, info = is_correct(self.fn, text, p.answer, p.meta)
+        run["answers"][msg.index] = (ok, len(msg.response_ids), info["boxed"], text)
         run["versions"] += [msg.min_version, msg.max_version]
         if len(run["answers"]) < len(self.prompts):
             return None
         del self.running[msg.eval_id]
         answers = [run["answers"][i] for i in range(len(self.prompts))]
-        row = {"eval_accuracy": sum(a[0] for a in answers) / len(answers), "eval_n": len(answers),
+        summary = summarize([[a[0]] for a in answers])
+        row = {"eval_accuracy": summary["accuracy"], "eval_ci95_low": summary["ci95_low"],
+               "eval_ci95_high": summary["ci95_high"], "eval_n": len(answers),
                "eval_response_len_mean": sum(a[1] for a in answers) / len(answers),
                "eval_boxed_rate": sum(a[2] for a in answers) / len(answers),
                "eval_versions": [min(run["versions"]), max(run["versions"])],
                "eval_s": time.monotonic() - run["t0"], "eval_sample": answers[0][3][:300]}
         self.results.append({"step": run["step"], **row})
         return {"step": run["step"], **row}
+
+
+def eval_line(step: int, row: dict) -> str:
+    """The console line of one finished evaluation (with its 95% Wilson interval)."""
+    return (f"eval at step {step}: held-out accuracy {_acc(row)} on {row['eval_n']} prompts (greedy, mean length "
+            f"{row['eval_response_len_mean']:.0f})")
+
+
+def gain_line(first: dict, last: dict) -> str:
+    """The run's closing line: first and last held-out accuracy, each with its interval."""
+    return (f"held-out accuracy {_acc(first)} (step {first['step']}) -> {_acc(last)} (step {last['step']}) on "
+            f"{last['eval_n']} prompts: gain {last['eval_accuracy'] - first['eval_accuracy']:+.3f}")
+
+
+def _acc(row: dict) -> str:
+    from staleflow.eval.scoring import interval_text
+
+    return interval_text(row["eval_accuracy"], row["eval_ci95_low"], row["eval_ci95_high"])

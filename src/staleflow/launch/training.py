@@ -25,6 +25,7 @@ from staleflow.durable import DiskError
 from staleflow.coordinator import Coordinator, Pull, load_cost_model
 from staleflow.coordinator.modes import build_protocol
 from staleflow.launch.backend import RuntimeBackend
+from staleflow.launch.evaluation import eval_line, gain_line
 from staleflow.launch.hub import RankDied
 from staleflow.launch.messages import SaveState, StepDone
 from staleflow.launch.resume import read_ids, write_ids
@@ -148,8 +149,7 @@ class TrainingJob:
             if row is not None:
                 step = row.pop("step")
                 self.writer.log_eval(step, row)
-                print(f"eval at step {step}: held-out accuracy {row['eval_accuracy']:.3f} on {row['eval_n']} "
-                      f"prompts (greedy, mean length {row['eval_response_len_mean']:.0f})", flush=True)
+                print(eval_line(step, row), flush=True)
 
     def final_eval(self, timeout_s: float = 900.0) -> None:
         """Every instance loads the final weights, then answers the held-out set once more."""
@@ -171,8 +171,7 @@ class TrainingJob:
         first, last = self.held_out.results[0] if self.held_out.results else None, \
             self.held_out.results[-1] if self.held_out.results else None
         if first is not None and last is not None and last is not first:
-            print(f"held-out accuracy {first['eval_accuracy']:.3f} (step {first['step']}) -> "
-                  f"{last['eval_accuracy']:.3f} (step {last['step']}) on {last['eval_n']} prompts", flush=True)
+            print(gain_line(first, last), flush=True)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def resume_state(self) -> dict:

@@ -1,5 +1,6 @@
-"""The PNG report of a run folder: reward and held-out accuracy, throughput, staleness histogram,
-per-rank timeline, each instance's pull time, and the traffic between nodes (multi-node runs).
+"""The PNG report of a run folder: reward and held-out accuracy (with its 95% interval),
+throughput, staleness histogram, per-rank timeline, each instance's pull time, and the traffic
+between nodes (multi-node runs).
 
     python -m staleflow.metrics.report RUN_DIR      (written at the end of every run as RUN_DIR/report.png)
 """
@@ -36,8 +37,7 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     if any("accuracy" in s for s in steps):
         ax.plot(x, [s.get("accuracy", 0.0) for s in steps], "s--", label="accuracy (training samples)")
     if evals:
-        ax.plot([e["step"] for e in evals], [e["eval_accuracy"] for e in evals], "D-", color="black",
-                label=f"held-out accuracy ({evals[-1]['eval_n']} prompts, greedy)")
+        _held_out(ax, evals)
     ax.set_xlabel("step (weight version)")
     ax.set_title("Reward and accuracy")
     ax.legend()
@@ -86,6 +86,18 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def _held_out(ax, evals: list[dict]) -> None:
+    """Held-out accuracy with its 95% Wilson interval as error bars (rows before the interval was
+    logged have none)."""
+    xs, ys = [e["step"] for e in evals], [e["eval_accuracy"] for e in evals]
+    label = f"held-out accuracy ({evals[-1]['eval_n']} prompts, greedy)"
+    if all("eval_ci95_low" in e for e in evals):
+        err = [[y - e["eval_ci95_low"] for y, e in zip(ys, evals)], [e["eval_ci95_high"] - y for y, e in zip(ys, evals)]]
+        ax.errorbar(xs, ys, yerr=err, fmt="D-", color="black", capsize=4, label=label + ", 95% CI")
+    else:
+        ax.plot(xs, ys, "D-", color="black", label=label)
 
 
 def _pull_panels(row, steps: list[dict], x: list[int]) -> None:
