@@ -208,3 +208,35 @@ def test_controller_reward_failures_are_counted_and_k_in_a_row_stop_the_run():
     assert len(more) == 3
     with pytest.raises(RewardsFailing, match="3 reward calls in a row failed.*ZeroDivisionError"):
         deliver(loop, be, *[Rewarded(t, 0.0, "TypeError: returned 'x'") for t in more])
+
+
+def test_controller_run_is_the_one_driver_front_end_events_go_to_listeners():
+    """run() turns until its condition; a front end's own events (the runtime's checkpoint and
+    held-out answers) reach its listeners; an event nobody listens for is an error."""
+    import dataclasses
+
+    from staleflow.controller import LoopTimeout
+
+    class Saved:  # a front-end event type the loop knows nothing about
+        pass
+
+    loop, be = make_loop()
+    got = []
+    loop.listeners[Saved] = got.append
+    be.events.append(Saved())
+    loop.run(until=lambda: bool(got), timeout_s=5)
+    assert len(got) == 1 and routed(be)  # the loop kept working while it waited
+    with pytest.raises(LoopTimeout, match="the saved checkpoint did not happen within 1 s"):
+        loop.run(until=lambda: False, timeout_s=1, what="the saved checkpoint")
+    be.events.append(object())
+    with pytest.raises(TypeError, match="unexpected event object"):
+        loop.run(until=lambda: False, timeout_s=5)
+    loop.s = dataclasses.replace(loop.s, stall_s=3.0)
+    loop.hold_training = True  # a front end holding training (a checkpoint) is not a stall
+    with pytest.raises(LoopTimeout):
+        loop.run(until=lambda: False, timeout_s=10)
+    loop.hold_training = False
+    from staleflow.controller import Stalled
+
+    with pytest.raises(Stalled, match="no trajectory finished and no step ran for 3 s"):
+        loop.run(until=lambda: False, timeout_s=60)

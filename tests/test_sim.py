@@ -37,12 +37,9 @@ class Sim:
         self.loop, self.backend, self.stale = build(cfg, mode, eta, cost=cost)
 
     def run(self):
-        loop, incomplete, next_tick = self.loop, "", 0.0
-        while not loop.done:
-            next_tick = loop.turn(next_tick)
-            if self.backend.now() > self.cfg.max_sim_s:
-                incomplete = "incomplete: max-sim-s"
-                break
+        loop = self.loop
+        loop.run(until=lambda: loop.done or self.backend.now() > self.cfg.max_sim_s)
+        incomplete = "" if loop.done else "incomplete: max-sim-s"
         return _result(self.cfg, self.mode, self.stale.eta, self.mode, loop, self.backend, incomplete)
 
 

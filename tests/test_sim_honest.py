@@ -90,9 +90,7 @@ def test_sim_no_trained_group_beat_its_tail_floor(eta):
     its longest response takes at least that many tokens decoded alone on the fastest instance."""
     cfg = small(steps=10)
     loop, backend, _ = build(cfg, "staleflow", eta)
-    next_tick = 0.0
-    while not loop.done:
-        next_tick = loop.turn(next_tick)
+    loop.run()
     cost = load_cost_model(cfg.cost_model)
     fastest = min(i.speed for i in backend.insts)
     checked = 0

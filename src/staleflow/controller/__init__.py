@@ -1,7 +1,8 @@
 """The controller: one loop, one ledger, shared by the real runtime and the simulator.
 
     loop = ControllerLoop(settings, coordinator, Ledger(), backend, workload)
-    loop.run()          # the simulator; the runtime calls loop.turn() itself (checkpoints between turns)
+    loop.run()                                   # until --steps versions are trained (runtime and simulator)
+    loop.run(until=lambda: saved, timeout_s=600)  # a front end's wait: events keep flowing
 
 See controller/loop.py for the steps and docs/architecture.md for the path of one trajectory.
 """
@@ -9,7 +10,9 @@ See controller/loop.py for the steps and docs/architecture.md for the path of on
 from staleflow.controller.backend import (Backend, Finished, PullDone, Published, Rewarded, TrainDone,
                                           TrainGroup)
 from staleflow.controller.ledger import Group, Ledger, LedgerError, Traj
-from staleflow.controller.loop import ControllerLoop, LoopSettings, RewardsFailing, Stalled, StepRecord, Workload
+from staleflow.controller.loop import (ControllerLoop, LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord,
+                                       Workload)
 
-__all__ = ["Backend", "ControllerLoop", "Finished", "Group", "Ledger", "LedgerError", "LoopSettings", "PullDone",
+__all__ = ["Backend", "ControllerLoop", "Finished", "Group", "Ledger", "LedgerError", "LoopSettings", "LoopTimeout",
+           "PullDone",
            "Published", "Rewarded", "RewardsFailing", "Stalled", "StepRecord", "Traj", "TrainDone", "TrainGroup", "Workload"]

@@ -34,6 +34,8 @@ class Rewarded(msgspec.Struct, frozen=True):
     reward: float
     error: str = ""
     """Non-empty when the reward function failed (the reward is then 0)."""
+    text: str = ""
+    """The decoded response that was scored (the runtime's trained.jsonl shows one per group)."""
 
 
 class PullDone(msgspec.Struct, frozen=True):
@@ -58,6 +60,8 @@ class Published(msgspec.Struct, frozen=True):
 
 
 Event = Finished | Rewarded | PullDone | TrainDone | Published | InstanceSnapshot
+"""What every backend yields. A front end may add events of its own (the runtime's checkpoint and
+held-out answers) by giving the loop a listener for their type (ControllerLoop(listeners=...))."""
 
 
 class TrainGroup(msgspec.Struct, frozen=True):

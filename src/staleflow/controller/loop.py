@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from staleflow.controller.backend import (Backend, Finished, PullDone, Published, Rewarded, TrainDone,
                                           TrainGroup)
@@ -77,6 +77,8 @@ class StepRecord:
     t_done: float = 0.0
     t_published: float | None = None
     train: TrainDone | None = None
+    samples: dict[int, str] = field(default_factory=dict)
+    """group id -> one member's decoded response (runtime only: what trained.jsonl shows)."""
 
     @property
     def rewards(self) -> list[float]:
@@ -97,7 +99,10 @@ class Audit:
 
 class ControllerLoop:
     def __init__(self, settings: LoopSettings, coordinator: Coordinator, ledger: Ledger, backend: Backend,
-                 workload: Workload, version: int = 0, on_step: Callable[[StepRecord, dict], None] | None = None):
+                 workload: Workload, version: int = 0, on_step: Callable[[StepRecord, dict], None] | None = None,
+                 listeners: Mapping[type, Callable[[Any], None]] | None = None):
+        """listeners: a front end's own events (type -> handler) that its backend yields among the
+        loop's (the runtime's Saved checkpoint and Evaluated held-out answers)."""
         self.s, self.coord, self.manager = settings, coordinator, coordinator.manager
         self.ledger, self.backend, self.workload = ledger, backend, workload
         self.version = version
@@ -117,6 +122,10 @@ class ControllerLoop:
         self.group_tag: dict[int, int] = {}  # V_traj carried by a group's routes (audit)
         self.response_lens: list[int] = []
         self.progress_at = backend.now()
+        self.listeners = dict(listeners or {})
+        self.tokens_generated: dict[int, int] = {}
+        """Tokens each instance has generated so far (its newest snapshot)."""
+        self._next_tick = backend.now()
 
     # ---- prompts ---------------------------------------------------------------------------
     def submit_group(self, prompt) -> None:
@@ -135,6 +144,7 @@ class ControllerLoop:
     # ---- events ------------------------------------------------------------------------------
     def handle(self, ev) -> None:
         if isinstance(ev, InstanceSnapshot):
+            self.tokens_generated[ev.instance] = ev.tokens_generated
             self.coord.on_snapshot(ev)
         elif isinstance(ev, Finished):
             self.on_finished(ev)
@@ -149,6 +159,8 @@ class ControllerLoop:
             self.coord.on_new_version(ev.version)
             if self.steps and self.steps[-1].version + 1 == ev.version:
                 self.steps[-1].t_published = self.backend.now()
+        elif type(ev) in self.listeners:
+            self.listeners[type(ev)](ev)
         else:
             raise TypeError(f"unexpected event {type(ev).__name__}")
 
@@ -183,6 +195,7 @@ class ControllerLoop:
         t = self.ledger.set_reward(ev.traj_id, ev.reward, ev.error)
         if t is None:
             return
+        t.text = ev.text
         if ev.error:
             self.reward_errors[ev.error.split(":", 1)[0]] += 1
             self.first_reward_error = self.first_reward_error or ev.error
@@ -242,6 +255,16 @@ class ControllerLoop:
         else:
             raise TypeError(f"unexpected command {type(cmd).__name__}")
 
+    def pull_all(self, version: int) -> None:
+        """Every instance loads ``version`` (a resumed run's first act, and before the final evaluation)."""
+        for inst in self.coord.instances:
+            self.execute(Pull(instance=inst, version=version))
+
+    @property
+    def syncing(self) -> bool:
+        """Some instance is still loading weights."""
+        return any(i.syncing for i in self.coord.instances.values())
+
     def _route(self, cmd: Route) -> None:
         t = self.ledger.trajs[cmd.traj_id]
         g = self.ledger.groups[t.group_id]
@@ -284,7 +307,7 @@ class ControllerLoop:
         if self.manager.ready_version() != self.version or self.coord.trainer_blocked():
             return
         v = self.version
-        batch, stale = [], []
+        batch, stale, samples = [], [], {}
         # Group-id order, members by id: the batch does not depend on finishing order (which the
         # OS scheduler decides), so a synchronous run is reproducible.
         for gid in sorted(self.manager.consume(v)):
@@ -301,10 +324,11 @@ class ControllerLoop:
                 self.audit.bound_violations += 1
                 self.audit.violations.append(f"group {gid} V_traj {V} consumed in buffer {v} (eta {self.s.eta})")
             stale.append(v - V)
+            samples[gid] = trained[0].text
             batch.append(TrainGroup(gid, V, [t.traj_id for t in trained], [t.handle for t in trained],
                                     [float(t.reward) for t in trained], [t.n_tokens for t in trained],
                                     self.workload.prompt_len(g.prompt), g.prompt))
-        self.training = StepRecord(v, self.backend.now(), batch, stale)
+        self.training = StepRecord(v, self.backend.now(), batch, stale, samples=samples)
         self.backend.train(v, batch)
 
     def on_train_done(self, ev: TrainDone) -> None:
@@ -355,9 +379,12 @@ class ControllerLoop:
             self.handle(ev)
 
     def turn(self, next_tick: float) -> float:
-        """One turn of the loop; returns the time of the next coordinator tick."""
+        """One turn of the loop; returns the time of the next coordinator tick. Once the run is
+        done nothing new is started: events are still handled (a final evaluation, a save)."""
         for ev in self.backend.poll(next_tick):
             self.handle(ev)
+        if self.done:
+            return next_tick
         self.maybe_train()
         self.refill()
         now = self.backend.now()
@@ -367,14 +394,29 @@ class ControllerLoop:
             next_tick = now + self.s.tick_s
         return next_tick
 
-    def run(self) -> None:
-        """Until --steps versions are published; raises Stalled if nothing happens for stall_s."""
-        next_tick = self.backend.now()
-        while not self.done:
-            next_tick = self.turn(next_tick)
-            if self.backend.now() - self.progress_at > self.s.stall_s:
+    def run(self, until: Callable[[], bool] | None = None, timeout_s: float | None = None, what: str = "") -> None:
+        """The one driver of the loop, in the runtime and in the simulator: turn until ``until()``
+        holds (default: --steps versions published and trained).
+
+        Raises Stalled when no trajectory finished and no step ran for stall_s while work was due
+        (not once the run is done, nor while a front end holds training for a checkpoint), and
+        LoopTimeout when ``until`` did not hold within ``timeout_s`` of the backend's clock
+        (``what`` names the wait)."""
+        stop = until or (lambda: self.done)
+        start = self.backend.now()
+        while not stop():
+            self._next_tick = self.turn(self._next_tick)
+            now = self.backend.now()
+            if timeout_s is not None and now - start > timeout_s:
+                raise LoopTimeout(f"{what or 'the wait'} did not happen within {timeout_s:.0f} s")
+            if not self.done and not self.hold_training and now - self.progress_at > self.s.stall_s:
                 raise Stalled(f"no trajectory finished and no step ran for {self.s.stall_s:.0f} s "
-                              f"(version {self.version}, buffer state {self.manager.buffer_state(self.manager.version).value})")
+                              f"(version {self.version}, buffer state "
+                              f"{self.manager.buffer_state(self.manager.version).value})")
+
+
+class LoopTimeout(RuntimeError):
+    """ControllerLoop.run waited longer than its timeout for its condition."""
 
 
 class Stalled(RuntimeError):

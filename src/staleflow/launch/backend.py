@@ -40,12 +40,7 @@ class RuntimeBackend:
         self.traffic = {"cross_node_records": 0, "cross_node_record_bytes": 0, "cross_node_pull_bytes": 0,
                         "cross_node_partial_fetches": 0}
         self._pull_times: dict[int, list[float]] = defaultdict(list)
-        self.texts: dict[int, str] = {}
-        """Decoded responses of scored trajectories (trained.jsonl shows one per group)."""
-        self.tokens_generated: dict[int, int] = {}
-        self.saved: Saved | None = None
-        self.evaluated: list[Evaluated] = []
-        """Held-out answers (launch/evaluation.py), taken by the training job: not loop events."""
+        self._texts: dict[int, str] = {}  # decoded responses being scored: they ride on their Rewarded
         self._gen_since: dict[int, float | None] = {i: None for i in self.rank_of}
         self._pull_since: dict[int, float] = {}
         self._train_sent = 0.0
@@ -82,7 +77,7 @@ class RuntimeBackend:
             return
         rec = self.rings[handle.rank].read(handle)
         text = self.tokenizer.decode(rec.response_ids.tolist(), skip_special_tokens=True)
-        self.texts[traj_id] = text
+        self._texts[traj_id] = text
         self.rewards.submit(traj_id, text, prompt.answer, dict(prompt.meta))
 
     def _score_arrived(self):
@@ -118,10 +113,11 @@ class RuntimeBackend:
         if self._unscored:
             yield from self._score_arrived()
         for key, reward, info in self.rewards.poll():
-            yield Rewarded(key, float(reward), str(info.get("error") or ""))
+            yield Rewarded(key, float(reward), str(info.get("error") or ""), self._texts.pop(key, ""))
 
     def events_of(self, rank: int, msg):
-        """The loop events of one rank message (a Saved only sets self.saved)."""
+        """The loop events of one rank message (a checkpoint's Saved and a held-out answer's Evaluated
+        go to the training job's listeners)."""
         if isinstance(msg, InstanceSnapshot):
             self._on_snapshot(rank, msg)
             yield msg
@@ -144,15 +140,12 @@ class RuntimeBackend:
             self.writer.log_span(0, "push", now - msg.push_s, now)
             yield TrainDone(msg.version, msg.metrics, msg.train_s, msg.push_s)
             yield Published(msg.version)
-        elif isinstance(msg, Saved):
-            self.saved = msg
-        elif isinstance(msg, Evaluated):
-            self.evaluated.append(msg)
+        elif isinstance(msg, (Saved, Evaluated)):
+            yield msg
         else:
             raise RuntimeError(f"unexpected message {type(msg).__name__} from rank {rank}")
 
     def _on_snapshot(self, rank: int, msg: InstanceSnapshot) -> None:
-        self.tokens_generated[msg.instance] = msg.tokens_generated
         busy = msg.running + msg.waiting > 0
         since = self._gen_since[msg.instance]
         if busy and since is None:

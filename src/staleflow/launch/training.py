@@ -20,14 +20,14 @@ import sys
 import time
 
 from staleflow.config import parse_length_dist
-from staleflow.controller import ControllerLoop, Ledger, LoopSettings, StepRecord
+from staleflow.controller import ControllerLoop, Ledger, LoopSettings, LoopTimeout, StepRecord
 from staleflow.durable import DiskError
-from staleflow.coordinator import Coordinator, Pull, load_cost_model
+from staleflow.coordinator import Coordinator, load_cost_model
 from staleflow.coordinator.modes import build_protocol
 from staleflow.launch.backend import RuntimeBackend
 from staleflow.launch.evaluation import eval_line, gain_line
 from staleflow.launch.hub import RankDied
-from staleflow.launch.messages import SaveState, StepDone
+from staleflow.launch.messages import Evaluated, Saved, SaveState, StepDone
 from staleflow.launch.resume import read_ids, write_ids
 from staleflow.metrics.progress import ProgressDisplay
 from staleflow.metrics.writer import MetricsWriter, save_config
@@ -91,9 +91,11 @@ class TrainingJob:
         self.backend = RuntimeBackend(ctl, cfg, tokenizer, self.rewards, self.writer)
         settings = LoopSettings.from_config(s, cfg.coordinator, cfg.steps,
                                             max_reward_failures=cfg.reward.max_consecutive_failures)
+        self.saved: Saved | None = None
         self.loop = ControllerLoop(settings, coord, ledger,
                                    self.backend, RuntimeWorkload(cfg, self.source), version=version,
-                                   on_step=self.log_step)
+                                   on_step=self.log_step,
+                                   listeners={Saved: self._on_saved, Evaluated: self._on_evaluated})
         self.progress = ProgressDisplay(cfg.steps, enabled=cfg.log.progress, start=version)
         self._last_log = (time.monotonic(), 0, 0)  # time, tokens generated, samples at the previous step
         self.samples = 0
@@ -107,16 +109,11 @@ class TrainingJob:
     # ---- steps -------------------------------------------------------------------------------
     def log_step(self, rec: StepRecord, metrics: dict) -> None:
         """The loop finished a step: audit trail, metrics row, progress line; maybe a checkpoint."""
-        texts = self.backend.texts
         for g in rec.groups:
             self.writer.log_trained(rec.version, g.group_id, g.traj_version, g.traj_ids, g.rewards,
-                                    prompt=g.prompt.text, answer=g.prompt.answer,
-                                    sample=texts.get(g.traj_ids[0], ""))
-        live = self.loop.ledger.trajs
-        for tid in [t for t in texts if t not in live]:
-            del texts[tid]
+                                    prompt=g.prompt.text, answer=g.prompt.answer, sample=rec.samples.get(g.group_id, ""))
         now = time.monotonic()
-        tokens = sum(self.backend.tokens_generated.values())
+        tokens = sum(self.loop.tokens_generated.values())
         t_prev, tok_prev, n_prev = self._last_log
         self.samples += metrics["trained_trajectories"]
         dt = max(now - t_prev, 1e-6)
@@ -141,33 +138,24 @@ class TrainingJob:
     def start_eval(self, step: int) -> None:
         self.held_out.start(step, self.ctl.roles.rollout_ranks, self.ctl.send)
 
-    def collect_evals(self) -> None:
-        """Score the held-out answers that arrived; log an evaluation once all of its answers are in."""
-        got, self.backend.evaluated = self.backend.evaluated, []
-        for msg in got:
-            row = self.held_out.on_answer(msg) if self.held_out is not None else None
-            if row is not None:
-                step = row.pop("step")
-                self.writer.log_eval(step, row)
-                print(eval_line(step, row), flush=True)
+    def _on_evaluated(self, msg: Evaluated) -> None:
+        """A held-out answer (a loop event); the evaluation is logged once all of its answers are in."""
+        row = self.held_out.on_answer(msg) if self.held_out is not None else None
+        if row is not None:
+            step = row.pop("step")
+            self.writer.log_eval(step, row)
+            print(eval_line(step, row), flush=True)
 
     def final_eval(self, timeout_s: float = 900.0) -> None:
         """Every instance loads the final weights, then answers the held-out set once more."""
         loop = self.loop
-        for inst in loop.coord.instances:
-            loop.execute(Pull(instance=inst, version=loop.version))
-        deadline = time.monotonic() + timeout_s
-        while any(i.syncing for i in loop.coord.instances.values()) and time.monotonic() < deadline:
-            for ev in self.backend.poll(time.monotonic() + 0.05):
-                loop.handle(ev)
-        self.start_eval(loop.version)
-        while self.held_out.running and time.monotonic() < deadline:
-            for ev in self.backend.poll(time.monotonic() + 0.05):
-                loop.handle(ev)
-            self.collect_evals()
-        if self.held_out.running:
-            print(f"staleflow: warning: the final evaluation did not finish within {timeout_s:.0f} s",
-                  file=sys.stderr, flush=True)
+        loop.pull_all(loop.version)
+        try:
+            loop.run(until=lambda: not loop.syncing, timeout_s=timeout_s, what="the final weight load")
+            self.start_eval(loop.version)
+            loop.run(until=lambda: not self.held_out.running, timeout_s=timeout_s, what="the final evaluation")
+        except LoopTimeout as e:
+            print(f"staleflow: warning: {e}", file=sys.stderr, flush=True)
         first, last = self.held_out.results[0] if self.held_out.results else None, \
             self.held_out.results[-1] if self.held_out.results else None
         if first is not None and last is not None and last is not first:
@@ -189,24 +177,25 @@ class TrainingJob:
         self.save_due = False
         assert self.loop.training is None, "a checkpoint is taken between two steps"
         export_dir = os.path.join(self.run_dir, "hf") if export else ""
-        self.backend.saved = None
+        self.saved = None
+        self.loop.hold_training = True  # the checkpoint holds exactly this version
         self.ctl.broadcast(SaveState(step=self.loop.version, extra=self.resume_state(), export_dir=export_dir),
                            ranks=self.ctl.roles.trainer_ranks)
-        deadline = time.monotonic() + timeout_s
-        while self.backend.saved is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the trainer did not finish saving the checkpoint within {timeout_s:.0f} s")
-            for ev in self.backend.poll(time.monotonic() + 0.05):
-                self.loop.handle(ev)
+        try:
+            self.loop.run(until=lambda: self.saved is not None, timeout_s=timeout_s,
+                          what="the trainer's checkpoint")
+        except LoopTimeout as e:
+            raise RuntimeError(str(e)) from None
+        saved = self.saved
         self.writer.log_span(0, "checkpoint", t0, time.time())
         self.loop.hold_training = False
-        if self.backend.saved.step != self.loop.version and not self.backend.saved.error:
-            raise RuntimeError(f"the trainer saved version {self.backend.saved.step}, the controller's resume state "
+        if saved.step != self.loop.version and not saved.error:
+            raise RuntimeError(f"the trainer saved version {saved.step}, the controller's resume state "
                                f"is for {self.loop.version}")
-        if self.backend.saved.error:
-            msg = (f"checkpoint of version {self.loop.version} failed ({self.backend.saved.error}); the previous "
+        if saved.error:
+            msg = (f"checkpoint of version {self.loop.version} failed ({saved.error}); the previous "
                    f"checkpoint is still valid")
-            if self.backend.saved.disk:  # no retry or restart makes room: stop with the last checkpoint intact
+            if saved.disk:  # no retry or restart makes room: stop with the last checkpoint intact
                 import errno
 
                 raise DiskError(errno.ENOSPC, f"{msg}; stopping: free space (or make the run folder writable) and "
@@ -216,6 +205,9 @@ class TrainingJob:
             print(f"staleflow: warning: {msg}; the run goes on", file=sys.stderr, flush=True)
             return False
         return True
+
+    def _on_saved(self, msg: Saved) -> None:
+        self.saved = msg
 
     def save_before_stop(self, why: str, grace_s: float = 18.0) -> None:
         """The run is stopping (a rank died, a signal): finish the running step and save a
@@ -261,14 +253,11 @@ class TrainingJob:
     def _run(self) -> None:
         loop = self.loop
         if loop.version > 0:  # resumed: every instance loads the trainer's weights first
-            for inst in loop.coord.instances:
-                loop.execute(Pull(instance=inst, version=loop.version))
+            loop.pull_all(loop.version)
         if self.held_out is not None and loop.version == 0:
             self.start_eval(0)
-        next_tick = self.backend.now()
         while not loop.done:
-            next_tick = loop.turn(next_tick)
-            self.collect_evals()
+            loop.run(until=lambda: loop.done or self.save_due)
             if self.save_due:
                 self.save(export=False)
         if self.held_out is not None:

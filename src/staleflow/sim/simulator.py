@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from staleflow.config import StalenessConfig
-from staleflow.controller import ControllerLoop, Ledger, LoopSettings
+from staleflow.controller import ControllerLoop, Ledger, LoopSettings, Stalled
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.cost_model import CostModel, fit_cost_model, load_cost_model
 from staleflow.coordinator.modes import apply_mode, build_protocol, check_mode, mode_of
@@ -169,16 +169,12 @@ def run(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, labe
     loop, backend, stale = build(cfg, mode, eta, overrides, cost, label)
     label = label or f"{mode} eta={stale.eta}"
     incomplete = ""
-    next_tick = 0.0
-    while not loop.done:
-        next_tick = loop.turn(next_tick)
-        if backend.now() > cfg.max_sim_s:
+    try:  # the same driver as the runtime's; a stall ends this run with what it did
+        loop.run(until=lambda: loop.done or backend.now() > cfg.max_sim_s)
+        if not loop.done:
             incomplete = f"incomplete: max-sim-s {cfg.max_sim_s:.0f} reached"
-            break
-        if backend.now() - loop.progress_at > loop.s.stall_s:
-            incomplete = (f"incomplete: no trajectory finished and no step ran for {loop.s.stall_s:.0f} s "
-                          f"(stalled at t={backend.now():.0f}s)")
-            break
+    except Stalled as e:
+        incomplete = f"incomplete: {e} (stalled at t={backend.now():.0f}s)"
     return _result(cfg, mode, stale.eta, label, loop, backend, incomplete)
 
 
