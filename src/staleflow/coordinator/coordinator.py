@@ -149,7 +149,8 @@ class Coordinator:
         """The group's reward is known: Occupy. Returns the buffer version it landed in, or None if
         its window closed meanwhile (every admissible buffer became Ready): the group is aborted."""
         if self.manager.group_info(group_id)["state"] == "closed":
-            self._abort_group_cmds(group_id, "window-closed", self.clock())
+            self._abort_group_cmds(group_id, "window-closed", self.clock(),
+                                   retry=getattr(self.manager, "retry_closed", False))
             return None
         v = self.manager.occupy(group_id)
         self._forget_group(group_id)
@@ -200,12 +201,15 @@ class Coordinator:
         cmds, self._out = self._out, []
         self._admit.clear()
         self.counters["ticks"] += 1
+        retry = getattr(self.manager, "retry_closed", False)  # the peers' strict variant regenerates
         for gid in self.manager.closed_windows():
-            self._abort_group_cmds(gid, "window-closed", now, out=cmds)
+            self._abort_group_cmds(gid, "window-closed", now, out=cmds, retry=retry)
         if self.straggler != "off":
             self._stragglers(now, cmds)
         plan_pulls(self, now, cmds)
-        if self.cfg.migration and not self.pending_interrupts:  # active migration (paper 6.5)
+        # Active migration (paper 6.5) moves in-flight work through partial rollout; without partial rollout
+        # (interrupt_on_pull False: drain) nothing started is ever interrupted and resumed, so nothing migrates.
+        if self.cfg.migration and self.cfg.interrupt_on_pull and not self.pending_interrupts:
             picked = pick_migration(self)
             if picked is not None:
                 inst, ids = picked

@@ -105,19 +105,31 @@ def apply_mode(mode: str, coordinator_cfg, staleness_cfg=None):
     return c, s
 
 
-def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                   group_capacity: int | None = None, version: int = 0, n_instances: int = 1):
-    """The batch protocol of `mode` with the (resolved) staleness settings.
+PEER_OPTIONS = {"verl-fully-async": ("staleness_threshold", "trigger_sync_steps", "strict"),
+                "areal": ("max_concurrent", "strict")}
+"""The peers' own knobs a caller may set (the grid's peer search): verl's staleness_threshold s (a
+fraction is allowed) and trigger_parameter_sync_step T; AReaL's max_concurrent_rollouts; and the
+strict variant of either (drop and regenerate groups beyond eta)."""
 
-    verl fully-async gets staleness_threshold s = eta: with one version per B groups its window
-    admits (1 + s) B groups ahead of the trainer, the (eta + 1) B that AReaL's formula and StaleFlow's
-    eta + 1 buffers allow (matched eta)."""
+
+def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
+                   group_capacity: int | None = None, version: int = 0, n_instances: int = 1, **peer):
+    """The batch protocol of `mode` with the (resolved) staleness settings and the peer's knobs `peer`.
+
+    verl fully-async gets staleness_threshold s = eta unless `peer` sets it: with one version per B
+    groups its window admits (1 + s) B groups ahead of the trainer, the (eta + 1) B that AReaL's formula
+    and StaleFlow's eta + 1 buffers allow (matched eta)."""
     m = mode_of(mode)
-    opts: dict = {}
+    bad = sorted(set(peer) - set(PEER_OPTIONS.get(m.protocol, ())))
+    if bad:
+        raise ValueError(f"mode {mode!r} has no option {', '.join(bad)}; its options: "
+                         f"{', '.join(PEER_OPTIONS.get(m.protocol, ())) or 'none'}")
+    opts: dict = dict(peer)
     if m.protocol == "staleflow":
         opts["exchange"] = m.exchange
     elif m.protocol == "verl-fully-async":
-        opts.update(staleness_threshold=float(eta), n_instances=n_instances)
+        opts.setdefault("staleness_threshold", float(eta))
+        opts["n_instances"] = n_instances
     return make_protocol(m.protocol, eta, batch_size, capacity, group_size, group_capacity, version, **opts)
 
 

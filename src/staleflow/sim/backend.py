@@ -35,8 +35,10 @@ class SimRecord(tuple):
 
 class SimBackend:
     def __init__(self, cfg: SimConfig, hw: Derived, cost: CostModel, n_instances: int, train_gpus: int,
-                 weight_sync: str):
+                 weight_sync: str, publish_every: int = 1):
         self.cfg, self.hw, self.cost, self.train_gpus, self.sync = cfg, hw, cost, train_gpus, weight_sync
+        self.publish_every = publish_every
+        """Weights reach the rollout side every this many steps (verl's trigger_parameter_sync_step T)."""
         self.pull_time = {"ps": hw.pull_s, "broadcast": hw.broadcast_s}.get(weight_sync, 0.0)
         rng = random.Random(cfg.seed * 7919 + 1)
         self.rng = random.Random(rng.getrandbits(32))
@@ -123,9 +125,13 @@ class SimBackend:
         dur *= math.exp(self.rng.gauss(0.0, cfg.train_noise)) if cfg.train_noise else 1.0
         if self.sync == "colocated":
             dur += hw.colocated_switch_s
-        publish = self.t + dur + (hw.push_s if self.sync == "ps" else 0.0)
+        push = hw.push_s if self.sync == "ps" else 0.0
+        if cfg.push_blocks_trainer:  # the push holds the trainer (PSRL's exclusive push lock), not overlapped
+            dur, push = dur + push, 0.0
+        publish = self.t + dur + push
         self.trainer_busy_s += dur
         self.train_until = self.t + dur
         self.step_end.append(publish)
         self._at(self.t + dur, TrainDone(version + 1, train_s=dur))
-        self._at(publish, Published(version + 1))
+        if (version + 1) % self.publish_every == 0 or version + 1 >= cfg.steps:
+            self._at(publish, Published(version + 1))

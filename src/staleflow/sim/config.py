@@ -61,6 +61,9 @@ class SimConfig:
     """Peers' weight update: NCCL broadcast from the trainer to every instance (no PS). None: weights at
     8 GB/s (32B: 8.2 s; verl's checkpoint engine ~8.25 GB/s). AReaL and verl fully-async pause every instance
     and the trainer for it; verl one-step-off pays it at the batch boundary."""
+    push_blocks_trainer: bool = False
+    """staleflow: the trainer waits for its push to the PS before its next step (the grid's equal-transfer
+    column; PSRL's exclusive push lock suggests it). False: the push overlaps the next step."""
     colocated_switch_s: float | None = None
     """verl-sync only: in-place weight update + rollout/train memory switch per step. None: weights at
     8 GB/s + 2 s (32B: 10.2 s)."""
@@ -124,10 +127,11 @@ class SimConfig:
     """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, every
     mode, ablations at the grid centre) instead of this one setting."""
     # ---- simulation control ------------------------------------------------------------------
-    steps: int = 40
+    steps: int = 48
     """Training steps simulated per run."""
     warmup_steps: int = 8
-    """Steps excluded from the throughput measurement (pipeline fill); 32 are measured."""
+    """Steps excluded from the throughput measurement (pipeline fill); 40 are measured (the grid's peer
+    search reads each peer's worst-case staleness over at least 40 measured steps per seed)."""
     tick_s: float = 1.0
     """Simulated seconds between coordinator ticks (the real loop ticks every 10 ms; events inside a
     tick are applied at its end, so this is the timing resolution)."""
