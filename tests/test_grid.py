@@ -38,7 +38,7 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
     assert len(saved["settings"]) == 2 and saved["summary"] == summary
     found = saved["search"]["7B lognormal 3:1"]
     labels = {r["config"] for r in found}
-    assert {"verl-fully-async s=0 T=2", "verl-fully-async s=0.25 no-partial", "areal eta=1 cap=B",
+    assert {"verl-fully-async s=0 T=2", "verl-fully-async s=0.5 no-partial", "areal eta=1 cap=B",
             "verl-sync", "verl-one-step-off"} <= labels  # every family was searched
     for row in saved["settings"]:
         eta = row["eta"]

@@ -50,8 +50,11 @@ class Mode:
 
 _NO_REDUNDANCY = {"batch_redundancy": 0, "group_redundancy": 0, "straggler": "off"}
 _VERL_BARRIER = {"routing": "round-robin", "pull": "idle", "migration": False, "mlq": False, "barrier": True,
-                 "interrupt_on_pull": False}
-_PAUSE_ALL = {"routing": "round-robin", "pull": "pause-all", "mlq": False, "barrier": False, "interrupt_on_pull": True}
+                 "interrupt_on_pull": False, "keep_kv_on_pull": False}
+_PAUSE_ALL = {"routing": "round-robin", "pull": "pause-all", "mlq": False, "barrier": False, "interrupt_on_pull": True,
+              "keep_kv_on_pull": False}
+"""The peers clear the KV cache at every weight update (verl clear_kv_cache, AReaL pause_generation with
+clear_cache): interrupted work re-prefills, nothing keeps its KV across a load."""
 NEVER_MIGRATE = {"phi_wait": 1 << 30, "psi": float("inf")}
 """Migration triggers that never fire: loop-backs may go to any instance, nothing is moved actively."""
 
@@ -67,7 +70,8 @@ _MODES = [
          peer="areal"),
     Mode("staleflow-no-exchange", coordinator={"barrier": False}, exchange=False),
     Mode("staleflow-simple-strategies", coordinator={"routing": "least-loaded", "pull": "greedy", "migration": False,
-                                                     "mlq": False, "barrier": False, "interrupt_on_pull": True},
+                                                     "mlq": False, "barrier": False, "interrupt_on_pull": True,
+                                                     "keep_kv_on_pull": False},
          staleness=dict(_NO_REDUNDANCY)),
 ]
 MODE_TABLE: dict[str, Mode] = {m.name: m for m in _MODES}

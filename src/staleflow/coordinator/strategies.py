@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 from staleflow.coordinator.instance import InstanceState
-from staleflow.coordinator.types import TrajectoryItem
+from staleflow.coordinator.types import Interrupt, TrajectoryItem
 
 ROUTING: dict[str, type] = {}
 PULL: dict[str, type] = {}
@@ -161,6 +161,22 @@ class RoundRobin:
 
 
 # ---- migration -------------------------------------------------------------------------------
+def migrate(ctx, now: float, cmds: list) -> None:
+    """Append this tick's migration (at most one instance's trajectories) and record it."""
+    picked = pick_migration(ctx)
+    if picked is None:
+        return
+    inst, ids = picked
+    cmds.append(Interrupt(inst.instance, ids, "migrate"))
+    for t in ids:
+        ctx.migrated[t] = now
+        ctx.moved_off[t] = inst.instance
+    ctx.pending_interrupts.update(ids)
+    inst.last_change = now
+    ctx.counters["migrations"] += 1
+    ctx.counters["interrupted"] += len(ids)
+
+
 def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     """Paper 6.5: one instance per tick, never while any instance syncs.
 
@@ -181,9 +197,9 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
        among those at a version >= j's (a suffix minimum over versions).
     """
     cfg = ctx.cfg
-    insts = list(ctx.instances.values())
-    if any(i.syncing for i in insts):
+    if any(i.syncing for i in ctx.instances.values()):
         return None
+    insts = list(ctx.instances.values())
     over = [i for i in insts if i.waiting > cfg.phi_wait]
     if over:
         inst = max(over, key=lambda i: (i.waiting, -i.instance))

@@ -24,6 +24,8 @@ ABLATIONS: list[tuple[str, str, dict, dict]] = [
     ("-status pull (greedy)", "staleflow", {"pull": "greedy"}, {}),
     ("-migration (resume on origin)", "staleflow", {"migration": False}, {}),
     ("-partial rollout (drain)", "staleflow", {"interrupt_on_pull": False}, {}),
+    ("-keep kv (re-prefill after a pull)", "staleflow", {"keep_kv_on_pull": False}, {}),
+    ("-kv move (re-prefill a migrated trajectory)", "staleflow", {}, {"kv_move_gb_s": 0.0}),
 ]
 """Full StaleFlow with exactly one part removed (name, mode, coordinator overrides, SimConfig changes)."""
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 
 SEEDS = (0, 1)
 MARGIN = 0.05
-S_GRID = {1: (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0), 2: (0.0, 0.1, 0.25, 0.5, 0.75, 1.0),
+S_GRID = {1: (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0), 2: (0.0, 0.1, 0.25, 0.5, 0.75, 1.0),
           3: (0.0, 0.1, 0.25, 0.5), 4: (0.0, 0.1, 0.25)}
 """verl staleness_threshold values per trigger_parameter_sync_step T (scanned in this order)."""
-S_NO_PARTIAL = (0.25, 0.5, 1.0, 2.0, 3.0)
+S_NO_PARTIAL = (0.5, 1.0, 2.0, 3.0)
+"""partial_rollout=False (T = 1): every sync waits for all in-flight work, so s barely moves throughput."""
 AREAL_ETAS = (0, 1, 2, 3, 4, 5)
 
 

@@ -156,7 +156,8 @@ def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, co
     train_gpus = cfg.total_gpus if colocated else cfg.total_gpus - cfg.rollout_gpus
     sync = m.weight_sync if colocated or m.weight_sync != "colocated" else "broadcast"
     peer = dict(peer or {})
-    backend = SimBackend(cfg, hw, true, n_inst, train_gpus, sync, publish_every=peer.get("trigger_sync_steps", 1))
+    backend = SimBackend(cfg, hw, true, n_inst, train_gpus, sync, publish_every=peer.get("trigger_sync_steps", 1),
+                         mixed_kv=ccfg.interrupt_on_pull and ccfg.keep_kv_on_pull)
     s = stale
     manager = build_protocol(mode, s.eta, s.batch_size, s.batch_size + s.batch_redundancy, s.group_size,
                              s.group_size + s.group_redundancy, n_instances=n_inst, **peer)
