@@ -146,7 +146,7 @@ def test_ablation_drain_interrupts_and_resumes_nothing():
     coord = CoordinatorConfig(migration=True, psi=1.5, migration_stop=1, phi_wait=0, pull="greedy")
     cfg = tiny(steps=10, coordinator=coord)
     full = build(cfg, "staleflow", 1)[0]
-    drain_loop, backend, _ = build(cfg, "staleflow", 1, {"interrupt_on_pull": False})
+    drain_loop, _, _ = build(cfg, "staleflow", 1, {"interrupt_on_pull": False})
     for loop in (full, drain_loop):
         t = 0.0
         while not loop.done:

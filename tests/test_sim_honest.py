@@ -4,7 +4,6 @@ output contract: tests/test_grid.py)."""
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 

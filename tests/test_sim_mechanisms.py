@@ -84,7 +84,7 @@ def test_kv_move_charges_the_transfer_on_both_ends_and_only_reuses_valid_kv():
     assert admit(inst(4000.0, version=1), 2000, 0) == pytest.approx(2000 / 1000)  # older weights' KV: recomputed
     assert admit(inst(4000.0, mixed=True, version=1), 2000, 0) == pytest.approx(0.5)  # ... unless keep-KV is on
     # the source pays the offload of every migrated RUNNING trajectory; a pull interrupt drops the KV
-    loop, backend, reasons, _ = drive(tiny())
+    loop, _, reasons, _ = drive(tiny())
     assert "migrate" in reasons and loop.coord.counters["migrations"] > 0
     spec = MODEL_SPECS["qwen2.5-32b-tp2"]
     hw = derive(SimConfig(), load_cost_model("qwen2.5-32b-tp2"))
@@ -94,7 +94,7 @@ def test_kv_move_charges_the_transfer_on_both_ends_and_only_reuses_valid_kv():
 
 def test_kv_move_source_stalls_for_the_offload():
     cfg = tiny()
-    loop, backend, _ = build(cfg, "staleflow", 1)
+    _, backend, _ = build(cfg, "staleflow", 1)
     src = backend.insts[0]
     src.add(sim_engine.SimTraj(7, 0, 0, prompt_len=20, target_len=400))
     src.advance(0.5)  # admitted and decoding

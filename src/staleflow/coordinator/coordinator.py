@@ -30,10 +30,11 @@ the mode names (coordinator/modes.py): StaleFlow's StalenessManager or a peer's 
 
 from __future__ import annotations
 
-import msgspec
 import time
 from collections import Counter
 from typing import Callable, Iterable
+
+import msgspec
 
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.mlq import MultiLevelQueue

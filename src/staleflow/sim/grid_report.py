@@ -107,7 +107,7 @@ def setting_text(st, etas, seeds) -> str:
     for r in setting_rows(st, etas, seeds):
         n = r["nominal"][r["nominal_best"]]
         nom = f"{r['nominal_best']} ({n['over_eta_frac']:.0%}, {n['mean_staleness']:.2f})"
-        lines.append(f"{r['eta']:3d} {r['staleflow']:9.0f} {r['step_over_floor']:10.3f}  {str(r['guarantee_best']):34s} "
+        lines.append(f"{r['eta']:3d} {r['staleflow']:9.0f} {r['step_over_floor']:10.3f}  {r['guarantee_best']!s:34s} "
                      f"{r['guarantee_best_tok_s'] or 0:7.0f} {r['guarantee_best_worst']!s:>5s} "
                      f"{r['vs_guarantee_best'] or 0:6.3f}  {r['staleflow_equal_transfer']:11.0f} "
                      f"{r['vs_guarantee_best_equal_transfer'] or 0:6.3f}  {nom:44s} {r['vs_nominal_best']:6.3f}  "
@@ -121,7 +121,7 @@ def summary_table(rows: list[dict]) -> str:
             f"{'st/fl':>6s}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['setting']:22s} {r['eta']:3d} {r['staleflow']:9.0f} {str(r['guarantee_best']):34s} "
+        lines.append(f"{r['setting']:22s} {r['eta']:3d} {r['staleflow']:9.0f} {r['guarantee_best']!s:34s} "
                      f"{r['vs_guarantee_best'] or 0:6.3f} {r['vs_guarantee_best_equal_transfer'] or 0:7.3f} "
                      f"{r['vs_nominal_best']:6.3f} {r['vs_strict_best']:8.3f} {r['vs_sync'] or 0:6.3f} "
                      f"{r['step_s']:7.1f} {r['floor_s']:7.1f} {r['step_over_floor']:6.3f}")
