@@ -160,7 +160,9 @@ def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], 
                     max_response=args.max_new, steps=args.steps, warmup_steps=args.warmup, tick_s=0.01,
                     router_fit_samples=0, shared_cores=args.shared_cores, colocated_sync=False, seed=args.seed,
                     out_dir="", ablation=False)
-    overrides = {}
+    # What the runtime runs today: a pull interrupts (its rollout ranks do not keep KV across a weight load
+    # yet); the simulator's own default models the engine-side mechanism.
+    overrides = {"keep_kv_on_pull": False} if mode == "staleflow" else {}
     flags = args.staleflow_flags.split() if mode == "staleflow" else []
     if "--coordinator.mu" in flags:
         overrides["mu"] = float(flags[flags.index("--coordinator.mu") + 1])

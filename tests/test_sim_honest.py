@@ -1,17 +1,15 @@
 """The simulator's honesty: a fitted (not true) router cost model, noisy step times, a published-statistics
-length distribution, KV capacity from model size and GPU memory, >= 30 measured steps, and the grid's
-output contract (tables, PNG, last JSON line with exactly the issue's keys)."""
+length distribution, KV capacity from model size and GPU memory, >= 40 measured steps (the grid's
+output contract: tests/test_grid.py)."""
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 
 import pytest
 
 from staleflow.coordinator.cost_model import load_cost_model
-from staleflow.sim import grid
 from staleflow.sim.config import SimConfig
 from staleflow.sim.hardware import GPU, MODEL_SPECS, derive, kv_capacity
 from staleflow.sim.lengths import LengthSampler
@@ -103,28 +101,6 @@ def test_sim_no_trained_group_beat_its_tail_floor(eta):
     assert checked == cfg.steps * cfg.batch_size
 
 
-def test_sim_measures_at_least_30_steps_after_warm_up_by_default():
+def test_sim_measures_at_least_40_steps_after_warm_up_by_default():
     cfg = SimConfig()
-    assert cfg.steps - cfg.warmup_steps >= 30
-
-
-def test_sim_grid_prints_tables_saves_png_and_ends_with_the_issue_keys(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(grid, "MODELS", (("7B", "qwen2.5-7b-tp1", 1),))
-    monkeypatch.setattr(grid, "ETAS", (1, 2))
-    monkeypatch.setattr(grid, "DISTS", ("lognormal",))
-    monkeypatch.setattr(grid, "SPLITS", ((3, 1),))
-    monkeypatch.setattr(grid, "CENTRE", ("7B", 2, "lognormal", (3, 1)))
-    base = small(out_dir=str(tmp_path), router_fit_samples=50)
-    assert grid.main(base) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    summary = json.loads(out[-1])
-    assert set(summary) == {"vs_sync_max", "vs_sync_avg", "vs_best_async_max", "vs_best_async_avg", "best_async",
-                            "ablation", "violations"}
-    assert set(summary["ablation"]) == {name for name, _, _ in grid.ABLATIONS} and summary["violations"] == 0
-    assert summary["vs_sync_max"] >= summary["vs_sync_avg"] > 0
-    assert summary["best_async"] in ("verl-one-step-off", "verl-fully-async", "areal")
-    assert any(line.startswith("Summary") for line in out) and (tmp_path / "grid.png").stat().st_size > 1000
-    saved = json.loads((tmp_path / "grid.json").read_text())
-    assert len(saved["settings"]) == 2 and saved["summary"] == summary
-    assert set(saved["tail_floor"]) == {"bound_vs_best_async_avg", "bound_vs_best_async_max", "capped_batches_min"}
-    assert all(r["floor_s"] > 0 and r["bound_vs_best_async"] > 0 for r in saved["settings"])
+    assert cfg.steps - cfg.warmup_steps >= 40

@@ -10,8 +10,8 @@ See controller/loop.py for the steps and docs/architecture.md for the path of on
 from staleflow.controller.backend import (Backend, Finished, PullDone, Published, Rewarded, TrainDone,
                                           TrainGroup)
 from staleflow.controller.ledger import Group, Ledger, LedgerError, Traj
-from staleflow.controller.loop import (ControllerLoop, LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord,
-                                       Workload)
+from staleflow.controller.loop import ControllerLoop
+from staleflow.controller.types import LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
 
 __all__ = ["Backend", "ControllerLoop", "Finished", "Group", "Ledger", "LedgerError", "LoopSettings", "LoopTimeout",
            "PullDone",

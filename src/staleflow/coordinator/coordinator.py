@@ -30,18 +30,19 @@ the mode names (coordinator/modes.py): StaleFlow's StalenessManager or a peer's 
 
 from __future__ import annotations
 
-import msgspec
 import time
 from collections import Counter
 from typing import Callable, Iterable
+
+import msgspec
 
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.mlq import MultiLevelQueue
 from staleflow.coordinator.modes import adopt_protocol
 from staleflow.coordinator.pull import plan_pulls, updating
-from staleflow.coordinator.strategies import make_pull, make_routing, pick_migration
-from staleflow.coordinator.types import (Abort, Command, InstanceSnapshot, Interrupt, Route,
-                                         TrajectoryItem)
+from staleflow.coordinator.stragglers import handle_stragglers
+from staleflow.coordinator.strategies import make_pull, make_routing, migrate
+from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Route, TrajectoryItem
 
 
 class Coordinator:
@@ -149,7 +150,8 @@ class Coordinator:
         """The group's reward is known: Occupy. Returns the buffer version it landed in, or None if
         its window closed meanwhile (every admissible buffer became Ready): the group is aborted."""
         if self.manager.group_info(group_id)["state"] == "closed":
-            self._abort_group_cmds(group_id, "window-closed", self.clock())
+            self._abort_group_cmds(group_id, "window-closed", self.clock(),
+                                   retry=getattr(self.manager, "retry_closed", False))
             return None
         v = self.manager.occupy(group_id)
         self._forget_group(group_id)
@@ -200,54 +202,19 @@ class Coordinator:
         cmds, self._out = self._out, []
         self._admit.clear()
         self.counters["ticks"] += 1
+        retry = getattr(self.manager, "retry_closed", False)  # the peers' strict variant regenerates
         for gid in self.manager.closed_windows():
-            self._abort_group_cmds(gid, "window-closed", now, out=cmds)
+            self._abort_group_cmds(gid, "window-closed", now, out=cmds, retry=retry)
         if self.straggler != "off":
-            self._stragglers(now, cmds)
+            handle_stragglers(self, now, cmds)
         plan_pulls(self, now, cmds)
-        if self.cfg.migration and not self.pending_interrupts:  # active migration (paper 6.5)
-            picked = pick_migration(self)
-            if picked is not None:
-                inst, ids = picked
-                cmds.append(Interrupt(inst.instance, ids, "migrate"))
-                for t in ids:
-                    self.migrated[t] = now
-                    self.moved_off[t] = inst.instance
-                self.pending_interrupts.update(ids)
-                inst.last_change = now
-                self.counters["migrations"] += 1
-                self.counters["interrupted"] += len(ids)
+        # Active migration (paper 6.5) moves in-flight work through partial rollout; without it (interrupt_on_pull
+        # False: drain) nothing started is ever interrupted and resumed, so nothing migrates.
+        if self.cfg.migration and self.cfg.interrupt_on_pull and not self.pending_interrupts:
+            migrate(self, now, cmds)
         if not self.pending_interrupts and not (self.puller.blocks_routing and updating(self)):
             self._route(now, cmds)
         return cmds
-
-    def _stragglers(self, now: float, cmds: list[Command]) -> None:
-        """Abort (and retry) or truncate the last stragglers of a Stuck buffer, ONCE per buffer.
-
-        The retried groups reserve into the same window again; acting on them too would abort
-        every retry as soon as it is dispatched (a livelock the simulator's property test found
-        with eta 0 and no redundancy)."""
-        if self.straggler == "off" or self.manager.version in self._straggled_buffers:
-            return
-        gids = self.manager.stuck_stragglers(self.straggler_threshold)
-        if gids:
-            self._straggled_buffers.add(self.manager.version)
-        for gid in gids:
-            if gid in self._stragglers_done:
-                continue
-            self._stragglers_done.add(gid)
-            self.counters["stragglers"] += 1
-            if self.straggler == "abort":
-                self._abort_group_cmds(gid, "straggler", now, out=cmds, retry=True)
-                continue
-            live = sorted(self.members.get(gid, ()))
-            by_inst: dict[int, list[int]] = {}
-            for t in live:
-                by_inst.setdefault(self.where.get(t, -1), []).append(t)
-                if t in self.queue:
-                    self._dequeue(t)
-            for i, ids in sorted(by_inst.items()):
-                cmds.append(Interrupt(i, tuple(ids), "truncate"))
 
     def _route(self, now: float, cmds: list[Command]) -> None:
         cap = self.cfg.max_concurrent

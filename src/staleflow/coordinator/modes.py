@@ -50,8 +50,11 @@ class Mode:
 
 _NO_REDUNDANCY = {"batch_redundancy": 0, "group_redundancy": 0, "straggler": "off"}
 _VERL_BARRIER = {"routing": "round-robin", "pull": "idle", "migration": False, "mlq": False, "barrier": True,
-                 "interrupt_on_pull": False}
-_PAUSE_ALL = {"routing": "round-robin", "pull": "pause-all", "mlq": False, "barrier": False, "interrupt_on_pull": True}
+                 "interrupt_on_pull": False, "keep_kv_on_pull": False}
+_PAUSE_ALL = {"routing": "round-robin", "pull": "pause-all", "mlq": False, "barrier": False, "interrupt_on_pull": True,
+              "keep_kv_on_pull": False}
+"""The peers clear the KV cache at every weight update (verl clear_kv_cache, AReaL pause_generation with
+clear_cache): interrupted work re-prefills, nothing keeps its KV across a load."""
 NEVER_MIGRATE = {"phi_wait": 1 << 30, "psi": float("inf")}
 """Migration triggers that never fire: loop-backs may go to any instance, nothing is moved actively."""
 
@@ -67,7 +70,8 @@ _MODES = [
          peer="areal"),
     Mode("staleflow-no-exchange", coordinator={"barrier": False}, exchange=False),
     Mode("staleflow-simple-strategies", coordinator={"routing": "least-loaded", "pull": "greedy", "migration": False,
-                                                     "mlq": False, "barrier": False, "interrupt_on_pull": True},
+                                                     "mlq": False, "barrier": False, "interrupt_on_pull": True,
+                                                     "keep_kv_on_pull": False},
          staleness=dict(_NO_REDUNDANCY)),
 ]
 MODE_TABLE: dict[str, Mode] = {m.name: m for m in _MODES}
@@ -105,19 +109,31 @@ def apply_mode(mode: str, coordinator_cfg, staleness_cfg=None):
     return c, s
 
 
-def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                   group_capacity: int | None = None, version: int = 0, n_instances: int = 1):
-    """The batch protocol of `mode` with the (resolved) staleness settings.
+PEER_OPTIONS = {"verl-fully-async": ("staleness_threshold", "trigger_sync_steps", "strict"),
+                "areal": ("max_concurrent", "strict")}
+"""The peers' own knobs a caller may set (the grid's peer search): verl's staleness_threshold s (a
+fraction is allowed) and trigger_parameter_sync_step T; AReaL's max_concurrent_rollouts; and the
+strict variant of either (drop and regenerate groups beyond eta)."""
 
-    verl fully-async gets staleness_threshold s = eta: with one version per B groups its window
-    admits (1 + s) B groups ahead of the trainer, the (eta + 1) B that AReaL's formula and StaleFlow's
-    eta + 1 buffers allow (matched eta)."""
+
+def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
+                   group_capacity: int | None = None, version: int = 0, n_instances: int = 1, **peer):
+    """The batch protocol of `mode` with the (resolved) staleness settings and the peer's knobs `peer`.
+
+    verl fully-async gets staleness_threshold s = eta unless `peer` sets it: with one version per B
+    groups its window admits (1 + s) B groups ahead of the trainer, the (eta + 1) B that AReaL's formula
+    and StaleFlow's eta + 1 buffers allow (matched eta)."""
     m = mode_of(mode)
-    opts: dict = {}
+    bad = sorted(set(peer) - set(PEER_OPTIONS.get(m.protocol, ())))
+    if bad:
+        raise ValueError(f"mode {mode!r} has no option {', '.join(bad)}; its options: "
+                         f"{', '.join(PEER_OPTIONS.get(m.protocol, ())) or 'none'}")
+    opts: dict = dict(peer)
     if m.protocol == "staleflow":
         opts["exchange"] = m.exchange
     elif m.protocol == "verl-fully-async":
-        opts.update(staleness_threshold=float(eta), n_instances=n_instances)
+        opts.setdefault("staleness_threshold", float(eta))
+        opts["n_instances"] = n_instances
     return make_protocol(m.protocol, eta, batch_size, capacity, group_size, group_capacity, version, **opts)
 
 

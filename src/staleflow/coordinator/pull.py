@@ -9,7 +9,10 @@ say what else the system's weight-sync rule stops meanwhile:
                      ``update_weights``, verl's ``sync_weights`` / ``sync_rollout_weights``).
 How in-flight work crosses a pull is the coordinator config's ``interrupt_on_pull``:
   True  (partial rollout) the instance's trajectories are interrupted, loop back with their tokens
-        and resume on an instance at version >= V_traj, recomputing their KV;
+        and resume on an instance at version >= V_traj, recomputing their KV; with ``keep_kv_on_pull``
+        they are NOT interrupted: they stay on the instance, keep their KV across the weight load and
+        continue with the new weights (in-flight weight update; V_traj, and with it the bound, is
+        unchanged: the oldest token still dates from V_traj);
   False (no partial rollout) the instance DRAINS: it takes no new work, its in-flight trajectories
         finish under the old weights, and the Pull is sent once it is empty. The runtime and the
         simulator execute the same commands, so they agree on this by construction.
@@ -85,10 +88,10 @@ def plan_pulls(ctx, now: float, cmds: list[Command]) -> None:
             continue
         if not inst.draining and not ctx.puller.should_pull(inst, ctx):
             continue
-        if inst.trajs:
-            if not ctx.cfg.interrupt_on_pull:  # no partial rollout: finish the work first, take no more
-                inst.draining = True
-                continue
+        if inst.trajs and not ctx.cfg.interrupt_on_pull:  # no partial rollout: finish the work first, take no more
+            inst.draining = True
+            continue
+        if inst.trajs and not ctx.cfg.keep_kv_on_pull:  # partial rollout with re-prefill: interrupt, loop back
             ids = tuple(inst.trajs)
             cmds.append(Interrupt(inst.instance, ids, "pull"))
             ctx.pending_interrupts.update(ids)

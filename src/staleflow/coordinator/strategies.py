@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 from staleflow.coordinator.instance import InstanceState
-from staleflow.coordinator.types import TrajectoryItem
+from staleflow.coordinator.types import Interrupt, TrajectoryItem
 
 ROUTING: dict[str, type] = {}
 PULL: dict[str, type] = {}
@@ -96,13 +96,20 @@ class Waterfall:
     def choose(self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState], ctx):
         tokens = self.request_tokens(item)
         floor = self.cfg.mu * self.cost.ideal_gain(tokens)
+        c = self.cost
+        k1, k2, k3, b3, k4 = c.k1, c.k2, c.k3, c.b3, c.k4
         for tier in self.tiers(candidates, item, ctx):
             best, best_gain = None, -1.0
             for inst in tier:
                 kv = self.instance_tokens(inst)
                 if inst.waiting > 0 or kv + tokens > inst.kv_capacity:
                     continue
-                g = self.cost.gain(inst.running, kv, tokens)
+                # cost.gain(running, kv, tokens) inlined (the router's hot loop); running = len(trajs)
+                # since nothing waits here. Same expressions, so the same floats.
+                n = len(inst.trajs)
+                kv2 = kv + tokens
+                g = (n + 1) / (k1 * kv2 + max(k2, k3 * (n + 1) + b3) + k4) - (
+                    n / (k1 * kv + max(k2, k3 * n + b3) + k4) if n > 0 else 0.0)
                 if g > best_gain or (g == best_gain and inst.load < best.load):
                     best, best_gain = inst, g
             if best is not None and best_gain >= floor:
@@ -154,6 +161,22 @@ class RoundRobin:
 
 
 # ---- migration -------------------------------------------------------------------------------
+def migrate(ctx, now: float, cmds: list) -> None:
+    """Append this tick's migration (at most one instance's trajectories) and record it."""
+    picked = pick_migration(ctx)
+    if picked is None:
+        return
+    inst, ids = picked
+    cmds.append(Interrupt(inst.instance, ids, "migrate"))
+    for t in ids:
+        ctx.migrated[t] = now
+        ctx.moved_off[t] = inst.instance
+    ctx.pending_interrupts.update(ids)
+    inst.last_change = now
+    ctx.counters["migrations"] += 1
+    ctx.counters["interrupted"] += len(ids)
+
+
 def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     """Paper 6.5: one instance per tick, never while any instance syncs.
 
@@ -174,14 +197,16 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
        among those at a version >= j's (a suffix minimum over versions).
     """
     cfg = ctx.cfg
-    insts = list(ctx.instances.values())
-    if any(i.syncing for i in insts):
+    if any(i.syncing for i in ctx.instances.values()):
         return None
+    insts = list(ctx.instances.values())
     over = [i for i in insts if i.waiting > cfg.phi_wait]
     if over:
         inst = max(over, key=lambda i: (i.waiting, -i.instance))
         ids = tuple(list(inst.trajs)[-(inst.waiting - cfg.phi_wait):])
         return inst, ids
+    if cfg.psi == float("inf"):  # the throughput-gap trigger can never fire (the peers' NEVER_MIGRATE)
+        return None
     routable: dict[int, bool] = {}
     low: dict[int, float] = {}  # version -> smallest indicator of a starved instance at that version
     for s in insts:

@@ -24,10 +24,11 @@ class AReaLBuffer(CountedBuffer):
     """    m = AReaLBuffer(eta=1, batch_size=2); m.can_admit(0)  # True until 2 * 2 groups are started"""
 
     def __init__(self, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                 group_capacity: int | None = None, version: int = 0, max_concurrent: int | None = None):
-        super().__init__(eta, batch_size, capacity, group_size, group_capacity, version)
+                 group_capacity: int | None = None, version: int = 0, max_concurrent: int | None = None,
+                 strict: bool = False):
+        super().__init__(eta, batch_size, capacity, group_size, group_capacity, version, strict)
         # AReaL's default (None) is consumer_batch_size; its long-CoT example (boba) uses 2 B. We default to
-        # (eta + 1) B, which never binds below the staleness formula, so the cap cannot handicap the baseline.
+        # (eta + 1) B, which never binds below the staleness formula; the grid searches B, 2 B and (eta + 1) B.
         self.max_concurrent = (eta + 1) * batch_size if max_concurrent is None else max_concurrent
         if type(self.max_concurrent) is not int or self.max_concurrent < 1:
             raise ProtocolError(f"AReaLBuffer max_concurrent={max_concurrent!r} must be an int >= 1")
@@ -45,8 +46,11 @@ class AReaLBuffer(CountedBuffer):
         self.running -= 1
         self.accepted += completed
 
-    def _batch(self) -> list:
-        return sorted(self._queue, key=self._seq.__getitem__)[:self.batch_size]
+    def _unqueued(self, g) -> None:
+        self.accepted -= 1  # strict variant: a dropped over-stale group is a rejection (AReaL does not count those)
+
+    def _batch(self, queue: list) -> list:
+        return sorted(queue, key=self._seq.__getitem__)[:self.batch_size]
 
     def _counters(self) -> dict:
         return {"accepted": self.accepted, "running": self.running, "max_concurrent": self.max_concurrent}

@@ -7,6 +7,12 @@ class holds what they share (the group table, member completion and redundancy, 
 completed groups, consume, aborts, the consumption log); a subclass supplies the admission rule
 (``_room``), the counter updates (``_admitted`` / ``_left``) and the batch order (``_batch``).
 It implements protocol/interface.py, so the same coordinator and controller loop drive it.
+
+``strict=True`` is a variant the peers do not have (the grid's "strict" column): a group whose
+staleness would exceed eta is dropped and its prompt regenerated instead of trained. A group in
+flight or queued with V_traj + eta < the next batch can never be trained within eta, so it is
+reported by ``closed_windows`` (the coordinator aborts it with retry) and never batched; the
+variant is then bounded like StaleFlow, but it trains what finishes in time (shorter responses).
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from staleflow.protocol.types import BufferState, ProtocolError, _check_id, _Gro
 
 class CountedBuffer:
     bounded = False
+    retry_closed = False
+    """Groups reported by closed_windows are regenerated (the strict variant), not just dropped."""
 
     def __init__(self, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                 group_capacity: int | None = None, version: int = 0):
+                 group_capacity: int | None = None, version: int = 0, strict: bool = False):
         capacity = batch_size if capacity is None else capacity
         group_capacity = group_size if group_capacity is None else group_capacity
         name = type(self).__name__
@@ -29,6 +37,9 @@ class CountedBuffer:
         if capacity != batch_size:
             raise ProtocolError(f"{name} capacity={capacity!r}: batch redundancy (B' > B) is StaleFlow's; "
                                 f"the peer trains every completed group, so use --staleness.batch-redundancy 0")
+        if not isinstance(strict, bool):
+            raise ProtocolError(f"{name} strict={strict!r} must be a bool")
+        self.strict = self.bounded = self.retry_closed = strict
         self.eta, self.batch_size, self.capacity = eta, batch_size, batch_size
         self.group_size, self.group_capacity = group_size, group_capacity
         self.version = version
@@ -53,9 +64,12 @@ class CountedBuffer:
     def _left(self, g: _Group, completed: bool) -> None:
         """An in-flight group completed (queued for training) or was dropped."""
 
-    def _batch(self) -> list:
-        """The B queued group ids the trainer takes next."""
+    def _batch(self, queue: list) -> list:
+        """The B group ids of `queue` (completed groups, completion order) the trainer takes next."""
         raise NotImplementedError
+
+    def _unqueued(self, g: _Group) -> None:
+        """A completed, queued group was dropped (strict variant: it became over-stale)."""
 
     def on_rollout_version(self, version: int) -> None:
         self.rollout_version = max(self.rollout_version, version)
@@ -79,8 +93,17 @@ class CountedBuffer:
                 return False
         return self._room(traj_version)
 
+    def _over_stale(self, g: _Group) -> bool:
+        return self.strict and g.traj_version + self.eta < self.version
+
+    def _trainable(self) -> list:
+        """Queued groups the next batch may take (strict: those still within eta)."""
+        if not self.strict:
+            return self._queue
+        return [gid for gid in self._queue if not self._over_stale(self._groups[gid])]
+
     def ready_version(self) -> int | None:
-        return self.version if len(self._queue) >= self.batch_size else None
+        return self.version if len(self._trainable()) >= self.batch_size else None
 
     def buffer_state(self, v: int) -> BufferState:
         if v < self.version:
@@ -92,11 +115,16 @@ class CountedBuffer:
         if g is None:
             state = self._finished.get(group_id)
             raise ProtocolError(f"group {group_id!r} is {state}" if state else f"unknown group id {group_id!r}")
+        state = "closed" if self._over_stale(g) else ("occupied" if g.occupied else "reserved")
         return {"group_id": group_id, "traj_version": g.traj_version, "buffer_version": g.buffer,
-                "state": "occupied" if g.occupied else "reserved", "live": list(g.live), "done": list(g.done)}
+                "state": state, "live": list(g.live), "done": list(g.done)}
 
     def closed_windows(self) -> list:
-        return []  # no windows: nothing ever becomes unplaceable
+        """Strict variant: groups (in flight or queued) that can no longer be trained within eta.
+        Otherwise none: the peers have no windows, nothing ever becomes unplaceable."""
+        if not self.strict:
+            return []
+        return [gid for gid, g in self._groups.items() if self._over_stale(g)]
 
     def stuck_stragglers(self, threshold: int) -> list:
         if not isinstance(threshold, int) or threshold < 1:
@@ -160,6 +188,9 @@ class CountedBuffer:
             self.group_info(group_id)  # raises with the reason
         if g.occupied:
             raise ProtocolError(f"group {group_id!r} is already queued for training")
+        if self._over_stale(g):
+            raise ProtocolError(f"group {group_id!r} (V_traj {g.traj_version}) can no longer be trained within "
+                                f"eta={self.eta} (next batch {self.version}): the strict variant aborts it")
         if len(g.done) < self.group_size:
             raise ProtocolError(f"group {group_id!r} has {len(g.done)} of group_size={self.group_size} members "
                                 f"complete: occupy after generation and reward of the group")
@@ -172,7 +203,7 @@ class CountedBuffer:
         if v != self.version or self.ready_version() is None:
             raise ProtocolError(f"consume({v!r}): the next batch is {self.version} and it has "
                                 f"{len(self._queue)}/{self.batch_size} completed groups")
-        batch = self._batch()
+        batch = self._batch(self._trainable())
         taken = set(batch)
         self._queue = [gid for gid in self._queue if gid not in taken]
         for gid in batch:
@@ -205,7 +236,7 @@ class CountedBuffer:
         g = self._groups.get(group_id)
         if g is None:
             self.group_info(group_id)
-        if g.occupied:
+        if g.occupied and not self._over_stale(g):
             raise ProtocolError(f"abort_group: group {group_id!r} is already queued for training")
         live = list(g.live)
         for t in live + list(g.done):
@@ -213,7 +244,11 @@ class CountedBuffer:
         del self._groups[group_id]
         self._aborted[group_id] = reason
         self._finished[group_id] = f"aborted: {reason}"
-        self._left(g, completed=False)  # rejected work frees its slot (AReaL: not counted as accepted)
+        if g.occupied:  # strict: an over-stale queued group leaves the queue (its slot is freed)
+            self._queue.remove(group_id)
+            self._unqueued(g)
+        else:
+            self._left(g, completed=False)  # rejected work frees its slot (AReaL: not counted as accepted)
         return live
 
     # ---- metrics and self-check --------------------------------------------------------------
@@ -241,3 +276,5 @@ class CountedBuffer:
             fail("a group is consumed twice, or both consumed and aborted or live")
         if any(not tv <= bv for _, tv, bv in self._log):
             fail("a group was trained before its version existed")
+        if self.strict and any(bv > tv + self.eta for _, tv, bv in self._log):
+            fail("the strict variant trained a group beyond eta")

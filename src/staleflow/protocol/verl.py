@@ -5,9 +5,10 @@ Peer: volcengine/verl, ``verl/experimental/fully_async_policy/fully_async_rollou
 ``_should_pause_generation``, ``update_param_version``) and ``fully_async_trainer.py``
 (``_get_samples_from_queue``); docs/baselines.md has the paragraph and the deviations.
 
-Units are prompt groups ("samples"). One version = one training step of B groups (verl's
-trigger_parameter_sync_step T = 1 and require_batches x ppo_mini_batch_size = B), so
-    max_required = int(B * (1 + s)),  max_queue = max_required,
+Units are prompt groups ("samples"). One training step takes B groups (require_batches x
+ppo_mini_batch_size = B) and the weights are synchronised every T steps (verl's
+trigger_parameter_sync_step; the rollout's version then jumps by T), so
+    max_required = int(B * (1 + s) * T),  max_queue = max_required,
     max_concurrent = min(16 * rollout replicas, max_required).
 A new group starts iff the message queue holds < max_queue groups, the window counter
 ``staleness_samples`` < max_required and fewer than max_concurrent groups are active; each start
@@ -29,15 +30,18 @@ class VerlAsyncBuffer(CountedBuffer):
 
     def __init__(self, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
                  group_capacity: int | None = None, version: int = 0, staleness_threshold: float | None = None,
-                 n_instances: int = 1):
-        super().__init__(eta, batch_size, capacity, group_size, group_capacity, version)
+                 n_instances: int = 1, trigger_sync_steps: int = 1, strict: bool = False):
+        super().__init__(eta, batch_size, capacity, group_size, group_capacity, version, strict)
         s = float(eta) if staleness_threshold is None else staleness_threshold
         if not isinstance(s, (int, float)) or s < 0:
             raise ProtocolError(f"VerlAsyncBuffer staleness_threshold={staleness_threshold!r} must be >= 0")
         if type(n_instances) is not int or n_instances < 1:
             raise ProtocolError(f"VerlAsyncBuffer n_instances={n_instances!r} must be an int >= 1")
+        if type(trigger_sync_steps) is not int or trigger_sync_steps < 1:
+            raise ProtocolError(f"VerlAsyncBuffer trigger_sync_steps={trigger_sync_steps!r} must be an int >= 1")
         self.staleness_threshold = s
-        self.max_required = int(batch_size * (1 + s))
+        self.trigger_sync_steps = trigger_sync_steps
+        self.max_required = int(batch_size * (1 + s) * trigger_sync_steps)
         self.max_queue = self.max_required
         self.max_concurrent = min(16 * n_instances, self.max_required)
         self.staleness_samples = 0
@@ -59,8 +63,8 @@ class VerlAsyncBuffer(CountedBuffer):
             self.rollout_version = version
             self.staleness_samples = self.active + len(self._queue)
 
-    def _batch(self) -> list:
-        return self._queue[:self.batch_size]
+    def _batch(self, queue: list) -> list:
+        return queue[:self.batch_size]
 
     def _counters(self) -> dict:
         return {"staleness_samples": self.staleness_samples, "active": self.active,

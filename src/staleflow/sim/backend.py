@@ -35,14 +35,18 @@ class SimRecord(tuple):
 
 class SimBackend:
     def __init__(self, cfg: SimConfig, hw: Derived, cost: CostModel, n_instances: int, train_gpus: int,
-                 weight_sync: str):
+                 weight_sync: str, publish_every: int = 1, mixed_kv: bool = False):
         self.cfg, self.hw, self.cost, self.train_gpus, self.sync = cfg, hw, cost, train_gpus, weight_sync
+        self.kv_moved: dict[int, tuple[int, int]] = {}  # traj_id -> (KV tokens, their weight version) in transit
+        self.publish_every = publish_every
+        """Weights reach the rollout side every this many steps (verl's trigger_parameter_sync_step T)."""
         self.pull_time = {"ps": hw.pull_s, "broadcast": hw.broadcast_s}.get(weight_sync, 0.0)
         rng = random.Random(cfg.seed * 7919 + 1)
         self.rng = random.Random(rng.getrandbits(32))
         self.insts = [SimInstance(i, cost, hw.prefill_tokens_per_s, cfg.max_running,
                                   speed=math.exp(rng.gauss(0.0, cfg.instance_spread)), noise=cfg.step_noise,
-                                  rng=random.Random(rng.getrandbits(32))) for i in range(n_instances)]
+                                  rng=random.Random(rng.getrandbits(32)), kv_move_tokens_per_s=hw.kv_move_tokens_per_s,
+                                  mixed_kv=mixed_kv) for i in range(n_instances)]
         self.t = 0.0
         self.pending: deque = deque()
         self.timers: list[tuple[float, int, object]] = []
@@ -97,21 +101,34 @@ class SimBackend:
     def route(self, cmd: Route, prompt, seed: int, partial, target_len: int) -> None:
         """A loop-back resumes from its partial record's tokens (and recomputes their KV on admission)."""
         generated = partial[1] if partial is not None else 0
-        self.insts[cmd.instance].add(SimTraj(cmd.traj_id, -1, cmd.traj_version, prompt, target_len, generated))
+        moved, version = self.kv_moved.pop(cmd.traj_id, (0, -1))
+        self.insts[cmd.instance].add(SimTraj(cmd.traj_id, -1, cmd.traj_version, prompt, target_len, generated,
+                                             moved, version))
 
     def interrupt(self, cmd: Interrupt) -> None:
-        for tr in self.insts[cmd.instance].take(cmd.traj_ids):
+        """A migrated trajectory that was running takes its KV along when the engine can move KV
+        (hw.kv_move_tokens_per_s > 0): the source stalls while it offloads it. After a pull
+        interrupt the KV is useless (the weights change), so it is dropped and recomputed later."""
+        inst = self.insts[cmd.instance]
+        for tr in inst.take(cmd.traj_ids):
+            if cmd.reason == "migrate" and tr.had_kv and inst.kv_rate > 0:
+                self.kv_moved[tr.traj_id] = (tr.tokens, inst.version)
+                inst.stall(self.t, tr.tokens * inst.speed / inst.kv_rate)
             self.pending.append(Finished(tr.traj_id, cmd.instance, SimRecord((tr.traj_id, tr.generated)),
                                          tr.generated, partial=True))
 
     def abort(self, cmd: Abort) -> None:
         self.insts[cmd.instance].take(cmd.traj_ids)
+        for t in cmd.traj_ids:
+            self.kv_moved.pop(t, None)
 
     def pull(self, cmd: Pull) -> None:
         self.insts[cmd.instance].pull(cmd.version, self.t, self.pull_time)
 
     def free(self, handles: list) -> None:
-        """Simulated records take no memory."""
+        """Simulated records take no memory; a dropped trajectory's KV in transit is dropped too."""
+        for h in handles:
+            self.kv_moved.pop(h[0], None)
 
     def score(self, traj_id: int, handle, prompt) -> None:
         self.pending.append(Rewarded(traj_id, 1.0))  # rewards are instantaneous in the model
@@ -123,9 +140,13 @@ class SimBackend:
         dur *= math.exp(self.rng.gauss(0.0, cfg.train_noise)) if cfg.train_noise else 1.0
         if self.sync == "colocated":
             dur += hw.colocated_switch_s
-        publish = self.t + dur + (hw.push_s if self.sync == "ps" else 0.0)
+        push = hw.push_s if self.sync == "ps" else 0.0
+        if cfg.push_blocks_trainer:  # the push holds the trainer (PSRL's exclusive push lock), not overlapped
+            dur, push = dur + push, 0.0
+        publish = self.t + dur + push
         self.trainer_busy_s += dur
         self.train_until = self.t + dur
         self.step_end.append(publish)
         self._at(self.t + dur, TrainDone(version + 1, train_s=dur))
-        self._at(publish, Published(version + 1))
+        if (version + 1) % self.publish_every == 0 or version + 1 >= cfg.steps:
+            self._at(publish, Published(version + 1))

@@ -61,9 +61,18 @@ class SimConfig:
     """Peers' weight update: NCCL broadcast from the trainer to every instance (no PS). None: weights at
     8 GB/s (32B: 8.2 s; verl's checkpoint engine ~8.25 GB/s). AReaL and verl fully-async pause every instance
     and the trainer for it; verl one-step-off pays it at the batch boundary."""
+    push_blocks_trainer: bool = False
+    """staleflow: the trainer waits for its push to the PS before its next step (the grid's equal-transfer
+    column; PSRL's exclusive push lock suggests it). False: the push overlaps the next step."""
     colocated_switch_s: float | None = None
     """verl-sync only: in-place weight update + rollout/train memory switch per step. None: weights at
     8 GB/s + 2 s (32B: 10.2 s)."""
+    kv_move_gb_s: float = 16.0
+    """A migrated trajectory's KV moves with it at this bandwidth (GB/s; the source offloads it, the
+    destination loads it, each stalling its decoding for bytes / bandwidth) instead of being recomputed by
+    a prefill. 0: recomputed (the peers never migrate; their loop-backs follow a weight update and must
+    re-prefill). Default 16 GB/s: the PS push rate (PSRL's NIXL numbers), below the 32 GB/s pull. Needs the
+    model's KV bytes per token (sim/hardware.MODEL_SPECS): off for a cost model without a known architecture."""
     # ---- noise and what the router knows -------------------------------------------------------
     step_noise: float = 0.05
     """Sigma of the log-normal factor on each stretch of decode steps (jitter, interference)."""
@@ -113,9 +122,12 @@ class SimConfig:
     straggler: Literal["off", "abort", "truncate"] = "off"
     """staleflow only: stuck-buffer straggler handling."""
     straggler_threshold: int = 1
-    coordinator: CoordinatorConfig = field(default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2"))
+    coordinator: CoordinatorConfig = field(default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2",
+                                                                                      keep_kv_on_pull=True))
     """Strategy settings of the staleflow mode (the baselines override theirs, see coordinator/modes.py).
-    Its cost_model field is not used here: --cost-model sets the instances and the router alike."""
+    Its cost_model field is not used here: --cost-model sets the instances and the router alike. The
+    simulated StaleFlow keeps KV across an in-flight weight update (keep_kv_on_pull; the runtime's rollout
+    ranks do not yet: docs/simulator.md)."""
     ablation: bool = True
     """Also run staleflow with each part removed in turn (at the largest eta)."""
     jobs: int = 0
@@ -124,10 +136,11 @@ class SimConfig:
     """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, every
     mode, ablations at the grid centre) instead of this one setting."""
     # ---- simulation control ------------------------------------------------------------------
-    steps: int = 40
+    steps: int = 48
     """Training steps simulated per run."""
     warmup_steps: int = 8
-    """Steps excluded from the throughput measurement (pipeline fill); 32 are measured."""
+    """Steps excluded from the throughput measurement (pipeline fill); 40 are measured (the grid's peer
+    search reads each peer's worst-case staleness over at least 40 measured steps per seed)."""
     tick_s: float = 1.0
     """Simulated seconds between coordinator ticks (the real loop ticks every 10 ms; events inside a
     tick are applied at its end, so this is the timing resolution)."""
@@ -147,6 +160,7 @@ class SimConfig:
             v = getattr(self, name)
             _check(v is None or v > 0, name.replace("_", "-"), v, "must be > 0 (or unset: derived)")
         for name in ("train_overhead_s", "push_s", "pull_s", "broadcast_s", "colocated_switch_s", "response_sigma",
+                     "kv_move_gb_s",
                      "step_noise", "instance_spread", "train_noise", "router_fit_noise", "router_fit_samples"):
             v = getattr(self, name)
             _check(v is None or v >= 0, name.replace("_", "-"), v, "must be >= 0")

@@ -7,7 +7,10 @@ whole stretches of steps in closed form (CostModel.steps_time / steps_within) in
 simulating tokens one by one. Admission from the engine's waiting queue needs a free running
 slot and KV room, and costs prefill time (prompt + already generated tokens: a resumed partial
 trajectory recomputes its KV). When growth would overflow the KV cache the newest running
-trajectory is preempted back to the waiting queue (vLLM's recompute preemption).
+trajectory is preempted back to the waiting queue (vLLM's recompute preemption). A migrated
+trajectory whose KV moved with it (``kv_moved``) loads that KV at the KV-transfer rate instead of
+prefilling it, if the KV was computed with this instance's weights (or in-flight weight updates are
+on, ``mixed_kv``: then old-weight KV is used as the keep-KV pull uses it).
 A Pull stops decoding for its transfer time and then switches the version (a global update is
 every instance pulling at once: the coordinator's pause-all policy).
 
@@ -28,14 +31,18 @@ from staleflow.coordinator.cost_model import CostModel
 
 
 class SimTraj:
-    __slots__ = ("traj_id", "group_id", "traj_version", "prompt_len", "target_len", "generated", "tok0", "finish_step")
+    __slots__ = ("traj_id", "group_id", "traj_version", "prompt_len", "target_len", "generated", "tok0", "finish_step",
+                 "had_kv", "kv_moved", "kv_version")
 
     def __init__(self, traj_id: int, group_id: int, traj_version: int, prompt_len: int, target_len: int,
-                 generated: int = 0):
+                 generated: int = 0, kv_moved: int = 0, kv_version: int = -1):
         self.traj_id, self.group_id, self.traj_version = traj_id, group_id, traj_version
         self.prompt_len, self.target_len, self.generated = prompt_len, target_len, generated
         self.tok0 = 0  # KV tokens minus the instance step counter at admission
         self.finish_step = 0
+        self.had_kv = False  # set by take(): it was running (its KV was resident), not queued in the engine
+        self.kv_moved = kv_moved  # KV tokens that arrive by transfer (a KV-moving migration) instead of prefill
+        self.kv_version = kv_version  # weight version the moved KV was computed with
 
     @property
     def tokens(self) -> int:
@@ -44,8 +51,12 @@ class SimTraj:
 
 class SimInstance:
     def __init__(self, instance: int, cost: CostModel, prefill_tokens_per_s: float, max_running: int,
-                 speed: float = 1.0, noise: float = 0.0, rng: random.Random | None = None):
+                 speed: float = 1.0, noise: float = 0.0, rng: random.Random | None = None,
+                 kv_move_tokens_per_s: float = 0.0, mixed_kv: bool = False):
         self.instance, self.cost = instance, cost
+        self.kv_rate = kv_move_tokens_per_s
+        self.mixed_kv = mixed_kv
+        """Moved KV computed with older weights may be used (in-flight weight updates are on: keep_kv_on_pull)."""
         self.speed, self.noise, self.rng = speed, noise, rng or random.Random(instance)
         self.contention = 1.0  # > 1 while it shares CPU cores with other busy processes (set per tick)
         self.prefill_rate, self.max_running = prefill_tokens_per_s, max_running
@@ -86,6 +97,11 @@ class SimInstance:
         self.t = max(self.t, now)
         self.sync_until, self.sync_version = self.t + pull_s, version
 
+    def stall(self, now: float, seconds: float) -> None:
+        """Stop decoding for `seconds` from now (a KV offload of a migrated trajectory)."""
+        self.t = max(self.t, now) + seconds
+        self.busy_s += seconds
+
     def take(self, traj_ids) -> list[SimTraj]:
         """Remove trajectories (interrupt or abort); returns them with their generated count updated."""
         out = []
@@ -93,6 +109,7 @@ class SimInstance:
         for tid in want & self.running.keys():
             tr = self.running.pop(tid)
             tr.generated = tr.tok0 + self.step - tr.prompt_len
+            tr.had_kv = True
             self.kv_const -= tr.tok0
             out.append(tr)
         if len(out) < len(want):
@@ -105,7 +122,7 @@ class SimInstance:
     # ---- time ----------------------------------------------------------------------------------
     def _admit(self) -> float:
         """Start waiting trajectories that fit; returns the prefill seconds spent."""
-        prefill = 0
+        prefill = moved = 0
         cap = self.cost.kv_capacity
         while self.waiting and len(self.running) < self.max_running:
             w = self.waiting[0]
@@ -120,8 +137,13 @@ class SimInstance:
             self.running[w.traj_id] = w
             self.kv_const += w.tok0
             heapq.heappush(self.heap, (w.finish_step, w.traj_id))
-            prefill += w.tokens
-        return prefill * self.speed * self.contention / self.prefill_rate
+            if w.kv_moved and self.kv_rate > 0 and (w.kv_version == self.version or self.mixed_kv):
+                moved += w.kv_moved  # its KV arrives by transfer; only what it lacks is prefilled
+                prefill += w.tokens - w.kv_moved
+            else:
+                prefill += w.tokens
+            w.kv_moved = 0
+        return (prefill / self.prefill_rate + (moved / self.kv_rate if moved else 0.0)) * self.speed * self.contention
 
     def _next_finish(self) -> int:
         h = self.heap

@@ -10,7 +10,8 @@ config.json values of the Qwen2.5 / Qwen3 models the PSRL coefficients were fitt
   prefill rate    TP x peak FLOP/s x prefill MFU / (2 x params) tokens/s (KV recompute after an
                   interrupt costs the same);
 and per trainer GPU the training rate peak x train MFU / (8 x params) tokens/s (forward, backward
-and the log-prob recompute), and the weight-transfer times from the bf16 weight bytes.
+and the log-prob recompute), the weight-transfer times from the bf16 weight bytes, and the rate at
+which a migrated trajectory's KV moves (its KV bytes per token at the KV-transfer bandwidth).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def kv_capacity(spec: ModelSpec, gpu: GPU) -> int:
     return int(free / per_token)
 
 
+def kv_bytes_per_token(spec: ModelSpec) -> float:
+    """KV-cache bytes of one token on a whole instance (K and V, every layer and KV head, bf16)."""
+    return spec.layers * 2 * spec.kv_heads * spec.head_dim * 2.0
+
+
 def prefill_tokens_per_s(spec: ModelSpec, gpu: GPU) -> float:
     return spec.tp * gpu.bf16_tflops * 1e12 * gpu.prefill_mfu / (2.0 * spec.flop_params)
 
@@ -99,6 +105,8 @@ class Derived:
     pull_s: float
     broadcast_s: float
     colocated_switch_s: float
+    kv_move_tokens_per_s: float = 0.0
+    """KV tokens per second a migrated trajectory's KV moves at (0: no KV move, it is recomputed)."""
 
 
 def derive(cfg, cost) -> Derived:
@@ -123,4 +131,5 @@ def derive(cfg, cost) -> Derived:
         push_s=pick(cfg.push_s, lambda: transfer_s(spec, 16.0), "push-s"),
         pull_s=pick(cfg.pull_s, lambda: transfer_s(spec, 32.0), "pull-s"),
         broadcast_s=pick(cfg.broadcast_s, lambda: transfer_s(spec, 8.0), "broadcast-s"),
-        colocated_switch_s=pick(cfg.colocated_switch_s, lambda: transfer_s(spec, 8.0) + 2.0, "colocated-switch-s"))
+        colocated_switch_s=pick(cfg.colocated_switch_s, lambda: transfer_s(spec, 8.0) + 2.0, "colocated-switch-s"),
+        kv_move_tokens_per_s=cfg.kv_move_gb_s * 1e9 / kv_bytes_per_token(spec) if spec else 0.0)

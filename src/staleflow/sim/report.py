@@ -9,6 +9,7 @@ asynchronous baseline at eta 1, its only bound), and over the best asynchronous 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -16,15 +17,17 @@ from staleflow.coordinator.modes import ASYNC_BASELINES, check_mode, mode_of
 from staleflow.sim.config import SimConfig
 from staleflow.sim.simulator import SimResult, run
 
-ABLATIONS: list[tuple[str, str, dict]] = [
-    ("-occupy exchange", "staleflow-no-exchange", {}),
-    ("-mlq (fifo)", "staleflow", {"mlq": False}),
-    ("-waterfall (least-loaded)", "staleflow", {"routing": "least-loaded"}),
-    ("-status pull (greedy)", "staleflow", {"pull": "greedy"}),
-    ("-migration (resume on origin)", "staleflow", {"migration": False}),
-    ("-partial rollout (drain)", "staleflow", {"interrupt_on_pull": False}),
+ABLATIONS: list[tuple[str, str, dict, dict]] = [
+    ("-occupy exchange", "staleflow-no-exchange", {}, {}),
+    ("-mlq (fifo)", "staleflow", {"mlq": False}, {}),
+    ("-waterfall (least-loaded)", "staleflow", {"routing": "least-loaded"}, {}),
+    ("-status pull (greedy)", "staleflow", {"pull": "greedy"}, {}),
+    ("-migration (resume on origin)", "staleflow", {"migration": False}, {}),
+    ("-partial rollout (drain)", "staleflow", {"interrupt_on_pull": False}, {}),
+    ("-keep kv (re-prefill after a pull)", "staleflow", {"keep_kv_on_pull": False}, {}),
+    ("-kv move (re-prefill a migrated trajectory)", "staleflow", {}, {"kv_move_gb_s": 0.0}),
 ]
-"""Full StaleFlow with exactly one part removed (name, mode, coordinator overrides)."""
+"""Full StaleFlow with exactly one part removed (name, mode, coordinator overrides, SimConfig changes)."""
 
 FIXED_ETA = {"verl-sync": 0, "verl-one-step-off": 1}
 
@@ -49,8 +52,8 @@ def compare(cfg: SimConfig, progress=None) -> tuple[list[SimResult], list[SimRes
     ablation = []
     if cfg.ablation and "staleflow" in cfg.modes:
         e = max(cfg.eta)
-        for name, mode, ov in ABLATIONS:
-            ablation.append(run(cfg, mode, e, ov, f"staleflow eta={e} {name}"))
+        for name, mode, ov, changes in ABLATIONS:
+            ablation.append(run(dataclasses.replace(cfg, **changes), mode, e, ov, f"staleflow eta={e} {name}"))
             if progress:
                 progress(ablation[-1])
     return results, ablation

@@ -128,11 +128,15 @@ def router_cost_model(true: CostModel, cfg: SimConfig, rng: random.Random) -> Co
 
 
 def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, cost: CostModel | None = None,
-          label: str = ""):
+          label: str = "", peer: dict | None = None):
     """(loop, backend, resolved staleness config) of one simulated run, built like the runtime's.
 
-    `cost` given: the instances run it and the router sees it exactly (tests); else the preset
-    with the derived KV capacity runs, and the router sees a fit (``router_cost_model``)."""
+    `overrides` (coordinator fields) are applied AFTER the mode, so the caller's value wins over the
+    mode's (the drain ablation sets interrupt_on_pull False, verl's bounded mode too). `peer`: the
+    peer's own knobs (coordinator/modes.PEER_OPTIONS: verl's staleness_threshold and
+    trigger_sync_steps, AReaL's max_concurrent, strict). `cost` given: the instances run it and the
+    router sees it exactly (tests); else the preset with the derived KV capacity runs, and the router
+    sees a fit (``router_cost_model``)."""
     mode = check_mode(mode)
     m = mode_of(mode)
     loaded = cost or load_cost_model(cfg.cost_model)
@@ -141,20 +145,22 @@ def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, co
     router = cost or router_cost_model(true, cfg, random.Random(cfg.seed * 31 + 7))
     if cfg.prompt_len + 2 > true.kv_capacity:
         raise ValueError(f"--prompt-len={cfg.prompt_len} does not fit the KV capacity {true.kv_capacity}")
-    ccfg = dataclasses.replace(cfg.coordinator, **(overrides or {}))
     stale = StalenessConfig(eta=eta, batch_size=cfg.batch_size, batch_redundancy=cfg.batch_redundancy,
                             group_size=cfg.group_size, group_redundancy=cfg.group_redundancy,
                             straggler=cfg.straggler, straggler_threshold=cfg.straggler_threshold)
-    ccfg, stale = apply_mode(mode, ccfg, stale)
+    ccfg, stale = apply_mode(mode, cfg.coordinator, stale)
+    ccfg = dataclasses.replace(ccfg, **(overrides or {}))  # the caller's overrides win over the mode's
     colocated = m.colocated and cfg.colocated_sync
     gpus = cfg.total_gpus if colocated else cfg.rollout_gpus
     n_inst = max(1, gpus // cfg.gpus_per_instance)
     train_gpus = cfg.total_gpus if colocated else cfg.total_gpus - cfg.rollout_gpus
     sync = m.weight_sync if colocated or m.weight_sync != "colocated" else "broadcast"
-    backend = SimBackend(cfg, hw, true, n_inst, train_gpus, sync)
+    peer = dict(peer or {})
+    backend = SimBackend(cfg, hw, true, n_inst, train_gpus, sync, publish_every=peer.get("trigger_sync_steps", 1),
+                         mixed_kv=ccfg.interrupt_on_pull and ccfg.keep_kv_on_pull)
     s = stale
     manager = build_protocol(mode, s.eta, s.batch_size, s.batch_size + s.batch_redundancy, s.group_size,
-                             s.group_size + s.group_redundancy, n_instances=n_inst)
+                             s.group_size + s.group_redundancy, n_instances=n_inst, **peer)
     coord = Coordinator(ccfg, router, manager, range(n_inst), straggler=s.straggler,
                         straggler_threshold=s.straggler_threshold, clock=backend.now, label=mode)
     settings = dataclasses.replace(LoopSettings.from_config(s, ccfg, cfg.steps), tick_s=cfg.tick_s,
@@ -164,9 +170,9 @@ def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, co
 
 
 def run(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, label: str = "",
-        cost: CostModel | None = None) -> SimResult:
+        cost: CostModel | None = None, peer: dict | None = None) -> SimResult:
     mode = check_mode(mode)
-    loop, backend, stale = build(cfg, mode, eta, overrides, cost, label)
+    loop, backend, stale = build(cfg, mode, eta, overrides, cost, label, peer)
     label = label or f"{mode} eta={stale.eta}"
     incomplete = ""
     try:  # the same driver as the runtime's; a stall ends this run with what it did

@@ -1,0 +1,88 @@
+"""The controller loop's plain data: its settings, what a workload supplies, the record of one
+trained step, the loop's audit, and the errors the loop raises. No behaviour lives here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from staleflow.controller.backend import TrainDone, TrainGroup
+
+
+class Workload(Protocol):
+    """Where prompts and per-trajectory draws come from (a dataset, or a simulated distribution)."""
+
+    def next_prompt(self) -> Any: ...
+
+    def prompt_len(self, prompt: Any) -> int: ...
+
+    def new_member(self) -> tuple[int, int]:
+        """(sampling seed, target length; 0 = the model decides)."""
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    steps: int
+    """Stop once this many versions are published."""
+    eta: int
+    batch_size: int
+    batch_capacity: int
+    group_size: int
+    group_capacity: int
+    tick_s: float
+    stall_s: float = math.inf
+    """No finish, reward or step for this long: the run is stalled (the loop stops and says so)."""
+    max_reward_failures: int = 0
+    """Stop the run after this many consecutive failed reward calls (0: never)."""
+
+    @classmethod
+    def from_config(cls, staleness, coordinator, steps: int, stall_s: float = math.inf,
+                    max_reward_failures: int = 0) -> "LoopSettings":
+        s = staleness
+        return cls(steps=steps, eta=s.eta, batch_size=s.batch_size, batch_capacity=s.batch_size + s.batch_redundancy,
+                   group_size=s.group_size, group_capacity=s.group_size + s.group_redundancy,
+                   tick_s=coordinator.tick_ms / 1000.0, stall_s=stall_s, max_reward_failures=max_reward_failures)
+
+
+@dataclass
+class StepRecord:
+    """One trained buffer, as the loop saw it (the step metrics are computed from it)."""
+
+    version: int
+    t_start: float
+    groups: list[TrainGroup]
+    staleness: list[int]
+    t_done: float = 0.0
+    t_published: float | None = None
+    train: TrainDone | None = None
+    samples: dict[int, str] = field(default_factory=dict)
+    """group id -> one member's decoded response (runtime only: what trained.jsonl shows)."""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r for g in self.groups for r in g.rewards]
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(sum(g.n_tokens) for g in self.groups)
+
+
+@dataclass
+class Audit:
+    violations: list[str] = field(default_factory=list)
+    bound_violations: int = 0
+    over_eta: int = 0
+    """Trained groups with staleness > eta under a protocol that does not bound it (the peers)."""
+
+
+class LoopTimeout(RuntimeError):
+    """ControllerLoop.run waited longer than its timeout for its condition."""
+
+
+class Stalled(RuntimeError):
+    """The loop made no progress for its stall_s."""
+
+
+class RewardsFailing(RuntimeError):
+    """Too many consecutive reward calls failed: the reward function is broken, not unlucky."""
