@@ -11,7 +11,8 @@ The coordinator is the same code in the runtime and in the simulator, so the cla
 From the repository root:
 
     ./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV
-    python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation --coordinator.routing examples.kv_router:MostFreeKV
+    python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation \
+        --coordinator.routing examples.kv_router:MostFreeKV
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ SHORT = ["--steps", str(STEPS), "--log.no-progress", "--log.no-plot", "--log.nam
 
 def documented(example: str) -> list[str]:
     """The commands an example's docstring shows (./launch.sh ... and python -m staleflow sim ...)."""
-    doc = ast.get_docstring(ast.parse((ROOT / "examples" / example).read_text()))
-    return [line.strip() for line in doc.splitlines() if line.strip().startswith(("./launch.sh", "python -m"))]
+    doc = ast.get_docstring(ast.parse((ROOT / "examples" / example).read_text())).replace("\\\n", " ")
+    lines = [" ".join(line.split()) for line in doc.splitlines()]
+    return [line for line in lines if line.startswith(("./launch.sh", "python -m"))]
 
 
 @pytest.mark.parametrize("example", ["cispo.py", "rank_advantage.py", "kv_router.py"])
@@ -82,17 +83,16 @@ def _launch(example: str, tmp_path: Path) -> tuple[list[dict], Counter]:
 def test_examples_cispo_loss_trains_the_tiny_model(tmp_path):
     rows, calls = _launch("cispo.py", tmp_path)
     by_name = Counter(name for name, _ in calls.elements())
-    assert set(by_name) == {"cispo_loss"}, calls  # called, and in the trainer only (one process)
-    assert len({pid for _, pid in calls}) == 1
-    assert by_name["cispo_loss"] >= STEPS  # at least one micro-batch a step
+    assert set(by_name) == {"cispo_loss"} and by_name["cispo_loss"] >= STEPS, calls  # >= one micro-batch a step
     assert any(r["train"]["grad_norm"] > 0 for r in rows)  # its loss had a gradient
 
 
 @pytest.mark.slow
 def test_examples_rank_advantage_scores_every_group(tmp_path):
     rows, calls = _launch("rank_advantage.py", tmp_path)
-    groups = sum(r["trained_groups"] for r in rows)
-    assert Counter(name for name, _ in calls.elements()) == Counter({"centered_rank": groups})  # once a group
+    groups, ranks = sum(r["trained_groups"] for r in rows), len({pid for _, pid in calls})
+    assert Counter(name for name, _ in calls.elements()) == Counter({"centered_rank": groups * ranks})  # each group,
+    # on every trainer rank (each computes the advantages of the whole step)
     assert all(0 < r["train"]["advantage_abs_mean"] <= 0.5 for r in rows)  # centred ranks lie in [-1/2, 1/2]
 
 
@@ -101,7 +101,7 @@ def test_examples_kv_router_routes_the_runtime(tmp_path):
     rows, calls = _launch("kv_router.py", tmp_path)
     routed = max(r["routes"] for r in rows)  # cumulative count of Route commands
     assert routed > 0 and sum(calls.values()) >= routed  # every route went through MostFreeKV.choose
-    assert {name for name, _ in calls} == {"MostFreeKV.choose"} and len({pid for _, pid in calls}) == 1
+    assert {name for name, _ in calls} == {"MostFreeKV.choose"} and len({pid for _, pid in calls}) == 1  # controller
 
 
 def test_examples_kv_router_routes_the_simulator(tmp_path):
@@ -156,15 +156,22 @@ def test_examples_centered_rank_properties(rewards):
 
 
 def test_examples_most_free_kv_picks_the_emptiest_instance_that_fits():
+    """Instance 0 runs 50 short trajectories in little KV, 1 runs nothing in more KV, 2 has no room:
+    MostFreeKV takes 0 (most free KV), where the waterfall's cost model prefers the idle 1."""
     from staleflow.config import CoordinatorConfig
     from staleflow.coordinator import Coordinator, Route, TrajectoryItem
     from staleflow.protocol.staleness import StalenessManager
     from test_coordinator import COST, Clock
 
-    c = Coordinator(CoordinatorConfig(routing="examples.kv_router:MostFreeKV", migration=False), COST,
-                    StalenessManager(2, 4, group_size=1), range(3), clock=Clock())
-    c.on_new_version(0)
-    for inst, kv in ((0, 50_000), (1, 10_000), (2, 99_990)):
-        c.instances[inst].kv_tokens = kv
-    c.submit([TrajectoryItem(1, 1, None, 100), TrajectoryItem(2, 2, None, 100)])
-    assert [(r.traj_id, r.instance) for r in c.tick(1.0) if isinstance(r, Route)] == [(1, 1), (2, 1)]
+    def first_routes(routing: str) -> list[tuple[int, int]]:
+        c = Coordinator(CoordinatorConfig(routing=routing, migration=False), COST,
+                        StalenessManager(2, 4, group_size=1), range(3), clock=Clock())
+        c.on_new_version(0)
+        c.instances[0].trajs = {1000 + k: 20 for k in range(50)}
+        for inst, kv in ((0, 1_000), (1, 20_000), (2, 99_990)):
+            c.instances[inst].kv_tokens = kv
+        c.submit([TrajectoryItem(1, 1, None, 100), TrajectoryItem(2, 2, None, 100)])
+        return [(r.traj_id, r.instance) for r in c.tick(1.0) if isinstance(r, Route)]
+
+    assert first_routes("examples.kv_router:MostFreeKV") == [(1, 0), (2, 0)]
+    assert first_routes("waterfall") == [(1, 1), (2, 1)]

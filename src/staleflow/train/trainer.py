@@ -247,7 +247,6 @@ class Trainer:
     def step(self, samples: Sequence[TrajectorySample]) -> dict[str, float]:
         """One optimisation step on a Ready buffer; returns metrics (identical on every rank)."""
         t0 = time.perf_counter()
-        cfg = self.cfg
         self._oversize = 0
         rewards, adv, keep = self.prepare(samples)
         minis = [m for m in self._mini_batches(samples, keep) if m]
