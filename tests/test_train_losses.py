@@ -218,5 +218,5 @@ def test_empty_micro_batch_is_zero_not_nan():
 def test_settings_validation():
     with pytest.raises(ValueError, match="loss='reinforce'"):
         LossSettings(loss="reinforce")
-    with pytest.raises(ValueError, match="off_policy='x'"):
+    with pytest.raises(ValueError, match="off-policy='x'"):
         LossSettings(off_policy="x")

@@ -140,16 +140,17 @@ class TrainConfig:
     micro_batch_tokens: int = 4096
     """Token budget of one packed micro-batch."""
     advantage: str = "grpo"
-    """Advantage estimator, by registered name: grpo, grpo-nostd, dr-grpo, rloo."""
+    """Advantage estimator: grpo, grpo-nostd, dr-grpo, rloo, or 'package.module:name' (docs/extending.md)."""
     loss: str = "grpo"
-    """Policy loss, by registered name: grpo (PPO-clip), dapo, gspo, ppo."""
+    """Policy loss: grpo (PPO-clip), dapo, gspo, ppo, or 'package.module:name' (docs/extending.md)."""
     loss_agg: Literal["auto", "token-mean", "seq-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "auto"
     """Loss aggregation (docs/trainer.md maps each to TRL / verl names): auto = the loss's paper
     (gspo -> seq-mean, --train.advantage dr-grpo -> seq-mean-token-sum-norm, else token-mean)."""
     clip_low: float = 0.2
     clip_high: float = 0.2
-    off_policy: Literal["none", "tis-token", "tis-seq", "mis-token", "mis-seq", "mis-seq-geo", "decoupled"] = "tis-token"
-    """Off-policy correction between behaviour (rollout) and current policy."""
+    off_policy: str = "tis-token"
+    """Off-policy correction between behaviour (rollout) and current policy: none, tis-token, tis-seq,
+    mis-token, mis-seq, mis-seq-geo, decoupled, or 'package.module:name' (docs/extending.md)."""
     is_cap: float = 2.0
     """Upper cap of truncated importance weights."""
     is_low: float = 0.5
@@ -198,7 +199,8 @@ class CoordinatorConfig:
     """The staleness-aware coordinator (Snapshot-Command cycle) and its strategies."""
 
     routing: str = "waterfall"
-    """Routing policy by registered name: waterfall, round-robin, least-loaded."""
+    """Routing strategy: waterfall, waterfall-budget, round-robin, least-loaded, or 'package.module:Class'
+    (docs/extending.md)."""
     tiers: Literal["version", "reserve"] = "version"
     """Waterfall tiers: by instance version (older first) or by reserve indicator."""
     mu: float = 0.2
@@ -208,7 +210,7 @@ class CoordinatorConfig:
     max_concurrent: int = 1024
     """Per-instance cap on running trajectories."""
     pull: str = "status"
-    """Pull policy by registered name: status, greedy."""
+    """Pull policy: status, greedy, idle, pause-all, or 'package.module:Class' (docs/extending.md)."""
     pull_indicator: Literal["requests", "kv", "throughput"] = "kv"
     pull_threshold: float = 0.6
     migration: bool = True
@@ -276,7 +278,8 @@ class DataConfig:
     """Prompt source."""
 
     source: str = "arithmetic"
-    """Built-in task (arithmetic, countdown) or a .jsonl / .parquet file."""
+    """Built-in task (arithmetic, arithmetic-easy, countdown), a .jsonl / .parquet file, or a task function
+    'package.module:name' (docs/extending.md)."""
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     bad_rows: Literal["skip", "error"] = "skip"
@@ -286,7 +289,8 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self):
-        _check(bool(self.source), "data.source", self.source, "give a built-in task name or a file")
+        _check(bool(self.source), "data.source", self.source,
+               "give a built-in task name, a file or package.module:name")
         _check(self.max_prompt_tokens >= 1, "data.max-prompt-tokens", self.max_prompt_tokens, "must be >= 1")
 
 

@@ -9,7 +9,8 @@ A research fork adds a policy in one file::
         def __init__(self, cfg, cost_model): ...
         def choose(self, item, traj_version, candidates, ctx) -> InstanceState | None: ...
 
-and selects it with ``--coordinator.routing my-router``. ``candidates`` are already filtered by
+and selects it with ``--coordinator.routing my-router``, or, without registering, by import path:
+``--coordinator.routing my_pkg.routers:MyRouter`` (docs/extending.md). ``candidates`` are already filtered by
 the coordinator: version >= V_traj, a feasible reservation, not at the concurrency cap.
 Pull policies (coordinator/pull.py) answer ``should_pull(inst, ctx) -> bool`` for an instance
 behind the PS; the migration policy returns ``(instance, traj_ids) | None``. ``ctx`` is the Coordinator itself
@@ -18,41 +19,47 @@ behind the PS; the migration policy returns ``(instance, traj_ids) | None``. ``c
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.types import Interrupt, TrajectoryItem
-
-ROUTING: dict[str, type] = {}
-PULL: dict[str, type] = {}
+from staleflow.extensions import Registry, Shape
 
 
-def register_routing(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        ROUTING[name] = cls
-        return cls
-    return deco
+class RoutingStrategy(Protocol):
+    """--coordinator.routing: a class built once per coordinator as ``cls(cfg, cost_model)``."""
+
+    def choose(self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState],
+               ctx) -> InstanceState | None: ...
 
 
-def register_pull(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        PULL[name] = cls
-        return cls
-    return deco
+class PullPolicy(Protocol):
+    """--coordinator.pull: a class built once per coordinator as ``cls(cfg, cost_model)`` (coordinator/pull.py)."""
+
+    blocks_routing: bool
+    blocks_trainer: bool
+
+    def should_pull(self, inst: InstanceState, ctx) -> bool: ...
 
 
-def _lookup(table: dict, kind: str, name: str) -> type:
-    if name not in table:
-        raise ValueError(f"--coordinator.{kind}={name!r} is unknown; registered: {', '.join(sorted(table))}")
-    return table[name]
+ROUTING: Registry[type[RoutingStrategy]] = Registry("routing strategy", "--coordinator.routing", Shape.klass(
+    2, "a class (cfg, cost_model) with choose(item, traj_version, candidates, ctx) -> InstanceState | None",
+    methods=(("choose", 4),)))
+PULL: Registry[type[PullPolicy]] = Registry("pull policy", "--coordinator.pull", Shape.klass(
+    2, "a class (cfg, cost_model) with should_pull(inst, ctx) -> bool and bool class attributes blocks_routing, "
+       "blocks_trainer", methods=(("should_pull", 2),), attrs=(("blocks_routing", bool), ("blocks_trainer", bool))))
+register_routing = ROUTING.register
+register_pull = PULL.register
 
 
-def make_routing(name: str, cfg, cost_model):
-    return _lookup(ROUTING, "routing", name)(cfg, cost_model)
+def make_routing(name: str, cfg, cost_model) -> RoutingStrategy:
+    """The routing strategy a registered name or 'package.module:Class' names, built for this coordinator."""
+    return ROUTING.resolve(name)(cfg, cost_model)
 
 
-def make_pull(name: str, cfg, cost_model):
-    return _lookup(PULL, "pull", name)(cfg, cost_model)
+def make_pull(name: str, cfg, cost_model) -> PullPolicy:
+    """The pull policy a registered name or 'package.module:Class' names, built for this coordinator."""
+    return PULL.resolve(name)(cfg, cost_model)
 
 
 # ---- routing ---------------------------------------------------------------------------------

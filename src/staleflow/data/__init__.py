@@ -10,7 +10,7 @@ See docs/data-and-rewards.md.
 
 from staleflow.data.files import BadRow, DataError, FileRow, read_rows
 from staleflow.data.source import Prompt, PromptSource
-from staleflow.data.tasks import TASKS, arithmetic_row, countdown_row
+from staleflow.data.tasks import TASKS, TaskError, arithmetic_row, countdown_row, register_task, task_for
 
-__all__ = ["BadRow", "DataError", "FileRow", "Prompt", "PromptSource", "TASKS", "arithmetic_row",
-           "countdown_row", "read_rows"]
+__all__ = ["BadRow", "DataError", "FileRow", "Prompt", "PromptSource", "TASKS", "TaskError", "arithmetic_row",
+           "countdown_row", "read_rows", "register_task", "task_for"]

@@ -5,7 +5,8 @@
     state = source.state_dict()                    # checkpoint it; later:
     source.load_state_dict(state)                  # the same next prompts as before
 
-- Built-in tasks (data/tasks.py) are infinite: prompt k is generated from (seed, k).
+- Tasks (data/tasks.py: the built-ins, or a fork's 'package.module:name') are infinite: prompt k is
+  generated from (seed, k); a row that is not (non-empty text, answer, meta dict) is a DataError.
 - Files are read and validated once; then epoch e visits every valid row once, in an order
   shuffled by (seed, e). Bad rows are reported (logging warning + stats()) with their
   file:row and skipped, or raise DataError with bad_rows="error". Never silently dropped.
@@ -23,11 +24,14 @@ import random
 from dataclasses import dataclass, field
 
 from staleflow.config import DataConfig
+from staleflow.extensions import one_line
 from staleflow.data.files import BadRow, DataError, FileRow, read_rows, resolve_file
-from staleflow.data.tasks import TASKS
+from staleflow.data.tasks import task_for
 
 log = logging.getLogger("staleflow.data")
 MAX_LOGGED_BAD_ROWS = 20
+MAX_HELD_OUT_SKIPS = 10000
+"""A task whose next this-many rows all repeat held-out (or already drawn held-out) texts has run dry."""
 _ENCODE_BATCH = 1024
 
 
@@ -52,7 +56,7 @@ class PromptSource:
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError("--data.chat-template is on but the tokenizer has no chat template: "
                             "use an instruct model folder or pass --data.no-chat-template")
-        self.task = TASKS.get(cfg.source)
+        self.task = task_for(cfg.source)
         self.rows: list[FileRow] = []
         self.bad_rows: list[BadRow] = []
         self._blank_lines = 0
@@ -80,10 +84,10 @@ class PromptSource:
             rows, k = [], 0
             while len(rows) < n:
                 k += 1
-                if k > 20 * n + 10_000:  # a finite task (arithmetic-easy has ~2,200 questions) ran dry
-                    raise DataError(f"built-in task {self.cfg.source!r} gave only {len(rows)} distinct prompts in "
-                                    f"{k - 1} draws: too few to hold out {n}; ask for fewer prompts")
-                text, answer, meta = self.task(self.cfg.seed, -k)
+                if k > n + MAX_HELD_OUT_SKIPS:
+                    raise DataError(f"--data.source={self.cfg.source!r} gave {len(rows)} distinct prompts in {k - 1} "
+                                    f"rows: too few to hold out --eval.n={n}; lower --eval.n")
+                text, answer, meta = self._task_row(-k)
                 if text not in self._held_out_texts:
                     self._held_out_texts.add(text)
                     rows.append((text, answer, {**meta, "held_out": True}))
@@ -105,12 +109,15 @@ class PromptSource:
 
     def __next__(self) -> Prompt:
         if self.task is not None:
-            while True:  # a held-out question is never trained on
+            for _ in range(MAX_HELD_OUT_SKIPS):  # a held-out question is never trained on
                 index = self._index
                 self._index += 1
-                text, answer, meta = self.task(self.cfg.seed, index)
+                text, answer, meta = self._task_row(index)
                 if text not in self._held_out_texts:
                     break
+            else:
+                raise DataError(f"--data.source={self.cfg.source!r}: rows {index - MAX_HELD_OUT_SKIPS + 1}..{index} "
+                                f"are all held-out prompts; the task has no training prompts left (lower --eval.n)")
             meta = {**meta, "index": index}
         else:
             if self._offset == len(self.rows):
@@ -126,6 +133,16 @@ class PromptSource:
         prompt = Prompt(self._next_id, text, answer, ids, meta)
         self._next_id += 1
         return prompt
+
+    def _task_row(self, index: int) -> tuple[str, str, dict]:
+        """Row `index` of the task, checked: a fork's task function may return anything."""
+        row = self.task(self.cfg.seed, index)
+        ok = isinstance(row, tuple) and len(row) == 3 and isinstance(row[0], str) and bool(row[0].strip())
+        ok = ok and isinstance(row[1], (str, int, float)) and not isinstance(row[1], bool) and bool(str(row[1]).strip())
+        if not (ok and isinstance(row[2], dict)):
+            raise DataError(f"--data.source={self.cfg.source!r} row {index} is {one_line(repr(row))[:200]}; a task "
+                            f"returns (prompt text, answer, meta dict) with a non-empty text and answer")
+        return row[0], str(row[1]), row[2]
 
     def take(self, n: int) -> list[Prompt]:
         """The next n prompts."""

@@ -2,6 +2,8 @@
 
 Row k of a task is a pure function of (seed, k): ``TASKS[name](seed, k) -> (text, answer, meta)``.
 That makes the task infinite, identical in every process, and resumable from a single counter.
+k may be negative: held-out evaluation prompts are rows -1, -2, ... (PromptSource.hold_out).
+``--data.source`` also takes a task function of a fork, 'package.module:name' (docs/extending.md).
 
 - arithmetic: "What is 37 + 48? Put the final answer in \\boxed{}." with two-digit sums and
   differences (never negative) and small products; answer is the integer as text. Easy enough
@@ -15,9 +17,34 @@ from __future__ import annotations
 
 import random
 from fractions import Fraction
+from pathlib import Path
 from typing import Callable
 
+from staleflow.data.files import SUFFIXES, DataError
+from staleflow.extensions import ExtensionError, Registry, Shape
+
 TaskRow = tuple[str, str, dict]
+"""(prompt text, answer as text, meta): meta goes to the reward function with the answer."""
+TaskFn = Callable[[int, int], TaskRow]
+"""fn(seed, index) -> TaskRow: a pure function of its arguments (every process draws the same rows)."""
+
+
+class TaskError(ExtensionError, DataError):
+    """--data.source names no registered task, data file or importable task function."""
+
+
+TASKS: Registry[TaskFn] = Registry(
+    "task", "--data.source", Shape.function(2, "fn(seed, index) -> (prompt text, answer, meta dict)"),
+    error=TaskError, also="a .jsonl / .parquet file")
+register_task = TASKS.register
+"""Decorator: make a task function available as --data.source NAME."""
+
+
+def task_for(source: str) -> TaskFn | None:
+    """The task function --data.source names (a registered task or 'package.module:name'), None for a data file."""
+    if source not in TASKS and Path(source).suffix in SUFFIXES:
+        return None
+    return TASKS.resolve(source)
 
 
 def _rng(task: str, seed: int, index: int) -> random.Random:
@@ -43,11 +70,13 @@ def _arithmetic(task: str, seed: int, index: int, add: tuple[int, int], sub: tup
     return text, str(value), {"task": task}
 
 
+@register_task("arithmetic")
 def arithmetic_row(seed: int, index: int) -> TaskRow:
     """Two-digit sums and differences, products up to 12 x 12."""
     return _arithmetic("arithmetic", seed, index, add=(10, 99), sub=(20, 99), mul=(2, 12))
 
 
+@register_task("arithmetic-easy")
 def arithmetic_easy_row(seed: int, index: int) -> TaskRow:
     """Sums of numbers up to 30, differences from up to 50, products up to 9 x 9: the level where
     SmolLM2-135M is right about half the time, so a few RL steps have room to sharpen it."""
@@ -66,6 +95,7 @@ def _combine(rng: random.Random, left: tuple[Fraction, str], right: tuple[Fracti
     return value, f"({expr})"
 
 
+@register_task("countdown")
 def countdown_row(seed: int, index: int) -> TaskRow:
     rng = _rng("countdown", seed, index)
     while True:  # rejection sampling; the expected number of tries is small
@@ -83,10 +113,3 @@ def countdown_row(seed: int, index: int) -> TaskRow:
             "Use each number exactly once, with only + - * / and parentheses. "
             "Put the final expression in \\boxed{}.")
     return text, expr[1:-1], {"task": "countdown", "numbers": shown, "target": int(target)}
-
-
-TASKS: dict[str, Callable[[int, int], TaskRow]] = {
-    "arithmetic": arithmetic_row,
-    "arithmetic-easy": arithmetic_easy_row,
-    "countdown": countdown_row,
-}

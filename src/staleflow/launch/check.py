@@ -1,7 +1,9 @@
 """``python -m staleflow check [train flags]``: everything about a run that can be checked before
 any process starts. launch.sh runs it first, so a bad flag, a missing model folder or package,
-an unimportable reward function, a missing data file or a --resume that cannot work is one line
-and exit 2, printed once, with no torchrun traceback and no elastic restarts of a doomed run.
+an extension that does not resolve (--reward.fn, --train.loss / advantage / off-policy,
+--coordinator.routing / pull, --data.source: a bad import path or an object of the wrong shape), a
+missing data file or a --resume that cannot work is one line and exit 2, printed once, with no
+torchrun traceback and no elastic restarts of a doomed run.
 
 It also builds the model alias on first use (one process, before torchrun starts the ranks).
 STALEFLOW_NPROC (set by launch.sh) is the number of processes the run will have.
@@ -18,10 +20,8 @@ from staleflow.presets import PRESETS
 
 def check(argv: list[str]) -> RunConfig:
     from staleflow.cli import parse, split_preset
-    from staleflow.data.tasks import TASKS
     from staleflow.launch.roles import Roles
     from staleflow.model.loader import resolve_model_path
-    from staleflow.reward.functions import resolve_reward_fn
 
     defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
     cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
@@ -37,12 +37,27 @@ def check(argv: list[str]) -> RunConfig:
     from staleflow.model.hf import lazy_folder
 
     lazy_folder(resolve_model_path(cfg.model.path, verify=True))  # config.json and every safetensors header
-    resolve_reward_fn(cfg.reward.fn)
+    check_extensions(cfg)
     check_writable(cfg.resume or cfg.log.run_dir, "--resume" if cfg.resume else "--log.run-dir")
-    if cfg.data.source not in TASKS and not os.path.isfile(cfg.data.source):
-        raise ConfigError(f"--data.source={cfg.data.source!r} is neither a built-in task ({', '.join(TASKS)}) "
-                          f"nor an existing .jsonl / .parquet file")
     return cfg
+
+
+def check_extensions(cfg: RunConfig) -> None:
+    """Every extension point resolves, through the registry the run itself uses, to an object of the
+    right shape: a registered name or an importable 'package.module:name' (ExtensionError otherwise)."""
+    from staleflow.coordinator.strategies import PULL, ROUTING
+    from staleflow.data.tasks import task_for
+    from staleflow.reward.functions import REWARDS
+    from staleflow.train.advantages import ADVANTAGES
+    from staleflow.train.losses import LOSSES, OFF_POLICIES
+
+    for registry, spec in ((REWARDS, cfg.reward.fn), (LOSSES, cfg.train.loss), (ADVANTAGES, cfg.train.advantage),
+                           (OFF_POLICIES, cfg.train.off_policy), (ROUTING, cfg.coordinator.routing),
+                           (PULL, cfg.coordinator.pull)):
+        registry.resolve(spec)
+    if task_for(cfg.data.source) is None and not os.path.isfile(cfg.data.source):
+        raise ConfigError(f"--data.source={cfg.data.source!r}: no such file; give an existing .jsonl / .parquet file, "
+                          f"a built-in task or a task function 'package.module:name'")
 
 
 def check_writable(folder: str, flag: str) -> None:

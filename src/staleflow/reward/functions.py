@@ -20,32 +20,31 @@ in worker processes.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import threading
 import time
 from typing import Callable
 
+from staleflow.extensions import ExtensionError, Registry, Shape
 from staleflow.reward.countdown import check_countdown, completion_expression
 from staleflow.reward.extract import final_number, last_boxed, parse_int
 
 RewardFn = Callable[[str, str, dict], float]
-REWARDS: dict[str, RewardFn] = {}
+"""fn(completion_text, answer, meta) -> float: the answer reward of one completion (meta: the data
+row's other fields); raising or returning a non-finite number scores 0 and is counted as a failure."""
 FULL_CREDIT = 1.0
 """The answer reward of a correct answer; only completions scoring at least this earn the format bonus."""
 
 
-class RewardError(ValueError):
+class RewardError(ExtensionError):
     """A reward function cannot be resolved (unknown name, bad import path, not callable)."""
 
 
-def register_reward(name: str):
-    """Decorator: make a reward function available as --reward.fn NAME."""
-    def wrap(fn: RewardFn) -> RewardFn:
-        REWARDS[name] = fn
-        return fn
-    return wrap
+REWARDS: Registry[RewardFn] = Registry(
+    "reward", "--reward.fn", Shape.function(3, "fn(completion, answer, meta) -> float"), error=RewardError)
+register_reward = REWARDS.register
+"""Decorator: make a reward function available as --reward.fn NAME."""
 
 
 def format_reward(completion: str, answer_reward: float) -> float:
@@ -134,28 +133,7 @@ def answer_problem(spec: str, answer: str) -> str | None:
 
 def resolve_reward_fn(spec: str) -> RewardFn:
     """A registered name or 'module:function'; RewardError naming the problem and the fix otherwise."""
-    if spec in REWARDS:
-        return REWARDS[spec]
-    if ":" not in spec:
-        raise RewardError(f"--reward.fn={spec!r} is not a registered reward ({', '.join(sorted(REWARDS))}) "
-                          "nor an import path 'module:function'")
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise RewardError(f"--reward.fn={spec!r}: an import path must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"--reward.fn={spec!r}: cannot import module {module_name!r} ({e}); "
-                          "check the name and that it is on PYTHONPATH") from None
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise RewardError(f"--reward.fn={spec!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise RewardError(f"--reward.fn={spec!r}: {attr!r} is a {type(fn).__name__}, not a callable "
-                          "fn(completion, answer, meta) -> float")
-    return fn
+    return REWARDS.resolve(spec)
 
 
 MAX_ABS_REWARD = 1e6

@@ -15,6 +15,8 @@ Estimators, by registered name (``--train.advantage``):
               dr-grpo, and any other explicit choice warns (losses.resolve_loss_agg);
 - rloo:       r - mean of the OTHER members = n / (n - 1) * (r - mean_g).
 
+Each is a registered function ``fn(rewards of one group) -> advantages of that group`` (one per
+reward, same order); ``--train.advantage`` also takes 'package.module:name' (docs/extending.md).
 A group of one member, or with all rewards equal, gets advantage 0 everywhere.
 DAPO's dynamic sampling (`groups_with_signal`) drops such all-equal groups before training,
 and overlong reward shaping (`overlong_penalty`) penalises responses running into the length cap.
@@ -23,23 +25,20 @@ and overlong reward shaping (`overlong_penalty`) penalises responses running int
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from typing import Callable, Hashable, Sequence
+
+from staleflow.extensions import Registry, Shape
 
 GROUP_EPS = 1e-6
 
 AdvantageFn = Callable[[list[float]], list[float]]
-ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str):
-    """Decorator: register fn(rewards of one group) -> advantages of that group under `name`."""
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGES[name] = fn
-        return fn
-
-    return deco
+"""fn(rewards of one group, as floats) -> one advantage per reward, same order."""
+ADVANTAGES: Registry[AdvantageFn] = Registry(
+    "advantage estimator", "--train.advantage", Shape.function(1, "fn(rewards of one group) -> advantages (one each)"))
+register_advantage = ADVANTAGES.register
+"""Decorator: register fn(rewards of one group) -> advantages of that group under `name`."""
 
 
 def _mean(xs: list[float]) -> float:
@@ -83,10 +82,11 @@ def _groups(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     return groups
 
 
-def compute_advantages(name: str, rewards: Sequence[float], group_ids: Sequence[Hashable]) -> list[float]:
-    """One advantage per trajectory, computed within each group of equal group_id."""
-    if name not in ADVANTAGES:
-        raise ValueError(f"advantage={name!r} is unknown: use one of {sorted(ADVANTAGES)} (--train.advantage)")
+def compute_advantages(name: str, rewards: Sequence[float], group_ids: Sequence[Hashable],
+                       fn: AdvantageFn | None = None) -> list[float]:
+    """One advantage per trajectory, computed within each group of equal group_id by the estimator
+    `name` (a registered name or an import path; ``fn``: the function it already resolved to)."""
+    fn = ADVANTAGES.resolve(name) if fn is None else fn
     if len(rewards) != len(group_ids):
         raise ValueError(f"got {len(rewards)} rewards but {len(group_ids)} group ids: one of each per trajectory")
     for i, r in enumerate(rewards):
@@ -94,8 +94,12 @@ def compute_advantages(name: str, rewards: Sequence[float], group_ids: Sequence[
             raise ValueError(f"reward of trajectory {i} is {r!r}: rewards must be finite numbers")
     out = [0.0] * len(rewards)
     for members in _groups(group_ids).values():
-        for i, a in zip(members, ADVANTAGES[name]([float(rewards[i]) for i in members])):
-            out[i] = a
+        adv = fn([float(rewards[i]) for i in members])
+        if len(adv) != len(members) or not all(isinstance(a, numbers.Real) and math.isfinite(a) for a in adv):
+            raise ValueError(f"--train.advantage={name!r} returned {adv!r} for a group of {len(members)} rewards; "
+                             f"it must return one finite number per reward")
+        for i, a in zip(members, adv):
+            out[i] = float(a)
     return out
 
 

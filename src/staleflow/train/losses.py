@@ -15,7 +15,8 @@ Per token, with A the advantage, r = exp(logp - logp_old), and an importance wei
     + kl_coef * KL(pi_theta || pi_ref) (k1 = logp - ref, k3 = exp(ref - logp) - (ref - logp) - 1)
     - entropy_coef * entropy
 
-``--train.off-policy`` chooses logp_old and w (all weights are detached), rho_t = exp(prox_t - mu_t):
+``--train.off-policy`` chooses logp_old and w (all weights are detached), rho_t = exp(prox_t - mu_t);
+each is a registered function ``fn(settings, inputs) -> Correction`` (docs/extending.md):
 - none:        logp_old = behaviour, w = 1 (naive PPO against the sampler);
 - tis-token:   logp_old = proximal, w = min(rho_t, is_cap) per token;
 - tis-seq:     w = min(prod_t rho_t, is_cap) per sequence (PRODUCT: the sequence's likelihood ratio);
@@ -48,13 +49,14 @@ papers' 1/G and TRL's mean over the batch (verl leaves fully-masked rows out of 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
 
+from staleflow.extensions import Registry, Shape
+
 AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-OFF_POLICY = ("none", "tis-token", "tis-seq", "mis-token", "mis-seq", "mis-seq-geo", "decoupled")
 LENGTH_WEIGHTED = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """Aggregations under which a sequence's share of the loss grows with its length."""
 _warned: set[tuple[str, str]] = set()
@@ -125,11 +127,13 @@ def segment_sum(x: torch.Tensor, seg: torch.Tensor, num_segments: int) -> torch.
 
 @dataclass
 class LossInputs:
-    """One micro-batch's response tokens, flattened over its sequences ([N] tensors)."""
+    """One micro-batch's response tokens, flattened over its sequences ([N] tensors): everything a
+    loss or an off-policy correction may rely on."""
 
     logp: torch.Tensor
     """Current policy log-probs (with gradient)."""
     behaviour_logp: torch.Tensor
+    """Log-probs of the weights that sampled each token (from the rollout engine)."""
     proximal_logp: torch.Tensor
     """No-grad log-probs of the weights at the start of the step."""
     advantages: torch.Tensor
@@ -144,7 +148,8 @@ class LossInputs:
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss-related knobs of TrainConfig, validated once."""
+    """The loss-related knobs of TrainConfig, validated once: the loss and the off-policy correction
+    are resolved through their registries here (a registered name or 'package.module:name')."""
 
     loss: str = "grpo"
     off_policy: str = "tis-token"
@@ -156,53 +161,127 @@ class LossSettings:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    loss_fn: "LossFn" = field(init=False, repr=False, compare=False)
+    """The function --train.loss names."""
+    correction: "OffPolicyFn" = field(init=False, repr=False, compare=False)
+    """The function --train.off-policy names."""
+    recompute_proximal: bool = field(init=False, repr=False, compare=False)
+    """The correction asks for a separate no-grad proximal forward (its ``recompute_proximal`` attribute)."""
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss={self.loss!r} is unknown: use one of {sorted(LOSSES)} (--train.loss)")
-        if self.off_policy not in OFF_POLICY:
-            raise ValueError(f"off_policy={self.off_policy!r} is unknown: use one of {list(OFF_POLICY)}")
+        object.__setattr__(self, "loss_fn", LOSSES.resolve(self.loss))
+        object.__setattr__(self, "correction", OFF_POLICIES.resolve(self.off_policy))
+        object.__setattr__(self, "recompute_proximal", getattr(self.correction, "recompute_proximal", False))
         if self.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"kl_estimator={self.kl_estimator!r} is unknown: use k1 or k3")
 
     @classmethod
     def from_config(cls, cfg) -> "LossSettings":
-        return cls(**{f: getattr(cfg, f) for f in cls.__dataclass_fields__})
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.init})
+
+
+# ---- off-policy corrections ------------------------------------------------------------------
+@dataclass
+class Correction:
+    """What an off-policy correction gives the loss for one micro-batch ([N] tensors, detached)."""
+
+    logp_old: torch.Tensor
+    """The ratio's reference log-probs: behaviour_logp or proximal_logp."""
+    weight: torch.Tensor
+    """w: multiplies each token's loss."""
+    truncated: torch.Tensor
+    """bool: w was capped (metrics: is_truncated_frac)."""
+    rejected: torch.Tensor
+    """bool: w was masked to 0 (metrics: is_masked_frac)."""
+
+
+OffPolicyFn = Callable[[LossSettings, LossInputs], Correction]
+OFF_POLICIES: Registry[OffPolicyFn] = Registry(
+    "off-policy correction", "--train.off-policy",
+    Shape.function(2, "fn(settings, inputs) -> Correction(logp_old, weight, truncated, rejected), with an optional "
+                      "bool attribute recompute_proximal", optional=(("recompute_proximal", bool),)))
+register_off_policy = OFF_POLICIES.register
+
+
+def _log_rho(x: LossInputs) -> torch.Tensor:
+    return (x.proximal_logp - x.behaviour_logp).detach()  # [N]
+
+
+def _seq_sum(v: torch.Tensor, x: LossInputs) -> torch.Tensor:
+    """Each token's sequence total of v ([N] -> [N]): the log of a product over the sequence."""
+    return segment_sum(v, x.seq_index, x.num_seqs)[x.seq_index]
+
+
+def _truncated(s: LossSettings, x: LossInputs, log_rho: torch.Tensor) -> Correction:
+    rho = torch.exp(log_rho)
+    return Correction(x.proximal_logp.detach(), rho.clamp(max=s.is_cap), rho > s.is_cap,
+                      torch.zeros_like(rho, dtype=torch.bool))
+
+
+def _masked(s: LossSettings, x: LossInputs, log_rho: torch.Tensor) -> Correction:
+    rho = torch.exp(log_rho)
+    rejected = (rho < s.is_low) | (rho > s.is_high)
+    return Correction(x.proximal_logp.detach(), torch.where(rejected, torch.zeros_like(rho), rho),
+                      torch.zeros_like(rejected), rejected)
+
+
+@register_off_policy("none")
+def no_correction(s: LossSettings, x: LossInputs) -> Correction:
+    none = torch.zeros_like(x.behaviour_logp, dtype=torch.bool)
+    return Correction(x.behaviour_logp.detach(), torch.ones_like(x.behaviour_logp).detach(), none, none)
+
+
+@register_off_policy("tis-token")
+def tis_token(s: LossSettings, x: LossInputs) -> Correction:
+    return _truncated(s, x, _log_rho(x))
+
+
+@register_off_policy("tis-seq")
+def tis_seq(s: LossSettings, x: LossInputs) -> Correction:
+    return _truncated(s, x, _seq_sum(_log_rho(x), x))  # sequence product
+
+
+@register_off_policy("mis-token")
+def mis_token(s: LossSettings, x: LossInputs) -> Correction:
+    return _masked(s, x, _log_rho(x))
+
+
+@register_off_policy("mis-seq")
+def mis_seq(s: LossSettings, x: LossInputs) -> Correction:
+    return _masked(s, x, _seq_sum(_log_rho(x), x))  # sequence product
+
+
+@register_off_policy("mis-seq-geo")
+def mis_seq_geo(s: LossSettings, x: LossInputs) -> Correction:
+    log_rho = _log_rho(x)
+    count = _seq_sum(torch.ones_like(log_rho), x).clamp(min=1)
+    return _masked(s, x, _seq_sum(log_rho, x) / count)  # geometric mean
+
+
+def decoupled(s: LossSettings, x: LossInputs) -> Correction:
+    """tis-token against proximal log-probs that always come from their own no-grad forward."""
+    return tis_token(s, x)
+
+
+decoupled.recompute_proximal = True
+register_off_policy("decoupled")(decoupled)
+OFF_POLICY = tuple(OFF_POLICIES)
+"""The built-in off-policy corrections' names."""
 
 
 def importance_weights(s: LossSettings, x: LossInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w [N], truncated [N] bool, rejected [N] bool): detached behaviour-correction weights."""
-    log_rho = (x.proximal_logp - x.behaviour_logp).detach()  # [N]
-    none = torch.zeros_like(log_rho, dtype=torch.bool)
-    if s.off_policy == "none":
-        return torch.ones_like(log_rho), none, none
-    if s.off_policy in ("tis-token", "decoupled", "tis-seq"):
-        if s.off_policy == "tis-seq":
-            log_rho = segment_sum(log_rho, x.seq_index, x.num_seqs)[x.seq_index]  # sequence product
-        rho = torch.exp(log_rho)
-        return rho.clamp(max=s.is_cap), rho > s.is_cap, none
-    if s.off_policy == "mis-seq":
-        log_rho = segment_sum(log_rho, x.seq_index, x.num_seqs)[x.seq_index]  # sequence product
-    elif s.off_policy == "mis-seq-geo":
-        count = segment_sum(torch.ones_like(log_rho), x.seq_index, x.num_seqs).clamp(min=1)
-        log_rho = (segment_sum(log_rho, x.seq_index, x.num_seqs) / count)[x.seq_index]  # geometric mean
-    rho = torch.exp(log_rho)
-    rejected = (rho < s.is_low) | (rho > s.is_high)
-    return torch.where(rejected, torch.zeros_like(rho), rho), none, rejected
+    c = s.correction(s, x)
+    return c.weight, c.truncated, c.rejected
 
 
+# ---- policy losses ---------------------------------------------------------------------------
 LossFn = Callable[[LossSettings, LossInputs, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-LOSSES: dict[str, LossFn] = {}
-
-
-def register_loss(name: str):
-    """Decorator: fn(settings, inputs, logp_old) -> (per-token loss [N], clipped [N] bool)."""
-
-    def deco(fn: LossFn) -> LossFn:
-        LOSSES[name] = fn
-        return fn
-
-    return deco
+LOSSES: Registry[LossFn] = Registry(
+    "loss", "--train.loss",
+    Shape.function(3, "fn(settings, inputs, logp_old) -> (per-token loss [N], clipped [N] bool)"))
+register_loss = LOSSES.register
+"""Decorator: fn(settings, inputs, logp_old) -> (per-token loss [N], clipped [N] bool)."""
 
 
 def _clip_objective(s: LossSettings, ratio: torch.Tensor, adv: torch.Tensor):
@@ -235,10 +314,11 @@ def policy_loss(s: LossSettings, x: LossInputs) -> tuple[torch.Tensor, dict[str,
     stats hold token SUMS (divide by the step's token count for means) and, under *_max/_min
     keys, extremes; all detached fp32 scalars.
     """
-    w, truncated, rejected = importance_weights(s, x)
-    logp_old = x.behaviour_logp if s.off_policy == "none" else x.proximal_logp
-    per_token, clipped = LOSSES[s.loss](s, x, logp_old.detach())
-    per_token = per_token * w
+    c = s.correction(s, x)
+    _check_output(s.off_policy, "--train.off-policy", "weight", c.weight, x)
+    per_token, clipped = s.loss_fn(s, x, c.logp_old.detach())
+    _check_output(s.loss, "--train.loss", "per-token loss", per_token, x)
+    per_token = per_token * c.weight.detach()
     if s.kl_coef > 0:
         if x.ref_logp is None:
             raise ValueError("kl_coef > 0 needs reference log-probs (ref_logp)")
@@ -257,12 +337,12 @@ def policy_loss(s: LossSettings, x: LossInputs) -> tuple[torch.Tensor, dict[str,
         n = gap.numel()
         big = torch.tensor(float("inf"))
         stats = {
-            "is_weight": w.float().sum(),
+            "is_weight": c.weight.float().sum(),
             "is_ratio": rho.sum(),
             "is_ratio_max": rho.max() if n else -big,
             "is_ratio_min": rho.min() if n else big,
-            "is_truncated_frac": truncated.float().sum(),
-            "is_masked_frac": rejected.float().sum(),
+            "is_truncated_frac": c.truncated.float().sum(),
+            "is_masked_frac": c.rejected.float().sum(),
             "ppo_clipped_frac": clipped.float().sum(),
             "behaviour_gap_abs": gap.abs().sum(),
             "behaviour_k3": (rho - 1.0 - gap).sum(),  # estimates KL(mu || pi_prox) from mu's samples
@@ -274,3 +354,11 @@ def policy_loss(s: LossSettings, x: LossInputs) -> tuple[torch.Tensor, dict[str,
             d = (x.ref_logp - x.logp.detach()).float()
             stats["ref_kl_k3"] = (torch.exp(d) - d - 1.0).sum()
     return loss, stats
+
+
+def _check_output(spec: str, flag: str, what: str, value, x: LossInputs) -> None:
+    """A fork's loss or correction must give one value per token; say which flag's function did not."""
+    if not isinstance(value, torch.Tensor) or value.shape != x.logp.shape:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{flag}={spec!r} returned a {what} of shape {got}; it must be one value per token, "
+                         f"shape {tuple(x.logp.shape)}")

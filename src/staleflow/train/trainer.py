@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from staleflow.model.attention import PackedAttention
-from staleflow.train.advantages import compute_advantages, groups_with_signal, overlong_penalty
+from staleflow.train.advantages import ADVANTAGES, compute_advantages, groups_with_signal, overlong_penalty
 from staleflow.train.batch import MicroBatch, TrajectorySample, build_micro_batch
 from staleflow.train.logprobs import packed_logprobs
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
@@ -125,7 +125,7 @@ class Trainer:
             raise ValueError(f"temperature={temperature!r} is invalid: must match the sampler's and be > 0")
         self.cfg = cfg
         self.loss_settings = LossSettings.from_config(cfg)
-        compute_advantages(cfg.advantage, [], [])  # validates the name early
+        self.advantage_fn = ADVANTAGES.resolve(cfg.advantage)  # a registered name or an import path, once
         self.loss_agg = resolve_loss_agg(cfg.loss, cfg.advantage, cfg.loss_agg)
         self.max_response_tokens = max_response_tokens
         token_weights(self.loss_agg, [], max_response_tokens)  # a missing Dr. GRPO constant fails here
@@ -211,7 +211,8 @@ class Trainer:
         groups = [s.group_id for s in samples]
         keep = groups_with_signal(rewards, groups) if cfg.dynamic_sampling else [True] * len(samples)
         kept = [i for i in range(len(samples)) if keep[i]]
-        adv_kept = compute_advantages(cfg.advantage, [rewards[i] for i in kept], [groups[i] for i in kept])
+        adv_kept = compute_advantages(cfg.advantage, [rewards[i] for i in kept], [groups[i] for i in kept],
+                                      self.advantage_fn)
         adv = [0.0] * len(samples)
         for i, a in zip(kept, adv_kept):
             adv[i] = a
@@ -246,12 +247,11 @@ class Trainer:
     def step(self, samples: Sequence[TrajectorySample]) -> dict[str, float]:
         """One optimisation step on a Ready buffer; returns metrics (identical on every rank)."""
         t0 = time.perf_counter()
-        cfg = self.cfg
         self._oversize = 0
         rewards, adv, keep = self.prepare(samples)
         minis = [m for m in self._mini_batches(samples, keep) if m]
         planned = [mbs for mbs in (self._plan(samples, ids, adv) for ids in minis) if mbs]  # same on all ranks
-        recompute = cfg.off_policy == "decoupled" or len(planned) > 1
+        recompute = self.loss_settings.recompute_proximal or len(planned) > 1
         proximal = [self._logprobs_nograd(self.policy, mbs) for mbs in planned] if recompute else None
         ref = [self._logprobs_nograd(self.ref_policy, mbs) for mbs in planned] if self.ref_policy else None
 
