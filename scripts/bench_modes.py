@@ -145,6 +145,7 @@ def train_fit(steps: list[tuple[int, int, float]], prompt_len: int) -> tuple[flo
 def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], everything: list[dict]) -> float:
     """Simulated trained tokens/s of `mode` on the runtime's shape, with everything measured above."""
     from staleflow.coordinator.cost_model import load_cost_model
+    from staleflow.config import StalenessConfig
     from staleflow.sim.config import SimConfig
     from staleflow.sim.simulator import run
 
@@ -155,7 +156,8 @@ def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], 
     cfg = SimConfig(total_gpus=3, rollout_gpus=2, gpus_per_instance=1, cost_model=cost_json,
                     kv_capacity=args.kv_tokens, prefill_tokens_per_s=prefill, max_running=args.max_running,
                     train_tokens_per_gpu_s=1.0 / slope, train_overhead_s=overhead, push_s=push, pull_s=pull,
-                    broadcast_s=pull, colocated_switch_s=0.0, batch_size=args.batch, group_size=args.group,
+                    broadcast_s=pull, colocated_switch_s=0.0,
+                    staleness=StalenessConfig(batch_size=args.batch, group_size=args.group),
                     prompt_len=args.prompt_len, response_median=median, response_sigma=sigma,
                     max_response=args.max_new, steps=args.steps, warmup_steps=args.warmup, tick_s=0.01,
                     router_fit_samples=0, shared_cores=args.shared_cores, colocated_sync=False, seed=args.seed,

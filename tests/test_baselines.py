@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import CoordinatorConfig, StalenessConfig
-from staleflow.controller import (ControllerLoop, Finished, Ledger, LoopSettings, Published, PullDone, TrainDone)
-from staleflow.coordinator import Coordinator, CostModel, Interrupt, Pull, Route, apply_mode, build_protocol
+from staleflow.controller.build import build_loop
+from staleflow.controller import (Finished, Published, PullDone, TrainDone)
+from staleflow.coordinator import CostModel, Interrupt, Pull, Route, apply_mode, build_protocol
 from staleflow.coordinator.modes import BASELINES, mode_of
 from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessManager, VerlAsyncBuffer
 from controller_fakes import Prompts, ScriptedBackend
@@ -117,9 +118,7 @@ def test_baseline_modes_name_their_protocols_and_aliases_resolve():
 def loop_of(mode, n_inst=2, eta=2, B=2):
     ccfg, stale = apply_mode(mode, CoordinatorConfig(), StalenessConfig(eta=eta, batch_size=B, group_size=1))
     be = ScriptedBackend(reward=1.0)
-    m = build_protocol(mode, stale.eta, B, n_instances=n_inst)
-    c = Coordinator(ccfg, COST, m, range(n_inst), clock=be.now, label=mode)
-    return ControllerLoop(LoopSettings.from_config(stale, ccfg, 5), c, Ledger(), be, Prompts()), be
+    return build_loop(mode, stale, ccfg, COST, range(n_inst), be, Prompts(), 5), be
 
 
 def step(loop, be, *events):
@@ -203,7 +202,7 @@ def test_baseline_runs_in_the_simulator_through_the_shared_loop(mode):
 
     cfg = SimConfig(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1",
                     prefill_tokens_per_s=5000.0, max_running=16, train_tokens_per_gpu_s=2000.0, train_overhead_s=0.1,
-                    push_s=0.2, pull_s=0.2, broadcast_s=0.3, colocated_switch_s=0.2, batch_size=3, group_size=2,
+                    push_s=0.2, pull_s=0.2, broadcast_s=0.3, colocated_switch_s=0.2, staleness=StalenessConfig(batch_size=3, group_size=2),
                     prompt_len=20, response_median=40.0, response_sigma=1.0, max_response=300, steps=8,
                     warmup_steps=1, tick_s=0.05, out_dir="", ablation=False, router_fit_samples=0)
     loop, _, _ = build(cfg, mode, 2)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import CoordinatorConfig, StalenessConfig
-from staleflow.controller import ControllerLoop, Finished, Ledger, LoopSettings, Published, Rewarded
-from staleflow.coordinator import Abort, Coordinator, CostModel, Interrupt, Pull, Route
+from staleflow.controller import Finished, LoopSettings, Published, Rewarded
+from staleflow.controller.build import build_loop
+from staleflow.coordinator import Abort, CostModel, Interrupt, Pull, Route
 from staleflow.coordinator.modes import apply_mode
-from staleflow.protocol import StalenessManager
 from controller_fakes import Prompts, ScriptedBackend
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
@@ -25,11 +25,8 @@ def make_loop(n_inst=1, eta=1, B=1, N=1, Np=None, mode="staleflow", steps=2, **c
     coord.setdefault("mlq", False)
     stale = StalenessConfig(eta=eta, batch_size=B, group_size=N, group_redundancy=(Np or N) - N)
     ccfg, stale = apply_mode(mode, CoordinatorConfig(**coord), stale)
-    m = StalenessManager(stale.eta, B, group_size=N, group_capacity=Np)
     be = ScriptedBackend()
-    c = Coordinator(ccfg, COST, m, range(n_inst), clock=be.now)
-    loop = ControllerLoop(LoopSettings.from_config(stale, ccfg, steps), c, Ledger(), be, Prompts())
-    return loop, be
+    return build_loop(mode, stale, ccfg, COST, range(n_inst), be, Prompts(), steps), be
 
 
 def deliver(loop, be, *events):

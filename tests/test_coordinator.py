@@ -380,15 +380,19 @@ def test_waterfall_budget_counts_the_kv_a_request_grows_into():
         assert routes(c.tick(1.0)) == expect, routing
 
 
-def test_adopt_protocol_swaps_a_fresh_manager_and_refuses_one_with_work():
-    from staleflow.coordinator.modes import adopt_protocol
+def test_a_coordinator_refuses_a_protocol_that_is_not_its_modes():
+    """One builder gives a mode its protocol (controller/build.py); the coordinator never swaps one in."""
+    from staleflow.config import StalenessConfig
+    from staleflow.coordinator.modes import protocol_for
     from staleflow.protocol import AReaLBuffer
 
-    fresh = StalenessManager(1, 2)
-    assert isinstance(adopt_protocol("areal", fresh, 2), AReaLBuffer)
-    assert adopt_protocol("staleflow", fresh, 2) is fresh and adopt_protocol("my-label", fresh, 2) is fresh
-    fresh.reserve("t", "g", 0)
-    with pytest.raises(ValueError, match="already holds work"):
-        adopt_protocol("areal", fresh, 2)
-    c = Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="staleflow-no-exchange")
-    assert c.manager.exchange is False
+    with pytest.raises(ValueError, match="mode 'areal' runs protocol AReaLBuffer, but the coordinator was given "
+                                         "a StalenessManager"):
+        Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="areal")
+    with pytest.raises(ValueError, match="without the occupy exchange"):
+        Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="staleflow-no-exchange")
+    stale = StalenessConfig(eta=1, batch_size=2, group_size=1)
+    assert isinstance(Coordinator(CoordinatorConfig(), COST, protocol_for("areal", stale), range(2),
+                                  label="areal").manager, AReaLBuffer)
+    assert Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="my-fork").manager.eta == 1
+

@@ -57,7 +57,7 @@ FENCED: dict[str, str] = {
     "python -m staleflow sim --grid paper --jobs 2": "the same grid with 2 processes (the default on 2 cores)",
     "python -m staleflow sim --eta 2 --length-dist long-cot --rollout-gpus 96 --no-ablation":
         "~90 s on 2 shared cores (measured 2026-12-01)",
-    "python -m staleflow sim --total-gpus 1024 --rollout-gpus 512 --gpus-per-instance 2 --batch-size 256 --modes "
+    "python -m staleflow sim --total-gpus 1024 --rollout-gpus 512 --gpus-per-instance 2 --staleness.batch-size 256 --modes "
     "staleflow verl-fully-async --eta 2 --no-ablation --out-dir runs/sim-1024": "~260 s on 2 shared cores (measured)",
     "python scripts/bench_modes.py": "every mode on the real system, ~15 min; tests/test_scripts_smoke.py runs its "
                                      "smallest configuration",

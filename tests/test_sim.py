@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from staleflow.config import ConfigError, CoordinatorConfig
+from staleflow.config import ConfigError, CoordinatorConfig, StalenessConfig
 from staleflow.coordinator import CostModel
 from staleflow.coordinator.modes import MODES, mode_of
 from staleflow.sim.cli import main
@@ -21,7 +21,7 @@ TINY_COST = CostModel(k1=2e-6, k2=0.01, k3=1e-3, b3=0.004, k4=1e-3, kv_capacity=
 def tiny(**kw) -> SimConfig:
     base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1",
                 prefill_tokens_per_s=5000.0, max_running=16, train_tokens_per_gpu_s=2000.0, train_overhead_s=0.1,
-                push_s=0.2, pull_s=0.2, broadcast_s=0.3, colocated_switch_s=0.2, batch_size=3, group_size=2, prompt_len=20,
+                push_s=0.2, pull_s=0.2, broadcast_s=0.3, colocated_switch_s=0.2, staleness=StalenessConfig(batch_size=3, group_size=2), prompt_len=20,
                 response_median=40.0, response_sigma=1.0, max_response=300, eta=(1,), steps=5, warmup_steps=1,
                 tick_s=0.05, max_sim_s=3000.0, out_dir="", ablation=False,
                 coordinator=CoordinatorConfig(migration=True, psi=2.0, migration_stop=1, phi_wait=1))
@@ -80,8 +80,8 @@ def test_random_runs_keep_the_staleness_invariant_and_lose_nothing(mode, eta, B,
         eta = 1
     if mode_of(mode).protocol != "staleflow":  # the peers' count-based protocols have no batch redundancy
         bred = 0
-    cfg = tiny(batch_size=B, group_size=N, batch_redundancy=bred, group_redundancy=gred, straggler=straggler,
-               seed=seed, eta=(eta,), coordinator=CoordinatorConfig(routing=routing, pull=pull, mlq=mlq, mu=0.2,
+    cfg = tiny(staleness=StalenessConfig(batch_size=B, group_size=N, batch_redundancy=bred, group_redundancy=gred,
+                                         straggler=straggler), seed=seed, eta=(eta,), coordinator=CoordinatorConfig(routing=routing, pull=pull, mlq=mlq, mu=0.2,
                                                                     migration=True, psi=2.0, migration_stop=1,
                                                                     phi_wait=1, pull_indicator="requests",
                                                                     pull_threshold=2))
@@ -122,7 +122,7 @@ def test_cli_prints_table_and_ratio_json(tmp_path, capsys):
     (["--preset", "paper-64b"], "--preset='paper-64b' is unknown"),
     (["--modes", "staleflow", "verl"], "unknown mode"),
     (["--length-dist", "pareto"], "--length-dist"),
-    (["--batch-size", "-2"], "--batch-size=-2"),
+    (["--staleness.batch-size", "-2"], "--staleness.batch-size=-2"),
     (["--rollout-gpus", "128"], "--rollout-gpus=128"),
     (["--warmup-steps", "12", "--steps", "12"], "--warmup-steps=12"),
     (["--cost-model", "no-such-model"], "neither a preset"),

@@ -10,6 +10,7 @@ import statistics
 import pytest
 
 from staleflow.coordinator.cost_model import load_cost_model
+from staleflow.config import StalenessConfig
 from staleflow.sim.config import SimConfig
 from staleflow.sim.hardware import GPU, MODEL_SPECS, derive, kv_capacity
 from staleflow.sim.lengths import LengthSampler
@@ -18,7 +19,7 @@ from staleflow.sim.simulator import build, router_cost_model, run
 
 def small(**kw) -> SimConfig:
     base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1", max_running=16,
-                train_overhead_s=0.1, batch_size=3, group_size=2, prompt_len=20, response_median=40.0,
+                train_overhead_s=0.1, staleness=StalenessConfig(batch_size=3, group_size=2), prompt_len=20, response_median=40.0,
                 response_sigma=1.0, max_response=300, steps=6, warmup_steps=1, tick_s=0.05, out_dir="",
                 ablation=False)
     base.update(kw)
@@ -98,7 +99,7 @@ def test_sim_no_trained_group_beat_its_tail_floor(eta):
             alone = cost.steps_time(1, g.prompt_len, max(g.n_tokens)) * fastest
             assert rec.t_start - published >= 0.95 * alone, (rec.version, g.traj_version, max(g.n_tokens))
             checked += 1
-    assert checked == cfg.steps * cfg.batch_size
+    assert checked == cfg.steps * cfg.staleness.batch_size
 
 
 def test_sim_measures_at_least_40_steps_after_warm_up_by_default():

@@ -117,6 +117,16 @@ class StalenessConfig:
     straggler_threshold: int = 1
     """Act on a Stuck buffer once at most this many entries are still RESERVED."""
 
+    @property
+    def batch_capacity(self) -> int:
+        """B': groups admitted per buffer (B + redundancy)."""
+        return self.batch_size + self.batch_redundancy
+
+    @property
+    def group_capacity(self) -> int:
+        """N': responses generated per prompt (N + redundancy)."""
+        return self.group_size + self.group_redundancy
+
     def __post_init__(self):
         _check(self.eta >= 0, "staleness.eta", self.eta, "must be >= 0 (0 = synchronous)")
         _check(self.batch_size >= 1, "staleness.batch-size", self.batch_size, "must be >= 1")

@@ -40,8 +40,8 @@ class LoopSettings:
     def from_config(cls, staleness, coordinator, steps: int, stall_s: float = math.inf,
                     max_reward_failures: int = 0) -> "LoopSettings":
         s = staleness
-        return cls(steps=steps, eta=s.eta, batch_size=s.batch_size, batch_capacity=s.batch_size + s.batch_redundancy,
-                   group_size=s.group_size, group_capacity=s.group_size + s.group_redundancy,
+        return cls(steps=steps, eta=s.eta, batch_size=s.batch_size, batch_capacity=s.batch_capacity,
+                   group_size=s.group_size, group_capacity=s.group_capacity,
                    tick_s=coordinator.tick_ms / 1000.0, stall_s=stall_s, max_reward_failures=max_reward_failures)
 
 

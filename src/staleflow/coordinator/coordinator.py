@@ -38,7 +38,7 @@ import msgspec
 
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.mlq import MultiLevelQueue
-from staleflow.coordinator.modes import adopt_protocol
+from staleflow.coordinator.modes import check_protocol
 from staleflow.coordinator.pull import plan_pulls, updating
 from staleflow.coordinator.stragglers import handle_stragglers
 from staleflow.coordinator.strategies import make_pull, make_routing, migrate
@@ -59,7 +59,8 @@ class Coordinator:
         if not ids or len(set(ids)) != len(ids):
             raise ValueError(f"instances={ids!r} must be a non-empty list of distinct ids")
         self.cost_model, self.clock = cost_model, clock
-        self.manager = adopt_protocol(label, manager, len(ids))
+        check_protocol(label, manager)
+        self.manager = manager
         self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
         self.puller = make_pull(self.cfg.pull, self.cfg, cost_model)
         self.instances: dict[int, InstanceState] = {i: InstanceState(i, cost_model.kv_capacity, version) for i in ids}

@@ -5,7 +5,7 @@ partial rollout, batch barrier), staleness overrides (a fixed eta, no redundancy
 protocol (protocol/: StaleFlow's per-trajectory StalenessManager or a peer's count-based rule),
 and for the simulator how weights travel and whether rollout and training share the GPUs.
 ``apply_mode`` resolves the config sections ONCE (staleflow.config.resolve in the runtime,
-sim/simulator.build in the simulator); ``build_protocol`` / ``adopt_protocol`` give the protocol.
+sim/simulator.build in the simulator); ``protocol_for`` / ``build_protocol`` give the protocol.
 docs/baselines.md names each peer's mechanism (module and function) and our deviations.
 
 - ``staleflow``: waterfall routing, MLQ, status pull with partial rollout, migration, occupy exchange.
@@ -137,21 +137,22 @@ def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = 
     return make_protocol(m.protocol, eta, batch_size, capacity, group_size, group_capacity, version, **opts)
 
 
-def adopt_protocol(mode: str, manager, n_instances: int):
-    """`manager` if it is the mode's protocol, else the mode's protocol with the same settings.
+def protocol_for(mode: str, staleness, version: int = 0, n_instances: int = 1, **peer):
+    """The batch protocol of ``mode`` for a (resolved) StalenessConfig: B', N' from its capacities."""
+    s = staleness
+    return build_protocol(mode, s.eta, s.batch_size, s.batch_capacity, s.group_size, s.group_capacity, version,
+                          n_instances, **peer)
 
-    The runtime builds a StalenessManager before the coordinator (launch/training.py); for a mode
-    with another protocol (a peer's count-based rule, or the no-exchange ablation) the coordinator
-    swaps in the right one here. Only a fresh manager (nothing admitted or consumed) may be swapped."""
+
+def check_protocol(mode: str, manager) -> None:
+    """ValueError unless ``manager`` is ``mode``'s batch protocol (a free-form label is the caller's
+    choice): a coordinator never swaps the protocol it is given (build it with protocol_for)."""
     if mode not in MODE_TABLE and mode not in ALIASES:
-        return manager  # a free-form label (tests, forks): the caller chose the protocol
+        return
     want = build_protocol(mode, manager.eta, manager.batch_size, manager.capacity, manager.group_size,
-                          manager.group_capacity, manager.version, n_instances)
-    if type(want) is type(manager) and getattr(want, "exchange", None) == getattr(manager, "exchange", None):
-        return manager
-    st = manager.stats()
-    if manager.consumption_log() or st.get("groups_in_flight") or st.get("groups_occupied"):
-        raise ValueError(f"mode {mode!r} needs protocol {type(want).__name__}, but the coordinator was given a "
-                         f"{type(manager).__name__} that already holds work; build it with "
-                         f"staleflow.coordinator.modes.build_protocol({mode!r}, ...)")
-    return want
+                          manager.group_capacity, manager.version)
+    if type(want) is not type(manager) or getattr(want, "exchange", None) != getattr(manager, "exchange", None):
+        raise ValueError(f"mode {mode!r} runs protocol {type(want).__name__}"
+                         f"{'' if getattr(want, 'exchange', True) else ' without the occupy exchange'}, but the "
+                         f"coordinator was given a {type(manager).__name__}: build it with "
+                         f"staleflow.coordinator.modes.protocol_for({mode!r}, staleness)")

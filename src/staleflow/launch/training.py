@@ -20,10 +20,10 @@ import sys
 import time
 
 from staleflow.config import parse_length_dist
-from staleflow.controller import ControllerLoop, Ledger, LoopSettings, LoopTimeout, StepRecord
+from staleflow.controller import Ledger, LoopTimeout, StepRecord
+from staleflow.controller.build import build_loop
 from staleflow.durable import DiskError
-from staleflow.coordinator import Coordinator, load_cost_model
-from staleflow.coordinator.modes import build_protocol
+from staleflow.coordinator import load_cost_model
 from staleflow.launch.backend import RuntimeBackend
 from staleflow.launch.evaluation import eval_line, gain_line
 from staleflow.launch.hub import RankDied
@@ -75,11 +75,6 @@ class TrainingJob:
         self.rewards = RewardPool(cfg.reward)
         version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)
         instances = [ctl.roles.instance_id(r) for r in ctl.roles.rollout_ranks]
-        manager = build_protocol(cfg.mode, s.eta, s.batch_size, s.batch_size + s.batch_redundancy, s.group_size,
-                                 s.group_size + s.group_redundancy, version=version, n_instances=len(instances))
-        coord = Coordinator(cfg.coordinator, load_cost_model(cfg.coordinator.cost_model), manager, instances,
-                            straggler=s.straggler, straggler_threshold=s.straggler_threshold, version=version,
-                            label=cfg.mode)
         extra = ctl.infos[0].get("resume_extra") or {}
         ids = read_ids(self.run_dir)  # written every step: ids never repeat, even past the checkpoint
         ledger = Ledger(max(extra.get("next_traj", 0), ids.get("next_traj", 0)),
@@ -89,13 +84,11 @@ class TrainingJob:
                                     config=dataclasses.asdict(cfg))
         save_config(self.run_dir, cfg)
         self.backend = RuntimeBackend(ctl, cfg, tokenizer, self.rewards, self.writer)
-        settings = LoopSettings.from_config(s, cfg.coordinator, cfg.steps,
-                                            max_reward_failures=cfg.reward.max_consecutive_failures)
         self.saved: Saved | None = None
-        self.loop = ControllerLoop(settings, coord, ledger,
-                                   self.backend, RuntimeWorkload(cfg, self.source), version=version,
-                                   on_step=self.log_step,
-                                   listeners={Saved: self._on_saved, Evaluated: self._on_evaluated})
+        self.loop = build_loop(cfg.mode, s, cfg.coordinator, load_cost_model(cfg.coordinator.cost_model), instances,
+                               self.backend, RuntimeWorkload(cfg, self.source), cfg.steps, version=version,
+                               ledger=ledger, max_reward_failures=cfg.reward.max_consecutive_failures,
+                               on_step=self.log_step, listeners={Saved: self._on_saved, Evaluated: self._on_evaluated})
         self.progress = ProgressDisplay(cfg.steps, enabled=cfg.log.progress, start=version)
         self._last_log = (time.monotonic(), 0, 0)  # time, tokens generated, samples at the previous step
         self.samples = 0

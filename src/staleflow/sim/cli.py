@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     print(f"staleflow sim: {cfg.total_gpus} GPUs (disaggregated: {cfg.rollout_gpus} rollout = {n_dis} instances x "
           f"TP{cfg.gpus_per_instance}, {cfg.total_gpus - cfg.rollout_gpus} train; verl-sync: all colocated), "
           f"cost model {cost.name} (router: fitted to {cfg.router_fit_samples} noisy samples), "
-          f"B={cfg.batch_size} groups x N={cfg.group_size}, responses {dist} <= {cfg.max_response}, "
+          f"B={cfg.staleness.batch_size} groups x N={cfg.staleness.group_size}, responses {dist} <= {cfg.max_response}, "
           f"{cfg.steps} steps (first {cfg.warmup_steps} not measured), seed {cfg.seed}", flush=True)
 
     def progress(r):

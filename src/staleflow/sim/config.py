@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from staleflow.config import ConfigError, CoordinatorConfig, _check
+from staleflow.config import ConfigError, CoordinatorConfig, StalenessConfig, _check
 from staleflow.coordinator.modes import ALIASES, MODES
 from staleflow.sim.lengths import LENGTH_DISTS
 
@@ -94,10 +94,10 @@ class SimConfig:
     """verl-sync colocates rollout and training on all GPUs (the peer's hybrid engine); False runs it on the
     same separate ranks as every other mode (what the CPU runtime does)."""
     # ---- workload ----------------------------------------------------------------------------
-    batch_size: int = 32
-    """B: prompt groups per training step (the authors' all-strategies script: 32)."""
-    group_size: int = 8
-    """N: responses per prompt (GRPO; the authors' scripts use n = 8)."""
+    staleness: StalenessConfig = field(default_factory=lambda: StalenessConfig(batch_size=32, group_size=8))
+    """The protocol's settings, as in a training run (--staleness.batch-size B = 32 groups per step: the
+    authors' all-strategies script; --staleness.group-size N = 8 responses per prompt; redundancy B' - B
+    and N' - N and the straggler rule: staleflow only). Its eta is replaced by each bound of --eta."""
     prompt_len: int = 512
     """Prompt tokens (DAPO-Math prompts are a few hundred tokens; max prompt 2k in the scripts)."""
     length_dist: Literal["lognormal", "long-cot"] = "lognormal"
@@ -115,13 +115,6 @@ class SimConfig:
     eta: tuple[int, ...] = (1, 2, 3)
     """Staleness bounds simulated for the asynchronous modes (verl-sync always 0, verl-one-step-off always 1)."""
     modes: tuple[str, ...] = DEFAULT_MODES
-    batch_redundancy: int = 0
-    """staleflow only: B' - B extra groups per buffer (surplus aborted)."""
-    group_redundancy: int = 0
-    """staleflow only: N' - N extra responses per prompt (slowest aborted)."""
-    straggler: Literal["off", "abort", "truncate"] = "off"
-    """staleflow only: stuck-buffer straggler handling."""
-    straggler_threshold: int = 1
     coordinator: CoordinatorConfig = field(default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2",
                                                                                       keep_kv_on_pull=True))
     """Strategy settings of the staleflow mode (the baselines override theirs, see coordinator/modes.py).
@@ -168,17 +161,12 @@ class SimConfig:
         _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
         _check(self.jobs >= 0, "jobs", self.jobs, "must be >= 0 (0: one per CPU core)")
         _check(self.shared_cores >= 0, "shared-cores", self.shared_cores, "must be >= 0 (0: dedicated devices)")
-        _check(self.batch_size >= 1, "batch-size", self.batch_size, "must be >= 1")
-        _check(self.group_size >= 1, "group-size", self.group_size, "must be >= 1")
         _check(self.prompt_len >= 1, "prompt-len", self.prompt_len, "must be >= 1")
         _check(self.max_response >= 1, "max-response", self.max_response, "must be >= 1")
         _check(bool(self.eta) and all(e >= 0 for e in self.eta), "eta", self.eta, "give one or more bounds >= 0")
         _check(bool(self.modes), "modes", self.modes, f"give one or more of {', '.join(MODES)}")
         for m in self.modes:
             _check(m in MODES or m in ALIASES, "modes", m, f"unknown mode; choose from {', '.join(MODES)}")
-        _check(self.batch_redundancy >= 0, "batch-redundancy", self.batch_redundancy, "must be >= 0")
-        _check(self.group_redundancy >= 0, "group-redundancy", self.group_redundancy, "must be >= 0")
-        _check(self.straggler_threshold >= 1, "straggler-threshold", self.straggler_threshold, "must be >= 1")
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         _check(0 <= self.warmup_steps < self.steps, "warmup-steps", self.warmup_steps,
                f"must be in [0, steps) = [0, {self.steps})")
@@ -195,8 +183,8 @@ def preset_cpu_small() -> SimConfig:
     """The default CPU job's shape: 3 processes (1 trainer + 2 rollout instances), SmolLM2-135M CPU cost model."""
     return SimConfig(total_gpus=3, rollout_gpus=2, gpus_per_instance=1, cost_model="cpu-smollm2",
                      prefill_tokens_per_s=400.0, max_running=64, train_tokens_per_gpu_s=300.0,
-                     train_overhead_s=0.5, push_s=0.3, pull_s=0.3, broadcast_s=0.4, colocated_switch_s=0.3, batch_size=8,
-                     group_size=4, prompt_len=64, response_median=96.0, response_sigma=0.6, max_response=256,
+                     train_overhead_s=0.5, push_s=0.3, pull_s=0.3, broadcast_s=0.4, colocated_switch_s=0.3,
+                     staleness=StalenessConfig(batch_size=8, group_size=4), prompt_len=64, response_median=96.0, response_sigma=0.6, max_response=256,
                      eta=(1, 2), coordinator=CoordinatorConfig(cost_model="cpu-smollm2"), steps=12,
                      warmup_steps=2, tick_s=0.05, out_dir="runs/sim-cpu")
 

@@ -75,7 +75,7 @@ class Setting:
     def __init__(self, base: SimConfig, name, model, cost_model, tp, dist, split):
         self.name, self.model, self.dist, self.split = name, model, dist, split
         self.cfg = setting_cfg(base, cost_model, tp, dist, split)
-        self.B = base.batch_size
+        self.B = base.staleness.batch_size
         self.measured: dict = {}  # PeerConfig -> search.Measured
         self.staleflow: dict = {}  # (eta, seed) -> SimResult
         self.equal: dict = {}  # (eta, seed) -> SimResult
@@ -173,7 +173,7 @@ def main(base: SimConfig) -> int:
           f"the fastest peer configuration with observed worst-case staleness <= eta (seeds {list(SEEDS)}), the "
           f"peers at nominal eta, the strict peers and equal transfer; ablations at {CENTRE} over seeds "
           f"{list(ABLATION_SEEDS)}; {base.steps} steps per run, first {base.warmup_steps} not measured, "
-          f"B={base.batch_size} x N={base.group_size}; {jobs} processes; load average {load:.1f}", flush=True)
+          f"B={base.staleness.batch_size} x N={base.staleness.group_size}; {jobs} processes; load average {load:.1f}", flush=True)
 
     def progress(text):
         print(f"\n{text}\n({time.perf_counter() - t0:.0f} s)", flush=True)

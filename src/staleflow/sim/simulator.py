@@ -19,11 +19,10 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from staleflow.config import StalenessConfig
-from staleflow.controller import ControllerLoop, Ledger, LoopSettings, Stalled
-from staleflow.coordinator.coordinator import Coordinator
+from staleflow.controller import ControllerLoop, Stalled
+from staleflow.controller.build import build_loop
 from staleflow.coordinator.cost_model import CostModel, fit_cost_model, load_cost_model
-from staleflow.coordinator.modes import apply_mode, build_protocol, check_mode, mode_of
+from staleflow.coordinator.modes import apply_mode, check_mode, mode_of
 from staleflow.sim.backend import SimBackend
 from staleflow.sim.config import SimConfig
 from staleflow.sim.hardware import derive
@@ -145,10 +144,7 @@ def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, co
     router = cost or router_cost_model(true, cfg, random.Random(cfg.seed * 31 + 7))
     if cfg.prompt_len + 2 > true.kv_capacity:
         raise ValueError(f"--prompt-len={cfg.prompt_len} does not fit the KV capacity {true.kv_capacity}")
-    stale = StalenessConfig(eta=eta, batch_size=cfg.batch_size, batch_redundancy=cfg.batch_redundancy,
-                            group_size=cfg.group_size, group_redundancy=cfg.group_redundancy,
-                            straggler=cfg.straggler, straggler_threshold=cfg.straggler_threshold)
-    ccfg, stale = apply_mode(mode, cfg.coordinator, stale)
+    ccfg, stale = apply_mode(mode, cfg.coordinator, dataclasses.replace(cfg.staleness, eta=eta))
     ccfg = dataclasses.replace(ccfg, **(overrides or {}))  # the caller's overrides win over the mode's
     colocated = m.colocated and cfg.colocated_sync
     gpus = cfg.total_gpus if colocated else cfg.rollout_gpus
@@ -158,15 +154,9 @@ def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, co
     peer = dict(peer or {})
     backend = SimBackend(cfg, hw, true, n_inst, train_gpus, sync, publish_every=peer.get("trigger_sync_steps", 1),
                          mixed_kv=ccfg.interrupt_on_pull and ccfg.keep_kv_on_pull)
-    s = stale
-    manager = build_protocol(mode, s.eta, s.batch_size, s.batch_size + s.batch_redundancy, s.group_size,
-                             s.group_size + s.group_redundancy, n_instances=n_inst, **peer)
-    coord = Coordinator(ccfg, router, manager, range(n_inst), straggler=s.straggler,
-                        straggler_threshold=s.straggler_threshold, clock=backend.now, label=mode)
-    settings = dataclasses.replace(LoopSettings.from_config(s, ccfg, cfg.steps), tick_s=cfg.tick_s,
-                                   stall_s=2000 * cfg.tick_s)
-    loop = ControllerLoop(settings, coord, Ledger(), backend, SimWorkload(cfg, random.Random(cfg.seed)))
-    return loop, backend, s
+    loop = build_loop(mode, stale, ccfg, router, range(n_inst), backend, SimWorkload(cfg, random.Random(cfg.seed)),
+                      cfg.steps, tick_s=cfg.tick_s, stall_s=2000 * cfg.tick_s, peer=peer)
+    return loop, backend, stale
 
 
 def run(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, label: str = "",
