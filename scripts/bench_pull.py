@@ -7,7 +7,7 @@ the engine's parameters (now), on one machine.
 For each engine dtype the Parameter Server slot holds what the runtime writes into it:
   before   fp32 slot -> pull into a staging dict (layout.empty()) -> engine.load_weights(staging)
            (a second copy, and the cast to the engine's dtype there)
-  now      slot in the engine's dtype (plan.placement.slot_dtype) -> pull straight into the engine's
+  now      slot in the engine's dtype (cluster.placement.slot_dtype) -> pull straight into the engine's
            parameters -> engine.load_weights(params) (validation and bookkeeping; the copy onto
            itself is free)
 Prints median seconds per pull (after one warm-up), bytes moved, the ratio, and a last JSON line.

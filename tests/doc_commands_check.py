@@ -88,7 +88,7 @@ def _parse_staleflow(sub: str, args: list[str]) -> None:
     import contextlib
     import io
 
-    from staleflow.cli import parse
+    from staleflow.config.parse import parse
     from staleflow.config import RunConfig, resolve
 
     err = io.StringIO()

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from staleflow.cli import parse, split_preset
+from staleflow.config.parse import parse, split_preset
 from staleflow.presets import PRESETS
 from staleflow.config import (
     CheckpointConfig,
@@ -19,7 +19,7 @@ from staleflow.config import (
     StalenessConfig,
     TrainConfig,
 )
-from staleflow.launch.roles import Roles
+from staleflow.cluster.roles import Roles
 
 BAD = [
     (ModelConfig, {"path": ""}, "model.path"),
@@ -144,7 +144,7 @@ def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model
 
     from staleflow.config import config_from_dict, resolve
     from staleflow.presets import PRESETS
-    from staleflow.cli import given_flags
+    from staleflow.config.parse import given_flags
     from staleflow.launch.resume import merge_resume_config, supersede_after
 
     saved = resolve(dataclasses.replace(PRESETS["tiny"](), steps=4))
@@ -171,7 +171,7 @@ def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model
 
 
 def test_given_flags_names_the_keys_the_command_line_sets():
-    from staleflow.cli import given_flags
+    from staleflow.config.parse import given_flags
 
     flags = given_flags(["--preset", "tiny", "--steps", "4", "--rollout.max-new-tokens=24", "--log.no-progress",
                          "--train.loss_agg", "seq-mean", "-h", "4"])

@@ -143,7 +143,7 @@ class _Engine:
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_controller_rollout_rank_pull_honours_interrupt_on_pull(keep):
-    from staleflow.launch.rollout_worker import RolloutWorker
+    from staleflow.workers.rollout import RolloutWorker
 
     class Source:  # the rank's one weight source (servers/weights.py): loads, then stamps
         def load(self, engine, keep_kv):
@@ -154,7 +154,7 @@ def test_controller_rollout_rank_pull_honours_interrupt_on_pull(keep):
     w = RolloutWorker.__new__(RolloutWorker)
     w.engine, w.weights, w.instance, w.keep_on_pull = _Engine(), Source(), 0, keep
     w.meta, w.unsent = {}, []
-    from staleflow.launch.roles import Roles
+    from staleflow.cluster.roles import Roles
 
     w.ctx = type("Ctx", (), {"client": type("C", (), {"send": staticmethod(sent.append)})(), "roles": Roles(3, 2),
                              "rank": 1, "run_id": "x"})()

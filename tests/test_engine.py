@@ -391,7 +391,7 @@ def test_rollout_rank_engine_runs_in_the_rollout_dtype():
     from types import SimpleNamespace
 
     from staleflow.config import ModelConfig, RolloutConfig, RunConfig
-    from staleflow.launch.rollout_worker import build_engine
+    from staleflow.workers.rollout import build_engine
 
     def dtype_of(**rollout):
         cfg = RunConfig(model=ModelConfig(path="tiny-qwen2"),

@@ -12,8 +12,9 @@ import pytest
 
 from staleflow.config import DataConfig
 from staleflow.data import PromptSource
-from staleflow.launch.evaluation import HeldOutEval, eval_request_id, is_eval, split_eval_id
-from staleflow.launch.messages import Evaluated
+from staleflow.control.messages import eval_request_id, is_eval, split_eval_id
+from staleflow.runtime.evaluation import HeldOutEval
+from staleflow.control.messages import Evaluated
 from staleflow.model import load_tokenizer
 from staleflow.model.aliases import ensure_tokenizer
 
@@ -65,7 +66,7 @@ def test_eval_answers_are_scored_with_the_reward_and_logged_once_complete(tok):
 def test_ci95_in_held_out_rows_console_lines_and_report_plot(tok, tmp_path):
     """The main job's evaluation row carries its Wilson interval; the console line and the report
     plot show it."""
-    from staleflow.launch.evaluation import eval_line, gain_line
+    from staleflow.runtime.evaluation import eval_line, gain_line
     from staleflow.metrics.report import _held_out, make_report
     from staleflow.metrics.stats import wilson
     from staleflow.metrics.writer import MetricsWriter

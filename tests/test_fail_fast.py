@@ -16,11 +16,11 @@ import pytest
 
 from staleflow.durable import DiskError, atomic_write_text, disk_errors, read_jsonl
 from staleflow.launch.cleanup import remove_run_folder
-from staleflow.launch.control import ControlClient, control_address
-from staleflow.launch.hub import Controller, FatalFailure, RankDied
-from staleflow.launch.messages import Failure
+from staleflow.control.sockets import ControlClient, control_address
+from staleflow.control.hub import Hub, FatalFailure, RankDied
+from staleflow.control.messages import Failure
 from staleflow.launch.resume import no_restart_helps, supersede_after
-from staleflow.launch.roles import Roles
+from staleflow.cluster.roles import Roles
 from staleflow.reward.functions import score
 
 
@@ -61,7 +61,7 @@ def test_fail_fast_classifies_what_a_restart_cannot_fix():
 
 
 def test_fail_fast_a_rank_failing_on_bad_input_stops_the_run_without_restart():
-    ctl = Controller(run_id=uuid.uuid4().hex[:10], roles=Roles(3, 2), parent_pid=os.getppid())
+    ctl = Hub(run_id=uuid.uuid4().hex[:10], roles=Roles(3, 2), parent_pid=os.getppid())
     try:
         ctl.pids = {0: os.getpid(), 1: os.getpid(), 2: os.getpid()}
         for rank, fatal, kind in ((1, False, RankDied), (2, True, FatalFailure)):
@@ -132,8 +132,8 @@ def test_stall_sends_to_a_gone_controller_time_out_and_stats_are_dropped(tmp_pat
     import time
 
     from staleflow.coordinator.types import InstanceSnapshot
-    from staleflow.launch.control import ControllerGone
-    from staleflow.launch.messages import Ping
+    from staleflow.control.sockets import ControllerGone
+    from staleflow.control.messages import Ping
 
     c = ControlClient(f"ipc://{tmp_path}/nobody", 1)
     try:

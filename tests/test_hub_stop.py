@@ -16,15 +16,15 @@ import uuid
 import pytest
 
 from staleflow.launch.cleanup import remove_run_folder
-from staleflow.launch.control import ControlClient, control_address
-from staleflow.launch.hub import Controller, RankDied
-from staleflow.launch.messages import Goodbye
-from staleflow.launch.roles import Roles
+from staleflow.control.sockets import ControlClient, control_address
+from staleflow.control.hub import Hub, RankDied
+from staleflow.control.messages import Goodbye
+from staleflow.cluster.roles import Roles
 
 
 @pytest.fixture
 def ctl():
-    c = Controller(run_id=uuid.uuid4().hex[:10], roles=Roles(3, 2), parent_pid=os.getppid())
+    c = Hub(run_id=uuid.uuid4().hex[:10], roles=Roles(3, 2), parent_pid=os.getppid())
     yield c
     c.close()
     remove_run_folder(c.run_id)
@@ -36,7 +36,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _gone(ctl: Controller, rank: int, goodbye: bool) -> None:
+def _gone(ctl: Hub, rank: int, goodbye: bool) -> None:
     """Ranks 1 and 2 are rollout ranks; ``rank``'s process is gone, after a Goodbye or not."""
     ctl.pids = {0: os.getpid(), 1: os.getpid(), 2: os.getpid()}
     ctl.pids[rank] = _dead_pid()
@@ -46,7 +46,7 @@ def _gone(ctl: Controller, rank: int, goodbye: bool) -> None:
         c.close()  # delivered before close returns, as when a rank exits
 
 
-def _signalled(ctl: Controller) -> None:
+def _signalled(ctl: Hub) -> None:
     ctl.stop_requested, ctl.stop_at, ctl.grace_s = "stopped by signal SIGTERM", time.monotonic(), 30.0
 
 

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from staleflow.launch.messages import Ping, Register, decode, encode
+from staleflow.control.messages import Ping, Register, decode, encode
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
 

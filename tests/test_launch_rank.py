@@ -12,10 +12,10 @@ from collections import deque
 import pytest
 
 from staleflow.config import RunConfig
-from staleflow.launch import rank as rank_mod
-from staleflow.launch.messages import Heartbeat, Ping
-from staleflow.launch.rank import RankContext, RunStopped
-from staleflow.launch.roles import Roles
+from staleflow.workers import rank as rank_mod
+from staleflow.control.messages import Heartbeat, Ping
+from staleflow.workers.rank import RankContext, RunStopped
+from staleflow.cluster.roles import Roles
 
 
 class QueueClient:

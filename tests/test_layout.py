@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,14 +24,23 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+_STRING_IMPORT = re.compile(r"^(staleflow(?:\.\w+)+):\w+$")  # "package.module:attr", as dispatch tables write it
+
+
 def _imports(path: Path, known: set[str]) -> set[str]:
-    """Every staleflow module this file imports anywhere (top level or inside functions)."""
+    """Every staleflow module this file imports anywhere (top level or inside functions), including
+    by name in a string ("staleflow.launch.entry:main" in a dispatch table, importlib)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := _STRING_IMPORT.match(node.value)):
+            names = [m.group(1)]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names = [node.args[0].value]
         else:
             continue
         out |= {n for n in names if n in known}
@@ -78,6 +88,24 @@ def test_layout_cycle_detector_sees_function_level_imports(tmp_path):
     a = tmp_path / "a.py"
     a.write_text("def f():\n    from staleflow.b import x\n")
     assert _imports(a, {"staleflow.b"}) == {"staleflow.b"}
+
+
+def test_layout_cycle_detector_sees_string_imports(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text('COMMANDS = {"run": "staleflow.b:main"}\nlog = getLogger("staleflow.c")\n'
+                 'import importlib\nm = importlib.import_module("staleflow.d")\n')
+    assert _imports(a, {"staleflow.b", "staleflow.c", "staleflow.d"}) == {"staleflow.b", "staleflow.d"}
+
+
+def test_layout_packages_do_not_import_upward():
+    """The core never imports the shells: protocol, coordinator, controller (the loop) and the config
+    import nothing from the runtime, the rank workers, the launcher or the simulator."""
+    mods = _modules()
+    core = ("staleflow.protocol", "staleflow.coordinator", "staleflow.controller", "staleflow.config")
+    shells = ("staleflow.runtime", "staleflow.workers", "staleflow.launch", "staleflow.sim", "staleflow.cli")
+    bad = {m: sorted(i for i in _imports(p, set(mods)) if i.startswith(shells))
+           for m, p in mods.items() if m.startswith(core)}
+    assert {m: v for m, v in bad.items() if v} == {}
 
 
 def test_layout_no_file_over_400_lines():

@@ -13,12 +13,12 @@ import uuid
 import pytest
 import zmq
 
-from staleflow.launch import hub as hub_mod
-from staleflow.launch.control import ControlClient, ControlServer
-from staleflow.launch.hub import Controller, RankDied
-from staleflow.launch.messages import Heartbeat, Ping, Register, encode
-from staleflow.launch.roles import Roles
-from staleflow.launch.topology import Topology
+from staleflow.control import hub as hub_mod
+from staleflow.control.sockets import ControlClient, ControlServer
+from staleflow.control.hub import Hub, RankDied
+from staleflow.control.messages import Heartbeat, Ping, Register, encode
+from staleflow.cluster.roles import Roles
+from staleflow.cluster.topology import Topology
 from staleflow.net.curve import RunKeys, SecureContext, new_secret
 
 WORLD = 4
@@ -153,7 +153,7 @@ def test_multinode_hub_declares_a_remote_rank_dead_when_its_connection_is_lost(m
     topo = Topology.from_ranks(roles, [0, 0, 1, 1], [0, 1, 0, 1], {0: "127.0.0.1", 1: "127.0.0.1"})
     keys = RunKeys(new_secret(), WORLD)
     secure = SecureContext(keys, "controller")
-    ctl = Controller(run_id=uuid.uuid4().hex[:10], roles=roles, parent_pid=os.getppid(), topology=topo, secure=secure)
+    ctl = Hub(run_id=uuid.uuid4().hex[:10], roles=roles, parent_pid=os.getppid(), topology=topo, secure=secure)
     rank_ctx = SecureContext(keys, "rank 2", 2)
     try:
         c = ControlClient(ctl.server.tcp_endpoint, 2, secure=rank_ctx)

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from staleflow.config import ConfigError
 from staleflow.launch import dist
-from staleflow.launch.roles import Roles
-from staleflow.launch.topology import Topology
+from staleflow.cluster.roles import Roles
+from staleflow.cluster.topology import Topology
 
 
 def two_nodes(rollout: int, per_node: int = 2) -> Topology:

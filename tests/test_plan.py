@@ -84,7 +84,7 @@ def test_plan_trainer_bytes_equal_fsdp2_shards_and_adamw_state_on_meta():
 def test_plan_slot_pieces_equal_the_parameter_servers_allocations(monkeypatch):
     import staleflow.servers.pieces as pieces
     from staleflow.plan.architecture import meta_model
-    from staleflow.plan.placement import slot_dtype, slot_placement
+    from staleflow.cluster.placement import slot_dtype, slot_placement
     from staleflow.servers import ParameterServer, ParamLayout
 
     allocated: dict[str, int] = {}

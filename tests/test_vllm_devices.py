@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from staleflow.launch.roles import Roles
+from staleflow.cluster.roles import Roles
 from staleflow.presets import preset_gpu_7b
 
 GiB = 2**30
@@ -73,7 +73,7 @@ def _ctx(rank: int):
 
 
 def test_cuda_visible_each_vllm_rank_gets_exactly_its_own_device(fake_vllm):
-    from staleflow.launch.rollout_worker import build_engine
+    from staleflow.workers.rollout import build_engine
     from staleflow.plan import build_plan
 
     engines = {}
@@ -96,14 +96,14 @@ def test_cuda_visible_each_vllm_rank_gets_exactly_its_own_device(fake_vllm):
 
 
 def test_cuda_visible_follows_the_parents_device_list():
-    from staleflow.plan.placement import engine_visible_devices
+    from staleflow.cluster.placement import engine_visible_devices
 
     assert engine_visible_devices(5, [0, 1, 2, 3], 8, "8,9,10,11,12,13,14,15") == "13,8,9,10,11"
     assert engine_visible_devices(0, [0], 1) == "0"  # one GPU shared by a trainer and a rollout rank
 
 
 def test_vllm_pull_goes_through_the_worker_with_its_own_reader_index(fake_vllm):
-    from staleflow.plan.placement import reader_index
+    from staleflow.cluster.placement import reader_index
     from staleflow.rollout.vllm_engine import VllmEngine
 
     engine = VllmEngine.from_config(_ctx(5).cfg.model, _ctx(5).cfg.rollout, model_path="tiny-llama")

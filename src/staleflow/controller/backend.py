@@ -1,7 +1,7 @@
 """What the controller loop drives: a Backend (the real ranks, or the simulator's model of them).
 
 The loop (controller/loop.py) decides; a backend carries decisions out and reports what
-happened. The runtime implements it over ZeroMQ and the ranks (launch/backend.py); the
+happened. The runtime implements it over ZeroMQ and the ranks (runtime/backend.py); the
 simulator implements it as its discrete-event model (sim/backend.py). Because both run the same
 loop, every mode, strategy and piece of bookkeeping behaves the same in both by construction.
 

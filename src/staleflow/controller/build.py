@@ -4,7 +4,7 @@ ledger and the loop, from the same (resolved) config sections, for the runtime a
     loop = build_loop("staleflow", staleness, coordinator_cfg, cost_model, instances=[0, 1],
                       backend=backend, workload=workload, steps=20)
 
-The runtime (launch/training.py) passes its ranks' backend, the dataset and the run's version
+The runtime (runtime/job.py) passes its ranks' backend, the dataset and the run's version
 (resume); the simulator (sim/simulator.py) its simulated backend, clock and tick. Nothing else
 builds a protocol or a coordinator for a run.
 """

@@ -1,7 +1,7 @@
 """Plain data of the Snapshot-Command cycle: instance snapshots, queued trajectories, commands.
 
 All are msgspec Structs (frozen, tagged where they travel as a union): the runtime sends the
-commands and snapshots over ZeroMQ as they are (``msgspec.msgpack``, see launch/messages.py)
+commands and snapshots over ZeroMQ as they are (``msgspec.msgpack``, see control/messages.py)
 and the simulator passes them around as objects.
 """
 

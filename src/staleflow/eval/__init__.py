@@ -5,7 +5,7 @@
 
 - scoring.py: what "correct" means (answer reward >= 1) and the summary of an evaluation
   (accuracy, 95% interval, pass@K), shared with the main job's held-out evaluation
-  (launch/evaluation.py); the intervals themselves are metrics/stats.py.
+  (runtime/evaluation.py); the intervals themselves are metrics/stats.py.
 - runner.py: answers prompts with the project's own rollout engine (greedy or K samples each).
 - command.py: the ``eval`` subcommand (its flags, model and data resolution, one JSON line).
 

@@ -1,5 +1,5 @@
 """Scoring answers and summarising an evaluation: shared by ``staleflow eval`` and the main job's
-held-out evaluation (launch/evaluation.py), so both count "correct" and state intervals alike.
+held-out evaluation (runtime/evaluation.py), so both count "correct" and state intervals alike.
 
     ok, info = is_correct(fn, "... \\boxed{12}", "12", {})     # answer reward >= 1 (format bonus ignored)
     summarize([[True], [False], [True]])                    # greedy: Wilson interval

@@ -19,8 +19,8 @@ from staleflow.presets import PRESETS
 
 
 def check(argv: list[str]) -> RunConfig:
-    from staleflow.cli import parse, split_preset
-    from staleflow.launch.roles import Roles
+    from staleflow.config.parse import parse, split_preset
+    from staleflow.cluster.roles import Roles
     from staleflow.model.loader import resolve_model_path
 
     defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
@@ -31,7 +31,7 @@ def check(argv: list[str]) -> RunConfig:
     if cfg.resume:
         from staleflow.launch.resume import check_resume
 
-        from staleflow.cli import given_flags
+        from staleflow.config.parse import given_flags
 
         cfg = check_resume(cfg, defaults, given_flags(argv))
     from staleflow.model.hf import lazy_folder

@@ -4,7 +4,7 @@
     device = pick_device(env.local_rank)     # cuda:LOCAL_RANK when CUDA is there, else cpu
     set_device(device)                       # before any CUDA work: every later allocation lands there
     init_world(roles.world_size, env.rank)   # gloo world group (control collectives only)
-    topo = gather_topology(...)              # launch/topology.py: every rank's node
+    topo = gather_topology(...)              # cluster/topology.py: every rank's node
     trainer_group, pull_groups = make_groups(roles, device, owners, topo.remote_pullers)
 
 Start-up data crosses ranks as JSON in tensors (``broadcast_json`` / ``all_gather_json``), never

@@ -28,12 +28,12 @@ from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
 from staleflow.presets import PRESETS
 from staleflow.launch import dist as rankdist
 from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
-from staleflow.launch.control import ControlClient, ControllerGone, control_address
-from staleflow.launch.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
-from staleflow.launch.rank import (RankContext, RunStopped, defer_signals, install_signal_handlers,
+from staleflow.control.sockets import ControlClient, ControllerGone, control_address
+from staleflow.control.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
+from staleflow.workers.rank import (RankContext, RunStopped, defer_signals, install_signal_handlers,
                                    set_title)
-from staleflow.launch.roles import Roles
-from staleflow.launch.topology import Topology
+from staleflow.cluster.roles import Roles
+from staleflow.cluster.topology import Topology
 from staleflow.model.aliases import AliasError
 from staleflow.model.hf import ModelLoadError
 
@@ -43,7 +43,7 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
     TCP control socket (which it reports through a pipe once bound): (process, secret, endpoint)."""
     import multiprocessing as mp
 
-    from staleflow.launch.controller import controller_main
+    from staleflow.runtime.process import controller_main
 
     ctx = mp.get_context("spawn")
     secret, endpoint, reader, writer = b"", "", None, None
@@ -134,12 +134,12 @@ def make_worker(ctx: RankContext, model, weights=None):
     """The rank's worker, built before it reports Ready (rings and the Parameter Server exist by
     then); returns (worker, extra Ready info)."""
     if ctx.role == "trainer":
-        from staleflow.launch.trainer_worker import TrainerWorker
+        from staleflow.workers.trainer import TrainerWorker
 
         w = TrainerWorker(ctx, model, weights)
         return w, {"version": w.trainer.version, "resume_extra": w.resume_extra if ctx.rank == 0 else {},
                    "build_load_s": w.load_s}  # the weights are read while the trainer is built
-    from staleflow.launch.rollout_worker import RolloutWorker
+    from staleflow.workers.rollout import RolloutWorker
 
     w = RolloutWorker(ctx, model)
     return w, {"instance": w.instance}
@@ -159,7 +159,7 @@ def _topology(roles: Roles, env: rankdist.RankEnv) -> Topology:
     """Every rank's node (a collective), or the single-node topology when one agent runs them all."""
     if env.local_world_size == env.world_size:
         return Topology.single_node(roles)
-    from staleflow.launch.topology import gather_topology
+    from staleflow.cluster.topology import gather_topology
     from staleflow.net.address import ip_towards
 
     addr = ip_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
@@ -168,7 +168,7 @@ def _topology(roles: Roles, env: rankdist.RankEnv) -> Topology:
 
 def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv,
              flags: frozenset[str] = frozenset()) -> int:
-    from staleflow.plan.placement import slot_placement
+    from staleflow.cluster.placement import slot_placement
 
     rank = env.rank
     device = rankdist.pick_device(env.local_rank)
@@ -199,7 +199,7 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
     run_id, cfg = shared["run_id"], config_from_dict(RunConfig, shared["cfg"])
     net = None
     if topo.multi_node:
-        from staleflow.launch.netplane import NetPlane
+        from staleflow.cluster.netplane import NetPlane
 
         net = NetPlane.open(topo, rank, run_id, bytes.fromhex(shared["secret"]), pull_groups, device)
     client = (ControlClient(control_address(run_id), rank) if on_home
@@ -287,9 +287,7 @@ def _finish_controller(controller, run_id: str, code: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from staleflow.cli import parse
-
-    from staleflow.cli import given_flags, split_preset
+    from staleflow.config.parse import given_flags, parse, split_preset
 
     rank_env = os.environ.get("RANK", "0")
     install_signal_handlers()

@@ -68,7 +68,7 @@ def no_restart_helps(e: BaseException) -> bool:
     from staleflow.controller import RewardsFailing
     from staleflow.data import DataError
     from staleflow.durable import disk_problem
-    from staleflow.launch.hub import FatalFailure
+    from staleflow.control.hub import FatalFailure
     from staleflow.model.aliases import AliasError
     from staleflow.model.hf import ModelLoadError
     from staleflow.reward.functions import RewardError

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from staleflow.plan.estimate import (PEER_CONTEXT_BYTES, PRIMARY_CONTEXT_BYTES, RankPlan, builtin_rollout_rank,
                                      trainer_rank, vllm_rollout_rank)
-from staleflow.plan.placement import gpu_of, slot_dtype, slot_placement
+from staleflow.cluster.placement import gpu_of, slot_dtype, slot_placement
 
 __all__ = ["RankPlan", "RunPlan", "at_start", "build_plan"]
 
@@ -52,7 +52,7 @@ def build_plan(cfg, nproc: int, gpu_bytes: int, device_type: str = "cuda", num_g
                flash: bool | None = None) -> RunPlan:
     """The plan of ``cfg`` run by ``nproc`` processes on ``num_gpus`` GPUs of ``gpu_bytes`` each
     (one per process by default; ranks share GPUs round-robin as launch/dist.py assigns them)."""
-    from staleflow.launch.roles import Roles
+    from staleflow.cluster.roles import Roles
     from staleflow.model.attention import _flash_available
     from staleflow.plan.architecture import meta_model, model_args
     from staleflow.servers.layout import ParamLayout

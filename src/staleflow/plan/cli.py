@@ -60,7 +60,7 @@ def _default_gpu_bytes() -> int:
 
 
 def main(argv: list[str]) -> int:
-    from staleflow.cli import parse
+    from staleflow.config.parse import parse
     from staleflow.config import RunConfig, resolve
     from staleflow.plan import build_plan
     from staleflow.plan.report import json_line, notes, table

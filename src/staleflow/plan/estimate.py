@@ -208,7 +208,7 @@ def engine_workspace(args, rollout_cfg, itemsize: int) -> int:
 
 def builtin_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
     """A rollout rank running the built-in engine, built on the meta device as from_config builds it."""
-    from staleflow.plan.placement import slot_dtype
+    from staleflow.cluster.placement import slot_dtype
     from staleflow.rollout.builtin_engine import BuiltinEngine
 
     plan = RankPlan(rank, "rollout", None)
@@ -240,7 +240,7 @@ def builtin_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
 
 def vllm_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
     """A rollout rank whose vLLM engine (another process) holds weights, KV cache and graphs."""
-    from staleflow.plan.placement import slot_dtype
+    from staleflow.cluster.placement import slot_dtype
     from staleflow.rollout.vllm_support import vllm_kv_cache_bytes
 
     plan = RankPlan(rank, "rollout", None)

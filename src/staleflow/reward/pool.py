@@ -52,7 +52,7 @@ def _worker_main(conn: Connection, fn_spec: str, format_weight: float, index: in
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     try:
-        os.environ["SPT_NOENV"] = "1"  # keep /proc/<pid>/environ readable (see launch/rank.set_title)
+        os.environ["SPT_NOENV"] = "1"  # keep /proc/<pid>/environ readable (see workers/rank.set_title)
         import setproctitle
 
         setproctitle.setproctitle(f"staleflow[reward {index}]")

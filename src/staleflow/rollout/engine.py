@@ -131,7 +131,7 @@ class EngineStats:
 
 
 class RolloutEngine(Protocol):
-    """Everything a rollout rank (launch/rollout_worker.py) and its weight source
+    """Everything a rollout rank (workers/rollout.py) and its weight source
     (servers/weights.py) use of an engine, built-in or vLLM."""
 
     version: int

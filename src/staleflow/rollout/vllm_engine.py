@@ -78,7 +78,7 @@ class VllmEngine:
                  gpu_memory_utilization: float | None = None, visible_devices: str | None = None):
         """enforce_eager: None = eager on CPU, CUDA graphs on CUDA. gpu_memory_utilization (CUDA):
         the memory plan's share of the GPU for this engine. visible_devices: CUDA_VISIBLE_DEVICES
-        while the engine starts (its own GPU first: plan.placement.engine_visible_devices)."""
+        while the engine starts (its own GPU first: cluster.placement.engine_visible_devices)."""
         from staleflow.model import ModelArgs, resolve_model_path
         from staleflow.model.hf import read_config
 
@@ -331,7 +331,7 @@ class VllmEngine:
         """Load the newest version of run ``run_id``'s Parameter Server; returns it.
 
         vLLM's worker attaches to the server as reader index ``reader`` (its own process needs
-        its own IPC handles: plan.placement.reader_index(..., engine_worker=True)) and reloads
+        its own IPC handles: cluster.placement.reader_index(..., engine_worker=True)) and reloads
         from the slot's views: device to device on CUDA (cast on the GPU), shared memory on CPU;
         nothing is written to a file and nothing crosses the process boundary but three numbers.
         Live requests are interrupted and re-added as in load_weights (keep_kv cannot be honoured).

@@ -104,7 +104,7 @@ def open_weight_source(run_id: str, engine_kind: str, reader: int, worker_reader
                        remote=None) -> WeightSource:
     """The one weight source of a rollout rank: remote when the Parameter Server is on another node
     (``remote``: its RemoteWeights), else the engine's own loader (vLLM, whose worker process reads
-    as ``worker_reader``) or a local reader (``reader``: plan.placement.reader_index)."""
+    as ``worker_reader``) or a local reader (``reader``: cluster.placement.reader_index)."""
     if remote is not None:
         return RemoteSource(remote)
     if engine_kind == "vllm":

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from staleflow.cli import parse
+from staleflow.config.parse import parse
 from staleflow.config import ConfigError
 from staleflow.coordinator.cost_model import CostModelError, load_cost_model
 from staleflow.sim.config import PRESETS, SimConfig

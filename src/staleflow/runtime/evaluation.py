@@ -1,36 +1,19 @@
 """Held-out evaluation on the rollout ranks: greedy answers decoded alongside the rollout.
 
-Controller side (``HeldOutEval``, used by launch/training.py): the held-out prompts are split
+Controller side (``HeldOutEval``, used by runtime/job.py): the held-out prompts are split
 across the instances (``Evaluate``); answers come back one by one (``Evaluated``), are decoded
 and scored with the run's reward function in the controller (correct = answer reward >= 1, as in
 ``staleflow eval``: eval/scoring.py), and an evaluation row goes to metrics.jsonl once all of them
-are in, with its 95% Wilson interval (``eval_ci95_low``, ``eval_ci95_high``). Rank side (``is_eval``,
-``eval_request_id``): evaluation requests live in the same engine under negative ids, so the
-coordinator never sees them (they are left out of snapshots and never interrupted by a pull).
+are in, with its 95% Wilson interval (``eval_ci95_low``, ``eval_ci95_high``). Rank side: evaluation requests live in the same engine under negative ids (``is_eval``,
+``eval_request_id`` in control/messages.py, beside the messages), so the coordinator never sees
+them (they are left out of snapshots and never interrupted by a pull).
 """
 
 from __future__ import annotations
 
 import time
 
-from staleflow.launch.messages import Evaluate, Evaluated
-
-_SPAN = 1 << 20
-
-
-def eval_request_id(eval_id: int, index: int) -> int:
-    """Engine request id of held-out prompt `index` of evaluation `eval_id` (negative: never a trajectory)."""
-    return -(eval_id * _SPAN + index + 1)
-
-
-def is_eval(request_id) -> bool:
-    return isinstance(request_id, int) and request_id < 0
-
-
-def split_eval_id(request_id: int) -> tuple[int, int]:
-    k = -request_id - 1
-    return k // _SPAN, k % _SPAN
-
+from staleflow.control.messages import Evaluate, Evaluated
 
 class HeldOutEval:
     """One held-out set; evaluations are started by step and finished when every answer is in."""

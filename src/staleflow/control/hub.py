@@ -1,6 +1,6 @@
 """The control-plane hub of the controller process: every rank's messages, with liveness checks.
 
-    ctl = Controller(run_id, roles, parent_pid)     # binds the ZeroMQ ROUTER
+    ctl = Hub(run_id, roles, parent_pid)     # binds the ZeroMQ ROUTER
     ctl.wait_ready(600)                             # every rank registered (pid) and Ready
     rank, msg = ctl.recv(timeout_s)                 # next message; raises RankDied naming a dead rank
     ctl.send(rank, msg); ctl.broadcast(msg, ranks)
@@ -19,10 +19,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from staleflow.launch.cleanup import pid_alive
-from staleflow.launch.control import ControlServer, control_address
-from staleflow.launch.messages import Failure, Goodbye, Heartbeat, Ready, Register, Shutdown, Welcome
-from staleflow.launch.roles import Roles
-from staleflow.launch.topology import Topology
+from staleflow.control.sockets import ControlServer, control_address
+from staleflow.control.messages import Failure, Goodbye, Heartbeat, Ready, Register, Shutdown, Welcome
+from staleflow.cluster.roles import Roles
+from staleflow.cluster.topology import Topology
 
 REMOTE_LOST_S = 3.0
 
@@ -40,7 +40,7 @@ class FatalFailure(RuntimeError):
 
 
 @dataclass
-class Controller:
+class Hub:
     """Control-plane hub with liveness checks; jobs talk to ranks through it."""
 
     run_id: str

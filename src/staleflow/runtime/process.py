@@ -1,7 +1,7 @@
 """The controller process: started by global rank 0 before CUDA is touched; one per run.
 
-It binds the control plane (launch/hub.py), waits for every rank to Register (pid) and become
-Ready, runs the job (the smoke check, or the training loop of launch/training.py), then
+It binds the control plane (control/hub.py), waits for every rank to Register (pid) and become
+Ready, runs the job (the smoke check, or the training loop of runtime/job.py), then
 broadcasts Shutdown.
 
     rank 0 ──spawn──> controller  <──ZeroMQ──>  every rank (trainer and rollout)
@@ -18,12 +18,12 @@ import sys
 import time
 from typing import Callable
 
-from staleflow.launch.hub import Controller, RankDied
-from staleflow.launch.messages import Ping, Pong
-from staleflow.launch.roles import Roles
+from staleflow.control.hub import Hub, RankDied
+from staleflow.control.messages import Ping, Pong
+from staleflow.cluster.roles import Roles
 
 
-def smoke_job(ctl: Controller, cfg) -> None:
+def smoke_job(ctl: Hub, cfg) -> None:
     """Launcher smoke run: round-trip a message with every rank and print what each loaded."""
     for rank in ctl.all_ranks:
         ctl.send(rank, Ping(rank=-1, seq=rank, payload=f"hello rank {rank}"))
@@ -53,7 +53,7 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
                     job: Callable | None = None, topology=None, secret: bytes = b"", endpoint_pipe=None) -> None:
     """Entry point of the controller process (multiprocessing spawn target). Exits 0 on success.
 
-    ``topology`` (launch/topology.py) with ranks on other nodes: ``secret`` keys the TCP socket and
+    ``topology`` (cluster/topology.py) with ranks on other nodes: ``secret`` keys the TCP socket and
     its endpoint goes back to rank 0 through ``endpoint_pipe``."""
     roles = Roles(world_size, cfg.rollout.ranks)
     secure = None
@@ -63,14 +63,14 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
         secure = SecureContext(RunKeys(secret, world_size), "controller")
     ctl = None
     try:
-        ctl = Controller(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir, topology=topology,
+        ctl = Hub(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir, topology=topology,
                          secure=secure)
     finally:
         if endpoint_pipe is not None:  # an empty endpoint tells rank 0 that binding failed
             endpoint_pipe.send_bytes((ctl.server.tcp_endpoint if ctl is not None else "").encode())
             endpoint_pipe.close()
 
-    from staleflow.launch.rank import set_title
+    from staleflow.workers.rank import set_title
 
     set_title("staleflow[controller]")
     stop_signal = {"num": signal.SIGINT}
@@ -118,6 +118,6 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
 
 
 def _training_job():
-    from staleflow.launch.training import training_job
+    from staleflow.runtime.job import training_job
 
     return training_job

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from staleflow.config import RunConfig
 from staleflow.launch.cleanup import pid_alive
-from staleflow.launch.control import ControlClient
-from staleflow.launch.messages import Heartbeat, Shutdown
-from staleflow.launch.roles import Roles
+from staleflow.control.sockets import ControlClient
+from staleflow.control.messages import Heartbeat, Shutdown
+from staleflow.cluster.roles import Roles
 
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("STALEFLOW_HEARTBEAT_TIMEOUT_S", "60"))
 TERM_GRACE_S = 20.0  # torchrun SIGKILLs 30 s after its SIGTERM
@@ -54,7 +54,7 @@ class RankContext:
     controller_pid: int = 0
     """The controller's pid when it runs on this node (0: another node, heartbeats only)."""
     net: object = None
-    """This rank's cross-node plane (launch/netplane.py) in a multi-node run, else None."""
+    """This rank's cross-node plane (cluster/netplane.py) in a multi-node run, else None."""
     resume_from: str = ""
     """The checkpoint folder to load (trainer ranks), chosen by rank 0."""
     _last_heard: float = field(default_factory=time.monotonic)

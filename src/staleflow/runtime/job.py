@@ -3,7 +3,7 @@
     TrainingJob(ctl, cfg).run()
 
 Builds the prompt source, reward pool, staleness manager, coordinator and ledger, wires them to
-the runtime backend (launch/backend.py) and turns the loop (controller/loop.py) until --steps
+the runtime backend (runtime/backend.py) and turns the loop (controller/loop.py) until --steps
 versions exist, saving checkpoints between turns. The job adds what only a real run has: the
 run folder (metrics.jsonl, trained.jsonl, TensorBoard, report.png), the progress line,
 checkpoints with the controller's resume state, and the emergency checkpoint when a rollout
@@ -24,10 +24,10 @@ from staleflow.controller import Ledger, LoopTimeout, StepRecord
 from staleflow.controller.build import build_loop
 from staleflow.durable import DiskError
 from staleflow.coordinator import load_cost_model
-from staleflow.launch.backend import RuntimeBackend
-from staleflow.launch.evaluation import eval_line, gain_line
-from staleflow.launch.hub import RankDied
-from staleflow.launch.messages import Evaluated, Saved, SaveState, StepDone
+from staleflow.runtime.backend import RuntimeBackend
+from staleflow.runtime.evaluation import eval_line, gain_line
+from staleflow.control.hub import RankDied
+from staleflow.control.messages import Evaluated, Saved, SaveState, StepDone
 from staleflow.launch.resume import read_ids, write_ids
 from staleflow.metrics.progress import ProgressDisplay
 from staleflow.metrics.writer import MetricsWriter, save_config
@@ -68,7 +68,7 @@ class TrainingJob:
         self.source = PromptSource(cfg.data, tokenizer, answer_check=lambda a: answer_problem(cfg.reward.fn, a))
         self.held_out = None
         if cfg.eval.n:  # set aside before any training prompt is drawn
-            from staleflow.launch.evaluation import HeldOutEval
+            from staleflow.runtime.evaluation import HeldOutEval
 
             self.held_out = HeldOutEval(self.source.hold_out(cfg.eval.n), cfg.reward.fn, tokenizer,
                                         cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)

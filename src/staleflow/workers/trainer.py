@@ -5,7 +5,7 @@
                          Parameter Server slot of version v+1; the leader publishes it and reports
     SaveState            save the full training state (and export the HF policy) collectively
 The leader (trainer rank 0) creates the Parameter Server and publishes the starting weights. The
-slots hold the rollout engines' dtype (bf16 on CUDA) and live where plan/placement.py says: on
+slots hold the rollout engines' dtype (bf16 on CUDA) and live where cluster/placement.py says: on
 CUDA one piece per trainer rank on its own GPU, created by that rank; on CPU in shared memory.
 
 In a multi-node run (ctx.net) the node's first trainer rank also receives the records that rollout
@@ -22,8 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from staleflow.launch.messages import SaveState, Saved, Shutdown, StepDone, TrainStep
-from staleflow.plan.placement import slot_dtype, slot_placement
+from staleflow.control.messages import SaveState, Saved, Shutdown, StepDone, TrainStep
+from staleflow.cluster.placement import slot_dtype, slot_placement
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
 from staleflow.train.batch import TrajectorySample

@@ -9,7 +9,7 @@
 
 ``open`` binds the servers this rank hosts (on its node's address, behind the CURVE gatekeeper)
 and gathers every rank's endpoints over the world group, so each client knows where to connect
-before any worker starts. What a rank hosts follows from the topology (launch/topology.py):
+before any worker starts. What a rank hosts follows from the topology (cluster/topology.py):
   record receiver  the first trainer rank of a trainer node that rollout ranks ship to;
   weight server    each Parameter Server piece owner, when some rollout rank is off its node;
   record server    every rollout rank, when rollout ranks span nodes (partial records on request).
@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 import zmq
 
-from staleflow.launch.control import ControlClient
+from staleflow.control.sockets import ControlClient
 from staleflow.launch.dist import all_gather_json
-from staleflow.launch.topology import Topology
+from staleflow.cluster.topology import Topology
 from staleflow.net.curve import RunKeys, SecureContext
-from staleflow.plan.placement import slot_placement
+from staleflow.cluster.placement import slot_placement
 from staleflow.servers.mirror import attach_mirror
 from staleflow.servers.remote_weights import RemoteWeights, WeightServer
 from staleflow.servers.shipping import RecordFetcher, RecordReceiver, RecordServer, RecordShipper, ZeroCopySends

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from staleflow.controller.backend import Finished, PullDone, Published, Rewarded, TrainDone, TrainGroup
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
-from staleflow.launch.messages import (Evaluated, FreeRecords, Pulled, RouteTraj, Saved, StepDone, TrainItem,
+from staleflow.control.messages import (Evaluated, FreeRecords, Pulled, RouteTraj, Saved, StepDone, TrainItem,
                                        TrainStep, TrajDone)
 from staleflow.servers import RecordHandle, StaleHandle, TrajectoryRing
 from staleflow.servers.mirror import RecordLate, arrived, attach_mirror

@@ -12,7 +12,7 @@
 Between commands the engine steps; finished trajectories are written to this rank's ring and
 announced with TrajDone; an InstanceSnapshot goes out every --rollout.stats-interval-ms.
 
-In a multi-node run (ctx.net, launch/netplane.py) a rank on a node without trainer ranks also
+In a multi-node run (ctx.net, cluster/netplane.py) a rank on a node without trainer ranks also
 ships each finished record to the trainer nodes before its TrajDone; a partial record produced on
 another node is fetched from its producer before the trajectory resumes (consecutive RouteTrajs
 are fetched together); a rank off the Parameter Server's node pulls weights over the network.
@@ -25,9 +25,9 @@ import time
 import torch
 
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
-from staleflow.launch.evaluation import eval_request_id, is_eval, split_eval_id
-from staleflow.launch.messages import Evaluate, Evaluated, FreeRecords, Pulled, RouteTraj, Shutdown, TrajDone
-from staleflow.plan.placement import reader_index
+from staleflow.control.messages import (Evaluate, Evaluated, FreeRecords, Pulled, RouteTraj, Shutdown, TrajDone,
+                                        eval_request_id, is_eval, split_eval_id)
+from staleflow.cluster.placement import reader_index
 from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.servers import RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES
@@ -55,7 +55,7 @@ def vllm_cuda_settings(ctx) -> dict:
     import os
 
     from staleflow.plan import build_plan
-    from staleflow.plan.placement import engine_visible_devices, gpu_of
+    from staleflow.cluster.placement import engine_visible_devices, gpu_of
 
     gpus = torch.cuda.device_count()
     plan = build_plan(ctx.cfg, ctx.roles.world_size, torch.cuda.get_device_properties(ctx.device).total_memory,

@@ -3,7 +3,7 @@
 Ranks on the controller's node connect over ipc:// (a file in the run's folder, as on a single
 node); ranks on other nodes over tcp:// with CURVE (net/curve.py): the controller's TCP socket is
 bound to the interface that reaches the rendezvous host and admits only this run's rank keys.
-Messages are typed msgspec Structs (staleflow.launch.messages); the socket identity of a rank is
+Messages are typed msgspec Structs (staleflow.control.messages); the socket identity of a rank is
 ``r<global rank>``, so the controller addresses ranks by number. Whatever arrives is checked
 before it is used: a message that does not decode, a bad identity, or (over TCP) an identity other
 than the rank the connection authenticated as, is dropped with a log line; nothing a peer sends
@@ -20,7 +20,7 @@ import time
 import msgspec
 import zmq
 
-from staleflow.launch.messages import decode, encode
+from staleflow.control.messages import decode, encode
 from staleflow.net.curve import SecureContext, user_rank
 
 _IDENTITY = re.compile(rb"^r(\d{1,7})$")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from staleflow.config import ConfigError
-from staleflow.launch.roles import Roles
+from staleflow.cluster.roles import Roles
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def decode(data: bytes) -> msgspec.Struct:
     return _decoder.decode(data)
 
 
-# ---- training runtime (staleflow.launch.backend <-> rollout_worker / trainer_worker) -----------------
+# ---- training runtime (staleflow.runtime.backend <-> rollout_worker / trainer_worker) -----------------
 # The coordinator's commands (Route inside RouteTraj, Interrupt, Abort, Pull), its InstanceSnapshot
 # and the servers' RecordHandle travel as they are.
 
@@ -198,6 +198,23 @@ class Saved(msgspec.Struct, tag=True):
     error: str = ""
     disk: bool = False
     """The save failed on a full, read-only or forbidden disk: the run stops (no retry fixes it)."""
+
+
+_SPAN = 1 << 20
+
+
+def eval_request_id(eval_id: int, index: int) -> int:
+    """Engine request id of held-out prompt `index` of evaluation `eval_id` (negative: never a trajectory)."""
+    return -(eval_id * _SPAN + index + 1)
+
+
+def is_eval(request_id) -> bool:
+    return isinstance(request_id, int) and request_id < 0
+
+
+def split_eval_id(request_id: int) -> tuple[int, int]:
+    k = -request_id - 1
+    return k // _SPAN, k % _SPAN
 
 
 class Evaluate(msgspec.Struct, tag=True):
