@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from examples.calls import record
 from staleflow.coordinator.instance import InstanceState
-from staleflow.coordinator.types import TrajectoryItem
+from staleflow.trajectory import TrajectoryItem
 
 
 class MostFreeKV:

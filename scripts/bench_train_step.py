@@ -23,7 +23,7 @@ from staleflow.metrics.hardware import cpu_flags, cpu_name
 
 
 def samples(n_groups: int, group_size: int, resp_len: int, vocab: int, seed: int):
-    from staleflow.train.batch import TrajectorySample
+    from staleflow.trajectory import TrajectorySample
 
     rng = random.Random(seed)
     out = []

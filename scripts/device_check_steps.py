@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def _samples(vocab: int, groups: int, group_size: int, prompt: int, response: int, seed: int = 0):
-    from staleflow.train.batch import TrajectorySample
+    from staleflow.trajectory import TrajectorySample
 
     rng = random.Random(seed)
     out = []

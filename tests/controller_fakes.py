@@ -31,7 +31,7 @@ class ScriptedBackend:
         while self.events:
             yield self.events.popleft()
 
-    def route(self, cmd, prompt, seed, partial, target_len):
+    def route(self, cmd):
         self.sent.append(cmd)
 
     def interrupt(self, cmd):
@@ -61,6 +61,9 @@ class Prompts:
 
     def prompt_len(self, prompt):
         return 10
+
+    def prompt_ids(self, prompt):
+        return list(range(10))
 
     def new_member(self):
         return 0, 0

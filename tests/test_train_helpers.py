@@ -10,7 +10,7 @@ import random
 import torch
 
 from staleflow.model import CausalLM, ModelArgs, PackedAttention, cu_seqlens_from_lengths, packed_positions
-from staleflow.train.batch import TrajectorySample
+from staleflow.trajectory import TrajectorySample
 
 VOCAB = 32
 

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_train_helpers import random_samples, sample_responses, tiny_model  # noqa: E402
 
 from staleflow.config import TrainConfig  # noqa: E402
-from staleflow.train.batch import TrajectorySample, build_micro_batch  # noqa: E402
+from staleflow.train.batch import build_micro_batch  # noqa: E402
+from staleflow.trajectory import TrajectorySample
 from staleflow.train.trainer import PolicyHead, Trainer, lr_factor  # noqa: E402
 
 

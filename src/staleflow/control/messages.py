@@ -10,8 +10,8 @@ from typing import Any, Union
 
 import msgspec
 
-from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
-from staleflow.servers.trajectory import RecordHandle
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
+from staleflow.trajectory import Finished, RecordHandle, Route, TrainGroup
 
 
 class Register(msgspec.Struct, tag=True):
@@ -107,44 +107,15 @@ def decode(data: bytes) -> msgspec.Struct:
     return _decoder.decode(data)
 
 
-# ---- training runtime (staleflow.runtime.backend <-> rollout_worker / trainer_worker) -----------------
-# The coordinator's commands (Route inside RouteTraj, Interrupt, Abort, Pull), its InstanceSnapshot
-# and the servers' RecordHandle travel as they are.
-
-
-class RouteTraj(msgspec.Struct, tag=True):
-    """Controller -> rollout rank: the coordinator's Route plus what the engine needs to run it."""
-
-    route: Route
-    prompt_ids: list[int]
-    seed: int
-    partial: RecordHandle | None = None
-    """The trajectory's partial record (an interrupted loop-back), resumed from its tokens."""
-    max_new_tokens: int = 0
-    """0: --rollout.max-new-tokens; > 0: this trajectory's own length target (benchmark workloads, eos ignored)."""
+# ---- training runtime (staleflow.runtime.backend <-> workers/rollout.py, workers/trainer.py) -----------
+# The trajectory's forms travel as they are (staleflow/trajectory.py: Route, Finished, TrainGroup inside
+# TrainStep, RecordHandle), and so do the coordinator's commands and its InstanceSnapshot.
 
 
 class FreeRecords(msgspec.Struct, tag=True):
     """Controller -> the producing rollout rank: these ring records are consumed or aborted."""
 
     handles: list[RecordHandle]
-
-
-class TrajDone(msgspec.Struct, tag=True):
-    """Rollout rank -> controller: a trajectory finished (or was interrupted: partial=True)."""
-
-    traj_id: int
-    instance: int
-    handle: RecordHandle
-    n_tokens: int
-    finish_reason: str
-    partial: bool = False
-    cross_node_copies: int = 0
-    """Copies of this trajectory's records that crossed nodes since its last TrajDone (shipped to
-    trainer nodes, or a partial record fetched from another node to resume it)."""
-    cross_node_bytes: int = 0
-    fetched: int = 0
-    """Of those copies, partial records fetched from another node to resume the trajectory."""
 
 
 class Pulled(msgspec.Struct, tag=True):
@@ -158,18 +129,11 @@ class Pulled(msgspec.Struct, tag=True):
     cross_node: bool = False
 
 
-class TrainItem(msgspec.Struct, array_like=True):
-    handle: RecordHandle
-    reward: float
-    group_id: int
-    traj_version: int
-
-
 class TrainStep(msgspec.Struct, tag=True):
-    """Controller -> every trainer rank: train buffer `version` on these records (same list for all)."""
+    """Controller -> every trainer rank: train buffer `version` on these groups (the same for all)."""
 
     version: int
-    items: list[TrainItem]
+    groups: list[TrainGroup]
 
 
 class StepDone(msgspec.Struct, tag=True):
@@ -236,6 +200,6 @@ class Evaluated(msgspec.Struct, tag=True):
     max_version: int
 
 
-for _cls in (RouteTraj, Interrupt, Abort, Pull, InstanceSnapshot, FreeRecords, TrajDone, Pulled, TrainStep,
+for _cls in (Route, Finished, Interrupt, Abort, Pull, InstanceSnapshot, FreeRecords, Pulled, TrainStep,
              StepDone, SaveState, Saved, Evaluate, Evaluated):
     register_message(_cls)

@@ -7,8 +7,8 @@
 See controller/loop.py for the steps and docs/architecture.md for the path of one trajectory.
 """
 
-from staleflow.controller.backend import (Backend, Finished, PullDone, Published, Rewarded, TrainDone,
-                                          TrainGroup)
+from staleflow.controller.backend import Backend, PullDone, Published, Rewarded, TrainDone
+from staleflow.trajectory import Finished, TrainGroup
 from staleflow.controller.ledger import Group, Ledger, LedgerError, Traj
 from staleflow.controller.loop import ControllerLoop
 from staleflow.controller.types import LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload

@@ -6,7 +6,8 @@ simulator implements it as its discrete-event model (sim/backend.py). Because bo
 loop, every mode, strategy and piece of bookkeeping behaves the same in both by construction.
 
 Commands go out as the coordinator's own structs (Route, Interrupt, Pull, Abort); events come
-back as the small structs below plus the coordinator's InstanceSnapshot.
+back as Finished (staleflow/trajectory.py), the small structs below and the coordinator's
+InstanceSnapshot.
 """
 
 from __future__ import annotations
@@ -15,18 +16,9 @@ from typing import Any, Iterable, Protocol
 
 import msgspec
 
-from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
-
-
-class Finished(msgspec.Struct, frozen=True):
-    """An instance stopped generating a trajectory: done (partial=False), or interrupted with its
-    partial output written back (partial=True: it loops back to the Trajectory Server queue)."""
-
-    traj_id: int
-    instance: int
-    handle: Any
-    n_tokens: int
-    partial: bool = False
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
+from staleflow.trajectory import Route
+from staleflow.trajectory import Finished, TrainGroup
 
 
 class Rewarded(msgspec.Struct, frozen=True):
@@ -64,19 +56,6 @@ Event = Finished | Rewarded | PullDone | TrainDone | Published | InstanceSnapsho
 held-out answers) by giving the loop a listener for their type (ControllerLoop(listeners=...))."""
 
 
-class TrainGroup(msgspec.Struct, frozen=True):
-    """One group of a training batch: its members' record handles and rewards."""
-
-    group_id: int
-    traj_version: int
-    traj_ids: list[int]
-    handles: list
-    rewards: list[float]
-    n_tokens: list[int]
-    prompt_len: int
-    prompt: Any = None
-
-
 class Backend(Protocol):
     def now(self) -> float:
         """The loop's clock (seconds; monotonic in the runtime, simulated time in the simulator)."""
@@ -86,8 +65,9 @@ class Backend(Protocol):
         returns what is already there. Events produced while the caller handles earlier ones
         (a reward of a finish just handled) may be yielded by the same iteration."""
 
-    def route(self, cmd: Route, prompt: Any, seed: int, partial: Any, target_len: int) -> None:
-        """Start (or resume, from the partial record) a trajectory on cmd.instance."""
+    def route(self, cmd: Route) -> None:
+        """Start (or resume, from cmd.partial) a trajectory on cmd.instance: the Route is complete
+        (prompt tokens, seed, length target), and the runtime sends it to the rank as is."""
 
     def interrupt(self, cmd: Interrupt) -> None:
         """Stop trajectories; each comes back as Finished(partial=True) with its record."""

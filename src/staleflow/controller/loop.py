@@ -22,13 +22,16 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable, Mapping
 
-from staleflow.controller.backend import (Backend, Finished, PullDone, Published, Rewarded, TrainDone,
-                                          TrainGroup)
+import msgspec
+
+from staleflow.controller.backend import Backend, PullDone, Published, Rewarded, TrainDone
+from staleflow.trajectory import Finished, TrainGroup
 from staleflow.controller.ledger import Ledger, Traj
 from staleflow.controller.types import (Audit, LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord,
                                         Workload)
 from staleflow.coordinator.coordinator import Coordinator
-from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route, TrajectoryItem
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
+from staleflow.trajectory import Route, TrajectoryItem
 
 
 class ControllerLoop:
@@ -210,7 +213,9 @@ class ControllerLoop:
                                          f"(was {t.traj_version})")
         t.instance, t.traj_version = cmd.instance, cmd.traj_version
         self.unrouted.discard(g.group_id)
-        self.backend.route(cmd, g.prompt, t.seed, t.handle, t.target_len)
+        self.backend.route(msgspec.structs.replace(
+            cmd, prompt_ids=self.workload.prompt_ids(g.prompt), prompt_len=self.workload.prompt_len(g.prompt),
+            seed=t.seed, partial=t.handle, max_new_tokens=t.target_len))
         self.counts["routes"] += 1
 
     def _free(self, handles) -> None:
@@ -241,7 +246,7 @@ class ControllerLoop:
         if self.manager.ready_version() != self.version or self.coord.trainer_blocked():
             return
         v = self.version
-        batch, stale, samples = [], [], {}
+        batch, stale, samples, prompts = [], [], {}, {}
         # Group-id order, members by id: the batch does not depend on finishing order (which the
         # OS scheduler decides), so a synchronous run is reproducible.
         for gid in sorted(self.manager.consume(v)):
@@ -258,11 +263,11 @@ class ControllerLoop:
                 self.audit.bound_violations += 1
                 self.audit.violations.append(f"group {gid} V_traj {V} consumed in buffer {v} (eta {self.s.eta})")
             stale.append(v - V)
-            samples[gid] = trained[0].text
+            samples[gid], prompts[gid] = trained[0].text, g.prompt
             batch.append(TrainGroup(gid, V, [t.traj_id for t in trained], [t.handle for t in trained],
                                     [float(t.reward) for t in trained], [t.n_tokens for t in trained],
-                                    self.workload.prompt_len(g.prompt), g.prompt))
-        self.training = StepRecord(v, self.backend.now(), batch, stale, samples=samples)
+                                    self.workload.prompt_len(g.prompt)))
+        self.training = StepRecord(v, self.backend.now(), batch, stale, samples=samples, prompts=prompts)
         self.backend.train(v, batch)
 
     def on_train_done(self, ev: TrainDone) -> None:

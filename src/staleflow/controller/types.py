@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from staleflow.controller.backend import TrainDone, TrainGroup
+from staleflow.controller.backend import TrainDone
+from staleflow.trajectory import TrainGroup
 
 
 class Workload(Protocol):
@@ -16,6 +17,9 @@ class Workload(Protocol):
     def next_prompt(self) -> Any: ...
 
     def prompt_len(self, prompt: Any) -> int: ...
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """The prompt's tokens, as a Route carries them to an instance ([] in the simulator)."""
 
     def new_member(self) -> tuple[int, int]:
         """(sampling seed, target length; 0 = the model decides)."""
@@ -58,6 +62,8 @@ class StepRecord:
     train: TrainDone | None = None
     samples: dict[int, str] = field(default_factory=dict)
     """group id -> one member's decoded response (runtime only: what trained.jsonl shows)."""
+    prompts: dict[int, Any] = field(default_factory=dict)
+    """group id -> its prompt (the workload's object: a data Prompt in the runtime)."""
 
     @property
     def rewards(self) -> list[float]:

@@ -42,7 +42,8 @@ from staleflow.coordinator.modes import check_protocol
 from staleflow.coordinator.pull import plan_pulls, updating
 from staleflow.coordinator.stragglers import handle_stragglers
 from staleflow.coordinator.strategies import make_pull, make_routing, migrate
-from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Route, TrajectoryItem
+from staleflow.coordinator.types import Abort, Command, InstanceSnapshot
+from staleflow.trajectory import Route, TrajectoryItem
 
 
 class Coordinator:

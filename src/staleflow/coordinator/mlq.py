@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from typing import Iterator
 
-from staleflow.coordinator.types import TrajectoryItem
+from staleflow.trajectory import TrajectoryItem
 
 NEW = None
 """Level key of trajectories without a version tag."""

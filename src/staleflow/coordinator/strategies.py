@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from staleflow.coordinator.instance import InstanceState
-from staleflow.coordinator.types import Interrupt, TrajectoryItem
+from staleflow.coordinator.types import Interrupt
+from staleflow.trajectory import TrajectoryItem
 from staleflow.extensions import Registry, Shape
 
 

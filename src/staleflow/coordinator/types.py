@@ -11,6 +11,8 @@ from typing import Union
 
 import msgspec
 
+from staleflow.trajectory import Route  # (the routed form of a trajectory: staleflow/trajectory.py)
+
 
 class InstanceSnapshot(msgspec.Struct, frozen=True, tag=True):
     """What one rollout instance reports about itself (every ~10 ms in the real system; sent as is)."""
@@ -33,32 +35,6 @@ class InstanceSnapshot(msgspec.Struct, frozen=True, tag=True):
     """Ids of every trajectory the instance holds (running + waiting)."""
     tokens_generated: int = 0
     """Tokens generated since the instance started (throughput metrics)."""
-
-
-class TrajectoryItem(msgspec.Struct, frozen=True):
-    """A trajectory waiting in the Trajectory Server: a new prompt or an interrupted partial one."""
-
-    traj_id: int
-    group_id: int
-    traj_version: int | None
-    """V_traj; None for a new trajectory whose tag is set when it is first routed (dynamic tag)."""
-    prompt_len: int
-    generated_len: int = 0
-    origin: int = -1
-    """Instance it was interrupted on (-1: never ran)."""
-
-    @property
-    def tokens(self) -> int:
-        """KV tokens it brings to an instance (prompt + already generated)."""
-        return self.prompt_len + self.generated_len
-
-
-class Route(msgspec.Struct, frozen=True, tag=True):
-    """Send a trajectory from the TS to an instance; traj_version is its (possibly just fixed) V_traj."""
-
-    traj_id: int
-    instance: int
-    traj_version: int
 
 
 class Pull(msgspec.Struct, frozen=True, tag=True):

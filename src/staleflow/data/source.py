@@ -21,27 +21,18 @@ from __future__ import annotations
 import collections
 import logging
 import random
-from dataclasses import dataclass, field
 
 from staleflow.config import DataConfig
 from staleflow.extensions import one_line
 from staleflow.data.files import BadRow, DataError, FileRow, read_rows, resolve_file
 from staleflow.data.tasks import task_for
+from staleflow.trajectory import Prompt
 
 log = logging.getLogger("staleflow.data")
 MAX_LOGGED_BAD_ROWS = 20
 MAX_HELD_OUT_SKIPS = 10000
 """A task whose next this-many rows all repeat held-out (or already drawn held-out) texts has run dry."""
 _ENCODE_BATCH = 1024
-
-
-@dataclass(frozen=True)
-class Prompt:
-    prompt_id: int
-    text: str
-    answer: str
-    prompt_ids: list[int]
-    meta: dict = field(default_factory=dict)
 
 
 class PromptSource:

@@ -1,9 +1,9 @@
 """The controller loop's Backend for the real system: ranks over ZeroMQ, rings, the reward pool.
 
-Commands leave as messages to the rank that runs the instance (the coordinator's Route inside a
-RouteTraj with the prompt; Interrupt, Abort and Pull as they are); ranks answer with TrajDone,
-InstanceSnapshot, Pulled and StepDone, which become the loop's events. Finished responses are
-read from the rollout rank's ring, decoded and scored in the reward pool. The timeline
+Commands leave as messages to the rank that runs the instance (the Route, completed by the loop
+with the prompt, Interrupt, Abort and Pull, all as they are); ranks answer with Finished,
+InstanceSnapshot, Pulled and StepDone, which are (or become) the loop's events. Finished responses
+are read from the rollout rank's ring, decoded and scored in the reward pool. The timeline
 (generate / pull / train spans per rank) is written here, where the times are known.
 
 In a multi-node run a rollout rank on another node ships its finished records to this node's
@@ -17,12 +17,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from staleflow.controller.backend import Finished, PullDone, Published, Rewarded, TrainDone, TrainGroup
-from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
-from staleflow.control.messages import (Evaluated, FreeRecords, Pulled, RouteTraj, Saved, StepDone, TrainItem,
-                                       TrainStep, TrajDone)
-from staleflow.servers import RecordHandle, StaleHandle, TrajectoryRing
+from staleflow.control.messages import Evaluated, FreeRecords, Pulled, Saved, StepDone, TrainStep
+from staleflow.controller.backend import PullDone, Published, Rewarded, TrainDone
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
+from staleflow.servers import StaleHandle, TrajectoryRing
 from staleflow.servers.mirror import RecordLate, arrived, attach_mirror
+from staleflow.trajectory import Finished, RecordHandle, Route, TrainGroup
 
 RECORD_WAIT_S = 120.0
 
@@ -49,10 +49,8 @@ class RuntimeBackend:
         return time.monotonic()
 
     # ---- commands ----------------------------------------------------------------------------
-    def route(self, cmd: Route, prompt, seed: int, partial, target_len: int) -> None:
-        self.ctl.send(self.rank_of[cmd.instance], RouteTraj(
-            route=cmd, prompt_ids=list(prompt.prompt_ids), seed=seed, partial=partial,
-            max_new_tokens=target_len))
+    def route(self, cmd: Route) -> None:
+        self.ctl.send(self.rank_of[cmd.instance], cmd)
 
     def interrupt(self, cmd: Interrupt) -> None:
         self.ctl.send(self.rank_of[cmd.instance], cmd)
@@ -98,10 +96,8 @@ class RuntimeBackend:
                 yield Rewarded(traj_id, 0.0, f"StaleHandle: {e}")
 
     def train(self, version: int, batch: list[TrainGroup]) -> None:
-        items = [TrainItem(handle=h, reward=r, group_id=g.group_id, traj_version=g.traj_version)
-                 for g in batch for h, r in zip(g.handles, g.rewards)]
         self._train_sent = time.time()
-        self.ctl.broadcast(TrainStep(version=version, items=items), ranks=self.ctl.roles.trainer_ranks)
+        self.ctl.broadcast(TrainStep(version=version, groups=batch), ranks=self.ctl.roles.trainer_ranks)
 
     # ---- events ------------------------------------------------------------------------------
     def poll(self, until: float):
@@ -121,11 +117,11 @@ class RuntimeBackend:
         if isinstance(msg, InstanceSnapshot):
             self._on_snapshot(rank, msg)
             yield msg
-        elif isinstance(msg, TrajDone):
+        elif isinstance(msg, Finished):
             self.traffic["cross_node_records"] += msg.cross_node_copies
             self.traffic["cross_node_record_bytes"] += msg.cross_node_bytes
             self.traffic["cross_node_partial_fetches"] += msg.fetched
-            yield Finished(msg.traj_id, msg.instance, msg.handle, msg.n_tokens, msg.partial)
+            yield msg
         elif isinstance(msg, Pulled):
             t0 = self._pull_since.pop(msg.instance, time.time() - msg.seconds)
             self.writer.log_span(rank, "pull", t0, time.time(), version=msg.version, nbytes=msg.nbytes,

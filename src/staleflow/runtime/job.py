@@ -47,6 +47,9 @@ class RuntimeWorkload:
     def prompt_len(self, prompt) -> int:
         return len(prompt.prompt_ids)
 
+    def prompt_ids(self, prompt) -> list[int]:
+        return list(prompt.prompt_ids)
+
     def new_member(self) -> tuple[int, int]:
         seed = self.rng.getrandbits(62)
         if not self.length_dist:
@@ -104,7 +107,8 @@ class TrainingJob:
         """The loop finished a step: audit trail, metrics row, progress line; maybe a checkpoint."""
         for g in rec.groups:
             self.writer.log_trained(rec.version, g.group_id, g.traj_version, g.traj_ids, g.rewards,
-                                    prompt=g.prompt.text, answer=g.prompt.answer, sample=rec.samples.get(g.group_id, ""))
+                                    prompt=rec.prompts[g.group_id].text, answer=rec.prompts[g.group_id].answer,
+                                    sample=rec.samples.get(g.group_id, ""))
         now = time.monotonic()
         tokens = sum(self.loop.tokens_generated.values())
         t_prev, tok_prev, n_prev = self._last_log

@@ -16,7 +16,8 @@ from staleflow.servers.errors import (
 from staleflow.servers.layout import ParamEntry, ParamLayout
 from staleflow.servers.parameter import ParameterServer
 from staleflow.servers.segment import cleanup_stale_segments, list_segments
-from staleflow.servers.trajectory import RecordHandle, TrajectoryRecord, TrajectoryRing, record_nbytes
+from staleflow.servers.trajectory import TrajectoryRecord, TrajectoryRing, record_nbytes
+from staleflow.trajectory import RecordHandle
 from staleflow.servers.transport import broadcast_pull
 
 __all__ = [

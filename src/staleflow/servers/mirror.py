@@ -28,9 +28,8 @@ import time
 from staleflow.servers.errors import ServerError, StaleHandle
 from staleflow.servers.ring import RECORD_ALIGN
 from staleflow.servers.segment import KIND_RING, Segment, check_run_id
-from staleflow.servers.trajectory import (FREED, GENERATIONS_AT, LIVE, REC_HEADER, REC_HEADER_BYTES, RING_HEADER,
-                                          RING_HEADER_BYTES, RING_MAGIC, RecordHandle, TrajectoryRecord,
-                                          TrajectoryRing)
+from staleflow.servers.trajectory import FREED, GENERATIONS_AT, LIVE, REC_HEADER, REC_HEADER_BYTES, RING_HEADER, RING_HEADER_BYTES, RING_MAGIC, TrajectoryRecord, TrajectoryRing
+from staleflow.trajectory import RecordHandle
 
 
 class RecordLate(ServerError, TimeoutError):

@@ -5,7 +5,7 @@ shared-memory ring (zero-copy: libzmq reads the ring; Python copies nothing):
 
 - **Shipping** (``RecordShipper`` -> ``RecordReceiver``): a rollout rank whose node has no trainer
   rank pushes every finished record to the receiver of each trainer node as soon as it is written,
-  before its TrajDone, overlapped with generation. The receiver (a thread of the node's first
+  before its Finished, overlapped with generation. The receiver (a thread of the node's first
   trainer rank) writes it into the node's mirror of that ring at the same offset (servers/mirror.py).
   Frees follow the same connection: after the controller's FreeRecords the producer frees its ring
   and ships the free, so the mirror marks it freed too. Exactly once: the controller frees each
@@ -31,7 +31,8 @@ import zmq
 from staleflow.net.curve import incoming, user_rank
 from staleflow.servers.errors import ServerError, StaleHandle
 from staleflow.servers.mirror import MirrorRing
-from staleflow.servers.trajectory import RecordHandle, TrajectoryRecord, TrajectoryRing
+from staleflow.servers.trajectory import TrajectoryRecord, TrajectoryRing
+from staleflow.trajectory import RecordHandle
 
 
 class Shipped(msgspec.Struct, tag=True, array_like=True):

@@ -17,7 +17,7 @@ A record at a 64-aligned offset of the data region:
     response_ids int32   [n_response]    so a write is one torch.cat into the ring and a
     logprobs     float32 [n_response]    read one clone out of it (behaviour log-probs)
     versions     int32   [n_response]    weight version that generated each token
-    meta         msgpack [n_meta]        traj_id, group_id, traj_version, finish_reason, ...
+    meta         msgpack [n_meta]        optional (the runtime writes none: the ledger knows the rest)
 
 Readers check state, generation and length before and after copying, so a stale handle
 (freed or overwritten record) is an error, never garbage.
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import msgspec
 import torch
@@ -43,6 +43,7 @@ import torch
 from staleflow.servers.errors import RingFull, ServerError, StaleHandle
 from staleflow.servers.ring import RECORD_ALIGN, RingAllocator, align_up
 from staleflow.servers.segment import KIND_RING, Segment, check_run_id
+from staleflow.trajectory import RecordHandle
 
 RING_HEADER = struct.Struct("<8sIIQQ")  # magic, rank, reserved, capacity, generations written
 RING_MAGIC = b"STLFRING"
@@ -54,15 +55,6 @@ DEFAULT_RING_BYTES = 256 << 20
 GENERATIONS_AT = 24  # ring header: generations written (a mirror: the newest generation received)
 
 
-class RecordHandle(msgspec.Struct, frozen=True, array_like=True):
-    """Where a record lives: ring of rollout ``rank``, data ``offset`` and ``length`` in bytes, ``generation``."""
-
-    rank: int
-    offset: int
-    length: int
-    generation: int
-
-
 @dataclass
 class TrajectoryRecord:
     """One trajectory (or the partial output of an interrupted one) with its behaviour data.
@@ -71,10 +63,10 @@ class TrajectoryRecord:
     Rewards are not stored here: the controller's ledger holds them.
     """
 
-    prompt_ids: torch.Tensor  # [P] int32
-    response_ids: torch.Tensor  # [R] int32
-    logprobs: torch.Tensor  # [R] float32
-    versions: torch.Tensor  # [R] int32
+    prompt_ids: torch.Tensor | Sequence[int]  # [P] int32 (written from the engine's lists; read back as tensors)
+    response_ids: torch.Tensor | Sequence[int]  # [R] int32
+    logprobs: torch.Tensor | Sequence[float]  # [R] float32
+    versions: torch.Tensor | Sequence[int]  # [R] int32
     meta: dict[str, Any] = field(default_factory=dict)
 
 

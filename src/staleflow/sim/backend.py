@@ -21,16 +21,18 @@ import math
 import random
 from collections import deque
 
-from staleflow.controller.backend import Finished, PullDone, Published, Rewarded, TrainDone, TrainGroup
+from staleflow.controller.backend import PullDone, Published, Rewarded, TrainDone
 from staleflow.coordinator.cost_model import CostModel
-from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull, Route
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.sim.config import SimConfig
 from staleflow.sim.engine import SimInstance, SimTraj
 from staleflow.sim.hardware import Derived
+from staleflow.trajectory import Finished, RecordHandle, Route, TrainGroup
 
 
-class SimRecord(tuple):
-    """The simulator's stand-in for a record handle: (traj_id, tokens generated)."""
+def sim_record(traj_id: int, instance: int, generated: int) -> RecordHandle:
+    """A simulated record's handle: no bytes anywhere; ``length`` counts its generated tokens."""
+    return RecordHandle(rank=instance, offset=traj_id, length=generated, generation=0)
 
 
 class SimBackend:
@@ -77,7 +79,7 @@ class SimBackend:
                 finished, pulled = inst.advance(until)
                 self.pending.extend(PullDone(inst.instance, v, self.pull_time) for v in pulled)
                 for tr in finished:
-                    self.pending.append(Finished(tr.traj_id, inst.instance, SimRecord((tr.traj_id, tr.generated)),
+                    self.pending.append(Finished(tr.traj_id, inst.instance, sim_record(tr.traj_id, inst.instance, tr.generated),
                                                  tr.generated))
             self.t = until
             while self.timers and self.timers[0][0] <= until:
@@ -98,12 +100,12 @@ class SimBackend:
         heapq.heappush(self.timers, (t, self._seq, event))
 
     # ---- commands ----------------------------------------------------------------------------------
-    def route(self, cmd: Route, prompt, seed: int, partial, target_len: int) -> None:
+    def route(self, cmd: Route) -> None:
         """A loop-back resumes from its partial record's tokens (and recomputes their KV on admission)."""
-        generated = partial[1] if partial is not None else 0
+        generated = cmd.partial.length if cmd.partial is not None else 0
         moved, version = self.kv_moved.pop(cmd.traj_id, (0, -1))
-        self.insts[cmd.instance].add(SimTraj(cmd.traj_id, -1, cmd.traj_version, prompt, target_len, generated,
-                                             moved, version))
+        self.insts[cmd.instance].add(SimTraj(cmd.traj_id, -1, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens,
+                                             generated, moved, version))
 
     def interrupt(self, cmd: Interrupt) -> None:
         """A migrated trajectory that was running takes its KV along when the engine can move KV
@@ -114,7 +116,7 @@ class SimBackend:
             if cmd.reason == "migrate" and tr.had_kv and inst.kv_rate > 0:
                 self.kv_moved[tr.traj_id] = (tr.tokens, inst.version)
                 inst.stall(self.t, tr.tokens * inst.speed / inst.kv_rate)
-            self.pending.append(Finished(tr.traj_id, cmd.instance, SimRecord((tr.traj_id, tr.generated)),
+            self.pending.append(Finished(tr.traj_id, cmd.instance, sim_record(tr.traj_id, cmd.instance, tr.generated),
                                          tr.generated, partial=True))
 
     def abort(self, cmd: Abort) -> None:
@@ -128,7 +130,7 @@ class SimBackend:
     def free(self, handles: list) -> None:
         """Simulated records take no memory; a dropped trajectory's KV in transit is dropped too."""
         for h in handles:
-            self.kv_moved.pop(h[0], None)
+            self.kv_moved.pop(h.offset, None)  # sim_record: offset is the trajectory id
 
     def score(self, traj_id: int, handle, prompt) -> None:
         self.pending.append(Rewarded(traj_id, 1.0))  # rewards are instantaneous in the model

@@ -108,6 +108,9 @@ class SimWorkload:
     def prompt_len(self, prompt: int) -> int:
         return prompt
 
+    def prompt_ids(self, prompt: int) -> list[int]:
+        return []  # simulated prompts have a length, not tokens
+
     def new_member(self) -> tuple[int, int]:
         return 0, self.lengths()
 

@@ -16,50 +16,12 @@ Only the N response rows go through the LM head, so prompt tokens cost no vocab 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-
-@dataclass
-class TrajectorySample:
-    """One finished trajectory, as the Trajectory Server stores it."""
-
-    prompt_ids: Sequence[int]
-    response_ids: Sequence[int]
-    behaviour_logprobs: Sequence[float]
-    """Log-prob of each response token under the weights that sampled it (same length as response)."""
-    versions: Sequence[int]
-    """Weight version that sampled each response token (differs within a trajectory after a Pull)."""
-    reward: float
-    group_id: Hashable
-    traj_version: int
-    """V_traj: the immutable version the staleness protocol bounds (min over the group)."""
-    meta: dict = field(default_factory=dict)
-
-    def validate(self, index: int = 0) -> None:
-        """Raise ValueError naming the sample and the inconsistent field."""
-        n = len(self.response_ids)
-        if len(self.prompt_ids) < 1:
-            raise ValueError(f"sample {index}: prompt_ids is empty; a trajectory needs at least one prompt token")
-        if len(self.behaviour_logprobs) != n:
-            raise ValueError(
-                f"sample {index}: {len(self.behaviour_logprobs)} behaviour_logprobs for {n} response tokens: "
-                "the rollout must return one log-prob per generated token"
-            )
-        if len(self.versions) != n:
-            raise ValueError(f"sample {index}: {len(self.versions)} versions for {n} response tokens: need one per token")
-        if not math.isfinite(float(self.reward)):
-            raise ValueError(f"sample {index}: reward={self.reward!r} is not a finite number")
-        for lp in self.behaviour_logprobs:
-            if not (lp <= 1e-3 and math.isfinite(lp)):  # engines may round log(1) a hair above 0
-                raise ValueError(f"sample {index}: behaviour log-prob {lp!r} is invalid: must be finite and <= 0 (log of a probability)")
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
+from staleflow.trajectory import TrajectorySample
 
 
 @dataclass

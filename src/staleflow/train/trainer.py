@@ -48,7 +48,8 @@ from torch import nn
 
 from staleflow.model.attention import PackedAttention
 from staleflow.train.advantages import ADVANTAGES, compute_advantages, groups_with_signal, overlong_penalty
-from staleflow.train.batch import MicroBatch, TrajectorySample, build_micro_batch
+from staleflow.train.batch import MicroBatch, build_micro_batch
+from staleflow.trajectory import TrajectorySample
 from staleflow.train.logprobs import packed_logprobs
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
 from staleflow.train.packing import plan_step

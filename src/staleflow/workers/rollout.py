@@ -1,7 +1,7 @@
 """The rollout-rank loop: one rollout instance executing the coordinator's commands.
 
-    RouteTraj    add to the engine (a resumed partial trajectory brings its tokens from a ring)
-    Interrupt    abort in the engine; write the partial record and report it (TrajDone partial)
+    Route        add to the engine (a resumed partial trajectory brings its tokens from a ring)
+    Interrupt    abort in the engine; write the partial record and report it (Finished, partial)
     Abort        abort in the engine and forget the output
     Pull         load the newest version from the PS. With --coordinator.interrupt-on-pull (the
                  default, partial rollout) everything still running is interrupted first; without
@@ -10,11 +10,11 @@
                  the simulator models; per-token versions record it)
     FreeRecords  release ring space the controller no longer needs
 Between commands the engine steps; finished trajectories are written to this rank's ring and
-announced with TrajDone; an InstanceSnapshot goes out every --rollout.stats-interval-ms.
+announced with Finished; an InstanceSnapshot goes out every --rollout.stats-interval-ms.
 
 In a multi-node run (ctx.net, cluster/netplane.py) a rank on a node without trainer ranks also
-ships each finished record to the trainer nodes before its TrajDone; a partial record produced on
-another node is fetched from its producer before the trajectory resumes (consecutive RouteTrajs
+ships each finished record to the trainer nodes before its Finished; a partial record produced on
+another node is fetched from its producer before the trajectory resumes (consecutive Routes
 are fetched together); a rank off the Parameter Server's node pulls weights over the network.
 """
 
@@ -25,13 +25,14 @@ import time
 import torch
 
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
-from staleflow.control.messages import (Evaluate, Evaluated, FreeRecords, Pulled, RouteTraj, Shutdown, TrajDone,
+from staleflow.control.messages import (Evaluate, Evaluated, FreeRecords, Pulled, Shutdown,
                                         eval_request_id, is_eval, split_eval_id)
 from staleflow.cluster.placement import reader_index
 from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.servers import RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES
 from staleflow.servers.weights import open_weight_source
+from staleflow.trajectory import Finished, Route
 
 RING_BYTES = DEFAULT_RING_BYTES
 
@@ -75,7 +76,6 @@ class RolloutWorker:
         self.readers: dict[int, TrajectoryRing] = {ctx.rank: self.ring}
         rc = ctx.cfg.rollout
         self.params = dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens)
-        self.meta: dict[int, dict] = {}  # traj_id -> traj_version
         self.keep_on_pull = not ctx.cfg.coordinator.interrupt_on_pull
         self.unsent: list[tuple] = []  # records waiting for ring space (back-pressure)
         self.stats_every = rc.stats_interval_ms / 1000.0
@@ -86,7 +86,7 @@ class RolloutWorker:
         self.weights = open_weight_source(ctx.run_id, rc.engine, reader=reader_index(ctx.rank, world),
                                           worker_reader=reader_index(ctx.rank, world, engine_worker=True),
                                           remote=self.net.remote_weights() if self.net is not None else None)
-        self.waiting_fetch: list[RouteTraj] = []  # routes whose partial record is on another node
+        self.waiting_fetch: list[Route] = []  # routes whose partial record is on another node
         self.crossed: dict[int, tuple[int, int]] = {}  # traj_id -> (copies, bytes) fetched to resume it
 
     # ---- commands ------------------------------------------------------------------------
@@ -95,9 +95,8 @@ class RolloutWorker:
             self.readers[rank] = TrajectoryRing.attach(self.ctx.run_id, rank, timeout=30)
         return self.readers[rank]
 
-    def route(self, msg: RouteTraj, rec: TrajectoryRecord | None = None) -> None:
+    def route(self, msg: Route, rec: TrajectoryRecord | None = None) -> None:
         out_ids, out_lp, out_v = [], [], []
-        r = msg.route
         if msg.partial is not None and rec is None:
             if self.net is not None and self.net.fetches_from(msg.partial.rank):
                 self.waiting_fetch.append(msg)  # fetched with its neighbours before anything else runs
@@ -110,11 +109,10 @@ class RolloutWorker:
                 return
         if rec is not None:
             out_ids, out_lp, out_v = rec.response_ids.tolist(), rec.logprobs.tolist(), rec.versions.tolist()
-        self.meta[r.traj_id] = {"traj_version": r.traj_version}
         params = dict(self.params)
         if msg.max_new_tokens:
             params.update(max_new_tokens=msg.max_new_tokens, ignore_eos=True)
-        self.engine.add(Request(r.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **params),
+        self.engine.add(Request(msg.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **params),
                                 output_ids=out_ids, output_logprobs=out_lp, output_versions=out_v))
 
     def fetch_waiting(self) -> None:
@@ -128,7 +126,7 @@ class RolloutWorker:
             rec = got.get(m.partial)
             if rec is None:  # freed by the controller meanwhile (the trajectory was dropped)
                 continue
-            self.crossed[m.route.traj_id] = (1, m.partial.length)
+            self.crossed[m.traj_id] = (1, m.partial.length)
             self.route(m, rec)
 
     def serve_records(self) -> None:
@@ -138,11 +136,9 @@ class RolloutWorker:
     def interrupt(self, ids, drop: bool) -> None:
         st = self.engine.stats()
         held = set(st.running_ids) | set(st.waiting_ids)
-        live = [t for t in ids if t in held]  # the others finished meanwhile: their TrajDone is on its way
+        live = [t for t in ids if t in held]  # the others finished meanwhile: their Finished is on its way
         for out in self.engine.abort(live):
-            if drop:
-                self.meta.pop(out.request_id, None)
-            else:
+            if not drop:
                 self.emit(out, partial=True)
 
     def pull(self, msg: Pull) -> None:
@@ -161,14 +157,8 @@ class RolloutWorker:
 
     # ---- outputs -------------------------------------------------------------------------
     def emit(self, out, partial: bool) -> None:
-        meta = self.meta.pop(out.request_id) if not partial else self.meta.pop(out.request_id, {})
-        rec = TrajectoryRecord(
-            prompt_ids=torch.tensor(out.prompt_ids, dtype=torch.int32),
-            response_ids=torch.tensor(out.output_ids, dtype=torch.int32),
-            logprobs=torch.tensor(out.logprobs, dtype=torch.float32),
-            versions=torch.tensor(out.versions, dtype=torch.int32),
-            meta={"traj_id": out.request_id, "finish_reason": out.finish_reason, "seed": out.seed, **meta},
-        )
+        rec = TrajectoryRecord(prompt_ids=out.prompt_ids, response_ids=out.output_ids, logprobs=out.logprobs,
+                               versions=out.versions)  # the engine's lists, written as bytes by the ring
         self.unsent.append((out.request_id, rec, out.finish_reason, partial))
         self.flush()
 
@@ -183,10 +173,9 @@ class RolloutWorker:
             fetched, nbytes = self.crossed.pop(traj_id, (0, 0))
             copies = fetched
             if not partial and self.net is not None and self.net.shipper is not None:
-                shipped = self.net.shipper.ship(self.ring, h)  # before TrajDone: the bytes lead the news
+                shipped = self.net.shipper.ship(self.ring, h)  # before Finished: the bytes lead the news
                 copies, nbytes = copies + shipped[0], nbytes + shipped[1]
-            self.ctx.client.send(TrajDone(traj_id=traj_id, instance=self.instance, handle=h,
-                                          n_tokens=int(rec.response_ids.numel()), finish_reason=reason, partial=partial,
+            self.ctx.client.send(Finished(traj_id, self.instance, h, len(rec.response_ids), partial, reason,
                                           cross_node_copies=copies, cross_node_bytes=nbytes, fetched=fetched))
 
     def send_stats(self, now: float) -> None:
@@ -229,11 +218,11 @@ class RolloutWorker:
 
     def handle(self, msg) -> bool:
         """Execute one command; False on Shutdown."""
-        if not isinstance(msg, RouteTraj):
+        if not isinstance(msg, Route):
             self.fetch_waiting()  # a command after a route acts on the trajectory as routed
         if isinstance(msg, Evaluate):
             self.evaluate(msg)
-        elif isinstance(msg, RouteTraj):
+        elif isinstance(msg, Route):
             self.route(msg)
         elif isinstance(msg, Interrupt):
             self.interrupt(msg.traj_ids, drop=False)

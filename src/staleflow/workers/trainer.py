@@ -26,7 +26,7 @@ from staleflow.control.messages import SaveState, Saved, Shutdown, StepDone, Tra
 from staleflow.cluster.placement import slot_dtype, slot_placement
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
-from staleflow.train.batch import TrajectorySample
+from staleflow.trajectory import TrajectorySample
 from staleflow.durable import disk_problem
 from staleflow.train.checkpoint import (CheckpointDiskError, CheckpointError, export_hf, load_checkpoint,
                                         save_checkpoint)
@@ -109,12 +109,13 @@ class TrainerWorker:
 
     def samples(self, msg: TrainStep) -> list[TrajectorySample]:
         out = []
-        for it in msg.items:
-            rec = self._read(it.handle)
-            out.append(TrajectorySample(
-                prompt_ids=rec.prompt_ids.tolist(), response_ids=rec.response_ids.tolist(),
-                behaviour_logprobs=rec.logprobs.tolist(), versions=rec.versions.tolist(), reward=it.reward,
-                group_id=it.group_id, traj_version=it.traj_version))
+        for g in msg.groups:
+            for handle, reward in zip(g.handles, g.rewards):
+                rec = self._read(handle)
+                out.append(TrajectorySample(
+                    prompt_ids=rec.prompt_ids.tolist(), response_ids=rec.response_ids.tolist(),
+                    behaviour_logprobs=rec.logprobs.tolist(), versions=rec.versions.tolist(), reward=reward,
+                    group_id=g.group_id, traj_version=g.traj_version))
         return out
 
     def train(self, msg: TrainStep) -> None:

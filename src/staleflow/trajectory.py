@@ -1,0 +1,182 @@
+"""The forms a trajectory takes from prompt to loss: one class per step where the data changes.
+
+    Prompt            a dataset row, tokenized                      data/source.py yields it
+      -> TrajectoryItem   queued in the Trajectory Server (one per group member)   coordinator
+      -> Route            sent to an instance, as is (V_traj fixed, prompt, seed)  coordinator -> loop -> rank
+      -> Finished         generated: its tokens sit in a ring (RecordHandle)       rank -> loop
+      -> TrainGroup       a consumed group: handles, rewards, V_traj               loop -> trainer ranks
+      -> TrajectorySample read back from the ring, what the trainer packs         workers/trainer.py
+
+Every class here is plain data without torch (the pure core uses them), and the ones that cross
+processes are msgspec Structs sent on the control plane as they are (control/messages.py
+registers them): no renamed copies. The bytes of a generated trajectory (tokens, behaviour
+log-probs, per-token weight versions) never travel in these messages: they live in the producing
+rank's ring (servers/trajectory.py, TrajectoryRecord) and are named by a RecordHandle. Inside a
+rollout rank a Route becomes the engine's own Request (rollout/engine.py), and inside the trainer
+samples become packed MicroBatches (train/batch.py): those are the engine's and the trainer's
+APIs, not steps of the path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import msgspec
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A dataset row with its tokens; one prompt group of N' trajectories is generated from it.
+
+    >>> Prompt(7, "What is 2 + 3?", "5", [1, 2, 3], {"task": "arithmetic"}).prompt_ids
+    [1, 2, 3]
+    """
+
+    prompt_id: int
+    text: str
+    answer: str
+    prompt_ids: list[int]
+    meta: dict = field(default_factory=dict)
+
+
+class TrajectoryItem(msgspec.Struct, frozen=True):
+    """A trajectory waiting in the Trajectory Server: a new one, or an interrupted partial one.
+
+    >>> TrajectoryItem(traj_id=12, group_id=3, traj_version=None, prompt_len=40).tokens
+    40
+    """
+
+    traj_id: int
+    group_id: int
+    traj_version: int | None
+    """V_traj; None for a new trajectory whose tag is set when it is first routed (dynamic tag)."""
+    prompt_len: int
+    generated_len: int = 0
+    origin: int = -1
+    """Instance it was interrupted on (-1: never ran)."""
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens it brings to an instance (prompt + already generated)."""
+        return self.prompt_len + self.generated_len
+
+
+class RecordHandle(msgspec.Struct, frozen=True, array_like=True):
+    """Where a generated trajectory's bytes live: ring of rollout ``rank``, data ``offset`` and
+    ``length`` in bytes, ``generation`` (a freed and rewritten slot has another)."""
+
+    rank: int
+    offset: int
+    length: int
+    generation: int
+
+
+class Route(msgspec.Struct, frozen=True, tag=True):
+    """Run a trajectory on an instance: the coordinator decides (traj_id, instance, V_traj); the
+    loop adds what the instance needs (prompt tokens, sampling seed, the partial record of an
+    interrupted trajectory, a length target) and the runtime sends it to the rank as is.
+
+    >>> Route(traj_id=12, instance=1, traj_version=4).partial is None
+    True
+    """
+
+    traj_id: int
+    instance: int
+    traj_version: int
+    prompt_ids: list[int] = []
+    prompt_len: int = 0
+    seed: int = 0
+    partial: RecordHandle | None = None
+    """The trajectory's newest partial record (it resumes from those tokens)."""
+    max_new_tokens: int = 0
+    """0: --rollout.max-new-tokens; > 0: this trajectory's own length target (benchmarks, the simulator)."""
+
+
+class Finished(msgspec.Struct, frozen=True, tag=True):
+    """An instance stopped generating a trajectory: done (partial=False), or interrupted with its
+    partial output written back (partial=True: it loops back to the Trajectory Server queue). Sent
+    by the rollout rank as is; the loop's event.
+
+    >>> Finished(12, 1, RecordHandle(1, 0, 512, 3), n_tokens=96).partial
+    False
+    """
+
+    traj_id: int
+    instance: int
+    handle: RecordHandle | None
+    n_tokens: int
+    partial: bool = False
+    finish_reason: str = ""
+    cross_node_copies: int = 0
+    """Copies of this trajectory's records that crossed nodes since its last Finished (shipped to
+    trainer nodes, or a partial record fetched from another node to resume it)."""
+    cross_node_bytes: int = 0
+    fetched: int = 0
+    """Of those copies, partial records fetched from another node to resume the trajectory."""
+
+
+class TrainGroup(msgspec.Struct, frozen=True, array_like=True):
+    """One group of a training batch, sent to every trainer rank as is (TrainStep).
+
+    >>> TrainGroup(3, 4, [12, 13], [RecordHandle(1, 0, 512, 3)] * 2, [1.0, 0.0], [96, 80], 40).traj_version
+    4
+    """
+
+    group_id: int
+    traj_version: int
+    """V_traj of the group (min over its members)."""
+    traj_ids: list[int]
+    handles: list[RecordHandle]
+    rewards: list[float]
+    n_tokens: list[int]
+    prompt_len: int
+
+
+@dataclass
+class TrajectorySample:
+    """One trajectory as the trainer packs it: its ring record read back, with the group's reward
+    and V_traj.
+
+    >>> TrajectorySample([1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [4, 4, 5], 1.0, 3, 4).seq_len
+    5
+    """
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    behaviour_logprobs: Sequence[float]
+    """Log-prob of each response token under the weights that sampled it (same length as response)."""
+    versions: Sequence[int]
+    """Weight version that sampled each response token (differs within a trajectory after a Pull)."""
+    reward: float
+    group_id: Hashable
+    traj_version: int
+    """V_traj: the immutable version the staleness protocol bounds (min over the group)."""
+
+    def validate(self, index: int = 0) -> None:
+        """Raise ValueError naming the sample and the inconsistent field."""
+        n = len(self.response_ids)
+        if len(self.prompt_ids) < 1:
+            raise ValueError(f"sample {index}: prompt_ids is empty; a trajectory needs at least one prompt token")
+        if len(self.behaviour_logprobs) != n:
+            raise ValueError(
+                f"sample {index}: {len(self.behaviour_logprobs)} behaviour_logprobs for {n} response tokens: "
+                "the rollout must return one log-prob per generated token"
+            )
+        if len(self.versions) != n:
+            raise ValueError(f"sample {index}: {len(self.versions)} versions for {n} response tokens: need one per token")
+        if not math.isfinite(float(self.reward)):
+            raise ValueError(f"sample {index}: reward={self.reward!r} is not a finite number")
+        for lp in self.behaviour_logprobs:
+            if not (lp <= 1e-3 and math.isfinite(lp)):  # engines may round log(1) a hair above 0
+                raise ValueError(f"sample {index}: behaviour log-prob {lp!r} is invalid: must be finite and <= 0 "
+                                 f"(log of a probability)")
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+FORMS = (Prompt, TrajectoryItem, Route, Finished, TrainGroup, TrajectorySample)
+"""The six forms, in path order (docs/architecture.md lists them with their modules)."""

@@ -1,0 +1,92 @@
+"""A trajectory meets only the six forms of staleflow/trajectory.py, and they travel as they are.
+
+The end-to-end test runs the tiny preset through launch.sh with a sitecustomize (every process of
+the run imports it) that records the type of every struct the control plane encodes, nested ones
+included: a relay that renamed a form (RouteTraj, TrajDone, TrainItem) would show up by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from staleflow import trajectory
+from staleflow.control.messages import TrainStep, decode, encode
+from staleflow.trajectory import FORMS, Finished, RecordHandle, Route, TrainGroup, TrajectoryItem
+
+ROOT = Path(__file__).resolve().parents[1]
+WIRE_FORMS = {"Route", "Finished", "TrainGroup", "RecordHandle"}
+"""The forms (and the handle naming a generated trajectory's bytes) that cross processes."""
+NOT_TRAJECTORIES = {"InstanceSnapshot", "Interrupt", "Abort", "Pull", "Pulled", "FreeRecords", "TrainStep",
+                    "StepDone", "SaveState", "Saved", "Evaluate", "Evaluated", "Register", "Ready", "Welcome",
+                    "Heartbeat", "Failure", "Shutdown", "Goodbye", "Ping", "Pong"}
+"""Commands, snapshots and control messages: they name trajectories by id or handle, never copy one."""
+
+_HOOK = textwrap.dedent('''
+    import os
+    import msgspec
+    from staleflow.control import messages as _m
+
+    _encode = _m.encode
+
+    def _walk(x, out):
+        if isinstance(x, msgspec.Struct):
+            out.add(type(x).__name__)
+            for f in x.__struct_fields__:
+                _walk(getattr(x, f), out)
+        elif isinstance(x, (list, tuple)):
+            for y in x[:8]:
+                _walk(y, out)
+
+    def encode(msg):
+        seen = set()
+        _walk(msg, seen)
+        with open(os.environ["STALEFLOW_WIRE_LOG"], "a") as f:
+            f.write(" ".join(sorted(seen)) + "\\n")
+        return _encode(msg)
+
+    _m.encode = encode
+''')
+
+
+def test_trajectory_forms_are_six_plain_classes_in_path_order():
+    assert [c.__name__ for c in FORMS] == ["Prompt", "TrajectoryItem", "Route", "Finished", "TrainGroup",
+                                           "TrajectorySample"]
+    assert all(c.__module__ == "staleflow.trajectory" for c in FORMS)
+    assert "torch" not in trajectory.__dict__  # the pure core imports these
+
+
+def test_trajectory_forms_round_trip_on_the_wire_as_themselves():
+    h = RecordHandle(1, 128, 512, 7)
+    route = Route(12, 1, 4, prompt_ids=[1, 2, 3], prompt_len=3, seed=99, partial=h, max_new_tokens=16)
+    fin = Finished(12, 1, h, 96, partial=True, finish_reason="abort", cross_node_copies=1)
+    step = TrainStep(version=4, groups=[TrainGroup(3, 4, [12, 13], [h, h], [1.0, 0.0], [96, 80], 3)])
+    for msg in (route, fin, step):
+        back = decode(encode(msg))
+        assert back == msg and type(back) is type(msg)
+    assert isinstance(decode(encode(step)).groups[0].handles[0], RecordHandle)
+    with pytest.raises(msgspec.ValidationError):  # a queued item stays in the coordinator: not a message
+        decode(msgspec.msgpack.encode(TrajectoryItem(12, 3, None, 40)))
+
+
+@pytest.mark.slow
+def test_trajectory_forms_one_run_puts_only_the_forms_on_the_wire(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOOK)
+    log = tmp_path / "wire.log"
+    env = dict(os.environ, STALEFLOW_WIRE_LOG=str(log), STALEFLOW_MAX_RESTARTS="0",
+               PYTHONPATH=os.pathsep.join(p for p in (str(hook), str(ROOT / "tests"), os.environ.get("PYTHONPATH", ""))
+                                          if p))
+    res = subprocess.run(["bash", str(ROOT / "launch.sh"), "--preset", "tiny", "--steps", "2", "--log.no-progress",
+                          "--log.no-plot", "--log.run-dir", str(tmp_path / "runs"), "--log.name", "forms",
+                          "--checkpoint.no-export-hf", "--reward.fn", "e2e_rewards:text_length"],
+                         capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    seen = set(" ".join(log.read_text().splitlines()).split())
+    assert WIRE_FORMS <= seen, f"the run never sent {sorted(WIRE_FORMS - seen)}"
+    assert seen <= WIRE_FORMS | NOT_TRAJECTORIES, f"unexpected on the wire: {sorted(seen - WIRE_FORMS - NOT_TRAJECTORIES)}"
