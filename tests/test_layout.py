@@ -112,3 +112,21 @@ def test_layout_no_file_over_400_lines():
     files = list((ROOT / "src" / "staleflow").rglob("*.py")) + list((ROOT / "kernels").glob("*.py"))
     long = {str(f.relative_to(ROOT)): n for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_layout_readme_names_every_package_and_module():
+    """The README's layout block lists every subpackage and top-level module of src/staleflow, and
+    names nothing that is not there."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    pkg = ROOT / "src" / "staleflow"
+    there = {p.name + "/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    there |= {p.name for p in pkg.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    named = set(re.findall(r"\b([a-z_]+/|[a-z_]+\.py)", block))
+    missing = sorted(n for n in there if n not in named)
+    assert missing == [], f"README's layout does not mention {missing}"
+    top = {n for n in named if n.endswith("/") and not (ROOT / n).is_dir() and not (pkg / n).is_dir()
+           and not (ROOT / "src" / n).is_dir()}
+    assert top == set(), f"README's layout names what does not exist: {sorted(top)}"
