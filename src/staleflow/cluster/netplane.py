@@ -127,8 +127,8 @@ class NetPlane:
         return attach_mirror(self.run_id, producer, self.node, timeout=timeout), True
 
     # ---- all ----------------------------------------------------------------------------------
-    def control_client(self, endpoint: str) -> ControlClient:
-        return ControlClient(endpoint, self.rank, secure=self.secure)
+    def control_client(self, endpoint: str, pulse: bool = False) -> ControlClient:
+        return ControlClient(endpoint, self.rank, secure=self.secure, pulse=pulse)
 
     def close(self) -> None:
         for close in self._closers:

@@ -8,8 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from staleflow.config.sections import (CheckpointConfig, CoordinatorConfig, DataConfig, EvalConfig, LogConfig,
-                                       ModelConfig, RewardConfig, RolloutConfig, StalenessConfig, TrainConfig, _check)
+from staleflow.config.sections import (CheckpointConfig, CoordinatorConfig, DataConfig, EvalConfig, FaultConfig,
+                                       LogConfig, ModelConfig, RewardConfig, RolloutConfig, StalenessConfig,
+                                       TrainConfig, _check)
 
 
 def _check_finite(cfg, prefix: str = "") -> None:
@@ -38,6 +39,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     mode: Literal["staleflow", "verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow-no-exchange",

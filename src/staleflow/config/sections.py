@@ -305,6 +305,25 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """Stuck ranks: a rank that sends nothing, or has work and makes no progress, for the stall
+    limit is named in one line and the run restarts from its newest checkpoint."""
+
+    stall_s: float = 0.0
+    """The stall limit in seconds; 0: sized from the run, max(stall-floor-s, 4 x its longest step)."""
+    stall_floor_s: float = 300.0
+    """The smallest automatic stall limit (model loads, a first step on a busy machine)."""
+
+    def __post_init__(self):
+        _check(self.stall_s >= 0, "fault.stall-s", self.stall_s, "must be >= 0 (0: automatic)")
+        _check(self.stall_floor_s > 0, "fault.stall-floor-s", self.stall_floor_s, "must be > 0")
+
+    def limit(self, longest_step_s: float) -> float:
+        """The stall limit now, given the longest training step so far (0 before the first)."""
+        return self.stall_s or max(self.stall_floor_s, 4.0 * longest_step_s)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 5
     """Save the full training state every this many steps (0: only at the end and on a stop).

@@ -13,7 +13,9 @@ a message naming it. Jobs (the smoke check, the training loop) talk to the ranks
 
 from __future__ import annotations
 
+import math
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,6 +61,11 @@ class Hub:
     """Where the ranks are (None: all on this node)."""
     secure: object = None
     """The controller's SecureContext (net/curve.py) when ranks on other nodes connect over TCP."""
+    stall_s: float = math.inf
+    """A registered rank that sends nothing, or stays busy without progress, this long is stuck
+    (its pulse thread, workers/pulse.py, reports every second); the job sizes it (--fault.*)."""
+    _heard: dict = field(default_factory=dict)  # rank -> when anything last came from it
+    _progress: dict = field(default_factory=dict)  # rank -> (counter, since when unchanged while busy)
     _last_beat: float = 0.0
     _lost_since: dict = field(default_factory=dict)
     _held: deque = field(default_factory=deque)
@@ -144,6 +151,34 @@ class Hub:
             else:
                 self._lost_since.pop(rank, None)
 
+    def _on_pulse(self, rank: int, msg: Heartbeat) -> None:
+        count, since = self._progress.get(rank, (None, 0.0))
+        if count != msg.progress or not msg.busy:
+            self._progress[rank] = (msg.progress, time.monotonic())
+
+    def _raise_if_stuck(self) -> None:
+        """A rank that stopped talking (SIGSTOP: its pulse thread stops with it) or that has work and
+        makes no progress for stall_s is stuck: named, killed when it runs here (a stopped process
+        cannot act on torchrun's SIGTERM), and the run restarts from its newest checkpoint."""
+        if self.stall_s == math.inf:
+            return
+        now = time.monotonic()
+        for rank, heard in self._heard.items():
+            if rank in self.left or rank not in self.pids:
+                continue
+            silent = now - heard
+            busy_for = now - self._progress.get(rank, (0, now))[1]
+            if silent > self.stall_s or busy_for > self.stall_s:
+                why = (f"sent nothing for {silent:.0f} s (stopped or hung)" if silent > self.stall_s else
+                       f"made no progress for {busy_for:.0f} s while it had work (hung)")
+                if self.is_local(rank):
+                    try:
+                        os.kill(self.pids[rank], signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                raise RankDied(f"{self.describe(rank)} {why}: stopped it; the run restarts from its newest "
+                               f"checkpoint (--fault.stall-s sets the limit, now {self.stall_s:.0f} s)", rank=rank)
+
     def check_alive(self) -> None:
         """Raise RankDied naming the first rank whose process is gone; also stop if rank 0 vanished.
 
@@ -151,6 +186,7 @@ class Hub:
         it is checked before the parent, a stop request or another rank's failure report.
         """
         self._raise_if_dead()
+        self._raise_if_stuck()
         if os.getppid() != self.parent_pid:
             raise RankDied(f"{self.describe(0)} died (the controller lost its parent)", rank=0)
         if self.stop_requested and time.monotonic() - self.stop_at >= self.grace_s:
@@ -168,6 +204,10 @@ class Hub:
             got = self._held.popleft() if self._held else self.server.recv(min(0.05, max(0.0, deadline - now)))
             if got is not None:
                 rank, msg = got
+                self._heard[rank] = time.monotonic()
+                if isinstance(msg, Heartbeat):  # a rank's pulse: progress, never the job's business
+                    self._on_pulse(rank, msg)
+                    continue
                 if isinstance(msg, Register):
                     self.pids[rank] = msg.pid
                     continue

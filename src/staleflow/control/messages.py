@@ -41,7 +41,12 @@ class Welcome(msgspec.Struct, tag=True):
 
 
 class Heartbeat(msgspec.Struct, tag=True):
+    """Controller -> every rank each second (rank -1); rank -> controller each second from the
+    rank's pulse thread (workers/pulse.py): a progress counter and whether the rank has work."""
+
     rank: int
+    progress: int = 0
+    busy: bool = False
 
 
 class Failure(msgspec.Struct, tag=True):

@@ -23,7 +23,7 @@ import zmq
 from staleflow.control.messages import decode, encode
 from staleflow.net.curve import SecureContext, user_rank
 
-_IDENTITY = re.compile(rb"^r(\d{1,7})$")
+_IDENTITY = re.compile(rb"^[rp](\d{1,7})$")  # r<rank>: the rank's socket; p<rank>: its pulse thread's
 MAX_CONTROL_MSG = 64 << 20
 
 
@@ -36,8 +36,8 @@ def control_address(run_id: str) -> str:
     return f"ipc://{folder}/ctl"
 
 
-def _identity(rank: int) -> bytes:
-    return b"r%d" % rank
+def _identity(rank: int, pulse: bool = False) -> bytes:
+    return b"%s%d" % (b"p" if pulse else b"r", rank)
 
 
 class ControlServer:
@@ -180,15 +180,16 @@ class ControlClient:
     the controller is away; ``send`` then waits at most ``timeout_s`` for room and raises
     ControllerGone; ``send_stats`` (snapshots, which the next one supersedes) drops instead."""
 
-    def __init__(self, address: str, rank: int, secure: SecureContext | None = None):
+    def __init__(self, address: str, rank: int, secure: SecureContext | None = None, pulse: bool = False):
+        """pulse: the socket of the rank's pulse thread (its own identity, the same rank)."""
         self.rank = rank
         self._ctx = None
         if secure is not None:
-            self._sock = secure.client(zmq.DEALER, address, identity=_identity(rank))
+            self._sock = secure.client(zmq.DEALER, address, identity=_identity(rank, pulse))
         else:
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.IDENTITY, _identity(rank))
+            self._sock.setsockopt(zmq.IDENTITY, _identity(rank, pulse))
             self._sock.setsockopt(zmq.LINGER, 500)
             self._sock.connect(address)
         self._poller = zmq.Poller()

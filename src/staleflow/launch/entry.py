@@ -30,6 +30,7 @@ from staleflow.launch import dist as rankdist
 from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
 from staleflow.control.sockets import ControlClient, ControllerGone, control_address
 from staleflow.control.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
+from staleflow.workers.pulse import Pulse
 from staleflow.workers.rank import (RankContext, RunStopped, defer_signals, install_signal_handlers,
                                    set_title)
 from staleflow.cluster.roles import Roles
@@ -210,12 +211,16 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
     set_title(f"staleflow[trainer {rank}]" if ctx.role == "trainer"
               else f"staleflow[rollout {roles.instance_id(rank)}]")
     client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname(), node=env.node_rank))
+    pulse = Pulse(lambda: (ControlClient(control_address(run_id), rank, pulse=True) if on_home
+                           else net.control_client(shared["control_endpoint"], pulse=True)),
+                  rank, lambda: ctx.progress()).start()
     ok, reason, fatal = True, "", False
     worker = None
     try:
         model, weights, info = _load_model_info(ctx)
         if not cfg.smoke:
             worker, more = make_worker(ctx, model, weights)
+            ctx.progress = worker.progress
             info["load_s"] += more.pop("build_load_s", 0.0)
             info.update(more)
         client.send(Ready(rank=rank, info=info))
@@ -243,6 +248,7 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
             pass
     finally:
         try:
+            pulse.stop()
             if worker is not None:
                 worker.close()
             try:

@@ -136,6 +136,8 @@ class RolloutEngine(Protocol):
 
     version: int
     """Weight version loaded now (stamped on every token sampled afterwards)."""
+    steps: int
+    """Engine steps run so far (the rank's pulse reports it as progress)."""
 
     def add(self, request: Request) -> None: ...
 

@@ -93,6 +93,8 @@ class TrainingJob:
                                ledger=ledger, max_reward_failures=cfg.reward.max_consecutive_failures,
                                on_step=self.log_step, listeners={Saved: self._on_saved, Evaluated: self._on_evaluated})
         self.progress = ProgressDisplay(cfg.steps, enabled=cfg.log.progress, start=version)
+        self.longest_step_s = 0.0
+        self._size_stall_limit()
         self._last_log = (time.monotonic(), 0, 0)  # time, tokens generated, samples at the previous step
         self.samples = 0
         self.save_due = False
@@ -120,6 +122,8 @@ class TrainingJob:
         if self.loop.first_reward_error:
             row["reward_first_error"] = self.loop.first_reward_error
         self._last_log = (now, tokens, self.samples)
+        self.longest_step_s = max(self.longest_step_s, rec.t_done - rec.t_start)
+        self._size_stall_limit()
         self.writer.log_step(rec.version, row)
         led = self.loop.ledger
         write_ids(self.run_dir, led.next_traj, led.next_group)
@@ -130,6 +134,13 @@ class TrainingJob:
         every = self.cfg.checkpoint.every
         self.save_due = bool(every) and ev.version % every == 0 and ev.version < self.cfg.steps
         self.loop.hold_training = self.save_due  # the checkpoint holds exactly this version
+
+    def _size_stall_limit(self) -> None:
+        """The hub's stuck-rank limit (--fault.stall-s, or 4 x the longest step with a floor) and,
+        three times that, the loop's own stall check (no finish and no step anywhere)."""
+        limit = self.cfg.fault.limit(self.longest_step_s)
+        self.ctl.stall_s = limit
+        self.loop.s = dataclasses.replace(self.loop.s, stall_s=3 * limit)
 
     # ---- held-out evaluation -----------------------------------------------------------------
     def start_eval(self, step: int) -> None:

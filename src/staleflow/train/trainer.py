@@ -138,6 +138,8 @@ class Trainer:
         self.total_steps = total_steps
         self.version = 0
         self.optimizer_steps = 0
+        self.forwards = 0
+        """Micro-batch forwards run so far (the rank's pulse reports it as progress)."""
 
         lazy = any(p.is_meta for p in model.parameters())
         if lazy and weights is None:
@@ -198,6 +200,7 @@ class Trainer:
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
     def _forward(self, policy: PolicyHead, mb: MicroBatch):
+        self.forwards += 1
         with self._autocast():
             return policy(mb, self.temperature, self.cfg.logprob_impl)
 

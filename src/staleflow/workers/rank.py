@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from staleflow.config import RunConfig
 from staleflow.launch.cleanup import pid_alive
@@ -57,6 +58,8 @@ class RankContext:
     """This rank's cross-node plane (cluster/netplane.py) in a multi-node run, else None."""
     resume_from: str = ""
     """The checkpoint folder to load (trainer ranks), chosen by rank 0."""
+    progress: Callable[[], tuple[int, bool]] = lambda: (0, False)
+    """(progress counter, busy) of this rank's worker, read by its pulse thread (workers/pulse.py)."""
     _last_heard: float = field(default_factory=time.monotonic)
     _last_pid_check: float = 0.0
 

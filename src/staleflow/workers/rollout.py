@@ -191,6 +191,10 @@ class RolloutWorker:
             traj_ids=tuple(running) + tuple(waiting), tokens_generated=st.tokens_generated))
         self._last_stats = now
 
+    def progress(self) -> tuple[int, bool]:
+        """(engine steps so far, whether the engine has work): read by the rank's pulse thread."""
+        return self.engine.steps, self.engine.has_unfinished()
+
     # ---- loop ----------------------------------------------------------------------------
     def evaluate(self, msg: Evaluate) -> None:
         """Held-out prompts, answered greedily in the same engine as the rollout (negative ids)."""

@@ -79,6 +79,7 @@ class TrainerWorker:
         if ctx.net is not None:
             ctx.net.start_weight_server(self.ps, piece=ctx.rank if self.device.type == "cuda" else 0)
         self.rings: dict[int, tuple[TrajectoryRing, bool]] = {}
+        self._training = False
 
     def _barrier(self):
         if self.ctx.roles.num_trainer > 1:
@@ -118,7 +119,18 @@ class TrainerWorker:
                     group_id=g.group_id, traj_version=g.traj_version))
         return out
 
+    def progress(self) -> tuple[int, bool]:
+        """(micro-batch forwards so far, whether a step is running): read by the rank's pulse thread."""
+        return self.trainer.forwards, self._training
+
     def train(self, msg: TrainStep) -> None:
+        self._training = True
+        try:
+            self._train(msg)
+        finally:
+            self._training = False
+
+    def _train(self, msg: TrainStep) -> None:
         if msg.version != self.trainer.version:
             raise RuntimeError(f"TrainStep for buffer {msg.version} but the trainer is at version "
                                f"{self.trainer.version}: buffers must be consumed in version order")
