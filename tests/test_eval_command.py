@@ -207,6 +207,10 @@ def test_eval_command_bad_inputs_are_one_line_and_exit_2(tmp_path):
         "no such file": ["--model", "tiny-llama", "--data.source", str(tmp_path / "missing.jsonl")],
         "not a registered reward": ["--model", "tiny-llama", "--data.source", str(good), "--reward.fn", "nope"],
     }
+    import torch
+
+    if not torch.cuda.is_available():
+        cases["no CUDA device"] = ["--model", "tiny-llama", "--data.source", str(good), "--device", "cuda"]
     for needle, args in cases.items():
         res = _eval(*args)
         lines = [x for x in res.stderr.splitlines() if x.strip()]

@@ -16,17 +16,22 @@ from staleflow.config import (CheckpointConfig, CoordinatorConfig, DataConfig, E
 def preset_smollm2_cpu() -> RunConfig:
     """The embedded default: SmolLM2-135M-Instruct learns easy arithmetic on 2 CPU cores in minutes.
 
-    Chosen from measurements (docs/perf.md, "Default recipe"): on `arithmetic-easy` the model is
-    right ~40% of the time greedily and ~23% when sampling at temperature 0.7 (at 1.0: 5%, too few
-    correct samples for a learning signal); 2 prompts x 8 responses per step give most groups
-    both right and wrong answers; responses up to 64 tokens (its answers are short); lr 2e-5;
-    eta 1. The reward is the answer check plus 0.5 when the right answer is in \\boxed{}. 64
-    held-out prompts are evaluated at steps 0, 10 and 20: measured 0.41 -> 0.62 in under 8 min.
+    Chosen from measurements (docs/perf.md, "Default recipe" and issue 24's section): on
+    `arithmetic-easy` the model is right ~40% of the time greedily and ~23% when sampling at
+    temperature 0.7 (at 1.0: 5%, too few correct samples for a learning signal); responses up to
+    64 tokens (its answers are short); eta 1. The reward is the answer check plus 0.5 when the
+    right answer is in \\boxed{}. 4 prompts x 8 responses per step with DAPO dynamic sampling:
+    groups whose answers are all right or all wrong carry no GRPO signal and are not computed
+    (about half of them once the policy sharpens), so a step costs the trainer about what 2 prompts
+    without the filter did while its gradient averages twice the prompts; lr 2e-5 decayed by a
+    cosine to 0 at the last step, so late steps stop moving a policy that has sharpened (the
+    constant-lr 2-prompt recipe undid its own gains in 2 of 2 runs: 0.41 -> 0.27 and 0.47 -> 0.39).
+    128 held-out prompts, evaluated at steps 0, 10 and 20 with their 95% interval.
     """
     return RunConfig(
         rollout=RolloutConfig(max_new_tokens=64, max_model_len=512, max_kv_tokens=32768, temperature=0.7),
-        train=TrainConfig(lr=2e-5, micro_batch_tokens=2048),
-        staleness=StalenessConfig(eta=1, batch_size=2, group_size=8),
+        train=TrainConfig(lr=2e-5, micro_batch_tokens=2048, schedule="cosine", dynamic_sampling=True),
+        staleness=StalenessConfig(eta=1, batch_size=4, group_size=8),
         reward=RewardConfig(fn="arithmetic", format_weight=0.5),
         data=DataConfig(source="arithmetic-easy"),
         eval=EvalConfig(n=128, every=10),

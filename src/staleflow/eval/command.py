@@ -113,6 +113,8 @@ def build_engine(cfg: EvalCommand, folder: str, max_prompt: int):
     from staleflow.config import ModelConfig, RolloutConfig
     from staleflow.rollout.builtin_engine import BuiltinEngine
 
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -143,7 +145,7 @@ def run(cfg: EvalCommand) -> dict:
     prompts, skipped = load_prompts(cfg, tokenizer)
     try:
         engine = build_engine(cfg, folder, max(len(p.prompt_ids) for p in prompts))
-    except (ModelLoadError, ModelConfigError, EngineError):
+    except (ConfigError, ModelLoadError, ModelConfigError, EngineError):
         raise
     except Exception as e:  # a corrupt safetensors file, an unreadable tensor: one line, not a traceback
         raise ModelLoadError(f"cannot load the model in {folder!r}: {type(e).__name__}: {e}") from None
