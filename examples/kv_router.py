@@ -28,8 +28,9 @@ class MostFreeKV:
     def __init__(self, cfg, cost_model):
         self.cfg = cfg
 
-    def choose(self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState],
-               ctx) -> InstanceState | None:
+    def choose(
+        self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState], ctx
+    ) -> InstanceState | None:
         record("MostFreeKV.choose")
         fits = [c for c in candidates if c.waiting == 0 and c.kv_tokens + item.tokens <= c.kv_capacity]
         return max(fits, key=lambda c: (c.kv_capacity - c.kv_tokens, -c.instance), default=None)

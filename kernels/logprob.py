@@ -63,8 +63,9 @@ class KernelConfig:
     bwd_num_stages: int = 3
 
 
-_INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=128, block_k=64, num_splits=16,
-                                   bwd_block_m=32, bwd_block_n=128, bwd_block_k=64, bwd_group_m=4)
+_INTERPRETER_CONFIG = KernelConfig(
+    block_m=32, block_n=128, block_k=64, num_splits=16, bwd_block_m=32, bwd_block_n=128, bwd_block_k=64, bwd_group_m=4
+)
 
 
 def triton_available() -> bool:
@@ -79,8 +80,17 @@ def default_config(device: torch.device, dtype: torch.dtype) -> KernelConfig:
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
     if dtype == torch.float32:  # exact fp32 dot (no tensor cores): small tiles compile spill-free
-        return KernelConfig(block_m=64, block_n=128, block_k=32, num_stages=2, bwd_block_m=64,
-                            bwd_block_n=64, bwd_block_k=32, bwd_num_warps=4, bwd_num_stages=2)
+        return KernelConfig(
+            block_m=64,
+            block_n=128,
+            block_k=32,
+            num_stages=2,
+            bwd_block_m=64,
+            bwd_block_n=64,
+            bwd_block_k=32,
+            bwd_num_warps=4,
+            bwd_num_stages=2,
+        )
     return KernelConfig()
 
 
@@ -88,36 +98,40 @@ def _check_inputs(hidden, weight, targets, temperature, row_mask) -> None:
     if _k is None:
         raise RuntimeError(f"triton is not importable ({_TRITON_IMPORT_ERROR}); use impl='chunked'")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden [T, H] and weight [V, H], got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(f"need hidden [T, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"hidden/weight dtypes {hidden.dtype}/{weight.dtype}: need one of "
-                         "float32, bfloat16, float16 for both")
+        raise ValueError(
+            f"hidden/weight dtypes {hidden.dtype}/{weight.dtype}: need one of float32, bfloat16, float16 for both"
+        )
     T = hidden.shape[0]
     if targets.shape != (T,) or targets.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"targets must be an int64/int32 tensor of shape ({T},), got "
-                         f"{targets.dtype} {tuple(targets.shape)}")
+        raise ValueError(
+            f"targets must be an int64/int32 tensor of shape ({T},), got {targets.dtype} {tuple(targets.shape)}"
+        )
     if row_mask is not None and (row_mask.shape != (T,) or row_mask.dtype != torch.bool):
-        raise ValueError(f"row_mask must be a bool tensor of shape ({T},), got "
-                         f"{row_mask.dtype} {tuple(row_mask.shape)}")
+        raise ValueError(
+            f"row_mask must be a bool tensor of shape ({T},), got {row_mask.dtype} {tuple(row_mask.shape)}"
+        )
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature={temperature!r}: need a finite float > 0")
-    devices = {hidden.device, weight.device, targets.device} | (
-        {row_mask.device} if row_mask is not None else set())
+    devices = {hidden.device, weight.device, targets.device} | ({row_mask.device} if row_mask is not None else set())
     if len(devices) != 1:
         raise ValueError(f"hidden, weight, targets, row_mask are on different devices: {devices}")
     device = hidden.device
     if device.type == "cpu" and not _INTERPRETING:
-        raise RuntimeError("CPU tensors need TRITON_INTERPRET=1 set before importing "
-                           "staleflow.kernels.logprob (or use impl='chunked')")
+        raise RuntimeError(
+            "CPU tensors need TRITON_INTERPRET=1 set before importing staleflow.kernels.logprob (or use impl='chunked')"
+        )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device}: the Triton path runs on cuda (or cpu in the interpreter)")
     if device.type == "cpu" and T > 0:  # cheap here; on CUDA it would be a sync (NaN instead)
         sel = targets if row_mask is None else targets[row_mask]
         V = weight.shape[0]
         if sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= V):
-            raise ValueError(f"targets of selected rows must lie in [0, {V}), got "
-                             f"[{int(sel.min())}, {int(sel.max())}]; mask ignored rows with row_mask")
+            raise ValueError(
+                f"targets of selected rows must lie in [0, {V}), got "
+                f"[{int(sel.min())}, {int(sel.max())}]; mask ignored rows with row_mask"
+            )
 
 
 def _select_rows(row_mask: torch.Tensor | None, T: int, device) -> tuple:
@@ -146,8 +160,16 @@ def forward_workspace(T: int, config: KernelConfig, device) -> torch.Tensor:
     return torch.empty((4, config.num_splits, T), device=device, dtype=torch.float32)
 
 
-def packed_logprobs_forward(hidden, weight, targets, temperature=1.0, row_mask=None,
-                            config: KernelConfig | None = None, out=None, workspace=None):
+def packed_logprobs_forward(
+    hidden,
+    weight,
+    targets,
+    temperature=1.0,
+    row_mask=None,
+    config: KernelConfig | None = None,
+    out=None,
+    workspace=None,
+):
     """Forward only, no autograd: returns (logp, entropy, lse2, ez2, rows, n_active).
 
     lse2 / ez2 are log-sum-exp and E_p[z] in base-2 units (times log2 e), saved for backward.
@@ -172,16 +194,46 @@ def packed_logprobs_forward(hidden, weight, targets, temperature=1.0, row_mask=N
     blocks_per_split = triton.cdiv(triton.cdiv(V, cfg.block_n), cfg.num_splits)
     grid = (triton.cdiv(T, cfg.block_m) * cfg.num_splits,)
     _k.fwd_partials_kernel[grid](
-        hidden, weight, targets, rows, n_active, workspace,
-        T, V, H, hidden.stride(0), weight.stride(0), _LOG2E / float(temperature), blocks_per_split,
-        NUM_SPLITS=cfg.num_splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PREC=_dot_precision(hidden.dtype), UPCAST=_upcast_dot(hidden.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        hidden,
+        weight,
+        targets,
+        rows,
+        n_active,
+        workspace,
+        T,
+        V,
+        H,
+        hidden.stride(0),
+        weight.stride(0),
+        _LOG2E / float(temperature),
+        blocks_per_split,
+        NUM_SPLITS=cfg.num_splits,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PREC=_dot_precision(hidden.dtype),
+        UPCAST=_upcast_dot(hidden.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     block_t = 64
     mask_arg = row_mask if row_mask is not None else rows  # unused when HAS_MASK is False
     _k.fwd_merge_kernel[(triton.cdiv(T, block_t),)](
-        workspace, mask_arg, pos, targets, logp, ent, lse2, ez2, T, V,
-        HAS_MASK=row_mask is not None, NUM_SPLITS=cfg.num_splits, BLOCK_T=block_t, num_warps=4)
+        workspace,
+        mask_arg,
+        pos,
+        targets,
+        logp,
+        ent,
+        lse2,
+        ez2,
+        T,
+        V,
+        HAS_MASK=row_mask is not None,
+        NUM_SPLITS=cfg.num_splits,
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
     return logp, ent, lse2, ez2, rows, n_active
 
 
@@ -210,9 +262,22 @@ def _accumulate_dw(dw_acc: torch.Tensor, dz: torch.Tensor, h_chunk: torch.Tensor
         dw_acc.add_(dz.t() @ h_chunk)
 
 
-def packed_logprobs_backward(hidden, weight, targets, temperature, rows, n_active_host, lse2, ez2,
-                             grad_logp, grad_ent, need_dh=True, need_dw=True,
-                             config: KernelConfig | None = None, has_mask=True):
+def packed_logprobs_backward(
+    hidden,
+    weight,
+    targets,
+    temperature,
+    rows,
+    n_active_host,
+    lse2,
+    ez2,
+    grad_logp,
+    grad_ent,
+    need_dh=True,
+    need_dw=True,
+    config: KernelConfig | None = None,
+    has_mask=True,
+):
     """Gradients (dH [T, H] in hidden's dtype, dW [V, H] in weight's dtype), either may be None."""
     T, H = hidden.shape
     V = weight.shape[0]
@@ -230,22 +295,43 @@ def packed_logprobs_backward(hidden, weight, targets, temperature, rows, n_activ
         dz = dz_buf[:c]
         grid = (triton.cdiv(c, cfg.bwd_block_m) * triton.cdiv(V, cfg.bwd_block_n),)
         _k.bwd_dz_kernel[grid](
-            hidden, weight, targets, rows, lse2, ez2, grad_logp, grad_ent, dz,
-            c0, c, V, H, hidden.stride(0), weight.stride(0), dz.stride(0), _LOG2E / float(temperature),
+            hidden,
+            weight,
+            targets,
+            rows,
+            lse2,
+            ez2,
+            grad_logp,
+            grad_ent,
+            dz,
+            c0,
+            c,
+            V,
+            H,
+            hidden.stride(0),
+            weight.stride(0),
+            dz.stride(0),
+            _LOG2E / float(temperature),
             1.0 / float(temperature),
-            BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, BLOCK_K=cfg.bwd_block_k,
-            GROUP_M=cfg.bwd_group_m, DOT_PREC=_dot_precision(hidden.dtype), UPCAST=_upcast_dot(hidden.dtype),
-            num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages)
+            BLOCK_M=cfg.bwd_block_m,
+            BLOCK_N=cfg.bwd_block_n,
+            BLOCK_K=cfg.bwd_block_k,
+            GROUP_M=cfg.bwd_group_m,
+            DOT_PREC=_dot_precision(hidden.dtype),
+            UPCAST=_upcast_dot(hidden.dtype),
+            num_warps=cfg.bwd_num_warps,
+            num_stages=cfg.bwd_num_stages,
+        )
         if has_mask:
-            idx = rows[c0:c0 + c].long()
+            idx = rows[c0 : c0 + c].long()
             h_chunk = hidden.index_select(0, idx) if need_dw else None
         else:
             idx = None
-            h_chunk = hidden[c0:c0 + c]
+            h_chunk = hidden[c0 : c0 + c]
         if need_dh:
             dh_chunk = dz @ weight  # [c, H]
             if idx is None:
-                dh[c0:c0 + c] = dh_chunk
+                dh[c0 : c0 + c] = dh_chunk
             else:
                 dh.index_copy_(0, idx, dh_chunk)
         if need_dw:
@@ -261,7 +347,8 @@ class _PackedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, row_mask):
         hidden_c, weight_c, targets_c = hidden.contiguous(), weight.contiguous(), targets.contiguous()
         logp, ent, lse2, ez2, rows, n_active = packed_logprobs_forward(
-            hidden_c, weight_c, targets_c, temperature, row_mask)
+            hidden_c, weight_c, targets_c, temperature, row_mask
+        )
         ctx.save_for_backward(hidden_c, weight_c, targets_c, rows, n_active, lse2, ez2)
         ctx.temperature = float(temperature)
         ctx.has_mask = row_mask is not None
@@ -272,12 +359,29 @@ class _PackedLogprobs(torch.autograd.Function):
         hidden, weight, targets, rows, n_active, lse2, ez2 = ctx.saved_tensors
         n_host = int(n_active.item()) if ctx.has_mask else hidden.shape[0]  # the one sync
         dh, dw = packed_logprobs_backward(
-            hidden, weight, targets, ctx.temperature, rows, n_host, lse2, ez2, grad_logp, grad_ent,
-            need_dh=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1], has_mask=ctx.has_mask)
+            hidden,
+            weight,
+            targets,
+            ctx.temperature,
+            rows,
+            n_host,
+            lse2,
+            ez2,
+            grad_logp,
+            grad_ent,
+            need_dh=ctx.needs_input_grad[0],
+            need_dw=ctx.needs_input_grad[1],
+            has_mask=ctx.has_mask,
+        )
         return dh, dw, None, None, None
 
 
-def packed_logprobs_triton(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                           temperature: float = 1.0, row_mask: torch.Tensor | None = None):
+def packed_logprobs_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+):
     """(logp [T] fp32, entropy [T] fp32) for packed tokens; see the module docstring."""
     return _PackedLogprobs.apply(hidden, weight, targets, temperature, row_mask)

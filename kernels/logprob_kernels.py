@@ -39,9 +39,23 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, n_ok, H, stride_h, stride_w, scale2,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _logits_tile(
+    h_ptr,
+    w_ptr,
+    rows,
+    m_ok,
+    offs_n,
+    n_ok,
+    H,
+    stride_h,
+    stride_w,
+    scale2,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """y[BLOCK_M, BLOCK_N] = (h[rows] @ W[offs_n]^T) * scale2, padded columns = NEG.
 
     scale2 = log2(e) / temperature: y is the logit in base-2 units, so every exponential is a
@@ -66,10 +80,27 @@ def _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, n_ok, H, stride_h, stride_w, 
 
 
 @triton.jit
-def fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr, part_ptr,
-                        T, V, H, stride_h, stride_w, scale2, BLOCKS_PER_SPLIT,
-                        NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+def fwd_partials_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    rows_ptr,
+    n_active_ptr,
+    part_ptr,
+    T,
+    V,
+    H,
+    stride_h,
+    stride_w,
+    scale2,
+    BLOCKS_PER_SPLIT,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     pid = tl.program_id(0)
     pid_s = pid % NUM_SPLITS
     pid_m = pid // NUM_SPLITS
@@ -87,8 +118,23 @@ def fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr, part_ptr,
         n_end = tl.minimum(n_start + BLOCKS_PER_SPLIT * BLOCK_N, V)
         for n0 in range(n_start, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            y = _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, offs_n < V, H, stride_h, stride_w,
-                             scale2, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, UPCAST)
+            y = _logits_tile(
+                h_ptr,
+                w_ptr,
+                rows,
+                m_ok,
+                offs_n,
+                offs_n < V,
+                H,
+                stride_h,
+                stride_w,
+                scale2,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                DOT_PREC,
+                UPCAST,
+            )
             m_new = tl.maximum(m_run, tl.max(y, 1))
             alpha = tl.exp2(m_run - m_new)
             d = y - m_new[:, None]  # <= 0; padded columns: ~NEG, exp2 -> 0, e * d -> 0
@@ -109,8 +155,21 @@ def fwd_partials_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, n_active_ptr, part_ptr,
 
 
 @triton.jit
-def fwd_merge_kernel(part_ptr, mask_ptr, pos_ptr, tgt_ptr, logp_ptr, ent_ptr, lse2_ptr, ez2_ptr,
-                     T, V, HAS_MASK: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+def fwd_merge_kernel(
+    part_ptr,
+    mask_ptr,
+    pos_ptr,
+    tgt_ptr,
+    logp_ptr,
+    ent_ptr,
+    lse2_ptr,
+    ez2_ptr,
+    T,
+    V,
+    HAS_MASK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = offs < T
     if HAS_MASK:
@@ -145,10 +204,32 @@ def fwd_merge_kernel(part_ptr, mask_ptr, pos_ptr, tgt_ptr, logp_ptr, ent_ptr, ls
 
 
 @triton.jit
-def bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, lse2_ptr, ez2_ptr, glp_ptr, gent_ptr, dz_ptr,
-                  row_start, n_rows, V, H, stride_h, stride_w, stride_dz, scale2, inv_temp,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+def bwd_dz_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    rows_ptr,
+    lse2_ptr,
+    ez2_ptr,
+    glp_ptr,
+    gent_ptr,
+    dz_ptr,
+    row_start,
+    n_rows,
+    V,
+    H,
+    stride_h,
+    stride_w,
+    stride_dz,
+    scale2,
+    inv_temp,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     pid = tl.program_id(0)
     num_m = tl.cdiv(n_rows, BLOCK_M)
     num_n = tl.cdiv(V, BLOCK_N)
@@ -162,8 +243,23 @@ def bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, lse2_ptr, ez2_ptr, glp_ptr, g
     rows = tl.load(rows_ptr + row_start + offs_m, mask=m_ok, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < V
-    y = _logits_tile(h_ptr, w_ptr, rows, m_ok, offs_n, n_ok, H, stride_h, stride_w, scale2,
-                     BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, UPCAST)
+    y = _logits_tile(
+        h_ptr,
+        w_ptr,
+        rows,
+        m_ok,
+        offs_n,
+        n_ok,
+        H,
+        stride_h,
+        stride_w,
+        scale2,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_PREC,
+        UPCAST,
+    )
     lse2 = tl.load(lse2_ptr + rows, mask=m_ok, other=0.0)
     ez2 = tl.load(ez2_ptr + rows, mask=m_ok, other=0.0)
     # Chain factors folded per row: dz = d/dz of (g_lp*logp + g_H*H), z = y*ln2 = logits/tau.
@@ -172,7 +268,8 @@ def bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, rows_ptr, lse2_ptr, ez2_ptr, glp_ptr, g
     tgt = tl.load(tgt_ptr + rows, mask=m_ok, other=-1)
     p = tl.exp2(y - lse2[:, None])  # padded columns: 0
     # g_lp*(onehot - p) - g_H*p*(z - E_p[z]), all in fp32 before the single cast
-    dz = tl.where(offs_n[None, :] == tgt[:, None], g_lp[:, None], 0.0) \
-        - p * (g_lp[:, None] + g_h[:, None] * (y - ez2[:, None]))
+    dz = tl.where(offs_n[None, :] == tgt[:, None], g_lp[:, None], 0.0) - p * (
+        g_lp[:, None] + g_h[:, None] * (y - ez2[:, None])
+    )
     dz_ptrs = dz_ptr + offs_m[:, None].to(tl.int64) * stride_dz + offs_n[None, :]
     tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

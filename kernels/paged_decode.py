@@ -68,12 +68,38 @@ if triton is not None:
     NEG = tl.constexpr(-1.0e30)
 
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                       stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb,
-                       stride_ob, stride_oh, num_parts, scale2,
-                       GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr,
-                       SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    def _decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        lens_ptr,
+        out_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        stride_qb,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_vs,
+        stride_vh,
+        stride_tb,
+        stride_ob,
+        stride_oh,
+        num_parts,
+        scale2,
+        GROUP: tl.constexpr,
+        G_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PART: tl.constexpr,
+        SPLIT: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -85,8 +111,11 @@ if triton is not None:
             g_ok = offs_g < GROUP
             d_ok = offs_d < HEAD_DIM
             heads = kvh * GROUP + offs_g  # [G_PAD] query heads of this kv head
-            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                        mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D_PAD]
+            q = tl.load(
+                q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )  # [G_PAD, D_PAD]
             if UPCAST:
                 q = q.to(tl.float32)
             m = tl.full([G_PAD], NEG, dtype=tl.float32)
@@ -100,10 +129,12 @@ if triton is not None:
                 blk = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
                 slot = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N]
                 kv_ok = n_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                            mask=kv_ok, other=0.0)  # [BLOCK_N, D_PAD]
-                v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                            mask=kv_ok, other=0.0)
+                k = tl.load(
+                    k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_ok, other=0.0
+                )  # [BLOCK_N, D_PAD]
+                v = tl.load(
+                    v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_ok, other=0.0
+                )
                 if UPCAST:
                     k = k.to(tl.float32)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2  # [G_PAD, BLOCK_N]
@@ -126,12 +157,27 @@ if triton is not None:
                 tl.store(acc_ptr + ml[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok)
             else:
                 o = acc / l[:, None]
-                tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=row_ok)
+                tl.store(
+                    out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=row_ok,
+                )
 
     @triton.jit
-    def _merge_kernel(lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, stride_ob, stride_oh, num_parts, num_heads,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PART: tl.constexpr):
+    def _merge_kernel(
+        lens_ptr,
+        out_ptr,
+        m_ptr,
+        l_ptr,
+        acc_ptr,
+        stride_ob,
+        stride_oh,
+        num_parts,
+        num_heads,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        PART: tl.constexpr,
+    ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_d = tl.arange(0, D_PAD)
@@ -152,27 +198,36 @@ if triton is not None:
             acc = acc * a + acc_p * w
             big_m = m_new
         o = acc / big_l
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-                 mask=d_ok)
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok
+        )
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, block_size) -> None:
     if triton is None:
         raise RuntimeError(f"triton is not importable ({_TRITON_IMPORT_ERROR}): use the gather decode path")
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"need q [B, Hq, D] and k_cache = v_cache [slots, Hkv, D], got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"need q [B, Hq, D] and k_cache = v_cache [slots, Hkv, D], got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     if k_cache.shape[2] != D or Hq % Hkv:
         raise ValueError(f"head_dim {k_cache.shape[2]} vs {D}, or {Hq} query heads not a multiple of {Hkv} kv heads")
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype \
-            or v_cache.dtype != q.dtype:
-        raise ValueError(f"q/k/v dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype}: need one of float32, "
-                         "bfloat16, float16 for all three")
+    if (
+        q.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+        or k_cache.dtype != q.dtype
+        or v_cache.dtype != q.dtype
+    ):
+        raise ValueError(
+            f"q/k/v dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype}: need one of float32, "
+            "bfloat16, float16 for all three"
+        )
     if block_tables.dim() != 2 or block_tables.shape[0] != B or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [{B}, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables must be int32 [{B}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
     if context_lens.shape != (B,) or context_lens.dtype != torch.int32:
         raise ValueError(f"context_lens must be int32 [{B}], got {context_lens.dtype} {tuple(context_lens.shape)}")
     if block_size < 1:
@@ -183,11 +238,20 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, block_size) -> None:
         raise ValueError("k_cache / v_cache need a contiguous last dimension")
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           max_context_len: int | None = None, scale: float | None = None,
-                           partition: int = PARTITION, block_n: int | None = None,
-                           num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    max_context_len: int | None = None,
+    scale: float | None = None,
+    partition: int = PARTITION,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """softmax(q k^T * scale) v per sequence over its paged context; returns [B, Hq, D] in q's dtype.
 
     Every context_lens[b] must be >= 1. max_context_len (the largest context_lens, known on the
@@ -224,12 +288,53 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     upcast = _INTERPRETING and q.dtype == torch.bfloat16  # interpreter bug: bf16 tl.dot on raw bits
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     _decode_kernel[(B, Hkv, num_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, out, m_ws, l_ws, acc_ws,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_parts, scale2,
-        GROUP=group, G_PAD=g_pad, HEAD_DIM=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PART=partition, SPLIT=split, DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        m_ws,
+        l_ws,
+        acc_ws,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_parts,
+        scale2,
+        GROUP=group,
+        G_PAD=g_pad,
+        HEAD_DIM=D,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        PART=partition,
+        SPLIT=split,
+        DOT_PREC=prec,
+        UPCAST=upcast,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if split:
-        _merge_kernel[(B, Hq)](context_lens, out, m_ws, l_ws, acc_ws, out.stride(0), out.stride(1), num_parts, Hq,
-                               HEAD_DIM=D, D_PAD=d_pad, PART=partition, num_warps=4)
+        _merge_kernel[(B, Hq)](
+            context_lens,
+            out,
+            m_ws,
+            l_ws,
+            acc_ws,
+            out.stride(0),
+            out.stride(1),
+            num_parts,
+            Hq,
+            HEAD_DIM=D,
+            D_PAD=d_pad,
+            PART=partition,
+            num_warps=4,
+        )
     return out

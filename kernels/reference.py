@@ -12,8 +12,13 @@ Unselected rows (row_mask False) give exactly 0 and a zero gradient; their targe
 import torch
 
 
-def packed_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                              temperature: float = 1.0, row_mask: torch.Tensor | None = None):
+def packed_logprobs_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+):
     """(logp [T] fp64, entropy [T] fp64): logits = hidden @ weight.T / temperature, in fp64."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r}: need > 0")
@@ -31,9 +36,15 @@ def packed_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, target
     return torch.where(row_mask, logp, zero), torch.where(row_mask, entropy, zero)
 
 
-def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float | None = None) -> torch.Tensor:
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float | None = None,
+) -> torch.Tensor:
     """fp64 [B, Hq, D] decode attention over a paged cache (tests only; one sequence at a time).
 
     Same meaning as ``staleflow.kernels.paged_decode.paged_decode_attention``: sequence b's
@@ -42,7 +53,7 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     B, Hq, D = q.shape
     group = Hq // k_cache.shape[1]
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     out = torch.empty(B, Hq, D, dtype=torch.float64, device=q.device)
     for b in range(B):
         n = int(context_lens[b])

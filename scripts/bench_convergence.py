@@ -67,21 +67,36 @@ def summarize_run(run_dir: Path, wall_s: float) -> dict:
     rows = [r for r in rows if not r.get("superseded")]
     steps = sorted((r for r in rows if "eval_n" not in r), key=lambda r: r["step"])
     made = {0: 0.0, **{r["step"] + 1: r["time"] for r in steps}}  # version v exists once buffer v-1 is trained
-    evals = [{"step": r["step"], "accuracy": r["eval_accuracy"], "ci95_low": r["eval_ci95_low"],
-              "ci95_high": r["eval_ci95_high"], "n": r["eval_n"], "t_policy": made.get(r["step"], r["time"])}
-             for r in sorted((r for r in rows if "eval_n" in r), key=lambda r: r["step"])]
+    evals = [
+        {
+            "step": r["step"],
+            "accuracy": r["eval_accuracy"],
+            "ci95_low": r["eval_ci95_low"],
+            "ci95_high": r["eval_ci95_high"],
+            "n": r["eval_n"],
+            "t_policy": made.get(r["step"], r["time"]),
+        }
+        for r in sorted((r for r in rows if "eval_n" in r), key=lambda r: r["step"])
+    ]
     hist: dict[int, int] = {}
     for r in steps:
         for k, n in (r.get("staleness_hist") or {}).items():
             hist[int(k)] = hist.get(int(k), 0) + n
     groups = sum(hist.values())
-    return {"wall_s": wall_s, "evals": evals, "steps": len(steps),
-            "staleness_mean": sum(k * n for k, n in hist.items()) / max(groups, 1),
-            "staleness_max": max(hist, default=0), "staleness_hist": hist,
-            "reward_last5": fmean(r["reward_mean"] for r in steps[-5:]) if steps else 0.0,
-            "diag": {k: fmean(r.get("train", {}).get(k, 0.0) for r in steps) if steps else 0.0 for k in DIAG} |
-                    {"over_eta": sum(r.get("over_eta", 0) for r in steps),
-                     "train_acc_last5": fmean(r.get("accuracy", 0.0) for r in steps[-5:]) if steps else 0.0}}
+    return {
+        "wall_s": wall_s,
+        "evals": evals,
+        "steps": len(steps),
+        "staleness_mean": sum(k * n for k, n in hist.items()) / max(groups, 1),
+        "staleness_max": max(hist, default=0),
+        "staleness_hist": hist,
+        "reward_last5": fmean(r["reward_mean"] for r in steps[-5:]) if steps else 0.0,
+        "diag": {k: fmean(r.get("train", {}).get(k, 0.0) for r in steps) if steps else 0.0 for k in DIAG}
+        | {
+            "over_eta": sum(r.get("over_eta", 0) for r in steps),
+            "train_acc_last5": fmean(r.get("accuracy", 0.0) for r in steps[-5:]) if steps else 0.0,
+        },
+    }
 
 
 def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -> dict | None:
@@ -93,24 +108,58 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
     for attempt in (1, 2):
         if out.exists():  # an unfinished run (the bench was stopped): start it again
             shutil.rmtree(out)
-        cmd = ["bash", str(ROOT / "launch.sh"), *args.preset, "--mode", mode, "--staleness.eta", str(eta),
-               "--steps", str(args.steps), "--seed", str(seed), "--data.seed", str(seed), "--eval.n", str(args.eval_n),
-               "--eval.every", str(args.eval_every), "--log.run-dir", args.out, "--log.name", name, "--log.no-progress",
-               "--checkpoint.every", "0", *extra]
+        cmd = [
+            "bash",
+            str(ROOT / "launch.sh"),
+            *args.preset,
+            "--mode",
+            mode,
+            "--staleness.eta",
+            str(eta),
+            "--steps",
+            str(args.steps),
+            "--seed",
+            str(seed),
+            "--data.seed",
+            str(seed),
+            "--eval.n",
+            str(args.eval_n),
+            "--eval.every",
+            str(args.eval_every),
+            "--log.run-dir",
+            args.out,
+            "--log.name",
+            name,
+            "--log.no-progress",
+            "--checkpoint.every",
+            "0",
+            *extra,
+        ]
         load0, t0 = os.getloadavg()[0], time.monotonic()
         log = Path(args.out) / f"{name}.log"
         with open(log, "w") as fh:
-            res = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                 env=dict(os.environ, STALEFLOW_MAX_RESTARTS="0"))
+            res = subprocess.run(
+                cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, STALEFLOW_MAX_RESTARTS="0")
+            )
         wall = time.monotonic() - t0
         if res.returncode == 0 and (out / "metrics.jsonl").is_file():
-            result = {"name": name, "mode": mode, "eta": eta, "seed": seed, "load_start": load0,
-                      "load_end": os.getloadavg()[0], **summarize_run(out, wall)}
+            result = {
+                "name": name,
+                "mode": mode,
+                "eta": eta,
+                "seed": seed,
+                "load_start": load0,
+                "load_end": os.getloadavg()[0],
+                **summarize_run(out, wall),
+            }
             if result["evals"] and result["evals"][-1]["step"] == args.steps:
                 saved.write_text(json.dumps(result))
                 return result
-        print(f"  {name}: attempt {attempt} failed (exit {res.returncode}); log {log}:\n"
-              f"{log.read_text()[-1500:]}", file=sys.stderr, flush=True)
+        print(
+            f"  {name}: attempt {attempt} failed (exit {res.returncode}); log {log}:\n{log.read_text()[-1500:]}",
+            file=sys.stderr,
+            flush=True,
+        )
     return None
 
 
@@ -130,19 +179,27 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
         if not runs:
             continue
         final = [r["evals"][-1]["accuracy"] for r in runs]
-        diffs = [r["evals"][-1]["accuracy"] - sync[r["seed"]]["evals"][-1]["accuracy"] for r in runs if r["seed"] in sync]
+        diffs = [
+            r["evals"][-1]["accuracy"] - sync[r["seed"]]["evals"][-1]["accuracy"] for r in runs if r["seed"] in sync
+        ]
         ci = t_interval(diffs) if key != sync_key else None
         ttt = [t for t in (time_to_target(r, target) for r in runs) if t is not None]
         groups = sum(sum(r["staleness_hist"].values()) for r in runs)
         stats[key] = {
-            "seeds": len(runs), "acc_start": fmean(r["evals"][0]["accuracy"] for r in runs),
-            "acc_final_mean": fmean(final), "acc_final_std": stdev(final) if len(final) > 1 else 0.0,
+            "seeds": len(runs),
+            "acc_start": fmean(r["evals"][0]["accuracy"] for r in runs),
+            "acc_final_mean": fmean(final),
+            "acc_final_std": stdev(final) if len(final) > 1 else 0.0,
             "diff_vs_sync": fmean(diffs) if diffs and key != sync_key else 0.0,
-            "diff_ci95": list(ci) if ci else None, "paired_seeds": len(diffs),
-            "wall_s": fmean(r["wall_s"] for r in runs), "wall_vs_sync": fmean(r["wall_s"] for r in runs) / sync_wall,
-            "staleness_mean": sum(sum(int(k) * n for k, n in r["staleness_hist"].items()) for r in runs) / max(groups, 1),
+            "diff_ci95": list(ci) if ci else None,
+            "paired_seeds": len(diffs),
+            "wall_s": fmean(r["wall_s"] for r in runs),
+            "wall_vs_sync": fmean(r["wall_s"] for r in runs) / sync_wall,
+            "staleness_mean": sum(sum(int(k) * n for k, n in r["staleness_hist"].items()) for r in runs)
+            / max(groups, 1),
             "staleness_max": max(r["staleness_max"] for r in runs),
-            "ttt_s": fmean(ttt) if ttt else None, "ttt_reached": len(ttt),
+            "ttt_s": fmean(ttt) if ttt else None,
+            "ttt_reached": len(ttt),
             "ttt_vs_sync": fmean(ttt) / fmean(sync_ttt) if ttt and sync_ttt and fmean(sync_ttt) > 0 else None,
             "load": fmean((r["load_start"] + r["load_end"]) / 2 for r in runs),
             "diag": {k: fmean(r["diag"][k] for r in runs) for k in runs[0].get("diag", {})},
@@ -151,28 +208,46 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
 
 
 def table(stats: dict, target: float) -> str:
-    head = (f"{'mode':24s} {'seeds':>5s} {'acc@0':>6s} {'final mean':>10s} {'std':>6s} {'diff vs sync [95% CI]':>25s} "
-            f"{'wall s':>7s} {'x sync':>6s} {'stale mean/max':>14s} {'time-to-target s':>18s} {'x sync':>6s}")
+    head = (
+        f"{'mode':24s} {'seeds':>5s} {'acc@0':>6s} {'final mean':>10s} {'std':>6s} {'diff vs sync [95% CI]':>25s} "
+        f"{'wall s':>7s} {'x sync':>6s} {'stale mean/max':>14s} {'time-to-target s':>18s} {'x sync':>6s}"
+    )
     lines = [head]
     for (mode, eta), s in stats.items():
-        ci = f"[{s['diff_ci95'][0]:+.3f}, {s['diff_ci95'][1]:+.3f}]" if s["diff_ci95"] else "(baseline)" \
-            if mode == "verl-sync" else "(1 seed: no CI)"
-        ttt = f"{s['ttt_s']:.0f} ({s['ttt_reached']}/{s['seeds']})" if s["ttt_s"] is not None else \
-            f"not reached (0/{s['seeds']})"
+        ci = (
+            f"[{s['diff_ci95'][0]:+.3f}, {s['diff_ci95'][1]:+.3f}]"
+            if s["diff_ci95"]
+            else "(baseline)"
+            if mode == "verl-sync"
+            else "(1 seed: no CI)"
+        )
+        ttt = (
+            f"{s['ttt_s']:.0f} ({s['ttt_reached']}/{s['seeds']})"
+            if s["ttt_s"] is not None
+            else f"not reached (0/{s['seeds']})"
+        )
         ratio = f"{s['ttt_vs_sync']:.2f}" if s["ttt_vs_sync"] is not None else "-"
-        lines.append(f"{label(mode, eta):24s} {s['seeds']:5d} {s['acc_start']:6.3f} {s['acc_final_mean']:10.3f} "
-                     f"{s['acc_final_std']:6.3f} {s['diff_vs_sync']:+8.3f} {ci:>16s} {s['wall_s']:7.0f} "
-                     f"{s['wall_vs_sync']:6.2f} {s['staleness_mean']:9.2f} / {s['staleness_max']:<2d} {ttt:>18s} {ratio:>6s}")
-    lines.append(f"\n{'diagnostics (mean over steps)':32s} {'token stale':>11s} {'IS truncated':>12s} {'PPO clipped':>11s} "
-                 f"{'KL(behav||cur)':>14s} {'entropy':>8s} {'over eta':>8s} {'train acc last5':>15s}")
+        lines.append(
+            f"{label(mode, eta):24s} {s['seeds']:5d} {s['acc_start']:6.3f} {s['acc_final_mean']:10.3f} "
+            f"{s['acc_final_std']:6.3f} {s['diff_vs_sync']:+8.3f} {ci:>16s} {s['wall_s']:7.0f} "
+            f"{s['wall_vs_sync']:6.2f} {s['staleness_mean']:9.2f} / {s['staleness_max']:<2d} {ttt:>18s} {ratio:>6s}"
+        )
+    lines.append(
+        f"\n{'diagnostics (mean over steps)':32s} {'token stale':>11s} {'IS truncated':>12s} {'PPO clipped':>11s} "
+        f"{'KL(behav||cur)':>14s} {'entropy':>8s} {'over eta':>8s} {'train acc last5':>15s}"
+    )
     for (mode, eta), s in stats.items():
         d = s["diag"]
         if d:
-            lines.append(f"{label(mode, eta):32s} {d['token_staleness_mean']:11.2f} {d['is_truncated_frac_mean']:12.4f} "
-                         f"{d['ppo_clipped_frac_mean']:11.4f} {d['behaviour_k3_mean']:14.2e} {d['entropy_mean']:8.3f} "
-                         f"{d['over_eta'] / s['seeds']:8.1f} {d['train_acc_last5']:15.3f}")
-    lines.append(f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "
-                 f"the start of each run's metrics (model loaded) to the version that first reached it")
+            lines.append(
+                f"{label(mode, eta):32s} {d['token_staleness_mean']:11.2f} {d['is_truncated_frac_mean']:12.4f} "
+                f"{d['ppo_clipped_frac_mean']:11.4f} {d['behaviour_k3_mean']:14.2e} {d['entropy_mean']:8.3f} "
+                f"{d['over_eta'] / s['seeds']:8.1f} {d['train_acc_last5']:15.3f}"
+            )
+    lines.append(
+        f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "
+        f"the start of each run's metrics (model loaded) to the version that first reached it"
+    )
     return "\n".join(lines)
 
 
@@ -194,8 +269,13 @@ def plot(results: dict, stats: dict, target: float, path: str, title: str) -> No
         lab = f"{label(*key)} ({len(runs)} seeds)"
         for ax, x in ((a1, t), (a2, steps)):
             (line,) = ax.plot(x, acc, "o-", label=lab)
-            ax.fill_between(x, [a - s for a, s in zip(acc, sd)], [a + s for a, s in zip(acc, sd)],
-                            color=line.get_color(), alpha=0.15)
+            ax.fill_between(
+                x,
+                [a - s for a, s in zip(acc, sd)],
+                [a + s for a, s in zip(acc, sd)],
+                color=line.get_color(),
+                alpha=0.15,
+            )
     for ax, xl in ((a1, "wall time since the run started (min)"), (a2, "step (weight version)")):
         ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:.3f}")
         ax.set_xlabel(xl)
@@ -210,8 +290,8 @@ def plot(results: dict, stats: dict, target: float, path: str, title: str) -> No
 
 def main() -> None:
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=DEFAULT_MODES, help="mode[:eta] list; verl-sync (eta 0) is the baseline")
     ap.add_argument("--seeds", default="0,1,2")
@@ -227,9 +307,12 @@ def main() -> None:
         args.seeds, args.modes = "0", "verl-sync,staleflow:1"
     modes, seeds = parse_modes(args.modes), [int(s) for s in args.seeds.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    print(f"hardware: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; "
-          f"{args.steps} steps, held-out {args.eval_n} prompts every {args.eval_every} steps, seeds {seeds}; "
-          f"extra flags: {' '.join(args.preset + extra) or 'none'}", flush=True)
+    print(
+        f"hardware: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; "
+        f"{args.steps} steps, held-out {args.eval_n} prompts every {args.eval_every} steps, seeds {seeds}; "
+        f"extra flags: {' '.join(args.preset + extra) or 'none'}",
+        flush=True,
+    )
     results: dict[tuple[str, int], list[dict]] = {key: [] for key in modes}
     for seed in seeds:
         for mode, eta in modes:
@@ -239,17 +322,24 @@ def main() -> None:
                 continue
             results[(mode, eta)].append(r)
             e0, e1 = r["evals"][0], r["evals"][-1]
-            print(f"  {name:30s} held-out {e0['accuracy']:.3f} -> {e1['accuracy']:.3f} "
-                  f"[{e1['ci95_low']:.3f}, {e1['ci95_high']:.3f}]  wall {r['wall_s']:.0f} s  staleness mean "
-                  f"{r['staleness_mean']:.2f} max {r['staleness_max']}  load {r['load_start']:.1f}->{r['load_end']:.1f}",
-                  flush=True)
+            print(
+                f"  {name:30s} held-out {e0['accuracy']:.3f} -> {e1['accuracy']:.3f} "
+                f"[{e1['ci95_low']:.3f}, {e1['ci95_high']:.3f}]  wall {r['wall_s']:.0f} s  staleness mean "
+                f"{r['staleness_mean']:.2f} max {r['staleness_max']}  load {r['load_start']:.1f}->{r['load_end']:.1f}",
+                flush=True,
+            )
     if not results[("verl-sync", 0)]:
         raise SystemExit("no verl-sync run finished: nothing to compare against")
     target, stats = aggregate(results, ("verl-sync", 0))
     print("\n" + table(stats, target))
     png = os.path.join(args.out, "convergence.png")
-    plot(results, stats, target, png, f"Held-out accuracy vs wall time ({cpu_name()}, {os.cpu_count()} cores, "
-                                      f"{args.eval_n} prompts, seeds {seeds})")
+    plot(
+        results,
+        stats,
+        target,
+        png,
+        f"Held-out accuracy vs wall time ({cpu_name()}, {os.cpu_count()} cores, {args.eval_n} prompts, seeds {seeds})",
+    )
     print(f"wrote {png}")
     print(json.dumps({"target": target, **{label(*k): v for k, v in stats.items()}}))
 

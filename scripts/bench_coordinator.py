@@ -24,10 +24,10 @@ import statistics
 import time
 
 from staleflow.config import CoordinatorConfig
-from staleflow.coordinator.modes import apply_mode
 from staleflow.coordinator import Coordinator, InstanceSnapshot, TrajectoryItem, load_cost_model
-from staleflow.protocol.staleness import StalenessManager
+from staleflow.coordinator.modes import apply_mode
 from staleflow.metrics.hardware import cpu_name
+from staleflow.protocol.staleness import StalenessManager
 
 
 def build(mode: str, cfg: CoordinatorConfig, args, rng: random.Random):
@@ -70,17 +70,25 @@ def run(mode: str, cfg: CoordinatorConfig, args) -> dict:
         c.submit([TrajectoryItem(t, t, None, 512) for t in (next(ids) for _ in range(args.finish))])
         t0 = time.perf_counter()
         for i, s in c.instances.items():
-            c.on_snapshot(InstanceSnapshot(i, s.version, s.load, 0, s.kv_tokens + 5000, s.kv_capacity, 900.0,
-                                           s.syncing, now[0]))
+            c.on_snapshot(
+                InstanceSnapshot(i, s.version, s.load, 0, s.kv_tokens + 5000, s.kv_capacity, 900.0, s.syncing, now[0])
+            )
         t1 = time.perf_counter()
         c.tick(now[0])
         t2 = time.perf_counter()
         tick_ms.append((t2 - t1) * 1e3)
         full_ms.append((t2 - t0) * 1e3)
     q = sorted(tick_ms)
-    return {"mode": mode, "p50_ms": statistics.median(tick_ms), "p99_ms": q[int(0.99 * (len(q) - 1))],
-            "mean_ms": statistics.fmean(tick_ms), "with_snapshots_p50_ms": statistics.median(full_ms),
-            "queued": len(c.queue), "routes": c.counters["routes"], "load": sum(s.load for s in c.instances.values())}
+    return {
+        "mode": mode,
+        "p50_ms": statistics.median(tick_ms),
+        "p99_ms": q[int(0.99 * (len(q) - 1))],
+        "mean_ms": statistics.fmean(tick_ms),
+        "with_snapshots_p50_ms": statistics.median(full_ms),
+        "queued": len(c.queue),
+        "routes": c.counters["routes"],
+        "load": sum(s.load for s in c.instances.values()),
+    }
 
 
 def main() -> None:
@@ -91,23 +99,47 @@ def main() -> None:
     ap.add_argument("--finish", type=int, default=20, help="trajectories finishing between two ticks")
     ap.add_argument("--max-concurrent", type=int, default=64)
     args = ap.parse_args()
-    base = CoordinatorConfig(cost_model="qwen2.5-32b-tp2", max_concurrent=args.max_concurrent, migration=True,
-                             pull="status", pull_indicator="kv", pull_threshold=0.6)
-    print(f"host: {cpu_name()}, {os.cpu_count()} cpus, python {platform.python_version()}; {args.instances} instances, "
-          f"{args.queued} queued, {args.finish} finishes/tick, max_concurrent {args.max_concurrent}, {args.ticks} ticks")
-    rows = [run("staleflow", base, args), run("staleflow-simple-strategies", base, args),
-            run("staleflow", CoordinatorConfig(**{**base.__dict__, "scan_limit": 10**9}), args) | {"mode": "unbounded"}]
-    print(f"{'variant':28s} {'p50 ms':>8s} {'p99 ms':>8s} {'mean ms':>8s} {'+snap p50':>10s} {'queued':>7s} {'routes':>7s}")
+    base = CoordinatorConfig(
+        cost_model="qwen2.5-32b-tp2",
+        max_concurrent=args.max_concurrent,
+        migration=True,
+        pull="status",
+        pull_indicator="kv",
+        pull_threshold=0.6,
+    )
+    print(
+        f"host: {cpu_name()}, {os.cpu_count()} cpus, python {platform.python_version()}; {args.instances} instances, "
+        f"{args.queued} queued, {args.finish} finishes/tick, max_concurrent {args.max_concurrent}, {args.ticks} ticks"
+    )
+    rows = [
+        run("staleflow", base, args),
+        run("staleflow-simple-strategies", base, args),
+        run("staleflow", CoordinatorConfig(**{**base.__dict__, "scan_limit": 10**9}), args) | {"mode": "unbounded"},
+    ]
+    print(
+        f"{'variant':28s} {'p50 ms':>8s} {'p99 ms':>8s} {'mean ms':>8s} {'+snap p50':>10s} {'queued':>7s} {'routes':>7s}"
+    )
     for r in rows:
-        print(f"{r['mode']:28s} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['mean_ms']:8.3f} "
-              f"{r['with_snapshots_p50_ms']:10.3f} {r['queued']:7d} {r['routes']:7d}")
+        print(
+            f"{r['mode']:28s} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['mean_ms']:8.3f} "
+            f"{r['with_snapshots_p50_ms']:10.3f} {r['queued']:7d} {r['routes']:7d}"
+        )
     sf, un = rows[0], rows[2]
-    print(json.dumps({"tick_p50_ms": round(sf["p50_ms"], 4), "tick_p99_ms": round(sf["p99_ms"], 4),
-                      "tick_with_snapshots_p50_ms": round(sf["with_snapshots_p50_ms"], 4),
-                      "simple_strategies_tick_p50_ms": round(rows[1]["p50_ms"], 4),
-                      "unbounded_tick_p50_ms": round(un["p50_ms"], 4),
-                      "speedup_vs_unbounded": round(un["p50_ms"] / sf["p50_ms"], 2),
-                      "target_met": sf["p50_ms"] < 1.0, "instances": args.instances, "queued": args.queued}))
+    print(
+        json.dumps(
+            {
+                "tick_p50_ms": round(sf["p50_ms"], 4),
+                "tick_p99_ms": round(sf["p99_ms"], 4),
+                "tick_with_snapshots_p50_ms": round(sf["with_snapshots_p50_ms"], 4),
+                "simple_strategies_tick_p50_ms": round(rows[1]["p50_ms"], 4),
+                "unbounded_tick_p50_ms": round(un["p50_ms"], 4),
+                "speedup_vs_unbounded": round(un["p50_ms"] / sf["p50_ms"], 2),
+                "target_met": sf["p50_ms"] < 1.0,
+                "instances": args.instances,
+                "queued": args.queued,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,15 @@ def reward_throughput(fn: str, n: int, workers: int) -> dict:
     t_pool = time.perf_counter() - t0
     pool.close()
     assert [got[i] for i in range(n)] == inline, "pool and inline rewards differ"
-    return {"fn": fn, "n": n, "workers": workers, "inline_per_s": n / t_inline, "pool_per_s": n / t_pool,
-            "pool_vs_inline": t_inline / t_pool, "mean_reward": sum(inline) / n}
+    return {
+        "fn": fn,
+        "n": n,
+        "workers": workers,
+        "inline_per_s": n / t_inline,
+        "pool_per_s": n / t_pool,
+        "pool_vs_inline": t_inline / t_pool,
+        "mean_reward": sum(inline) / n,
+    }
 
 
 def task_accuracy(model_path: str, task: str, n: int, max_new_tokens: int, temperature: float) -> dict:
@@ -65,16 +72,30 @@ def task_accuracy(model_path: str, task: str, n: int, max_new_tokens: int, tempe
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                             do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            do_sample=temperature > 0,
+            temperature=temperature or None,
+            top_p=1.0,
+            top_k=0,
+        )
     gen_s = time.perf_counter() - t0
     texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
     results = [score(fn, t, p.answer, p.meta) for t, p in zip(texts, prompts)]
     for p, t, (r, _) in list(zip(prompts, texts, results))[:4]:
         print(f"  [{r:.0f}] {p.text!r} -> {t[:120]!r}")
-    return {"task": task, "n": n, "temperature": temperature, "max_new_tokens": max_new_tokens,
-            "accuracy": sum(r for r, _ in results) / n,
-            "boxed_rate": sum(i["boxed"] for _, i in results) / n, "generate_s": gen_s}
+    return {
+        "task": task,
+        "n": n,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "accuracy": sum(r for r, _ in results) / n,
+        "boxed_rate": sum(i["boxed"] for _, i in results) / n,
+        "generate_s": gen_s,
+    }
 
 
 def main() -> None:
@@ -92,16 +113,20 @@ def main() -> None:
     for fn in () if args.skip_reward else ("math", "arithmetic"):
         r = reward_throughput(fn, args.n, args.workers)
         result["reward"][fn] = r
-        print(f"reward {fn:10s} n={args.n} inline {r['inline_per_s']:8.1f}/s   RewardPool({args.workers} workers) "
-              f"{r['pool_per_s']:8.1f}/s   pool/inline {r['pool_vs_inline']:.2f}x")
+        print(
+            f"reward {fn:10s} n={args.n} inline {r['inline_per_s']:8.1f}/s   RewardPool({args.workers} workers) "
+            f"{r['pool_per_s']:8.1f}/s   pool/inline {r['pool_vs_inline']:.2f}x"
+        )
     if args.model:
         result["accuracy"] = []
         for temperature in (float(t) for t in args.temperatures.split(",")):
             a = task_accuracy(args.model, args.task, args.n, args.max_new_tokens, temperature)
             result["accuracy"].append(a)
-            print(f"{args.model} on {args.task} (temperature {temperature}): accuracy {a['accuracy']:.3f}, "
-                  f"boxed {a['boxed_rate']:.3f}, n={a['n']}, max_new_tokens={a['max_new_tokens']}, "
-                  f"generate {a['generate_s']:.1f}s")
+            print(
+                f"{args.model} on {args.task} (temperature {temperature}): accuracy {a['accuracy']:.3f}, "
+                f"boxed {a['boxed_rate']:.3f}, n={a['n']}, max_new_tokens={a['max_new_tokens']}, "
+                f"generate {a['generate_s']:.1f}s"
+            )
     print(json.dumps(result))
 
 

@@ -31,8 +31,14 @@ from staleflow.rollout.sampler import _draw, draw_chunked, draw_truncated
 def decode_step_s(model, prompts, mirror: bool, steps: int) -> float:
     """CPU seconds per pure decode step once every sequence is decoding."""
     longest = max(len(p) for p in prompts) + steps + 8
-    eng = BuiltinEngine(model, max_running=len(prompts), max_kv_tokens=len(prompts) * (longest + 16),
-                        max_model_len=longest, prefill_chunk_tokens=4096, decode_mirror=mirror)
+    eng = BuiltinEngine(
+        model,
+        max_running=len(prompts),
+        max_kv_tokens=len(prompts) * (longest + 16),
+        max_model_len=longest,
+        prefill_chunk_tokens=4096,
+        decode_mirror=mirror,
+    )
     params = SamplingParams(temperature=0, max_new_tokens=steps + 4, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add(Request(i, p, params))
@@ -86,8 +92,14 @@ def main() -> None:
         prompts = [torch.randint(100, vocab, (ctx,), generator=gen).tolist() for _ in range(args.batch)]
         gather = decode_step_s(model, prompts, False, args.steps)
         mirror = decode_step_s(model, prompts, True, args.steps)
-        rows.append((f"decode step, context ~{ctx}", f"{gather * 1e3:.1f} ms", f"{mirror * 1e3:.1f} ms",
-                     f"{gather / mirror:.2f}x"))
+        rows.append(
+            (
+                f"decode step, context ~{ctx}",
+                f"{gather * 1e3:.1f} ms",
+                f"{mirror * 1e3:.1f} ms",
+                f"{gather / mirror:.2f}x",
+            )
+        )
         result[f"mirror_speedup_ctx{ctx}"] = round(gather / mirror, 2)
 
     # the model's own next-token distributions after one random token (high entropy: the hard
@@ -102,16 +114,36 @@ def main() -> None:
     t_plain_ref, t_plain = best_s(lambda: full_cdf(probs, u), 5), best_s(lambda: draw_chunked(probs, u), 5)
     t_top_ref = best_s(lambda: full_sort_top_p(probs, u, top_p), 2)
     t_top = best_s(lambda: draw_truncated(probs, u, top_k, top_p), 2)
-    rows.append((f"sample T=1, {args.batch} x {vocab}", f"{t_plain_ref * 1e3:.1f} ms", f"{t_plain * 1e3:.1f} ms",
-                 f"{t_plain_ref / t_plain:.2f}x"))
-    rows.append((f"sample top-p {args.top_p}", f"{t_top_ref * 1e3:.1f} ms", f"{t_top * 1e3:.1f} ms",
-                 f"{t_top_ref / t_top:.2f}x"))
+    rows.append(
+        (
+            f"sample T=1, {args.batch} x {vocab}",
+            f"{t_plain_ref * 1e3:.1f} ms",
+            f"{t_plain * 1e3:.1f} ms",
+            f"{t_plain_ref / t_plain:.2f}x",
+        )
+    )
+    rows.append(
+        (
+            f"sample top-p {args.top_p}",
+            f"{t_top_ref * 1e3:.1f} ms",
+            f"{t_top * 1e3:.1f} ms",
+            f"{t_top_ref / t_top:.2f}x",
+        )
+    )
     result.update(sample_speedup=round(t_plain_ref / t_plain, 2), top_p_speedup=round(t_top_ref / t_top, 2))
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    print(f"hardware: {cpu}, {os.cpu_count()} cores, {args.threads} torch threads; torch {torch.__version__}; "
-          f"load {os.getloadavg()[0]:.1f}; model {args.model} {args.dtype}, batch {args.batch}, CPU time per op")
+    cpu = (
+        next(
+            (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+            platform.processor(),
+        )
+        if os.path.exists("/proc/cpuinfo")
+        else platform.processor()
+    )
+    print(
+        f"hardware: {cpu}, {os.cpu_count()} cores, {args.threads} torch threads; torch {torch.__version__}; "
+        f"load {os.getloadavg()[0]:.1f}; model {args.model} {args.dtype}, batch {args.batch}, CPU time per op"
+    )
     print(f"{'what':<34} {'baseline':>10} {'new':>10} {'ratio':>7}")
     print(f"{'':<34} {'(gather / full)':>10}")
     for name, a, b, r in rows:

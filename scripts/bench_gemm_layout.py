@@ -54,26 +54,43 @@ def main() -> None:
         w_sep = [[torch.randn(s, generator=g).to(dtype) for s in sep] for _ in range(a.num_layers)]
         w_fused = [[torch.randn(s, generator=g).to(dtype) for s in fused] for _ in range(a.num_layers)]
         xs = {n: torch.randn(args.m, n).to(dtype) for n in (h, nq, i)}
-        times = {"linear": best_s(lambda: [F.linear(xs[w.shape[1]], w) for ws in w_sep for w in ws], args.repeats),
-                 "fused mm": best_s(lambda: [torch.mm(xs[w.shape[0]], w) for ws in w_fused for w in ws],
-                                    args.repeats)}
+        times = {
+            "linear": best_s(lambda: [F.linear(xs[w.shape[1]], w) for ws in w_sep for w in ws], args.repeats),
+            "fused mm": best_s(lambda: [torch.mm(xs[w.shape[0]], w) for ws in w_fused for w in ws], args.repeats),
+        }
         packed = [[torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), args.m) for w in ws] for ws in w_fused]
-        times["oneDNN prepacked"] = best_s(lambda: [
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[0]], p, None, "none", [], "")
-            for ws, ps in zip(w_fused, packed) for w, p in zip(ws, ps)], args.repeats)
+        times["oneDNN prepacked"] = best_s(
+            lambda: [
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[0]], p, None, "none", [], "")
+                for ws, ps in zip(w_fused, packed)
+                for w, p in zip(ws, ps)
+            ],
+            args.repeats,
+        )
         if dtype == torch.float32:
             orig = [[w.t().contiguous() for w in ws] for ws in w_fused]
             mkl = [[torch.ops.mkl._mkl_reorder_linear_weight(w, args.m) for w in ws] for ws in orig]
-            for label, m in (("MKL prepacked", args.m), (f"MKL prepacked, used at M={args.m // 2 + 1}", args.m // 2 + 1)):
+            for label, m in (
+                ("MKL prepacked", args.m),
+                (f"MKL prepacked, used at M={args.m // 2 + 1}", args.m // 2 + 1),
+            ):
                 xm = {n: torch.randn(m, n) for n in (h, nq, i)}
-                times[label] = best_s(lambda: [torch.ops.mkl._mkl_linear(xm[o.shape[1]], p, o, None, args.m)
-                                               for os_, ps in zip(orig, mkl) for o, p in zip(os_, ps)], args.repeats)
+                times[label] = best_s(
+                    lambda: [
+                        torch.ops.mkl._mkl_linear(xm[o.shape[1]], p, o, None, args.m)
+                        for os_, ps in zip(orig, mkl)
+                        for o, p in zip(os_, ps)
+                    ],
+                    args.repeats,
+                )
         name = str(dtype).removeprefix("torch.")
         for k, t in times.items():
             rows.append((name, k, t, times["linear"] / t))
             result[f"{name}:{k}"] = round(times["linear"] / t, 2)
-    print(f"{args.model}: {a.num_layers} layers, hidden {h}, intermediate {i}, M = {args.m}, {args.threads} thread(s), "
-          f"{os.cpu_count()} cores, torch {torch.__version__}; CPU ms per decode step's projections (no LM head)")
+    print(
+        f"{args.model}: {a.num_layers} layers, hidden {h}, intermediate {i}, M = {args.m}, {args.threads} thread(s), "
+        f"{os.cpu_count()} cores, torch {torch.__version__}; CPU ms per decode step's projections (no LM head)"
+    )
     for name, k, t, r in rows:
         print(f"{name:9s} {k:32s} {t * 1e3:8.1f} ms  {r:5.2f}x vs linear")
     print(json.dumps(result))

@@ -106,7 +106,8 @@ def _impls():
         from staleflow.train.logprobs import packed_logprobs
 
         impls["chunked-train"] = lambda h, w, t, tau, m: packed_logprobs(
-            h, w, t, temperature=tau, row_mask=m, impl="chunked")
+            h, w, t, temperature=tau, row_mask=m, impl="chunked"
+        )
     except Exception as exc:  # absent, or imports something this machine lacks (e.g. tyro)
         print(f"# chunked-train unavailable: {type(exc).__name__}: {exc}")
     return impls
@@ -129,7 +130,7 @@ def measure(fn, hidden, weight, targets, tau, mask, backward, reps, warmup):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for i in range(warmup + reps):
+    for _ in range(warmup + reps):
         hidden.grad = weight.grad = None
         _sync(device)
         t0 = time.perf_counter()
@@ -182,14 +183,29 @@ def run_shape(T, H, V, device, impls, reps, warmup, tau=0.9):
                 break
             selected = t_used // 2 if name == "triton-half-prompt" else t_used
             flops = (8 if backward else 2) * selected * H * V  # selected tokens only
-            rows.append({
-                "T": t_used, "H": H, "V": V, "impl": name, "mode": "fwd+bwd" if backward else "fwd",
-                "status": status, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12 if ms else None,
-                "peak_extra_gib": peak / 2**30 if peak is not None else None})
+            rows.append(
+                {
+                    "T": t_used,
+                    "H": H,
+                    "V": V,
+                    "impl": name,
+                    "mode": "fwd+bwd" if backward else "fwd",
+                    "status": status,
+                    "ms": ms,
+                    "tflops": flops / (ms * 1e-3) / 1e12 if ms else None,
+                    "peak_extra_gib": peak / 2**30 if peak is not None else None,
+                }
+            )
             r = rows[-1]
-            print(f"T={t_used:6d} H={H:5d} V={V:6d} {name:14s} {r['mode']:8s} "
-                  + (f"{ms:9.2f} ms {r['tflops']:7.1f} TFLOP/s peak+{r['peak_extra_gib'] or 0:6.2f} GiB"
-                     if ms else status), flush=True)
+            print(
+                f"T={t_used:6d} H={H:5d} V={V:6d} {name:14s} {r['mode']:8s} "
+                + (
+                    f"{ms:9.2f} ms {r['tflops']:7.1f} TFLOP/s peak+{r['peak_extra_gib'] or 0:6.2f} GiB"
+                    if ms
+                    else status
+                ),
+                flush=True,
+            )
     return rows
 
 
@@ -209,15 +225,21 @@ def sweep(T, H, V, device, reps, warmup):
         ref_lp, ref_ent = kl.packed_logprobs_forward(hidden, weight, targets, 0.9, None)[:2]
     out = []
     for cfg in configs:
-        fn = lambda h, w, t, tau, m, cfg=cfg: kl.packed_logprobs_forward(h, w, t, tau, m, config=cfg)[:2]
+
+        def fn(h, w, t, tau, m, cfg=cfg):
+            return kl.packed_logprobs_forward(h, w, t, tau, m, config=cfg)[:2]
+
         try:
             ms, _ = measure(fn, hidden, weight, targets, 0.9, None, False, reps, warmup)
             tf = 2 * T * H * V / (ms * 1e-3) / 1e12
             with torch.no_grad():
                 lp, ent = fn(hidden, weight, targets, 0.9, None)
             diff = max((lp - ref_lp).abs().max().item(), (ent - ref_ent).abs().max().item())
-            print(f"sweep {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: "
-                  f"{ms:8.2f} ms {tf:7.1f} TFLOP/s  max|diff vs default|={diff:.1e}", flush=True)
+            print(
+                f"sweep {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}: "
+                f"{ms:8.2f} ms {tf:7.1f} TFLOP/s  max|diff vs default|={diff:.1e}",
+                flush=True,
+            )
             out.append({"config": cfg.__dict__, "ms": ms, "tflops": tf, "max_diff_vs_default": diff})
         except Exception as exc:
             print(f"sweep {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
@@ -254,8 +276,10 @@ def main():
     import triton
 
     hw = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"# hardware: {hw}; torch {torch.__version__}; triton {triton.__version__}; "
-          f"python {platform.python_version()}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")
+    print(
+        f"# hardware: {hw}; torch {torch.__version__}; triton {triton.__version__}; "
+        f"python {platform.python_version()}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}"
+    )
     print(f"# kernel config: {kl.default_config(device, torch.bfloat16)}")
     impls = {k: v for k, v in _impls().items() if k not in set(filter(None, args.skip.split(",")))}
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -273,17 +297,29 @@ def main():
                     print(f"ratio {T}x{H}x{V} {mode}: triton is {r:.2f}x {base}")
     for r in rows:
         if r["impl"] == "triton-half-prompt" and r["ms"]:
-            full = [q for q in rows if q["impl"] == "triton" and q["mode"] == r["mode"] and q["H"] == r["H"]
-                    and q["V"] == r["V"] and q["ms"]]
+            full = [
+                q
+                for q in rows
+                if q["impl"] == "triton"
+                and q["mode"] == r["mode"]
+                and q["H"] == r["H"]
+                and q["V"] == r["V"]
+                and q["ms"]
+            ]
             if full:  # ~0.5 when masked prompt tokens cost nothing
                 ratios[f"{r['T']}x{r['H']}x{r['V']} {r['mode']} half-prompt time / full time"] = r["ms"] / full[0]["ms"]
     big = [r for r in rows if r["impl"] == "triton" and r["mode"] == "fwd" and r["H"] == 4096 and r["ms"]]
     result = {
-        "bench": "kernels_logprob", "tests": args.tests_status, "hardware": hw, "torch": torch.__version__,
-        "triton": triton.__version__, "rows": rows, "ratios": ratios, "sweep": sweeps,
+        "bench": "kernels_logprob",
+        "tests": args.tests_status,
+        "hardware": hw,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "rows": rows,
+        "ratios": ratios,
+        "sweep": sweeps,
         "target_fwd_550_tflops": (big[0]["tflops"] >= 550) if big else None,
-        "target_fwdbwd_2.5x_chunked": {k: v >= 2.5 for k, v in ratios.items()
-                                        if "fwd+bwd" in k and "chunked" in k},
+        "target_fwdbwd_2.5x_chunked": {k: v >= 2.5 for k, v in ratios.items() if "fwd+bwd" in k and "chunked" in k},
     }
     print(json.dumps(result))
 

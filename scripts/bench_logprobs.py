@@ -69,11 +69,19 @@ def child(args) -> None:
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    print(json.dumps({
-        "impl": args.impl, "extra_peak_bytes": extra, "time_s": statistics.median(times), "times": times,
-        "logp_sum": float(lp.double().sum()), "dh_norm": float(h.grad.double().norm()),
-        "dw_norm": float(w.grad.double().norm()),
-    }))
+    print(
+        json.dumps(
+            {
+                "impl": args.impl,
+                "extra_peak_bytes": extra,
+                "time_s": statistics.median(times),
+                "times": times,
+                "logp_sum": float(lp.double().sum()),
+                "dh_norm": float(h.grad.double().norm()),
+                "dw_norm": float(w.grad.double().norm()),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -95,17 +103,37 @@ def main() -> None:
 
     import torch
 
-    print(f"# host: {platform.node()} {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"# host: {platform.node()} {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cpus, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
     if args.device.startswith("cuda"):
         print(f"# device: {torch.cuda.get_device_name()}")
-    print(f"# shapes: T={args.tokens} V={args.vocab} H={args.hidden} dtype={args.dtype} device={args.device}; "
-          f"op = forward + backward of sum(logp) + 0.1 sum(entropy)")
+    print(
+        f"# shapes: T={args.tokens} V={args.vocab} H={args.hidden} dtype={args.dtype} device={args.device}; "
+        f"op = forward + backward of sum(logp) + 0.1 sum(entropy)"
+    )
     results = {}
     for impl in args.impls:
-        cmd = [sys.executable, __file__, "--child", "--impl", impl, "--tokens", str(args.tokens), "--vocab",
-               str(args.vocab), "--hidden", str(args.hidden), "--device", args.device, "--dtype", args.dtype,
-               "--repeats", str(args.repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--impl",
+            impl,
+            "--tokens",
+            str(args.tokens),
+            "--vocab",
+            str(args.vocab),
+            "--hidden",
+            str(args.hidden),
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--repeats",
+            str(args.repeats),
+        ]
         # Fixed mmap threshold: freed big blocks go back to the OS, so RSS tracks live memory
         # (glibc's dynamic threshold would otherwise keep freed chunks resident in the heap).
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -116,21 +144,32 @@ def main() -> None:
     logits_bytes = args.tokens * args.vocab * 4
     print(f"{'impl':>8} {'extra peak MiB':>15} {'x fp32 logits':>14} {'time s':>8}")
     for impl, r in results.items():
-        print(f"{impl:>8} {r['extra_peak_bytes'] / 2**20:>15.1f} {r['extra_peak_bytes'] / logits_bytes:>14.2f} "
-              f"{r['time_s']:>8.2f}")
+        print(
+            f"{impl:>8} {r['extra_peak_bytes'] / 2**20:>15.1f} {r['extra_peak_bytes'] / logits_bytes:>14.2f} "
+            f"{r['time_s']:>8.2f}"
+        )
     base, test = results["naive"], results[args.impls[0]]
     rel = max(abs(test[k] - base[k]) / max(abs(base[k]), 1e-12) for k in ("logp_sum", "dh_norm", "dw_norm"))
     print(f"# max relative difference vs naive (sum logp, |dh|, |dW|): {rel:.2e}")
-    print(json.dumps({
-        "impl": args.impls[0], "tokens": args.tokens, "vocab": args.vocab, "hidden": args.hidden,
-        "device": args.device, "dtype": args.dtype,
-        "extra_peak_mib": round(test["extra_peak_bytes"] / 2**20, 1),
-        "naive_extra_peak_mib": round(base["extra_peak_bytes"] / 2**20, 1),
-        "time_s": round(test["time_s"], 3), "naive_time_s": round(base["time_s"], 3),
-        "mem_ratio_vs_naive": round(base["extra_peak_bytes"] / max(test["extra_peak_bytes"], 1), 2),
-        "time_ratio_vs_naive": round(test["time_s"] / base["time_s"], 3),
-        "max_rel_diff": rel,
-    }))
+    print(
+        json.dumps(
+            {
+                "impl": args.impls[0],
+                "tokens": args.tokens,
+                "vocab": args.vocab,
+                "hidden": args.hidden,
+                "device": args.device,
+                "dtype": args.dtype,
+                "extra_peak_mib": round(test["extra_peak_bytes"] / 2**20, 1),
+                "naive_extra_peak_mib": round(base["extra_peak_bytes"] / 2**20, 1),
+                "time_s": round(test["time_s"], 3),
+                "naive_time_s": round(base["time_s"], 3),
+                "mem_ratio_vs_naive": round(base["extra_peak_bytes"] / max(test["extra_peak_bytes"], 1), 2),
+                "time_ratio_vs_naive": round(test["time_s"] / base["time_s"], 3),
+                "max_rel_diff": rel,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     lengths = [int(x) for x in a.lengths.split(",")]
     ours = load_model(a.model, dtype=dtype, device=dev)
-    ref = AutoModelForCausalLM.from_pretrained(resolve_model_path(a.model), dtype=dtype,
-                                               attn_implementation="sdpa").to(dev)
+    ref = AutoModelForCausalLM.from_pretrained(resolve_model_path(a.model), dtype=dtype, attn_implementation="sdpa").to(
+        dev
+    )
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, ours.args.vocab_size, (n,), generator=g) for n in lengths]
     ids = torch.cat(seqs).to(dev)
@@ -64,7 +65,7 @@ def main() -> None:
     padded = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.long)
     for i, s in enumerate(seqs):
-        padded[i, :len(s)], mask[i, :len(s)] = s, 1
+        padded[i, : len(s)], mask[i, : len(s)] = s, 1
     padded, mask = padded.to(dev), mask.to(dev)
     valid = mask.bool()
 
@@ -85,10 +86,14 @@ def main() -> None:
     cpu = platform.processor() or platform.machine()
     if dev.type == "cuda":
         cpu = torch.cuda.get_device_name(dev)
-    print(f"hardware: {cpu}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
-    print(f"model: {a.model} ({ours.num_params() / 1e6:.1f}M params), dtype {a.dtype}, lengths {lengths} "
-          f"(packed {sum(lengths)} tokens, padded {B}x{L} = {B * L})")
+    print(
+        f"hardware: {cpu}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"model: {a.model} ({ours.num_params() / 1e6:.1f}M params), dtype {a.dtype}, lengths {lengths} "
+        f"(packed {sum(lengths)} tokens, padded {B}x{L} = {B * L})"
+    )
     print(f"{'step':<18}{'ours s':>10}{'hf padded s':>13}{'ours tok/s':>12}{'speedup':>9}")
     result = {"model": a.model, "device": a.device, "dtype": a.dtype, "lengths": lengths}
     for name, backward in (("forward", False), ("forward+backward", True)):

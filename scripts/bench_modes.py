@@ -44,9 +44,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def measure_cost_model(args, root: str) -> tuple[str, float]:
     """(path of the fitted cost-model JSON, prefill tokens/s) of the rollout engine on this machine."""
     out, samples = os.path.join(root, "cost.json"), os.path.join(root, "samples.jsonl")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "fit_cost_model.py"), "--model", args.model, "--threads", "1",
-           "--batches", "1,4,8,16,32", "--prompt-lens", "32,256", "--kv-capacity", str(args.kv_tokens),
-           "--save-samples", samples, "--out", out]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "fit_cost_model.py"),
+        "--model",
+        args.model,
+        "--threads",
+        "1",
+        "--batches",
+        "1,4,8,16,32",
+        "--prompt-lens",
+        "32,256",
+        "--kv-capacity",
+        str(args.kv_tokens),
+        "--save-samples",
+        samples,
+        "--out",
+        out,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if res.returncode != 0:
         raise SystemExit(f"cost-model profiling failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
@@ -69,8 +84,15 @@ def measure_prefill(args) -> float:
         gen = torch.Generator().manual_seed(0)
         tokens = seconds = 0.0
         for plen in (64, 128, 256, 256, 128, 64):
-            eng = BuiltinEngine(model, max_running=4, max_kv_tokens=args.kv_tokens, block_size=16,
-                                prefill_chunk_tokens=4 * plen, max_model_len=plen + 4, profile=True)
+            eng = BuiltinEngine(
+                model,
+                max_running=4,
+                max_kv_tokens=args.kv_tokens,
+                block_size=16,
+                prefill_chunk_tokens=4 * plen,
+                max_model_len=plen + 4,
+                profile=True,
+            )
             for r in range(4):
                 ids = torch.randint(100, model.args.vocab_size, (plen,), generator=gen).tolist()
                 eng.add(Request(r, ids, SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)))
@@ -86,15 +108,52 @@ def measure_prefill(args) -> float:
 
 def run_mode(mode: str, args, root: str, cost_json: str, rep: int = 0) -> dict:
     name = f"bench-{mode}-{rep}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "staleflow",
-           "train", "--preset", "tiny", "--model.path", args.model, "--mode", mode, "--steps", str(args.steps),
-           "--rollout.length-dist", args.length_dist, "--rollout.max-new-tokens", str(args.max_new),
-           "--rollout.max-model-len", str(args.max_new + 256), "--rollout.max-kv-tokens", str(args.kv_tokens),
-           "--staleness.batch-size", str(args.batch), "--staleness.group-size", str(args.group),
-           "--staleness.eta", str(args.eta), "--coordinator.cost-model", cost_json,
-           "--log.run-dir", root, "--log.name", name, "--log.no-progress", "--log.no-plot", "--log.no-tensorboard",
-           "--checkpoint.no-export-hf", "--seed", str(args.seed), *args.extra,
-           *(args.staleflow_flags.split() if mode == "staleflow" else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=3",
+        "-m",
+        "staleflow",
+        "train",
+        "--preset",
+        "tiny",
+        "--model.path",
+        args.model,
+        "--mode",
+        mode,
+        "--steps",
+        str(args.steps),
+        "--rollout.length-dist",
+        args.length_dist,
+        "--rollout.max-new-tokens",
+        str(args.max_new),
+        "--rollout.max-model-len",
+        str(args.max_new + 256),
+        "--rollout.max-kv-tokens",
+        str(args.kv_tokens),
+        "--staleness.batch-size",
+        str(args.batch),
+        "--staleness.group-size",
+        str(args.group),
+        "--staleness.eta",
+        str(args.eta),
+        "--coordinator.cost-model",
+        cost_json,
+        "--log.run-dir",
+        root,
+        "--log.name",
+        name,
+        "--log.no-progress",
+        "--log.no-plot",
+        "--log.no-tensorboard",
+        "--checkpoint.no-export-hf",
+        "--seed",
+        str(args.seed),
+        *args.extra,
+        *(args.staleflow_flags.split() if mode == "staleflow" else []),
+    ]
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.monotonic() - t0
@@ -111,19 +170,26 @@ def run_mode(mode: str, args, root: str, cost_json: str, rep: int = 0) -> dict:
     span = rest[-1]["time"] - first["time"]
     pulls = [s["t1"] - s["t0"] for s in spans if s["kind"] == "pull"]
     return {
-        "mode": mode, "steps": len(rows), "wall_s": wall, "measured_s": span,
+        "mode": mode,
+        "steps": len(rows),
+        "wall_s": wall,
+        "measured_s": span,
         "tokens_per_s": sum(r["trained_tokens"] for r in rest) / span,
-        "staleness_mean": sum(r["staleness_mean"] * r["trained_groups"] for r in rest) / max(1, sum(r["trained_groups"] for r in rest)),
-        "over_eta": rows[-1].get("over_eta", 0), "interrupts": rows[-1]["interrupts"], "pulls": rows[-1]["pulls"],
+        "staleness_mean": sum(r["staleness_mean"] * r["trained_groups"] for r in rest)
+        / max(1, sum(r["trained_groups"] for r in rest)),
+        "over_eta": rows[-1].get("over_eta", 0),
+        "interrupts": rows[-1]["interrupts"],
+        "pulls": rows[-1]["pulls"],
         "train": [(r["trained_tokens"], r["trained_trajectories"], r["train_s"]) for r in rows],
-        "push_s": sum(r["push_s"] for r in rows) / len(rows), "pull_s": sum(pulls) / max(1, len(pulls)),
+        "push_s": sum(r["push_s"] for r in rows) / len(rows),
+        "pull_s": sum(pulls) / max(1, len(pulls)),
     }
 
 
 def prompt_len(args) -> int:
-    from staleflow.presets import PRESETS
     from staleflow.data import PromptSource
     from staleflow.model import load_tokenizer, resolve_model_path
+    from staleflow.presets import PRESETS
 
     cfg = PRESETS["tiny"]()
     src = PromptSource(cfg.data, load_tokenizer(resolve_model_path(args.model)))
@@ -144,8 +210,8 @@ def train_fit(steps: list[tuple[int, int, float]], prompt_len: int) -> tuple[flo
 
 def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], everything: list[dict]) -> float:
     """Simulated trained tokens/s of `mode` on the runtime's shape, with everything measured above."""
-    from staleflow.coordinator.cost_model import load_cost_model
     from staleflow.config import StalenessConfig
+    from staleflow.coordinator.cost_model import load_cost_model
     from staleflow.sim.config import SimConfig
     from staleflow.sim.simulator import run
 
@@ -153,15 +219,35 @@ def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], 
     median, sigma = (float(x) for x in args.length_dist.split(":")[1:])
     pull = sum(m["pull_s"] for m in everything) / len(everything)
     push = sum(m["push_s"] for m in everything) / len(everything)
-    cfg = SimConfig(total_gpus=3, rollout_gpus=2, gpus_per_instance=1, cost_model=cost_json,
-                    kv_capacity=args.kv_tokens, prefill_tokens_per_s=prefill, max_running=args.max_running,
-                    train_tokens_per_gpu_s=1.0 / slope, train_overhead_s=overhead, push_s=push, pull_s=pull,
-                    broadcast_s=pull, colocated_switch_s=0.0,
-                    staleness=StalenessConfig(batch_size=args.batch, group_size=args.group),
-                    prompt_len=args.prompt_len, response_median=median, response_sigma=sigma,
-                    max_response=args.max_new, steps=args.steps, warmup_steps=args.warmup, tick_s=0.01,
-                    router_fit_samples=0, shared_cores=args.shared_cores, colocated_sync=False, seed=args.seed,
-                    out_dir="", ablation=False)
+    cfg = SimConfig(
+        total_gpus=3,
+        rollout_gpus=2,
+        gpus_per_instance=1,
+        cost_model=cost_json,
+        kv_capacity=args.kv_tokens,
+        prefill_tokens_per_s=prefill,
+        max_running=args.max_running,
+        train_tokens_per_gpu_s=1.0 / slope,
+        train_overhead_s=overhead,
+        push_s=push,
+        pull_s=pull,
+        broadcast_s=pull,
+        colocated_switch_s=0.0,
+        staleness=StalenessConfig(batch_size=args.batch, group_size=args.group),
+        prompt_len=args.prompt_len,
+        response_median=median,
+        response_sigma=sigma,
+        max_response=args.max_new,
+        steps=args.steps,
+        warmup_steps=args.warmup,
+        tick_s=0.01,
+        router_fit_samples=0,
+        shared_cores=args.shared_cores,
+        colocated_sync=False,
+        seed=args.seed,
+        out_dir="",
+        ablation=False,
+    )
     # What the runtime runs today: a pull interrupts (its rollout ranks do not keep KV across a weight load
     # yet); the simulator's own default models the engine-side mechanism.
     overrides = {"keep_kv_on_pull": False} if mode == "staleflow" else {}
@@ -189,10 +275,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--keep", default="", help="keep the run folders here (default: a temporary folder)")
-    ap.add_argument("--staleflow-flags", default="--coordinator.mu 0",
-                    help="flags for the staleflow mode only. Default mu 0: the CPU cost curve is compute-bound from "
-                         "n = 1, so the GPU default mu 0.2 makes the waterfall hold work back (2-3 trajectories per "
-                         "instance), which keeps the rollout ranks busy and slows the trainer sharing their cores")
+    ap.add_argument(
+        "--staleflow-flags",
+        default="--coordinator.mu 0",
+        help="flags for the staleflow mode only. Default mu 0: the CPU cost curve is compute-bound from "
+        "n = 1, so the GPU default mu 0.2 makes the waterfall hold work back (2-3 trajectories per "
+        "instance), which keeps the rollout ranks busy and slows the trainer sharing their cores",
+    )
     ap.add_argument("extra", nargs="*", help="more flags for every run (after --)")
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -208,26 +297,40 @@ def main() -> None:
         load0 = os.getloadavg()[0]
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         for rep in range(args.repeats):
-            order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+            order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
             for m in order:
                 runs[m].append(run_mode(m, args, root, cost_json, rep))
         everything = [r for rs in runs.values() for r in rs]
         sim = {m: simulate(m, args, cost_json, prefill, runs[m], everything) for m in modes}
-    measured = {m: {k: sum(r[k] for r in rs) / len(rs) for k in ("tokens_per_s", "staleness_mean", "over_eta",
-                                                                 "interrupts", "pulls", "wall_s")}
-                for m, rs in runs.items()}
+    measured = {
+        m: {
+            k: sum(r[k] for r in rs) / len(rs)
+            for k in ("tokens_per_s", "staleness_mean", "over_eta", "interrupts", "pulls", "wall_s")
+        }
+        for m, rs in runs.items()
+    }
     base = measured["verl-sync"]["tokens_per_s"]
-    print(f"# machine: {cpu_name()}, {os.cpu_count()} cores, load {load0:.1f} -> {os.getloadavg()[0]:.1f} (shared), "
-          f"python {platform.python_version()}; 3 ranks (1 trainer + 2 rollout) share the cores")
-    print("# per run tok/s: " + "; ".join(f"{m} " + ", ".join(f"{r['tokens_per_s']:.0f}" for r in rs)
-                                        for m, rs in runs.items()))
-    print(f"# workload: {args.model}, B={args.batch} groups x N={args.group}, prompts {args.prompt_len} tokens, lengths "
-          f"{args.length_dist} capped at {args.max_new}, eta={args.eta}, {args.steps} steps (first {args.warmup} excluded)")
+    print(
+        f"# machine: {cpu_name()}, {os.cpu_count()} cores, load {load0:.1f} -> {os.getloadavg()[0]:.1f} (shared), "
+        f"python {platform.python_version()}; 3 ranks (1 trainer + 2 rollout) share the cores"
+    )
+    print(
+        "# per run tok/s: "
+        + "; ".join(f"{m} " + ", ".join(f"{r['tokens_per_s']:.0f}" for r in rs) for m, rs in runs.items())
+    )
+    print(
+        f"# workload: {args.model}, B={args.batch} groups x N={args.group}, prompts {args.prompt_len} tokens, lengths "
+        f"{args.length_dist} capped at {args.max_new}, eta={args.eta}, {args.steps} steps (first {args.warmup} excluded)"
+    )
     print(f"# staleflow flags: {args.staleflow_flags or '(none)'}; every mode: {' '.join(args.extra) or '(none)'}")
-    print(f"# measured cost model: k1={cost['k1']:.3g} k2={cost['k2']:.3g} k3={cost['k3']:.3g} b3={cost['b3']:.3g} "
-          f"(fit mean err {cost['fit']['mean_rel_err']:.0%}), prefill {prefill:.0f} tok/s")
-    print(f"{'mode':<19}{'tok/s':>8}{'vs sync':>9}{'staleness':>11}{'>eta':>6}{'intr':>6}{'pulls':>7}{'wall s':>8}"
-          f"{'sim tok/s':>11}{'sim err':>9}")
+    print(
+        f"# measured cost model: k1={cost['k1']:.3g} k2={cost['k2']:.3g} k3={cost['k3']:.3g} b3={cost['b3']:.3g} "
+        f"(fit mean err {cost['fit']['mean_rel_err']:.0%}), prefill {prefill:.0f} tok/s"
+    )
+    print(
+        f"{'mode':<19}{'tok/s':>8}{'vs sync':>9}{'staleness':>11}{'>eta':>6}{'intr':>6}{'pulls':>7}{'wall s':>8}"
+        f"{'sim tok/s':>11}{'sim err':>9}"
+    )
     out: dict = {}
     for m in modes:
         r = measured[m]
@@ -236,13 +339,17 @@ def main() -> None:
         out[f"{key}_tok_s"] = round(r["tokens_per_s"], 2)
         out[f"{key}_vs_sync"] = round(r["tokens_per_s"] / base, 3)
         out[f"{key}_sim_err"] = round(err, 3)
-        print(f"{m:<19}{r['tokens_per_s']:>8.1f}{r['tokens_per_s'] / base:>9.2f}{r['staleness_mean']:>11.2f}"
-              f"{r['over_eta']:>6.0f}{r['interrupts']:>6.0f}{r['pulls']:>7.0f}{r['wall_s']:>8.0f}{sim[m]:>11.1f}"
-              f"{err:>+9.1%}")
+        print(
+            f"{m:<19}{r['tokens_per_s']:>8.1f}{r['tokens_per_s'] / base:>9.2f}{r['staleness_mean']:>11.2f}"
+            f"{r['over_eta']:>6.0f}{r['interrupts']:>6.0f}{r['pulls']:>7.0f}{r['wall_s']:>8.0f}{sim[m]:>11.1f}"
+            f"{err:>+9.1%}"
+        )
     best = max((m for m in modes if m in ASYNC), key=lambda m: measured[m]["tokens_per_s"], default=None)
     if "staleflow" in modes and best:
         out["best_async"] = best
-        out["staleflow_vs_best_async"] = round(measured["staleflow"]["tokens_per_s"] / measured[best]["tokens_per_s"], 3)
+        out["staleflow_vs_best_async"] = round(
+            measured["staleflow"]["tokens_per_s"] / measured[best]["tokens_per_s"], 3
+        )
     out["sim_vs_real_max_err"] = round(max(abs(out[f"{m.replace('-', '_')}_sim_err"]) for m in modes), 3)
     print(json.dumps(out))
 

@@ -25,7 +25,6 @@ import platform
 import time
 
 import torch
-
 from bench_engine import hardware
 
 
@@ -34,9 +33,16 @@ def run(model, reqs, sharing: bool, args) -> tuple[float, int, list[list[int]]]:
     from staleflow.rollout.builtin_engine import BuiltinEngine
 
     total = args.prompt_len + args.new_tokens + 1
-    eng = BuiltinEngine(model, max_running=len(reqs), max_kv_tokens=len(reqs) * (total + args.block_size),
-                        block_size=args.block_size, prefill_chunk_tokens=args.prefill_chunk, max_model_len=total,
-                        profile=True, prefix_sharing=sharing)
+    eng = BuiltinEngine(
+        model,
+        max_running=len(reqs),
+        max_kv_tokens=len(reqs) * (total + args.block_size),
+        block_size=args.block_size,
+        prefill_chunk_tokens=args.prefill_chunk,
+        max_model_len=total,
+        profile=True,
+        prefix_sharing=sharing,
+    )
     t0 = time.perf_counter()
     outs = eng.generate(reqs)
     if next(model.parameters()).device.type == "cuda":
@@ -84,9 +90,15 @@ def main() -> None:
     sizes = [int(x) for x in args.group_sizes.split(",")]
 
     def batch(size):
-        return [Request(g * size + m, p, SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens,
-                                                        ignore_eos=True, seed=1000 * g + m))
-                for g, p in enumerate(prompts) for m in range(size)]
+        return [
+            Request(
+                g * size + m,
+                p,
+                SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1000 * g + m),
+            )
+            for g, p in enumerate(prompts)
+            for m in range(size)
+        ]
 
     run(model, batch(2)[:2], True, args)  # warm-up (allocator, first-call costs)
     rows, result = [], {}
@@ -100,15 +112,31 @@ def main() -> None:
                     best[sharing] = (dt, prefill, ids)
         (t_base, p_base, out_base), (t_new, p_new, out_new) = best[False], best[True]
         same, dlp = agreement(out_base, out_new)
-        result.update({f"g{size}_prefill_tokens": p_new, f"g{size}_prefill_tokens_baseline": p_base,
-                       f"g{size}_wall_s": round(t_new, 3), f"g{size}_wall_s_baseline": round(t_base, 3),
-                       f"g{size}_speedup": round(t_base / t_new, 2), f"g{size}_same_tokens": f"{same}/{len(reqs)}",
-                       f"g{size}_max_dlogprob": float(f"{dlp:.2e}")})
-        rows.append((f"group size {size} ({len(reqs)} requests)",
-                     f"prefill tokens {p_base} -> {p_new} ({p_base / max(p_new, 1):.2f}x fewer); wall "
-                     f"{t_base:.2f} s -> {t_new:.2f} s ({t_base / t_new:.2f}x)"))
-        rows.append(("  outputs vs baseline", f"identical tokens in {same}/{len(reqs)} requests, max |dlogprob| "
-                                              f"{dlp:.1e} before the first differing token"))
+        result.update(
+            {
+                f"g{size}_prefill_tokens": p_new,
+                f"g{size}_prefill_tokens_baseline": p_base,
+                f"g{size}_wall_s": round(t_new, 3),
+                f"g{size}_wall_s_baseline": round(t_base, 3),
+                f"g{size}_speedup": round(t_base / t_new, 2),
+                f"g{size}_same_tokens": f"{same}/{len(reqs)}",
+                f"g{size}_max_dlogprob": float(f"{dlp:.2e}"),
+            }
+        )
+        rows.append(
+            (
+                f"group size {size} ({len(reqs)} requests)",
+                f"prefill tokens {p_base} -> {p_new} ({p_base / max(p_new, 1):.2f}x fewer); wall "
+                f"{t_base:.2f} s -> {t_new:.2f} s ({t_base / t_new:.2f}x)",
+            )
+        )
+        rows.append(
+            (
+                "  outputs vs baseline",
+                f"identical tokens in {same}/{len(reqs)} requests, max |dlogprob| "
+                f"{dlp:.1e} before the first differing token",
+            )
+        )
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     head = [
@@ -116,10 +144,15 @@ def main() -> None:
         ("torch / python", f"{torch.__version__} / {platform.python_version()}"),
         ("load average (1 min)", f"{load:.1f}"),
         ("model / dtype", f"{args.model} / {args.dtype}"),
-        ("batch", f"{args.groups} prompts x group size, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-                  f"T=1 seeded, block {args.block_size}, chunk {args.prefill_chunk}"),
-        ("baseline", "the same engine with prefix_sharing=False, this run; best of "
-                     f"{args.repeats} alternating rounds each"),
+        (
+            "batch",
+            f"{args.groups} prompts x group size, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+            f"T=1 seeded, block {args.block_size}, chunk {args.prefill_chunk}",
+        ),
+        (
+            "baseline",
+            f"the same engine with prefix_sharing=False, this run; best of {args.repeats} alternating rounds each",
+        ),
     ]
     width = max(len(k) for k, _ in head + rows)
     for k, v in head + rows:

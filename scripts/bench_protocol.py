@@ -64,8 +64,10 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     cap = a.capacity or a.batch_size
-    print(f"hardware: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} "
-          f"python={sys.version.split()[0]} ({platform.python_implementation()})")
+    print(
+        f"hardware: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} "
+        f"python={sys.version.split()[0]} ({platform.python_implementation()})"
+    )
     print(f"shape: groups={a.groups} eta={a.eta} B={a.batch_size} B'={cap} group_size=1, best of {a.repeats}")
     runs = [run_manager(a.groups, a.eta, a.batch_size, cap) for _ in range(a.repeats)]
     mgr, wall, consumed = min(runs[i][0] for i in range(a.repeats)), min(r[1] for r in runs), runs[0][2]
@@ -75,12 +77,23 @@ def main():
     print(f"{'manager reserve+occupy pairs (CPU time)':<40}{pairs_s:>14,.0f}")
     print(f"{'baseline dict insert+delete (CPU time)':<40}{base_s:>14,.0f}")
     print(f"{'manager pairs (wall clock, best run)':<40}{a.groups / wall:>14,.0f}")
-    print(f"manager / baseline = {pairs_s / base_s:.3f}  "
-          f"(groups consumed or aborted {consumed}, target >= 100k pairs/s)")
-    print(json.dumps({"manager_ops_per_s": round(pairs_s), "baseline_dict_ops_per_s": round(base_s),
-                      "manager_vs_dict": round(pairs_s / base_s, 4),
-                      "manager_ops_per_s_wall": round(a.groups / wall), "groups": a.groups, "eta": a.eta,
-                      "batch_size": a.batch_size, "capacity": cap}))
+    print(
+        f"manager / baseline = {pairs_s / base_s:.3f}  (groups consumed or aborted {consumed}, target >= 100k pairs/s)"
+    )
+    print(
+        json.dumps(
+            {
+                "manager_ops_per_s": round(pairs_s),
+                "baseline_dict_ops_per_s": round(base_s),
+                "manager_vs_dict": round(pairs_s / base_s, 4),
+                "manager_ops_per_s_wall": round(a.groups / wall),
+                "groups": a.groups,
+                "eta": a.eta,
+                "batch_size": a.batch_size,
+                "capacity": cap,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,12 @@ def bench(model_name: str, dtype: torch.dtype, device: str, reps: int) -> dict:
     from staleflow.rollout.builtin_engine import BuiltinEngine
     from staleflow.servers import ParameterServer, ParamLayout
 
-    engine = BuiltinEngine(load_model(model_name, dtype=dtype, device=device), max_kv_tokens=4096,
-                           max_model_len=512, decode_backend="gather")
+    engine = BuiltinEngine(
+        load_model(model_name, dtype=dtype, device=device),
+        max_kv_tokens=4096,
+        max_model_len=512,
+        decode_backend="gather",
+    )
     master = load_model(model_name, dtype=torch.float32, device=device)
     out = {"model": model_name, "engine_dtype": str(dtype).removeprefix("torch."), "device": device}
     version = [0]
@@ -83,13 +87,17 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, device {args.device}")
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, device {args.device}"
+    )
     rows = [bench(args.model, dt, args.device, args.reps) for dt in (torch.float32, torch.bfloat16)]
     print(f"{'engine':>8} {'slot before':>12} {'before s':>9} {'slot now':>9} {'now s':>7} {'ratio':>6}")
     for r in rows:
-        print(f"{r['engine_dtype']:>8} {r['before_slot_mb']:>9.0f} MB {r['before_s']:>9.3f} {r['now_slot_mb']:>6.0f} MB "
-              f"{r['now_s']:>7.3f} {r['speedup']:>5.2f}x")
+        print(
+            f"{r['engine_dtype']:>8} {r['before_slot_mb']:>9.0f} MB {r['before_s']:>9.3f} {r['now_slot_mb']:>6.0f} MB "
+            f"{r['now_s']:>7.3f} {r['speedup']:>5.2f}x"
+        )
     print(json.dumps({"bench": "pull", "threads": torch.get_num_threads(), "rows": rows}))
 
 

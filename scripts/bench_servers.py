@@ -41,8 +41,10 @@ def hardware(device: torch.device) -> str:
     except (OSError, StopIteration):
         pass
     gpu = f" gpu={torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    return (f"cpu={cpu} cores={os.cpu_count()} torch={torch.__version__} threads={torch.get_num_threads()} "
-            f"python={sys.version.split()[0]}{gpu}")
+    return (
+        f"cpu={cpu} cores={os.cpu_count()} torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"python={sys.version.split()[0]}{gpu}"
+    )
 
 
 CLOCK = time.process_time
@@ -97,8 +99,13 @@ def bench_pull(args, device: torch.device, sync) -> dict:
             flat_t.append(best(lambda: dst.copy_(src), 1, sync))
             per_t.append(best(lambda: [o.copy_(sd[k]) for k, o in out.items()], 1, sync))
         assert all(torch.equal(out[k], sd[k]) for k in sd)
-        return {"bytes": nbytes, "tensors": len(sd), "pull_s": min(pull_t), "copy_s": min(flat_t),
-                "per_tensor_copy_s": min(per_t)}
+        return {
+            "bytes": nbytes,
+            "tensors": len(sd),
+            "pull_s": min(pull_t),
+            "copy_s": min(flat_t),
+            "per_tensor_copy_s": min(per_t),
+        }
     finally:
         reader.close()
         ps.close()
@@ -106,11 +113,16 @@ def bench_pull(args, device: torch.device, sync) -> dict:
 
 def bench_ring(args) -> dict:
     g = torch.Generator().manual_seed(0)
-    recs = [TrajectoryRecord(torch.randint(0, 50000, (args.prompt,), generator=g, dtype=torch.int32),
-                             torch.randint(0, 50000, (args.response,), generator=g, dtype=torch.int32),
-                             -torch.rand(args.response, generator=g), torch.full((args.response,), 3, dtype=torch.int32),
-                             {"traj_id": i, "group_id": i // 8, "traj_version": 3, "finish_reason": "stop"})
-            for i in range(args.records)]
+    recs = [
+        TrajectoryRecord(
+            torch.randint(0, 50000, (args.prompt,), generator=g, dtype=torch.int32),
+            torch.randint(0, 50000, (args.response,), generator=g, dtype=torch.int32),
+            -torch.rand(args.response, generator=g),
+            torch.full((args.response,), 3, dtype=torch.int32),
+            {"traj_id": i, "group_id": i // 8, "traj_version": 3, "finish_reason": "stop"},
+        )
+        for i in range(args.records)
+    ]
     payload = sum(4 * (r.prompt_ids.numel() + 3 * r.response_ids.numel()) for r in recs)
     ring = TrajectoryRing.create("b" + uuid.uuid4().hex[:10], 0, 2 * payload + (1 << 20))
     reader = TrajectoryRing.attach(ring.name.split("-")[1], 0)
@@ -144,8 +156,13 @@ def bench_ring(args) -> dict:
             ring_t.append(best(ring_round, 1, nop))
             plain_t.append(best(plain_round, 1, nop))
             flat_t.append(best(flat_round, 1, nop))
-        return {"bytes": payload, "records": len(recs), "ring_s": min(ring_t), "plain_s": min(plain_t),
-                "flat_s": min(flat_t)}
+        return {
+            "bytes": payload,
+            "records": len(recs),
+            "ring_s": min(ring_t),
+            "plain_s": min(plain_t),
+            "flat_s": min(flat_t),
+        }
     finally:
         reader.close()
         ring.close()
@@ -192,8 +209,10 @@ def main():
     print(f"  pull / copy = {pull_vs_copy:.3f} (target >= 0.8 on CPU)")
     ring = bench_ring(a)
     rgb = ring["bytes"] / 1e9
-    print(f"ring: {ring['records']} records x (prompt {a.prompt} + response {a.response} tokens), "
-          f"{ring['bytes'] / 2**20:.1f} MiB payload, best of {a.repeats}")
+    print(
+        f"ring: {ring['records']} records x (prompt {a.prompt} + response {a.response} tokens), "
+        f"{ring['bytes'] / 2**20:.1f} MiB payload, best of {a.repeats}"
+    )
     print(f"  {'ring write + read + free':<44}{rgb / ring['ring_s']:>10.2f}")
     print(f"  {'baseline: per-record copy in + clone out':<44}{rgb / ring['plain_s']:>10.2f}")
     print(f"  {'flat copy in + clone out of all bytes':<44}{rgb / ring['flat_s']:>10.2f}")
@@ -202,13 +221,23 @@ def main():
     mgr = None if a.no_manager else manager_ops_per_s()
     if mgr is not None:
         print(f"manager: {mgr:,.0f} reserve+occupy pairs/s (scripts/bench_protocol.py run_manager, CPU time)")
-    print(json.dumps({
-        "pull_vs_copy": round(pull_vs_copy, 4), "ring_vs_copy": round(ring_vs_copy, 4),
-        "manager_ops_per_s": None if mgr is None else round(mgr),
-        "pull_gb_s": round(gb / pull["pull_s"], 3), "copy_gb_s": round(gb / pull["copy_s"], 3),
-        "ring_gb_s": round(rgb / ring["ring_s"], 3), "ring_plain_gb_s": round(rgb / ring["plain_s"], 3),
-        "ring_vs_flat_copy": round(ring["flat_s"] / ring["ring_s"], 4), "ring_records_per_s": round(
-            ring["records"] / ring["ring_s"]), "param_bytes": pull["bytes"], "device": str(device)}))
+    print(
+        json.dumps(
+            {
+                "pull_vs_copy": round(pull_vs_copy, 4),
+                "ring_vs_copy": round(ring_vs_copy, 4),
+                "manager_ops_per_s": None if mgr is None else round(mgr),
+                "pull_gb_s": round(gb / pull["pull_s"], 3),
+                "copy_gb_s": round(gb / pull["copy_s"], 3),
+                "ring_gb_s": round(rgb / ring["ring_s"], 3),
+                "ring_plain_gb_s": round(rgb / ring["plain_s"], 3),
+                "ring_vs_flat_copy": round(ring["flat_s"] / ring["ring_s"], 4),
+                "ring_records_per_s": round(ring["records"] / ring["ring_s"]),
+                "param_bytes": pull["bytes"],
+                "device": str(device),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -39,10 +39,38 @@ def _port() -> int:
 def run_once(tree: str, args, out_dir: str, name: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(tree, "src"), OMP_NUM_THREADS="1")
     port = _port()
-    cmd = [sys.executable, "-m", "staleflow.launch.torchrun", "--nnodes", "1", "--nproc-per-node", "3",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", "127.0.0.1",
-           "--rdzv-id", name, "-m", "staleflow", "train", "--preset", args.preset, "--steps", str(args.steps),
-           "--log.no-progress", "--log.no-plot", "--log.run-dir", out_dir, "--log.name", name, "--seed", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "staleflow.launch.torchrun",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "3",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--local-addr",
+        "127.0.0.1",
+        "--rdzv-id",
+        name,
+        "-m",
+        "staleflow",
+        "train",
+        "--preset",
+        args.preset,
+        "--steps",
+        str(args.steps),
+        "--log.no-progress",
+        "--log.no-plot",
+        "--log.run-dir",
+        out_dir,
+        "--log.name",
+        name,
+        "--seed",
+        "0",
+    ]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - t0
@@ -66,13 +94,20 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900)
     args = p.parse_args()
     print(f"hardware: {cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     tmp = tempfile.mkdtemp(prefix="sf-bench-")
     base_tree = os.path.join(tmp, "baseline")
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", base_tree, args.baseline], cwd=ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", "-f", base_tree, args.baseline],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     trees = {f"baseline {args.baseline}": base_tree, f"current {head}{'+changes' if dirty else ''}": ROOT}
     got: dict[str, list[dict]] = {k: [] for k in trees}
     try:
@@ -81,19 +116,26 @@ def main() -> int:
                 name = f"{'b' if tree == base_tree else 'c'}{i}"
                 r = run_once(tree, args, os.path.join(tmp, "runs"), name)
                 got[label].append(r)
-                print(f"  {label:28s} run {i}: wall {r['wall_s']:6.1f} s, {r['samples_per_s']:6.2f} samples/s",
-                      flush=True)
+                print(
+                    f"  {label:28s} run {i}: wall {r['wall_s']:6.1f} s, {r['samples_per_s']:6.2f} samples/s", flush=True
+                )
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", base_tree], cwd=ROOT, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     mean = {k: {m: sum(r[m] for r in v) / len(v) for m in ("wall_s", "samples_per_s")} for k, v in got.items()}
     (b, bm), (c, cm) = list(mean.items())
-    print(f"\n{'tree':30s} {'wall s':>8s} {'samples/s':>10s}   (preset {args.preset}, {args.steps} steps, "
-          f"mean of {args.repeats})")
+    print(
+        f"\n{'tree':30s} {'wall s':>8s} {'samples/s':>10s}   (preset {args.preset}, {args.steps} steps, "
+        f"mean of {args.repeats})"
+    )
     for k, m in mean.items():
         print(f"{k:30s} {m['wall_s']:8.1f} {m['samples_per_s']:10.2f}")
-    summary = {"wall_ratio": cm["wall_s"] / bm["wall_s"], "throughput_ratio": cm["samples_per_s"] / bm["samples_per_s"],
-               "baseline": args.baseline, "current": c}
+    summary = {
+        "wall_ratio": cm["wall_s"] / bm["wall_s"],
+        "throughput_ratio": cm["samples_per_s"] / bm["samples_per_s"],
+        "baseline": args.baseline,
+        "current": c,
+    }
     print(f"current / baseline: wall x{summary['wall_ratio']:.3f}, throughput x{summary['throughput_ratio']:.3f}")
     print(json.dumps(summary))
     return 0

@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+
 from staleflow.metrics.hardware import cpu_flags, cpu_name
 
 
@@ -31,9 +32,17 @@ def samples(n_groups: int, group_size: int, resp_len: int, vocab: int, seed: int
         prompt = [rng.randrange(100, vocab) for _ in range(40)]
         for k in range(group_size):
             n = max(4, int(rng.gauss(resp_len, resp_len / 4)))
-            out.append(TrajectorySample(prompt_ids=prompt, response_ids=[rng.randrange(100, vocab) for _ in range(n)],
-                                        behaviour_logprobs=[-1.0] * n, versions=[0] * n, reward=float(k % 2),
-                                        group_id=g, traj_version=0))
+            out.append(
+                TrajectorySample(
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(100, vocab) for _ in range(n)],
+                    behaviour_logprobs=[-1.0] * n,
+                    versions=[0] * n,
+                    reward=float(k % 2),
+                    group_id=g,
+                    traj_version=0,
+                )
+            )
     return out
 
 
@@ -54,8 +63,11 @@ def main() -> None:
     base = load_model(args.model)
     batch = samples(args.groups, args.group_size, args.len, base.args.vocab_size, seed=0)
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
-    print(f"hardware: {cpu_name()} ({cpu_flags()}), {os.cpu_count()} cpus, {args.threads} torch threads, "
-          f"torch {torch.__version__}; {args.model}, {len(batch)} samples, {tokens} tokens per step", flush=True)
+    print(
+        f"hardware: {cpu_name()} ({cpu_flags()}), {os.cpu_count()} cpus, {args.threads} torch threads, "
+        f"torch {torch.__version__}; {args.model}, {len(batch)} samples, {tokens} tokens per step",
+        flush=True,
+    )
     times, logps = {}, {}
     for dtype in ("float32", "bfloat16"):
         model = load_model(args.model)
@@ -72,11 +84,17 @@ def main() -> None:
         times[dtype] = statistics.median(steps)
         print(f"  {dtype:9s} step {times[dtype]:6.2f} s  (runs: {', '.join(f'{x:.2f}' for x in steps)})", flush=True)
     diff = (logps["bfloat16"] - logps["float32"]).abs()
-    out = {"fp32_step_s": round(times["float32"], 3), "bf16_step_s": round(times["bfloat16"], 3),
-           "speedup": round(times["float32"] / times["bfloat16"], 3),
-           "logp_abs_diff_mean": float(diff.mean()), "logp_abs_diff_max": float(diff.max())}
-    print(f"bf16 autocast: {out['speedup']:.2f}x the fp32 step; current-policy log-prob difference mean "
-          f"{out['logp_abs_diff_mean']:.2e}, max {out['logp_abs_diff_max']:.2e}")
+    out = {
+        "fp32_step_s": round(times["float32"], 3),
+        "bf16_step_s": round(times["bfloat16"], 3),
+        "speedup": round(times["float32"] / times["bfloat16"], 3),
+        "logp_abs_diff_mean": float(diff.mean()),
+        "logp_abs_diff_max": float(diff.max()),
+    }
+    print(
+        f"bf16 autocast: {out['speedup']:.2f}x the fp32 step; current-policy log-prob difference mean "
+        f"{out['logp_abs_diff_mean']:.2e}, max {out['logp_abs_diff_max']:.2e}"
+    )
     print(json.dumps(out))
 
 

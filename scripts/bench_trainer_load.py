@@ -77,8 +77,15 @@ def _worker(model_name: str, path: str, out: str) -> None:
     shard = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
     full = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     rows = [None] * dist.get_world_size()
-    row = {"rank": dist.get_rank(), "peak_anon": peak[0] - before, "kept_anon": after - before,
-           "vm_hwm": _status("VmHWM"), "shard": shard, "full": full, "s": seconds}
+    row = {
+        "rank": dist.get_rank(),
+        "peak_anon": peak[0] - before,
+        "kept_anon": after - before,
+        "vm_hwm": _status("VmHWM"),
+        "shard": shard,
+        "full": full,
+        "s": seconds,
+    }
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
@@ -91,8 +98,20 @@ def _worker(model_name: str, path: str, out: str) -> None:
 def _run(model: str, ranks: int, path: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
-               "--worker", path, "--model", model, "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            __file__,
+            "--worker",
+            path,
+            "--model",
+            model,
+            "--out",
+            out,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:
             raise SystemExit(f"the {path} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -122,25 +141,39 @@ def main() -> None:
             del m
         res = {path: _run(folder, a.ranks, path) for path in ("full", "lazy")}
     mib = 2**20
-    print(f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {a.model} stored as "
-          f"{a.stored_dtype}, {a.ranks} trainer ranks (gloo, CPU)")
-    print(f"{'path':>6} {'rank':>4} {'peak anon MiB':>14} {'kept MiB':>9} {'VmHWM MiB':>10} {'shard MiB':>10} "
-          f"{'full MiB':>9} {'s':>6}")
+    print(
+        f"hardware: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {a.model} stored as "
+        f"{a.stored_dtype}, {a.ranks} trainer ranks (gloo, CPU)"
+    )
+    print(
+        f"{'path':>6} {'rank':>4} {'peak anon MiB':>14} {'kept MiB':>9} {'VmHWM MiB':>10} {'shard MiB':>10} "
+        f"{'full MiB':>9} {'s':>6}"
+    )
     for path, rows in res.items():
         for r in rows:
-            print(f"{path:>6} {r['rank']:>4} {r['peak_anon'] / mib:>14.0f} {r['kept_anon'] / mib:>9.0f} "
-                  f"{r['vm_hwm'] / mib:>10.0f} {r['shard'] / mib:>10.0f} {r['full'] / mib:>9.0f} {r['s']:>6.2f}")
+            print(
+                f"{path:>6} {r['rank']:>4} {r['peak_anon'] / mib:>14.0f} {r['kept_anon'] / mib:>9.0f} "
+                f"{r['vm_hwm'] / mib:>10.0f} {r['shard'] / mib:>10.0f} {r['full'] / mib:>9.0f} {r['s']:>6.2f}"
+            )
     worst = {path: max(r["peak_anon"] for r in rows) for path, rows in res.items()}
     hwm = {path: max(r["vm_hwm"] for r in rows) for path, rows in res.items()}
-    print(json.dumps({"model": a.model, "stored_dtype": a.stored_dtype, "ranks": a.ranks,
-                      "full_model_mib": round(res["lazy"][0]["full"] / mib, 1),
-                      "shard_mib": round(max(r["shard"] for r in res["lazy"]) / mib, 1),
-                      "baseline_full_peak_anon_mib": round(worst["full"] / mib, 1),
-                      "lazy_peak_anon_mib": round(worst["lazy"] / mib, 1),
-                      "lazy_vs_full_peak_anon": round(worst["lazy"] / worst["full"], 3),
-                      "baseline_full_vm_hwm_mib": round(hwm["full"] / mib, 1),
-                      "lazy_vm_hwm_mib": round(hwm["lazy"] / mib, 1),
-                      "lazy_vs_full_vm_hwm": round(hwm["lazy"] / hwm["full"], 3)}))
+    print(
+        json.dumps(
+            {
+                "model": a.model,
+                "stored_dtype": a.stored_dtype,
+                "ranks": a.ranks,
+                "full_model_mib": round(res["lazy"][0]["full"] / mib, 1),
+                "shard_mib": round(max(r["shard"] for r in res["lazy"]) / mib, 1),
+                "baseline_full_peak_anon_mib": round(worst["full"] / mib, 1),
+                "lazy_peak_anon_mib": round(worst["lazy"] / mib, 1),
+                "lazy_vs_full_peak_anon": round(worst["lazy"] / worst["full"], 3),
+                "baseline_full_vm_hwm_mib": round(hwm["full"] / mib, 1),
+                "lazy_vm_hwm_mib": round(hwm["lazy"] / mib, 1),
+                "lazy_vs_full_vm_hwm": round(hwm["lazy"] / hwm["full"], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

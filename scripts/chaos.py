@@ -67,13 +67,34 @@ def one_run(i: int, args, rng: random.Random, root: Path) -> dict:
     tag, name = uuid.uuid4().hex, f"chaos-{i}"
     shm_before = set(os.listdir("/dev/shm"))
     victim, at = rng.choice(VICTIMS), rng.randint(1, args.steps - 2)
-    env = dict(os.environ, STALEFLOW_CHAOS_TAG=tag,
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = ["bash", str(ROOT / "launch.sh"), "--preset", "tiny", "--steps", str(args.steps), "--checkpoint.every", "3",
-           "--log.run-dir", str(root), "--log.name", name, "--log.no-progress", "--log.no-plot",
-           "--reward.fn", "e2e_rewards:text_length", "--seed", str(rng.randint(0, 10_000))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, cwd=ROOT)
+    env = dict(
+        os.environ,
+        STALEFLOW_CHAOS_TAG=tag,
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    cmd = [
+        "bash",
+        str(ROOT / "launch.sh"),
+        "--preset",
+        "tiny",
+        "--steps",
+        str(args.steps),
+        "--checkpoint.every",
+        "3",
+        "--log.run-dir",
+        str(root),
+        "--log.name",
+        name,
+        "--log.no-progress",
+        "--log.no-plot",
+        "--reward.fn",
+        "e2e_rewards:text_length",
+        "--seed",
+        str(rng.randint(0, 10_000)),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, cwd=ROOT
+    )
     killed, hang = False, False
     ours: set[int] = set()  # every pid of this run, to attribute shared-memory segments to it
     deadline = time.monotonic() + args.timeout
@@ -99,8 +120,9 @@ def one_run(i: int, args, rng: random.Random, root: Path) -> dict:
         time.sleep(0.2)
     report = audit_run(root / name, args.steps, batch_size=4, group_size=4, eta=1)
     dup = [p for p in report.problems if "twice" in p or "reused" in p]
-    lost = [p for p in report.problems if p not in dup] + ([] if proc.returncode == 0 or hang else
-                                                            [f"exit {proc.returncode}"])
+    lost = [p for p in report.problems if p not in dup] + (
+        [] if proc.returncode == 0 or hang else [f"exit {proc.returncode}"]
+    )
     left = tagged(tag)
     left_titles = []
     for pid in left:
@@ -112,11 +134,20 @@ def one_run(i: int, args, rng: random.Random, root: Path) -> dict:
     from staleflow.servers.segment import list_segments, segment_owner
 
     shm_left = {n for n in list_segments() if n not in shm_before and (segment_owner(n) or (0,))[0] in ours}
-    row = {"run": i, "victim": victim, "after_step": at, "killed": killed, "exit": proc.returncode,
-           "lost": bool(lost) and not hang, "duplicated": bool(dup), "hang": hang,
-           "leak": bool(left or shm_left), "problems": (lost + dup)[:3]
-           + ([f"left running: {left_titles}"] if left else []) + ([f"left in /dev/shm: {sorted(shm_left)}"]
-                                                                   if shm_left else [])}
+    row = {
+        "run": i,
+        "victim": victim,
+        "after_step": at,
+        "killed": killed,
+        "exit": proc.returncode,
+        "lost": bool(lost) and not hang,
+        "duplicated": bool(dup),
+        "hang": hang,
+        "leak": bool(left or shm_left),
+        "problems": (lost + dup)[:3]
+        + ([f"left running: {left_titles}"] if left else [])
+        + ([f"left in /dev/shm: {sorted(shm_left)}"] if shm_left else []),
+    }
     if (lost or dup) and not hang:
         row["tail"] = out[-1500:]
     return row
@@ -142,9 +173,12 @@ def main() -> None:
             counts["duplicated"] += row["duplicated"]
             counts["hangs"] += row["hang"]
             counts["leaks"] += row["leak"]
-            print(f"run {i}: kill {row['victim']} after step {row['after_step']} (killed={row['killed']}): "
-                  f"exit {row['exit']}, {time.monotonic() - t0:.0f} s" + (f", PROBLEMS {row['problems']}"
-                                                                          if row["problems"] else ""), flush=True)
+            print(
+                f"run {i}: kill {row['victim']} after step {row['after_step']} (killed={row['killed']}): "
+                f"exit {row['exit']}, {time.monotonic() - t0:.0f} s"
+                + (f", PROBLEMS {row['problems']}" if row["problems"] else ""),
+                flush=True,
+            )
             if "tail" in row:
                 print(row["tail"], file=sys.stderr)
     print(json.dumps(counts))

@@ -33,8 +33,9 @@ def main() -> int:
     run = Path(args.run_dir)
     hf_dir, cfg_file = run / "hf", run / "config.json"
     if not (hf_dir / "config.json").is_file() or not cfg_file.is_file():
-        print(f"check_export: {run} has no hf/config.json or config.json: is it a finished run folder?",
-              file=sys.stderr)
+        print(
+            f"check_export: {run} has no hf/config.json or config.json: is it a finished run folder?", file=sys.stderr
+        )
         return 1
     model_path = json.loads(cfg_file.read_text())["model"]["path"]
     ckpt = latest_checkpoint(run / "checkpoints")
@@ -44,8 +45,9 @@ def main() -> int:
     start = load_model(model_path)
     trainer_model = load_model(model_path)
     load_policy_weights(trainer_model, ckpt)
-    moved = max((a - b).abs().max().item() for a, b in zip(trainer_model.state_dict().values(),
-                                                           start.state_dict().values()))
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(trainer_model.state_dict().values(), start.state_dict().values())
+    )
     from safetensors import safe_open
 
     from staleflow.model.hf import safetensors_files
@@ -68,11 +70,25 @@ def main() -> int:
             theirs = ref(ids[None]).logits[0]
             worst = max(worst, (ours - theirs).abs().max().item())
     ok = worst <= args.tol and tensors_equal
-    print(json.dumps({"run": str(run), "checkpoint": ckpt.name, "max_logit_diff": worst, "tol": args.tol,
-                      "tensors_equal": tensors_equal, "weights_moved_max": moved, "ok": ok}))
+    print(
+        json.dumps(
+            {
+                "run": str(run),
+                "checkpoint": ckpt.name,
+                "max_logit_diff": worst,
+                "tol": args.tol,
+                "tensors_equal": tensors_equal,
+                "weights_moved_max": moved,
+                "ok": ok,
+            }
+        )
+    )
     if not ok:
-        why = "exported tensors differ from the checkpoint's" if not tensors_equal else \
-            "transformers' logits on the export differ from the trainer's"
+        why = (
+            "exported tensors differ from the checkpoint's"
+            if not tensors_equal
+            else "transformers' logits on the export differ from the trainer's"
+        )
         print(f"check_export: FAILED: {why}", file=sys.stderr)
     return 0 if ok else 1
 

@@ -41,9 +41,17 @@ def _samples(vocab: int, groups: int, group_size: int, prompt: int, response: in
         p = [rng.randrange(vocab) for _ in range(prompt)]
         for _ in range(group_size):
             n = rng.randint(response // 2, response)
-            out.append(TrajectorySample(p, [rng.randrange(vocab) for _ in range(n)],
-                                        [-rng.uniform(8.0, 11.0) for _ in range(n)], [0] * n,
-                                        float(rng.randint(0, 1)), g, 0))
+            out.append(
+                TrajectorySample(
+                    p,
+                    [rng.randrange(vocab) for _ in range(n)],
+                    [-rng.uniform(8.0, 11.0) for _ in range(n)],
+                    [0] * n,
+                    float(rng.randint(0, 1)),
+                    g,
+                    0,
+                )
+            )
     return out
 
 
@@ -60,11 +68,19 @@ def step_trainer(device: str) -> dict:
     from staleflow.train.trainer import Trainer
 
     cuda = device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                            rank=0, world_size=1)
-    args = ModelArgs(architecture="qwen2", vocab_size=32768 if cuda else 512, hidden_size=1024 if cuda else 64,
-                     intermediate_size=2816 if cuda else 128, num_layers=8 if cuda else 2, num_heads=16 if cuda else 4,
-                     num_kv_heads=4 if cuda else 2, head_dim=64 if cuda else 16)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    args = ModelArgs(
+        architecture="qwen2",
+        vocab_size=32768 if cuda else 512,
+        hidden_size=1024 if cuda else 64,
+        intermediate_size=2816 if cuda else 128,
+        num_layers=8 if cuda else 2,
+        num_heads=16 if cuda else 4,
+        num_kv_heads=4 if cuda else 2,
+        head_dim=64 if cuda else 16,
+    )
     base = CausalLM(args).init_weights(std=0.02, seed=0)
     samples = _samples(args.vocab_size, 8, 4, 128 if cuda else 8, 384 if cuda else 12)
     fast, ref = ("triton", "chunked") if cuda else ("chunked", "naive")
@@ -82,16 +98,28 @@ def step_trainer(device: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         sharded = all(hasattr(p, "to_local") for p in trainer.model.parameters())
-        out[impl] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "entropy": m["entropy_mean"],
-                     "seconds": round(time.perf_counter() - t0, 3), "fsdp2_sharded": sharded,
-                     "activation_checkpointing": trainer.model.gradient_checkpointing,
-                     "peak_gib": round(torch.cuda.max_memory_allocated() / GiB, 3) if cuda else None}
+        out[impl] = {
+            "loss": m["loss"],
+            "grad_norm": m["grad_norm"],
+            "entropy": m["entropy_mean"],
+            "seconds": round(time.perf_counter() - t0, 3),
+            "fsdp2_sharded": sharded,
+            "activation_checkpointing": trainer.model.gradient_checkpointing,
+            "peak_gib": round(torch.cuda.max_memory_allocated() / GiB, 3) if cuda else None,
+        }
         del trainer, model
     a, b = out[fast], out[ref]
     out["loss_rel_diff"] = abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-12)
     out["grad_norm_rel_diff"] = abs(a["grad_norm"] - b["grad_norm"]) / max(b["grad_norm"], 1e-12)
-    plan = trainer_rank(RunConfig(rollout=RolloutConfig(max_model_len=512), train=TrainConfig(micro_batch_tokens=4096)),
-                        args, 0, 1, device, 0, flash=False)
+    plan = trainer_rank(
+        RunConfig(rollout=RolloutConfig(max_model_len=512), train=TrainConfig(micro_batch_tokens=4096)),
+        args,
+        0,
+        1,
+        device,
+        0,
+        flash=False,
+    )
     out["plan_gib_without_contexts"] = round((plan.steady - plan.items.get("contexts", 0)) / GiB, 3)
     # the kernel at Qwen2.5-7B's LM head: 4096 rows x 3584 x 152064, bf16 in, fp32 out
     T, H, V = (4096, 3584, 152064) if cuda else (64, 32, 1000)
@@ -110,18 +138,25 @@ def step_trainer(device: str) -> dict:
     out["kernel_entropy_max_abs_diff"] = float((res[fast][1] - res[ref][1]).abs().max())
     out["kernel_grad_rel_diff"] = float(max((res[fast][i] - res[ref][i]).norm() / res[ref][i].norm() for i in (2, 3)))
     dist.destroy_process_group()
-    out["ok"] = bool(a["fsdp2_sharded"] and out["loss_rel_diff"] < 2e-2 and out["grad_norm_rel_diff"] < 5e-2
-                     and out["kernel_logp_max_abs_diff"] < 2e-3 and out["kernel_grad_rel_diff"] < 2e-2
-                     and (a["activation_checkpointing"] or not cuda))
+    out["ok"] = bool(
+        a["fsdp2_sharded"]
+        and out["loss_rel_diff"] < 2e-2
+        and out["grad_norm_rel_diff"] < 5e-2
+        and out["kernel_logp_max_abs_diff"] < 2e-3
+        and out["kernel_grad_rel_diff"] < 2e-2
+        and (a["activation_checkpointing"] or not cuda)
+    )
     return out
 
 
 def _ps_tensors(version: int, device: str) -> dict[str, torch.Tensor]:
     """fp32 'master' tensors of a ~1.3 GB bf16 model (Qwen2.5-0.5B-like shapes; tiny on CPU), version-derived."""
     big = device == "cuda"
-    shapes = {"model.embed_tokens.weight": (151936, 896) if big else (100, 16),
-              "lm_head.weight": (151936, 896) if big else (100, 16),
-              "model.norm.weight": (896,) if big else (16,)}
+    shapes = {
+        "model.embed_tokens.weight": (151936, 896) if big else (100, 16),
+        "lm_head.weight": (151936, 896) if big else (100, 16),
+        "model.norm.weight": (896,) if big else (16,),
+    }
     for i in range(24 if big else 2):
         shapes[f"model.layers.{i}.mlp.up_proj.weight"] = (4864, 896) if big else (24, 16)
         shapes[f"model.layers.{i}.self_attn.q_proj.bias"] = (896,) if big else (16,)
@@ -146,7 +181,7 @@ def _ps_owner(run_id: str, device: str, q) -> None:
             a, b = piece_rows(tuple(t.shape), 2, 1)  # FSDP2's rows of rank 1 of 2
             row = math.prod(t.shape[1:])
             if b > a:
-                ps.write_shard(name, t.reshape(-1)[a * row:b * row], a * row)
+                ps.write_shard(name, t.reshape(-1)[a * row : b * row], a * row)
         ps.end_push()
         q.put(("written", version))
     ps.close()  # as piece owner: waits until the readers released it
@@ -161,8 +196,14 @@ def _ps_reader(run_id: str, device: str, reader: int, q, go) -> None:
         go.get()  # wait for the leader's publish of this version
         want = _ps_tensors(version, device)
         # an engine's parameters: bf16, the 2-D ones as transposed views of one fused matrix
-        out = {k: (torch.empty(v.shape[::-1], dtype=torch.bfloat16, device=device).t() if v.dim() == 2
-                   else torch.empty(v.shape, dtype=torch.bfloat16, device=device)) for k, v in want.items()}
+        out = {
+            k: (
+                torch.empty(v.shape[::-1], dtype=torch.bfloat16, device=device).t()
+                if v.dim() == 2
+                else torch.empty(v.shape, dtype=torch.bfloat16, device=device)
+            )
+            for k, v in want.items()
+        }
         t0 = time.perf_counter()
         ps.pull(version, out=out)
         dt = time.perf_counter() - t0
@@ -205,7 +246,7 @@ def step_ps(device: str) -> dict:
             a, b = piece_rows(tuple(t.shape), 2, 0)  # FSDP2's rows of rank 0 of 2
             row = math.prod(t.shape[1:])
             if b > a:
-                leader.write_shard(name, t.reshape(-1)[a * row:b * row], a * row)
+                leader.write_shard(name, t.reshape(-1)[a * row : b * row], a * row)
         leader.end_push()
         out[f"write_s_v{version}"] = round(time.perf_counter() - t0, 4)
         if owner_q.get(timeout=120) != ("written", version):
@@ -230,8 +271,13 @@ def step_ps(device: str) -> dict:
     piece1 = 2 * layout.split(2)[1].nbytes
     out["owner_context_gib"] = round((free0 - free1 - piece1) / GiB, 3) if cuda else None
     out["reader_context_gib_each"] = round((free1 - free2) / len(readers) / GiB, 3) if cuda else None
-    out["ok"] = (len(attached) == 2 and len(closed) == 2 and len(out["pulls"]) == 4
-                 and all(p["exact"] for p in out["pulls"]) and all(p.exitcode == 0 for p in readers + [owner]))
+    out["ok"] = (
+        len(attached) == 2
+        and len(closed) == 2
+        and len(out["pulls"]) == 4
+        and all(p["exact"] for p in out["pulls"])
+        and all(p.exitcode == 0 for p in readers + [owner])
+    )
     return out
 
 

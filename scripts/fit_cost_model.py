@@ -24,8 +24,8 @@ import time
 import torch
 
 from staleflow.coordinator.cost_model import fit_cost_model, fit_error
-from staleflow.rollout.engine import CostSample
 from staleflow.metrics.hardware import cpu_name
+from staleflow.rollout.engine import CostSample
 
 
 def profile(args) -> list[CostSample]:
@@ -39,9 +39,15 @@ def profile(args) -> list[CostSample]:
     samples: list[CostSample] = []
     for n in map(int, args.batches.split(",")):
         for plen in map(int, args.prompt_lens.split(",")):
-            eng = BuiltinEngine(model, max_running=n, max_kv_tokens=args.kv_capacity, block_size=16,
-                                prefill_chunk_tokens=n * plen, max_model_len=plen + args.decode_steps + 2,
-                                profile=True)
+            eng = BuiltinEngine(
+                model,
+                max_running=n,
+                max_kv_tokens=args.kv_capacity,
+                block_size=16,
+                prefill_chunk_tokens=n * plen,
+                max_model_len=plen + args.decode_steps + 2,
+                profile=True,
+            )
             params = SamplingParams(temperature=0, max_new_tokens=args.decode_steps + 1, ignore_eos=True)
             for r in range(n):
                 eng.add(Request(r, torch.randint(100, vocab, (plen,), generator=gen).tolist(), params))
@@ -52,8 +58,11 @@ def profile(args) -> list[CostSample]:
             samples.extend(dec)
             if dec:
                 mean = sum(s.latency_s for s in dec) / len(dec)
-                print(f"n={n:3d} prompt={plen:4d}: {len(dec)} decode steps, mean {mean * 1e3:7.1f} ms/step, "
-                      f"{n / mean:7.1f} tok/s ({time.perf_counter() - t0:.1f} s)", flush=True)
+                print(
+                    f"n={n:3d} prompt={plen:4d}: {len(dec)} decode steps, mean {mean * 1e3:7.1f} ms/step, "
+                    f"{n / mean:7.1f} tok/s ({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
     return samples
 
 
@@ -83,25 +92,41 @@ def main() -> None:
         with open(args.save_samples, "w") as f:
             for s in samples:
                 f.write(json.dumps({k: getattr(s, k) for k in CostSample.__slots__}) + "\n")
-    dec = [(s.n_running, float(s.kv_tokens), s.latency_s) for s in samples
-           if s.prefill_tokens == 0 and s.n_running > 0 and s.latency_s > 0]
+    dec = [
+        (s.n_running, float(s.kv_tokens), s.latency_s)
+        for s in samples
+        if s.prefill_tokens == 0 and s.n_running > 0 and s.latency_s > 0
+    ]
     fit = fit_cost_model(dec, args.kv_capacity)
     mean_err, max_err = fit_error(fit, dec)
-    hw = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
-        f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    hw = (
+        torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    )
     out = {
         "name": f"{args.device.split(':')[0]}-{args.model}",
-        "k1": fit.k1, "k2": fit.k2, "k3": fit.k3, "b3": fit.b3, "k4": fit.k4,
+        "k1": fit.k1,
+        "k2": fit.k2,
+        "k3": fit.k3,
+        "b3": fit.b3,
+        "k4": fit.k4,
         "kv_capacity": args.kv_capacity,
-        "model": args.model, "dtype": args.dtype, "hardware": hw, "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"), "load_average_1min": round(os.getloadavg()[0], 1),
+        "model": args.model,
+        "dtype": args.dtype,
+        "hardware": hw,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "load_average_1min": round(os.getloadavg()[0], 1),
         "fit": {"samples": len(dec), "mean_rel_err": round(mean_err, 4), "max_rel_err": round(max_err, 4)},
         "source": "scripts/fit_cost_model.py: BuiltinEngine(profile=True) pure-decode steps, "
-                  "staleflow.coordinator.fit_cost_model of latency = k1*KV + max(k2, k3*n + b3) "
-                  "(relative residuals, soft-L1)",
+        "staleflow.coordinator.fit_cost_model of latency = k1*KV + max(k2, k3*n + b3) "
+        "(relative residuals, soft-L1)",
     }
-    print(f"fit: k1={fit.k1:.3e} s/KV-token  k2={fit.k2:.3e} s  k3={fit.k3:.3e} s/seq  b3={fit.b3:.3e} s  "
-          f"mean rel err {mean_err:.1%} (max {max_err:.1%}) over {len(dec)} steps")
+    print(
+        f"fit: k1={fit.k1:.3e} s/KV-token  k2={fit.k2:.3e} s  k3={fit.k3:.3e} s/seq  b3={fit.b3:.3e} s  "
+        f"mean rel err {mean_err:.1%} (max {max_err:.1%}) over {len(dec)} steps"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

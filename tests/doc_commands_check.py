@@ -47,6 +47,7 @@ def _expand(tok: str) -> str:
         if m.group(1) not in _VARS:
             raise ValueError(f"unknown shell variable ${m.group(1)} (add it to _VARS)")
         return _VARS[m.group(1)]
+
     return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", sub, tok)
 
 
@@ -77,7 +78,9 @@ def _parse_script(path: str, args: list[str]) -> None:
         return
     except SystemExit as e:
         if e.code not in (0, None):
-            raise ValueError(err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {e.code}")
+            raise ValueError(
+                err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {e.code}"
+            ) from None
     finally:
         argparse.ArgumentParser.parse_args = original
         sys.argv, sys.path[:] = saved_argv, saved_path
@@ -88,8 +91,8 @@ def _parse_staleflow(sub: str, args: list[str]) -> None:
     import contextlib
     import io
 
-    from staleflow.config.parse import parse
     from staleflow.config import RunConfig, resolve
+    from staleflow.config.parse import parse
 
     err = io.StringIO()
     try:
@@ -122,7 +125,7 @@ def _parse_staleflow(sub: str, args: list[str]) -> None:
             text = " ".join(re.sub(r"[│╭╰╮╯─]+|-{3,}", " ", err.getvalue()).split())
             found = [i for i in (text.find(k) for k in ("Unrecognized", "Invalid", "Error", "error")) if i >= 0]
             at = min(found, default=0)
-            raise ValueError(text[at:at + 300] or f"exit {e.code}") from None
+            raise ValueError(text[at : at + 300] or f"exit {e.code}") from None
 
 
 def _parse_torchrun(args: list[str]) -> None:

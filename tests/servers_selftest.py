@@ -26,12 +26,22 @@ import torch
 import torch.distributed as dist
 
 from staleflow.servers import (
-    ParameterServer, ParamLayout, RecordHandle, RingFull, TrajectoryRecord, TrajectoryRing, VersionNotFound,
+    ParameterServer,
+    ParamLayout,
+    RecordHandle,
+    RingFull,
+    TrajectoryRecord,
+    TrajectoryRing,
+    VersionNotFound,
     broadcast_pull,
 )
 
-SHAPES = {"embed.weight": ((96, 64), torch.float32), "layers.0.mlp.weight": ((128, 96), torch.bfloat16),
-          "layers.0.norm.weight": ((64,), torch.float32), "step": ((), torch.int64)}
+SHAPES = {
+    "embed.weight": ((96, 64), torch.float32),
+    "layers.0.mlp.weight": ((128, 96), torch.bfloat16),
+    "layers.0.norm.weight": ((64,), torch.float32),
+    "step": ((), torch.int64),
+}
 
 
 def version_tensors(version: int, device="cpu") -> dict[str, torch.Tensor]:
@@ -96,14 +106,19 @@ def run_param(args, rank: int, world: int) -> dict:
         except VersionNotFound:
             pass
         dist.barrier()
-        stats = {"pulled": len(pulled), "distinct": len(set(pulled)), "gone": gone,
-                 "increasing": pulled == sorted(set(pulled))}
+        stats = {
+            "pulled": len(pulled),
+            "distinct": len(set(pulled)),
+            "gone": gone,
+            "increasing": pulled == sorted(set(pulled)),
+        }
         if not stats["increasing"]:
             raise AssertionError(f"rank {rank} pulled versions out of order: {pulled}")
     # Broadcast path: rank 1 holds the last version; the other readers receive it (gloo: CPU tensors).
     if rank >= 1:
-        tensors = version_tensors(versions) if rank == 1 else {k: torch.zeros_like(v) for k, v in
-                                                               version_tensors(0).items()}
+        tensors = (
+            version_tensors(versions) if rank == 1 else {k: torch.zeros_like(v) for k, v in version_tensors(0).items()}
+        )
         broadcast_pull(group, 1, tensors)
         _check_equal(tensors, version_tensors(versions), f"rank {rank} broadcast_pull")
     dist.barrier()
@@ -160,7 +175,7 @@ def run_ring(args, rank: int, world: int) -> dict:
                 except RingFull:
                     full += 1
                     if not free_one(30_000):
-                        raise AssertionError("ring stayed full: no reader acknowledged a record within 30 s")
+                        raise AssertionError("ring stayed full: no reader acknowledged a record within 30 s") from None
                     freed += 1
                     while free_one(0):
                         freed += 1

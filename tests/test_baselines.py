@@ -8,14 +8,14 @@ backend, then every baseline end to end in the simulator (same loop, same coordi
 from __future__ import annotations
 
 import pytest
+from controller_fakes import Prompts, ScriptedBackend
 
 from staleflow.config import CoordinatorConfig, StalenessConfig
+from staleflow.controller import Finished, Published, PullDone, TrainDone
 from staleflow.controller.build import build_loop
-from staleflow.controller import (Finished, Published, PullDone, TrainDone)
 from staleflow.coordinator import CostModel, Interrupt, Pull, Route, apply_mode, build_protocol
 from staleflow.coordinator.modes import BASELINES, mode_of
 from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessManager, VerlAsyncBuffer
-from controller_fakes import Prompts, ScriptedBackend
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
 
@@ -149,8 +149,12 @@ def test_baseline_pause_all_interrupts_every_instance_and_holds_routing_and_trai
     assert sorted(p.instance for p in pulls) == [0, 1] and {i.instance for i in interrupts} == {0, 1}
     running = {t for i in interrupts for t in i.traj_ids}
     be.sent.clear()
-    step(loop, be, *[Finished(t, i.instance, f"p{t}", 2, partial=True) for i in interrupts for t in i.traj_ids],
-         PullDone(0, 1))
+    step(
+        loop,
+        be,
+        *[Finished(t, i.instance, f"p{t}", 2, partial=True) for i in interrupts for t in i.traj_ids],
+        PullDone(0, 1),
+    )
     assert routes(be) == [] and loop.coord.trainer_blocked()  # instance 1 still loads: nothing moves
     step(loop, be, PullDone(1, 1))
     assert routes(be) and not loop.coord.trainer_blocked()
@@ -177,7 +181,10 @@ def test_baseline_verl_one_step_off_batch_k_plus_1_uses_the_weights_before_step_
     assert [c for c in be.sent if isinstance(c, Pull)] and len(be.trained) == 1  # sync before training batch 2
     assert not [r for r in routes(be) if r.traj_version == 1]  # and before generating batch 3
     step(loop, be, PullDone(0, 1), PullDone(1, 1))
-    assert [v for v, _ in be.trained] == [0, 1] and [g.traj_version for g in be.trained[1][1]] == [0, 0]  # staleness exactly 1
+    assert [v for v, _ in be.trained] == [0, 1] and [g.traj_version for g in be.trained[1][1]] == [
+        0,
+        0,
+    ]  # staleness exactly 1
     assert {r.traj_version for r in routes(be)[-2:]} == {1}
 
 
@@ -200,11 +207,31 @@ def test_baseline_runs_in_the_simulator_through_the_shared_loop(mode):
     from staleflow.sim.config import SimConfig
     from staleflow.sim.simulator import build, run
 
-    cfg = SimConfig(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1",
-                    prefill_tokens_per_s=5000.0, max_running=16, train_tokens_per_gpu_s=2000.0, train_overhead_s=0.1,
-                    push_s=0.2, pull_s=0.2, broadcast_s=0.3, colocated_switch_s=0.2, staleness=StalenessConfig(batch_size=3, group_size=2),
-                    prompt_len=20, response_median=40.0, response_sigma=1.0, max_response=300, steps=8,
-                    warmup_steps=1, tick_s=0.05, out_dir="", ablation=False, router_fit_samples=0)
+    cfg = SimConfig(
+        total_gpus=4,
+        rollout_gpus=3,
+        gpus_per_instance=1,
+        cost_model="qwen2.5-7b-tp1",
+        prefill_tokens_per_s=5000.0,
+        max_running=16,
+        train_tokens_per_gpu_s=2000.0,
+        train_overhead_s=0.1,
+        push_s=0.2,
+        pull_s=0.2,
+        broadcast_s=0.3,
+        colocated_switch_s=0.2,
+        staleness=StalenessConfig(batch_size=3, group_size=2),
+        prompt_len=20,
+        response_median=40.0,
+        response_sigma=1.0,
+        max_response=300,
+        steps=8,
+        warmup_steps=1,
+        tick_s=0.05,
+        out_dir="",
+        ablation=False,
+        router_fit_samples=0,
+    )
     loop, _, _ = build(cfg, mode, 2)
     assert type(loop.manager) is type(build_protocol(mode, 2, 3))
     r = run(cfg, mode, 2)

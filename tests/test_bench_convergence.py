@@ -25,16 +25,31 @@ def bench():
 
 
 def _run(mode, eta, seed, accs, times, hist, wall):
-    evals = [{"step": 5 * i, "accuracy": a, "ci95_low": a - 0.1, "ci95_high": a + 0.1, "n": 128, "t_policy": t}
-             for i, (a, t) in enumerate(zip(accs, times))]
-    return {"mode": mode, "eta": eta, "seed": seed, "wall_s": wall, "evals": evals, "staleness_hist": hist,
-            "staleness_max": max(hist), "load_start": 1.0, "load_end": 2.0}
+    evals = [
+        {"step": 5 * i, "accuracy": a, "ci95_low": a - 0.1, "ci95_high": a + 0.1, "n": 128, "t_policy": t}
+        for i, (a, t) in enumerate(zip(accs, times))
+    ]
+    return {
+        "mode": mode,
+        "eta": eta,
+        "seed": seed,
+        "wall_s": wall,
+        "evals": evals,
+        "staleness_hist": hist,
+        "staleness_max": max(hist),
+        "load_start": 1.0,
+        "load_end": 2.0,
+    }
 
 
 def test_ci95_bench_paired_difference_and_time_to_target(bench):
-    sync = [_run("verl-sync", 0, s, [0.40, 0.50, a], [0, 100, 200], {0: 60}, 300) for s, a in enumerate((0.60, 0.62, 0.58))]
-    sf = [_run("staleflow", 1, s, [0.40, a0, a], [0, 80, 160], {0: 10, 1: 50}, 240)
-          for s, (a0, a) in enumerate(((0.59, 0.63), (0.50, 0.66), (0.45, 0.55)))]
+    sync = [
+        _run("verl-sync", 0, s, [0.40, 0.50, a], [0, 100, 200], {0: 60}, 300) for s, a in enumerate((0.60, 0.62, 0.58))
+    ]
+    sf = [
+        _run("staleflow", 1, s, [0.40, a0, a], [0, 80, 160], {0: 10, 1: 50}, 240)
+        for s, (a0, a) in enumerate(((0.59, 0.63), (0.50, 0.66), (0.45, 0.55)))
+    ]
     target, stats = bench.aggregate({("verl-sync", 0): sync, ("staleflow", 1): sf}, ("verl-sync", 0))
     assert target == pytest.approx(0.60 - 0.02)
     s = stats[("staleflow", 1)]
@@ -45,7 +60,9 @@ def test_ci95_bench_paired_difference_and_time_to_target(bench):
     # reached 0.58 at: seed 0 t=80 (0.59), seed 1 t=160 (0.66), seed 2 never (0.55); sync: 200, 200, 200
     assert s["ttt_reached"] == 2 and s["ttt_s"] == pytest.approx(120) and s["ttt_vs_sync"] == pytest.approx(0.6)
     assert s["staleness_mean"] == pytest.approx(50 / 60) and s["staleness_max"] == 1
-    assert s["wall_vs_sync"] == pytest.approx(0.8) and s["acc_final_std"] == pytest.approx(0.056862, abs=1e-6)  # sample std of 0.63, 0.66, 0.55
+    assert s["wall_vs_sync"] == pytest.approx(0.8) and s["acc_final_std"] == pytest.approx(
+        0.056862, abs=1e-6
+    )  # sample std of 0.63, 0.66, 0.55
     assert stats[("verl-sync", 0)]["diff_ci95"] is None
     assert "(baseline)" in bench.table(stats, target) and "120 (2/3)" in bench.table(stats, target)
 
@@ -62,8 +79,13 @@ def test_bench_convergence_smoke_runs_and_resumes(tmp_path):
     out = tmp_path / "conv"
 
     def smoke():
-        res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                             text=True, timeout=900, cwd=ROOT)
+        res = subprocess.run(
+            [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=ROOT,
+        )
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
         return res.stdout, json.loads(res.stdout.strip().splitlines()[-1])
 

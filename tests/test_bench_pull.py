@@ -12,8 +12,12 @@ pytestmark = pytest.mark.scripts_smoke  # a row of tests/test_scripts_smoke.py
 
 
 def test_bench_pull_smoke():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-llama", "--reps", "1"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "tiny-llama", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
     assert [r["engine_dtype"] for r in rows] == ["float32", "bfloat16"]

@@ -13,24 +13,42 @@ pytestmark = pytest.mark.scripts_smoke  # tests/test_scripts_smoke.py lists thes
 
 
 def run_script(name, *args):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_bench_engine_reports_ratios_and_the_gemm_floor():
     pytest.importorskip("transformers")
-    out = run_script("bench_engine.py", "--model", "tiny-llama", "--batch", "3", "--new-tokens", "5",
-                     "--prompt-len", "6", "--repeats", "1", "--no-vllm", "--threads", "1", "--skewed", "4")
+    out = run_script(
+        "bench_engine.py",
+        "--model",
+        "tiny-llama",
+        "--batch",
+        "3",
+        "--new-tokens",
+        "5",
+        "--prompt-len",
+        "6",
+        "--repeats",
+        "1",
+        "--no-vllm",
+        "--threads",
+        "1",
+        "--skewed",
+        "4",
+    )
     for key in ("tok_s", "hf_tok_s", "ratio_vs_hf", "gemm_floor_tok_s", "max_ratio_vs_hf", "ratio_vs_hf_skewed"):
         assert out[key] > 0, key
     assert out["gemm_floor_tok_s"] >= out["tok_s"] * 0.5  # a floor of the same step, not some other unit
 
 
 def test_bench_decode_step_compares_mirror_and_sampler_paths():
-    out = run_script("bench_decode_step.py", "--model", "tiny-llama", "--batch", "3", "--contexts", "8,20",
-                     "--steps", "2")
+    out = run_script(
+        "bench_decode_step.py", "--model", "tiny-llama", "--batch", "3", "--contexts", "8,20", "--steps", "2"
+    )
     assert set(out) == {"mirror_speedup_ctx8", "mirror_speedup_ctx20", "sample_speedup", "top_p_speedup"}
     assert all(v > 0 for v in out.values())
 
@@ -56,8 +74,14 @@ def test_fit_cost_model_output_is_a_loadable_cost_model(tmp_path):
 
 def test_bench_gemm_layout_times_every_layout():
     out = run_script("bench_gemm_layout.py", "--model", "tiny-llama", "--m", "4", "--repeats", "1")
-    assert {"float32:linear", "float32:fused mm", "float32:oneDNN prepacked", "float32:MKL prepacked",
-            "bfloat16:fused mm", "bfloat16:oneDNN prepacked"} <= set(out)
+    assert {
+        "float32:linear",
+        "float32:fused mm",
+        "float32:oneDNN prepacked",
+        "float32:MKL prepacked",
+        "bfloat16:fused mm",
+        "bfloat16:oneDNN prepacked",
+    } <= set(out)
     assert out["float32:linear"] == 1.0 and all(v > 0 for v in out.values())
 
 

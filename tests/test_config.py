@@ -5,8 +5,7 @@ import sys
 
 import pytest
 
-from staleflow.config.parse import parse, split_preset
-from staleflow.presets import PRESETS
+from staleflow.cluster.roles import Roles
 from staleflow.config import (
     CheckpointConfig,
     ConfigError,
@@ -19,7 +18,8 @@ from staleflow.config import (
     StalenessConfig,
     TrainConfig,
 )
-from staleflow.cluster.roles import Roles
+from staleflow.config.parse import parse, split_preset
+from staleflow.presets import PRESETS
 
 BAD = [
     (ModelConfig, {"path": ""}, "model.path"),
@@ -84,7 +84,9 @@ def test_presets_build_and_validate():
 
 
 def test_preset_and_flags_override():
-    cfg = parse(RunConfig, ["--preset", "tiny", "--rollout.ranks", "3", "--staleness.eta", "2"], PRESETS, "smollm2-cpu", "t")
+    cfg = parse(
+        RunConfig, ["--preset", "tiny", "--rollout.ranks", "3", "--staleness.eta", "2"], PRESETS, "smollm2-cpu", "t"
+    )
     assert cfg.model.path == "tiny-llama" and cfg.rollout.ranks == 3 and cfg.staleness.eta == 2
     cfg = parse(RunConfig, ["--preset=tiny"], PRESETS, "smollm2-cpu", "t")
     assert cfg.model.path == "tiny-llama"
@@ -106,7 +108,9 @@ def test_roles_layout_and_errors():
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "staleflow", *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "staleflow", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_cli_bad_flag_value_exits_nonzero_with_one_line():
@@ -143,9 +147,9 @@ def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model
     import json
 
     from staleflow.config import config_from_dict, resolve
-    from staleflow.presets import PRESETS
     from staleflow.config.parse import given_flags
     from staleflow.launch.resume import merge_resume_config, supersede_after
+    from staleflow.presets import PRESETS
 
     saved = resolve(dataclasses.replace(PRESETS["tiny"](), steps=4))
     assert config_from_dict(RunConfig, json.loads(json.dumps(dataclasses.asdict(saved)))) == saved
@@ -173,7 +177,19 @@ def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model
 def test_given_flags_names_the_keys_the_command_line_sets():
     from staleflow.config.parse import given_flags
 
-    flags = given_flags(["--preset", "tiny", "--steps", "4", "--rollout.max-new-tokens=24", "--log.no-progress",
-                         "--train.loss_agg", "seq-mean", "-h", "4"])
+    flags = given_flags(
+        [
+            "--preset",
+            "tiny",
+            "--steps",
+            "4",
+            "--rollout.max-new-tokens=24",
+            "--log.no-progress",
+            "--train.loss_agg",
+            "seq-mean",
+            "-h",
+            "4",
+        ]
+    )
     assert {"steps", "rollout.max_new_tokens", "log.progress", "train.loss_agg", "preset"} <= flags
     assert "4" not in flags and "h" not in flags

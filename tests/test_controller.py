@@ -9,13 +9,13 @@ interrupt-on-pull is off (in the loop and in the rollout rank).
 from __future__ import annotations
 
 import pytest
+from controller_fakes import Prompts, ScriptedBackend
 
 from staleflow.config import CoordinatorConfig, StalenessConfig
 from staleflow.controller import Finished, LoopSettings, Published, Rewarded
 from staleflow.controller.build import build_loop
 from staleflow.coordinator import Abort, CostModel, Interrupt, Pull, Route
 from staleflow.coordinator.modes import apply_mode
-from controller_fakes import Prompts, ScriptedBackend
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
 
@@ -48,8 +48,11 @@ def test_controller_surplus_finish_crossing_its_abort_does_not_stall_the_group()
     by_group: dict[int, list[int]] = {}
     for r in routed(be):
         by_group.setdefault(loop.ledger.trajs[r.traj_id].group_id, []).append(r.traj_id)
-    gid, (a, b, c) = next((g, ids) for g, ids in by_group.items()  # the group reserved in buffer 0
-                          if len(ids) == 3 and loop.manager.group_info(g)["buffer_version"] == 0)
+    gid, (a, b, c) = next(
+        (g, ids)
+        for g, ids in by_group.items()  # the group reserved in buffer 0
+        if len(ids) == 3 and loop.manager.group_info(g)["buffer_version"] == 0
+    )
     deliver(loop, be, Finished(a, 0, "rec-a", 5), Finished(b, 0, "rec-b", 6))  # b completes the group
     deliver(loop, be, Finished(c, 0, "rec-c", 7))  # the surplus finishes before its Abort is executed
     assert "rec-c" in be.freed and c not in be.scored and c not in loop.ledger.trajs
@@ -92,8 +95,7 @@ def test_controller_migration_off_returns_loop_backs_to_their_origin(migration):
 def test_controller_interrupt_on_pull_false_drains_before_the_pull(interrupt_on_pull):
     """Partial rollout interrupts the work and pulls at once; without it (the ablation) the instance
     takes no new work, its trajectories finish under the old weights, and only then does it pull."""
-    loop, be = make_loop(n_inst=1, eta=2, B=2, N=1, migration=False, pull="greedy",
-                         interrupt_on_pull=interrupt_on_pull)
+    loop, be = make_loop(n_inst=1, eta=2, B=2, N=1, migration=False, pull="greedy", interrupt_on_pull=interrupt_on_pull)
     loop.refill()
     loop.tick(be.now())
     running = [r.traj_id for r in routed(be)]
@@ -131,6 +133,7 @@ class _Engine:
     def stats(self):
         class S:
             running_ids, waiting_ids = [7, 8], []
+
         return S()
 
     def abort(self, ids):
@@ -156,8 +159,16 @@ def test_controller_rollout_rank_pull_honours_interrupt_on_pull(keep):
     w.meta, w.unsent = {}, []
     from staleflow.cluster.roles import Roles
 
-    w.ctx = type("Ctx", (), {"client": type("C", (), {"send": staticmethod(sent.append)})(), "roles": Roles(3, 2),
-                             "rank": 1, "run_id": "x"})()
+    w.ctx = type(
+        "Ctx",
+        (),
+        {
+            "client": type("C", (), {"send": staticmethod(sent.append)})(),
+            "roles": Roles(3, 2),
+            "rank": 1,
+            "run_id": "x",
+        },
+    )()
     w.pull(Pull(0, 1))
     assert w.engine.loads == [(1, keep)]
     assert w.engine.aborted == ([] if keep else [7, 8])
@@ -173,8 +184,7 @@ def test_controller_builtin_engine_keeps_kv_across_a_load_only_when_asked(keep_k
     from staleflow.rollout import BuiltinEngine, Request, SamplingParams
 
     model = CausalLM(ModelArgs(vocab_size=64, eos_token_ids=[1])).init_weights(seed=0)
-    eng = BuiltinEngine(model, max_kv_tokens=256, block_size=4, prefill_chunk_tokens=64, max_model_len=64,
-                        profile=True)
+    eng = BuiltinEngine(model, max_kv_tokens=256, block_size=4, prefill_chunk_tokens=64, max_model_len=64, profile=True)
     eng.add(Request(0, list(range(2, 12)), SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)))
     for _ in range(3):
         eng.step()

@@ -5,8 +5,19 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import CoordinatorConfig
-from staleflow.coordinator import (Abort, Coordinator, CostModel, InstanceSnapshot, Interrupt, Pull, Route,
-                                   TrajectoryItem, apply_mode, mode_overrides, register_routing)
+from staleflow.coordinator import (
+    Abort,
+    Coordinator,
+    CostModel,
+    InstanceSnapshot,
+    Interrupt,
+    Pull,
+    Route,
+    TrajectoryItem,
+    apply_mode,
+    mode_overrides,
+    register_routing,
+)
 from staleflow.coordinator.strategies import ROUTING
 from staleflow.protocol.staleness import StalenessManager
 
@@ -34,8 +45,17 @@ def make(n_inst=2, eta=2, B=4, N=1, Np=None, mode="staleflow", version=0, clock=
 
 def snap(c, i, t=1.0, **kw):
     s = c.instances[i]
-    d = dict(instance=i, version=s.version, running=s.load, waiting=0, kv_tokens=s.kv_tokens,
-             kv_capacity=COST.kv_capacity, tokens_per_s=0.0, syncing=s.syncing, time=t)
+    d = dict(
+        instance=i,
+        version=s.version,
+        running=s.load,
+        waiting=0,
+        kv_tokens=s.kv_tokens,
+        kv_capacity=COST.kv_capacity,
+        tokens_per_s=0.0,
+        syncing=s.syncing,
+        time=t,
+    )
     d.update(kw)
     return InstanceSnapshot(**d)
 
@@ -202,8 +222,7 @@ def _loaded(c, i, n, t=0.5):
 
 
 def test_migration_picks_the_largest_ratio():
-    c, m = make(n_inst=4, eta=1, version=0, migration=True, psi=2.0, migration_stop=1,
-                migration_indicator="requests")
+    c, m = make(n_inst=4, eta=1, version=0, migration=True, psi=2.0, migration_stop=1, migration_indicator="requests")
     _loaded(c, 1, 3)
     _loaded(c, 2, 7)
     _loaded(c, 3, 5)
@@ -278,8 +297,9 @@ def test_group_redundancy_aborts_the_surplus():
 def test_straggler_truncate_and_abort():
     for mode in ("truncate", "abort"):
         m = StalenessManager(0, 2, group_size=1)
-        c = Coordinator(CoordinatorConfig(migration=False), COST, m, [0], straggler=mode, straggler_threshold=1,
-                        clock=Clock())
+        c = Coordinator(
+            CoordinatorConfig(migration=False), COST, m, [0], straggler=mode, straggler_threshold=1, clock=Clock()
+        )
         c.submit([TrajectoryItem(1, 1, None, 10), TrajectoryItem(2, 2, None, 10)])
         c.tick(1.0)
         c.on_finished(0, 1)
@@ -297,8 +317,13 @@ def test_modes_are_overrides_of_one_config():
     c, _ = apply_mode("staleflow-simple-strategies", cfg)  # what "areal" meant before issue 15
     assert (c.routing, c.pull, c.migration, c.mlq) == ("least-loaded", "greedy", False, False)
     c, _ = apply_mode("areal", cfg)
-    assert (c.routing, c.pull, c.migration, c.mlq, c.interrupt_on_pull) == ("round-robin", "pause-all", False,
-                                                                           False, True)
+    assert (c.routing, c.pull, c.migration, c.mlq, c.interrupt_on_pull) == (
+        "round-robin",
+        "pause-all",
+        False,
+        False,
+        True,
+    )
     c, _ = apply_mode("one-step-off", cfg)  # alias of verl-one-step-off
     assert c.barrier and c.pull == "idle" and not c.interrupt_on_pull and c.routing == "round-robin"
     assert mode_overrides("sync")["staleness"]["eta"] == 0 == mode_overrides("verl-sync")["staleness"]["eta"]
@@ -386,13 +411,15 @@ def test_a_coordinator_refuses_a_protocol_that_is_not_its_modes():
     from staleflow.coordinator.modes import protocol_for
     from staleflow.protocol import AReaLBuffer
 
-    with pytest.raises(ValueError, match="mode 'areal' runs protocol AReaLBuffer, but the coordinator was given "
-                                         "a StalenessManager"):
+    with pytest.raises(
+        ValueError, match="mode 'areal' runs protocol AReaLBuffer, but the coordinator was given a StalenessManager"
+    ):
         Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="areal")
     with pytest.raises(ValueError, match="without the occupy exchange"):
         Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="staleflow-no-exchange")
     stale = StalenessConfig(eta=1, batch_size=2, group_size=1)
-    assert isinstance(Coordinator(CoordinatorConfig(), COST, protocol_for("areal", stale), range(2),
-                                  label="areal").manager, AReaLBuffer)
+    assert isinstance(
+        Coordinator(CoordinatorConfig(), COST, protocol_for("areal", stale), range(2), label="areal").manager,
+        AReaLBuffer,
+    )
     assert Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="my-fork").manager.eta == 1
-

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from staleflow.coordinator import CostModel, CostModelError, MultiLevelQueue, TrajectoryItem, fit_cost_model, load_cost_model
+from staleflow.coordinator import (
+    CostModel,
+    CostModelError,
+    MultiLevelQueue,
+    TrajectoryItem,
+    fit_cost_model,
+    load_cost_model,
+)
 from staleflow.coordinator.cost_model import preset_names
 
 PAPER = ["qwen2.5-14b", "qwen2.5-32b-tp2", "qwen2.5-7b-tp1", "qwen2.5-7b-tp2", "qwen3-30b-a3b"]
@@ -27,16 +34,19 @@ def _write(tmp_path, obj, text=None):
     return str(p)
 
 
-@pytest.mark.parametrize("obj,text,match", [
-    (None, "{not json", "not valid JSON"),
-    ([1, 2], None, "JSON object"),
-    ({"k1": 1e-7, "k2": 0.01, "kv_capacity": 10}, None, "lacks k3"),
-    ({"k1": -1e-7, "k2": 0.01, "k3": 1e-4, "kv_capacity": 10}, None, "k1=-1e-07"),
-    ({"k1": 1e-7, "k2": "fast", "k3": 1e-4, "kv_capacity": 10}, None, "k2='fast' must be a number"),
-    ({"k1": 1e-7, "k2": 0.01, "k3": 1e-4, "kv_capacity": 0}, None, "kv_capacity=0"),
-    ({"k1": 1e-7, "k2": 0.01, "k3": 1e-4, "kv_capacity": 10, "k9": 1}, None, "unknown keys"),
-    ({"k1": 0, "k2": 0, "k3": 1e-4, "kv_capacity": 10}, None, "must be > 0"),
-])
+@pytest.mark.parametrize(
+    "obj,text,match",
+    [
+        (None, "{not json", "not valid JSON"),
+        ([1, 2], None, "JSON object"),
+        ({"k1": 1e-7, "k2": 0.01, "kv_capacity": 10}, None, "lacks k3"),
+        ({"k1": -1e-7, "k2": 0.01, "k3": 1e-4, "kv_capacity": 10}, None, "k1=-1e-07"),
+        ({"k1": 1e-7, "k2": "fast", "k3": 1e-4, "kv_capacity": 10}, None, "k2='fast' must be a number"),
+        ({"k1": 1e-7, "k2": 0.01, "k3": 1e-4, "kv_capacity": 0}, None, "kv_capacity=0"),
+        ({"k1": 1e-7, "k2": 0.01, "k3": 1e-4, "kv_capacity": 10, "k9": 1}, None, "unknown keys"),
+        ({"k1": 0, "k2": 0, "k3": 1e-4, "kv_capacity": 10}, None, "must be > 0"),
+    ],
+)
 def test_malformed_coefficient_files_are_rejected_clearly(tmp_path, obj, text, match):
     with pytest.raises(CostModelError, match=match):
         load_cost_model(_write(tmp_path, obj, text))
@@ -51,7 +61,9 @@ def test_unknown_preset_and_missing_file():
 
 def test_fit_recovers_known_coefficients():
     true = CostModel(k1=5e-8, k2=0.02, k3=4e-4, b3=0.004, k4=0.0, kv_capacity=1000)
-    samples = [(n, float(n * L), true.step_time(n, n * L)) for n in (1, 2, 4, 8, 16, 32, 64, 128) for L in (64, 512, 2048)]
+    samples = [
+        (n, float(n * L), true.step_time(n, n * L)) for n in (1, 2, 4, 8, 16, 32, 64, 128) for L in (64, 512, 2048)
+    ]
     fit = fit_cost_model(samples, 1000)
     for n, kv, s in samples:
         assert fit.step_time(n, kv) == pytest.approx(s, rel=1e-4)

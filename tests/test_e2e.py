@@ -15,7 +15,6 @@ import uuid
 
 import pytest
 import torch
-
 from test_launch import TORCHRUN, _kill_group, _read_until, _wait_gone
 
 pytestmark = pytest.mark.slow
@@ -32,10 +31,23 @@ def _env(tag):
 
 def _train(tag, run_dir, name, *args, **popen):
     env = _env(tag)
-    cmd = [*TORCHRUN, "-m", "staleflow", "train", "--preset", "tiny", "--log.run-dir", str(run_dir),
-           "--log.name", name, *REWARD, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, **popen)
+    cmd = [
+        *TORCHRUN,
+        "-m",
+        "staleflow",
+        "train",
+        "--preset",
+        "tiny",
+        "--log.run-dir",
+        str(run_dir),
+        "--log.name",
+        name,
+        *REWARD,
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, **popen
+    )
 
 
 def _rows(path):
@@ -131,9 +143,26 @@ def test_killed_rollout_rank_saves_checkpoint_then_resume(tmp_path):
     # Resume: continues from the saved version to --steps, and the audit trail stays consistent.
     tag2 = uuid.uuid4().hex
     env = _env(tag2)
-    res = subprocess.run([*TORCHRUN, "-m", "staleflow", "train", "--preset", "tiny", "--resume", run,
-                          "--steps", str(saved_version + 2), "--log.no-progress", *REWARD],
-                         capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run(
+        [
+            *TORCHRUN,
+            "-m",
+            "staleflow",
+            "train",
+            "--preset",
+            "tiny",
+            "--resume",
+            run,
+            "--steps",
+            str(saved_version + 2),
+            "--log.no-progress",
+            *REWARD,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     steps = [s["step"] for s in _rows(os.path.join(run, "metrics.jsonl")) if not s.get("superseded")]
     assert steps == list(range(saved_version + 2))
@@ -144,7 +173,7 @@ def test_killed_rollout_rank_saves_checkpoint_then_resume(tmp_path):
 def _peak_reward(run, window=3):
     """The best mean reward over `window` consecutive steps."""
     r = [row["reward_mean"] for row in _rows(os.path.join(run, "metrics.jsonl"))]
-    return max(sum(r[i:i + window]) / window for i in range(len(r) - window + 1))
+    return max(sum(r[i : i + window]) / window for i in range(len(r) - window + 1))
 
 
 def test_bounded_staleness_converges_like_sync(tmp_path):
@@ -163,9 +192,26 @@ def test_bounded_staleness_converges_like_sync(tmp_path):
     finals = {}
     for mode, eta in (("sync", 0), ("staleflow", 2)):
         tag = uuid.uuid4().hex
-        proc = _train(tag, tmp_path, mode, "--mode", mode, "--staleness.eta", str(eta), "--steps", "48",
-                      "--staleness.batch-size", "8", "--rollout.max-new-tokens", "32", "--train.lr", "3e-2",
-                      "--checkpoint.no-export-hf", "--log.no-plot", "--log.no-tensorboard")
+        proc = _train(
+            tag,
+            tmp_path,
+            mode,
+            "--mode",
+            mode,
+            "--staleness.eta",
+            str(eta),
+            "--steps",
+            "48",
+            "--staleness.batch-size",
+            "8",
+            "--rollout.max-new-tokens",
+            "32",
+            "--train.lr",
+            "3e-2",
+            "--checkpoint.no-export-hf",
+            "--log.no-plot",
+            "--log.no-tensorboard",
+        )
         try:
             out, _ = proc.communicate(timeout=1200)
         finally:

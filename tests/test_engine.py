@@ -16,11 +16,24 @@ from staleflow.rollout import BuiltinEngine, EngineError, Request, SamplingParam
 
 transformers = pytest.importorskip("transformers")
 
-SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-             max_position_embeddings=256, eos_token_id=2, bos_token_id=1)
-CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+SHAPE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    eos_token_id=2,
+    bos_token_id=1,
+)
+CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
 
 
 def make_hf(kind: str, seed: int = 0, tie: bool = False):
@@ -57,8 +70,9 @@ def engine(folder, **kw):
 
 def prompts(n, lo=3, hi=20, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, 128, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def reference_logprobs(model, prompt, output, temperature=1.0, dtype=torch.float32):
@@ -68,7 +82,7 @@ def reference_logprobs(model, prompt, output, temperature=1.0, dtype=torch.float
     m = model.to(dtype)
     with torch.no_grad():
         logits = m.compute_logits(m(ids, packed_positions(cu), PackedAttention(cu)))  # [L, V]
-    logits = logits[len(prompt) - 1:-1].to(dtype)
+    logits = logits[len(prompt) - 1 : -1].to(dtype)
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
@@ -82,9 +96,15 @@ def test_greedy_matches_transformers_generate(models, kind):
     outs = engine(folder).generate([Request(i, p, GREEDY) for i, p in enumerate(ps)])
     for p, out in zip(ps, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=0)
-        assert out.output_ids == ref[0, len(p):].tolist()
+            ref = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=10,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=0,
+            )
+        assert out.output_ids == ref[0, len(p) :].tolist()
         assert out.finish_reason == ("stop" if out.output_ids[-1] == 2 else "length")
 
 
@@ -109,17 +129,22 @@ def test_truncated_sampling_stays_inside_the_kept_set(models):
     """top-k / top-p only restrict the draw: every token lies in the kept set of its step."""
     _, folder = models["llama"]
     model = load_model(folder)
-    for params in (SamplingParams(top_k=3, max_new_tokens=6, seed=1), SamplingParams(top_p=0.5, max_new_tokens=6, seed=2)):
+    for params in (
+        SamplingParams(top_k=3, max_new_tokens=6, seed=1),
+        SamplingParams(top_p=0.5, max_new_tokens=6, seed=2),
+    ):
         p = prompts(1, seed=3)[0]
         out = engine(folder).generate([Request("r", p, params)])[0]
         ids = torch.tensor(p + out.output_ids)
         cu = cu_seqlens_from_lengths([len(ids)])
         with torch.no_grad():
-            probs = model.compute_logits(model(ids, packed_positions(cu), PackedAttention(cu)))[len(p) - 1:-1].softmax(-1)
+            probs = model.compute_logits(model(ids, packed_positions(cu), PackedAttention(cu)))[
+                len(p) - 1 : -1
+            ].softmax(-1)
         for step, tok in enumerate(out.output_ids):
             order = probs[step].argsort(descending=True).tolist()
             if params.top_k:
-                assert tok in order[:params.top_k]
+                assert tok in order[: params.top_k]
             else:
                 rank = order.index(tok)
                 assert probs[step][order[:rank]].sum() < params.top_p
@@ -140,8 +165,9 @@ def test_abort_then_resume_equals_uninterrupted(models, sampled):
     partial = eng.abort([0, 1, 2])
     assert all(0 < len(o.output_ids) < 14 and o.finish_reason == "abort" for o in partial)
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
-    resumed = eng.generate([Request(o.request_id, o.prompt_ids, params, o.output_ids, o.logprobs, o.versions)
-                            for o in partial])
+    resumed = eng.generate(
+        [Request(o.request_id, o.prompt_ids, params, o.output_ids, o.logprobs, o.versions) for o in partial]
+    )
     for a, b in zip(full, resumed):
         assert a.output_ids == b.output_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
@@ -166,8 +192,10 @@ def test_batch_invariance_seeded_request(models):
     _, folder = models["qwen2"]
     target = Request("t", prompts(1, seed=6)[0], SamplingParams(temperature=1.0, max_new_tokens=12, seed=1234))
     alone = engine(folder).generate([target])[0]
-    others = [Request(i, p, SamplingParams(temperature=1.0, max_new_tokens=int(4 + i % 9), seed=i))
-              for i, p in enumerate(prompts(31, seed=7))]
+    others = [
+        Request(i, p, SamplingParams(temperature=1.0, max_new_tokens=int(4 + i % 9), seed=i))
+        for i, p in enumerate(prompts(31, seed=7))
+    ]
     eng = engine(folder, max_kv_tokens=4096, prefill_chunk_tokens=64)
     for r in others[:15]:
         eng.add(r)
@@ -222,7 +250,7 @@ def _greedy(model, prefix, n):
         cu = cu_seqlens_from_lengths([len(t)])
         with torch.no_grad():
             ids.append(int(model.compute_logits(model(t, packed_positions(cu), PackedAttention(cu)))[-1].argmax()))
-    return ids[len(prefix):]
+    return ids[len(prefix) :]
 
 
 def test_stop_ids_and_length_limits(models):
@@ -233,9 +261,10 @@ def test_stop_ids_and_length_limits(models):
     assert free_run.finish_reason == "length" and len(p) + len(free_run.output_ids) == 19
     stop = free_run.output_ids[3]
     first = free_run.output_ids.index(stop)
-    o = eng.generate([Request("b", p, SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True,
-                                                      stop_ids=(stop,)))])[0]
-    assert o.finish_reason == "stop" and o.output_ids == free_run.output_ids[:first + 1]
+    o = eng.generate(
+        [Request("b", p, SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True, stop_ids=(stop,)))]
+    )[0]
+    assert o.finish_reason == "stop" and o.output_ids == free_run.output_ids[: first + 1]
     capped = eng.generate([Request("c", p, SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True))])[0]
     assert capped.finish_reason == "length" and len(p) + len(capped.output_ids) == 20
 
@@ -270,8 +299,12 @@ def test_bad_input_leaves_engine_unharmed(models):
     with pytest.raises(EngineError, match="older"):
         eng.load_weights(weights, version=-1)
     after = eng.stats()
-    assert (after.num_running, after.num_waiting, after.kv_tokens, after.version) == \
-           (before.num_running, before.num_waiting, before.kv_tokens, before.version)
+    assert (after.num_running, after.num_waiting, after.kv_tokens, after.version) == (
+        before.num_running,
+        before.num_waiting,
+        before.kv_tokens,
+        before.version,
+    )
     assert all(torch.equal(t, weights[n]) for n, t in eng.model.state_dict().items())
     rest = []
     while eng.has_unfinished():
@@ -302,16 +335,21 @@ def test_stats_track_running_waiting_and_kv(models):
 def test_from_config_builds_from_the_run_config():
     from staleflow.config import ModelConfig, RolloutConfig
 
-    eng = BuiltinEngine.from_config(ModelConfig(path="tiny-qwen2"),
-                                    RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, profile=True),
-                                    device="cpu", version=4)
+    eng = BuiltinEngine.from_config(
+        ModelConfig(path="tiny-qwen2"),
+        RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, profile=True),
+        device="cpu",
+        version=4,
+    )
     out = eng.generate([Request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))])[0]
     assert out.versions == [4, 4, 4] and eng.stats().kv_capacity == 512 and eng.profile_samples
     assert eng.model.args.architecture == "qwen2"
     # a bf16 rollout engine next to an fp32 trainer: fp32 weights load into it (cast in place)
-    bf = BuiltinEngine.from_config(ModelConfig(path="tiny-qwen2", dtype="float32"),
-                                   RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, dtype="bfloat16"),
-                                   device="cpu")
+    bf = BuiltinEngine.from_config(
+        ModelConfig(path="tiny-qwen2", dtype="float32"),
+        RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, dtype="bfloat16"),
+        device="cpu",
+    )
     assert next(bf.model.parameters()).dtype == torch.bfloat16
     bf.load_weights({n: p.float() for n, p in eng.model.named_parameters()}, version=5)
     out = bf.generate([Request("r", [5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=3, seed=1))])[0]
@@ -345,12 +383,20 @@ def test_decode_mirror_equals_paged_gather_under_churn(models, kind, tmp_path):
     _, folder = models[kind]
     make_hf(kind, seed=11).save_pretrained(tmp_path)
     new_state = dict(load_model(str(tmp_path)).state_dict())
-    engines = [engine(folder, max_kv_tokens=160, max_model_len=80, max_running=6, decode_mirror=m)
-               for m in (True, False)]
+    engines = [
+        engine(folder, max_kv_tokens=160, max_model_len=80, max_running=6, decode_mirror=m) for m in (True, False)
+    ]
     assert engines[0].runner.mirror is not None and engines[1].runner.mirror is None
-    reqs = [Request(i, p, SamplingParams(temperature=1.0 if i % 2 else 0, max_new_tokens=int(6 + 3 * (i % 7)),
-                                         ignore_eos=True, seed=i))
-            for i, p in enumerate(prompts(14, lo=3, hi=30, seed=12))]
+    reqs = [
+        Request(
+            i,
+            p,
+            SamplingParams(
+                temperature=1.0 if i % 2 else 0, max_new_tokens=int(6 + 3 * (i % 7)), ignore_eos=True, seed=i
+            ),
+        )
+        for i, p in enumerate(prompts(14, lo=3, hi=30, seed=12))
+    ]
     outs = [{}, {}]
     for e, out in zip(engines, outs):
         for r in reqs:
@@ -362,8 +408,11 @@ def test_decode_mirror_equals_paged_gather_under_churn(models, kind, tmp_path):
             step += 1
             if step == 6:  # interrupt two running requests and resume them at the back
                 for o in e.abort([s.request_id for s in e.scheduler.running[:2]]):
-                    e.add(Request(o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids,
-                                  o.logprobs, o.versions))
+                    e.add(
+                        Request(
+                            o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids, o.logprobs, o.versions
+                        )
+                    )
             if step == 12:
                 e.load_weights(new_state, version=1)
             m = e.runner.mirror
@@ -394,8 +443,10 @@ def test_rollout_rank_engine_runs_in_the_rollout_dtype():
     from staleflow.workers.rollout import build_engine
 
     def dtype_of(**rollout):
-        cfg = RunConfig(model=ModelConfig(path="tiny-qwen2"),
-                        rollout=RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, **rollout))
+        cfg = RunConfig(
+            model=ModelConfig(path="tiny-qwen2"),
+            rollout=RolloutConfig(max_kv_tokens=512, block_size=8, max_model_len=64, **rollout),
+        )
         eng = build_engine(SimpleNamespace(cfg=cfg, rank=1), load_model("tiny-qwen2"))
         out = eng.generate([Request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))])
         assert len(out[0].output_ids) == 2
@@ -415,5 +466,7 @@ def test_load_rollout_model_casts_each_tensor_to_the_rollout_dtype_as_it_loads()
     ref = load_model("tiny-qwen2").to(torch.bfloat16).state_dict()
     got = m.state_dict()
     assert got.keys() == ref.keys() and all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], ref[k]) for k in ref)
-    assert next(load_rollout_model(ModelConfig(path="tiny-qwen2"), RolloutConfig(), "cpu").parameters()).dtype \
-        == torch.float32  # auto on CPU
+    assert (
+        next(load_rollout_model(ModelConfig(path="tiny-qwen2"), RolloutConfig(), "cpu").parameters()).dtype
+        == torch.float32
+    )  # auto on CPU

@@ -19,16 +19,16 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from test_engine import engine, make_hf, prompts
 
 from staleflow.model import load_model
 from staleflow.rollout import EngineError, Request, SamplingParams
 from staleflow.rollout import decode_backend as db
 from staleflow.rollout.paged_attention import prefill_sdpa
 
-from test_engine import engine, make_hf, prompts
-
-triton_here = pytest.mark.skipif(not db.triton_available(torch.device("cpu")),
-                                 reason="needs triton and TRITON_INTERPRET=1 set before import")
+triton_here = pytest.mark.skipif(
+    not db.triton_available(torch.device("cpu")), reason="needs triton and TRITON_INTERPRET=1 set before import"
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,9 @@ def run_with_churn(eng, reqs, new_state, check=None):
         step += 1
         if step == 4:
             for o in eng.abort([s.request_id for s in eng.scheduler.running[:2]]):
-                eng.add(Request(o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids,
-                                o.logprobs, o.versions))
+                eng.add(
+                    Request(o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids, o.logprobs, o.versions)
+                )
         if step == 9:
             eng.load_weights(new_state, version=1)
         if check is not None:
@@ -63,9 +64,16 @@ def run_with_churn(eng, reqs, new_state, check=None):
 
 
 def churn_requests(n=8):
-    return [Request(i, p, SamplingParams(temperature=1.0 if i % 2 else 0, max_new_tokens=int(6 + 4 * (i % 5)),
-                                         ignore_eos=True, seed=i))
-            for i, p in enumerate(prompts(n, lo=3, hi=24, seed=21))]
+    return [
+        Request(
+            i,
+            p,
+            SamplingParams(
+                temperature=1.0 if i % 2 else 0, max_new_tokens=int(6 + 4 * (i % 5)), ignore_eos=True, seed=i
+            ),
+        )
+        for i, p in enumerate(prompts(n, lo=3, hi=24, seed=21))
+    ]
 
 
 def assert_same_outputs(a, b, n):
@@ -92,14 +100,24 @@ def test_triton_decode_equals_gather_under_churn(folders):
 def _fake_flash_module(calls):
     """flash_attn.flash_attn_with_kvcache as documented, in plain torch (fp32 math)."""
 
-    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                                softmax_scale=None, causal=False, **unused):
+    def flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k=None,
+        v=None,
+        cache_seqlens=None,
+        block_table=None,
+        softmax_scale=None,
+        causal=False,
+        **unused,
+    ):
         num_blocks, page, n_kv, d = k_cache.shape
         assert page % 256 == 0, "page_block_size must be a multiple of 256"
         assert block_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32
         assert k is None and v is None and q.dim() == 4 and q.shape[1] == 1
         calls.append(q.shape[0])
-        scale = softmax_scale or d ** -0.5
+        scale = softmax_scale or d**-0.5
         out = torch.empty_like(q)
         for b in range(q.shape[0]):
             n = int(cache_seqlens[b])
@@ -167,8 +185,9 @@ def test_stacked_query_groups_equal_repeated_kv(dtype):
         k = torch.randn(n_kv, n + cached, 16, generator=g).to(dtype)
         v = torch.randn(n_kv, n + cached, 16, generator=g).to(dtype)
         mask = torch.arange(n + cached)[None, :] <= torch.arange(cached, cached + n)[:, None]  # [n, L]
-        want = F.scaled_dot_product_attention(q[None], k.repeat_interleave(group, 0)[None],
-                                              v.repeat_interleave(group, 0)[None], attn_mask=mask)[0]
+        want = F.scaled_dot_product_attention(
+            q[None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None], attn_mask=mask
+        )[0]
         got = prefill_sdpa(q, k, v, mask, stack_groups=True)
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert (got.float() - want.float()).abs().max() <= tol

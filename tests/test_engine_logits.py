@@ -10,13 +10,12 @@ fp32 rounding, and the old bf16-rounded logits of the same rows are shown to mis
 import pytest
 import torch
 import torch.nn.functional as F
+from test_engine import make_hf, prompts
 
 from staleflow.model import load_model
 from staleflow.rollout import BuiltinEngine, Request, SamplingParams
 from staleflow.rollout.model_runner import SampledLogits
 from staleflow.train.logprobs import packed_logprobs
-
-from test_engine import make_hf, prompts
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def test_sampled_logits_follow_in_place_weight_updates(tmp_path, tie):
     model = load_model(str(tmp_path), dtype=torch.bfloat16)
     head = SampledLogits(model)
     h = torch.randn(5, model.args.hidden_size).to(torch.bfloat16)
-    for step in range(2):
+    for _ in range(2):
         got = head(h)
         want = model.compute_logits(h)  # the upcast product
         assert got.dtype == torch.float32 and (got - want).abs().max() <= 1e-5

@@ -17,15 +17,15 @@
 """
 
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from test_engine import engine, make_hf, models, prompts, reference_logprobs  # noqa: F401  (models: fixture)
 
 from staleflow.model import CausalLM, ModelArgs, load_model
 from staleflow.rollout import BuiltinEngine, Request, SamplingParams
 from staleflow.rollout.prefix_sharing import SharingBlockManager
 from staleflow.rollout.scheduler import Scheduler
 from staleflow.rollout.sequence import Sequence, SequenceStatus
-
-from test_engine import engine, make_hf, models, prompts, reference_logprobs  # noqa: F401  (models: fixture)
 
 
 def drive(num_blocks, block_size, max_running, budget, groups, aborts, loads):
@@ -66,12 +66,13 @@ def drive(num_blocks, block_size, max_running, budget, groups, aborts, loads):
         assert batch.prefill_tokens <= budget
         for seq, k in zip(batch.seqs, batch.num_tokens):  # the step's K/V writes
             for pos in range(seq.num_computed, seq.num_computed + k):
-                slots[bm.slot(seq, pos)] = (version, tuple(seq.token_ids[:pos + 1]))
+                slots[bm.slot(seq, pos)] = (version, tuple(seq.token_ids[: pos + 1]))
         for seq, k in zip(batch.seqs, batch.num_tokens):  # then every fed sequence reads its context
             for pos in range(seq.num_computed + k):
                 ver, prefix = slots.get(bm.slot(seq, pos), (-1, None))
-                assert prefix == tuple(seq.token_ids[:pos + 1]) and ver >= admitted[seq.request_id], \
+                assert prefix == tuple(seq.token_ids[: pos + 1]) and ver >= admitted[seq.request_id], (
                     f"request {seq.request_id} position {pos} reads K/V it does not own"
+                )
         for seq, k in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += k
         for seq in batch.seqs:
@@ -96,13 +97,18 @@ def drive(num_blocks, block_size, max_running, budget, groups, aborts, loads):
 # pinned: a keep_kv load while the first member is mid-prefill; its old-weight block must not be
 # registered afterwards for the second member (found by hypothesis with a retire that kept them)
 @example(num_blocks=6, block_size=1, max_running=2, budget=1, groups=[(3, 2, 1)], aborts={}, loads={1: True})
-@given(num_blocks=st.integers(6, 30), block_size=st.sampled_from([1, 2, 4]), max_running=st.integers(1, 8),
-       budget=st.integers(1, 16),
-       groups=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 5), st.integers(1, 6)), min_size=1, max_size=4),
-       aborts=st.dictionaries(st.integers(0, 40), st.lists(st.integers(0, 19), max_size=2), max_size=3),
-       loads=st.dictionaries(st.integers(1, 40), st.booleans(), max_size=2))
-def test_shared_blocks_always_hold_the_readers_tokens(num_blocks, block_size, max_running, budget, groups, aborts,
-                                                      loads):
+@given(
+    num_blocks=st.integers(6, 30),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_running=st.integers(1, 8),
+    budget=st.integers(1, 16),
+    groups=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 5), st.integers(1, 6)), min_size=1, max_size=4),
+    aborts=st.dictionaries(st.integers(0, 40), st.lists(st.integers(0, 19), max_size=2), max_size=3),
+    loads=st.dictionaries(st.integers(1, 40), st.booleans(), max_size=2),
+)
+def test_shared_blocks_always_hold_the_readers_tokens(
+    num_blocks, block_size, max_running, budget, groups, aborts, loads
+):
     drive(num_blocks, block_size, max_running, budget, groups, aborts, loads)
 
 
@@ -124,8 +130,9 @@ def run(eng, reqs, new_state=None, load_at=11):
         step += 1
         if step == 5:
             for o in eng.abort([s.request_id for s in eng.scheduler.running[:2]]):
-                eng.add(Request(o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids,
-                                o.logprobs, o.versions))
+                eng.add(
+                    Request(o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids, o.logprobs, o.versions)
+                )
         if step == load_at and new_state is not None:
             eng.load_weights(new_state, version=1)
             assert not eng.block_manager.prefix_blocks
@@ -141,8 +148,9 @@ def group_requests(groups=3, size=4):
     reqs = []
     for g, p in enumerate(prompts(groups, lo=9, hi=26, seed=31)):
         for m in range(size):
-            params = SamplingParams(temperature=0 if g % 2 == 0 else 1.0, max_new_tokens=6 + 3 * m, ignore_eos=True,
-                                    seed=100 * g + m)
+            params = SamplingParams(
+                temperature=0 if g % 2 == 0 else 1.0, max_new_tokens=6 + 3 * m, ignore_eos=True, seed=100 * g + m
+            )
             reqs.append(Request(len(reqs), p, params))
     return reqs
 
@@ -182,8 +190,9 @@ def test_weight_load_mid_flight_never_reuses_old_prompt_blocks(models, tmp_path)
         for version, model in ((0, old_model), (1, new_model)):
             idx = [t for t, v in enumerate(o.versions) if v == version]
             for t in idx:  # each token under its own version's weights, given everything before it
-                ref = reference_logprobs(model, r.prompt_ids + o.output_ids[:t], [o.output_ids[t]],
-                                         r.params.temperature or 1.0)
+                ref = reference_logprobs(
+                    model, r.prompt_ids + o.output_ids[:t], [o.output_ids[t]], r.params.temperature or 1.0
+                )
                 assert abs(o.logprobs[t] - float(ref[0])) <= 1e-4, (i, t, version)
             new_tokens += len(idx) if version else 0
     assert new_tokens > 0
@@ -211,11 +220,23 @@ def test_different_prompts_share_their_common_full_blocks():
     model = CausalLM(ModelArgs(vocab_size=64, eos_token_ids=[1])).init_weights(seed=0)
     outs = []
     for sharing in (True, False):
-        eng = BuiltinEngine(model, max_kv_tokens=256, block_size=4, prefill_chunk_tokens=16, max_model_len=64,
-                            profile=True, prefix_sharing=sharing)
-        outs.append(eng.generate([Request(i, list(range(2, 2 + n)), SamplingParams(temperature=0, max_new_tokens=4,
-                                                                                   ignore_eos=True))
-                                  for i, n in enumerate((5, 9, 7))]))
+        eng = BuiltinEngine(
+            model,
+            max_kv_tokens=256,
+            block_size=4,
+            prefill_chunk_tokens=16,
+            max_model_len=64,
+            profile=True,
+            prefix_sharing=sharing,
+        )
+        outs.append(
+            eng.generate(
+                [
+                    Request(i, list(range(2, 2 + n)), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+                    for i, n in enumerate((5, 9, 7))
+                ]
+            )
+        )
         assert eng.profile_samples[0].prefill_tokens == (13 if sharing else 16)
     assert [o.output_ids for o in outs[0]] == [o.output_ids for o in outs[1]]
 

@@ -42,8 +42,10 @@ def test_fit_with_noise_and_outliers_predicts_step_times(outliers):
         assert fit.step_time(n, kv) == pytest.approx(TRUE.step_time(n, kv), rel=0.05)
     if outliers:  # the same samples without the robust loss are pulled towards the slow steps
         plain = fit_cost_model(synthetic(noise=0.03, seed=1, outliers=outliers), TRUE.kv_capacity, robust=False)
-        err = lambda m: sum(abs(m.step_time(n, kv) / TRUE.step_time(n, kv) - 1)  # noqa: E731
-                            for n, kv, _ in synthetic(0.0))
+
+        def err(m):
+            return sum(abs(m.step_time(n, kv) / TRUE.step_time(n, kv) - 1) for n, kv, _ in synthetic(0.0))
+
         assert err(fit) < err(plain)
 
 
@@ -56,8 +58,15 @@ def test_engine_profile_samples_describe_each_step():
     torch.manual_seed(0)
     model = CausalLM(ModelArgs(vocab_size=64, eos_token_ids=[1])).init_weights(seed=0)
     # the prompts share their first block: without prefix sharing each prefills all of its tokens
-    eng = BuiltinEngine(model, max_kv_tokens=256, block_size=4, prefill_chunk_tokens=16, max_model_len=64,
-                        profile=True, prefix_sharing=False)
+    eng = BuiltinEngine(
+        model,
+        max_kv_tokens=256,
+        block_size=4,
+        prefill_chunk_tokens=16,
+        max_model_len=64,
+        profile=True,
+        prefix_sharing=False,
+    )
     for i, plen in enumerate((5, 9, 7)):
         eng.add(Request(i, list(range(2, 2 + plen)), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)))
     eng.step()

@@ -47,7 +47,7 @@ def test_two_level_draw_equals_full_cdf_and_skips_zero_mass(vocab):
 def test_partial_sort_truncation_equals_full_sort(vocab):
     probs, u = distributions(vocab, seed=1)
     rows = probs.shape[0]
-    top_k = torch.tensor([0, 1, 5, 0, 100, 2000][: rows] * (rows // 6))
+    top_k = torch.tensor([0, 1, 5, 0, 100, 2000][:rows] * (rows // 6))
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.99, 1.0, 0.95] * (rows // 6), dtype=torch.float64)
     expected, kept = full_sort_truncated(probs, u, top_k, top_p)
     assert torch.equal(truncation_mask(probs, top_k, top_p), kept)
@@ -62,7 +62,7 @@ def test_u_next_to_one_never_lands_on_padding_or_masked_tokens():
     probs[0, :10] = 0.1
     probs[1, 1024:1030] = 1 / 6
     probs[2, 7] = 1.0
-    u = torch.full((3,), 1 - 2.0 ** -53, dtype=torch.float64)
+    u = torch.full((3,), 1 - 2.0**-53, dtype=torch.float64)
     assert draw_chunked(probs, u).tolist() == [9, 1029, 7]
     top = draw_truncated(probs, u, torch.tensor([0, 3, 0]), torch.tensor([0.25, 1.0, 1.0], dtype=torch.float64))
     assert bool((probs.gather(1, top[:, None]) > 0).all())
@@ -87,7 +87,7 @@ def test_kept_set_of_a_row_does_not_depend_on_the_rows_before_it():
     """A flat row whose top-p cut falls exactly on a token boundary keeps the same set alone and
     after a row of tiny probabilities (prefix sums are per row, not across the batch)."""
     vocab = 4096
-    flat = torch.full((vocab,), 2.0 ** -12)  # top_p 0.5: exactly 2048 tokens have less than 0.5 before them
+    flat = torch.full((vocab,), 2.0**-12)  # top_p 0.5: exactly 2048 tokens have less than 0.5 before them
     g = torch.Generator().manual_seed(0)
     top_k, top_p = torch.tensor([100, 0]), torch.tensor([1.0, 0.5], dtype=torch.float64)
     alone = truncation_mask(flat[None], top_k[1:], top_p[1:])[0]
@@ -95,5 +95,5 @@ def test_kept_set_of_a_row_does_not_depend_on_the_rows_before_it():
     for _ in range(20):
         tiny = torch.empty(vocab)
         tiny[:10] = 0.09
-        tiny[10:] = 2.0 ** -40 * (1 + 0.1 * torch.rand(vocab - 10, generator=g))
+        tiny[10:] = 2.0**-40 * (1 + 0.1 * torch.rand(vocab - 10, generator=g))
         assert torch.equal(truncation_mask(torch.stack([tiny, flat]), top_k, top_p)[1], alone)

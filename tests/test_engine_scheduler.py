@@ -4,7 +4,8 @@ draws arrivals, aborts and cache sizes. Invariants checked after every step: blo
 by at most one sequence and none is lost, block tables cover the cached tokens, the running
 cap and the prefill budget hold, every request finishes, and the cache ends empty."""
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from staleflow.rollout.block_manager import BlockManager
 from staleflow.rollout.engine import Request, SamplingParams
@@ -29,9 +30,14 @@ def check_invariants(sch: Scheduler, live: list[Sequence]):
 
 
 @settings(max_examples=150, deadline=None)
-@given(num_blocks=st.integers(6, 24), block_size=st.sampled_from([1, 2, 4]), max_running=st.integers(1, 5),
-       budget=st.integers(1, 12), reqs=st.lists(st.tuples(st.integers(1, 10), st.integers(1, 8)), min_size=1, max_size=10),
-       aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=4))
+@given(
+    num_blocks=st.integers(6, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_running=st.integers(1, 5),
+    budget=st.integers(1, 12),
+    reqs=st.lists(st.tuples(st.integers(1, 10), st.integers(1, 8)), min_size=1, max_size=10),
+    aborts=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=4),
+)
 def test_scheduler_invariants_and_progress(num_blocks, block_size, max_running, budget, reqs, aborts):
     bm = BlockManager(num_blocks, block_size)
     max_len = num_blocks * block_size  # the engine guarantees a lone sequence fits
@@ -57,7 +63,7 @@ def test_scheduler_invariants_and_progress(num_blocks, block_size, max_running, 
         batch = sch.schedule()
         assert len(batch) or not sch.has_unfinished()
         assert batch.prefill_tokens <= budget
-        assert all(n == 1 for n in batch.num_tokens[:batch.num_decode])
+        assert all(n == 1 for n in batch.num_tokens[: batch.num_decode])
         for seq, n in zip(batch.seqs, batch.num_tokens):
             assert seq.status is SequenceStatus.RUNNING
             seq.num_computed += n

@@ -11,12 +11,11 @@ import sys
 import pytest
 
 from staleflow.config import DataConfig
+from staleflow.control.messages import Evaluated, eval_request_id, is_eval, split_eval_id
 from staleflow.data import PromptSource
-from staleflow.control.messages import eval_request_id, is_eval, split_eval_id
-from staleflow.runtime.evaluation import HeldOutEval
-from staleflow.control.messages import Evaluated
 from staleflow.model import load_tokenizer
 from staleflow.model.aliases import ensure_tokenizer
+from staleflow.runtime.evaluation import HeldOutEval
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,9 @@ def test_eval_held_out_task_prompts_are_never_drawn_for_training(tok):
 
 def test_eval_held_out_file_rows_leave_the_training_set(tmp_path, tok):
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(40))
+    )
     src = PromptSource(DataConfig(source=str(path)), tok)
     held = src.hold_out(10)
     train = {next(src).text for _ in range(30)}
@@ -66,10 +67,10 @@ def test_eval_answers_are_scored_with_the_reward_and_logged_once_complete(tok):
 def test_ci95_in_held_out_rows_console_lines_and_report_plot(tok, tmp_path):
     """The main job's evaluation row carries its Wilson interval; the console line and the report
     plot show it."""
-    from staleflow.runtime.evaluation import eval_line, gain_line
     from staleflow.metrics.report import _held_out, make_report
     from staleflow.metrics.stats import wilson
     from staleflow.metrics.writer import MetricsWriter
+    from staleflow.runtime.evaluation import eval_line, gain_line
 
     prompts = PromptSource(DataConfig(source="arithmetic-easy"), tok).hold_out(10)
     ev = HeldOutEval(prompts, "arithmetic", tok, max_new_tokens=16)
@@ -112,9 +113,31 @@ def test_eval_request_ids_are_negative_and_round_trip():
 @pytest.mark.slow
 def test_eval_rows_in_a_run_at_start_every_k_and_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "staleflow",
-           "train", "--preset", "tiny", "--steps", "4", "--eval.n", "6", "--eval.every", "2", "--log.run-dir",
-           str(tmp_path), "--log.name", "run", "--log.no-progress", "--reward.fn", "e2e_rewards:text_length"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=3",
+        "-m",
+        "staleflow",
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--eval.n",
+        "6",
+        "--eval.every",
+        "2",
+        "--log.run-dir",
+        str(tmp_path),
+        "--log.name",
+        "run",
+        "--log.no-progress",
+        "--reward.fn",
+        "e2e_rewards:text_length",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -31,6 +31,7 @@ def row_flag(completion: str, answer: str, meta: dict) -> float:
 
 # ---- intervals ---------------------------------------------------------------------------------
 
+
 def test_ci95_wilson_bounds_solve_the_score_equation():
     z = 1.959963984540054
     for k, n in ((0, 10), (3, 10), (81, 263), (64, 128), (127, 128), (128, 128)):
@@ -76,6 +77,7 @@ def test_ci95_t_interval_and_pass_at_k():
 
 
 # ---- the evaluation with a scripted engine (known accuracy) -------------------------------------
+
 
 class ScriptedEngine:
     """A stand-in RolloutEngine: answers each request with the text script(prompt_ids, seed)."""
@@ -140,7 +142,9 @@ def test_eval_command_scripted_engine_sampled_gives_mean_accuracy_and_pass_at_k(
         j = seed - 100 - i * k
         return f"\\boxed{{{answer}}}" if j < i % 5 else "\\boxed{-1}"
 
-    answers = generate(ScriptedEngine(tok, script), prompts, k, SamplingParams(temperature=1.0, max_new_tokens=8, seed=100))
+    answers = generate(
+        ScriptedEngine(tok, script), prompts, k, SamplingParams(temperature=1.0, max_new_tokens=8, seed=100)
+    )
     summary, _ = score_answers(answers, prompts, resolve_reward_fn("arithmetic"), tok)
     right = [min(i % 5, k) for i in range(12)]
     assert summary["accuracy"] == pytest.approx(sum(right) / (12 * k))
@@ -151,10 +155,17 @@ def test_eval_command_scripted_engine_sampled_gives_mean_accuracy_and_pass_at_k(
 
 # ---- the command itself (real engine, tiny model) ------------------------------------------------
 
+
 def _eval(*args, cwd=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "staleflow", "eval", "--no-progress", *args], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "staleflow", "eval", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=cwd,
+    )
 
 
 def _rows(path: Path, flags: list[str]) -> Path:
@@ -169,8 +180,20 @@ def test_eval_command_real_engine_known_accuracy_and_run_folder(tmp_path):
     data = _rows(tmp_path / "d.jsonl", ["right", "wrong", "right", "wrong", "wrong"] * 4)  # 8 of 20
     run = tmp_path / "run"
     shutil.copytree(ensure_alias("tiny-llama"), run / "hf")  # a run folder: its policy is run/hf
-    res = _eval("--model", str(run), "--data.source", str(data), "--reward.fn", "test_eval_command:row_flag",
-                "--max-new-tokens", "4", "--samples", "2", "--out", str(tmp_path / "rows.jsonl"))
+    res = _eval(
+        "--model",
+        str(run),
+        "--data.source",
+        str(data),
+        "--reward.fn",
+        "test_eval_command:row_flag",
+        "--max-new-tokens",
+        "4",
+        "--samples",
+        "2",
+        "--out",
+        str(tmp_path / "rows.jsonl"),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["n"] == 20 and out["accuracy"] == pytest.approx(0.4) and out["pass_at_k"] == pytest.approx(0.4)
@@ -178,8 +201,18 @@ def test_eval_command_real_engine_known_accuracy_and_run_folder(tmp_path):
     assert out["ci95_low"] < 0.4 < out["ci95_high"] and 1 <= out["response_len_mean"] <= 4
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 20
 
-    res = _eval("--model", "tiny-llama", "--data.source", str(data), "--reward.fn", "test_eval_command:row_flag",
-                "--max-new-tokens", "4", "--n", "5")
+    res = _eval(
+        "--model",
+        "tiny-llama",
+        "--data.source",
+        str(data),
+        "--reward.fn",
+        "test_eval_command:row_flag",
+        "--max-new-tokens",
+        "4",
+        "--n",
+        "5",
+    )
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert res.returncode == 0 and out["n"] == 5 and out["accuracy"] == pytest.approx(0.4)
     assert (out["ci95_low"], out["ci95_high"]) == pytest.approx(wilson(2, 5)) and out["ci_method"] == "wilson"

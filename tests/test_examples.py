@@ -30,8 +30,16 @@ HERE = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # as `./launch.sh` and `python -m staleflow` from the root have it
     sys.path.insert(0, str(ROOT))
 STEPS = 2
-SHORT = ["--steps", str(STEPS), "--log.no-progress", "--log.no-plot", "--log.name", "run",
-         "--reward.fn", "e2e_rewards:text_length"]  # a reward that varies within a group on a random model
+SHORT = [
+    "--steps",
+    str(STEPS),
+    "--log.no-progress",
+    "--log.no-plot",
+    "--log.name",
+    "run",
+    "--reward.fn",
+    "e2e_rewards:text_length",
+]  # a reward that varies within a group on a random model
 
 
 def documented(example: str) -> list[str]:
@@ -55,8 +63,15 @@ def _env(calls: Path) -> dict:
 
 
 def _run(cmd: list[str], calls: Path, timeout: float = 540) -> str:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(calls),
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(calls),
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -107,8 +122,19 @@ def test_examples_kv_router_routes_the_runtime(tmp_path):
 def test_examples_kv_router_routes_the_simulator(tmp_path):
     (cmd,) = [c for c in documented("kv_router.py") if " sim " in c]
     calls = tmp_path / "calls.txt"
-    out = _run([sys.executable, *shlex.split(cmd)[1:], "--out-dir", str(tmp_path / "sim"), "--steps", "6",
-                "--warmup-steps", "1"], calls)
+    out = _run(
+        [
+            sys.executable,
+            *shlex.split(cmd)[1:],
+            "--out-dir",
+            str(tmp_path / "sim"),
+            "--steps",
+            "6",
+            "--warmup-steps",
+            "1",
+        ],
+        calls,
+    )
     result = json.loads(out.strip().splitlines()[-1])
     assert result["violations"] == 0
     chosen = Counter(line.split()[0] for line in calls.read_text().splitlines())
@@ -121,10 +147,15 @@ def _inputs(adv: list[float], ratio: list[float]) -> LossInputs:
     logp = torch.full((n,), -1.0, dtype=torch.float64).requires_grad_()
     old = logp.detach() - torch.log(torch.tensor(ratio, dtype=torch.float64))  # exp(logp - old) = ratio
     seq = torch.arange(n)
-    return LossInputs(logp=logp, behaviour_logp=old, proximal_logp=logp.detach().clone(),
-                      advantages=torch.tensor(adv, dtype=torch.float64),
-                      token_weight=torch.tensor(token_weights("token-mean", [1] * n), dtype=torch.float64),
-                      seq_index=seq, num_seqs=n)
+    return LossInputs(
+        logp=logp,
+        behaviour_logp=old,
+        proximal_logp=logp.detach().clone(),
+        advantages=torch.tensor(adv, dtype=torch.float64),
+        token_weight=torch.tensor(token_weights("token-mean", [1] * n), dtype=torch.float64),
+        seq_index=seq,
+        num_seqs=n,
+    )
 
 
 def test_examples_cispo_gradient_is_the_clipped_weight_times_the_advantage():
@@ -150,22 +181,29 @@ def test_examples_centered_rank_properties(rewards):
     for i, ri in enumerate(rewards):
         for j, rj in enumerate(rewards):
             assert (ri < rj) == (adv[i] < adv[j]) and (ri == rj) == (adv[i] == adv[j])
-    spread = compute_advantages("examples.rank_advantage:centered_rank", [math.exp(3 * r) for r in rewards],
-                                [0] * len(rewards))
+    spread = compute_advantages(
+        "examples.rank_advantage:centered_rank", [math.exp(3 * r) for r in rewards], [0] * len(rewards)
+    )
     assert spread == adv  # only the order matters
 
 
 def test_examples_most_free_kv_picks_the_emptiest_instance_that_fits():
     """Instance 0 runs 50 short trajectories in little KV, 1 runs nothing in more KV, 2 has no room:
     MostFreeKV takes 0 (most free KV), where the waterfall's cost model prefers the idle 1."""
+    from test_coordinator import COST, Clock
+
     from staleflow.config import CoordinatorConfig
     from staleflow.coordinator import Coordinator, Route, TrajectoryItem
     from staleflow.protocol.staleness import StalenessManager
-    from test_coordinator import COST, Clock
 
     def first_routes(routing: str) -> list[tuple[int, int]]:
-        c = Coordinator(CoordinatorConfig(routing=routing, migration=False), COST,
-                        StalenessManager(2, 4, group_size=1), range(3), clock=Clock())
+        c = Coordinator(
+            CoordinatorConfig(routing=routing, migration=False),
+            COST,
+            StalenessManager(2, 4, group_size=1),
+            range(3),
+            clock=Clock(),
+        )
         c.on_new_version(0)
         c.instances[0].trajs = {1000 + k: 20 for k in range(50)}
         for inst, kv in ((0, 1_000), (1, 20_000), (2, 99_990)):

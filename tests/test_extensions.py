@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_coordinator import COST, Clock
+from test_extension_helpers import two_args
 
 from staleflow.config import CoordinatorConfig, DataConfig, RewardConfig, TrainConfig
 from staleflow.coordinator import Coordinator, Pull, Route, TrajectoryItem
@@ -28,8 +30,6 @@ from staleflow.protocol.staleness import StalenessManager
 from staleflow.reward.functions import REWARDS, resolve_reward_fn
 from staleflow.train.advantages import ADVANTAGES, compute_advantages
 from staleflow.train.losses import LOSSES, OFF_POLICIES, LossInputs, LossSettings, policy_loss, token_weights
-from test_coordinator import COST, Clock
-from test_extension_helpers import two_args
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -46,13 +46,15 @@ def test_extension_registry_names_paths_and_one_error_format():
 
     assert widgets.resolve("double") is double and "double" in widgets and list(widgets) == ["double"]
     assert widgets.resolve(f"{H}:sign_advantage")([0.0, 1.0, 2.0]) == [-1.0, 0.0, 1.0]
-    bad = {"dubble": "is not a registered widget (double) nor an import path 'package.module:name'",
-           ":f": "an import path must look like 'package.module:name'",
-           "no_such_module_xyz:f": "cannot import module 'no_such_module_xyz' (ModuleNotFoundError",
-           f"{H}:nope": f"module '{H}' has no attribute 'nope'",
-           f"{H}:NOT_CALLABLE": "'NOT_CALLABLE' is an int, not a callable",
-           f"{H}:two_args": "'two_args' is function two_args(a, b), which cannot be called with 1 positional argument",
-           f"{H}:NoChoose": "'NoChoose' is class NoChoose, not a function"}
+    bad = {
+        "dubble": "is not a registered widget (double) nor an import path 'package.module:name'",
+        ":f": "an import path must look like 'package.module:name'",
+        "no_such_module_xyz:f": "cannot import module 'no_such_module_xyz' (ModuleNotFoundError",
+        f"{H}:nope": f"module '{H}' has no attribute 'nope'",
+        f"{H}:NOT_CALLABLE": "'NOT_CALLABLE' is an int, not a callable",
+        f"{H}:two_args": "'two_args' is function two_args(a, b), which cannot be called with 1 positional argument",
+        f"{H}:NoChoose": "'NoChoose' is class NoChoose, not a function",
+    }
     for spec, words in bad.items():
         with pytest.raises(ExtensionError) as e:
             widgets.resolve(spec)
@@ -76,10 +78,12 @@ def test_extension_module_that_fails_while_importing_is_one_line(tmp_path, monke
 def test_extension_class_shapes():
     assert ROUTING.resolve(f"{H}:LastInstance").__name__ == "LastInstance"
     assert PULL.resolve(f"{H}:NeverPull").__name__ == "NeverPull"
-    for registry, spec, words in ((ROUTING, f"{H}:NoChoose", "class NoChoose without a method choose()"),
-                                  (ROUTING, f"{H}:sign_advantage", "function sign_advantage(rewards), not a class"),
-                                  (PULL, f"{H}:PullWithoutFlags", "without a bool attribute blocks_routing"),
-                                  (OFF_POLICIES, f"{H}:bad_flag", "whose recompute_proximal is a str, not a bool")):
+    for registry, spec, words in (
+        (ROUTING, f"{H}:NoChoose", "class NoChoose without a method choose()"),
+        (ROUTING, f"{H}:sign_advantage", "function sign_advantage(rewards), not a class"),
+        (PULL, f"{H}:PullWithoutFlags", "without a bool attribute blocks_routing"),
+        (OFF_POLICIES, f"{H}:bad_flag", "whose recompute_proximal is a str, not a bool"),
+    ):
         with pytest.raises(ExtensionError, match=re.escape(words)):
             registry.resolve(spec)
 
@@ -87,30 +91,35 @@ def test_extension_class_shapes():
 def test_extension_import_path_code_exists_once():
     """The reward, the losses, the strategies and the data sources share extensions.py: no module
     of the package imports a module by a user's name but it (cli.py imports its own subcommands)."""
-    users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "src" / "staleflow").rglob("*.py")
-                   if "import_module(" in p.read_text())
+    users = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "src" / "staleflow").rglob("*.py")
+        if "import_module(" in p.read_text()
+    )
     assert users == ["src/staleflow/cli.py", "src/staleflow/extensions.py"]
 
 
 # ---- staleflow check: every flag, before any process ---------------------------------------------
-BAD = [("--train.loss", "grpoo", "is not a registered loss (dapo, grpo, gspo, ppo)"),
-       ("--train.loss", f"{H}:nope", f"module '{H}' has no attribute 'nope'"),
-       ("--train.loss", f"{H}:two_args", "cannot be called with 3 positional arguments"),
-       ("--train.advantage", "no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-       ("--train.advantage", f"{H}:two_args", "cannot be called with 1 positional argument"),
-       ("--train.off-policy", "tis", "is not a registered off-policy correction"),
-       ("--train.off-policy", f"{H}:NOT_CALLABLE", "an int, not a callable"),
-       ("--train.off-policy", f"{H}:bad_flag", "recompute_proximal is a str, not a bool"),
-       ("--coordinator.routing", "no_such_module_xyz:Router", "cannot import module 'no_such_module_xyz'"),
-       ("--coordinator.routing", f"{H}:NoChoose", "class NoChoose without a method choose()"),
-       ("--coordinator.pull", f"{H}:Nope", f"module '{H}' has no attribute 'Nope'"),
-       ("--coordinator.pull", f"{H}:PullWithoutFlags", "without a bool attribute blocks_routing"),
-       ("--data.source", "arithmetc", "is not a registered task (arithmetic, arithmetic-easy, countdown), a .jsonl"),
-       ("--data.source", "no_such_module_xyz:rows", "cannot import module 'no_such_module_xyz'"),
-       ("--data.source", f"{H}:sign_advantage", "cannot be called with 2 positional arguments"),
-       ("--data.source", "missing.jsonl", "no such file"),
-       ("--reward.fn", f"{H}:nope", f"module '{H}' has no attribute 'nope'"),
-       ("--reward.fn", f"{H}:NoChoose", "class NoChoose, not a function")]
+BAD = [
+    ("--train.loss", "grpoo", "is not a registered loss (dapo, grpo, gspo, ppo)"),
+    ("--train.loss", f"{H}:nope", f"module '{H}' has no attribute 'nope'"),
+    ("--train.loss", f"{H}:two_args", "cannot be called with 3 positional arguments"),
+    ("--train.advantage", "no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+    ("--train.advantage", f"{H}:two_args", "cannot be called with 1 positional argument"),
+    ("--train.off-policy", "tis", "is not a registered off-policy correction"),
+    ("--train.off-policy", f"{H}:NOT_CALLABLE", "an int, not a callable"),
+    ("--train.off-policy", f"{H}:bad_flag", "recompute_proximal is a str, not a bool"),
+    ("--coordinator.routing", "no_such_module_xyz:Router", "cannot import module 'no_such_module_xyz'"),
+    ("--coordinator.routing", f"{H}:NoChoose", "class NoChoose without a method choose()"),
+    ("--coordinator.pull", f"{H}:Nope", f"module '{H}' has no attribute 'Nope'"),
+    ("--coordinator.pull", f"{H}:PullWithoutFlags", "without a bool attribute blocks_routing"),
+    ("--data.source", "arithmetc", "is not a registered task (arithmetic, arithmetic-easy, countdown), a .jsonl"),
+    ("--data.source", "no_such_module_xyz:rows", "cannot import module 'no_such_module_xyz'"),
+    ("--data.source", f"{H}:sign_advantage", "cannot be called with 2 positional arguments"),
+    ("--data.source", "missing.jsonl", "no such file"),
+    ("--reward.fn", f"{H}:nope", f"module '{H}' has no attribute 'nope'"),
+    ("--reward.fn", f"{H}:NoChoose", "class NoChoose, not a function"),
+]
 
 
 @pytest.mark.parametrize("flag, spec, words", BAD)
@@ -122,10 +131,22 @@ def test_extension_bad_spec_is_one_line_from_check(flag, spec, words, tmp_path, 
 
 
 def test_extension_check_accepts_a_run_made_of_forks(tmp_path, capsys):
-    flags = ["--train.loss", f"{H}:reinforce", "--train.advantage", f"{H}:sign_advantage",
-             "--train.off-policy", f"{H}:half_tis", "--coordinator.routing", f"{H}:LastInstance",
-             "--coordinator.pull", f"{H}:NeverPull", "--data.source", f"{H}:squares",
-             "--reward.fn", "e2e_rewards:text_length"]
+    flags = [
+        "--train.loss",
+        f"{H}:reinforce",
+        "--train.advantage",
+        f"{H}:sign_advantage",
+        "--train.off-policy",
+        f"{H}:half_tis",
+        "--coordinator.routing",
+        f"{H}:LastInstance",
+        "--coordinator.pull",
+        f"{H}:NeverPull",
+        "--data.source",
+        f"{H}:squares",
+        "--reward.fn",
+        "e2e_rewards:text_length",
+    ]
     assert check.main(["--preset", "tiny", "--log.run-dir", str(tmp_path), *flags]) == 0, capsys.readouterr().err
 
 
@@ -135,17 +156,47 @@ def _env() -> dict:
 
 
 def test_extension_check_cli_exits_2_with_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "staleflow", "check", "--preset", "tiny", "--log.run-dir", str(tmp_path),
-                        "--train.loss", f"{H}:two_args"], capture_output=True, text=True, timeout=300, env=_env())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "staleflow",
+            "check",
+            "--preset",
+            "tiny",
+            "--log.run-dir",
+            str(tmp_path),
+            "--train.loss",
+            f"{H}:two_args",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"staleflow: config error: --train.loss='{H}:two_args'")
 
 
 @pytest.mark.slow
 def test_extension_launch_stops_before_any_process_starts(tmp_path):
-    r = subprocess.run(["bash", str(ROOT / "launch.sh"), "--preset", "tiny", "--log.run-dir", str(tmp_path),
-                        "--coordinator.routing", "no_such_module_xyz:Router"], capture_output=True, text=True,
-                       timeout=300, env=_env(), cwd=ROOT)
+    r = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch.sh"),
+            "--preset",
+            "tiny",
+            "--log.run-dir",
+            str(tmp_path),
+            "--coordinator.routing",
+            "no_such_module_xyz:Router",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     out = r.stdout + r.stderr
     assert "--coordinator.routing='no_such_module_xyz:Router': cannot import module" in out
@@ -157,15 +208,18 @@ def _recording(registry, name, calls, monkeypatch):
     """Replace a built-in by a wrapper of the same shape that records its calls."""
     inner = registry[name]
     if inspect.isclass(inner):
+
         def init(self, cfg, cost_model):
             calls.append(name)
             inner.__init__(self, cfg, cost_model)
 
         wrapper = type(f"Recorded{inner.__name__}", (inner,), {"__init__": init})
     else:
+
         def wrapper(*args):
             calls.append(name)
             return inner(*args)
+
     monkeypatch.setitem(registry, name, wrapper)
 
 
@@ -175,10 +229,15 @@ def _inputs(seed=0, lens=(3, 1, 4), gap=0.3):
     n = len(seq)
     logp = (-torch.rand(n, generator=g) * 3).requires_grad_()
     prox = logp.detach().clone()
-    return LossInputs(logp=logp, behaviour_logp=prox + gap * torch.randn(n, generator=g), proximal_logp=prox,
-                      advantages=torch.randn(len(lens), generator=g)[seq],
-                      token_weight=torch.tensor(token_weights("token-mean", list(lens)))[seq], seq_index=seq,
-                      num_seqs=len(lens))
+    return LossInputs(
+        logp=logp,
+        behaviour_logp=prox + gap * torch.randn(n, generator=g),
+        proximal_logp=prox,
+        advantages=torch.randn(len(lens), generator=g)[seq],
+        token_weight=torch.tensor(token_weights("token-mean", list(lens)))[seq],
+        seq_index=seq,
+        num_seqs=len(lens),
+    )
 
 
 def _coordinator(**cfg):
@@ -199,8 +258,15 @@ def tok():
 
 def test_extension_builtins_are_called_through_their_registry(monkeypatch, tok):
     calls: list[str] = []
-    for registry, name in ((LOSSES, "grpo"), (OFF_POLICIES, "tis-token"), (ADVANTAGES, "grpo"),
-                           (ROUTING, "waterfall"), (PULL, "status"), (TASKS, "arithmetic"), (REWARDS, "arithmetic")):
+    for registry, name in (
+        (LOSSES, "grpo"),
+        (OFF_POLICIES, "tis-token"),
+        (ADVANTAGES, "grpo"),
+        (ROUTING, "waterfall"),
+        (PULL, "status"),
+        (TASKS, "arithmetic"),
+        (REWARDS, "arithmetic"),
+    ):
         _recording(registry, name, calls, monkeypatch)
     policy_loss(LossSettings(loss="grpo", off_policy="tis-token"), _inputs())
     compute_advantages("grpo", [0.0, 1.0], [0, 0])
@@ -259,10 +325,15 @@ def test_extension_flags_help_lists_every_builtin():
         for a, b in zip(cls.body, cls.body[1:]):
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
                 docs[(cls.name, a.target.id)] = b.value.value
-    for (section, name), registry in {("TrainConfig", "loss"): LOSSES, ("TrainConfig", "advantage"): ADVANTAGES,
-                                      ("TrainConfig", "off_policy"): OFF_POLICIES,
-                                      ("CoordinatorConfig", "routing"): ROUTING, ("CoordinatorConfig", "pull"): PULL,
-                                      ("DataConfig", "source"): TASKS, ("RewardConfig", "fn"): REWARDS}.items():
+    for (section, name), registry in {
+        ("TrainConfig", "loss"): LOSSES,
+        ("TrainConfig", "advantage"): ADVANTAGES,
+        ("TrainConfig", "off_policy"): OFF_POLICIES,
+        ("CoordinatorConfig", "routing"): ROUTING,
+        ("CoordinatorConfig", "pull"): PULL,
+        ("DataConfig", "source"): TASKS,
+        ("RewardConfig", "fn"): REWARDS,
+    }.items():
         text = docs[(section, name)]
         missing = [n for n in registry if n not in text.replace("\n", " ")]
         assert missing == [] and "module:" in text, (section, name, missing)

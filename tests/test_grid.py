@@ -5,16 +5,35 @@ from __future__ import annotations
 
 import json
 
-from staleflow.sim import grid, search
 from staleflow.config import StalenessConfig
+from staleflow.sim import grid, search
 from staleflow.sim.config import SimConfig
 
 
 def small(**kw) -> SimConfig:
-    base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1", max_running=16,
-                train_overhead_s=0.1, staleness=StalenessConfig(batch_size=3, group_size=2), prompt_len=20, response_median=40.0,
-                response_sigma=1.0, max_response=300, steps=6, warmup_steps=1, tick_s=0.05, out_dir="",
-                ablation=False, router_fit_samples=50, push_s=0.2, pull_s=0.1, broadcast_s=0.4, jobs=1)
+    base = dict(
+        total_gpus=4,
+        rollout_gpus=3,
+        gpus_per_instance=1,
+        cost_model="qwen2.5-7b-tp1",
+        max_running=16,
+        train_overhead_s=0.1,
+        staleness=StalenessConfig(batch_size=3, group_size=2),
+        prompt_len=20,
+        response_median=40.0,
+        response_sigma=1.0,
+        max_response=300,
+        steps=6,
+        warmup_steps=1,
+        tick_s=0.05,
+        out_dir="",
+        ablation=False,
+        router_fit_samples=50,
+        push_s=0.2,
+        pull_s=0.1,
+        broadcast_s=0.4,
+        jobs=1,
+    )
     base.update(kw)
     return SimConfig(**base)
 
@@ -28,9 +47,18 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
     assert grid.main(small(out_dir=str(tmp_path))) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
-    assert {"vs_guarantee_best_avg", "vs_guarantee_best_max", "vs_guarantee_best_equal_transfer_avg",
-            "vs_nominal_best_avg", "vs_nominal_best_max", "vs_sync_max", "vs_sync_avg", "step_over_floor_avg",
-            "ablation", "violations"} <= set(summary)
+    assert {
+        "vs_guarantee_best_avg",
+        "vs_guarantee_best_max",
+        "vs_guarantee_best_equal_transfer_avg",
+        "vs_nominal_best_avg",
+        "vs_nominal_best_max",
+        "vs_sync_max",
+        "vs_sync_avg",
+        "step_over_floor_avg",
+        "ablation",
+        "violations",
+    } <= set(summary)
     assert set(summary["ablation"]) == {name for name, *_ in grid.ABLATIONS} and summary["violations"] == 0
     assert summary["vs_sync_max"] >= summary["vs_sync_avg"] > 0 and summary["step_over_floor_avg"] > 0
     assert any(line.startswith("Summary") for line in out) and (tmp_path / "grid.png").stat().st_size > 1000
@@ -39,8 +67,13 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
     assert len(saved["settings"]) == 2 and saved["summary"] == summary
     found = saved["search"]["7B lognormal 3:1"]
     labels = {r["config"] for r in found}
-    assert {"verl-fully-async s=0 T=2", "verl-fully-async s=0.5 no-partial", "areal eta=1 cap=B",
-            "verl-sync", "verl-one-step-off"} <= labels  # every family was searched
+    assert {
+        "verl-fully-async s=0 T=2",
+        "verl-fully-async s=0.5 no-partial",
+        "areal eta=1 cap=B",
+        "verl-sync",
+        "verl-one-step-off",
+    } <= labels  # every family was searched
     for row in saved["settings"]:
         eta = row["eta"]
         winner = next(r for r in found if r["config"] == row["guarantee_best"])

@@ -16,11 +16,31 @@ from staleflow.sim.simulator import build, run
 
 
 def tiny(**kw) -> SimConfig:
-    base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1",
-                prefill_tokens_per_s=5000.0, max_running=16, train_tokens_per_gpu_s=2000.0, train_overhead_s=0.1,
-                push_s=0.2, pull_s=0.2, broadcast_s=0.3, colocated_switch_s=0.2, staleness=StalenessConfig(batch_size=3, group_size=2),
-                prompt_len=20, response_median=40.0, response_sigma=1.0, max_response=300, steps=8, warmup_steps=1,
-                tick_s=0.05, out_dir="", ablation=False, router_fit_samples=0)
+    base = dict(
+        total_gpus=4,
+        rollout_gpus=3,
+        gpus_per_instance=1,
+        cost_model="qwen2.5-7b-tp1",
+        prefill_tokens_per_s=5000.0,
+        max_running=16,
+        train_tokens_per_gpu_s=2000.0,
+        train_overhead_s=0.1,
+        push_s=0.2,
+        pull_s=0.2,
+        broadcast_s=0.3,
+        colocated_switch_s=0.2,
+        staleness=StalenessConfig(batch_size=3, group_size=2),
+        prompt_len=20,
+        response_median=40.0,
+        response_sigma=1.0,
+        max_response=300,
+        steps=8,
+        warmup_steps=1,
+        tick_s=0.05,
+        out_dir="",
+        ablation=False,
+        router_fit_samples=0,
+    )
     base.update(kw)
     return SimConfig(**base)
 
@@ -34,9 +54,11 @@ class FakeResult:
 
 def fake_runner(worst_of, speed_of, log):
     """run_one(cfg, seed) with a scripted worst case and throughput per (label, seed)."""
+
     def run_one(cfg, seed):
         log.append((cfg.label, seed))
         return FakeResult(speed_of(cfg, seed), {0: 5, worst_of(cfg, seed): 1})
+
     return run_one
 
 
@@ -58,16 +80,22 @@ def test_guarantee_search_picks_the_fastest_fully_measured_config_within_eta_and
         assert m is not None and m.worst <= eta and m.complete(search.SEEDS)
         assert all(o.tok_s <= m.tok_s for o in search.qualifying(measured, eta) if o.complete(search.SEEDS))
         # a config left at one seed was more than MARGIN slower than the winner
-        assert all(o.tok_s < (1 - search.MARGIN) * m.tok_s for o in search.qualifying(measured, eta)
-                   if not o.complete(search.SEEDS))
+        assert all(
+            o.tok_s < (1 - search.MARGIN) * m.tok_s
+            for o in search.qualifying(measured, eta)
+            if not o.complete(search.SEEDS)
+        )
     # the fastest at eta 3 on seed 0 (s=0.75 T=2, worst 3) reached 4 on seed 1: the next one, first left at
     # one seed (more than MARGIN slower), was run on seed 1 and won
     assert best[3].cfg.label == "verl-fully-async s=1.25" and measured[best[3].cfg].complete(search.SEEDS)
     broken = next(m for m in measured.values() if m.cfg.label == "verl-fully-async s=0.75 T=2")
     assert broken.worst == 4 and broken.complete(search.SEEDS)
     # each family ran in order and stopped right after its first worst case above max eta (3): T=1 at s=1.5
-    t1 = [label for label, seed in log if seed == 0 and label.startswith("verl-fully-async s=") and " " not in
-          label[len("verl-fully-async "):]]
+    t1 = [
+        label
+        for label, seed in log
+        if seed == 0 and label.startswith("verl-fully-async s=") and " " not in label[len("verl-fully-async ") :]
+    ]
     assert t1 == [f"verl-fully-async s={s:g}" for s in search.S_GRID[1] if s <= 1.5]
     assert len(log) == len(set(log))  # nothing ran twice
 

@@ -15,11 +15,11 @@ import uuid
 
 import pytest
 
-from staleflow.launch.cleanup import remove_run_folder
-from staleflow.control.sockets import ControlClient, control_address
+from staleflow.cluster.roles import Roles
 from staleflow.control.hub import Hub, RankDied
 from staleflow.control.messages import Goodbye
-from staleflow.cluster.roles import Roles
+from staleflow.control.sockets import ControlClient, control_address
+from staleflow.launch.cleanup import remove_run_folder
 
 
 @pytest.fixture

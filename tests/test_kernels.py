@@ -15,7 +15,8 @@ from staleflow.kernels.logprob import packed_logprobs_forward, packed_logprobs_t
 from staleflow.kernels.reference import packed_logprobs_reference
 
 pytestmark = pytest.mark.skipif(
-    not triton_available(), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1 set before import")
+    not triton_available(), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1 set before import"
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not _INTERPRET else "cpu"
@@ -88,10 +89,12 @@ def test_invariants_logp_nonpositive_entropy_in_range():
     assert torch.all(ent >= 0) and torch.all(ent <= math.log(V) * (1 + 1e-6))
     # Uniform distribution (zero weight): entropy = log V, logp = -log V.
     lp0, ent0 = packed_logprobs_triton(hidden, torch.zeros_like(weight), targets, 1.3, row_mask)
-    torch.testing.assert_close(lp0[row_mask].double(), torch.full_like(lp0[row_mask], -math.log(V)).double(),
-                               rtol=0, atol=1e-5)
-    torch.testing.assert_close(ent0[row_mask].double(), torch.full_like(ent0[row_mask], math.log(V)).double(),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        lp0[row_mask].double(), torch.full_like(lp0[row_mask], -math.log(V)).double(), rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(
+        ent0[row_mask].double(), torch.full_like(ent0[row_mask], math.log(V)).double(), rtol=0, atol=1e-5
+    )
 
 
 def test_very_negative_and_peaked_logits():
@@ -166,8 +169,7 @@ def test_sequence_result_independent_of_packing():
     assert torch.equal(lp_p[: a1 - a0], lp_s) and torch.equal(ent_p[: a1 - a0], ent_s)
     # 2. another position in the tile: 22 selected rows in front of this sequence's 30
     lp_all, ent_all = packed_logprobs_triton(hidden, weight, targets, TAU, row_mask)
-    lp_one, ent_one, lse2, *_ = packed_logprobs_forward(hidden[a0:a1], weight, targets[a0:a1], TAU,
-                                                        row_mask[a0:a1])
+    lp_one, ent_one, lse2, *_ = packed_logprobs_forward(hidden[a0:a1], weight, targets[a0:a1], TAU, row_mask[a0:a1])
     if DEVICE == "cuda":
         assert torch.equal(lp_all[a0:a1], lp_one) and torch.equal(ent_all[a0:a1], ent_one)
     else:
@@ -248,11 +250,9 @@ def test_trainer_entry_point_selects_this_kernel():
     """The trainer's packed_logprobs(impl="triton") runs this kernel and agrees with its chunked path."""
     logprobs = pytest.importorskip("staleflow.train.logprobs")
     hidden, weight, targets, row_mask = packed_batch(LENGTHS[:3], PROMPTS[:3], seed=11)
-    lp_t, ent_t = logprobs.packed_logprobs(hidden, weight, targets, temperature=TAU, row_mask=row_mask,
-                                           impl="triton")
+    lp_t, ent_t = logprobs.packed_logprobs(hidden, weight, targets, temperature=TAU, row_mask=row_mask, impl="triton")
     lp_k, ent_k = packed_logprobs_triton(hidden, weight, targets, TAU, row_mask)
     assert torch.equal(lp_t, lp_k) and torch.equal(ent_t, ent_k)
-    lp_c, ent_c = logprobs.packed_logprobs(hidden, weight, targets, temperature=TAU, row_mask=row_mask,
-                                           impl="chunked")
+    lp_c, ent_c = logprobs.packed_logprobs(hidden, weight, targets, temperature=TAU, row_mask=row_mask, impl="chunked")
     torch.testing.assert_close(lp_t, lp_c, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent_t, ent_c, rtol=0, atol=1e-4)

@@ -26,24 +26,68 @@ def _kernel_specs():
     from staleflow.kernels.logprob import KernelConfig
 
     cfg = KernelConfig()
-    fwd_sig = {**_PTR, "n_active_ptr": "*i32", "part_ptr": "*fp32", "T": "i32", "V": "i32", "H": "i32",
-               "stride_h": "i32", "stride_w": "i32", "scale2": "fp32", "BLOCKS_PER_SPLIT": "i32"}
-    fwd_const = {"NUM_SPLITS": cfg.num_splits, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                 "BLOCK_K": cfg.block_k, "DOT_PREC": "tf32", "UPCAST": False}
-    merge_sig = {"part_ptr": "*fp32", "mask_ptr": "*i1", "pos_ptr": "*i32", "tgt_ptr": "*i64",
-                 "logp_ptr": "*fp32", "ent_ptr": "*fp32", "lse2_ptr": "*fp32", "ez2_ptr": "*fp32",
-                 "T": "i32", "V": "i32"}
+    fwd_sig = {
+        **_PTR,
+        "n_active_ptr": "*i32",
+        "part_ptr": "*fp32",
+        "T": "i32",
+        "V": "i32",
+        "H": "i32",
+        "stride_h": "i32",
+        "stride_w": "i32",
+        "scale2": "fp32",
+        "BLOCKS_PER_SPLIT": "i32",
+    }
+    fwd_const = {
+        "NUM_SPLITS": cfg.num_splits,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "DOT_PREC": "tf32",
+        "UPCAST": False,
+    }
+    merge_sig = {
+        "part_ptr": "*fp32",
+        "mask_ptr": "*i1",
+        "pos_ptr": "*i32",
+        "tgt_ptr": "*i64",
+        "logp_ptr": "*fp32",
+        "ent_ptr": "*fp32",
+        "lse2_ptr": "*fp32",
+        "ez2_ptr": "*fp32",
+        "T": "i32",
+        "V": "i32",
+    }
     merge_const = {"HAS_MASK": True, "NUM_SPLITS": cfg.num_splits, "BLOCK_T": 64}
-    bwd_sig = {**_PTR, "lse2_ptr": "*fp32", "ez2_ptr": "*fp32", "glp_ptr": "*fp32", "gent_ptr": "*fp32",
-               "dz_ptr": "*bf16", "row_start": "i32", "n_rows": "i32", "V": "i32", "H": "i32",
-               "stride_h": "i32", "stride_w": "i32", "stride_dz": "i32", "scale2": "fp32", "inv_temp": "fp32"}
-    bwd_const = {"BLOCK_M": cfg.bwd_block_m, "BLOCK_N": cfg.bwd_block_n, "BLOCK_K": cfg.bwd_block_k,
-                 "GROUP_M": cfg.bwd_group_m, "DOT_PREC": "tf32", "UPCAST": False}
+    bwd_sig = {
+        **_PTR,
+        "lse2_ptr": "*fp32",
+        "ez2_ptr": "*fp32",
+        "glp_ptr": "*fp32",
+        "gent_ptr": "*fp32",
+        "dz_ptr": "*bf16",
+        "row_start": "i32",
+        "n_rows": "i32",
+        "V": "i32",
+        "H": "i32",
+        "stride_h": "i32",
+        "stride_w": "i32",
+        "stride_dz": "i32",
+        "scale2": "fp32",
+        "inv_temp": "fp32",
+    }
+    bwd_const = {
+        "BLOCK_M": cfg.bwd_block_m,
+        "BLOCK_N": cfg.bwd_block_n,
+        "BLOCK_K": cfg.bwd_block_k,
+        "GROUP_M": cfg.bwd_group_m,
+        "DOT_PREC": "tf32",
+        "UPCAST": False,
+    }
     return [
         ("fwd_partials_kernel", fwd_sig, {"scale2", "BLOCKS_PER_SPLIT"}, fwd_const, cfg.num_warps, cfg.num_stages),
         ("fwd_merge_kernel", merge_sig, set(), merge_const, 4, 3),
-        ("bwd_dz_kernel", bwd_sig, {"scale2", "inv_temp", "n_rows"}, bwd_const, cfg.bwd_num_warps,
-         cfg.bwd_num_stages),
+        ("bwd_dz_kernel", bwd_sig, {"scale2", "inv_temp", "n_rows"}, bwd_const, cfg.bwd_num_warps, cfg.bwd_num_stages),
     ]
 
 
@@ -69,12 +113,17 @@ def _compile_all() -> dict:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(c.asm["cubin"])
             f.flush()
-            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
-                                   text=True, check=True).stdout
+            usage = subprocess.run(
+                [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+            ).stdout
         regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-        report[name] = {"async_copies": ttgir.count("async_copy_global_to_local"),
-                        "wgmma": ttgir.count("warp_group_dot "), "regs": regs, "stack": stack,
-                        "shared": c.metadata.shared}
+        report[name] = {
+            "async_copies": ttgir.count("async_copy_global_to_local"),
+            "wgmma": ttgir.count("warp_group_dot "),
+            "regs": regs,
+            "stack": stack,
+            "shared": c.metadata.shared,
+        }
     return report
 
 

@@ -48,8 +48,7 @@ def _check_shape(H, V, T=2048, tau=0.9):
     err_ent = (ent.double() - rent).abs().max().item()
     rel_dh = ((h1.grad.double() - h2.grad).norm() / h2.grad.norm()).item()
     rel_dw = ((w1.grad.double() - w2.grad).norm() / w2.grad.norm()).item()
-    print(f"H={H} V={V} T={T}: max|dlogp|={err_lp:.2e} max|dent|={err_ent:.2e} "
-          f"rel dH={rel_dh:.2e} rel dW={rel_dw:.2e}")
+    print(f"H={H} V={V} T={T}: max|dlogp|={err_lp:.2e} max|dent|={err_ent:.2e} rel dH={rel_dh:.2e} rel dW={rel_dw:.2e}")
     assert bool(torch.all(lp <= 0)) and bool(torch.all(ent >= 0))
     assert bool(torch.all(ent <= math.log(V) * (1 + 1e-6)))
     assert err_lp < 1e-4 and err_ent < 1e-3
@@ -121,8 +120,7 @@ def test_forward_extra_memory_is_linear_in_tokens():
         packed_logprobs_triton(hidden, weight, targets, 1.0, row_mask)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    print(f"forward extra memory at T={T}: {extra / 2**20:.1f} MiB ([T, V] fp32 would be "
-          f"{T * V * 4 / 2**30:.1f} GiB)")
+    print(f"forward extra memory at T={T}: {extra / 2**20:.1f} MiB ([T, V] fp32 would be {T * V * 4 / 2**30:.1f} GiB)")
     assert extra < 512 * T + (1 << 20)
 
 

@@ -17,14 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from staleflow.kernels import paged_decode as pd
 from staleflow.kernels.paged_decode import paged_decode_attention
 from staleflow.kernels.reference import paged_decode_reference
 
-pytestmark = pytest.mark.skipif(not pd.available(),
-                                reason="needs triton with CUDA, or TRITON_INTERPRET=1 set before import")
+pytestmark = pytest.mark.skipif(
+    not pd.available(), reason="needs triton with CUDA, or TRITON_INTERPRET=1 set before import"
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not _INTERPRET else "cpu"
@@ -47,7 +49,7 @@ def paged_case(lens, n_heads, n_kv, head_dim, block_size, dtype=torch.float32, s
     v_cache = k_cache.clone()
     used = 0
     for b, (n, nb) in enumerate(zip(lens, blocks)):
-        tables[b, :nb] = order[used:used + nb].int()
+        tables[b, :nb] = order[used : used + nb].int()
         used += nb
         pos = torch.arange(n)
         slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
@@ -55,8 +57,13 @@ def paged_case(lens, n_heads, n_kv, head_dim, block_size, dtype=torch.float32, s
         v_cache[slots] = torch.randn(n, n_kv, head_dim, generator=g)
     q = torch.randn(len(lens), n_heads, head_dim, generator=g)
     to = dict(device=DEVICE)
-    return (q.to(dtype).to(**to), k_cache.to(dtype).to(**to), v_cache.to(dtype).to(**to), tables.to(**to),
-            torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+    return (
+        q.to(dtype).to(**to),
+        k_cache.to(dtype).to(**to),
+        v_cache.to(dtype).to(**to),
+        tables.to(**to),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+    )
 
 
 def check(lens, n_heads, n_kv, head_dim, block_size, dtype=torch.float32, seed=0, **kw):
@@ -123,17 +130,32 @@ def test_scale_and_bad_inputs():
 
 
 @settings(max_examples=12, deadline=None)
-@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=4), block_size=st.sampled_from([1, 2, 3, 4, 8, 16]),
-       heads=st.sampled_from([(1, 1), (4, 1), (6, 2), (4, 2), (4, 4)]), head_dim=st.sampled_from([16, 24, 32]),
-       partition=st.sampled_from([16, 32, 512]), seed=st.integers(0, 1000))
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+    block_size=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    heads=st.sampled_from([(1, 1), (4, 1), (6, 2), (4, 2), (4, 4)]),
+    head_dim=st.sampled_from([16, 24, 32]),
+    partition=st.sampled_from([16, 32, 512]),
+    seed=st.integers(0, 1000),
+)
 def test_random_layouts_match_reference(lens, block_size, heads, head_dim, partition, seed):
     check(lens, heads[0], heads[1], head_dim, block_size, seed=seed, partition=partition)
 
 
 # ---- offline compile for sm_90 ------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
-_INTS = ["stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_tb", "stride_ob",
-         "stride_oh", "num_parts"]
+_INTS = [
+    "stride_qb",
+    "stride_qh",
+    "stride_ks",
+    "stride_kh",
+    "stride_vs",
+    "stride_vh",
+    "stride_tb",
+    "stride_ob",
+    "stride_oh",
+    "num_parts",
+]
 
 
 def _compile_report() -> dict:
@@ -155,26 +177,62 @@ def _compile_report() -> dict:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(c.asm["cubin"])
             f.flush()
-            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
-                                   text=True, check=True).stdout
+            usage = subprocess.run(
+                [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+            ).stdout
         regs, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
-        return {"regs": regs, "stack": stack, "shared": c.metadata.shared,
-                "async_copies": c.asm["ttgir"].count("async_copy_global_to_local")}
+        return {
+            "regs": regs,
+            "stack": stack,
+            "shared": c.metadata.shared,
+            "async_copies": c.asm["ttgir"].count("async_copy_global_to_local"),
+        }
 
     report = {}
     for dt, warps, prec in (("bf16", 4, "tf32"), ("fp16", 4, "tf32"), ("fp32", 8, "ieee")):
         sig = {n: f"*{dt}" for n in ("q_ptr", "k_ptr", "v_ptr")}
-        sig.update({"table_ptr": "*i32", "lens_ptr": "*i32", "out_ptr": f"*{dt}", "m_ptr": "*fp32", "l_ptr": "*fp32",
-                    "acc_ptr": "*fp32", **{n: "i32" for n in _INTS}, "scale2": "fp32"})
+        sig.update(
+            {
+                "table_ptr": "*i32",
+                "lens_ptr": "*i32",
+                "out_ptr": f"*{dt}",
+                "m_ptr": "*fp32",
+                "l_ptr": "*fp32",
+                "acc_ptr": "*fp32",
+                **{n: "i32" for n in _INTS},
+                "scale2": "fp32",
+            }
+        )
         for split in (False, True):
-            const = dict(GROUP=7, G_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, PART=pd.PARTITION,
-                         SPLIT=split, DOT_PREC=prec, UPCAST=False)
-            report[f"decode_{dt}_split{int(split)}"] = build(pd._decode_kernel, sig, const,
-                                                             {"num_parts", "scale2", "stride_tb"}, warps)
-    msig = {"lens_ptr": "*i32", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-            "stride_ob": "i32", "stride_oh": "i32", "num_parts": "i32", "num_heads": "i32"}
-    report["merge"] = build(pd._merge_kernel, msig, dict(HEAD_DIM=128, D_PAD=128, PART=pd.PARTITION),
-                            {"num_parts", "num_heads"}, 4)
+            const = dict(
+                GROUP=7,
+                G_PAD=16,
+                HEAD_DIM=128,
+                D_PAD=128,
+                BLOCK_SIZE=16,
+                BLOCK_N=64,
+                PART=pd.PARTITION,
+                SPLIT=split,
+                DOT_PREC=prec,
+                UPCAST=False,
+            )
+            report[f"decode_{dt}_split{int(split)}"] = build(
+                pd._decode_kernel, sig, const, {"num_parts", "scale2", "stride_tb"}, warps
+            )
+    msig = {
+        "lens_ptr": "*i32",
+        "out_ptr": "*bf16",
+        "m_ptr": "*fp32",
+        "l_ptr": "*fp32",
+        "acc_ptr": "*fp32",
+        "stride_ob": "i32",
+        "stride_oh": "i32",
+        "num_parts": "i32",
+        "num_heads": "i32",
+    }
+    report["merge"] = build(
+        pd._merge_kernel, msig, dict(HEAD_DIM=128, D_PAD=128, PART=pd.PARTITION), {"num_parts", "num_heads"}, 4
+    )
     return report
 
 

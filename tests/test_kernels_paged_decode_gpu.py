@@ -49,7 +49,7 @@ def real_case(batch=B, lo=7168, hi=8192, dtype=torch.bfloat16, block=BLOCK, seed
     tables = torch.full((batch, int(blocks.max())), 1 << 28, dtype=torch.int32)
     used = 0
     for b, nb in enumerate(blocks.tolist()):
-        tables[b, :nb] = order[used:used + nb].int()
+        tables[b, :nb] = order[used : used + nb].int()
         used += nb
     dev = DEV
     k = torch.randn(num_blocks * block, HKV, D, device=dev, dtype=dtype)
@@ -83,8 +83,8 @@ def test_real_shape_batch_invariance_is_bitwise():
     q, k, v, tables, lens = real_case(seed=1)
     both = paged_decode_attention(q, k, v, tables, lens, BLOCK)
     for i in (0, 3, 17):  # 1 token (direct write when alone), 513 tokens, a long one
-        alone = paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], BLOCK)
-        assert torch.equal(alone, both[i:i + 1]), i
+        alone = paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], BLOCK)
+        assert torch.equal(alone, both[i : i + 1]), i
 
 
 def gather_decode(q, k, v, tables, lens, block):
@@ -126,21 +126,30 @@ def bench() -> dict:
     res["gather_ms"] = median_ms(lambda: gather_decode(q, k0, v0, tables, lens, BLOCK))
     ref = paged_decode_attention(q, k, v, tables, lens, BLOCK)
     assert (gather_decode(q, k0, v0, tables, lens, BLOCK).float() - ref.float()).abs().max() <= 2 * TOL[q.dtype]
-    configs = [dict(), dict(block_n=32), dict(block_n=128, num_warps=8), dict(block_n=64, num_warps=8),
-               dict(partition=256), dict(partition=1024), dict(num_stages=3)]
+    configs = [
+        dict(),
+        dict(block_n=32),
+        dict(block_n=128, num_warps=8),
+        dict(block_n=64, num_warps=8),
+        dict(partition=256),
+        dict(partition=1024),
+        dict(num_stages=3),
+    ]
     for cfg in configs:
         name = "triton" + "".join(f"_{k_}{v_}" for k_, v_ in cfg.items())
         out = paged_decode_attention(q, k, v, tables, lens, BLOCK, **cfg)
         assert (out.float() - ref.float()).abs().max() <= TOL[q.dtype], name
-        res[f"{name}_ms"] = median_ms(lambda: paged_decode_attention(q, k, v, tables, lens, BLOCK,
-                                                                      max_context_len=8192, **cfg))
+        res[f"{name}_ms"] = median_ms(
+            lambda: paged_decode_attention(q, k, v, tables, lens, BLOCK, max_context_len=8192, **cfg)
+        )
     try:
         from flash_attn import flash_attn_with_kvcache
 
         qf, kf, vf, tf, lf = real_case(seed=2, block=256, edge_lengths=False)
         kc, vc = kf.view(-1, 256, HKV, D), vf.view(-1, 256, HKV, D)
-        res["flash_ms"] = median_ms(lambda: flash_attn_with_kvcache(qf[:, None], kc, vc, cache_seqlens=lf,
-                                                                    block_table=tf))
+        res["flash_ms"] = median_ms(
+            lambda: flash_attn_with_kvcache(qf[:, None], kc, vc, cache_seqlens=lf, block_table=tf)
+        )
     except ImportError:
         res["flash_ms"] = None
     res = {n: (round(t, 4) if t is not None else None) for n, t in res.items()}
@@ -148,11 +157,16 @@ def bench() -> dict:
     res["triton_speedup_vs_gather"] = round(res["gather_ms"] / res["triton_ms"], 2)
     best = min((t, n) for n, t in res.items() if n.startswith("triton") and n.endswith("_ms"))
     res["best_triton_config"] = best[1]
-    rows = [("hardware", torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter smoke run)"),
-            ("torch / triton", f"{torch.__version__} / {__import__('triton').__version__}"),
-            ("shape", f"batch {B}, context {int(lens.min())}-{int(lens.max())} (sum {int(lens.sum())}), "
-                      f"{HQ} q / {HKV} kv heads, D {D}, bf16, cache block {BLOCK}"),
-            ("K/V bytes per call", f"{kv_bytes / 1e9:.3f} GB (one layer)")]
+    rows = [
+        ("hardware", torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter smoke run)"),
+        ("torch / triton", f"{torch.__version__} / {__import__('triton').__version__}"),
+        (
+            "shape",
+            f"batch {B}, context {int(lens.min())}-{int(lens.max())} (sum {int(lens.sum())}), "
+            f"{HQ} q / {HKV} kv heads, D {D}, bf16, cache block {BLOCK}",
+        ),
+        ("K/V bytes per call", f"{kv_bytes / 1e9:.3f} GB (one layer)"),
+    ]
     for n, t in res.items():
         if n.endswith("_ms") and t is not None:
             rows.append((n[:-3], f"{t:.3f} ms  {kv_bytes / t / 1e6:.0f} GB/s  {res['gather_ms'] / t:.2f}x vs gather"))
@@ -166,8 +180,11 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     status = "pass"
-    for test in (test_real_shape_bf16_matches_reference, test_fp32_and_fp16_match_reference,
-                 test_real_shape_batch_invariance_is_bitwise):
+    for test in (
+        test_real_shape_bf16_matches_reference,
+        test_fp32_and_fp16_match_reference,
+        test_real_shape_batch_invariance_is_bitwise,
+    ):
         try:
             test()
             print(f"PASS {test.__name__}")

@@ -18,7 +18,8 @@ from staleflow.kernels.logprob import packed_logprobs_triton, triton_available  
 from staleflow.kernels.reference import packed_logprobs_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not triton_available(), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1 set before import")
+    not triton_available(), reason="needs triton with a CUDA GPU, or TRITON_INTERPRET=1 set before import"
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not _INTERPRET else "cpu"
@@ -46,7 +47,7 @@ def test_random_packings_match_reference(case):
     row_mask = torch.zeros(T, dtype=torch.bool)
     start = 0
     for n, p in zip(lengths, prompts):
-        row_mask[start + p: start + n] = True  # response tokens
+        row_mask[start + p : start + n] = True  # response tokens
         start += n
     targets = torch.where(row_mask, torch.randint(0, V, (T,), generator=g), -100)
     hidden = torch.randn(T, H, generator=g)

@@ -54,7 +54,11 @@ def _start(tag: str, extra_env: dict, *args):
     env = dict(os.environ, STALEFLOW_TEST_TAG=tag, **extra_env)
     return subprocess.Popen(
         [*TORCHRUN, "-m", "staleflow", "train", "--preset", "tiny", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
     )
 
 
@@ -154,9 +158,23 @@ def test_world_too_small_is_a_config_error():
     tag = uuid.uuid4().hex
     env = dict(os.environ, STALEFLOW_TEST_TAG=tag)
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-         "-m", "staleflow", "train", "--preset", "tiny", "--smoke"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "-m",
+            "staleflow",
+            "train",
+            "--preset",
+            "tiny",
+            "--smoke",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert res.returncode != 0
     assert "world size 1 is too small for --rollout.ranks=2" in res.stdout + res.stderr

@@ -10,8 +10,7 @@ from staleflow.launch import dist
 
 
 def test_device_is_cuda_local_rank_when_gpus_exist():
-    env = dist.read_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                         "GROUP_RANK": "1"})
+    env = dist.read_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 8, 1, 4, 1)
     assert dist.pick_device(env.local_rank, cuda_count=4) == "cuda:1"
     assert [dist.pick_device(r, cuda_count=8) for r in range(8)] == [f"cuda:{r}" for r in range(8)]

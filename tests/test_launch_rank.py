@@ -11,11 +11,11 @@ from collections import deque
 
 import pytest
 
-from staleflow.config import RunConfig
-from staleflow.workers import rank as rank_mod
-from staleflow.control.messages import Heartbeat, Ping
-from staleflow.workers.rank import RankContext, RunStopped
 from staleflow.cluster.roles import Roles
+from staleflow.config import RunConfig
+from staleflow.control.messages import Heartbeat, Ping
+from staleflow.workers import rank as rank_mod
+from staleflow.workers.rank import RankContext, RunStopped
 
 
 class QueueClient:
@@ -27,8 +27,9 @@ class QueueClient:
 
 
 def ctx(client, controller_pid=0, role_rank=0):
-    return RankContext(cfg=RunConfig(), roles=Roles(3, 2), rank=role_rank, run_id="x", client=client,
-                       controller_pid=controller_pid)
+    return RankContext(
+        cfg=RunConfig(), roles=Roles(3, 2), rank=role_rank, run_id="x", client=client, controller_pid=controller_pid
+    )
 
 
 def test_rank_busy_longer_than_the_timeout_reads_waiting_heartbeats_first(monkeypatch):

@@ -38,8 +38,13 @@ def _imports(path: Path, known: set[str]) -> set[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := _STRING_IMPORT.match(node.value)):
             names = [m.group(1)]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names = [node.args[0].value]
         else:
             continue
@@ -92,8 +97,10 @@ def test_layout_cycle_detector_sees_function_level_imports(tmp_path):
 
 def test_layout_cycle_detector_sees_string_imports(tmp_path):
     a = tmp_path / "a.py"
-    a.write_text('COMMANDS = {"run": "staleflow.b:main"}\nlog = getLogger("staleflow.c")\n'
-                 'import importlib\nm = importlib.import_module("staleflow.d")\n')
+    a.write_text(
+        'COMMANDS = {"run": "staleflow.b:main"}\nlog = getLogger("staleflow.c")\n'
+        'import importlib\nm = importlib.import_module("staleflow.d")\n'
+    )
     assert _imports(a, {"staleflow.b", "staleflow.c", "staleflow.d"}) == {"staleflow.b", "staleflow.d"}
 
 
@@ -103,8 +110,11 @@ def test_layout_packages_do_not_import_upward():
     mods = _modules()
     core = ("staleflow.protocol", "staleflow.coordinator", "staleflow.controller", "staleflow.config")
     shells = ("staleflow.runtime", "staleflow.workers", "staleflow.launch", "staleflow.sim", "staleflow.cli")
-    bad = {m: sorted(i for i in _imports(p, set(mods)) if i.startswith(shells))
-           for m, p in mods.items() if m.startswith(core)}
+    bad = {
+        m: sorted(i for i in _imports(p, set(mods)) if i.startswith(shells))
+        for m, p in mods.items()
+        if m.startswith(core)
+    }
     assert {m: v for m, v in bad.items() if v} == {}
 
 
@@ -118,15 +128,18 @@ def test_layout_readme_names_every_package_and_module():
     """The README's layout block lists every subpackage and top-level module of src/staleflow, and
     names nothing that is not there."""
     text = (ROOT / "README.md").read_text()
-    block = text[text.index("## Layout"):]
-    block = block[block.index("```") + 3:]
-    block = block[:block.index("```")]
+    block = text[text.index("## Layout") :]
+    block = block[block.index("```") + 3 :]
+    block = block[: block.index("```")]
     pkg = ROOT / "src" / "staleflow"
     there = {p.name + "/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     there |= {p.name for p in pkg.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
     named = set(re.findall(r"\b([a-z_]+/|[a-z_]+\.py)", block))
     missing = sorted(n for n in there if n not in named)
     assert missing == [], f"README's layout does not mention {missing}"
-    top = {n for n in named if n.endswith("/") and not (ROOT / n).is_dir() and not (pkg / n).is_dir()
-           and not (ROOT / "src" / n).is_dir()}
+    top = {
+        n
+        for n in named
+        if n.endswith("/") and not (ROOT / n).is_dir() and not (pkg / n).is_dir() and not (ROOT / "src" / n).is_dir()
+    }
     assert top == set(), f"README's layout names what does not exist: {sorted(top)}"

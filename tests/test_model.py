@@ -6,14 +6,23 @@ models built from ModelArgs, fp64 where exactness is asserted.
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from staleflow.model import CausalLM, ModelArgs, ModelConfigError, PackedAttention
 from staleflow.model.attention import cu_seqlens_from_lengths, packed_positions
 from staleflow.model.transformer import rope_inv_freq
 
-TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-            num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
 
 
 def tiny_model(arch="llama", dtype=torch.float64, tie=False, seed=0, **kw) -> CausalLM:
@@ -31,11 +40,20 @@ def tiny_model(arch="llama", dtype=torch.float64, tie=False, seed=0, **kw) -> Ca
 
 
 def test_from_hf_config_reads_transformers5_and_transformers4_rope_spellings():
-    base = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                max_position_embeddings=512, eos_token_id=[7, 8], bos_token_id=1)
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        eos_token_id=[7, 8],
+        bos_token_id=1,
+    )
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     v5 = ModelArgs.from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
     v4 = ModelArgs.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
     assert v5 == v4
@@ -45,8 +63,9 @@ def test_from_hf_config_reads_transformers5_and_transformers4_rope_spellings():
 
 def test_hf_config_round_trip_and_family_features():
     for arch, hf in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")):
-        args = ModelArgs(architecture=arch, rope_scaling={"rope_type": "linear", "factor": 2.0},
-                         eos_token_ids=[3], **TINY)
+        args = ModelArgs(
+            architecture=arch, rope_scaling={"rope_type": "linear", "factor": 2.0}, eos_token_ids=[3], **TINY
+        )
         d = args.to_hf_config()
         assert d["architectures"] == [hf] and d["eos_token_id"] == 3
         assert ModelArgs.from_hf_config(d) == args
@@ -56,19 +75,31 @@ def test_hf_config_round_trip_and_family_features():
 
 
 def test_unsupported_architecture_error_lists_supported():
-    with pytest.raises(ModelConfigError, match=r"MistralForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(
+        ModelConfigError, match=r"MistralForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    ):
         ModelArgs.from_hf_config({"architectures": ["MistralForCausalLM"]})
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"use_sliding_window": True}, "use_sliding_window"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type='longrope'"),
-    ({"num_key_value_heads": 3}, "num_kv_heads=3"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type='longrope'"),
+        ({"num_key_value_heads": 3}, "num_kv_heads=3"),
+    ],
+)
 def test_unsupported_features_raise_naming_the_value(bad, match):
-    d = dict(architectures=["Qwen2ForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
-             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    d = dict(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with pytest.raises(ModelConfigError, match=match):
         ModelArgs.from_hf_config({**d, **bad})
 
@@ -100,7 +131,7 @@ def reference_attention(q, k, v, lengths):
     """fp64 loop: softmax(q k^T / sqrt(d)) v per sequence and head, causal."""
     out, start, rep = [], 0, q.shape[1] // k.shape[1]
     for n in lengths:
-        qs, ks, vs = q[start:start + n], k[start:start + n], v[start:start + n]
+        qs, ks, vs = q[start : start + n], k[start : start + n], v[start : start + n]
         ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
         s = torch.einsum("thd,shd->hts", qs, ks) / q.shape[-1] ** 0.5
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -126,10 +157,17 @@ def test_packed_attention_matches_per_sequence_reference(lengths, chunk):
 
 def test_parameter_names_are_hugging_face_names():
     names = set(tiny_model("qwen3").state_dict())
-    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-            "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_norm.weight",
-            "model.layers.0.self_attn.k_norm.weight", "model.layers.0.mlp.gate_proj.weight",
-            "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"} <= names
+    assert {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    } <= names
     assert "model.layers.0.self_attn.q_proj.bias" not in names
     qwen2 = set(tiny_model("qwen2", tie=True).state_dict())
     assert "model.layers.0.self_attn.q_proj.bias" in qwen2 and "model.layers.0.self_attn.o_proj.bias" not in qwen2
@@ -190,7 +228,11 @@ def test_packed_gradients_equal_sum_of_per_sequence_gradients_and_checkpointing_
 def test_forward_rejects_batched_inputs():
     m = tiny_model("llama")
     with pytest.raises(ValueError, match=r"1-D \[T\]"):
-        m(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), PackedAttention(torch.tensor([0, 6])))
+        m(
+            torch.zeros(2, 3, dtype=torch.long),
+            torch.zeros(2, 3, dtype=torch.long),
+            PackedAttention(torch.tensor([0, 6])),
+        )
 
 
 def test_rope_scaling_variants_change_frequencies_as_specified():
@@ -202,13 +244,23 @@ def test_rope_scaling_variants_change_frequencies_as_specified():
     dyn = base.replace(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     torch.testing.assert_close(rope_inv_freq(dyn, seq_len=64)[0], f0)  # inside the trained window: unchanged
     assert (rope_inv_freq(dyn, seq_len=512)[0][1:] < f0[1:]).all()  # beyond: lower frequencies
-    l3, s3 = rope_inv_freq(base.replace(rope_theta=5e5, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}))
+    l3, s3 = rope_inv_freq(
+        base.replace(
+            rope_theta=5e5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    )
     l3_plain, _ = rope_inv_freq(base.replace(rope_theta=5e5))
     assert l3[0] == l3_plain[0] and torch.isclose(l3[-1], l3_plain[-1] / 8)  # high kept, low divided
-    _, sy = rope_inv_freq(base.replace(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                     "original_max_position_embeddings": 32}))
+    _, sy = rope_inv_freq(
+        base.replace(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    )
     assert s0 == 1.0 and sy == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
 
 
@@ -247,4 +299,6 @@ def test_fused_inference_layout_keeps_outputs_names_and_in_place_loads(arch):
     ref.load_weights(other.state_dict().items())
     torch.testing.assert_close(run(model), run(ref), rtol=0, atol=1e-12)
     a = model.model.layers[1].self_attn
-    assert torch.equal(a.qkv_t[:, :a.n_heads * a.head_dim].t(), other.state_dict()["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(
+        a.qkv_t[:, : a.n_heads * a.head_dim].t(), other.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    )

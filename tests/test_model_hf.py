@@ -11,24 +11,48 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from staleflow.model import (CausalLM, ModelArgs, ModelLoadError, PackedAttention, lazy_model, load_model,
-                             resolve_model_path, save_hf)
+from staleflow.model import (
+    CausalLM,
+    ModelArgs,
+    ModelLoadError,
+    PackedAttention,
+    lazy_model,
+    load_model,
+    resolve_model_path,
+    save_hf,
+)
 from staleflow.model.attention import cu_seqlens_from_lengths, packed_positions
 
 transformers = pytest.importorskip("transformers")
 
-SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6)
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+SHAPE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 LENGTHS = [7, 12, 3, 9]
 
 
 def hf_model(kind: str, tie: bool = False, rope: dict | None = None, max_pos: int = 256, seed: int = 0):
     """A random transformers model whose every parameter (norms and biases too) is non-trivial."""
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
     kw = dict(SHAPE, tie_word_embeddings=tie, max_position_embeddings=max_pos, eos_token_id=2, bos_token_id=1)
     if rope is not None:
         kw["rope_parameters"] = dict(rope)
@@ -70,8 +94,11 @@ CASES = {
     "qwen2": dict(kind="qwen2"),
     "qwen2-tied": dict(kind="qwen2", tie=True),
     "qwen3": dict(kind="qwen3"),
-    "qwen3-tied-yarn": dict(kind="qwen3", tie=True, rope={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                                          "original_max_position_embeddings": 8}),
+    "qwen3-tied-yarn": dict(
+        kind="qwen3",
+        tie=True,
+        rope={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8},
+    ),
     "llama-llama3": dict(kind="llama", rope=LLAMA3),
     "llama-linear": dict(kind="llama", rope={"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}),
     # max_position_embeddings 8 < sequence length 12: the NTK base really grows
@@ -93,7 +120,11 @@ def test_logprob_parity_with_transformers(case, tmp_path):
     assert max_diff(lp, hf_logprobs(ref, seqs)) <= 1e-4
     ours64 = load_model(str(tmp_path), dtype=torch.float64)
     ref64 = ref.double()
-    lp64 = torch.cat([ours_logprobs(ours64, [s]) for s in seqs]) if case == "llama-dynamic" else ours_logprobs(ours64, seqs)
+    lp64 = (
+        torch.cat([ours_logprobs(ours64, [s]) for s in seqs])
+        if case == "llama-dynamic"
+        else ours_logprobs(ours64, seqs)
+    )
     # HF grows the dynamic NTK base with float32 tensor arithmetic, we in Python floats
     assert max_diff(lp64, hf_logprobs(ref64, seqs)) <= (1e-6 if case == "llama-dynamic" else 1e-10)
 
@@ -111,9 +142,19 @@ def test_llama3_scaling_matters(tmp_path):
 
 @pytest.mark.parametrize("arch, tie", [("llama", True), ("qwen2", False), ("qwen3", True)])
 def test_save_hf_loads_in_transformers_with_identical_logits(arch, tie, tmp_path):
-    args = ModelArgs(architecture=arch, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=tie, eos_token_ids=[2],
-                     rope_scaling=LLAMA3 if arch == "llama" else None)
+    args = ModelArgs(
+        architecture=arch,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tie,
+        eos_token_ids=[2],
+        rope_scaling=LLAMA3 if arch == "llama" else None,
+    )
     ours = CausalLM(args).init_weights(std=0.1, seed=3)
     save_hf(ours, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -211,8 +252,11 @@ def test_wrong_tensor_names_are_listed(tmp_path):
     sd = load_file(tmp_path / "model.safetensors")
     sd["model.layers.0.attn.q.weight"] = sd.pop("model.layers.0.self_attn.q_proj.weight")
     save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"1 missing tensors \['model.layers.0.self_attn.q_proj.weight'\], "
-                                             r"1 unexpected tensors \['model.layers.0.attn.q.weight'\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"1 missing tensors \['model.layers.0.self_attn.q_proj.weight'\], "
+        r"1 unexpected tensors \['model.layers.0.attn.q.weight'\]",
+    ):
         load_model(str(tmp_path))
 
 
@@ -221,7 +265,9 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["intermediate_size"] = 100
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"mlp\.\w+_proj\.weight.*has shape \(\d+, \d+\), config.json implies.*100"):
+    with pytest.raises(
+        ModelLoadError, match=r"mlp\.\w+_proj\.weight.*has shape \(\d+, \d+\), config.json implies.*100"
+    ):
         load_model(str(tmp_path))
 
 

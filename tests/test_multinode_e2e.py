@@ -16,10 +16,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from staleflow.metrics.audit import audit_run
 from test_faults import _leaked, _listening_on, _shm, _titled
 from test_launch import _kill_group, _tagged_processes, _wait_gone
+
+from staleflow.metrics.audit import audit_run
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def agents(tag: str, run_dir: Path, name: str, *args: str, nproc: int = 2,
-           launcher: str = "torch.distributed.run", c10d: bool = False) -> list[subprocess.Popen]:
+def agents(
+    tag: str,
+    run_dir: Path,
+    name: str,
+    *args: str,
+    nproc: int = 2,
+    launcher: str = "torch.distributed.run",
+    c10d: bool = False,
+) -> list[subprocess.Popen]:
     """`torchrun --nnodes 2 --node-rank 0|1 ... --master-addr 127.0.0.1 --master-port P`, twice
     (``launcher`` staleflow.launch.torchrun: our wrapper, whose stores listen on that address only;
     ``c10d``: the c10d rendezvous instead, which assigns the node ranks itself)."""
@@ -43,13 +50,44 @@ def agents(tag: str, run_dir: Path, name: str, *args: str, nproc: int = 2,
     env = dict(os.environ, STALEFLOW_TEST_TAG=tag, PYTHONPATH=path)
     procs = []
     for node in (0, 1):
-        rdzv = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
-                 "--local-addr", "127.0.0.1"] if c10d
-                else ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)])
-        cmd = [sys.executable, "-m", launcher, "--nnodes", "2", "--nproc-per-node", str(nproc), *rdzv,
-               "-m", "staleflow", "train", *TINY, "--log.run-dir", str(run_dir), "--log.name", name, *args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      start_new_session=True))
+        rdzv = (
+            [
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                tag,
+                "--local-addr",
+                "127.0.0.1",
+            ]
+            if c10d
+            else ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            launcher,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            str(nproc),
+            *rdzv,
+            "-m",
+            "staleflow",
+            "train",
+            *TINY,
+            "--log.run-dir",
+            str(run_dir),
+            "--log.name",
+            name,
+            *args,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+            )
+        )
     return procs
 
 
@@ -151,8 +189,9 @@ def test_multinode_a_rollout_rank_dying_on_the_other_node_stops_the_run_naming_i
         for p in procs:
             _kill_group(p)
     assert procs[0].returncode != 0 and procs[1].returncode != 0
-    assert "rank 2 (rollout instance 0, node 1" in out0 and ("lost its connection" in out0 or "died" in out0), \
-        out0[-3000:]
+    assert "rank 2 (rollout instance 0, node 1" in out0 and ("lost its connection" in out0 or "died" in out0), out0[
+        -3000:
+    ]
     # the emergency save lands (a StepDone that arrived while the controller looked for the cause
     # was once dropped, and the save then waited for a step that had long finished)
     assert "saved version" in out0, out0[-3000:]
@@ -164,8 +203,9 @@ def test_multinode_c10d_rendezvous_through_our_wrapper(tmp_path):
     """c10d rendezvous, both agents on one machine: one hosts the store (bound to 127.0.0.1 by our
     wrapper), the other finds the port taken and joins it as a client, as torch's rendezvous does."""
     tag = uuid.uuid4().hex
-    procs = agents(tag, tmp_path, "run", "--steps", "4", "--rollout.ranks", "2", launcher="staleflow.launch.torchrun",
-                   c10d=True)
+    procs = agents(
+        tag, tmp_path, "run", "--steps", "4", "--rollout.ranks", "2", launcher="staleflow.launch.torchrun", c10d=True
+    )
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert any("staleflow: 4 ranks on 2 nodes (2 trainer, 2 rollout)" in out for out in outs)

@@ -18,22 +18,44 @@ from staleflow.net.curve import RunKeys, SecureContext, new_secret
 from staleflow.servers import StaleHandle, TrajectoryRecord, TrajectoryRing
 from staleflow.servers.mirror import attach_mirror, mirror_name, read_arrived
 from staleflow.servers.segment import list_segments
-from staleflow.servers.shipping import (Freed, RecordFetcher, RecordReceiver, RecordServer, RecordShipper, Shipped,
-                                        ZeroCopySends, _encode)
+from staleflow.servers.shipping import (
+    Freed,
+    RecordFetcher,
+    RecordReceiver,
+    RecordServer,
+    RecordShipper,
+    Shipped,
+    ZeroCopySends,
+    _encode,
+)
 
 PRODUCER, OTHER, NODE = 2, 3, 0
 
 
 def record(rng: random.Random, n_resp: int | None = None) -> TrajectoryRecord:
     p, r = rng.randint(1, 20), rng.randint(1, 60) if n_resp is None else n_resp
-    return TrajectoryRecord(torch.randint(0, 1000, (p,), dtype=torch.int32),
-                            torch.randint(0, 1000, (r,), dtype=torch.int32), torch.randn(r),
-                            torch.randint(0, 9, (r,), dtype=torch.int32), meta={"traj_id": rng.randint(0, 10**6)})
+    return TrajectoryRecord(
+        torch.randint(0, 1000, (p,), dtype=torch.int32),
+        torch.randint(0, 1000, (r,), dtype=torch.int32),
+        torch.randn(r),
+        torch.randint(0, 9, (r,), dtype=torch.int32),
+        meta={"traj_id": rng.randint(0, 10**6)},
+    )
 
 
 def same(a: TrajectoryRecord, b: TrajectoryRecord) -> bool:
-    return all(torch.equal(x, y) for x, y in ((a.prompt_ids, b.prompt_ids), (a.response_ids, b.response_ids),
-                                             (a.logprobs, b.logprobs), (a.versions, b.versions))) and a.meta == b.meta
+    return (
+        all(
+            torch.equal(x, y)
+            for x, y in (
+                (a.prompt_ids, b.prompt_ids),
+                (a.response_ids, b.response_ids),
+                (a.logprobs, b.logprobs),
+                (a.versions, b.versions),
+            )
+        )
+        and a.meta == b.meta
+    )
 
 
 @pytest.fixture

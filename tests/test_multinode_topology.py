@@ -7,16 +7,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from staleflow.config import ConfigError
-from staleflow.launch import dist
 from staleflow.cluster.roles import Roles
 from staleflow.cluster.topology import Topology
+from staleflow.config import ConfigError
+from staleflow.launch import dist
 
 
 def two_nodes(rollout: int, per_node: int = 2) -> Topology:
     world = 2 * per_node
-    return Topology.from_ranks(Roles(world, rollout), [r // per_node for r in range(world)],
-                               [r % per_node for r in range(world)], {0: "127.0.0.1", 1: "127.0.0.1"})
+    return Topology.from_ranks(
+        Roles(world, rollout),
+        [r // per_node for r in range(world)],
+        [r % per_node for r in range(world)],
+        {0: "127.0.0.1", 1: "127.0.0.1"},
+    )
 
 
 def test_multinode_acceptance_layout_puts_both_rollout_ranks_on_the_node_without_the_controller():
@@ -32,7 +36,8 @@ def test_multinode_acceptance_layout_puts_both_rollout_ranks_on_the_node_without
         "staleflow: 4 ranks on 2 nodes (2 trainer, 2 rollout); controller and Parameter Server on node 0 "
         "(tcp://127.0.0.1:5)\n"
         "  node 0 [127.0.0.1]: rank 0 trainer (leader), rank 1 trainer\n"
-        "  node 1 [127.0.0.1]: rank 2 rollout 0, rank 3 rollout 1")
+        "  node 1 [127.0.0.1]: rank 2 rollout 0, rank 3 rollout 1"
+    )
 
 
 def test_multinode_rollout_ranks_on_both_nodes_fetch_partials_and_only_remote_ones_ship():

@@ -20,8 +20,12 @@ from staleflow.servers.remote_weights import RemoteWeights, WeightServer
 
 pytestmark = pytest.mark.slow
 
-SPECS = [("embed", (300, 16), "float32"), ("norm", (16,), "bfloat16"), ("scale", (), "float32"),
-         ("proj", (16, 40), "float32")]
+SPECS = [
+    ("embed", (300, 16), "float32"),
+    ("norm", (16,), "bfloat16"),
+    ("scale", (), "float32"),
+    ("proj", (16, 40), "float32"),
+]
 VERSIONS = 30
 
 
@@ -66,8 +70,12 @@ def _rank(rank: int, store_file: str, run_id: str, secret: bytes, result_file: s
         secure = SecureContext(keys, "rank 1", 1)
         puller = RemoteWeights([secure.client(zmq.DEALER, obj[0])], [0], group, "cpu")
         embed_t = torch.zeros(16, 300).t()  # a strided destination, like an engine's transposed weight
-        out = {"embed": embed_t, "norm": torch.zeros(16, dtype=torch.bfloat16), "scale": torch.zeros(()),
-               "proj": torch.zeros(16, 40)}
+        out = {
+            "embed": embed_t,
+            "norm": torch.zeros(16, dtype=torch.bfloat16),
+            "scale": torch.zeros(()),
+            "proj": torch.zeros(16, 40),
+        }
         seen = []
         while not seen or seen[-1] < VERSIONS - 1:
             v, nbytes = puller.pull_latest(out)

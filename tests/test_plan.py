@@ -23,14 +23,24 @@ from staleflow.plan import at_start, build_plan
 from staleflow.plan.estimate import builtin_rollout_rank, layer_saved_bytes, trainer_rank
 from staleflow.presets import preset_gpu_7b
 
-ARGS = ModelArgs(architecture="qwen2", vocab_size=1001, hidden_size=64, intermediate_size=96, num_layers=2,
-                 num_heads=4, num_kv_heads=2, head_dim=16)  # 1001 rows: FSDP2 pads shards
+ARGS = ModelArgs(
+    architecture="qwen2",
+    vocab_size=1001,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)  # 1001 rows: FSDP2 pads shards
 GiB = 2**30
 
 
 def _cfg(**train) -> RunConfig:
-    return RunConfig(rollout=RolloutConfig(max_kv_tokens=4096, max_model_len=256, block_size=16),
-                     train=TrainConfig(micro_batch_tokens=512, **train))
+    return RunConfig(
+        rollout=RolloutConfig(max_kv_tokens=4096, max_model_len=256, block_size=16),
+        train=TrainConfig(micro_batch_tokens=512, **train),
+    )
 
 
 def _probe(world: int) -> list[dict]:
@@ -59,8 +69,12 @@ def _probe(world: int) -> list[dict]:
                 for p in policy.parameters():
                     p.grad = torch.zeros_like(p)
                 opt.step()
-                counts["optimizer"] = sum((v.to_local() if hasattr(v, "to_local") else v).nbytes
-                                          for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+                counts["optimizer"] = sum(
+                    (v.to_local() if hasattr(v, "to_local") else v).nbytes
+                    for st in opt.state.values()
+                    for v in st.values()
+                    if torch.is_tensor(v)
+                )
         out.append(counts)
         dist.destroy_process_group()
     return out
@@ -83,8 +97,8 @@ def test_plan_trainer_bytes_equal_fsdp2_shards_and_adamw_state_on_meta():
 
 def test_plan_slot_pieces_equal_the_parameter_servers_allocations(monkeypatch):
     import staleflow.servers.pieces as pieces
-    from staleflow.plan.architecture import meta_model
     from staleflow.cluster.placement import slot_dtype, slot_placement
+    from staleflow.plan.architecture import meta_model
     from staleflow.servers import ParameterServer, ParamLayout
 
     allocated: dict[str, int] = {}
@@ -123,9 +137,14 @@ def test_plan_kv_cache_equals_a_real_engine_cache():
 
     cfg = dataclasses.replace(_cfg(), model=dataclasses.replace(RunConfig().model, path="tiny-llama"))
     rc = cfg.rollout
-    engine = BuiltinEngine(load_model("tiny-llama"), max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens,
-                           block_size=rc.block_size, prefill_chunk_tokens=rc.prefill_chunk_tokens,
-                           max_model_len=rc.max_model_len)
+    engine = BuiltinEngine(
+        load_model("tiny-llama"),
+        max_running=rc.max_running,
+        max_kv_tokens=rc.max_kv_tokens,
+        block_size=rc.block_size,
+        prefill_chunk_tokens=rc.prefill_chunk_tokens,
+        max_model_len=rc.max_model_len,
+    )
     plan = builtin_rollout_rank(cfg, model_args("tiny-llama"), 1, "cpu")
     assert plan.items["kv_cache"] == engine.runner.attn.k_cache.nbytes + engine.runner.attn.v_cache.nbytes
     assert plan.items["weights"] == sum(p.nbytes for p in engine.model.parameters())
@@ -136,8 +155,9 @@ def test_a_dtype_changed_in_the_runtime_changes_the_plan(monkeypatch):
 
     cfg = dataclasses.replace(preset_gpu_7b(), model=dataclasses.replace(preset_gpu_7b().model, path="tiny-qwen2"))
     base = build_plan(cfg, nproc=8, gpu_bytes=80 * GiB)
-    fp32_slots = build_plan(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dtype="float32")),
-                            nproc=8, gpu_bytes=80 * GiB)
+    fp32_slots = build_plan(
+        dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, dtype="float32")), nproc=8, gpu_bytes=80 * GiB
+    )
     assert fp32_slots.ranks[0].items["slots"] == pytest.approx(2 * base.ranks[0].items["slots"], rel=0.05)
     assert fp32_slots.ranks[4].items["kv_cache"] == 2 * base.ranks[4].items["kv_cache"]
     cpu = RunConfig(model=cfg.model, train=TrainConfig(kl_coef=0.1))

@@ -62,8 +62,23 @@ def test_a_segment_of_another_user_is_refused(monkeypatch):
 
 def _fake_reduce_args():
     """The shape of reduce_tensor(cuda_tensor)[1] (CPU-only machines cannot make a real one)."""
-    return (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, b"\x01" * 64,
-            4096, 0, False, b"ref", 16, b"\x02" * 64, True)
+    return (
+        torch.Tensor,
+        torch.Size([4096]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        0,
+        b"\x01" * 64,
+        4096,
+        0,
+        False,
+        b"ref",
+        16,
+        b"\x02" * 64,
+        True,
+    )
 
 
 def test_cuda_ipc_handles_are_typed_data_not_pickles():

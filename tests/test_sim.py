@@ -19,12 +19,33 @@ TINY_COST = CostModel(k1=2e-6, k2=0.01, k3=1e-3, b3=0.004, k4=1e-3, kv_capacity=
 
 
 def tiny(**kw) -> SimConfig:
-    base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1",
-                prefill_tokens_per_s=5000.0, max_running=16, train_tokens_per_gpu_s=2000.0, train_overhead_s=0.1,
-                push_s=0.2, pull_s=0.2, broadcast_s=0.3, colocated_switch_s=0.2, staleness=StalenessConfig(batch_size=3, group_size=2), prompt_len=20,
-                response_median=40.0, response_sigma=1.0, max_response=300, eta=(1,), steps=5, warmup_steps=1,
-                tick_s=0.05, max_sim_s=3000.0, out_dir="", ablation=False,
-                coordinator=CoordinatorConfig(migration=True, psi=2.0, migration_stop=1, phi_wait=1))
+    base = dict(
+        total_gpus=4,
+        rollout_gpus=3,
+        gpus_per_instance=1,
+        cost_model="qwen2.5-7b-tp1",
+        prefill_tokens_per_s=5000.0,
+        max_running=16,
+        train_tokens_per_gpu_s=2000.0,
+        train_overhead_s=0.1,
+        push_s=0.2,
+        pull_s=0.2,
+        broadcast_s=0.3,
+        colocated_switch_s=0.2,
+        staleness=StalenessConfig(batch_size=3, group_size=2),
+        prompt_len=20,
+        response_median=40.0,
+        response_sigma=1.0,
+        max_response=300,
+        eta=(1,),
+        steps=5,
+        warmup_steps=1,
+        tick_s=0.05,
+        max_sim_s=3000.0,
+        out_dir="",
+        ablation=False,
+        coordinator=CoordinatorConfig(migration=True, psi=2.0, migration_stop=1, phi_wait=1),
+    )
     base.update(kw)
     return SimConfig(**base)
 
@@ -50,7 +71,7 @@ def audit(sim: Sim, res) -> None:
     loop, led = sim.loop, sim.loop.ledger
     log = loop.manager.consumption_log()
     assert len({g for g, _, _ in log}) == len(log)  # no group consumed twice
-    for gid, tv, bv in log:
+    for _, tv, bv in log:
         assert tv <= bv
         assert bv <= tv + sim.stale.eta or not loop.manager.bounded  # the peers bound admission, not trajectories
     assert res.over_eta == sum(1 for _, tv, bv in log if bv > tv + sim.stale.eta)
@@ -68,23 +89,47 @@ def audit(sim: Sim, res) -> None:
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mode=st.sampled_from(MODES), eta=st.integers(0, 2), B=st.integers(1, 3), N=st.integers(1, 3),
-       bred=st.integers(0, 2), gred=st.integers(0, 2), straggler=st.sampled_from(["off", "abort", "truncate"]),
-       routing=st.sampled_from(["waterfall", "least-loaded", "round-robin"]), pull=st.sampled_from(["status", "greedy"]),
-       mlq=st.booleans(), seed=st.integers(0, 10_000))
-def test_random_runs_keep_the_staleness_invariant_and_lose_nothing(mode, eta, B, N, bred, gred, straggler, routing,
-                                                                   pull, mlq, seed):
+@given(
+    mode=st.sampled_from(MODES),
+    eta=st.integers(0, 2),
+    B=st.integers(1, 3),
+    N=st.integers(1, 3),
+    bred=st.integers(0, 2),
+    gred=st.integers(0, 2),
+    straggler=st.sampled_from(["off", "abort", "truncate"]),
+    routing=st.sampled_from(["waterfall", "least-loaded", "round-robin"]),
+    pull=st.sampled_from(["status", "greedy"]),
+    mlq=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_random_runs_keep_the_staleness_invariant_and_lose_nothing(
+    mode, eta, B, N, bred, gred, straggler, routing, pull, mlq, seed
+):
     if mode == "verl-sync":
         eta = 0
     elif mode == "verl-one-step-off":
         eta = 1
     if mode_of(mode).protocol != "staleflow":  # the peers' count-based protocols have no batch redundancy
         bred = 0
-    cfg = tiny(staleness=StalenessConfig(batch_size=B, group_size=N, batch_redundancy=bred, group_redundancy=gred,
-                                         straggler=straggler), seed=seed, eta=(eta,), coordinator=CoordinatorConfig(routing=routing, pull=pull, mlq=mlq, mu=0.2,
-                                                                    migration=True, psi=2.0, migration_stop=1,
-                                                                    phi_wait=1, pull_indicator="requests",
-                                                                    pull_threshold=2))
+    cfg = tiny(
+        staleness=StalenessConfig(
+            batch_size=B, group_size=N, batch_redundancy=bred, group_redundancy=gred, straggler=straggler
+        ),
+        seed=seed,
+        eta=(eta,),
+        coordinator=CoordinatorConfig(
+            routing=routing,
+            pull=pull,
+            mlq=mlq,
+            mu=0.2,
+            migration=True,
+            psi=2.0,
+            migration_stop=1,
+            phi_wait=1,
+            pull_indicator="requests",
+            pull_threshold=2,
+        ),
+    )
     sim = Sim(cfg, mode, eta)
     audit(sim, sim.run())
 
@@ -103,30 +148,61 @@ def test_every_mode_finishes_and_staleflow_is_not_slower_than_sync():
 
 def test_cli_prints_table_and_ratio_json(tmp_path, capsys):
     cm = tmp_path / "cm.json"
-    cm.write_text(json.dumps({"k1": TINY_COST.k1, "k2": TINY_COST.k2, "k3": TINY_COST.k3, "b3": TINY_COST.b3,
-                              "k4": TINY_COST.k4, "kv_capacity": TINY_COST.kv_capacity}))
-    args = ["--preset", "cpu-small", "--cost-model", str(cm), "--steps", "4", "--warmup-steps", "1", "--eta", "1",
-            "--max-response", "120", "--out-dir", str(tmp_path / "out"), "--no-ablation"]
+    cm.write_text(
+        json.dumps(
+            {
+                "k1": TINY_COST.k1,
+                "k2": TINY_COST.k2,
+                "k3": TINY_COST.k3,
+                "b3": TINY_COST.b3,
+                "k4": TINY_COST.k4,
+                "kv_capacity": TINY_COST.kv_capacity,
+            }
+        )
+    )
+    args = [
+        "--preset",
+        "cpu-small",
+        "--cost-model",
+        str(cm),
+        "--steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--eta",
+        "1",
+        "--max-response",
+        "120",
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--no-ablation",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     keys = ("vs_sync", "vs_best_async", "vs_verl_one_step_off", "vs_verl_fully_async", "vs_areal")
     assert set(keys) <= set(summary) and summary["violations"] == 0
-    assert all(summary[k] > 0 for k in keys) and summary["best_async"] in ("verl-one-step-off", "verl-fully-async",
-                                                                          "areal")
+    assert all(summary[k] > 0 for k in keys) and summary["best_async"] in (
+        "verl-one-step-off",
+        "verl-fully-async",
+        "areal",
+    )
     assert summary["vs_best_async"] == min(summary[k] for k in keys[2:])
     assert any(line.startswith("verl-sync ") for line in out) and (tmp_path / "out" / "sim.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--preset", "paper-64b"], "--preset='paper-64b' is unknown"),
-    (["--modes", "staleflow", "verl"], "unknown mode"),
-    (["--length-dist", "pareto"], "--length-dist"),
-    (["--staleness.batch-size", "-2"], "--staleness.batch-size=-2"),
-    (["--rollout-gpus", "128"], "--rollout-gpus=128"),
-    (["--warmup-steps", "12", "--steps", "12"], "--warmup-steps=12"),
-    (["--cost-model", "no-such-model"], "neither a preset"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--preset", "paper-64b"], "--preset='paper-64b' is unknown"),
+        (["--modes", "staleflow", "verl"], "unknown mode"),
+        (["--length-dist", "pareto"], "--length-dist"),
+        (["--staleness.batch-size", "-2"], "--staleness.batch-size=-2"),
+        (["--rollout-gpus", "128"], "--rollout-gpus=128"),
+        (["--warmup-steps", "12", "--steps", "12"], "--warmup-steps=12"),
+        (["--cost-model", "no-such-model"], "neither a preset"),
+    ],
+)
 def test_bad_input_is_a_clear_config_error(argv, match, capsys):
     """Either our own ConfigError, or tyro's exit 2 after printing the same one-line message."""
     try:

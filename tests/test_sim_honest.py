@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.config import StalenessConfig
+from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.sim.config import SimConfig
 from staleflow.sim.hardware import GPU, MODEL_SPECS, derive, kv_capacity
 from staleflow.sim.lengths import LengthSampler
@@ -18,10 +18,24 @@ from staleflow.sim.simulator import build, router_cost_model, run
 
 
 def small(**kw) -> SimConfig:
-    base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1", max_running=16,
-                train_overhead_s=0.1, staleness=StalenessConfig(batch_size=3, group_size=2), prompt_len=20, response_median=40.0,
-                response_sigma=1.0, max_response=300, steps=6, warmup_steps=1, tick_s=0.05, out_dir="",
-                ablation=False)
+    base = dict(
+        total_gpus=4,
+        rollout_gpus=3,
+        gpus_per_instance=1,
+        cost_model="qwen2.5-7b-tp1",
+        max_running=16,
+        train_overhead_s=0.1,
+        staleness=StalenessConfig(batch_size=3, group_size=2),
+        prompt_len=20,
+        response_median=40.0,
+        response_sigma=1.0,
+        max_response=300,
+        steps=6,
+        warmup_steps=1,
+        tick_s=0.05,
+        out_dir="",
+        ablation=False,
+    )
     base.update(kw)
     return SimConfig(**base)
 
@@ -31,8 +45,11 @@ def test_sim_router_sees_a_fitted_cost_model_not_the_truth():
     true = load_cost_model("qwen2.5-32b-tp2")
     fitted = router_cost_model(true, cfg, random.Random(0))
     assert fitted != true and fitted.name.endswith("-fitted")
-    rel = [abs(fitted.step_time(n, kv) - true.step_time(n, kv)) / true.step_time(n, kv)
-           for n in (1, 8, 32, 128) for kv in (0, 50_000, 200_000)]
+    rel = [
+        abs(fitted.step_time(n, kv) - true.step_time(n, kv)) / true.step_time(n, kv)
+        for n in (1, 8, 32, 128)
+        for kv in (0, 50_000, 200_000)
+    ]
     assert 0 < max(rel) < 0.2  # close (10 % noise on 200 samples), never exact
     loop, backend, _ = build(cfg, "staleflow", 2)
     assert loop.coord.cost_model != backend.cost and backend.cost.kv_capacity == loop.coord.cost_model.kv_capacity
@@ -65,7 +82,7 @@ def test_sim_long_cot_lengths_match_the_published_statistics():
     xs = sorted(x for g in groups for x in g)
     assert 5000 < statistics.mean(xs) < 6000  # DeepScaleR ~5.5k
     assert 0.01 < sum(x == 20000 for x in xs) / len(xs) < 0.05  # AReaL: < 5 % truncated
-    top = xs[int(0.9 * len(xs)):]
+    top = xs[int(0.9 * len(xs)) :]
     assert 0.25 < sum(top) / sum(xs) < 0.4  # a long tail
     # same-prompt responses are alike (Seer): within-group spread is smaller than the overall spread
     within = statistics.mean(statistics.pstdev(g) for g in groups)

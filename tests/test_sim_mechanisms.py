@@ -20,13 +20,35 @@ KV_BYTES = kv_bytes_per_token(MODEL_SPECS["qwen2.5-7b-tp1"])  # 57 KB a token: t
 
 
 def tiny(**kw) -> SimConfig:
-    base = dict(total_gpus=4, rollout_gpus=3, gpus_per_instance=1, cost_model="qwen2.5-7b-tp1",
-                prefill_tokens_per_s=5000.0, max_running=16, train_tokens_per_gpu_s=2000.0, train_overhead_s=0.1,
-                push_s=0.2, pull_s=0.2, broadcast_s=0.3, colocated_switch_s=0.2, staleness=StalenessConfig(batch_size=3, group_size=2),
-                prompt_len=20, response_median=60.0, response_sigma=1.0, max_response=300, steps=10, warmup_steps=1,
-                tick_s=0.05, out_dir="", ablation=False, router_fit_samples=0, kv_move_gb_s=4000 * KV_BYTES / 1e9,
-                coordinator=CoordinatorConfig(migration=True, psi=1.5, migration_stop=1, phi_wait=1, pull="greedy",
-                                              keep_kv_on_pull=True))
+    base = dict(
+        total_gpus=4,
+        rollout_gpus=3,
+        gpus_per_instance=1,
+        cost_model="qwen2.5-7b-tp1",
+        prefill_tokens_per_s=5000.0,
+        max_running=16,
+        train_tokens_per_gpu_s=2000.0,
+        train_overhead_s=0.1,
+        push_s=0.2,
+        pull_s=0.2,
+        broadcast_s=0.3,
+        colocated_switch_s=0.2,
+        staleness=StalenessConfig(batch_size=3, group_size=2),
+        prompt_len=20,
+        response_median=60.0,
+        response_sigma=1.0,
+        max_response=300,
+        steps=10,
+        warmup_steps=1,
+        tick_s=0.05,
+        out_dir="",
+        ablation=False,
+        router_fit_samples=0,
+        kv_move_gb_s=4000 * KV_BYTES / 1e9,
+        coordinator=CoordinatorConfig(
+            migration=True, psi=1.5, migration_stop=1, phi_wait=1, pull="greedy", keep_kv_on_pull=True
+        ),
+    )
     base.update(kw)
     return SimConfig(**base)
 
@@ -39,11 +61,14 @@ def drive(cfg, overrides=None):
     def spy_interrupt(cmd: Interrupt):
         reasons.append(cmd.reason)
         interrupt(cmd)
+
     backend.interrupt = spy_interrupt
     for inst, pull in zip(backend.insts, pulls):
+
         def spy_pull(version, now, pull_s, inst=inst, pull=pull):
             running_at_pull.append(len(inst.running))
             pull(version, now, pull_s)
+
         inst.pull = spy_pull
     t = 0.0
     while not loop.done:
@@ -69,14 +94,18 @@ def test_peers_never_keep_kv_across_a_weight_update():
 
 def test_kv_move_charges_the_transfer_on_both_ends_and_only_reuses_valid_kv():
     def inst(rate, mixed=False, version=0):
-        i = sim_engine.SimInstance(0, COST, prefill_tokens_per_s=1000.0, max_running=8, kv_move_tokens_per_s=rate,
-                                   mixed_kv=mixed)
+        i = sim_engine.SimInstance(
+            0, COST, prefill_tokens_per_s=1000.0, max_running=8, kv_move_tokens_per_s=rate, mixed_kv=mixed
+        )
         i.version = version
         return i
 
     def admit(i, moved, kv_version):
-        i.add(sim_engine.SimTraj(1, 0, 0, prompt_len=100, target_len=5000, generated=1900, kv_moved=moved,
-                                 kv_version=kv_version))
+        i.add(
+            sim_engine.SimTraj(
+                1, 0, 0, prompt_len=100, target_len=5000, generated=1900, kv_moved=moved, kv_version=kv_version
+            )
+        )
         return i._admit()
 
     assert admit(inst(4000.0), 2000, 0) == pytest.approx(2000 / 4000)  # moved: transfer time, no prefill

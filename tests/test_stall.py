@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pytest
+from test_faults import _kill_group, _titled, _wait_for_step, launch
 
 from staleflow.cluster.roles import Roles
 from staleflow.config import FaultConfig
@@ -21,7 +22,6 @@ from staleflow.control.sockets import ControlClient, control_address
 from staleflow.launch.cleanup import remove_run_folder
 from staleflow.metrics.audit import audit_run
 from staleflow.workers.pulse import Pulse
-from test_faults import _kill_group, _titled, _wait_for_step, launch
 
 
 @pytest.fixture
@@ -74,8 +74,12 @@ def test_stall_a_silent_rank_is_named_and_a_progressing_one_is_not(hub):
         hub.pids = {0: os.getpid(), 1: os.getpid(), 2: victim.pid}
         hub.stall_s = 1.5
         counter = iter(range(10**6))
-        assert _until_stuck(hub, 3.0, beat=lambda: (_beat(hub, 1, next(counter), True),
-                                                    _beat(hub, 2, next(counter), True))) == ""
+        assert (
+            _until_stuck(
+                hub, 3.0, beat=lambda: (_beat(hub, 1, next(counter), True), _beat(hub, 2, next(counter), True))
+            )
+            == ""
+        )
         err = _until_stuck(hub, 6.0, beat=lambda: _beat(hub, 1, next(counter), True))  # rank 2 falls silent
         assert "rank 2 (rollout instance 1" in err and "sent nothing for" in err and "--fault.stall-s" in err
         assert victim.wait(timeout=10) == -signal.SIGKILL

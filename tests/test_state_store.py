@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Shard
 
-from staleflow.train.state_store import (StateError, load_rank_state, read_full, read_index, row_range,
-                                         write_rank_state)
+from staleflow.train.state_store import StateError, load_rank_state, read_full, read_index, row_range, write_rank_state
 
 
 class RowShard:
@@ -28,19 +27,26 @@ class RowShard:
 def _save(folder, full: dict, world: int) -> None:
     index = None
     for r in range(world):
-        index = write_rank_state(folder, r, world, {k: RowShard(v, r, world) if v.dim() else v for k, v in full.items()})
+        index = write_rank_state(
+            folder, r, world, {k: RowShard(v, r, world) if v.dim() else v for k, v in full.items()}
+        )
     (folder / "state.json").write_text(json.dumps(index))
 
 
 @pytest.mark.parametrize("saved,loaded", [(3, 2), (2, 3), (1, 4), (4, 1)])
 def test_rows_written_by_some_ranks_are_read_back_by_any_number(tmp_path, saved, loaded):
     g = torch.Generator().manual_seed(0)
-    full = {"model/w": torch.randn(7, 3, generator=g), "model/b": torch.randn(5, generator=g).to(torch.bfloat16),
-            "optim/w/step": torch.tensor(4.0), "model/tiny": torch.randn(2, 2, generator=g)}  # fewer rows than ranks
+    full = {
+        "model/w": torch.randn(7, 3, generator=g),
+        "model/b": torch.randn(5, generator=g).to(torch.bfloat16),
+        "optim/w/step": torch.tensor(4.0),
+        "model/tiny": torch.randn(2, 2, generator=g),
+    }  # fewer rows than ranks
     _save(tmp_path, full, saved)
     for r in range(loaded):
-        targets = {k: RowShard(torch.zeros_like(v), r, loaded) if v.dim() else torch.zeros_like(v)
-                   for k, v in full.items()}
+        targets = {
+            k: RowShard(torch.zeros_like(v), r, loaded) if v.dim() else torch.zeros_like(v) for k, v in full.items()
+        }
         load_rank_state(tmp_path, r, loaded, targets)
         for k, v in full.items():
             want = v[slice(*row_range(v.shape[0], r, loaded))] if v.dim() else v

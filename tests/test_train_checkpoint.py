@@ -49,8 +49,9 @@ def _killed_run(out: Path) -> None:
 
 def test_kill_during_save_then_resume_equals_uninterrupted(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (tmp_path / ".tmp-step_00000003").is_dir()  # the torn save is left behind, not used
     latest = ck.latest_checkpoint(tmp_path)
@@ -92,7 +93,9 @@ def test_corrupted_checkpoint_is_detected_and_previous_one_stays(tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     fresh = _trainer(seed=7)
-    with pytest.raises(ck.CheckpointError, match=r"step_00000003 is corrupted: rank_0.safetensors.*step_00000002 is intact"):
+    with pytest.raises(
+        ck.CheckpointError, match=r"step_00000003 is corrupted: rank_0.safetensors.*step_00000002 is intact"
+    ):
         ck.load_checkpoint(fresh, paths[-1])
     ck.load_checkpoint(fresh, paths[-2])
     assert fresh.version == 2
@@ -144,8 +147,11 @@ class _Payload:
 
 def _reseal(path: Path) -> None:
     """What an attacker who can write the folder also does: rewrite the manifest to match."""
-    files = {str(f.relative_to(path)): {"size": f.stat().st_size, "sha256": ck._sha256(f)}
-             for f in sorted(path.rglob("*")) if f.is_file() and f.name != ck.MANIFEST}
+    files = {
+        str(f.relative_to(path)): {"size": f.stat().st_size, "sha256": ck._sha256(f)}
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != ck.MANIFEST
+    }
     (path / ck.MANIFEST).write_text(json.dumps({"version": 0, "world": 1, "files": files}))
 
 
@@ -156,15 +162,21 @@ def test_a_checkpoint_holds_only_safetensors_and_json(tmp_path):
     t.step(_batches()[0])
     path = ck.save_checkpoint(t, tmp_path, keep=1)
     names = sorted(f.name for f in path.iterdir())
-    assert names == ["manifest.json", "rank_0.safetensors", "rng_0.json", "rng_0.safetensors", "state.json",
-                     "trainer_state.json"]
+    assert names == [
+        "manifest.json",
+        "rank_0.safetensors",
+        "rng_0.json",
+        "rng_0.safetensors",
+        "state.json",
+        "trainer_state.json",
+    ]
     for f in path.iterdir():
         data = f.read_bytes()
         if f.suffix == ".json":
             json.loads(data)
         else:
             n = int.from_bytes(data[:8], "little")
-            assert json.loads(data[8:8 + n])["__metadata__"] == {"format": "pt"}
+            assert json.loads(data[8 : 8 + n])["__metadata__"] == {"format": "pt"}
         assert not data.startswith(b"\x80")  # a pickle protocol 2+ stream starts with PROTO
 
 

@@ -16,15 +16,31 @@ VOCAB = 32
 
 
 def tiny_model(seed: int = 0, arch: str = "llama", tied: bool = True, vocab: int = VOCAB) -> CausalLM:
-    args = ModelArgs(architecture=arch, vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied,
-                     max_position_embeddings=256)
+    args = ModelArgs(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+    )
     return CausalLM(args).init_weights(std=0.1, seed=seed)
 
 
-def random_samples(seed: int = 0, groups: int = 4, group_size: int = 4, max_prompt: int = 6,
-                   max_response: int = 8, vocab: int = VOCAB, min_response: int = 0,
-                   stale: bool = True) -> list[TrajectorySample]:
+def random_samples(
+    seed: int = 0,
+    groups: int = 4,
+    group_size: int = 4,
+    max_prompt: int = 6,
+    max_response: int = 8,
+    vocab: int = VOCAB,
+    min_response: int = 0,
+    stale: bool = True,
+) -> list[TrajectorySample]:
     """Random trajectories with random rewards and behaviour log-probs (some zero-length responses)."""
     rng = random.Random(seed)
     out = []
@@ -34,8 +50,9 @@ def random_samples(seed: int = 0, groups: int = 4, group_size: int = 4, max_prom
             n = rng.randint(min_response, max_response)
             resp = [rng.randrange(vocab) for _ in range(n)]
             beh = [-rng.uniform(2.5, 4.5) for _ in range(n)]
-            out.append(TrajectorySample(prompt, resp, beh, [3 - stale * rng.randint(0, 1)] * n,
-                                        float(rng.randint(0, 3)), g, 2))
+            out.append(
+                TrajectorySample(prompt, resp, beh, [3 - stale * rng.randint(0, 1)] * n, float(rng.randint(0, 3)), g, 2)
+            )
     return out
 
 
@@ -54,4 +71,4 @@ def sample_responses(model: CausalLM, prompts: list[list[int]], max_new: int, ge
         for i, t in enumerate(tok.tolist()):
             seqs[i].append(t)
             logps[i].append(float(logp[i, t]))
-    return [s[len(p):] for s, p in zip(seqs, prompts)], logps
+    return [s[len(p) :] for s, p in zip(seqs, prompts)], logps

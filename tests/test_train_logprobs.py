@@ -17,8 +17,14 @@ def _inputs(T, H, V, dtype=torch.float32, seed=0, scale=1.0):
 
 
 @settings(max_examples=25, deadline=None)
-@given(T=st.integers(0, 13), V=st.integers(1, 37), chunk=st.integers(1, 9),
-       temp=st.sampled_from([0.5, 1.0, 1.7]), masked=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    T=st.integers(0, 13),
+    V=st.integers(1, 37),
+    chunk=st.integers(1, 9),
+    temp=st.sampled_from([0.5, 1.0, 1.7]),
+    masked=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_chunked_equals_naive_value_and_grad(T, V, chunk, temp, masked, seed):
     h, w, y = _inputs(T, 6, V, seed=seed)
     mask = (torch.rand(T, generator=torch.Generator().manual_seed(seed + 1)) > 0.3) if masked else None

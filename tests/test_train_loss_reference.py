@@ -25,7 +25,13 @@ from hypothesis import strategies as st
 
 from staleflow.train import losses
 from staleflow.train.losses import (
-    AGGREGATIONS, OFF_POLICY, LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights,
+    AGGREGATIONS,
+    OFF_POLICY,
+    LossInputs,
+    LossSettings,
+    policy_loss,
+    resolve_loss_agg,
+    token_weights,
 )
 
 L_MAX = 8
@@ -40,10 +46,15 @@ def _inputs(lengths: list[int], seed: int) -> LossInputs:
     prox = -torch.rand(n, generator=g, **d) * 3
     return LossInputs(
         logp=(prox + 0.3 * torch.randn(n, generator=g, **d)).clamp(max=0).requires_grad_(),
-        behaviour_logp=prox + 0.4 * torch.randn(n, generator=g, **d), proximal_logp=prox,
-        advantages=torch.randn(len(lengths), generator=g, **d)[seq_index], token_weight=torch.zeros(n, **d),
-        seq_index=seq_index, num_seqs=len(lengths), entropy=torch.rand(n, generator=g, **d) * 2,
-        ref_logp=prox - 0.2 * torch.randn(n, generator=g, **d))
+        behaviour_logp=prox + 0.4 * torch.randn(n, generator=g, **d),
+        proximal_logp=prox,
+        advantages=torch.randn(len(lengths), generator=g, **d)[seq_index],
+        token_weight=torch.zeros(n, **d),
+        seq_index=seq_index,
+        num_seqs=len(lengths),
+        entropy=torch.rand(n, generator=g, **d) * 2,
+        ref_logp=prox - 0.2 * torch.randn(n, generator=g, **d),
+    )
 
 
 def _pad(v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -61,10 +72,15 @@ def _ref_loss(s: LossSettings, agg: str, x: LossInputs, lengths: list[int]) -> t
     token_rho, seq_rho = torch.exp(log_rho), torch.exp(log_rho.sum(-1, keepdim=True))
     geo_rho = torch.exp(log_rho.sum(-1, keepdim=True) / n_i.clamp(min=1))
     masked = lambda rho: torch.where((rho >= s.is_low) & (rho <= s.is_high), rho, 0.0)  # noqa: E731
-    w = {"none": torch.ones_like(m), "tis-token": token_rho.clamp(max=s.is_cap),
-         "decoupled": token_rho.clamp(max=s.is_cap), "tis-seq": seq_rho.clamp(max=s.is_cap).expand_as(m),
-         "mis-token": masked(token_rho), "mis-seq": masked(seq_rho).expand_as(m),
-         "mis-seq-geo": masked(geo_rho).expand_as(m)}[s.off_policy]
+    w = {
+        "none": torch.ones_like(m),
+        "tis-token": token_rho.clamp(max=s.is_cap),
+        "decoupled": token_rho.clamp(max=s.is_cap),
+        "tis-seq": seq_rho.clamp(max=s.is_cap).expand_as(m),
+        "mis-token": masked(token_rho),
+        "mis-seq": masked(seq_rho).expand_as(m),
+        "mis-seq-geo": masked(geo_rho).expand_as(m),
+    }[s.off_policy]
     old = mu if s.off_policy == "none" else prox
     if s.loss == "gspo":
         log_s = ((cur - old) * m).sum(-1, keepdim=True) / n_i.clamp(min=1)
@@ -94,11 +110,26 @@ LENGTHS = st.lists(st.integers(0, L_MAX), min_size=1, max_size=6)
 
 
 @settings(max_examples=150, deadline=None)
-@given(LENGTHS, st.sampled_from(AGGREGATIONS), st.sampled_from(["grpo", "dapo", "gspo"]),
-       st.sampled_from(OFF_POLICY), st.integers(0, 10**6))
+@given(
+    LENGTHS,
+    st.sampled_from(AGGREGATIONS),
+    st.sampled_from(["grpo", "dapo", "gspo"]),
+    st.sampled_from(OFF_POLICY),
+    st.integers(0, 10**6),
+)
 def test_loss_and_gradient_match_the_padded_reference(lengths, agg, loss, off_policy, seed):
-    s = LossSettings(loss=loss, off_policy=off_policy, clip_low=0.2, clip_high=0.28, is_cap=1.5, is_low=0.7,
-                     is_high=1.4, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    s = LossSettings(
+        loss=loss,
+        off_policy=off_policy,
+        clip_low=0.2,
+        clip_high=0.28,
+        is_cap=1.5,
+        is_low=0.7,
+        is_high=1.4,
+        kl_coef=0.05,
+        kl_estimator="k3",
+        entropy_coef=0.01,
+    )
     x = _inputs(lengths, seed)
     ours, ref = _ours(s, agg, x, lengths), _ref_loss(s, agg, x, lengths)
     assert float(ours.detach()) == pytest.approx(float(ref.detach()), rel=1e-9, abs=1e-12)
@@ -123,8 +154,9 @@ def test_gspo_token_form_under_seq_mean_is_the_gspo_sequence_objective(lengths, 
     per_seq = w_i * torch.maximum(-a_i * s_i, -a_i * s_i.clamp(1 - 3e-4, 1 + 4e-4))
     ref = per_seq.mean()
     assert float(ours.detach()) == pytest.approx(float(ref.detach()), rel=1e-9)
-    torch.testing.assert_close(torch.autograd.grad(ours, x.logp)[0], torch.autograd.grad(ref, x.logp)[0],
-                               rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, x.logp)[0], torch.autograd.grad(ref, x.logp)[0], rtol=1e-9, atol=1e-12
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,7 +175,7 @@ def test_empty_completions_count_as_sequences_not_as_tokens(lengths, empties, ag
 def test_dr_grpo_token_weight_does_not_depend_on_the_other_lengths(mine, others_a, others_b):
     """The Dr. GRPO normaliser is the constant S * L_max: with as many sequences, the other
     completions' lengths (or emptiness) never change a token's weight; token-mean's 1/N does."""
-    others_b = (others_b * len(others_a))[:len(others_a)]  # same S, other lengths
+    others_b = (others_b * len(others_a))[: len(others_a)]  # same S, other lengths
     w_a = token_weights("seq-mean-token-sum-norm", [max(mine, 1)] + others_a, L_MAX)[0]
     w_b = token_weights("seq-mean-token-sum-norm", [max(mine, 1)] + others_b, L_MAX)[0]
     assert w_a == w_b == 1.0 / ((1 + len(others_a)) * L_MAX)
@@ -160,11 +192,14 @@ def test_auto_aggregation_follows_the_papers():
         resolve_loss_agg("grpo", "grpo", "mean")
 
 
-@pytest.mark.parametrize("loss, advantage, agg, words", [
-    ("gspo", "grpo", "token-mean", "GSPO's objective is a mean over sequences"),
-    ("gspo", "grpo", "seq-mean-token-sum", "weights each sequence by its length"),
-    ("grpo", "dr-grpo", "token-mean", "Dr. GRPO also normalises the loss by a constant"),
-])
+@pytest.mark.parametrize(
+    "loss, advantage, agg, words",
+    [
+        ("gspo", "grpo", "token-mean", "GSPO's objective is a mean over sequences"),
+        ("gspo", "grpo", "seq-mean-token-sum", "weights each sequence by its length"),
+        ("grpo", "dr-grpo", "token-mean", "Dr. GRPO also normalises the loss by a constant"),
+    ],
+)
 def test_departures_from_the_paper_warn_once(monkeypatch, loss, advantage, agg, words):
     monkeypatch.setattr(losses, "_warned", set())
     with pytest.warns(UserWarning, match=words):
@@ -174,8 +209,10 @@ def test_departures_from_the_paper_warn_once(monkeypatch, loss, advantage, agg, 
         resolve_loss_agg(loss, advantage, agg)  # once per process
 
 
-@pytest.mark.parametrize("loss, advantage, agg", [("gspo", "grpo", "seq-mean"), ("grpo", "grpo", "token-mean"),
-                                                  ("grpo", "dr-grpo", "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize(
+    "loss, advantage, agg",
+    [("gspo", "grpo", "seq-mean"), ("grpo", "grpo", "token-mean"), ("grpo", "dr-grpo", "seq-mean-token-sum-norm")],
+)
 def test_paper_combinations_do_not_warn(monkeypatch, loss, advantage, agg):
     monkeypatch.setattr(losses, "_warned", set())
     with warnings.catch_warnings():
@@ -191,8 +228,12 @@ def test_reference_sanity_on_a_hand_computed_batch():
     x.behaviour_logp = x.proximal_logp.clone()
     x.advantages = torch.ones(2, dtype=torch.float64)
     s = LossSettings(loss="grpo", off_policy="tis-token")
-    expected = {"token-mean": -1.0, "seq-mean": -0.5, "seq-mean-token-sum": -1.0,
-                "seq-mean-token-sum-norm": -2.0 / (2 * L_MAX)}
+    expected = {
+        "token-mean": -1.0,
+        "seq-mean": -0.5,
+        "seq-mean-token-sum": -1.0,
+        "seq-mean-token-sum-norm": -2.0 / (2 * L_MAX),
+    }
     for agg, value in expected.items():
         assert float(_ref_loss(s, agg, x, [2, 0]).detach()) == pytest.approx(value), agg
         assert float(_ours(s, agg, x, [2, 0]).detach()) == pytest.approx(value), agg

@@ -33,8 +33,10 @@ def _ref_adv(name, rewards, groups):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.floats(-5, 5)), min_size=1, max_size=20),
-       st.sampled_from(["grpo", "grpo-nostd", "dr-grpo", "rloo"]))
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.floats(-5, 5)), min_size=1, max_size=20),
+    st.sampled_from(["grpo", "grpo-nostd", "dr-grpo", "rloo"]),
+)
 def test_advantages_match_reference(items, name):
     groups, rewards = [g for g, _ in items], [r for _, r in items]
     got = compute_advantages(name, rewards, groups)
@@ -99,9 +101,17 @@ def _batch(seed=0, lens=(3, 1, 5, 2), same=False, gap=0.3):
     beh = prox.clone() if same else prox + gap * torch.randn(N, generator=g)
     adv = torch.randn(len(lens), generator=g)[seq_index]
     w = torch.tensor(token_weights("seq-mean", list(lens)))[seq_index]
-    return LossInputs(logp=logp, behaviour_logp=beh, proximal_logp=prox, advantages=adv, token_weight=w,
-                      seq_index=seq_index, num_seqs=len(lens), entropy=torch.rand(N, generator=g) * 2,
-                      ref_logp=prox - 0.1 * torch.randn(N, generator=g))
+    return LossInputs(
+        logp=logp,
+        behaviour_logp=beh,
+        proximal_logp=prox,
+        advantages=adv,
+        token_weight=w,
+        seq_index=seq_index,
+        num_seqs=len(lens),
+        entropy=torch.rand(N, generator=g) * 2,
+        ref_logp=prox - 0.1 * torch.randn(N, generator=g),
+    )
 
 
 def _ref_per_token(s: LossSettings, x: LossInputs, i: int, cur: torch.Tensor) -> float:
@@ -116,9 +126,11 @@ def _ref_per_token(s: LossSettings, x: LossInputs, i: int, cur: torch.Tensor) ->
     elif s.off_policy == "tis-seq":
         w = min(math.exp(sum(lr(j) for j in members)), s.is_cap)
     else:
-        rho = {"mis-token": math.exp(lr(i)),
-               "mis-seq": math.exp(sum(lr(j) for j in members)),  # product of the token ratios
-               "mis-seq-geo": math.exp(sum(lr(j) for j in members) / len(members))}[s.off_policy]
+        rho = {
+            "mis-token": math.exp(lr(i)),
+            "mis-seq": math.exp(sum(lr(j) for j in members)),  # product of the token ratios
+            "mis-seq-geo": math.exp(sum(lr(j) for j in members) / len(members)),
+        }[s.off_policy]
         w = rho if s.is_low <= rho <= s.is_high else 0.0
     old = x.behaviour_logp if s.off_policy == "none" else x.proximal_logp
     a = float(x.advantages[i])
@@ -136,8 +148,18 @@ def _ref_per_token(s: LossSettings, x: LossInputs, i: int, cur: torch.Tensor) ->
 @pytest.mark.parametrize("loss", ["grpo", "dapo", "gspo"])
 @pytest.mark.parametrize("off_policy", OFF_POLICY)
 def test_loss_value_matches_reference(loss, off_policy):
-    s = LossSettings(loss=loss, off_policy=off_policy, clip_low=0.2, clip_high=0.28, is_cap=1.5,
-                     is_low=0.8, is_high=1.25, kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    s = LossSettings(
+        loss=loss,
+        off_policy=off_policy,
+        clip_low=0.2,
+        clip_high=0.28,
+        is_cap=1.5,
+        is_low=0.8,
+        is_high=1.25,
+        kl_coef=0.05,
+        kl_estimator="k3",
+        entropy_coef=0.01,
+    )
     x = _batch(seed=zlib.crc32(f"{loss}/{off_policy}".encode()) % 1000)
     with torch.no_grad():  # move the current policy away from the proximal one so clipping bites
         x.logp += 0.4 * torch.randn(x.logp.shape, generator=torch.Generator().manual_seed(7))
@@ -208,8 +230,17 @@ def test_fully_masked_tokens_give_zero_loss_and_zero_gradient():
 
 def test_empty_micro_batch_is_zero_not_nan():
     e = torch.zeros(0)
-    x = LossInputs(logp=e.clone().requires_grad_(), behaviour_logp=e, proximal_logp=e, advantages=e,
-                   token_weight=e, seq_index=torch.zeros(0, dtype=torch.int64), num_seqs=1, entropy=e, ref_logp=e)
+    x = LossInputs(
+        logp=e.clone().requires_grad_(),
+        behaviour_logp=e,
+        proximal_logp=e,
+        advantages=e,
+        token_weight=e,
+        seq_index=torch.zeros(0, dtype=torch.int64),
+        num_seqs=1,
+        entropy=e,
+        ref_logp=e,
+    )
     for off in ("tis-seq", "mis-seq", "mis-seq-geo", "tis-token"):
         loss_v, stats = policy_loss(LossSettings(loss="gspo", off_policy=off, kl_coef=0.1, entropy_coef=0.1), x)
         assert float(loss_v.detach()) == 0.0 and all(math.isfinite(float(v)) or "_m" in k for k, v in stats.items())

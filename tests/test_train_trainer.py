@@ -19,8 +19,8 @@ from test_train_helpers import random_samples, sample_responses, tiny_model  # n
 
 from staleflow.config import TrainConfig  # noqa: E402
 from staleflow.train.batch import build_micro_batch  # noqa: E402
-from staleflow.trajectory import TrajectorySample
 from staleflow.train.trainer import PolicyHead, Trainer, lr_factor  # noqa: E402
+from staleflow.trajectory import TrajectorySample
 
 
 def _capture_grads(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
@@ -68,24 +68,36 @@ def test_packed_micro_batch_equals_each_sequence_alone():
     assert packed.shape[0] == sum(len(s.response_ids) for s in samples) and (ent > 0).all()
 
 
-@pytest.mark.parametrize("agg,off_policy,loss", [
-    ("token-mean", "tis-token", "grpo"),
-    ("seq-mean", "mis-seq", "gspo"),
-    ("seq-mean-token-sum", "tis-seq", "dapo"),
-    ("seq-mean-token-sum-norm", "mis-seq-geo", "grpo"),
-])
+@pytest.mark.parametrize(
+    "agg,off_policy,loss",
+    [
+        ("token-mean", "tis-token", "grpo"),
+        ("seq-mean", "mis-seq", "gspo"),
+        ("seq-mean-token-sum", "tis-seq", "dapo"),
+        ("seq-mean-token-sum-norm", "mis-seq-geo", "grpo"),
+    ],
+)
 def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
     samples = random_samples(seed=3, groups=4)
     results = []
     for budget in (4096, 14):
-        cfg = TrainConfig(lr=1e-2, micro_batch_tokens=budget, loss_agg=agg, off_policy=off_policy, loss=loss,
-                          clip_high=0.28, entropy_coef=0.01, grad_clip=0.5)
+        cfg = TrainConfig(
+            lr=1e-2,
+            micro_batch_tokens=budget,
+            loss_agg=agg,
+            off_policy=off_policy,
+            loss=loss,
+            clip_high=0.28,
+            entropy_coef=0.01,
+            grad_clip=0.5,
+        )
         t = Trainer(tiny_model(seed=4), cfg, max_response_tokens=8)
         _lipschitz_adam(t)
         grads = _capture_grads(t)
         m = t.step(samples)
-        results.append((m, grads[0], t.full_state_dict(), len(t._plan(samples, list(range(len(samples))),
-                                                                           [0.0] * len(samples)))))
+        results.append(
+            (m, grads[0], t.full_state_dict(), len(t._plan(samples, list(range(len(samples))), [0.0] * len(samples))))
+        )
     (m1, g1, w1, n1), (m4, g4, w4, n4) = results
     assert n1 == 1 and n4 >= 4
     assert m1["loss"] == pytest.approx(m4["loss"], rel=1e-5, abs=1e-7)
@@ -134,8 +146,12 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 def test_mini_batches_make_several_updates_against_the_proximal_policy():
     samples = random_samples(seed=7, groups=4, min_response=2)
-    t = Trainer(tiny_model(seed=8), TrainConfig(lr=5e-2, micro_batch_tokens=40, mini_batches=2,
-                                                off_policy="decoupled", clip_low=0.01, clip_high=0.01))
+    t = Trainer(
+        tiny_model(seed=8),
+        TrainConfig(
+            lr=5e-2, micro_batch_tokens=40, mini_batches=2, off_policy="decoupled", clip_low=0.01, clip_high=0.01
+        ),
+    )
     seen = _capture_grads(t)
     m = t.step(samples)
     assert len(seen) == 2 and t.optimizer_steps == 2 and t.version == 1
@@ -277,8 +293,10 @@ def test_grpo_learns_a_toy_reward():
     for step in range(12):
         group_prompts = [p for p in prompts for _ in range(6)]
         resp, logps = sample_responses(model, group_prompts, 4, gen)
-        samples = [TrajectorySample(p, r, lp, [t.version] * len(r), _target_reward(r, 5), gi // 6, t.version)
-                   for gi, (p, r, lp) in enumerate(zip(group_prompts, resp, logps))]
+        samples = [
+            TrajectorySample(p, r, lp, [t.version] * len(r), _target_reward(r, 5), gi // 6, t.version)
+            for gi, (p, r, lp) in enumerate(zip(group_prompts, resp, logps))
+        ]
         m = t.step(samples)
         history.append(m["reward_mean"])
         if step == 0:  # on-policy: behaviour == proximal up to sampler/trainer float noise
@@ -367,12 +385,18 @@ def _lazy_equals_eager(folder: Path, tied: bool) -> bool:
 
     def same() -> bool:
         pairs = list(zip(lazy.model.named_parameters(), eager.model.named_parameters(), strict=True))
-        return all(n == m and hasattr(p, "to_local") and p.placements == q.placements
-                   and torch.equal(p.to_local(), q.to_local()) for (n, p), (m, q) in pairs)
+        return all(
+            n == m
+            and hasattr(p, "to_local")
+            and p.placements == q.placements
+            and torch.equal(p.to_local(), q.to_local())
+            for (n, p), (m, q) in pairs
+        )
 
     def padded(trainer) -> list[torch.Tensor]:  # FSDP2's padded shard storage: what its all-gather reads
-        groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.policy.modules()
-                  if hasattr(m, "_get_fsdp_state")]
+        groups = [
+            m._get_fsdp_state()._fsdp_param_group for m in trainer.policy.modules() if hasattr(m, "_get_fsdp_state")
+        ]
         return [fp._sharded_param_data for g in groups if g is not None for fp in g.fsdp_params]
 
     pairs = list(zip(padded(lazy), padded(eager), strict=True))
@@ -413,16 +437,30 @@ def _worker():
     save_checkpoint(t, out / "ckpt", extra={"from": "two ranks"})
     # the KL reference: sharded like the policy, its own storage, equal to the starting weights
     k = Trainer(tiny_model(seed=20), TrainConfig(**DIST_CFG, kl_coef=0.1), process_group=dist.group.WORLD)
-    ref_ok = all(hasattr(q, "to_local") and torch.equal(q.to_local(), p.to_local())
-                 and q.to_local().data_ptr() != p.to_local().data_ptr()
-                 for p, q in zip(k.model.parameters(), k.ref_policy.lm.parameters()))
+    ref_ok = all(
+        hasattr(q, "to_local")
+        and torch.equal(q.to_local(), p.to_local())
+        and q.to_local().data_ptr() != p.to_local().data_ptr()
+        for p, q in zip(k.model.parameters(), k.ref_policy.lm.parameters())
+    )
     kl0 = k.step(a)["ref_kl_k3_mean"]
     if rank != 0:
         assert on_rank == {}, "rank0_only: another rank kept gathered tensors"
     if rank == 0:
-        torch.save({"metrics": metrics, "grads": grads[1], "full": full, "rank0_only": on_rank,
-                    "reduced": reduced, "ref_ok": ref_ok, "kl0": kl0, "lazy": lazy, "lazy_other_rank": lazy_all[1]},
-                   out / "rank0.pt")
+        torch.save(
+            {
+                "metrics": metrics,
+                "grads": grads[1],
+                "full": full,
+                "rank0_only": on_rank,
+                "reduced": reduced,
+                "ref_ok": ref_ok,
+                "kl0": kl0,
+                "lazy": lazy,
+                "lazy_other_rank": lazy_all[1],
+            },
+            out / "rank0.pt",
+        )
     dist.barrier()
     dist.destroy_process_group()
     # no interpreter shutdown: a gloo worker thread may still be freeing the last collective's

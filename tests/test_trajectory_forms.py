@@ -21,12 +21,32 @@ from staleflow.trajectory import FORMS, Finished, RecordHandle, Route, TrainGrou
 ROOT = Path(__file__).resolve().parents[1]
 WIRE_FORMS = {"Route", "Finished", "TrainGroup", "RecordHandle"}
 """The forms (and the handle naming a generated trajectory's bytes) that cross processes."""
-NOT_TRAJECTORIES = {"InstanceSnapshot", "Interrupt", "Abort", "Pull", "Pulled", "FreeRecords", "TrainStep",
-                    "StepDone", "SaveState", "Saved", "Evaluate", "Evaluated", "Register", "Ready", "Welcome",
-                    "Heartbeat", "Failure", "Shutdown", "Goodbye", "Ping", "Pong"}
+NOT_TRAJECTORIES = {
+    "InstanceSnapshot",
+    "Interrupt",
+    "Abort",
+    "Pull",
+    "Pulled",
+    "FreeRecords",
+    "TrainStep",
+    "StepDone",
+    "SaveState",
+    "Saved",
+    "Evaluate",
+    "Evaluated",
+    "Register",
+    "Ready",
+    "Welcome",
+    "Heartbeat",
+    "Failure",
+    "Shutdown",
+    "Goodbye",
+    "Ping",
+    "Pong",
+}
 """Commands, snapshots and control messages: they name trajectories by id or handle, never copy one."""
 
-_HOOK = textwrap.dedent('''
+_HOOK = textwrap.dedent("""
     import os
     import msgspec
     from staleflow.control import messages as _m
@@ -50,12 +70,18 @@ _HOOK = textwrap.dedent('''
         return _encode(msg)
 
     _m.encode = encode
-''')
+""")
 
 
 def test_trajectory_forms_are_six_plain_classes_in_path_order():
-    assert [c.__name__ for c in FORMS] == ["Prompt", "TrajectoryItem", "Route", "Finished", "TrainGroup",
-                                           "TrajectorySample"]
+    assert [c.__name__ for c in FORMS] == [
+        "Prompt",
+        "TrajectoryItem",
+        "Route",
+        "Finished",
+        "TrainGroup",
+        "TrajectorySample",
+    ]
     assert all(c.__module__ == "staleflow.trajectory" for c in FORMS)
     assert "torch" not in trajectory.__dict__  # the pure core imports these
 
@@ -79,14 +105,39 @@ def test_trajectory_forms_one_run_puts_only_the_forms_on_the_wire(tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_HOOK)
     log = tmp_path / "wire.log"
-    env = dict(os.environ, STALEFLOW_WIRE_LOG=str(log), STALEFLOW_MAX_RESTARTS="0",
-               PYTHONPATH=os.pathsep.join(p for p in (str(hook), str(ROOT / "tests"), os.environ.get("PYTHONPATH", ""))
-                                          if p))
-    res = subprocess.run(["bash", str(ROOT / "launch.sh"), "--preset", "tiny", "--steps", "2", "--log.no-progress",
-                          "--log.no-plot", "--log.run-dir", str(tmp_path / "runs"), "--log.name", "forms",
-                          "--checkpoint.no-export-hf", "--reward.fn", "e2e_rewards:text_length"],
-                         capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    env = dict(
+        os.environ,
+        STALEFLOW_WIRE_LOG=str(log),
+        STALEFLOW_MAX_RESTARTS="0",
+        PYTHONPATH=os.pathsep.join(p for p in (str(hook), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    res = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch.sh"),
+            "--preset",
+            "tiny",
+            "--steps",
+            "2",
+            "--log.no-progress",
+            "--log.no-plot",
+            "--log.run-dir",
+            str(tmp_path / "runs"),
+            "--log.name",
+            "forms",
+            "--checkpoint.no-export-hf",
+            "--reward.fn",
+            "e2e_rewards:text_length",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     seen = set(" ".join(log.read_text().splitlines()).split())
     assert WIRE_FORMS <= seen, f"the run never sent {sorted(WIRE_FORMS - seen)}"
-    assert seen <= WIRE_FORMS | NOT_TRAJECTORIES, f"unexpected on the wire: {sorted(seen - WIRE_FORMS - NOT_TRAJECTORIES)}"
+    assert seen <= WIRE_FORMS | NOT_TRAJECTORIES, (
+        f"unexpected on the wire: {sorted(seen - WIRE_FORMS - NOT_TRAJECTORIES)}"
+    )

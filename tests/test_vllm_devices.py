@@ -49,10 +49,13 @@ def fake_vllm(monkeypatch):
         def abort_request(self, ids):
             pass
 
-    mods = {"vllm": types.ModuleType("vllm"), "vllm.v1": types.ModuleType("vllm.v1"),
-            "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
-            "vllm.v1.engine.llm_engine": types.ModuleType("vllm.v1.engine.llm_engine"),
-            "vllm.v1.executor": types.ModuleType("vllm.v1.executor")}
+    mods = {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.v1": types.ModuleType("vllm.v1"),
+        "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
+        "vllm.v1.engine.llm_engine": types.ModuleType("vllm.v1.engine.llm_engine"),
+        "vllm.v1.executor": types.ModuleType("vllm.v1.executor"),
+    }
     mods["vllm"].EngineArgs = EngineArgs
     mods["vllm.v1.engine.llm_engine"].LLMEngine = LLMEngine
     mods["vllm.v1.executor"].Executor = types.SimpleNamespace(get_class=lambda cfg: object)
@@ -67,14 +70,17 @@ def fake_vllm(monkeypatch):
 
 def _ctx(rank: int):
     cfg = preset_gpu_7b()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path="tiny-llama"),
-                              rollout=dataclasses.replace(cfg.rollout, engine="vllm"))
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path="tiny-llama"),
+        rollout=dataclasses.replace(cfg.rollout, engine="vllm"),
+    )
     return types.SimpleNamespace(cfg=cfg, roles=Roles(8, 4), rank=rank, device=f"cuda:{rank}")
 
 
 def test_cuda_visible_each_vllm_rank_gets_exactly_its_own_device(fake_vllm):
-    from staleflow.workers.rollout import build_engine
     from staleflow.plan import build_plan
+    from staleflow.workers.rollout import build_engine
 
     engines = {}
     for rank in (4, 5, 6, 7):

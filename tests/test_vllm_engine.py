@@ -50,14 +50,24 @@ def smol():
     for q in QUESTIONS:
         p = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         prompts.append(list(p["input_ids"]) if hasattr(p, "keys") else list(p))
-    return {"folder": folder, "prompts": prompts, "model": load_model(folder, dtype=torch.float32),
-            "model64": load_model(folder, dtype=torch.float64)}
+    return {
+        "folder": folder,
+        "prompts": prompts,
+        "model": load_model(folder, dtype=torch.float32),
+        "model64": load_model(folder, dtype=torch.float64),
+    }
 
 
 @pytest.fixture(scope="module")
 def engine(smol):
-    eng = VllmEngine(smol["folder"], max_running=8, max_kv_tokens=4096, max_model_len=512,
-                     prefill_chunk_tokens=256, multiprocess=False)
+    eng = VllmEngine(
+        smol["folder"],
+        max_running=8,
+        max_kv_tokens=4096,
+        max_model_len=512,
+        prefill_chunk_tokens=256,
+        multiprocess=False,
+    )
     yield eng
     eng.close()
 
@@ -65,8 +75,9 @@ def engine(smol):
 def builtin(model, version=0):
     from staleflow.rollout.builtin_engine import BuiltinEngine
 
-    return BuiltinEngine(model, max_kv_tokens=4096, block_size=16, prefill_chunk_tokens=256, max_model_len=512,
-                         version=version)
+    return BuiltinEngine(
+        model, max_kv_tokens=4096, block_size=16, prefill_chunk_tokens=256, max_model_len=512, version=version
+    )
 
 
 def greedy(n=NEW):
@@ -88,7 +99,7 @@ def teacher_forced_logprobs(model, prompt, output, temperature=1.0):
     cu = cu_seqlens_from_lengths([len(ids)])
     with torch.no_grad():
         logits = model.compute_logits(model(ids, packed_positions(cu), PackedAttention(cu)))
-    lp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1:-1]  # [n_out, V]
+    lp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1]  # [n_out, V]
     return lp.gather(1, torch.tensor(output)[:, None])[:, 0].tolist()
 
 
@@ -132,8 +143,18 @@ def test_abort_returns_partial_output_that_resumes(engine, smol, reference):
     with pytest.raises(EngineError, match="unknown request_id 'r'"):
         engine.abort(["r"])
     assert engine.abort(["r"], missing_ok=True) == []
-    (done,) = engine.generate([Request("r", p, greedy(), output_ids=part.output_ids,
-                                       output_logprobs=part.logprobs, output_versions=part.versions)])
+    (done,) = engine.generate(
+        [
+            Request(
+                "r",
+                p,
+                greedy(),
+                output_ids=part.output_ids,
+                output_logprobs=part.logprobs,
+                output_versions=part.versions,
+            )
+        ]
+    )
     assert done.output_ids == ref.output_ids and done.finish_reason == ref.finish_reason
     assert done.logprobs[:k] == part.logprobs and done.prompt_ids == p
     assert max(abs(a - b) for a, b in zip(done.logprobs, ref.logprobs)) < LOGPROB_TOL
@@ -150,8 +171,10 @@ def test_head_dim_below_32_is_refused_on_cpu():
 def perturbed(model, scale=0.05, seed=7):
     """Every parameter times (1 + scale * N(0, 1)), deterministically."""
     g = torch.Generator().manual_seed(seed)
-    return {n: (p.detach() * (1 + scale * torch.randn(p.shape, generator=g))).contiguous()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.detach() * (1 + scale * torch.randn(p.shape, generator=g))).contiguous()
+        for n, p in model.named_parameters()
+    }
 
 
 def test_weight_load_matches_fresh_engine_with_those_weights(engine, smol, reference):
@@ -191,8 +214,18 @@ def test_weight_load_matches_fresh_engine_with_those_weights(engine, smol, refer
     k = flight.versions.count(0)
     assert k >= 4 and flight.versions == [0] * k + [1] * (len(flight.versions) - k)
     assert flight.output_ids[:k] == reference[0].output_ids[:k]
-    (cont,) = ref_engine.generate([Request("c", p0, greedy(), output_ids=flight.output_ids[:k],
-                                           output_logprobs=flight.logprobs[:k], output_versions=flight.versions[:k])])
+    (cont,) = ref_engine.generate(
+        [
+            Request(
+                "c",
+                p0,
+                greedy(),
+                output_ids=flight.output_ids[:k],
+                output_logprobs=flight.logprobs[:k],
+                output_versions=flight.versions[:k],
+            )
+        ]
+    )
     assert flight.output_ids == cont.output_ids
     assert max(abs(a - b) for a, b in zip(flight.logprobs, cont.logprobs)) < LOGPROB_TOL
     assert math.isclose(engine.stats().version, 1)
@@ -207,8 +240,7 @@ def test_pull_from_the_parameter_server_through_the_worker(engine, smol):
 
     new = perturbed(smol["model"], seed=8)
     run = "v" + uuid.uuid4().hex[:8]
-    leader = ParameterServer.create(run, ParamLayout.from_named_tensors(smol["model"].named_parameters()),
-                                    readers=2)
+    leader = ParameterServer.create(run, ParamLayout.from_named_tensors(smol["model"].named_parameters()), readers=2)
     try:
         leader.begin_push(2)
         for name, t in new.items():

@@ -23,6 +23,7 @@ def _script(outcomes):
         if isinstance(got, Exception):
             raise got
         return got
+
     return read, seen
 
 
@@ -50,8 +51,9 @@ def _engine(seed: int) -> BuiltinEngine:
     from staleflow.model.transformer import CausalLM
 
     torch.manual_seed(seed)
-    args = ModelArgs(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                     num_kv_heads=1, head_dim=8)
+    args = ModelArgs(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+    )
     return BuiltinEngine(CausalLM(args), max_running=2, max_kv_tokens=64, block_size=8, max_model_len=32)
 
 

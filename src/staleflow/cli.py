@@ -10,7 +10,7 @@ picks the defaults that the flags then override.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from staleflow.config import ConfigError
 
@@ -26,8 +26,10 @@ SUBCOMMANDS = {
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        print("usage: python -m staleflow {train,check,plan,sim,eval} [--preset NAME] [--help] [flags...]",
-              file=sys.stderr)
+        print(
+            "usage: python -m staleflow {train,check,plan,sim,eval} [--preset NAME] [--help] [flags...]",
+            file=sys.stderr,
+        )
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: unknown subcommand {argv[0]!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)

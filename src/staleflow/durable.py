@@ -18,13 +18,16 @@ import errno
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 _NO_ROOM = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}
-_NO_WRITE = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-             errno.EPERM: "permission denied"}
+_NO_WRITE = {
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
 
 
 class DiskError(OSError):
@@ -128,6 +131,9 @@ def disk_errors(doing: str, where: str | Path = ""):
         if why is None or isinstance(e, DiskError):
             raise
         place = f" in {where}" if where else (f" ({e.filename})" if e.filename else "")
-        fix = ("free space there or point --log.run-dir at a bigger disk" if e.errno in _NO_ROOM
-               else "make it writable or point --log.run-dir elsewhere")
+        fix = (
+            "free space there or point --log.run-dir at a bigger disk"
+            if e.errno in _NO_ROOM
+            else "make it writable or point --log.run-dir elsewhere"
+        )
         raise DiskError(e.errno, f"{doing} failed{place}: {why}; {fix}") from None

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Generic, TypeVar
 
 from staleflow.config.sections import ConfigError
 
@@ -56,12 +56,13 @@ class Shape:
     optional: tuple[tuple[str, type], ...] = ()
 
     @classmethod
-    def function(cls, args: int, text: str, optional: tuple[tuple[str, type], ...] = ()) -> "Shape":
+    def function(cls, args: int, text: str, optional: tuple[tuple[str, type], ...] = ()) -> Shape:
         return cls(text=text, args=args, optional=optional)
 
     @classmethod
-    def klass(cls, args: int, text: str, methods: tuple[tuple[str, int], ...] = (),
-              attrs: tuple[tuple[str, type], ...] = ()) -> "Shape":
+    def klass(
+        cls, args: int, text: str, methods: tuple[tuple[str, int], ...] = (), attrs: tuple[tuple[str, type], ...] = ()
+    ) -> Shape:
         return cls(text=text, args=args, is_class=True, methods=methods, attrs=attrs)
 
     def problem(self, obj) -> str | None:
@@ -142,8 +143,9 @@ class Registry(MutableMapping, Generic[T]):
     interface a fork implements.
     """
 
-    def __init__(self, kind: str, flag: str, shape: Shape, *, error: type[ExtensionError] = ExtensionError,
-                 also: str = ""):
+    def __init__(
+        self, kind: str, flag: str, shape: Shape, *, error: type[ExtensionError] = ExtensionError, also: str = ""
+    ):
         """kind: the noun in messages ('loss'); flag: the command-line flag ('--train.loss');
         error: the ExtensionError subclass raised; also: other accepted forms, for the message of an
         unknown name (e.g. 'a .jsonl / .parquet file')."""
@@ -156,8 +158,9 @@ class Registry(MutableMapping, Generic[T]):
 
     def __setitem__(self, name: str, obj: T) -> None:
         if not name or ":" in name:
-            raise ValueError(f"{self.kind} name {name!r}: a registered name is non-empty and has no ':' "
-                             f"(that marks an import path)")
+            raise ValueError(
+                f"{self.kind} name {name!r}: a registered name is non-empty and has no ':' (that marks an import path)"
+            )
         problem = self.shape.problem(obj)
         if problem:
             raise TypeError(f"{self.kind} {name!r} is {problem}; {_a(self.kind)} is {self.shape.text}")
@@ -177,9 +180,11 @@ class Registry(MutableMapping, Generic[T]):
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: make ``obj`` available as ``FLAG name`` (checked against the shape now)."""
+
         def deco(obj: T) -> T:
             self[name] = obj
             return obj
+
         return deco
 
     # ---- resolution --------------------------------------------------------------------------
@@ -189,16 +194,23 @@ class Registry(MutableMapping, Generic[T]):
             return self._entries[spec]
         if ":" not in spec:
             also = f", {self.also}" if self.also else ""
-            self._fail(spec, f"is not a registered {self.kind} ({', '.join(sorted(self._entries))}){also} nor an "
-                             f"import path {IMPORT_PATH}", sep=" ")
+            self._fail(
+                spec,
+                f"is not a registered {self.kind} ({', '.join(sorted(self._entries))}){also} nor an "
+                f"import path {IMPORT_PATH}",
+                sep=" ",
+            )
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
             self._fail(spec, f"an import path must look like {IMPORT_PATH}")
         try:
             obj = importlib.import_module(module_name)
         except Exception as e:  # a user module may raise anything while importing
-            self._fail(spec, f"cannot import module {module_name!r} ({type(e).__name__}: {one_line(e)}); check the "
-                             f"name and that its folder is on PYTHONPATH")
+            self._fail(
+                spec,
+                f"cannot import module {module_name!r} ({type(e).__name__}: {one_line(e)}); check the "
+                f"name and that its folder is on PYTHONPATH",
+            )
         for part in attr.split("."):
             if not hasattr(obj, part):
                 self._fail(spec, f"module {module_name!r} has no attribute {attr!r}")

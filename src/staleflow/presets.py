@@ -1,16 +1,26 @@
 """Run presets (``--preset NAME``): plain functions returning a RunConfig, registered in PRESETS.
 
-    smollm2-cpu   the embedded default: SmolLM2-135M-Instruct, arithmetic, 1 trainer + 2 rollout on CPU
-    tiny          a tiny random Llama for tests and quick checks (seconds per step on CPU)
-    gpu-7b        Qwen2.5-7B-Instruct on one 8-GPU node (80 GB each): 4 trainer + 4 rollout ranks
+smollm2-cpu   the embedded default: SmolLM2-135M-Instruct, arithmetic, 1 trainer + 2 rollout on CPU
+tiny          a tiny random Llama for tests and quick checks (seconds per step on CPU)
+gpu-7b        Qwen2.5-7B-Instruct on one 8-GPU node (80 GB each): 4 trainer + 4 rollout ranks
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from staleflow.config import (CheckpointConfig, CoordinatorConfig, DataConfig, EvalConfig, ModelConfig, RewardConfig,
-                              RolloutConfig, RunConfig, StalenessConfig, TrainConfig)
+from staleflow.config import (
+    CheckpointConfig,
+    CoordinatorConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    StalenessConfig,
+    TrainConfig,
+)
 
 
 def preset_smollm2_cpu() -> RunConfig:
@@ -65,8 +75,15 @@ def preset_gpu_7b() -> RunConfig:
     """
     return RunConfig(
         model=ModelConfig(path="Qwen/Qwen2.5-7B-Instruct"),
-        rollout=RolloutConfig(ranks=4, max_running=128, max_kv_tokens=917504, prefill_chunk_tokens=8192,
-                              max_new_tokens=7168, max_model_len=8192, stats_interval_ms=50.0),
+        rollout=RolloutConfig(
+            ranks=4,
+            max_running=128,
+            max_kv_tokens=917504,
+            prefill_chunk_tokens=8192,
+            max_new_tokens=7168,
+            max_model_len=8192,
+            stats_interval_ms=50.0,
+        ),
         train=TrainConfig(lr=1e-6, micro_batch_tokens=16384, warmup_steps=10),
         staleness=StalenessConfig(eta=1, batch_size=32, group_size=8),
         coordinator=CoordinatorConfig(cost_model="gpu-7b-h100"),

@@ -20,8 +20,8 @@ APIs, not steps of the path.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 import msgspec
 
@@ -165,13 +165,17 @@ class TrajectorySample:
                 "the rollout must return one log-prob per generated token"
             )
         if len(self.versions) != n:
-            raise ValueError(f"sample {index}: {len(self.versions)} versions for {n} response tokens: need one per token")
+            raise ValueError(
+                f"sample {index}: {len(self.versions)} versions for {n} response tokens: need one per token"
+            )
         if not math.isfinite(float(self.reward)):
             raise ValueError(f"sample {index}: reward={self.reward!r} is not a finite number")
         for lp in self.behaviour_logprobs:
             if not (lp <= 1e-3 and math.isfinite(lp)):  # engines may round log(1) a hair above 0
-                raise ValueError(f"sample {index}: behaviour log-prob {lp!r} is invalid: must be finite and <= 0 "
-                                 f"(log of a probability)")
+                raise ValueError(
+                    f"sample {index}: behaviour log-prob {lp!r} is invalid: must be finite and <= 0 "
+                    f"(log of a probability)"
+                )
 
     @property
     def seq_len(self) -> int:

@@ -21,26 +21,26 @@ from __future__ import annotations
 import torch
 import zmq
 
+from staleflow.cluster.placement import slot_placement
+from staleflow.cluster.topology import Topology
 from staleflow.control.sockets import ControlClient
 from staleflow.launch.dist import all_gather_json
-from staleflow.cluster.topology import Topology
 from staleflow.net.curve import RunKeys, SecureContext
-from staleflow.cluster.placement import slot_placement
 from staleflow.servers.mirror import attach_mirror
 from staleflow.servers.remote_weights import RemoteWeights, WeightServer
-from staleflow.servers.shipping import RecordFetcher, RecordReceiver, RecordServer, RecordShipper, ZeroCopySends
 from staleflow.servers.ring import align_up
+from staleflow.servers.shipping import RecordFetcher, RecordReceiver, RecordServer, RecordShipper, ZeroCopySends
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES, TrajectoryRing
 
 
 class NetPlane:
-    def __init__(self, topo: Topology, rank: int, run_id: str, secure: SecureContext, pull_groups: dict,
-                 device: str):
+    def __init__(self, topo: Topology, rank: int, run_id: str, secure: SecureContext, pull_groups: dict, device: str):
         self.topo, self.rank, self.run_id, self.secure = topo, rank, run_id, secure
         self.pull_groups, self.device = pull_groups, torch.device(device)
         self.node = topo.node_of(rank)
-        self.owners = list(range(slot_placement(topo.roles.num_trainer, topo.roles.world_size,
-                                                self.device.type).pieces))
+        self.owners = list(
+            range(slot_placement(topo.roles.num_trainer, topo.roles.world_size, self.device.type).pieces)
+        )
         self.endpoints: list[dict] = []
         self._bound: dict[str, zmq.Socket] = {}
         self.sends = ZeroCopySends()
@@ -52,8 +52,7 @@ class NetPlane:
         self._closers: list = []
 
     @classmethod
-    def open(cls, topo: Topology, rank: int, run_id: str, secret: bytes, pull_groups: dict,
-             device: str) -> NetPlane:
+    def open(cls, topo: Topology, rank: int, run_id: str, secret: bytes, pull_groups: dict, device: str) -> NetPlane:
         """Bind this rank's servers and gather every rank's endpoints (all ranks call it together)."""
         roles = topo.roles
         secure = SecureContext(RunKeys(secret, roles.world_size), f"rank {rank}", rank)
@@ -110,8 +109,9 @@ class NetPlane:
     def start_receiver(self) -> None:
         """This node's record receiver (the node's first trainer rank), mirrors made before Ready."""
         if "records" in self._bound:
-            self.receiver = RecordReceiver(self._bound.pop("records"), self.run_id, self.node, self.shipping_ranks(),
-                                           align_up(DEFAULT_RING_BYTES))
+            self.receiver = RecordReceiver(
+                self._bound.pop("records"), self.run_id, self.node, self.shipping_ranks(), align_up(DEFAULT_RING_BYTES)
+            )
             self._closers.append(self.receiver.close)
 
     def start_weight_server(self, ps, piece: int) -> None:

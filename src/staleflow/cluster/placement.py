@@ -60,8 +60,9 @@ def gpu_of(rank: int, num_gpus: int) -> int:
     return rank % num_gpus
 
 
-def engine_visible_devices(own_gpu: int, piece_gpus: list[int], num_gpus: int,
-                           parent_visible: str | None = None) -> str:
+def engine_visible_devices(
+    own_gpu: int, piece_gpus: list[int], num_gpus: int, parent_visible: str | None = None
+) -> str:
     """CUDA_VISIBLE_DEVICES for a rollout rank's vLLM engine while it starts: the rank's own GPU
     first (vLLM puts its single-GPU engine on the first visible device and checks free memory
     there), then the GPUs holding the slot pieces its worker maps by CUDA IPC. No other rollout

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from staleflow.config import ConfigError
 from staleflow.cluster.roles import Roles
+from staleflow.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -100,20 +100,24 @@ class Topology:
             raise ConfigError(
                 f"trainer ranks {off} are not on node {self.home} with trainer rank 0: the Parameter Server's slots "
                 f"live on one node, so every trainer rank must be there; raise --rollout.ranks to at least "
-                f"{self.roles.world_size - per_node} (at most {per_node} trainer ranks on the first node)")
+                f"{self.roles.world_size - per_node} (at most {per_node} trainer ranks on the first node)"
+            )
         if rollout_engine == "vllm" and self.remote_pullers:
             raise ConfigError(
                 f"--rollout.engine=vllm on rollout ranks {self.remote_pullers}, which are not on node {self.home}: a "
                 f"vLLM worker maps the Parameter Server by CUDA IPC, so it must share its node; use "
-                f"--rollout.engine builtin for multi-node runs")
+                f"--rollout.engine builtin for multi-node runs"
+            )
 
     def describe(self, controller: str = "") -> str:
         """One line per node: its ranks and their roles (printed by rank 0 at start)."""
         r = self.roles
         n_nodes = len(self.node_ids)
-        head = (f"staleflow: {r.world_size} ranks on {n_nodes} node{'s' if n_nodes > 1 else ''} "
-                f"({r.num_trainer} trainer, {r.num_rollout} rollout); controller and Parameter Server on node "
-                f"{self.home}{f' ({controller})' if controller else ''}")
+        head = (
+            f"staleflow: {r.world_size} ranks on {n_nodes} node{'s' if n_nodes > 1 else ''} "
+            f"({r.num_trainer} trainer, {r.num_rollout} rollout); controller and Parameter Server on node "
+            f"{self.home}{f' ({controller})' if controller else ''}"
+        )
         lines = [head]
         for node in self.node_ids:
             parts = []

@@ -7,11 +7,39 @@ validates its fields and raises ConfigError with a one-line message naming the f
 """
 
 from staleflow.config.run import RunConfig, config_from_dict, resolve
-from staleflow.config.sections import (CheckpointConfig, ConfigError, CoordinatorConfig, DataConfig, EvalConfig,
-                                       FaultConfig,
-                                       LogConfig, ModelConfig, RewardConfig, RolloutConfig, StalenessConfig,
-                                       TrainConfig, _check, parse_length_dist)
+from staleflow.config.sections import (
+    CheckpointConfig,
+    ConfigError,
+    CoordinatorConfig,
+    DataConfig,
+    EvalConfig,
+    FaultConfig,
+    LogConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    StalenessConfig,
+    TrainConfig,
+    _check,
+    parse_length_dist,
+)
 
-__all__ = ["CheckpointConfig", "ConfigError", "CoordinatorConfig", "DataConfig", "EvalConfig", "FaultConfig", "LogConfig",
-           "ModelConfig", "RewardConfig", "RolloutConfig", "RunConfig", "StalenessConfig", "TrainConfig", "_check",
-           "config_from_dict", "parse_length_dist", "resolve"]
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "CoordinatorConfig",
+    "DataConfig",
+    "EvalConfig",
+    "FaultConfig",
+    "LogConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "StalenessConfig",
+    "TrainConfig",
+    "_check",
+    "config_from_dict",
+    "parse_length_dist",
+    "resolve",
+]

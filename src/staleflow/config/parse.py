@@ -1,13 +1,14 @@
 """A run's config from the command line: a preset, then tyro's flags on top (every subcommand).
 
-    cfg = parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train")
-    defaults, rest = split_preset(argv, PRESETS, "smollm2-cpu")
-    given_flags(["--steps", "4"])   # frozenset({"steps"}): what a resume must apply
+cfg = parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train")
+defaults, rest = split_preset(argv, PRESETS, "smollm2-cpu")
+given_flags(["--steps", "4"])   # frozenset({"steps"}): what a resume must apply
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from staleflow.config.sections import ConfigError
 

@@ -8,9 +8,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from staleflow.config.sections import (CheckpointConfig, CoordinatorConfig, DataConfig, EvalConfig, FaultConfig,
-                                       LogConfig, ModelConfig, RewardConfig, RolloutConfig, StalenessConfig,
-                                       TrainConfig, _check)
+from staleflow.config.sections import (
+    CheckpointConfig,
+    CoordinatorConfig,
+    DataConfig,
+    EvalConfig,
+    FaultConfig,
+    LogConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    StalenessConfig,
+    TrainConfig,
+    _check,
+)
 
 
 def _check_finite(cfg, prefix: str = "") -> None:
@@ -21,10 +32,9 @@ def _check_finite(cfg, prefix: str = "") -> None:
         flag = f"{prefix}{f.name.replace('_', '-')}"
         if dataclasses.is_dataclass(v):
             _check_finite(v, f"{flag}.")
-        for x in (v if isinstance(v, tuple) else (v,)):
+        for x in v if isinstance(v, tuple) else (v,):
             if isinstance(x, float):
                 _check(math.isfinite(x), flag, v, "must be a finite number")
-
 
 
 @dataclass(frozen=True)
@@ -42,8 +52,17 @@ class RunConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    mode: Literal["staleflow", "verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow-no-exchange",
-                  "staleflow-simple-strategies", "sync", "one-step-off"] = "staleflow"
+    mode: Literal[
+        "staleflow",
+        "verl-sync",
+        "verl-one-step-off",
+        "verl-fully-async",
+        "areal",
+        "staleflow-no-exchange",
+        "staleflow-simple-strategies",
+        "sync",
+        "one-step-off",
+    ] = "staleflow"
     """staleflow, a baseline named for its system (same loop; sync/one-step-off: verl aliases), or an ablation: docs/baselines.md."""
     steps: int = 20
     """Training steps (weight versions produced)."""
@@ -57,9 +76,13 @@ class RunConfig:
         _check_finite(self)
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         group_relative = ("grpo", "grpo-nostd", "dr-grpo", "rloo")
-        _check(self.staleness.group_size >= 2 or self.train.advantage not in group_relative, "staleness.group-size",
-               self.staleness.group_size, f"--train.advantage {self.train.advantage} compares responses within a "
-               f"group: with 1 response per prompt every advantage is 0 and nothing is learnt; use >= 2")
+        _check(
+            self.staleness.group_size >= 2 or self.train.advantage not in group_relative,
+            "staleness.group-size",
+            self.staleness.group_size,
+            f"--train.advantage {self.train.advantage} compares responses within a "
+            f"group: with 1 response per prompt every advantage is 0 and nothing is learnt; use >= 2",
+        )
 
 
 def config_from_dict(cls, d: dict):

@@ -85,17 +85,27 @@ class RolloutConfig:
         _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")
         _check(self.max_running >= 1, "rollout.max-running", self.max_running, "must be >= 1")
         _check(self.block_size >= 1, "rollout.block-size", self.block_size, "must be >= 1")
-        _check(self.max_kv_tokens >= self.block_size, "rollout.max-kv-tokens", self.max_kv_tokens,
-               "must hold at least one KV block")
-        _check(self.prefill_chunk_tokens >= 1, "rollout.prefill-chunk-tokens", self.prefill_chunk_tokens, "must be >= 1")
+        _check(
+            self.max_kv_tokens >= self.block_size,
+            "rollout.max-kv-tokens",
+            self.max_kv_tokens,
+            "must hold at least one KV block",
+        )
+        _check(
+            self.prefill_chunk_tokens >= 1, "rollout.prefill-chunk-tokens", self.prefill_chunk_tokens, "must be >= 1"
+        )
         _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0 (use top-k 1 for greedy)")
         _check(0 < self.top_p <= 1, "rollout.top-p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top-k", self.top_k, "must be >= 0 (0 disables)")
         _check(self.max_new_tokens >= 1, "rollout.max-new-tokens", self.max_new_tokens, "must be >= 1")
         _check(self.max_model_len > 1, "rollout.max-model-len", self.max_model_len, "must be > 1")
         _check(self.stats_interval_ms > 0, "rollout.stats-interval-ms", self.stats_interval_ms, "must be > 0")
-        _check(self.length_dist == "" or parse_length_dist(self.length_dist) is not None, "rollout.length-dist",
-               self.length_dist, "use 'lognormal:MEDIAN:SIGMA' with MEDIAN > 0 and SIGMA >= 0, or ''")
+        _check(
+            self.length_dist == "" or parse_length_dist(self.length_dist) is not None,
+            "rollout.length-dist",
+            self.length_dist,
+            "use 'lognormal:MEDIAN:SIGMA' with MEDIAN > 0 and SIGMA >= 0, or ''",
+        )
 
 
 @dataclass(frozen=True)
@@ -186,8 +196,12 @@ class TrainConfig:
     """Recompute each decoder layer in backward (less memory, ~30% more compute); auto: on for CUDA only."""
 
     def __post_init__(self):
-        _check(math.isfinite(self.lr) and 0 < self.lr <= 1, "train.lr", self.lr,
-               "must be in (0, 1] (a step that large destroys the weights; typical RL values are 1e-7 to 1e-4)")
+        _check(
+            math.isfinite(self.lr) and 0 < self.lr <= 1,
+            "train.lr",
+            self.lr,
+            "must be in (0, 1] (a step that large destroys the weights; typical RL values are 1e-7 to 1e-4)",
+        )
         _check(self.weight_decay >= 0, "train.weight-decay", self.weight_decay, "must be >= 0")
         _check(self.warmup_steps >= 0, "train.warmup-steps", self.warmup_steps, "must be >= 0")
         _check(self.grad_clip >= 0, "train.grad-clip", self.grad_clip, "must be >= 0 (0 disables)")
@@ -195,13 +209,21 @@ class TrainConfig:
         _check(self.clip_low >= 0, "train.clip-low", self.clip_low, "must be >= 0")
         _check(self.clip_high >= 0, "train.clip-high", self.clip_high, "must be >= 0")
         _check(self.is_cap >= 1, "train.is-cap", self.is_cap, "must be >= 1")
-        _check(0 <= self.is_low <= 1 <= self.is_high, "train.is-low/is-high", (self.is_low, self.is_high),
-               "need 0 <= is-low <= 1 <= is-high")
+        _check(
+            0 <= self.is_low <= 1 <= self.is_high,
+            "train.is-low/is-high",
+            (self.is_low, self.is_high),
+            "need 0 <= is-low <= 1 <= is-high",
+        )
         _check(self.kl_coef >= 0, "train.kl-coef", self.kl_coef, "must be >= 0")
         _check(self.mini_batches >= 1, "train.mini-batches", self.mini_batches, "must be >= 1")
         _check(self.overlong_max_tokens >= 0, "train.overlong-max-tokens", self.overlong_max_tokens, "must be >= 0")
-        _check(0 <= self.overlong_cache_tokens <= max(self.overlong_max_tokens, 0), "train.overlong-cache-tokens",
-               self.overlong_cache_tokens, "need 0 <= overlong-cache-tokens <= overlong-max-tokens")
+        _check(
+            0 <= self.overlong_cache_tokens <= max(self.overlong_max_tokens, 0),
+            "train.overlong-cache-tokens",
+            self.overlong_cache_tokens,
+            "need 0 <= overlong-cache-tokens <= overlong-max-tokens",
+        )
 
 
 @dataclass(frozen=True)
@@ -276,11 +298,19 @@ class RewardConfig:
     def __post_init__(self):
         _check(bool(self.fn), "reward.fn", self.fn, "give a registered name or module:function")
         _check(self.workers >= 1, "reward.workers", self.workers, "must be >= 1")
-        _check(self.format_weight >= 0, "reward.format-weight", self.format_weight,
-               "must be >= 0 (a bonus for a correct boxed answer)")
+        _check(
+            self.format_weight >= 0,
+            "reward.format-weight",
+            self.format_weight,
+            "must be >= 0 (a bonus for a correct boxed answer)",
+        )
         _check(self.timeout_s > 0, "reward.timeout-s", self.timeout_s, "must be > 0")
-        _check(self.max_consecutive_failures >= 0, "reward.max-consecutive-failures", self.max_consecutive_failures,
-               "must be >= 0 (0 never stops)")
+        _check(
+            self.max_consecutive_failures >= 0,
+            "reward.max-consecutive-failures",
+            self.max_consecutive_failures,
+            "must be >= 0 (0 never stops)",
+        )
 
 
 @dataclass(frozen=True)
@@ -299,8 +329,9 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self):
-        _check(bool(self.source), "data.source", self.source,
-               "give a built-in task name, a file or package.module:name")
+        _check(
+            bool(self.source), "data.source", self.source, "give a built-in task name, a file or package.module:name"
+        )
         _check(self.max_prompt_tokens >= 1, "data.max-prompt-tokens", self.max_prompt_tokens, "must be >= 1")
 
 

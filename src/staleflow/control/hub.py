@@ -20,11 +20,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from staleflow.launch.cleanup import pid_alive
-from staleflow.control.sockets import ControlServer, control_address
-from staleflow.control.messages import Failure, Goodbye, Heartbeat, Ready, Register, Shutdown, Welcome
 from staleflow.cluster.roles import Roles
 from staleflow.cluster.topology import Topology
+from staleflow.control.messages import Failure, Goodbye, Heartbeat, Ready, Register, Shutdown, Welcome
+from staleflow.control.sockets import ControlServer, control_address
+from staleflow.launch.cleanup import pid_alive
 
 REMOTE_LOST_S = 3.0
 
@@ -75,8 +75,9 @@ class Hub:
         topo = self.topology
         remote = [r for r in self.all_ranks if topo is not None and not topo.same_node(r, 0)]
         ip = topo.addrs.get(topo.home, "127.0.0.1") if topo is not None else ""
-        self.server = ControlServer(control_address(self.run_id), self.roles.world_size, remote=self.secure,
-                                    remote_ranks=remote, ip=ip)
+        self.server = ControlServer(
+            control_address(self.run_id), self.roles.world_size, remote=self.secure, remote_ranks=remote, ip=ip
+        )
 
     def is_local(self, rank: int) -> bool:
         return self.topology is None or self.topology.same_node(rank, 0)
@@ -120,8 +121,11 @@ class Hub:
         now = time.monotonic()
         for rank, since in self._lost_since.items():
             if rank not in self.left and now - since > REMOTE_LOST_S:
-                raise RankDied(f"{self.describe(rank)} lost its connection to the controller for {REMOTE_LOST_S:.0f} s "
-                               f"(its process or its node is gone)", rank=rank)
+                raise RankDied(
+                    f"{self.describe(rank)} lost its connection to the controller for {REMOTE_LOST_S:.0f} s "
+                    f"(its process or its node is gone)",
+                    rank=rank,
+                )
 
     def _find_lost_sibling(self) -> None:
         """A rank of another node that left on a signal was most likely stopped by its torchrun
@@ -169,15 +173,21 @@ class Hub:
             silent = now - heard
             busy_for = now - self._progress.get(rank, (0, now))[1]
             if silent > self.stall_s or busy_for > self.stall_s:
-                why = (f"sent nothing for {silent:.0f} s (stopped or hung)" if silent > self.stall_s else
-                       f"made no progress for {busy_for:.0f} s while it had work (hung)")
+                why = (
+                    f"sent nothing for {silent:.0f} s (stopped or hung)"
+                    if silent > self.stall_s
+                    else f"made no progress for {busy_for:.0f} s while it had work (hung)"
+                )
                 if self.is_local(rank):
                     try:
                         os.kill(self.pids[rank], signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
-                raise RankDied(f"{self.describe(rank)} {why}: stopped it; the run restarts from its newest "
-                               f"checkpoint (--fault.stall-s sets the limit, now {self.stall_s:.0f} s)", rank=rank)
+                raise RankDied(
+                    f"{self.describe(rank)} {why}: stopped it; the run restarts from its newest "
+                    f"checkpoint (--fault.stall-s sets the limit, now {self.stall_s:.0f} s)",
+                    rank=rank,
+                )
 
     def check_alive(self) -> None:
         """Raise RankDied naming the first rank whose process is gone; also stop if rank 0 vanished.

@@ -108,7 +108,7 @@ def encode(msg: msgspec.Struct) -> bytes:
 def decode(data: bytes) -> msgspec.Struct:
     global _decoder
     if _decoder is None:
-        _decoder = msgspec.msgpack.Decoder(Union[tuple(_TYPES)])  # type: ignore[valid-type]
+        _decoder = msgspec.msgpack.Decoder(Union[tuple(_TYPES)])  # type: ignore[valid-type]  # noqa: UP007
     return _decoder.decode(data)
 
 
@@ -205,6 +205,20 @@ class Evaluated(msgspec.Struct, tag=True):
     max_version: int
 
 
-for _cls in (Route, Finished, Interrupt, Abort, Pull, InstanceSnapshot, FreeRecords, Pulled, TrainStep,
-             StepDone, SaveState, Saved, Evaluate, Evaluated):
+for _cls in (
+    Route,
+    Finished,
+    Interrupt,
+    Abort,
+    Pull,
+    InstanceSnapshot,
+    FreeRecords,
+    Pulled,
+    TrainStep,
+    StepDone,
+    SaveState,
+    Saved,
+    Evaluate,
+    Evaluated,
+):
     register_message(_cls)

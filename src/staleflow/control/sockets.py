@@ -46,8 +46,9 @@ class ControlServer:
     ``remote`` (a SecureContext), ``remote_ranks`` and ``ip``: also bind a CURVE TCP socket for the
     ranks on other nodes; ``self.tcp_endpoint`` is where they connect."""
 
-    def __init__(self, address: str, world_size: int = 0, remote: SecureContext | None = None,
-                 remote_ranks=(), ip: str = ""):
+    def __init__(
+        self, address: str, world_size: int = 0, remote: SecureContext | None = None, remote_ranks=(), ip: str = ""
+    ):
         self.address, self.world_size = address, world_size
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -206,8 +207,10 @@ class ControlClient:
                 return
             except zmq.Again:
                 pass
-        raise ControllerGone(f"rank {self.rank}: the controller took no message for {timeout:.0f} s "
-                             f"({type(msg).__name__} not sent): it is gone or stuck")
+        raise ControllerGone(
+            f"rank {self.rank}: the controller took no message for {timeout:.0f} s "
+            f"({type(msg).__name__} not sent): it is gone or stuck"
+        )
 
     def send_stats(self, msg) -> bool:
         """Queue a message that a newer one supersedes (a snapshot); dropped when the queue is full."""

@@ -7,12 +7,29 @@
 See controller/loop.py for the steps and docs/architecture.md for the path of one trajectory.
 """
 
-from staleflow.controller.backend import Backend, PullDone, Published, Rewarded, TrainDone
-from staleflow.trajectory import Finished, TrainGroup
+from staleflow.controller.backend import Backend, Published, PullDone, Rewarded, TrainDone
 from staleflow.controller.ledger import Group, Ledger, LedgerError, Traj
 from staleflow.controller.loop import ControllerLoop
 from staleflow.controller.types import LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
+from staleflow.trajectory import Finished, TrainGroup
 
-__all__ = ["Backend", "ControllerLoop", "Finished", "Group", "Ledger", "LedgerError", "LoopSettings", "LoopTimeout",
-           "PullDone",
-           "Published", "Rewarded", "RewardsFailing", "Stalled", "StepRecord", "Traj", "TrainDone", "TrainGroup", "Workload"]
+__all__ = [
+    "Backend",
+    "ControllerLoop",
+    "Finished",
+    "Group",
+    "Ledger",
+    "LedgerError",
+    "LoopSettings",
+    "LoopTimeout",
+    "PullDone",
+    "Published",
+    "Rewarded",
+    "RewardsFailing",
+    "Stalled",
+    "StepRecord",
+    "Traj",
+    "TrainDone",
+    "TrainGroup",
+    "Workload",
+]

@@ -12,13 +12,13 @@ InstanceSnapshot.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import msgspec
 
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
-from staleflow.trajectory import Route
-from staleflow.trajectory import Finished, TrainGroup
+from staleflow.trajectory import Finished, Route, TrainGroup
 
 
 class Rewarded(msgspec.Struct, frozen=True):

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from staleflow.controller.ledger import Ledger
 from staleflow.controller.loop import ControllerLoop
@@ -22,23 +23,47 @@ from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.modes import protocol_for
 
 
-def build_loop(mode: str, staleness, coordinator_cfg, cost_model, instances: Iterable[int], backend, workload,
-               steps: int, *, version: int = 0, ledger: Ledger | None = None, tick_s: float | None = None,
-               stall_s: float = math.inf, max_reward_failures: int = 0, peer: Mapping[str, Any] | None = None,
-               on_step: Callable[[StepRecord, dict], None] | None = None,
-               listeners: Mapping[type, Callable[[Any], None]] | None = None) -> ControllerLoop:
+def build_loop(
+    mode: str,
+    staleness,
+    coordinator_cfg,
+    cost_model,
+    instances: Iterable[int],
+    backend,
+    workload,
+    steps: int,
+    *,
+    version: int = 0,
+    ledger: Ledger | None = None,
+    tick_s: float | None = None,
+    stall_s: float = math.inf,
+    max_reward_failures: int = 0,
+    peer: Mapping[str, Any] | None = None,
+    on_step: Callable[[StepRecord, dict], None] | None = None,
+    listeners: Mapping[type, Callable[[Any], None]] | None = None,
+) -> ControllerLoop:
     """A ControllerLoop for ``mode`` (its protocol from ``staleness``: B', N' and eta; the sections
     arrive with the mode applied, config.resolve / coordinator.modes.apply_mode). ``peer``: a
     baseline's own knobs (coordinator/modes.PEER_OPTIONS); ``tick_s`` overrides the coordinator's
     --coordinator.tick-ms (the simulator's timing resolution)."""
     ids = list(instances)
     manager = protocol_for(mode, staleness, version=version, n_instances=len(ids), **dict(peer or {}))
-    coord = Coordinator(coordinator_cfg, cost_model, manager, ids, straggler=staleness.straggler,
-                        straggler_threshold=staleness.straggler_threshold, version=version, clock=backend.now,
-                        label=mode)
-    settings = LoopSettings.from_config(staleness, coordinator_cfg, steps, stall_s=stall_s,
-                                        max_reward_failures=max_reward_failures)
+    coord = Coordinator(
+        coordinator_cfg,
+        cost_model,
+        manager,
+        ids,
+        straggler=staleness.straggler,
+        straggler_threshold=staleness.straggler_threshold,
+        version=version,
+        clock=backend.now,
+        label=mode,
+    )
+    settings = LoopSettings.from_config(
+        staleness, coordinator_cfg, steps, stall_s=stall_s, max_reward_failures=max_reward_failures
+    )
     if tick_s is not None:
         settings = dataclasses.replace(settings, tick_s=tick_s)
-    return ControllerLoop(settings, coord, ledger or Ledger(), backend, workload, version=version, on_step=on_step,
-                          listeners=listeners)
+    return ControllerLoop(
+        settings, coord, ledger or Ledger(), backend, workload, version=version, on_step=on_step, listeners=listeners
+    )

@@ -88,8 +88,11 @@ class Ledger:
 
     def fresh_groups(self) -> int:
         """Live groups none of whose members has been routed yet (supply for admission)."""
-        return sum(1 for g in self.groups.values()
-                   if not g.occupied and all(self.trajs[t].traj_version is None for t in g.members))
+        return sum(
+            1
+            for g in self.groups.values()
+            if not g.occupied and all(self.trajs[t].traj_version is None for t in g.members)
+        )
 
     def rewarded_members(self, group_id: int, group_size: int) -> list[Traj] | None:
         """The group's N accepted finishers if all of them are rewarded, else None."""
@@ -163,5 +166,8 @@ class Ledger:
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What a resume needs: id high-water marks and the prompts of live groups (regenerated)."""
-        return {"next_traj": self.next_traj, "next_group": self.next_group,
-                "live_prompts": [g.prompt for g in self.groups.values()]}
+        return {
+            "next_traj": self.next_traj,
+            "next_group": self.next_group,
+            "live_prompts": [g.prompt for g in self.groups.values()],
+        }

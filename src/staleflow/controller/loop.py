@@ -20,24 +20,31 @@ per-trajectory bound (``bounded`` False) groups beyond eta are counted, not viol
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 
-from staleflow.controller.backend import Backend, PullDone, Published, Rewarded, TrainDone
-from staleflow.trajectory import Finished, TrainGroup
+from staleflow.controller.backend import Backend, Published, PullDone, Rewarded, TrainDone
 from staleflow.controller.ledger import Ledger, Traj
-from staleflow.controller.types import (Audit, LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord,
-                                        Workload)
+from staleflow.controller.types import Audit, LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
-from staleflow.trajectory import Route, TrajectoryItem
+from staleflow.trajectory import Finished, Route, TrainGroup, TrajectoryItem
 
 
 class ControllerLoop:
-    def __init__(self, settings: LoopSettings, coordinator: Coordinator, ledger: Ledger, backend: Backend,
-                 workload: Workload, version: int = 0, on_step: Callable[[StepRecord, dict], None] | None = None,
-                 listeners: Mapping[type, Callable[[Any], None]] | None = None):
+    def __init__(
+        self,
+        settings: LoopSettings,
+        coordinator: Coordinator,
+        ledger: Ledger,
+        backend: Backend,
+        workload: Workload,
+        version: int = 0,
+        on_step: Callable[[StepRecord, dict], None] | None = None,
+        listeners: Mapping[type, Callable[[Any], None]] | None = None,
+    ):
         """listeners: a front end's own events (type -> handler) that its backend yields among the
         loop's (the runtime's Saved checkpoint and Evaluated held-out answers)."""
         self.s, self.coord, self.manager = settings, coordinator, coordinator.manager
@@ -111,9 +118,19 @@ class ControllerLoop:
         if ev.partial and not t.truncate:  # the loop-back: queued again, same V_traj, same reservation
             t.n_tokens = ev.n_tokens
             g = self.ledger.groups[t.group_id]
-            self.coord.on_interrupted(ev.instance, [TrajectoryItem(
-                t.traj_id, t.group_id, t.traj_version, self.workload.prompt_len(g.prompt), ev.n_tokens,
-                origin=ev.instance)])
+            self.coord.on_interrupted(
+                ev.instance,
+                [
+                    TrajectoryItem(
+                        t.traj_id,
+                        t.group_id,
+                        t.traj_version,
+                        self.workload.prompt_len(g.prompt),
+                        ev.n_tokens,
+                        origin=ev.instance,
+                    )
+                ],
+            )
             return
         self.finish(t, ev.instance, ev.n_tokens)
 
@@ -139,8 +156,10 @@ class ControllerLoop:
             self.reward_failures_in_a_row += 1
             k = self.s.max_reward_failures
             if k and self.reward_failures_in_a_row >= k:
-                raise RewardsFailing(f"{k} reward calls in a row failed (first error: {self.first_reward_error}; "
-                                     f"last: {ev.error}): fix --reward.fn, or raise --reward.max-consecutive-failures")
+                raise RewardsFailing(
+                    f"{k} reward calls in a row failed (first error: {self.first_reward_error}; "
+                    f"last: {ev.error}): fix --reward.fn, or raise --reward.max-consecutive-failures"
+                )
         else:
             self.reward_failures_in_a_row = 0
         self.progress_at = self.backend.now()
@@ -209,13 +228,21 @@ class ControllerLoop:
         if tag != cmd.traj_version:
             self.audit.violations.append(f"group {g.group_id} routed with V_traj {cmd.traj_version} after {tag}")
         if t.traj_version is not None and t.traj_version != cmd.traj_version:
-            self.audit.violations.append(f"trajectory {t.traj_id} re-routed with V_traj {cmd.traj_version} "
-                                         f"(was {t.traj_version})")
+            self.audit.violations.append(
+                f"trajectory {t.traj_id} re-routed with V_traj {cmd.traj_version} (was {t.traj_version})"
+            )
         t.instance, t.traj_version = cmd.instance, cmd.traj_version
         self.unrouted.discard(g.group_id)
-        self.backend.route(msgspec.structs.replace(
-            cmd, prompt_ids=self.workload.prompt_ids(g.prompt), prompt_len=self.workload.prompt_len(g.prompt),
-            seed=t.seed, partial=t.handle, max_new_tokens=t.target_len))
+        self.backend.route(
+            msgspec.structs.replace(
+                cmd,
+                prompt_ids=self.workload.prompt_ids(g.prompt),
+                prompt_len=self.workload.prompt_len(g.prompt),
+                seed=t.seed,
+                partial=t.handle,
+                max_new_tokens=t.target_len,
+            )
+        )
         self.counts["routes"] += 1
 
     def _free(self, handles) -> None:
@@ -264,17 +291,26 @@ class ControllerLoop:
                 self.audit.violations.append(f"group {gid} V_traj {V} consumed in buffer {v} (eta {self.s.eta})")
             stale.append(v - V)
             samples[gid], prompts[gid] = trained[0].text, g.prompt
-            batch.append(TrainGroup(gid, V, [t.traj_id for t in trained], [t.handle for t in trained],
-                                    [float(t.reward) for t in trained], [t.n_tokens for t in trained],
-                                    self.workload.prompt_len(g.prompt)))
+            batch.append(
+                TrainGroup(
+                    gid,
+                    V,
+                    [t.traj_id for t in trained],
+                    [t.handle for t in trained],
+                    [float(t.reward) for t in trained],
+                    [t.n_tokens for t in trained],
+                    self.workload.prompt_len(g.prompt),
+                )
+            )
         self.training = StepRecord(v, self.backend.now(), batch, stale, samples=samples, prompts=prompts)
         self.backend.train(v, batch)
 
     def on_train_done(self, ev: TrainDone) -> None:
         rec = self.training
         if rec is None or ev.version != rec.version + 1:
-            raise RuntimeError(f"TrainDone({ev.version}) but the trainer was training "
-                               f"{None if rec is None else rec.version}")
+            raise RuntimeError(
+                f"TrainDone({ev.version}) but the trainer was training {None if rec is None else rec.version}"
+            )
         self.training = None
         rec.t_done, rec.train = self.backend.now(), ev
         self._free([h for g in rec.groups for h in g.handles])
@@ -297,12 +333,16 @@ class ControllerLoop:
             "staleness_mean": sum(stale) / max(len(stale), 1),
             "staleness_max": max(stale, default=0),
             "staleness_hist": {str(k): n for k, n in sorted(hist.items())},
-            "bound_violations": self.audit.bound_violations, "over_eta": self.audit.over_eta,
+            "bound_violations": self.audit.bound_violations,
+            "over_eta": self.audit.over_eta,
             "trained_groups": len(rec.groups),
             "trained_trajectories": len(rewards),
             "trained_tokens": rec.response_tokens,
-            "pulls": c["pulls"], "interrupts": c["interrupts"], "migrations": c["migrations"],
-            "routes": c["routes"], "groups_aborted": c["groups_aborted"],
+            "pulls": c["pulls"],
+            "interrupts": c["interrupts"],
+            "migrations": c["migrations"],
+            "routes": c["routes"],
+            "groups_aborted": c["groups_aborted"],
             "reward_errors": sum(self.reward_errors.values()),
         }
 
@@ -349,6 +389,8 @@ class ControllerLoop:
             if timeout_s is not None and now - start > timeout_s:
                 raise LoopTimeout(f"{what or 'the wait'} did not happen within {timeout_s:.0f} s")
             if not self.done and not self.hold_training and now - self.progress_at > self.s.stall_s:
-                raise Stalled(f"no trajectory finished and no step ran for {self.s.stall_s:.0f} s "
-                              f"(version {self.version}, buffer state "
-                              f"{self.manager.buffer_state(self.manager.version).value})")
+                raise Stalled(
+                    f"no trajectory finished and no step ran for {self.s.stall_s:.0f} s "
+                    f"(version {self.version}, buffer state "
+                    f"{self.manager.buffer_state(self.manager.version).value})"
+                )

@@ -41,12 +41,21 @@ class LoopSettings:
     """Stop the run after this many consecutive failed reward calls (0: never)."""
 
     @classmethod
-    def from_config(cls, staleness, coordinator, steps: int, stall_s: float = math.inf,
-                    max_reward_failures: int = 0) -> "LoopSettings":
+    def from_config(
+        cls, staleness, coordinator, steps: int, stall_s: float = math.inf, max_reward_failures: int = 0
+    ) -> LoopSettings:
         s = staleness
-        return cls(steps=steps, eta=s.eta, batch_size=s.batch_size, batch_capacity=s.batch_capacity,
-                   group_size=s.group_size, group_capacity=s.group_capacity,
-                   tick_s=coordinator.tick_ms / 1000.0, stall_s=stall_s, max_reward_failures=max_reward_failures)
+        return cls(
+            steps=steps,
+            eta=s.eta,
+            batch_size=s.batch_size,
+            batch_capacity=s.batch_capacity,
+            group_size=s.group_size,
+            group_capacity=s.group_capacity,
+            tick_s=coordinator.tick_ms / 1000.0,
+            stall_s=stall_s,
+            max_reward_failures=max_reward_failures,
+        )
 
 
 @dataclass

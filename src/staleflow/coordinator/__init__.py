@@ -12,7 +12,28 @@ from staleflow.coordinator.strategies import PULL, ROUTING, register_pull, regis
 from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Pull
 from staleflow.trajectory import Route, TrajectoryItem
 
-__all__ = ["Abort", "BASELINES", "Command", "Coordinator", "CostModel", "CostModelError", "InstanceSnapshot",
-           "Interrupt", "MODES", "MultiLevelQueue", "PULL", "Pull", "ROUTING", "Route", "TrajectoryItem",
-           "apply_mode", "build_protocol", "fit_cost_model", "mode_of", "load_cost_model", "mode_overrides", "register_pull",
-           "register_routing"]
+__all__ = [
+    "Abort",
+    "BASELINES",
+    "Command",
+    "Coordinator",
+    "CostModel",
+    "CostModelError",
+    "InstanceSnapshot",
+    "Interrupt",
+    "MODES",
+    "MultiLevelQueue",
+    "PULL",
+    "Pull",
+    "ROUTING",
+    "Route",
+    "TrajectoryItem",
+    "apply_mode",
+    "build_protocol",
+    "fit_cost_model",
+    "mode_of",
+    "load_cost_model",
+    "mode_overrides",
+    "register_pull",
+    "register_routing",
+]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -47,9 +47,19 @@ from staleflow.trajectory import Route, TrajectoryItem
 
 
 class Coordinator:
-    def __init__(self, cfg, cost_model, manager, instances: Iterable[int], *, straggler: str = "off",
-                 straggler_threshold: int = 1, version: int = 0, clock: Callable[[], float] = time.monotonic,
-                 label: str = "staleflow"):
+    def __init__(
+        self,
+        cfg,
+        cost_model,
+        manager,
+        instances: Iterable[int],
+        *,
+        straggler: str = "off",
+        straggler_threshold: int = 1,
+        version: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        label: str = "staleflow",
+    ):
         if straggler not in ("off", "abort", "truncate"):
             raise ValueError(f"--staleness.straggler={straggler!r} is unknown; choose off, abort or truncate")
         self.label = label
@@ -116,8 +126,10 @@ class Coordinator:
             if it.traj_id in self.items:
                 raise ValueError(f"submit: trajectory id {it.traj_id} is already live; ids must be unique")
             if it.prompt_len < 0 or it.generated_len < 0:
-                raise ValueError(f"submit: trajectory {it.traj_id} has negative lengths "
-                                 f"(prompt_len={it.prompt_len}, generated_len={it.generated_len})")
+                raise ValueError(
+                    f"submit: trajectory {it.traj_id} has negative lengths "
+                    f"(prompt_len={it.prompt_len}, generated_len={it.generated_len})"
+                )
             self.items[it.traj_id] = it
             self.members.setdefault(it.group_id, set()).add(it.traj_id)
             self._enqueue(it)
@@ -152,8 +164,9 @@ class Coordinator:
         """The group's reward is known: Occupy. Returns the buffer version it landed in, or None if
         its window closed meanwhile (every admissible buffer became Ready): the group is aborted."""
         if self.manager.group_info(group_id)["state"] == "closed":
-            self._abort_group_cmds(group_id, "window-closed", self.clock(),
-                                   retry=getattr(self.manager, "retry_closed", False))
+            self._abort_group_cmds(
+                group_id, "window-closed", self.clock(), retry=getattr(self.manager, "retry_closed", False)
+            )
             return None
         v = self.manager.occupy(group_id)
         self._forget_group(group_id)
@@ -223,8 +236,11 @@ class Coordinator:
         open_ = [i for i in self.instances.values() if len(i.trajs) < cap and not i.draining]
         if not open_ or not len(self.queue):
             return
-        if self.cfg.barrier and self.in_flight == 0 and not any(
-                i.syncing or i.target_version < self.ps_version for i in self.instances.values()):
+        if (
+            self.cfg.barrier
+            and self.in_flight == 0
+            and not any(i.syncing or i.target_version < self.ps_version for i in self.instances.values())
+        ):
             self.barrier_budget = self.manager.capacity
         self._admissible = None
         failed: set[tuple] = set()  # (V_traj, tokens) that found no instance since the last route
@@ -234,8 +250,11 @@ class Coordinator:
                 if not open_ or fails >= self.cfg.scan_limit:
                     leftover = True
                     break
-                sig = (item.traj_version if item.traj_version is not None else self.group_tag.get(item.group_id),
-                       item.tokens, self.moved_off.get(item.traj_id, -1) if self.cfg.migration else item.origin)
+                sig = (
+                    item.traj_version if item.traj_version is not None else self.group_tag.get(item.group_id),
+                    item.tokens,
+                    self.moved_off.get(item.traj_id, -1) if self.cfg.migration else item.origin,
+                )
                 if sig in failed:  # same placement problem as one that just failed: skip cheaply
                     fails, leftover = fails + 1, True
                     continue
@@ -260,8 +279,9 @@ class Coordinator:
                 failed.add(sig)
                 return None, -1
             if self._admissible is None:
-                self._admissible = {v for v in {i.target_version for i in self.instances.values()}
-                                    if self.manager.can_admit(v)}
+                self._admissible = {
+                    v for v in {i.target_version for i in self.instances.values()} if self.manager.can_admit(v)
+                }
             ok = self._admissible
             cands = [i for i in open_ if i.target_version in ok]
         else:
@@ -340,8 +360,15 @@ class Coordinator:
         (self._out if out is None else out).append(Abort(i, (traj_id,), reason))
         self.counters[f"aborted_{reason}"] += 1
 
-    def _abort_group_cmds(self, gid: int, reason: str, now: float, out: list[Command] | None = None,
-                          retry: bool = False, aborted: bool = False) -> None:
+    def _abort_group_cmds(
+        self,
+        gid: int,
+        reason: str,
+        now: float,
+        out: list[Command] | None = None,
+        retry: bool = False,
+        aborted: bool = False,
+    ) -> None:
         if not aborted:
             self.manager.abort_group(gid, reason)
         for t in sorted(self.members.get(gid, ())):
@@ -357,8 +384,21 @@ class Coordinator:
 
     def stats(self) -> dict:
         """JSON-able counters and per-instance speculative state (metrics)."""
-        return {"mode": self.label, "queued": len(self.queue), "in_flight": self.in_flight,
-                "ps_version": self.ps_version, "counters": dict(self.counters),
-                "instances": {i: {"version": s.version, "load": s.load, "kv": s.kv_tokens, "syncing": s.syncing,
-                                  "snapshots_used": s.snapshots_used, "snapshots_dropped": s.snapshots_dropped}
-                              for i, s in self.instances.items()}}
+        return {
+            "mode": self.label,
+            "queued": len(self.queue),
+            "in_flight": self.in_flight,
+            "ps_version": self.ps_version,
+            "counters": dict(self.counters),
+            "instances": {
+                i: {
+                    "version": s.version,
+                    "load": s.load,
+                    "kv": s.kv_tokens,
+                    "syncing": s.syncing,
+                    "snapshots_used": s.snapshots_used,
+                    "snapshots_dropped": s.snapshots_dropped,
+                }
+                for i, s in self.instances.items()
+            },
+        }

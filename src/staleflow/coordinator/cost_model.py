@@ -117,10 +117,13 @@ def load_cost_model(name_or_path: str) -> CostModel:
     if not path.suffix == ".json":
         path = PRESET_DIR / f"{name_or_path}.json"
         if not path.exists():
-            raise CostModelError(f"cost model {name_or_path!r} is neither a preset ({', '.join(preset_names())}) "
-                                 "nor a .json file")
+            raise CostModelError(
+                f"cost model {name_or_path!r} is neither a preset ({', '.join(preset_names())}) nor a .json file"
+            )
     if not path.exists():
-        raise CostModelError(f"cost model file {str(path)!r} does not exist; give a preset name or an existing .json file")
+        raise CostModelError(
+            f"cost model file {str(path)!r} does not exist; give a preset name or an existing .json file"
+        )
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -129,12 +132,16 @@ def load_cost_model(name_or_path: str) -> CostModel:
         raise CostModelError(f"cost model file {str(path)!r} must hold a JSON object with keys {', '.join(_FIELDS)}")
     missing = [f for f in ("k1", "k2", "k3", "kv_capacity") if f not in raw]
     if missing:
-        raise CostModelError(f"cost model file {str(path)!r} lacks {', '.join(missing)}; "
-                             f"needed: k1, k2, k3, kv_capacity (optional b3, k4)")
+        raise CostModelError(
+            f"cost model file {str(path)!r} lacks {', '.join(missing)}; "
+            f"needed: k1, k2, k3, kv_capacity (optional b3, k4)"
+        )
     unknown = sorted(set(raw) - set(_FIELDS) - set(_METADATA))
     if unknown:
-        raise CostModelError(f"cost model file {str(path)!r} has unknown keys {unknown}; allowed: "
-                             f"{', '.join(_FIELDS)} and the metadata {', '.join(_METADATA)}")
+        raise CostModelError(
+            f"cost model file {str(path)!r} has unknown keys {unknown}; allowed: "
+            f"{', '.join(_FIELDS)} and the metadata {', '.join(_METADATA)}"
+        )
     vals = {f: raw[f] for f in _FIELDS if f in raw}
     for f, v in vals.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -142,8 +149,13 @@ def load_cost_model(name_or_path: str) -> CostModel:
     return CostModel(**vals, name=str(raw.get("name", path.stem)), source=str(raw.get("source", str(path))))
 
 
-def fit_cost_model(samples: list[tuple[int, float, float]], kv_capacity: int, name: str = "fitted",
-                   source: str = "", robust: bool = True) -> CostModel:
+def fit_cost_model(
+    samples: list[tuple[int, float, float]],
+    kv_capacity: int,
+    name: str = "fitted",
+    source: str = "",
+    robust: bool = True,
+) -> CostModel:
     """The one cost-model fitter: latency = k1*KV + max(k2, k3*n + b3) to (n, KV, seconds) samples.
 
     Residuals are RELATIVE (small and large batches count alike) and, with ``robust``, a
@@ -170,7 +182,7 @@ def fit_cost_model(samples: list[tuple[int, float, float]], kv_capacity: int, na
         coef, *_ = np.linalg.lstsq(X * ww, y * ww[:, 0], rcond=None)
         coef = np.maximum(coef, 0.0)
         rel = (X @ coef - y) / y
-        return float(np.sum(w * rel ** 2)), ns, coef, rel
+        return float(np.sum(w * rel**2)), ns, coef, rel
 
     def best_kink(w):
         grid = np.geomspace(max(0.5, n.min() / 2), n.max() * 2, 200)
@@ -192,8 +204,16 @@ def fit_cost_model(samples: list[tuple[int, float, float]], kv_capacity: int, na
             w = 1.0 / np.sqrt(1.0 + (best[3] / 0.1) ** 2)
             best = best_kink(w)
     _, ns, (k1, c, k3), _ = best
-    return CostModel(k1=float(k1), k2=float(c), k3=float(k3), b3=float(max(0.0, c - k3 * ns)), k4=0.0,
-                     kv_capacity=int(kv_capacity), name=name, source=source)
+    return CostModel(
+        k1=float(k1),
+        k2=float(c),
+        k3=float(k3),
+        b3=float(max(0.0, c - k3 * ns)),
+        k4=0.0,
+        kv_capacity=int(kv_capacity),
+        name=name,
+        source=source,
+    )
 
 
 def fit_error(model: CostModel, samples: list[tuple[int, float, float]]) -> tuple[float, float]:

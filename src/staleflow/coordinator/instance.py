@@ -12,8 +12,21 @@ from staleflow.coordinator.types import InstanceSnapshot
 
 
 class InstanceState:
-    __slots__ = ("instance", "version", "target_version", "trajs", "waiting", "kv_tokens", "kv_capacity",
-                 "tokens_per_s", "syncing", "draining", "last_change", "snapshots_used", "snapshots_dropped")
+    __slots__ = (
+        "instance",
+        "version",
+        "target_version",
+        "trajs",
+        "waiting",
+        "kv_tokens",
+        "kv_capacity",
+        "tokens_per_s",
+        "syncing",
+        "draining",
+        "last_change",
+        "snapshots_used",
+        "snapshots_dropped",
+    )
 
     def __init__(self, instance: int, kv_capacity: int, version: int = 0):
         self.instance = instance

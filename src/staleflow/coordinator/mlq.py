@@ -10,7 +10,7 @@ With ``enabled=False`` it degrades to one FIFO level (the baselines' plain queue
 from __future__ import annotations
 
 import bisect
-from typing import Iterator
+from collections.abc import Iterator
 
 from staleflow.trajectory import TrajectoryItem
 

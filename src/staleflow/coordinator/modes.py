@@ -49,10 +49,23 @@ class Mode:
 
 
 _NO_REDUNDANCY = {"batch_redundancy": 0, "group_redundancy": 0, "straggler": "off"}
-_VERL_BARRIER = {"routing": "round-robin", "pull": "idle", "migration": False, "mlq": False, "barrier": True,
-                 "interrupt_on_pull": False, "keep_kv_on_pull": False}
-_PAUSE_ALL = {"routing": "round-robin", "pull": "pause-all", "mlq": False, "barrier": False, "interrupt_on_pull": True,
-              "keep_kv_on_pull": False}
+_VERL_BARRIER = {
+    "routing": "round-robin",
+    "pull": "idle",
+    "migration": False,
+    "mlq": False,
+    "barrier": True,
+    "interrupt_on_pull": False,
+    "keep_kv_on_pull": False,
+}
+_PAUSE_ALL = {
+    "routing": "round-robin",
+    "pull": "pause-all",
+    "mlq": False,
+    "barrier": False,
+    "interrupt_on_pull": True,
+    "keep_kv_on_pull": False,
+}
 """The peers clear the KV cache at every weight update (verl clear_kv_cache, AReaL pause_generation with
 clear_cache): interrupted work re-prefills, nothing keeps its KV across a load."""
 NEVER_MIGRATE = {"phi_wait": 1 << 30, "psi": float("inf")}
@@ -60,19 +73,51 @@ NEVER_MIGRATE = {"phi_wait": 1 << 30, "psi": float("inf")}
 
 _MODES = [
     Mode("staleflow", coordinator={"barrier": False}),
-    Mode("verl-sync", coordinator=dict(_VERL_BARRIER), staleness={"eta": 0, **_NO_REDUNDANCY},
-         weight_sync="colocated", colocated=True, peer="verl"),
-    Mode("verl-one-step-off", coordinator=dict(_VERL_BARRIER), staleness={"eta": 1, **_NO_REDUNDANCY},
-         weight_sync="broadcast", peer="verl"),
-    Mode("verl-fully-async", "verl-fully-async", {**_PAUSE_ALL, "migration": True, **NEVER_MIGRATE},
-         dict(_NO_REDUNDANCY), weight_sync="broadcast", peer="verl"),
-    Mode("areal", "areal", {**_PAUSE_ALL, "migration": False}, dict(_NO_REDUNDANCY), weight_sync="broadcast",
-         peer="areal"),
+    Mode(
+        "verl-sync",
+        coordinator=dict(_VERL_BARRIER),
+        staleness={"eta": 0, **_NO_REDUNDANCY},
+        weight_sync="colocated",
+        colocated=True,
+        peer="verl",
+    ),
+    Mode(
+        "verl-one-step-off",
+        coordinator=dict(_VERL_BARRIER),
+        staleness={"eta": 1, **_NO_REDUNDANCY},
+        weight_sync="broadcast",
+        peer="verl",
+    ),
+    Mode(
+        "verl-fully-async",
+        "verl-fully-async",
+        {**_PAUSE_ALL, "migration": True, **NEVER_MIGRATE},
+        dict(_NO_REDUNDANCY),
+        weight_sync="broadcast",
+        peer="verl",
+    ),
+    Mode(
+        "areal",
+        "areal",
+        {**_PAUSE_ALL, "migration": False},
+        dict(_NO_REDUNDANCY),
+        weight_sync="broadcast",
+        peer="areal",
+    ),
     Mode("staleflow-no-exchange", coordinator={"barrier": False}, exchange=False),
-    Mode("staleflow-simple-strategies", coordinator={"routing": "least-loaded", "pull": "greedy", "migration": False,
-                                                     "mlq": False, "barrier": False, "interrupt_on_pull": True,
-                                                     "keep_kv_on_pull": False},
-         staleness=dict(_NO_REDUNDANCY)),
+    Mode(
+        "staleflow-simple-strategies",
+        coordinator={
+            "routing": "least-loaded",
+            "pull": "greedy",
+            "migration": False,
+            "mlq": False,
+            "barrier": False,
+            "interrupt_on_pull": True,
+            "keep_kv_on_pull": False,
+        },
+        staleness=dict(_NO_REDUNDANCY),
+    ),
 ]
 MODE_TABLE: dict[str, Mode] = {m.name: m for m in _MODES}
 ALIASES = {"sync": "verl-sync", "one-step-off": "verl-one-step-off"}
@@ -86,8 +131,10 @@ def check_mode(mode: str) -> str:
     """The canonical mode name (aliases resolved); a clear error for an unknown one."""
     name = ALIASES.get(mode, mode)
     if name not in MODE_TABLE:
-        raise ValueError(f"--mode={mode!r} is unknown; choose one of: {', '.join(MODES)} "
-                         f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})")
+        raise ValueError(
+            f"--mode={mode!r} is unknown; choose one of: {', '.join(MODES)} "
+            f"(aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})"
+        )
     return name
 
 
@@ -109,15 +156,26 @@ def apply_mode(mode: str, coordinator_cfg, staleness_cfg=None):
     return c, s
 
 
-PEER_OPTIONS = {"verl-fully-async": ("staleness_threshold", "trigger_sync_steps", "strict"),
-                "areal": ("max_concurrent", "strict")}
+PEER_OPTIONS = {
+    "verl-fully-async": ("staleness_threshold", "trigger_sync_steps", "strict"),
+    "areal": ("max_concurrent", "strict"),
+}
 """The peers' own knobs a caller may set (the grid's peer search): verl's staleness_threshold s (a
 fraction is allowed) and trigger_parameter_sync_step T; AReaL's max_concurrent_rollouts; and the
 strict variant of either (drop and regenerate groups beyond eta)."""
 
 
-def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                   group_capacity: int | None = None, version: int = 0, n_instances: int = 1, **peer):
+def build_protocol(
+    mode: str,
+    eta: int,
+    batch_size: int,
+    capacity: int | None = None,
+    group_size: int = 1,
+    group_capacity: int | None = None,
+    version: int = 0,
+    n_instances: int = 1,
+    **peer,
+):
     """The batch protocol of `mode` with the (resolved) staleness settings and the peer's knobs `peer`.
 
     verl fully-async gets staleness_threshold s = eta unless `peer` sets it: with one version per B
@@ -126,8 +184,10 @@ def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = 
     m = mode_of(mode)
     bad = sorted(set(peer) - set(PEER_OPTIONS.get(m.protocol, ())))
     if bad:
-        raise ValueError(f"mode {mode!r} has no option {', '.join(bad)}; its options: "
-                         f"{', '.join(PEER_OPTIONS.get(m.protocol, ())) or 'none'}")
+        raise ValueError(
+            f"mode {mode!r} has no option {', '.join(bad)}; its options: "
+            f"{', '.join(PEER_OPTIONS.get(m.protocol, ())) or 'none'}"
+        )
     opts: dict = dict(peer)
     if m.protocol == "staleflow":
         opts["exchange"] = m.exchange
@@ -140,8 +200,9 @@ def build_protocol(mode: str, eta: int, batch_size: int, capacity: int | None = 
 def protocol_for(mode: str, staleness, version: int = 0, n_instances: int = 1, **peer):
     """The batch protocol of ``mode`` for a (resolved) StalenessConfig: B', N' from its capacities."""
     s = staleness
-    return build_protocol(mode, s.eta, s.batch_size, s.batch_capacity, s.group_size, s.group_capacity, version,
-                          n_instances, **peer)
+    return build_protocol(
+        mode, s.eta, s.batch_size, s.batch_capacity, s.group_size, s.group_capacity, version, n_instances, **peer
+    )
 
 
 def check_protocol(mode: str, manager) -> None:
@@ -149,10 +210,19 @@ def check_protocol(mode: str, manager) -> None:
     choice): a coordinator never swaps the protocol it is given (build it with protocol_for)."""
     if mode not in MODE_TABLE and mode not in ALIASES:
         return
-    want = build_protocol(mode, manager.eta, manager.batch_size, manager.capacity, manager.group_size,
-                          manager.group_capacity, manager.version)
+    want = build_protocol(
+        mode,
+        manager.eta,
+        manager.batch_size,
+        manager.capacity,
+        manager.group_size,
+        manager.group_capacity,
+        manager.version,
+    )
     if type(want) is not type(manager) or getattr(want, "exchange", None) != getattr(manager, "exchange", None):
-        raise ValueError(f"mode {mode!r} runs protocol {type(want).__name__}"
-                         f"{'' if getattr(want, 'exchange', True) else ' without the occupy exchange'}, but the "
-                         f"coordinator was given a {type(manager).__name__}: build it with "
-                         f"staleflow.coordinator.modes.protocol_for({mode!r}, staleness)")
+        raise ValueError(
+            f"mode {mode!r} runs protocol {type(want).__name__}"
+            f"{'' if getattr(want, 'exchange', True) else ' without the occupy exchange'}, but the "
+            f"coordinator was given a {type(manager).__name__}: build it with "
+            f"staleflow.coordinator.modes.protocol_for({mode!r}, staleness)"
+        )

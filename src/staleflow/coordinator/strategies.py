@@ -23,15 +23,16 @@ from typing import Protocol
 
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.types import Interrupt
-from staleflow.trajectory import TrajectoryItem
 from staleflow.extensions import Registry, Shape
+from staleflow.trajectory import TrajectoryItem
 
 
 class RoutingStrategy(Protocol):
     """--coordinator.routing: a class built once per coordinator as ``cls(cfg, cost_model)``."""
 
-    def choose(self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState],
-               ctx) -> InstanceState | None: ...
+    def choose(
+        self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState], ctx
+    ) -> InstanceState | None: ...
 
 
 class PullPolicy(Protocol):
@@ -43,12 +44,26 @@ class PullPolicy(Protocol):
     def should_pull(self, inst: InstanceState, ctx) -> bool: ...
 
 
-ROUTING: Registry[type[RoutingStrategy]] = Registry("routing strategy", "--coordinator.routing", Shape.klass(
-    2, "a class (cfg, cost_model) with choose(item, traj_version, candidates, ctx) -> InstanceState | None",
-    methods=(("choose", 4),)))
-PULL: Registry[type[PullPolicy]] = Registry("pull policy", "--coordinator.pull", Shape.klass(
-    2, "a class (cfg, cost_model) with should_pull(inst, ctx) -> bool and bool class attributes blocks_routing, "
-       "blocks_trainer", methods=(("should_pull", 2),), attrs=(("blocks_routing", bool), ("blocks_trainer", bool))))
+ROUTING: Registry[type[RoutingStrategy]] = Registry(
+    "routing strategy",
+    "--coordinator.routing",
+    Shape.klass(
+        2,
+        "a class (cfg, cost_model) with choose(item, traj_version, candidates, ctx) -> InstanceState | None",
+        methods=(("choose", 4),),
+    ),
+)
+PULL: Registry[type[PullPolicy]] = Registry(
+    "pull policy",
+    "--coordinator.pull",
+    Shape.klass(
+        2,
+        "a class (cfg, cost_model) with should_pull(inst, ctx) -> bool and bool class attributes blocks_routing, "
+        "blocks_trainer",
+        methods=(("should_pull", 2),),
+        attrs=(("blocks_routing", bool), ("blocks_trainer", bool)),
+    ),
+)
 register_routing = ROUTING.register
 register_pull = PULL.register
 
@@ -117,7 +132,8 @@ class Waterfall:
                 n = len(inst.trajs)
                 kv2 = kv + tokens
                 g = (n + 1) / (k1 * kv2 + max(k2, k3 * (n + 1) + b3) + k4) - (
-                    n / (k1 * kv + max(k2, k3 * n + b3) + k4) if n > 0 else 0.0)
+                    n / (k1 * kv + max(k2, k3 * n + b3) + k4) if n > 0 else 0.0
+                )
                 if g > best_gain or (g == best_gain and inst.load < best.load):
                     best, best_gain = inst, g
             if best is not None and best_gain >= floor:
@@ -211,7 +227,7 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     over = [i for i in insts if i.waiting > cfg.phi_wait]
     if over:
         inst = max(over, key=lambda i: (i.waiting, -i.instance))
-        ids = tuple(list(inst.trajs)[-(inst.waiting - cfg.phi_wait):])
+        ids = tuple(list(inst.trajs)[-(inst.waiting - cfg.phi_wait) :])
         return inst, ids
     if cfg.psi == float("inf"):  # the throughput-gap trigger can never fire (the peers' NEVER_MIGRATE)
         return None

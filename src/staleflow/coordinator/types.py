@@ -7,8 +7,6 @@ and the simulator passes them around as objects.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from staleflow.trajectory import Route  # (the routed form of a trajectory: staleflow/trajectory.py)
@@ -72,4 +70,4 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
     group_id: int = -1
 
 
-Command = Union[Route, Pull, Interrupt, Abort]
+Command = Route | Pull | Interrupt | Abort

@@ -10,8 +10,20 @@ See docs/data-and-rewards.md.
 
 from staleflow.data.files import BadRow, DataError, FileRow, read_rows
 from staleflow.data.source import PromptSource
-from staleflow.trajectory import Prompt
 from staleflow.data.tasks import TASKS, TaskError, arithmetic_row, countdown_row, register_task, task_for
+from staleflow.trajectory import Prompt
 
-__all__ = ["BadRow", "DataError", "FileRow", "Prompt", "PromptSource", "TASKS", "TaskError", "arithmetic_row",
-           "countdown_row", "read_rows", "register_task", "task_for"]
+__all__ = [
+    "BadRow",
+    "DataError",
+    "FileRow",
+    "Prompt",
+    "PromptSource",
+    "TASKS",
+    "TaskError",
+    "arithmetic_row",
+    "countdown_row",
+    "read_rows",
+    "register_task",
+    "task_for",
+]

@@ -92,8 +92,9 @@ def resolve_file(source: str) -> Path:
     """The data file named by --data.source; DataError if it is missing or of an unknown type."""
     path = Path(source).expanduser()
     if path.suffix not in SUFFIXES:
-        raise DataError(f"--data.source={source!r} is not a built-in task (arithmetic, countdown) "
-                        "nor a .jsonl / .parquet file")
+        raise DataError(
+            f"--data.source={source!r} is not a built-in task (arithmetic, countdown) nor a .jsonl / .parquet file"
+        )
     if not path.is_file():
         raise DataError(f"--data.source={source!r}: no such file; give an existing .jsonl or .parquet file")
     return path

@@ -16,9 +16,9 @@ k may be negative: held-out evaluation prompts are rows -1, -2, ... (PromptSourc
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable
 
 from staleflow.data.files import SUFFIXES, DataError
 from staleflow.extensions import ExtensionError, Registry, Shape
@@ -34,8 +34,12 @@ class TaskError(ExtensionError, DataError):
 
 
 TASKS: Registry[TaskFn] = Registry(
-    "task", "--data.source", Shape.function(2, "fn(seed, index) -> (prompt text, answer, meta dict)"),
-    error=TaskError, also="a .jsonl / .parquet file")
+    "task",
+    "--data.source",
+    Shape.function(2, "fn(seed, index) -> (prompt text, answer, meta dict)"),
+    error=TaskError,
+    also="a .jsonl / .parquet file",
+)
 register_task = TASKS.register
 """Decorator: make a task function available as --data.source NAME."""
 
@@ -52,8 +56,9 @@ def _rng(task: str, seed: int, index: int) -> random.Random:
     return random.Random(f"{task}:{seed}:{index}")
 
 
-def _arithmetic(task: str, seed: int, index: int, add: tuple[int, int], sub: tuple[int, int],
-                mul: tuple[int, int]) -> TaskRow:
+def _arithmetic(
+    task: str, seed: int, index: int, add: tuple[int, int], sub: tuple[int, int], mul: tuple[int, int]
+) -> TaskRow:
     rng = _rng(task, seed, index)
     op = rng.choices("+-*", weights=(4, 3, 3))[0]
     if op == "+":
@@ -109,7 +114,9 @@ def countdown_row(seed: int, index: int) -> TaskRow:
         if 1 <= target <= 500:
             break
     shown = sorted(numbers, key=lambda _: rng.random())
-    text = (f"Using the numbers {shown}, write an arithmetic expression that equals {int(target)}. "
-            "Use each number exactly once, with only + - * / and parentheses. "
-            "Put the final expression in \\boxed{}.")
+    text = (
+        f"Using the numbers {shown}, write an arithmetic expression that equals {int(target)}. "
+        "Use each number exactly once, with only + - * / and parentheses. "
+        "Put the final expression in \\boxed{}."
+    )
     return text, expr[1:-1], {"task": "countdown", "numbers": shown, "target": int(target)}

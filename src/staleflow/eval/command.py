@@ -86,8 +86,10 @@ def model_folder(spec: str) -> str:
     if (path / "hf").is_dir():
         return str(path / "hf")
     if path.is_dir() and (path / "metrics.jsonl").is_file() and not (path / "model.safetensors").exists():
-        raise ModelLoadError(f"--model={spec!r} is a run folder without an exported policy (no hf/ inside): the run "
-                             f"has not finished, or ran with --checkpoint.no-export-hf")
+        raise ModelLoadError(
+            f"--model={spec!r} is a run folder without an exported policy (no hf/ inside): the run "
+            f"has not finished, or ran with --checkpoint.no-export-hf"
+        )
     return resolve_model_path(spec)
 
 
@@ -101,7 +103,7 @@ def load_prompts(cfg: EvalCommand, tokenizer) -> tuple[list, int]:
     source = PromptSource(cfg.data, tokenizer, answer_check=lambda a: answer_problem(cfg.reward.fn, a))
     if source.task is not None:
         return source.hold_out(cfg.n), 0
-    rows = source.rows[:cfg.n] if cfg.n else source.rows
+    rows = source.rows[: cfg.n] if cfg.n else source.rows
     ids = source.encode([r.text for r in rows])
     return [Prompt(i, r.text, r.answer, pid, r.meta) for i, (r, pid) in enumerate(zip(rows, ids))], len(source.bad_rows)
 
@@ -119,8 +121,13 @@ def build_engine(cfg: EvalCommand, folder: str, max_prompt: int):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     max_len = max_prompt + cfg.max_new_tokens + 1
-    rollout = RolloutConfig(max_running=cfg.max_running, max_kv_tokens=max(cfg.max_kv_tokens, max_len + 16),
-                            max_new_tokens=cfg.max_new_tokens, max_model_len=max_len, dtype=cfg.dtype)
+    rollout = RolloutConfig(
+        max_running=cfg.max_running,
+        max_kv_tokens=max(cfg.max_kv_tokens, max_len + 16),
+        max_new_tokens=cfg.max_new_tokens,
+        max_model_len=max_len,
+        dtype=cfg.dtype,
+    )
     return BuiltinEngine.from_config(ModelConfig(path=folder, dtype=cfg.dtype), rollout, device=device, seed=cfg.seed)
 
 
@@ -150,8 +157,12 @@ def run(cfg: EvalCommand) -> dict:
     except Exception as e:  # a corrupt safetensors file, an unreadable tensor: one line, not a traceback
         raise ModelLoadError(f"cannot load the model in {folder!r}: {type(e).__name__}: {e}") from None
     greedy = cfg.samples == 0
-    params = SamplingParams(temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p,
-                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    params = SamplingParams(
+        temperature=0.0 if greedy else cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        seed=cfg.seed,
+    )
     total = len(prompts) * max(1, cfg.samples)
     with _Progress(total, cfg.progress) as bar:
         answers = generate(engine, prompts, max(1, cfg.samples), params, on_finished=bar.update)
@@ -160,11 +171,22 @@ def run(cfg: EvalCommand) -> dict:
         with open(cfg.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     lengths = [len(a) for per in answers for a in per]
-    return {**summary, "model": cfg.model, "model_folder": folder, "data": cfg.data.source,
-            "data_seed": cfg.data.seed, "reward_fn": cfg.reward.fn, "mode": "greedy" if greedy else "sampled",
-            "temperature": None if greedy else cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
-            "response_len_mean": sum(lengths) / len(lengths), "bad_rows_skipped": skipped,
-            "engine": "builtin", "device": str(next(engine.model.parameters()).device), "wall_s": time.monotonic() - t0}
+    return {
+        **summary,
+        "model": cfg.model,
+        "model_folder": folder,
+        "data": cfg.data.source,
+        "data_seed": cfg.data.seed,
+        "reward_fn": cfg.reward.fn,
+        "mode": "greedy" if greedy else "sampled",
+        "temperature": None if greedy else cfg.temperature,
+        "max_new_tokens": cfg.max_new_tokens,
+        "response_len_mean": sum(lengths) / len(lengths),
+        "bad_rows_skipped": skipped,
+        "engine": "builtin",
+        "device": str(next(engine.model.parameters()).device),
+        "wall_s": time.monotonic() - t0,
+    }
 
 
 class _Progress:
@@ -180,8 +202,9 @@ class _Progress:
 
             console = Console(file=sys.stderr)
             if console.is_terminal:
-                self._bar = Progress(TextColumn("[bold]eval"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                                     console=console)
+                self._bar = Progress(
+                    TextColumn("[bold]eval"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), console=console
+                )
                 self._task = self._bar.add_task("eval", total=self.total)
                 self._bar.start()
         return self

@@ -12,14 +12,19 @@ engine (prefix sharing), as a GRPO group does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from staleflow.eval.scoring import is_correct, summarize
 from staleflow.rollout.engine import Request, RolloutEngine, SamplingParams
 
 
-def generate(engine: RolloutEngine, prompts: Sequence, samples: int, params: SamplingParams,
-             on_finished: Callable[[int], None] | None = None) -> list[list[list[int]]]:
+def generate(
+    engine: RolloutEngine,
+    prompts: Sequence,
+    samples: int,
+    params: SamplingParams,
+    on_finished: Callable[[int], None] | None = None,
+) -> list[list[list[int]]]:
     """Token ids of `samples` answers to each prompt (prompt i, sample j -> [i][j]).
 
     Greedy (params.greedy) asks once per prompt whatever `samples` is; sampled answers use seeds

@@ -40,8 +40,15 @@ def summarize(correct: list[list[bool]]) -> dict:
         return {"accuracy": right / n, "ci95_low": lo, "ci95_high": hi, "ci_method": "wilson", "n": n}
     per_prompt = [sum(map(bool, c)) / k for c in correct]
     lo, hi = bootstrap_mean(per_prompt, LEVEL)
-    return {"accuracy": fmean(per_prompt), "ci95_low": lo, "ci95_high": hi, "ci_method": "bootstrap over prompts",
-            "n": n, "samples": k, "pass_at_k": fmean(pass_at_k(k, sum(map(bool, c)), k) for c in correct)}
+    return {
+        "accuracy": fmean(per_prompt),
+        "ci95_low": lo,
+        "ci95_high": hi,
+        "ci_method": "bootstrap over prompts",
+        "n": n,
+        "samples": k,
+        "pass_at_k": fmean(pass_at_k(k, sum(map(bool, c)), k) for c in correct),
+    }
 
 
 def interval_text(acc: float, lo: float, hi: float) -> str:

@@ -19,8 +19,8 @@ from staleflow.presets import PRESETS
 
 
 def check(argv: list[str]) -> RunConfig:
-    from staleflow.config.parse import parse, split_preset
     from staleflow.cluster.roles import Roles
+    from staleflow.config.parse import parse, split_preset
     from staleflow.model.loader import resolve_model_path
 
     defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
@@ -29,9 +29,8 @@ def check(argv: list[str]) -> RunConfig:
     if nproc:
         Roles(int(nproc), cfg.rollout.ranks)
     if cfg.resume:
-        from staleflow.launch.resume import check_resume
-
         from staleflow.config.parse import given_flags
+        from staleflow.launch.resume import check_resume
 
         cfg = check_resume(cfg, defaults, given_flags(argv))
     from staleflow.model.hf import lazy_folder
@@ -51,13 +50,20 @@ def check_extensions(cfg: RunConfig) -> None:
     from staleflow.train.advantages import ADVANTAGES
     from staleflow.train.losses import LOSSES, OFF_POLICIES
 
-    for registry, spec in ((REWARDS, cfg.reward.fn), (LOSSES, cfg.train.loss), (ADVANTAGES, cfg.train.advantage),
-                           (OFF_POLICIES, cfg.train.off_policy), (ROUTING, cfg.coordinator.routing),
-                           (PULL, cfg.coordinator.pull)):
+    for registry, spec in (
+        (REWARDS, cfg.reward.fn),
+        (LOSSES, cfg.train.loss),
+        (ADVANTAGES, cfg.train.advantage),
+        (OFF_POLICIES, cfg.train.off_policy),
+        (ROUTING, cfg.coordinator.routing),
+        (PULL, cfg.coordinator.pull),
+    ):
         registry.resolve(spec)
     if task_for(cfg.data.source) is None and not os.path.isfile(cfg.data.source):
-        raise ConfigError(f"--data.source={cfg.data.source!r}: no such file; give an existing .jsonl / .parquet file, "
-                          f"a built-in task or a task function 'package.module:name'")
+        raise ConfigError(
+            f"--data.source={cfg.data.source!r}: no such file; give an existing .jsonl / .parquet file, "
+            f"a built-in task or a task function 'package.module:name'"
+        )
 
 
 def check_writable(folder: str, flag: str) -> None:
@@ -69,8 +75,9 @@ def check_writable(folder: str, flag: str) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".staleflow-write-check-"):
             pass
     except OSError as e:
-        raise ConfigError(f"{flag}={folder!r} is not writable ({e.strerror}): make it writable or give another "
-                          f"folder") from None
+        raise ConfigError(
+            f"{flag}={folder!r} is not writable ({e.strerror}): make it writable or give another folder"
+        ) from None
 
 
 def main(argv: list[str]) -> int:

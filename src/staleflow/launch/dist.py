@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from staleflow.config import ConfigError
 
@@ -43,9 +43,13 @@ def read_env(environ: Mapping[str, str] | None = None) -> RankEnv:
             "torchrun --standalone --nproc_per_node=3 -m staleflow train"
         ) from None
     local = int(env.get("LOCAL_RANK", rank))
-    return RankEnv(rank=rank, world_size=world, local_rank=local,
-                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-                   node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))))
+    return RankEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+        node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
+    )
 
 
 def pick_device(local_rank: int, cuda_count: int | None = None) -> str:
@@ -82,8 +86,9 @@ def init_world(world_size: int, rank: int) -> None:
     import torch.distributed as dist
 
     timeout = _timeout()
-    dist.init_process_group("gloo", store=_attempt_store(rank, world_size, timeout), rank=rank,
-                            world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo", store=_attempt_store(rank, world_size, timeout), rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def make_groups(roles, device: str, owners: list[int] = (), remote_pullers: list[int] = ()):
@@ -95,8 +100,11 @@ def make_groups(roles, device: str, owners: list[int] = (), remote_pullers: list
     timeout = _timeout()
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl" and roles.num_trainer > 1 and _shared_gpus(roles):
-        print("staleflow: warning: more trainer ranks than GPUs; NCCL cannot put two ranks on one GPU",
-              file=sys.stderr, flush=True)
+        print(
+            "staleflow: warning: more trainer ranks than GPUs; NCCL cannot put two ranks on one GPU",
+            file=sys.stderr,
+            flush=True,
+        )
     trainer_group = dist.new_group(roles.trainer_ranks, backend=backend, timeout=timeout)
     pulls = {r: dist.new_group(sorted({*owners, r}), backend=backend, timeout=timeout) for r in sorted(remote_pullers)}
     return trainer_group, pulls
@@ -117,8 +125,14 @@ def _attempt_store(rank: int, world_size: int, timeout):
     import torch.distributed as dist
 
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=(not agent and rank == 0), timeout=timeout, multi_tenant=not agent)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=(not agent and rank == 0),
+        timeout=timeout,
+        multi_tenant=not agent,
+    )
     return dist.PrefixStore(f"/staleflow/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
@@ -151,18 +165,20 @@ def all_gather_json(obj, group=None) -> list:
     dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
     width = max(int(x) for x in sizes)
     buf = torch.zeros(width, dtype=torch.uint8)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     got = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(got, buf, group=group)
-    return [_parse(g[:int(k)], "all-gather") for g, k in zip(got, sizes)]
+    return [_parse(g[: int(k)], "all-gather") for g, k in zip(got, sizes)]
 
 
 def _parse(buf, what: str):
     try:
         return json.loads(bytes(buf.numpy()))
     except ValueError as e:
-        raise RuntimeError(f"a start-up {what} between the ranks carried malformed JSON ({e}): is every rank "
-                           f"running the same StaleFlow?") from None
+        raise RuntimeError(
+            f"a start-up {what} between the ranks carried malformed JSON ({e}): is every rank "
+            f"running the same StaleFlow?"
+        ) from None
 
 
 def _shared_gpus(roles) -> bool:

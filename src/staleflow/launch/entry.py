@@ -24,19 +24,18 @@ import time
 import traceback
 import uuid
 
-from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
-from staleflow.presets import PRESETS
-from staleflow.launch import dist as rankdist
-from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
-from staleflow.control.sockets import ControlClient, ControllerGone, control_address
-from staleflow.control.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
-from staleflow.workers.pulse import Pulse
-from staleflow.workers.rank import (RankContext, RunStopped, defer_signals, install_signal_handlers,
-                                   set_title)
 from staleflow.cluster.roles import Roles
 from staleflow.cluster.topology import Topology
+from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
+from staleflow.control.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
+from staleflow.control.sockets import ControlClient, ControllerGone, control_address
+from staleflow.launch import dist as rankdist
+from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
 from staleflow.model.aliases import AliasError
 from staleflow.model.hf import ModelLoadError
+from staleflow.presets import PRESETS
+from staleflow.workers.pulse import Pulse
+from staleflow.workers.rank import RankContext, RunStopped, defer_signals, install_signal_handlers, set_title
 
 
 def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str, topo: Topology):
@@ -53,9 +52,13 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
 
         secret = new_secret()
         reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=controller_main, args=(cfg, run_id, world_size, os.getpid(), run_dir),
-                       kwargs={"topology": topo, "secret": secret, "endpoint_pipe": writer},
-                       name="staleflow-controller", daemon=False)
+    proc = ctx.Process(
+        target=controller_main,
+        args=(cfg, run_id, world_size, os.getpid(), run_dir),
+        kwargs={"topology": topo, "secret": secret, "endpoint_pipe": writer},
+        name="staleflow-controller",
+        daemon=False,
+    )
     proc.start()
     if reader is not None:
         writer.close()
@@ -64,8 +67,10 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
         if not endpoint:
             proc.terminate()
             proc.join(timeout=10)
-            raise OSError(f"the controller did not open its TCP control socket on {topo.addrs[topo.home]} "
-                               f"(exit code {proc.exitcode}): see its error above; STALEFLOW_BIND_ADDR sets the address")
+            raise OSError(
+                f"the controller did not open its TCP control socket on {topo.addrs[topo.home]} "
+                f"(exit code {proc.exitcode}): see its error above; STALEFLOW_BIND_ADDR sets the address"
+            )
     return proc, secret, endpoint
 
 
@@ -82,7 +87,7 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology
         run = None if cfg.smoke else prepare_run(cfg, defaults, flags)
     except ConfigError as e:
         return {"run_id": run_id, "error": str(e)}, None, None
-    for note in (run.notes if run else []):
+    for note in run.notes if run else []:
         print(f"staleflow: {note}", file=sys.stderr, flush=True)
     cfg = run.cfg if run else cfg
     refusal = "" if cfg.smoke else at_start(cfg, roles.world_size)  # prints the memory plan
@@ -100,9 +105,16 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology
     print(topo.describe(controller=endpoint), flush=True)
     # The secret crosses the network once, inside this gloo broadcast (as the run id does): see
     # docs/multinode.md for what it does and does not protect.
-    shared = {"run_id": run_id, "error": "", "run_dir": run_dir, "cfg": dataclasses.asdict(cfg),
-              "controller_pid": controller.pid, "resume_from": run.resume_from if run else "", "secret": secret.hex(),
-              "control_endpoint": endpoint}
+    shared = {
+        "run_id": run_id,
+        "error": "",
+        "run_dir": run_dir,
+        "cfg": dataclasses.asdict(cfg),
+        "controller_pid": controller.pid,
+        "resume_from": run.resume_from if run else "",
+        "secret": secret.hex(),
+        "control_endpoint": endpoint,
+    }
     return shared, controller, run
 
 
@@ -127,8 +139,11 @@ def _load_model_info(ctx: RankContext) -> tuple[object, object, dict]:
 
         model = load_rollout_model(ctx.cfg.model, ctx.cfg.rollout, ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
-    return model, weights, {"model": ctx.cfg.model.path, "params": n_params, "load_s": time.perf_counter() - t0,
-                            "device": ctx.device}
+    return (
+        model,
+        weights,
+        {"model": ctx.cfg.model.path, "params": n_params, "load_s": time.perf_counter() - t0, "device": ctx.device},
+    )
 
 
 def make_worker(ctx: RankContext, model, weights=None):
@@ -138,8 +153,11 @@ def make_worker(ctx: RankContext, model, weights=None):
         from staleflow.workers.trainer import TrainerWorker
 
         w = TrainerWorker(ctx, model, weights)
-        return w, {"version": w.trainer.version, "resume_extra": w.resume_extra if ctx.rank == 0 else {},
-                   "build_load_s": w.load_s}  # the weights are read while the trainer is built
+        return w, {
+            "version": w.trainer.version,
+            "resume_extra": w.resume_extra if ctx.rank == 0 else {},
+            "build_load_s": w.load_s,
+        }  # the weights are read while the trainer is built
     from staleflow.workers.rollout import RolloutWorker
 
     w = RolloutWorker(ctx, model)
@@ -167,8 +185,9 @@ def _topology(roles: Roles, env: rankdist.RankEnv) -> Topology:
     return gather_topology(roles, env.node_rank, env.local_rank, addr)
 
 
-def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv,
-             flags: frozenset[str] = frozenset()) -> int:
+def run_rank(
+    cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv, flags: frozenset[str] = frozenset()
+) -> int:
     from staleflow.cluster.placement import slot_placement
 
     rank = env.rank
@@ -203,17 +222,33 @@ def run_rank(cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.Ra
         from staleflow.cluster.netplane import NetPlane
 
         net = NetPlane.open(topo, rank, run_id, bytes.fromhex(shared["secret"]), pull_groups, device)
-    client = (ControlClient(control_address(run_id), rank) if on_home
-              else net.control_client(shared["control_endpoint"]))
-    ctx = RankContext(cfg=cfg, roles=roles, rank=rank, run_id=run_id, client=client, run_dir=shared["run_dir"],
-                      trainer_group=trainer_group, device=device, resume_from=shared["resume_from"],
-                      controller_pid=shared["controller_pid"] if on_home else 0, net=net)
-    set_title(f"staleflow[trainer {rank}]" if ctx.role == "trainer"
-              else f"staleflow[rollout {roles.instance_id(rank)}]")
+    client = ControlClient(control_address(run_id), rank) if on_home else net.control_client(shared["control_endpoint"])
+    ctx = RankContext(
+        cfg=cfg,
+        roles=roles,
+        rank=rank,
+        run_id=run_id,
+        client=client,
+        run_dir=shared["run_dir"],
+        trainer_group=trainer_group,
+        device=device,
+        resume_from=shared["resume_from"],
+        controller_pid=shared["controller_pid"] if on_home else 0,
+        net=net,
+    )
+    set_title(
+        f"staleflow[trainer {rank}]" if ctx.role == "trainer" else f"staleflow[rollout {roles.instance_id(rank)}]"
+    )
     client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname(), node=env.node_rank))
-    pulse = Pulse(lambda: (ControlClient(control_address(run_id), rank, pulse=True) if on_home
-                           else net.control_client(shared["control_endpoint"], pulse=True)),
-                  rank, lambda: ctx.progress()).start()
+    pulse = Pulse(
+        lambda: (
+            ControlClient(control_address(run_id), rank, pulse=True)
+            if on_home
+            else net.control_client(shared["control_endpoint"], pulse=True)
+        ),
+        rank,
+        lambda: ctx.progress(),
+    ).start()
     ok, reason, fatal = True, "", False
     worker = None
     try:

@@ -28,8 +28,15 @@ from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
 from staleflow.durable import atomic_write_json, atomic_write_text, read_jsonl
 
 IDS_FILE = "ids.json"
-FROZEN_ON_RESUME = ("model.path", "data.source", "data.prompt_field", "data.answer_field", "data.seed",
-                    "data.chat_template", "data.max_prompt_tokens")
+FROZEN_ON_RESUME = (
+    "model.path",
+    "data.source",
+    "data.prompt_field",
+    "data.answer_field",
+    "data.seed",
+    "data.chat_template",
+    "data.max_prompt_tokens",
+)
 """Flags a resumed run cannot change: the checkpoint's weights and the prompt cursor depend on them."""
 _NOT_COMPARED = ("resume", "log.name", "log.run_dir", "log.progress")
 
@@ -65,17 +72,31 @@ def mark_fatal(message: str) -> None:
 def no_restart_helps(e: BaseException) -> bool:
     """Whether an error comes from bad input or the environment, so that an elastic restart would
     fail the same way (the run then stops with exit 2 instead of restarting)."""
+    from staleflow.control.hub import FatalFailure
     from staleflow.controller import RewardsFailing
     from staleflow.data import DataError
     from staleflow.durable import disk_problem
-    from staleflow.control.hub import FatalFailure
     from staleflow.model.aliases import AliasError
     from staleflow.model.hf import ModelLoadError
     from staleflow.reward.functions import RewardError
     from staleflow.train.checkpoint import CheckpointError
 
-    return (isinstance(e, (ConfigError, RewardsFailing, DataError, ModelLoadError, RewardError, AliasError,
-                           CheckpointError, FatalFailure)) or disk_problem(e) is not None)
+    return (
+        isinstance(
+            e,
+            (
+                ConfigError,
+                RewardsFailing,
+                DataError,
+                ModelLoadError,
+                RewardError,
+                AliasError,
+                CheckpointError,
+                FatalFailure,
+            ),
+        )
+        or disk_problem(e) is not None
+    )
 
 
 def is_fatal() -> bool:
@@ -119,8 +140,9 @@ def _replace_path(cfg, key: str, value):
     return dataclasses.replace(cfg, **{head: _replace_path(getattr(cfg, head), rest, value)})
 
 
-def merge_resume_config(saved: RunConfig, given: RunConfig, defaults: RunConfig,
-                        flags: frozenset[str] = frozenset()) -> tuple[RunConfig, list[str]]:
+def merge_resume_config(
+    saved: RunConfig, given: RunConfig, defaults: RunConfig, flags: frozenset[str] = frozenset()
+) -> tuple[RunConfig, list[str]]:
     """The saved config with the values given now applied: those named on the command line
     (``flags``, cli.given_flags) and those that differ from the preset's.
 
@@ -135,8 +157,10 @@ def merge_resume_config(saved: RunConfig, given: RunConfig, defaults: RunConfig,
             continue
         flag = "--" + key.replace("_", "-")
         if key in FROZEN_ON_RESUME:
-            raise ConfigError(f"{flag}={value!r} differs from the resumed run's {s.get(key)!r}: a resumed run keeps "
-                              f"its model and dataset; start a new run instead of --resume")
+            raise ConfigError(
+                f"{flag}={value!r} differs from the resumed run's {s.get(key)!r}: a resumed run keeps "
+                f"its model and dataset; start a new run instead of --resume"
+            )
         merged = _replace_path(merged, key, value)
         notes.append(f"resume: {flag} {value!r} (was {s.get(key)!r})")
     return resolve(dataclasses.replace(merged, resume=given.resume)), notes
@@ -147,8 +171,9 @@ def _saved_config(run_dir: str) -> RunConfig:
     try:
         return config_from_dict(RunConfig, json.loads(Path(path).read_text()))
     except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"--resume={run_dir!r}: cannot read its config.json ({e}); give a run folder that "
-                          f"staleflow train created") from None
+        raise ConfigError(
+            f"--resume={run_dir!r}: cannot read its config.json ({e}); give a run folder that staleflow train created"
+        ) from None
 
 
 def _resume_point(run_dir: str, required: bool):
@@ -156,12 +181,16 @@ def _resume_point(run_dir: str, required: bool):
     from staleflow.train.checkpoint import find_resume_checkpoint
 
     if required and not os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        raise ConfigError(f"--resume={run_dir!r} is not a run folder with checkpoints/: give the folder a "
-                          f"previous run printed as its run folder")
+        raise ConfigError(
+            f"--resume={run_dir!r} is not a run folder with checkpoints/: give the folder a "
+            f"previous run printed as its run folder"
+        )
     ckpt, warns = find_resume_checkpoint(os.path.join(run_dir, "checkpoints"))
     if required and ckpt is None:
-        raise ConfigError(f"--resume={run_dir!r}: no intact checkpoint under {run_dir}/checkpoints "
-                          f"({'; '.join(warns) or 'none saved'}); start a new run without --resume")
+        raise ConfigError(
+            f"--resume={run_dir!r}: no intact checkpoint under {run_dir}/checkpoints "
+            f"({'; '.join(warns) or 'none saved'}); start a new run without --resume"
+        )
     return ckpt, warns
 
 

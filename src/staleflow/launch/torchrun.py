@@ -80,7 +80,8 @@ def main() -> None:
     if handler is not None and hasattr(handler, "_create_tcp_store_server"):  # the workers' store
         make = _bound_tcp_store(dist.TCPStore)
         handler._create_tcp_store_server = lambda self, master_addr, master_port: make(
-            master_addr, master_port, is_master=True, multi_tenant=True)
+            master_addr, master_port, is_master=True, multi_tenant=True
+        )
     torchrun_main(sys.argv[1:])
 
 

@@ -22,20 +22,31 @@ class ProgressDisplay:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(
-                TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                TextColumn("{task.fields[info]}"), console=self.console,
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=self.console,
             )
-            self._task = self._progress.add_task("train", total=total_steps, completed=start, info="waiting for the first buffer")
+            self._task = self._progress.add_task(
+                "train", total=total_steps, completed=start, info="waiting for the first buffer"
+            )
             self._progress.start()
 
     @staticmethod
     def format(step: int, total: int, m: dict) -> str:
-        return (f"step {step}/{total}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
-                f"tok/s {m['tokens_per_s']:.0f}  staleness {m['staleness_mean']:.2f} (max {m['staleness_max']})  "
-                f"len {m['response_len_mean']:.0f}  pulls {m['pulls']}  interrupts {m['interrupts']}  "
-                f"train {m['train_s']:.1f}s"
-                + (f"  REWARD ERRORS {m['reward_errors']} (first: {m.get('reward_first_error', '')[:80]})"
-                   if m.get("reward_errors") else ""))
+        return (
+            f"step {step}/{total}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
+            f"tok/s {m['tokens_per_s']:.0f}  staleness {m['staleness_mean']:.2f} (max {m['staleness_max']})  "
+            f"len {m['response_len_mean']:.0f}  pulls {m['pulls']}  interrupts {m['interrupts']}  "
+            f"train {m['train_s']:.1f}s"
+            + (
+                f"  REWARD ERRORS {m['reward_errors']} (first: {m.get('reward_first_error', '')[:80]})"
+                if m.get("reward_errors")
+                else ""
+            )
+        )
 
     def update(self, step: int, metrics: dict) -> None:
         if not self.enabled:

@@ -13,8 +13,15 @@ from collections import Counter
 
 from staleflow.metrics.writer import read_jsonl
 
-_COLORS = {"generate": "tab:blue", "train": "tab:orange", "pull": "tab:green", "push": "tab:red",
-           "idle": "lightgray", "read": "tab:purple", "checkpoint": "tab:brown"}
+_COLORS = {
+    "generate": "tab:blue",
+    "train": "tab:orange",
+    "pull": "tab:green",
+    "push": "tab:red",
+    "idle": "lightgray",
+    "read": "tab:purple",
+    "checkpoint": "tab:brown",
+}
 
 
 def make_report(run_dir: str, out: str | None = None) -> str:
@@ -70,7 +77,9 @@ def make_report(run_dir: str, out: str | None = None) -> str:
         kind = sp.get("kind", "?")
         label = kind if kind not in seen else None
         seen.add(kind)
-        ax.barh(sp["rank"], sp["t1"] - sp["t0"], left=sp["t0"], color=_COLORS.get(kind, "gray"), label=label, height=0.6)
+        ax.barh(
+            sp["rank"], sp["t1"] - sp["t0"], left=sp["t0"], color=_COLORS.get(kind, "gray"), label=label, height=0.6
+        )
     ranks = sorted({sp["rank"] for sp in spans})
     ax.set_yticks(ranks)
     ax.set_yticklabels([f"rank {r}" for r in ranks])
@@ -94,7 +103,10 @@ def _held_out(ax, evals: list[dict]) -> None:
     xs, ys = [e["step"] for e in evals], [e["eval_accuracy"] for e in evals]
     label = f"held-out accuracy ({evals[-1]['eval_n']} prompts, greedy)"
     if all("eval_ci95_low" in e for e in evals):
-        err = [[y - e["eval_ci95_low"] for y, e in zip(ys, evals)], [e["eval_ci95_high"] - y for y, e in zip(ys, evals)]]
+        err = [
+            [y - e["eval_ci95_low"] for y, e in zip(ys, evals)],
+            [e["eval_ci95_high"] - y for y, e in zip(ys, evals)],
+        ]
         ax.errorbar(xs, ys, yerr=err, fmt="D-", color="black", capsize=4, label=label + ", 95% CI")
     else:
         ax.plot(xs, ys, "D-", color="black", label=label)
@@ -105,7 +117,9 @@ def _pull_panels(row, steps: list[dict], x: list[int]) -> None:
     ax = row[0]
     instances = sorted({i for s in steps for i in (s.get("pull_s_by_instance") or {})}, key=int)
     for i in instances:
-        pts = [(s["step"], s["pull_s_by_instance"][i] * 1000) for s in steps if i in (s.get("pull_s_by_instance") or {})]
+        pts = [
+            (s["step"], s["pull_s_by_instance"][i] * 1000) for s in steps if i in (s.get("pull_s_by_instance") or {})
+        ]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"instance {i}")
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
@@ -128,8 +142,7 @@ def _pull_panels(row, steps: list[dict], x: list[int]) -> None:
         ax.legend(loc="upper left", fontsize=8)
         right.legend(loc="lower right", fontsize=8)
     else:
-        ax.text(0.5, 0.5, "single node: nothing crossed the network", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(0.5, 0.5, "single node: nothing crossed the network", ha="center", va="center", transform=ax.transAxes)
         ax.set_title("Cross-node traffic")
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

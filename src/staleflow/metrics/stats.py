@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from statistics import NormalDist, fmean, stdev
-from typing import Sequence
 
 LEVEL = 0.95
 
@@ -51,8 +51,9 @@ def wilson(correct: int, n: int, level: float = LEVEL) -> tuple[float, float]:
     return (0.0 if correct == 0 else max(0.0, center - half)), (1.0 if correct == n else min(1.0, center + half))
 
 
-def bootstrap_mean(values: Sequence[float], level: float = LEVEL, n_boot: int = 4000,
-                   seed: int = 0) -> tuple[float, float]:
+def bootstrap_mean(
+    values: Sequence[float], level: float = LEVEL, n_boot: int = 4000, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of `values` (the resampling units), seeded."""
     vals = [float(v) for v in values]
     if not vals:

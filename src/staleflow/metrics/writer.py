@@ -70,8 +70,9 @@ class MetricsWriter:
         out = {"step": step, "time": round(time.time() - self.t_start, 4), **row}
         self._metrics.write(json.dumps(out, sort_keys=True) + "\n")
         if self._wb is not None:  # own x-axis (eval/step): an evaluation may arrive after later steps
-            self._wb.log({"eval/step": step, **dict(_scalars("eval/", {k.removeprefix("eval_"): v
-                                                                   for k, v in row.items()}))})
+            self._wb.log(
+                {"eval/step": step, **dict(_scalars("eval/", {k.removeprefix("eval_"): v for k, v in row.items()}))}
+            )
         if self._tb is not None:
             for key, value in _scalars("eval/", {k.removeprefix("eval_"): v for k, v in row.items()}):
                 self._tb.add_scalar(key, value, step)
@@ -79,14 +80,27 @@ class MetricsWriter:
 
     def log_span(self, rank: int, kind: str, t0: float, t1: float, **extra) -> None:
         """A span of activity of one rank (wall-clock seconds since the epoch)."""
-        row = {"rank": rank, "kind": kind, "t0": round(t0 - self.t_start, 4), "t1": round(t1 - self.t_start, 4), **extra}
+        row = {
+            "rank": rank,
+            "kind": kind,
+            "t0": round(t0 - self.t_start, 4),
+            "t1": round(t1 - self.t_start, 4),
+            **extra,
+        }
         self._timeline.write(json.dumps(row) + "\n")
 
-    def log_trained(self, buffer_version: int, group_id: int, traj_version: int, traj_ids: list[int],
-                    rewards: list[float], **extra) -> None:
+    def log_trained(
+        self, buffer_version: int, group_id: int, traj_version: int, traj_ids: list[int], rewards: list[float], **extra
+    ) -> None:
         """One consumed group: the audit trail of the staleness bound (and of no double training)."""
-        row = {"buffer": buffer_version, "group_id": group_id, "traj_version": traj_version, "traj_ids": traj_ids,
-               "rewards": rewards, **extra}
+        row = {
+            "buffer": buffer_version,
+            "group_id": group_id,
+            "traj_version": traj_version,
+            "traj_ids": traj_ids,
+            "rewards": rewards,
+            **extra,
+        }
         self._trained.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
@@ -103,20 +117,29 @@ def _wandb_run(run_dir: str, project: str, config: dict | None):
     try:
         import wandb
     except ImportError:
-        raise RuntimeError("--log.wandb needs the optional extra: pip install 'staleflow[wandb]' (or pip install "
-                           "wandb); set WANDB_MODE=offline to log without an account") from None
+        raise RuntimeError(
+            "--log.wandb needs the optional extra: pip install 'staleflow[wandb]' (or pip install "
+            "wandb); set WANDB_MODE=offline to log without an account"
+        ) from None
     import hashlib
 
     run_id = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
-    run = wandb.init(project=project, name=os.path.basename(os.path.abspath(run_dir)), id=run_id, resume="allow",
-                     dir=run_dir, config=config or {})
+    run = wandb.init(
+        project=project,
+        name=os.path.basename(os.path.abspath(run_dir)),
+        id=run_id,
+        resume="allow",
+        dir=run_dir,
+        config=config or {},
+    )
     run.define_metric("eval/*", step_metric="eval/step")
     return run
 
 
 def save_config(run_dir: str, cfg) -> None:
-    durable.atomic_write_text(os.path.join(run_dir, "config.json"),
-                              json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+    durable.atomic_write_text(
+        os.path.join(run_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2, default=str)
+    )
 
 
 def read_jsonl(path: str) -> list[dict]:

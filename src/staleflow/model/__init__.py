@@ -18,8 +18,17 @@ from staleflow.model.tokenizer import load_tokenizer
 from staleflow.model.transformer import CausalLM
 
 __all__ = [
-    "CausalLM", "ModelArgs", "ModelConfigError", "ModelLoadError", "PackedAttention",
-    "cu_seqlens_from_lengths", "packed_positions", "lazy_model", "load_folder", "load_model", "save_hf",
+    "CausalLM",
+    "ModelArgs",
+    "ModelConfigError",
+    "ModelLoadError",
+    "PackedAttention",
+    "cu_seqlens_from_lengths",
+    "packed_positions",
+    "lazy_model",
+    "load_folder",
+    "load_model",
+    "save_hf",
     "resolve_model_path",
     "load_tokenizer",
 ]

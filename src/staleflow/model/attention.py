@@ -21,7 +21,7 @@ Backends:
 from __future__ import annotations
 
 import importlib.util
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +64,7 @@ class PackedAttention:
             raise ValueError(f"attention backend={backend!r} is unknown: use one of {list(BACKENDS)}")
         cu = torch.as_tensor(cu_seqlens)
         if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(
-                f"cu_seqlens must be a 1-D non-decreasing tensor starting at 0, got {cu.tolist()[:8]}"
-            )
+            raise ValueError(f"cu_seqlens must be a 1-D non-decreasing tensor starting at 0, got {cu.tolist()[:8]}")
         self.cu_seqlens = cu.to(torch.int32)
         self.backend = backend
         self.sdpa_chunk_tokens = sdpa_chunk_tokens
@@ -101,9 +99,7 @@ class PackedAttention:
         cu = self._cu_device.get(q.device)
         if cu is None:
             cu = self._cu_device[q.device] = self.cu_seqlens.to(q.device)
-        return flash_attn_varlen_func(
-            q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, causal=True
-        )  # [T, H, D]
+        return flash_attn_varlen_func(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, causal=True)  # [T, H, D]
 
     def _chunk_plan(self, cap: int) -> list[tuple[int, int, list[int]]]:
         """Group consecutive sequences into chunks of <= cap tokens (a longer sequence alone):
@@ -118,8 +114,7 @@ class PackedAttention:
                     first = i
             groups.append((first, len(offs) - 1))
             self._chunks[cap] = [
-                (offs[s], offs[e], [o - offs[s] for o in offs[s:e + 1]])
-                for s, e in groups if offs[e] > offs[s]
+                (offs[s], offs[e], [o - offs[s] for o in offs[s : e + 1]]) for s, e in groups if offs[e] > offs[s]
             ]
         return self._chunks[cap]
 
@@ -155,4 +150,3 @@ class PackedAttention:
         if not outs:
             return q.new_zeros(q.shape)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-

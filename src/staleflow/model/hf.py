@@ -21,8 +21,15 @@ from staleflow.model.args import ModelArgs, ModelConfigError
 from staleflow.model.transformer import CausalLM
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints carry
 
@@ -74,8 +81,10 @@ def check_headers(files: list[Path]) -> None:
             with safe_open(str(file), framework="pt") as f:
                 f.keys()
         except Exception as e:  # safetensors raises its own SafetensorError
-            raise ModelLoadError(f"{file} is not a readable safetensors file ({str(e).splitlines()[0][:160]}): "
-                                 f"re-download or re-export the model") from None
+            raise ModelLoadError(
+                f"{file} is not a readable safetensors file ({str(e).splitlines()[0][:160]}): "
+                f"re-download or re-export the model"
+            ) from None
 
 
 def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
@@ -199,7 +208,9 @@ def save_hf(
         src = Path(tokenizer_from)
         copied = [n for n in TOKENIZER_FILES if (src / n).is_file()]
         if not copied:
-            raise ModelLoadError(f"tokenizer_from={tokenizer_from!r} has no tokenizer files ({TOKENIZER_FILES[0]}, ...)")
+            raise ModelLoadError(
+                f"tokenizer_from={tokenizer_from!r} has no tokenizer files ({TOKENIZER_FILES[0]}, ...)"
+            )
         for n in copied:
             if (src / n).resolve() != (folder / n).resolve():
                 _atomic_write(folder / n, lambda p, n=n: shutil.copyfile(src / n, p))

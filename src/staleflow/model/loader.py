@@ -1,7 +1,7 @@
 """Model names -> folders -> models: an alias (built into the cache on first use) or a HF folder.
 
-    model = load_model("smollm2-135m")                  # alias or folder, fp32 on CPU
-    model = load_model("/ckpt/qwen3-8b", torch.bfloat16, "cuda")
+model = load_model("smollm2-135m")                  # alias or folder, fp32 on CPU
+model = load_model("/ckpt/qwen3-8b", torch.bfloat16, "cuda")
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ for decoding) and the GQA expansion; the model only computes q, k, v with RoPE a
 from __future__ import annotations
 
 import math
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ def rope_inv_freq(args: ModelArgs, seq_len: int | None = None) -> tuple[torch.Te
         factor = sc["factor"]
         seq_len = max(seq_len or 0, args.max_position_embeddings)
         base = base * ((factor * seq_len / args.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
-    inv_freq = 1.0 / (base ** exponents)
+    inv_freq = 1.0 / (base**exponents)
     scale = 1.0
     if rope_type == "linear":
         inv_freq = inv_freq / sc["factor"]
@@ -154,8 +155,8 @@ class SelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qkv_t is not None and not hasattr(self, "q_norm"):  # q|k adjacent: rotate both at once
-            qk = apply_rope(qkv[:, :nq + nkv].view(T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
-            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+            qk = apply_rope(qkv[:, : nq + nkv].view(T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(layer_idx, q, k, v).reshape(T, self.n_heads * self.head_dim)  # [T, H * D]
@@ -296,7 +297,7 @@ class CausalLM(nn.Module):
         return n
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, seed: int | None = None) -> "CausalLM":
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> CausalLM:
         """Random init (normal(0, std) matrices, unit norms, zero biases); deterministic given seed."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         for name, p in self.named_parameters():
@@ -309,7 +310,7 @@ class CausalLM(nn.Module):
         return self
 
     @torch.no_grad()
-    def fuse_projections(self) -> "CausalLM":
+    def fuse_projections(self) -> CausalLM:
         """Switch to the inference weight layout; for rollout engines, never for training.
 
         q|k|v and gate|up become one matrix each and every decoder matrix is stored transposed,
@@ -350,8 +351,8 @@ def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
     off = 0
     for lin in linears:
         n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(w_t[:, off:off + n].t(), requires_grad=False)
+        lin.weight = nn.Parameter(w_t[:, off : off + n].t(), requires_grad=False)
         if bias is not None:
-            lin.bias = nn.Parameter(bias[off:off + n], requires_grad=False)
+            lin.bias = nn.Parameter(bias[off : off + n], requires_grad=False)
         off += n
     return w_t, bias

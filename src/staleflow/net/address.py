@@ -27,8 +27,10 @@ def ip_towards(host: str, port: int = 9) -> str:
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     except socket.gaierror as e:
-        raise OSError(f"cannot resolve the rendezvous host {host!r} ({e}): give --master-addr as an IP address or "
-                      f"set STALEFLOW_BIND_ADDR to this node's cluster address") from None
+        raise OSError(
+            f"cannot resolve the rendezvous host {host!r} ({e}): give --master-addr as an IP address or "
+            f"set STALEFLOW_BIND_ADDR to this node's cluster address"
+        ) from None
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(sockaddr)
         return s.getsockname()[0]
@@ -61,9 +63,10 @@ def bind_tcp(sock: zmq.Socket, ip: str) -> str:
     else:
         try:
             host = f"tcp://[{ip}]" if ":" in ip else f"tcp://{ip}"
-            sock.bind_to_random_port(host, min_port=rng[0], max_port=rng[1] + 1,
-                                     max_tries=4 * (rng[1] - rng[0] + 1))
+            sock.bind_to_random_port(host, min_port=rng[0], max_port=rng[1] + 1, max_tries=4 * (rng[1] - rng[0] + 1))
         except zmq.ZMQBindError:
-            raise OSError(f"no free port on {ip} in STALEFLOW_PORT_RANGE={rng[0]}-{rng[1]}: widen the range "
-                          f"(each node needs a few ports per rank)") from None
+            raise OSError(
+                f"no free port on {ip} in STALEFLOW_PORT_RANGE={rng[0]}-{rng[1]}: widen the range "
+                f"(each node needs a few ports per rank)"
+            ) from None
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -157,8 +157,12 @@ class Gatekeeper:
         user = self._admitted.get(creds[0]) if mechanism == b"CURVE" and creds else None
         if user is None:
             self.refused += 1
-            self.log("key", peer, f"a connection from {peer}: its {mechanism.decode(errors='replace')} key is not one "
-                                  f"of this run's ranks (wrong run secret, or not part of this run)")
+            self.log(
+                "key",
+                peer,
+                f"a connection from {peer}: its {mechanism.decode(errors='replace')} key is not one "
+                f"of this run's ranks (wrong run secret, or not part of this run)",
+            )
             self._zap.send_multipart([version, request_id, b"400", b"not a rank of this run", b"", b""])
             return
         self._zap.send_multipart([version, request_id, b"200", b"OK", user, b""])
@@ -179,9 +183,13 @@ class Gatekeeper:
                 self._credits[ip] -= 1
             else:
                 self.refused += 1
-                self.log("handshake", peer or endpoint, f"a connection from {peer or 'an unknown address'} to "
-                          f"{endpoint}: it failed the CURVE handshake (wrong run secret, or not a ZeroMQ peer of "
-                          f"this run)")
+                self.log(
+                    "handshake",
+                    peer or endpoint,
+                    f"a connection from {peer or 'an unknown address'} to "
+                    f"{endpoint}: it failed the CURVE handshake (wrong run secret, or not a ZeroMQ peer of "
+                    f"this run)",
+                )
 
     def close(self) -> None:
         self._stop.set()

@@ -17,9 +17,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from staleflow.plan.estimate import (PEER_CONTEXT_BYTES, PRIMARY_CONTEXT_BYTES, RankPlan, builtin_rollout_rank,
-                                     trainer_rank, vllm_rollout_rank)
 from staleflow.cluster.placement import gpu_of, slot_dtype, slot_placement
+from staleflow.plan.estimate import (
+    PEER_CONTEXT_BYTES,
+    PRIMARY_CONTEXT_BYTES,
+    RankPlan,
+    builtin_rollout_rank,
+    trainer_rank,
+    vllm_rollout_rank,
+)
 
 __all__ = ["RankPlan", "RunPlan", "at_start", "build_plan"]
 
@@ -48,8 +54,9 @@ class RunPlan:
         return advice(self)
 
 
-def build_plan(cfg, nproc: int, gpu_bytes: int, device_type: str = "cuda", num_gpus: int | None = None,
-               flash: bool | None = None) -> RunPlan:
+def build_plan(
+    cfg, nproc: int, gpu_bytes: int, device_type: str = "cuda", num_gpus: int | None = None, flash: bool | None = None
+) -> RunPlan:
     """The plan of ``cfg`` run by ``nproc`` processes on ``num_gpus`` GPUs of ``gpu_bytes`` each
     (one per process by default; ranks share GPUs round-robin as launch/dist.py assigns them)."""
     from staleflow.cluster.roles import Roles
@@ -74,8 +81,15 @@ def build_plan(cfg, nproc: int, gpu_bytes: int, device_type: str = "cuda", num_g
     for r in roles.rollout_ranks:
         build = vllm_rollout_rank if cfg.rollout.engine == "vllm" else builtin_rollout_rank
         ranks.append(build(cfg, args, r, device_type))
-    plan = RunPlan(cfg.model.path, sum(p.numel() for p in master.parameters()), device_type, gpu_bytes,
-                   gpus if cuda else 0, ranks, kv_tokens=cfg.rollout.max_kv_tokens)
+    plan = RunPlan(
+        cfg.model.path,
+        sum(p.numel() for p in master.parameters()),
+        device_type,
+        gpu_bytes,
+        gpus if cuda else 0,
+        ranks,
+        kv_tokens=cfg.rollout.max_kv_tokens,
+    )
     if not cuda:
         return plan
     for rp in ranks:
@@ -109,11 +123,15 @@ def at_start(cfg, world_size: int) -> str:
 
     cuda = torch.cuda.is_available()
     try:
-        plan = build_plan(cfg, world_size, torch.cuda.get_device_properties(0).total_memory if cuda else 0,
-                          device_type="cuda" if cuda else "cpu", num_gpus=torch.cuda.device_count() if cuda else None)
+        plan = build_plan(
+            cfg,
+            world_size,
+            torch.cuda.get_device_properties(0).total_memory if cuda else 0,
+            device_type="cuda" if cuda else "cpu",
+            num_gpus=torch.cuda.device_count() if cuda else None,
+        )
     except Exception as e:  # the plan informs; a model it cannot describe must not stop the run
         print(f"staleflow: memory plan unavailable ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return ""
     print(f"{table(plan)}\n{json_line(plan)}", file=sys.stderr, flush=True)
     return plan.advice()
-

@@ -38,8 +38,10 @@ def model_config(path: str) -> dict:
     bundled = BUNDLED / f"{Path(path).name.lower()}.json"
     if bundled.is_file():
         return json.loads(bundled.read_text())
-    raise ConfigError(f"--model.path={path!r}: no config.json there and no bundled architecture of that name "
-                      f"({', '.join(bundled_architectures())}); give the model folder")
+    raise ConfigError(
+        f"--model.path={path!r}: no config.json there and no bundled architecture of that name "
+        f"({', '.join(bundled_architectures())}); give the model folder"
+    )
 
 
 def model_args(path: str):

@@ -60,8 +60,8 @@ def _default_gpu_bytes() -> int:
 
 
 def main(argv: list[str]) -> int:
-    from staleflow.config.parse import parse
     from staleflow.config import RunConfig, resolve
+    from staleflow.config.parse import parse
     from staleflow.plan import build_plan
     from staleflow.plan.report import json_line, notes, table
     from staleflow.presets import PRESETS
@@ -70,8 +70,9 @@ def main(argv: list[str]) -> int:
     cfg = resolve(parse(RunConfig, rest, PRESETS, default="smollm2-cpu", prog="staleflow plan"))
     nproc = flags.get("--nproc") or int(os.environ.get("STALEFLOW_NPROC", 0)) or 2 * cfg.rollout.ranks
     gpu_bytes = int(flags["--gpu-memory-gib"] * (1 << 30)) if "--gpu-memory-gib" in flags else _default_gpu_bytes()
-    plan = build_plan(cfg, nproc, gpu_bytes, device_type=flags.get("--device", "cuda"),
-                      num_gpus=flags.get("--gpus") or nproc)
+    plan = build_plan(
+        cfg, nproc, gpu_bytes, device_type=flags.get("--device", "cuda"), num_gpus=flags.get("--gpus") or nproc
+    )
     print(table(plan))
     print(notes(plan))
     if not plan.fits:

@@ -39,8 +39,19 @@ VLLM_GRAPH_BYTES = 1 * GiB
 """vLLM's CUDA graphs when enforce_eager is off (it logs 0.5-1.5 GiB for 7-8B models)."""
 ALLOCATOR_SLACK = 0.05
 """The caching allocator's rounding and fragmentation on top of live tensors."""
-CATEGORIES = ("weights", "grads", "optimizer", "reference", "slots", "kv_cache", "activations", "buffers",
-              "workspace", "contexts", "slack")
+CATEGORIES = (
+    "weights",
+    "grads",
+    "optimizer",
+    "reference",
+    "slots",
+    "kv_cache",
+    "activations",
+    "buffers",
+    "workspace",
+    "contexts",
+    "slack",
+)
 
 
 @dataclass
@@ -59,9 +70,10 @@ class RankPlan:
         if note:
             self.notes.append(f"{category}: {note}")
 
-    def finish(self) -> "RankPlan":
-        self.items["slack"] = int(sum(v for k, v in self.items.items() if k not in ("contexts", "slack"))
-                                  * ALLOCATOR_SLACK)
+    def finish(self) -> RankPlan:
+        self.items["slack"] = int(
+            sum(v for k, v in self.items.items() if k not in ("contexts", "slack")) * ALLOCATOR_SLACK
+        )
         return self
 
     @property
@@ -127,8 +139,7 @@ def _fsdp_padded(shape, world: int) -> int:
     return -(-rows // world) * math.prod(shape[1:])
 
 
-def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_bytes: int,
-                 flash: bool) -> RankPlan:
+def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_bytes: int, flash: bool) -> RankPlan:
     """A trainer rank of ``world`` (FSDP2 when world > 1; one unsharded rank with autocast else)."""
     from staleflow.servers.layout import piece_rows
     from staleflow.train.logprobs import DEFAULT_CHUNK_ELEMENTS
@@ -147,13 +158,18 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
         local = sum((b - a) * math.prod(s[1:]) for s in shapes for a, b in [piece_rows(s, world, rank)])
     else:
         padded = local = total
-    plan.add("weights", padded * ms, f"{MASTER_DTYPE} master, {'FSDP2 shard 1/%d' % world if sharded else 'full'}")
+    plan.add("weights", padded * ms, f"{MASTER_DTYPE} master, {f'FSDP2 shard 1/{world}' if sharded else 'full'}")
     plan.add("grads", padded * ms, "sharded, reduced after every micro-batch" if sharded else "full")
     plan.add("optimizer", 2 * local * ms + 4 * len(named), "AdamW exp_avg + exp_avg_sq + step")
     if cfg.train.kl_coef > 0:
         plan.add("reference", padded * cdt.itemsize, f"KL reference in {cdt}, sharded like the policy")
-    plan.add("slots", slot_piece_bytes, "two Parameter Server slots' piece on this GPU" if device_type == "cuda"
-             else "two Parameter Server slots (shared memory)")
+    plan.add(
+        "slots",
+        slot_piece_bytes,
+        "two Parameter Server slots' piece on this GPU"
+        if device_type == "cuda"
+        else "two Parameter Server slots (shared memory)",
+    )
 
     layer_params = sum(p.numel() for p in lm.model.layers[0].parameters())
     root = total - layer_params * args.num_layers
@@ -163,16 +179,22 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
     x_bytes = tokens * args.hidden_size * cdt.itemsize
     ac = activation_checkpointing_on(cfg.train.activation_checkpointing, device_type)
     acts = (args.num_layers * x_bytes + 2 * per_layer) if ac else (args.num_layers + 1) * per_layer
-    impl = cfg.train.logprob_impl if cfg.train.logprob_impl != "auto" else (
-        "triton" if device_type == "cuda" else "chunked")
+    impl = (
+        cfg.train.logprob_impl
+        if cfg.train.logprob_impl != "auto"
+        else ("triton" if device_type == "cuda" else "chunked")
+    )
     logprob = x_bytes  # the response rows' hidden states, kept for backward
     if impl == "chunked":
         chunk = max(1, DEFAULT_CHUNK_ELEMENTS // args.vocab_size) * args.vocab_size
         logprob += 2 * chunk * 4 + (head * 4 if device_type == "cuda" else 0)  # [C, V] z, exp; bf16 W in fp32
     elif impl == "naive":
         logprob += 3 * tokens * args.vocab_size * 4
-    plan.add("activations", acts + logprob, f"{tokens} tokens per micro-batch, activation checkpointing "
-             f"{'on' if ac else 'off'}, log-prob op {impl}")
+    plan.add(
+        "activations",
+        acts + logprob,
+        f"{tokens} tokens per micro-batch, activation checkpointing {'on' if ac else 'off'}, log-prob op {impl}",
+    )
     if sharded:
         mp = mixed_precision(device_type)
         pdt = mp.param_dtype or MASTER_DTYPE
@@ -180,8 +202,11 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
         gathered = (root + 2 * layer_params) * pdt.itemsize
         during_layers = layer_params * (pdt.itemsize + rdt.itemsize) + head * pdt.itemsize
         during_root = root * (pdt.itemsize + rdt.itemsize) - acts
-        plan.add("buffers", gathered + max(during_layers, during_root),
-                 "all-gathered root + 2 layers, one layer's unsharded grads (+ reduce-dtype copy)")
+        plan.add(
+            "buffers",
+            gathered + max(during_layers, during_root),
+            "all-gathered root + 2 layers, one layer's unsharded grads (+ reduce-dtype copy)",
+        )
     elif device_type == "cuda":
         plan.add("buffers", total * cdt.itemsize, "autocast's cached bf16 copies of the fp32 weights")
     if device_type == "cuda":
@@ -189,8 +214,9 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
     # the lazy load (Trainer(..., weights=...)): the (sharded) weights allocated, then one full fp32
     # tensor at a time on the device, plus its rows that distribute_tensor cuts from it
     largest = max(math.prod(s) for s in shapes)
-    plan.load_peak = padded * ms + largest * ms + (_fsdp_padded(max(shapes, key=math.prod), world) * ms
-                                                   if sharded else 0)
+    plan.load_peak = (
+        padded * ms + largest * ms + (_fsdp_padded(max(shapes, key=math.prod), world) * ms if sharded else 0)
+    )
     return plan.finish()
 
 
@@ -214,9 +240,16 @@ def builtin_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
     plan = RankPlan(rank, "rollout", None)
     dtype = slot_dtype(cfg, device_type)
     rc = cfg.rollout
-    engine = BuiltinEngine(meta_model(args, dtype), max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens,
-                           block_size=rc.block_size, prefill_chunk_tokens=rc.prefill_chunk_tokens,
-                           max_model_len=rc.max_model_len, decode_backend="gather", prefix_sharing=rc.prefix_sharing)
+    engine = BuiltinEngine(
+        meta_model(args, dtype),
+        max_running=rc.max_running,
+        max_kv_tokens=rc.max_kv_tokens,
+        block_size=rc.block_size,
+        prefill_chunk_tokens=rc.prefill_chunk_tokens,
+        max_model_len=rc.max_model_len,
+        decode_backend="gather",
+        prefix_sharing=rc.prefix_sharing,
+    )
     plan.add("weights", unique_bytes(engine.model.parameters()), f"built-in engine in {dtype}")
     attn = engine.runner.attn
     kv_tokens = engine.block_manager.capacity_tokens

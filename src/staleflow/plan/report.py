@@ -7,9 +7,19 @@ import json
 
 from staleflow.plan.estimate import CATEGORIES, GiB
 
-_HEAD = {"weights": "weights", "grads": "grads", "optimizer": "optim", "reference": "ref", "slots": "slots",
-         "kv_cache": "kv", "activations": "activ", "buffers": "buffers", "workspace": "work",
-         "contexts": "ctx", "slack": "slack"}
+_HEAD = {
+    "weights": "weights",
+    "grads": "grads",
+    "optimizer": "optim",
+    "reference": "ref",
+    "slots": "slots",
+    "kv_cache": "kv",
+    "activations": "activ",
+    "buffers": "buffers",
+    "workspace": "work",
+    "contexts": "ctx",
+    "slack": "slack",
+}
 
 
 def _g(n: int) -> str:
@@ -26,14 +36,20 @@ def table(plan) -> str:
     small = max((rp.peak for rp in plan.ranks), default=0) < GiB  # a tiny model: MiB columns
     f = _m if small else _g
     head = ["rank", "role", "gpu"] + [_HEAD[c] for c in cols] + ["load", "peak"]
-    rows = [[str(rp.rank), rp.role, "-" if rp.gpu is None else str(rp.gpu)]
-            + [f(rp.items.get(c, 0)) for c in cols] + [f(rp.load_peak), f(rp.peak)] for rp in plan.ranks]
+    rows = [
+        [str(rp.rank), rp.role, "-" if rp.gpu is None else str(rp.gpu)]
+        + [f(rp.items.get(c, 0)) for c in cols]
+        + [f(rp.load_peak), f(rp.peak)]
+        for rp in plan.ranks
+    ]
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     unit = "MiB" if small else "GiB"
     unit += f" of {plan.gpu_bytes / GiB:.1f} GiB per GPU" if plan.device_type == "cuda" else " (cpu: host memory)"
-    lines = [f"memory plan: {plan.model} ({plan.params / 1e9:.2f}B params), {len(plan.ranks)} ranks, {unit}",
-             fmt.format(*head)] + [fmt.format(*r) for r in rows]
+    lines = [
+        f"memory plan: {plan.model} ({plan.params / 1e9:.2f}B params), {len(plan.ranks)} ranks, {unit}",
+        fmt.format(*head),
+    ] + [fmt.format(*r) for r in rows]
     for g, n in sorted(plan.per_gpu.items()):
         lines.append(f"GPU {g}: {_g(n)} GiB{'' if n <= plan.gpu_bytes else '  OVER'}")
     for r, u in sorted(plan.vllm_utilization.items()):
@@ -54,15 +70,22 @@ def summary(plan) -> dict:
     """The last line of ``python -m staleflow plan``."""
     worst = max(plan.per_gpu.values(), default=max((rp.peak for rp in plan.ranks), default=0))
     kv = {rp.rank: rp.items.get("kv_cache", 0) for rp in plan.ranks if rp.role == "rollout"}
-    return {"fits": plan.fits, "max_gpu_gib": round(worst / GiB, 2),
-            "gpu_gib": round(plan.gpu_bytes / GiB, 2) if plan.device_type == "cuda" else None,
-            "device": plan.device_type, "model": plan.model, "params_b": round(plan.params / 1e9, 3),
-            "ranks": len(plan.ranks), "trainer_ranks": sum(rp.role == "trainer" for rp in plan.ranks),
-            "rollout_ranks": len(kv),
-            "per_gpu_gib": {str(g): round(n / GiB, 2) for g, n in sorted(plan.per_gpu.items())},
-            "kv_cache_gib": round(max(kv.values(), default=0) / GiB, 2), "kv_tokens": plan.kv_tokens,
-            "vllm_gpu_memory_utilization": {str(r): u for r, u in plan.vllm_utilization.items()},
-            "advice": "" if plan.fits else advice(plan)}
+    return {
+        "fits": plan.fits,
+        "max_gpu_gib": round(worst / GiB, 2),
+        "gpu_gib": round(plan.gpu_bytes / GiB, 2) if plan.device_type == "cuda" else None,
+        "device": plan.device_type,
+        "model": plan.model,
+        "params_b": round(plan.params / 1e9, 3),
+        "ranks": len(plan.ranks),
+        "trainer_ranks": sum(rp.role == "trainer" for rp in plan.ranks),
+        "rollout_ranks": len(kv),
+        "per_gpu_gib": {str(g): round(n / GiB, 2) for g, n in sorted(plan.per_gpu.items())},
+        "kv_cache_gib": round(max(kv.values(), default=0) / GiB, 2),
+        "kv_tokens": plan.kv_tokens,
+        "vllm_gpu_memory_utilization": {str(r): u for r, u in plan.vllm_utilization.items()},
+        "advice": "" if plan.fits else advice(plan),
+    }
 
 
 def json_line(plan) -> str:
@@ -77,15 +100,20 @@ def advice(plan) -> str:
     over = used - plan.gpu_bytes
     on_gpu = [rp for rp in plan.ranks if rp.gpu == gpu]
     rp = max(on_gpu, key=lambda r: r.peak)
-    where = (f"memory plan: GPU {gpu} needs {_g(used)} GiB of {_g(plan.gpu_bytes)} GiB "
-             f"(ranks {', '.join(f'{r.rank} {r.role}' for r in on_gpu)})")
+    where = (
+        f"memory plan: GPU {gpu} needs {_g(used)} GiB of {_g(plan.gpu_bytes)} GiB "
+        f"(ranks {', '.join(f'{r.rank} {r.role}' for r in on_gpu)})"
+    )
     kv = rp.items.get("kv_cache", 0)
     if rp.role == "rollout" and kv > over:
         fit = int(plan.kv_tokens * (kv - over * 1.1) / kv) // 1024 * 1024
         return f"{where}; lower --rollout.max-kv-tokens from {plan.kv_tokens} to {fit} or less"
     if rp.load_peak > rp.steady:
-        more = "use more trainer ranks (raise --nproc_per_node or lower --rollout.ranks) or " \
-            if rp.role == "trainer" else "use "
+        more = (
+            "use more trainer ranks (raise --nproc_per_node or lower --rollout.ranks) or "
+            if rp.role == "trainer"
+            else "use "
+        )
         return f"{where}; loading the weights needs {_g(rp.load_peak)} GiB on one GPU: {more}GPUs with more memory"
     if rp.role == "trainer" and "activation checkpointing off" in " ".join(rp.notes):
         return f"{where}; set --train.activation-checkpointing on"

@@ -14,13 +14,30 @@ from staleflow.protocol.verl import VerlAsyncBuffer
 PROTOCOLS = {"staleflow": StalenessManager, "areal": AReaLBuffer, "verl-fully-async": VerlAsyncBuffer}
 
 
-def make_protocol(name: str, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                  group_capacity: int | None = None, version: int = 0, **options):
+def make_protocol(
+    name: str,
+    eta: int,
+    batch_size: int,
+    capacity: int | None = None,
+    group_size: int = 1,
+    group_capacity: int | None = None,
+    version: int = 0,
+    **options,
+):
     """The batch protocol `name` (a PROTOCOLS key) with the staleness settings and its own options."""
     if name not in PROTOCOLS:
         raise ProtocolError(f"protocol {name!r} is unknown; choose one of {', '.join(PROTOCOLS)}")
     return PROTOCOLS[name](eta, batch_size, capacity, group_size, group_capacity, version, **options)
 
 
-__all__ = ["AReaLBuffer", "BufferState", "CountedBuffer", "EntryState", "PROTOCOLS", "ProtocolError",
-           "StalenessManager", "VerlAsyncBuffer", "make_protocol"]
+__all__ = [
+    "AReaLBuffer",
+    "BufferState",
+    "CountedBuffer",
+    "EntryState",
+    "PROTOCOLS",
+    "ProtocolError",
+    "StalenessManager",
+    "VerlAsyncBuffer",
+    "make_protocol",
+]

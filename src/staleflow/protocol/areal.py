@@ -21,11 +21,19 @@ from staleflow.protocol.types import ProtocolError
 
 
 class AReaLBuffer(CountedBuffer):
-    """    m = AReaLBuffer(eta=1, batch_size=2); m.can_admit(0)  # True until 2 * 2 groups are started"""
+    """m = AReaLBuffer(eta=1, batch_size=2); m.can_admit(0)  # True until 2 * 2 groups are started"""
 
-    def __init__(self, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                 group_capacity: int | None = None, version: int = 0, max_concurrent: int | None = None,
-                 strict: bool = False):
+    def __init__(
+        self,
+        eta: int,
+        batch_size: int,
+        capacity: int | None = None,
+        group_size: int = 1,
+        group_capacity: int | None = None,
+        version: int = 0,
+        max_concurrent: int | None = None,
+        strict: bool = False,
+    ):
         super().__init__(eta, batch_size, capacity, group_size, group_capacity, version, strict)
         # AReaL's default (None) is consumer_batch_size; its long-CoT example (boba) uses 2 B. We default to
         # (eta + 1) B, which never binds below the staleness formula; the grid searches B, 2 B and (eta + 1) B.
@@ -50,7 +58,7 @@ class AReaLBuffer(CountedBuffer):
         self.accepted -= 1  # strict variant: a dropped over-stale group is a rejection (AReaL does not count those)
 
     def _batch(self, queue: list) -> list:
-        return sorted(queue, key=self._seq.__getitem__)[:self.batch_size]
+        return sorted(queue, key=self._seq.__getitem__)[: self.batch_size]
 
     def _counters(self) -> dict:
         return {"accepted": self.accepted, "running": self.running, "max_concurrent": self.max_concurrent}
@@ -59,5 +67,6 @@ class AReaLBuffer(CountedBuffer):
         super().validate()
         running = sum(1 for g in self._groups.values() if not g.occupied)
         if running != self.running or self.running > self.max_concurrent:
-            raise ProtocolError(f"AReaLBuffer running={self.running} but {running} groups are in flight "
-                                f"(cap {self.max_concurrent})")
+            raise ProtocolError(
+                f"AReaLBuffer running={self.running} but {running} groups are in flight (cap {self.max_concurrent})"
+            )

@@ -25,18 +25,33 @@ class CountedBuffer:
     retry_closed = False
     """Groups reported by closed_windows are regenerated (the strict variant), not just dropped."""
 
-    def __init__(self, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                 group_capacity: int | None = None, version: int = 0, strict: bool = False):
+    def __init__(
+        self,
+        eta: int,
+        batch_size: int,
+        capacity: int | None = None,
+        group_size: int = 1,
+        group_capacity: int | None = None,
+        version: int = 0,
+        strict: bool = False,
+    ):
         capacity = batch_size if capacity is None else capacity
         group_capacity = group_size if group_capacity is None else group_capacity
         name = type(self).__name__
-        for key, val, low in (("eta", eta, 0), ("batch_size", batch_size, 1), ("group_size", group_size, 1),
-                              ("group_capacity", group_capacity, group_size), ("version", version, 0)):
+        for key, val, low in (
+            ("eta", eta, 0),
+            ("batch_size", batch_size, 1),
+            ("group_size", group_size, 1),
+            ("group_capacity", group_capacity, group_size),
+            ("version", version, 0),
+        ):
             if type(val) is not int or val < low:
                 raise ProtocolError(f"{name} {key}={val!r} is invalid: must be an int >= {low!r}")
         if capacity != batch_size:
-            raise ProtocolError(f"{name} capacity={capacity!r}: batch redundancy (B' > B) is StaleFlow's; "
-                                f"the peer trains every completed group, so use --staleness.batch-redundancy 0")
+            raise ProtocolError(
+                f"{name} capacity={capacity!r}: batch redundancy (B' > B) is StaleFlow's; "
+                f"the peer trains every completed group, so use --staleness.batch-redundancy 0"
+            )
         if not isinstance(strict, bool):
             raise ProtocolError(f"{name} strict={strict!r} must be a bool")
         self.strict = self.bounded = self.retry_closed = strict
@@ -116,8 +131,14 @@ class CountedBuffer:
             state = self._finished.get(group_id)
             raise ProtocolError(f"group {group_id!r} is {state}" if state else f"unknown group id {group_id!r}")
         state = "closed" if self._over_stale(g) else ("occupied" if g.occupied else "reserved")
-        return {"group_id": group_id, "traj_version": g.traj_version, "buffer_version": g.buffer,
-                "state": state, "live": list(g.live), "done": list(g.done)}
+        return {
+            "group_id": group_id,
+            "traj_version": g.traj_version,
+            "buffer_version": g.buffer,
+            "state": state,
+            "live": list(g.live),
+            "done": list(g.done),
+        }
 
     def closed_windows(self) -> list:
         """Strict variant: groups (in flight or queued) that can no longer be trained within eta.
@@ -160,8 +181,10 @@ class CountedBuffer:
             if group_id in self._finished:
                 raise ProtocolError(f"group {group_id!r} is already {self._finished[group_id]}; use a new group id")
             if not self._room(V):
-                raise ProtocolError(f"group {group_id!r} at version {V} is not admissible now (check can_admit "
-                                    f"first; it waits in the Trajectory Server)")
+                raise ProtocolError(
+                    f"group {group_id!r} at version {V} is not admissible now (check can_admit "
+                    f"first; it waits in the Trajectory Server)"
+                )
             g = self._groups[group_id] = _Group(group_id, V, None, {traj_id: V})
             self._seq[group_id] = self._next_seq
             self._next_seq += 1
@@ -189,11 +212,15 @@ class CountedBuffer:
         if g.occupied:
             raise ProtocolError(f"group {group_id!r} is already queued for training")
         if self._over_stale(g):
-            raise ProtocolError(f"group {group_id!r} (V_traj {g.traj_version}) can no longer be trained within "
-                                f"eta={self.eta} (next batch {self.version}): the strict variant aborts it")
+            raise ProtocolError(
+                f"group {group_id!r} (V_traj {g.traj_version}) can no longer be trained within "
+                f"eta={self.eta} (next batch {self.version}): the strict variant aborts it"
+            )
         if len(g.done) < self.group_size:
-            raise ProtocolError(f"group {group_id!r} has {len(g.done)} of group_size={self.group_size} members "
-                                f"complete: occupy after generation and reward of the group")
+            raise ProtocolError(
+                f"group {group_id!r} has {len(g.done)} of group_size={self.group_size} members "
+                f"complete: occupy after generation and reward of the group"
+            )
         g.occupied, g.buffer = True, self.version
         self._queue.append(group_id)
         self._left(g, completed=True)
@@ -201,8 +228,10 @@ class CountedBuffer:
 
     def consume(self, v: int) -> list:
         if v != self.version or self.ready_version() is None:
-            raise ProtocolError(f"consume({v!r}): the next batch is {self.version} and it has "
-                                f"{len(self._queue)}/{self.batch_size} completed groups")
+            raise ProtocolError(
+                f"consume({v!r}): the next batch is {self.version} and it has "
+                f"{len(self._queue)}/{self.batch_size} completed groups"
+            )
         batch = self._batch(self._trainable())
         taken = set(batch)
         self._queue = [gid for gid in self._queue if gid not in taken]
@@ -253,10 +282,16 @@ class CountedBuffer:
 
     # ---- metrics and self-check --------------------------------------------------------------
     def stats(self) -> dict:
-        return {"version": self.version, "rollout_version": self.rollout_version, "queued": len(self._queue),
-                "groups_in_flight": sum(1 for g in self._groups.values() if not g.occupied),
-                "groups_consumed": len(self._log), "groups_aborted": len(self._aborted),
-                "consumed_over_eta": self.over_eta(), **self._counters()}
+        return {
+            "version": self.version,
+            "rollout_version": self.rollout_version,
+            "queued": len(self._queue),
+            "groups_in_flight": sum(1 for g in self._groups.values() if not g.occupied),
+            "groups_consumed": len(self._log),
+            "groups_aborted": len(self._aborted),
+            "consumed_over_eta": self.over_eta(),
+            **self._counters(),
+        }
 
     def _counters(self) -> dict:
         return {}

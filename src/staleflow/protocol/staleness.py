@@ -29,28 +29,39 @@ surplus (B' > B) is moved to the latest other buffer of its window with room, or
 from __future__ import annotations
 
 from staleflow.protocol.state import ManagerState
-from staleflow.protocol.types import (_FAST_ID, BufferState, EntryState, ProtocolError, _Buffer, _check_id,
-                                      _Group)
+from staleflow.protocol.types import _FAST_ID, BufferState, EntryState, ProtocolError, _Buffer, _check_id, _Group
 
 
 class StalenessManager(ManagerState):
     """Staleness buffers + group tracker (the StaleFlow protocol); see the module docstring.
 
-        m = StalenessManager(eta=1, batch_size=2)
-        m.reserve("t0", "g0", 0); m.complete("t0"); m.occupy("g0"); m.ready_version()
+    m = StalenessManager(eta=1, batch_size=2)
+    m.reserve("t0", "g0", 0); m.complete("t0"); m.occupy("g0"); m.ready_version()
     """
 
     bounded = True
     """Every consumed group is within eta of its V_traj (the loop audits it as a hard invariant)."""
 
-    def __init__(self, eta: int, batch_size: int, capacity: int | None = None,
-                 group_size: int = 1, group_capacity: int | None = None, version: int = 0,
-                 exchange: bool = True):
+    def __init__(
+        self,
+        eta: int,
+        batch_size: int,
+        capacity: int | None = None,
+        group_size: int = 1,
+        group_capacity: int | None = None,
+        version: int = 0,
+        exchange: bool = True,
+    ):
         capacity = batch_size if capacity is None else capacity
         group_capacity = group_size if group_capacity is None else group_capacity
-        for name, val, low in (("eta", eta, 0), ("batch_size", batch_size, 1), ("capacity", capacity, batch_size),
-                               ("group_size", group_size, 1), ("group_capacity", group_capacity, group_size),
-                               ("version", version, 0)):
+        for name, val, low in (
+            ("eta", eta, 0),
+            ("batch_size", batch_size, 1),
+            ("capacity", capacity, batch_size),
+            ("group_size", group_size, 1),
+            ("group_capacity", group_capacity, group_size),
+            ("version", version, 0),
+        ):
             if type(val) is not int or val < low:
                 raise ProtocolError(f"StalenessManager {name}={val!r} is invalid: must be an int >= {low!r}")
         self.eta, self.batch_size, self.capacity = eta, batch_size, capacity
@@ -93,8 +104,10 @@ class StalenessManager(ManagerState):
         if not isinstance(traj_version, int) or isinstance(traj_version, bool) or traj_version < 0:
             raise ProtocolError(f"traj_version {traj_version!r} must be an int >= 0")
         if traj_version > self.version:
-            raise ProtocolError(f"traj_version {traj_version} does not exist yet: the newest model is "
-                                f"{self.version} (buffer {self.version - 1} consumed last)")
+            raise ProtocolError(
+                f"traj_version {traj_version} does not exist yet: the newest model is "
+                f"{self.version} (buffer {self.version - 1} consumed last)"
+            )
         return traj_version
 
     def _latest_room(self, lo: int, hi: int, skip: int | None = None) -> int | None:
@@ -113,9 +126,13 @@ class StalenessManager(ManagerState):
         if group_id is not None:
             g = self._groups.get(group_id)
             if g is not None:
-                return (not g.occupied and g.buffer is not None and g.buffer <= V + self.eta
-                        and len(g.done) < self.group_size
-                        and len(g.live) + len(g.done) < self.group_capacity)
+                return (
+                    not g.occupied
+                    and g.buffer is not None
+                    and g.buffer <= V + self.eta
+                    and len(g.done) < self.group_size
+                    and len(g.live) + len(g.done) < self.group_capacity
+                )
             if group_id in self._finished:
                 return False
         if V <= self.closed_version:
@@ -149,8 +166,7 @@ class StalenessManager(ManagerState):
         self.buffer_state(v)
         b = self._buffers.get(v) or _Buffer()
         n_res, n_occ = len(b.reserved), len(b.occupied)
-        return {EntryState.EMPTY: self.capacity - n_res - n_occ, EntryState.RESERVED: n_res,
-                EntryState.OCCUPIED: n_occ}
+        return {EntryState.EMPTY: self.capacity - n_res - n_occ, EntryState.RESERVED: n_res, EntryState.OCCUPIED: n_occ}
 
     def _group(self, group_id) -> _Group:
         g = self._groups.get(group_id)
@@ -163,8 +179,14 @@ class StalenessManager(ManagerState):
     def group_info(self, group_id) -> dict:
         g = self._group(group_id)
         state = "occupied" if g.occupied else ("closed" if g.buffer is None else "reserved")
-        return {"group_id": group_id, "traj_version": g.traj_version, "buffer_version": g.buffer,
-                "state": state, "live": list(g.live), "done": list(g.done)}
+        return {
+            "group_id": group_id,
+            "traj_version": g.traj_version,
+            "buffer_version": g.buffer,
+            "state": state,
+            "live": list(g.live),
+            "done": list(g.done),
+        }
 
     def consumption_log(self) -> list[tuple]:
         return list(self._log)
@@ -209,8 +231,10 @@ class StalenessManager(ManagerState):
             if len(g.live) + len(g.done) >= self.group_capacity:
                 raise ProtocolError(f"group {group_id!r} already has group_capacity={self.group_capacity} members")
             if g.buffer > V + self.eta:
-                raise ProtocolError(f"member {traj_id!r} at traj_version {V} cannot join group {group_id!r} "
-                                    f"reserved in buffer {g.buffer} > {V} + eta {self.eta}")
+                raise ProtocolError(
+                    f"member {traj_id!r} at traj_version {V} cannot join group {group_id!r} "
+                    f"reserved in buffer {g.buffer} > {V} + eta {self.eta}"
+                )
             g.live[traj_id] = V
             if V < g.traj_version:
                 g.traj_version = V
@@ -226,8 +250,10 @@ class StalenessManager(ManagerState):
                     v = u
                     break
         if v is None:
-            raise ProtocolError(f"traj_version {V} is not admissible: no buffer in [{V}, {V + self.eta}] has "
-                                f"an EMPTY entry (check can_admit first; the trajectory waits)")
+            raise ProtocolError(
+                f"traj_version {V} is not admissible: no buffer in [{V}, {V + self.eta}] has "
+                f"an EMPTY entry (check can_admit first; the trajectory waits)"
+            )
         g = self._groups[group_id] = self._trajs[traj_id] = _Group(group_id, V, v, {traj_id: V})
         b = self._buffers.get(v)
         if b is None:
@@ -262,8 +288,10 @@ class StalenessManager(ManagerState):
         if g.buffer is None:
             raise ProtocolError(f"group {group_id!r} can no longer be placed (its window closed): abort it")
         if len(g.done) < self.group_size:
-            raise ProtocolError(f"group {group_id!r} has {len(g.done)} of group_size={self.group_size} "
-                                f"members complete: occupy after generation and reward of the group")
+            raise ProtocolError(
+                f"group {group_id!r} has {len(g.done)} of group_size={self.group_size} "
+                f"members complete: occupy after generation and reward of the group"
+            )
         v = v0 = g.buffer
         full = self._full
         lo = g.traj_version if g.traj_version > self.version else self.version
@@ -330,8 +358,10 @@ class StalenessManager(ManagerState):
         if v != self.version:
             raise ProtocolError(f"consume({v!r}) out of order: the next buffer to consume is {self.version}")
         if self.ready_version() is None:
-            raise ProtocolError(f"buffer {v} is not Ready ({self.buffer_state(v).value}, "
-                                f"{self.buffer_entries(v)[EntryState.OCCUPIED]}/{self.batch_size} occupied)")
+            raise ProtocolError(
+                f"buffer {v} is not Ready ({self.buffer_state(v).value}, "
+                f"{self.buffer_entries(v)[EntryState.OCCUPIED]}/{self.batch_size} occupied)"
+            )
         b = self._buffers.pop(v)
         self._full.discard(v)
         assert not b.reserved, "a Ready buffer holds no reservations"
@@ -362,8 +392,10 @@ class StalenessManager(ManagerState):
         if g is None:
             raise ProtocolError(f"abort: unknown (or already aborted/consumed) traj_id {traj_id!r}")
         if g.occupied:
-            raise ProtocolError(f"abort: traj {traj_id!r} belongs to group {g.group_id!r} which already "
-                                f"occupies buffer {g.buffer}; it will be consumed")
+            raise ProtocolError(
+                f"abort: traj {traj_id!r} belongs to group {g.group_id!r} which already "
+                f"occupies buffer {g.buffer}; it will be consumed"
+            )
         self._drop_member(g, traj_id, reason)
         if len(g.done) + len(g.live) < self.group_size:
             self.abort_group(g.group_id, reason)

@@ -40,11 +40,21 @@ def manager_state_dict(m) -> dict:
         **{k: getattr(m, k) for k in _PARAMS},
         "version": m.version,
         "closed_version": m.closed_version,
-        "buffers": [{"version": v, "reserved": list(b.reserved), "occupied": list(b.occupied)}
-                    for v, b in sorted(m._buffers.items())],
-        "groups": [{"group_id": g.group_id, "traj_version": g.traj_version, "buffer": g.buffer,
-                    "occupied": g.occupied, "live": [[t, V] for t, V in g.live.items()],
-                    "done": [[t, V] for t, V in g.done.items()]} for g in m._groups.values()],
+        "buffers": [
+            {"version": v, "reserved": list(b.reserved), "occupied": list(b.occupied)}
+            for v, b in sorted(m._buffers.items())
+        ],
+        "groups": [
+            {
+                "group_id": g.group_id,
+                "traj_version": g.traj_version,
+                "buffer": g.buffer,
+                "occupied": g.occupied,
+                "live": [[t, V] for t, V in g.live.items()],
+                "done": [[t, V] for t, V in g.done.items()],
+            }
+            for g in m._groups.values()
+        ],
         "closed": list(m._closed),
         "aborted": [[gid, reason] for gid, reason in m._aborted.items()],
         "consumed": [list(rec) for rec in m._log],
@@ -59,13 +69,19 @@ def manager_stats(m) -> dict:
     for v in sorted(m._buffers):
         buffers[str(v)] = {"state": m.buffer_state(v).value, **{k.value: n for k, n in m.buffer_entries(v).items()}}
     in_flight = sum(1 for g in m._groups.values() if not g.occupied)
-    return {"version": m.version, "closed_version": m.closed_version, "buffers": buffers,
-            "groups_in_flight": in_flight, "groups_closed": len(m._closed),
-            "groups_occupied": len(m._groups) - in_flight,
-            "trajs_live": sum(len(g.live) for g in m._groups.values()),
-            "groups_consumed": len(m._log), "occupy_exchanges": m.exchanges,
-            "groups_aborted_by_reason": dict(m._abort_counts),
-            "trajs_aborted_by_reason": dict(m._member_abort_counts)}
+    return {
+        "version": m.version,
+        "closed_version": m.closed_version,
+        "buffers": buffers,
+        "groups_in_flight": in_flight,
+        "groups_closed": len(m._closed),
+        "groups_occupied": len(m._groups) - in_flight,
+        "trajs_live": sum(len(g.live) for g in m._groups.values()),
+        "groups_consumed": len(m._log),
+        "occupy_exchanges": m.exchanges,
+        "groups_aborted_by_reason": dict(m._abort_counts),
+        "trajs_aborted_by_reason": dict(m._member_abort_counts),
+    }
 
 
 def manager_from_state_dict(cls, group_cls, d: dict):
@@ -79,8 +95,9 @@ def manager_from_state_dict(cls, group_cls, d: dict):
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ProtocolError):
             raise
-        raise ProtocolError(f"malformed staleness-manager state dict ({type(e).__name__}: {e}); "
-                            f"pass the dict returned by state_dict()") from None
+        raise ProtocolError(
+            f"malformed staleness-manager state dict ({type(e).__name__}: {e}); pass the dict returned by state_dict()"
+        ) from None
     return m
 
 

@@ -26,11 +26,21 @@ from staleflow.protocol.types import ProtocolError
 
 
 class VerlAsyncBuffer(CountedBuffer):
-    """    m = VerlAsyncBuffer(eta=1, batch_size=4, staleness_threshold=0.5)  # 6 groups per version window"""
+    """m = VerlAsyncBuffer(eta=1, batch_size=4, staleness_threshold=0.5)  # 6 groups per version window"""
 
-    def __init__(self, eta: int, batch_size: int, capacity: int | None = None, group_size: int = 1,
-                 group_capacity: int | None = None, version: int = 0, staleness_threshold: float | None = None,
-                 n_instances: int = 1, trigger_sync_steps: int = 1, strict: bool = False):
+    def __init__(
+        self,
+        eta: int,
+        batch_size: int,
+        capacity: int | None = None,
+        group_size: int = 1,
+        group_capacity: int | None = None,
+        version: int = 0,
+        staleness_threshold: float | None = None,
+        n_instances: int = 1,
+        trigger_sync_steps: int = 1,
+        strict: bool = False,
+    ):
         super().__init__(eta, batch_size, capacity, group_size, group_capacity, version, strict)
         s = float(eta) if staleness_threshold is None else staleness_threshold
         if not isinstance(s, (int, float)) or s < 0:
@@ -48,8 +58,11 @@ class VerlAsyncBuffer(CountedBuffer):
         self.active = 0
 
     def _room(self, traj_version: int) -> bool:
-        return (len(self._queue) < self.max_queue and self.staleness_samples < self.max_required
-                and self.active < self.max_concurrent)
+        return (
+            len(self._queue) < self.max_queue
+            and self.staleness_samples < self.max_required
+            and self.active < self.max_concurrent
+        )
 
     def _admitted(self, g) -> None:
         self.staleness_samples += 1
@@ -64,15 +77,21 @@ class VerlAsyncBuffer(CountedBuffer):
             self.staleness_samples = self.active + len(self._queue)
 
     def _batch(self, queue: list) -> list:
-        return queue[:self.batch_size]
+        return queue[: self.batch_size]
 
     def _counters(self) -> dict:
-        return {"staleness_samples": self.staleness_samples, "active": self.active,
-                "max_required": self.max_required, "max_concurrent": self.max_concurrent}
+        return {
+            "staleness_samples": self.staleness_samples,
+            "active": self.active,
+            "max_required": self.max_required,
+            "max_concurrent": self.max_concurrent,
+        }
 
     def validate(self) -> None:
         super().validate()
         active = sum(1 for g in self._groups.values() if not g.occupied)
         if active != self.active or self.active + len(self._queue) > self.max_required:
-            raise ProtocolError(f"VerlAsyncBuffer active={self.active} ({active} in flight) + queued "
-                                f"{len(self._queue)} exceeds max_required={self.max_required}")
+            raise ProtocolError(
+                f"VerlAsyncBuffer active={self.active} ({active} in flight) + queued "
+                f"{len(self._queue)} exceeds max_required={self.max_required}"
+            )

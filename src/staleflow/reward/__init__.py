@@ -17,13 +17,38 @@ docs/data-and-rewards.md.
 from staleflow.reward.countdown import check_countdown, completion_expression, last_plain_expression
 from staleflow.reward.extract import all_boxed, final_number, last_boxed, parse_int
 from staleflow.reward.functions import (
-    FULL_CREDIT, REWARDS, RewardError, RewardFn, arithmetic_reward, countdown_reward, format_reward, math_reward,
-    register_reward, resolve_reward_fn, score,
+    FULL_CREDIT,
+    REWARDS,
+    RewardError,
+    RewardFn,
+    arithmetic_reward,
+    countdown_reward,
+    format_reward,
+    math_reward,
+    register_reward,
+    resolve_reward_fn,
+    score,
 )
 from staleflow.reward.pool import RewardPool
 
 __all__ = [
-    "FULL_CREDIT", "REWARDS", "RewardError", "RewardFn", "RewardPool", "all_boxed", "arithmetic_reward",
-    "check_countdown", "completion_expression", "countdown_reward", "final_number", "format_reward", "last_boxed",
-    "last_plain_expression", "math_reward", "parse_int", "register_reward", "resolve_reward_fn", "score",
+    "FULL_CREDIT",
+    "REWARDS",
+    "RewardError",
+    "RewardFn",
+    "RewardPool",
+    "all_boxed",
+    "arithmetic_reward",
+    "check_countdown",
+    "completion_expression",
+    "countdown_reward",
+    "final_number",
+    "format_reward",
+    "last_boxed",
+    "last_plain_expression",
+    "math_reward",
+    "parse_int",
+    "register_reward",
+    "resolve_reward_fn",
+    "score",
 ]

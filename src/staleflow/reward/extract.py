@@ -29,7 +29,7 @@ def all_boxed(text: str) -> list[str]:
                 depth += {"{": 1, "}": -1}.get(text[i], 0)
                 i += 1
             if depth == 0:  # an unclosed box is not an answer
-                found.append((start, text[start + len(opener):i - 1]))
+                found.append((start, text[start + len(opener) : i - 1]))
             start = text.find(opener, start + 1)
     return [content for _, content in sorted(found)]
 

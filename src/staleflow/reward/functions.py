@@ -24,7 +24,7 @@ import math
 import numbers
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from staleflow.extensions import ExtensionError, Registry, Shape
 from staleflow.reward.countdown import check_countdown, completion_expression
@@ -42,7 +42,8 @@ class RewardError(ExtensionError):
 
 
 REWARDS: Registry[RewardFn] = Registry(
-    "reward", "--reward.fn", Shape.function(3, "fn(completion, answer, meta) -> float"), error=RewardError)
+    "reward", "--reward.fn", Shape.function(3, "fn(completion, answer, meta) -> float"), error=RewardError
+)
 register_reward = REWARDS.register
 """Decorator: make a reward function available as --reward.fn NAME."""
 
@@ -121,8 +122,10 @@ def answer_problem(spec: str, answer: str) -> str | None:
     data is loaded, so an unscorable row is reported with its row number instead of failing at
     every reward call: e.g. ``\\frac{5}{2}`` under the integer ``arithmetic`` reward."""
     if spec == "arithmetic" and parse_int(str(answer)) is None:
-        return f"answer {answer!r} is not an integer: the arithmetic reward scores integer answers only " \
-               f"(use --reward.fn math)"
+        return (
+            f"answer {answer!r} is not an integer: the arithmetic reward scores integer answers only "
+            f"(use --reward.fn math)"
+        )
     if spec == "math":
         from math_verify import parse
 
@@ -147,15 +150,21 @@ def score(fn: RewardFn, completion: str, answer: str, meta: dict, format_weight:
     completion has a non-empty box, right or wrong: the rate the policy boxes at), error, elapsed_s.
     """
     t0 = time.perf_counter()
-    info: dict = {"error": None, "answer_reward": 0.0, "format_reward": 0.0,
-                  "boxed": 1.0 if last_boxed(completion) is not None else 0.0}
+    info: dict = {
+        "error": None,
+        "answer_reward": 0.0,
+        "format_reward": 0.0,
+        "boxed": 1.0 if last_boxed(completion) is not None else 0.0,
+    }
     try:
         value = fn(completion, answer, meta)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise TypeError(f"reward function returned {value!r}; it must return a finite float")
         if abs(value) > MAX_ABS_REWARD:
-            raise ValueError(f"reward function returned {value!r}, beyond +-{MAX_ABS_REWARD:g}: advantages of rewards "
-                             f"that large overflow; scale the reward down")
+            raise ValueError(
+                f"reward function returned {value!r}, beyond +-{MAX_ABS_REWARD:g}: advantages of rewards "
+                f"that large overflow; scale the reward down"
+            )
     except Exception as e:  # a user function may raise anything; the run must go on
         info["error"] = f"{type(e).__name__}: {e}"
         return 0.0, _done(info, t0)

@@ -84,8 +84,9 @@ class _Worker:
     def __init__(self, ctx, fn_spec: str, format_weight: float, index: int = 0):
         self.conn, child = ctx.Pipe()
         self.index = index
-        self.proc = ctx.Process(target=_worker_main, args=(child, fn_spec, format_weight, index),
-                                name="staleflow-reward", daemon=True)
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, fn_spec, format_weight, index), name="staleflow-reward", daemon=True
+        )
         self.proc.start()
         child.close()
         self.ready = False
@@ -195,9 +196,17 @@ class RewardPool:
         """The running job of a worker about to be replaced scores 0; the jobs behind it are requeued."""
         job_id = w.jobs.popleft()
         completion = self._sent.pop(job_id)[1]
-        self._finish(self._keys.pop(job_id), 0.0,
-                     {"error": why, "answer_reward": 0.0, "format_reward": 0.0,
-                      "boxed": 1.0 if last_boxed(completion) is not None else 0.0, "elapsed_s": None})
+        self._finish(
+            self._keys.pop(job_id),
+            0.0,
+            {
+                "error": why,
+                "answer_reward": 0.0,
+                "format_reward": 0.0,
+                "boxed": 1.0 if last_boxed(completion) is not None else 0.0,
+                "elapsed_s": None,
+            },
+        )
 
     def _replace(self, w: _Worker) -> _Worker:
         for job_id in reversed(w.jobs):  # sent but not started: run them elsewhere, in order
@@ -253,8 +262,7 @@ class RewardPool:
         code = w.proc.exitcode
         if not w.ready:
             self.close()
-            raise RewardError(f"a reward worker for --reward.fn={self.cfg.fn!r} died while starting "
-                              f"(exit code {code})")
+            raise RewardError(f"a reward worker for --reward.fn={self.cfg.fn!r} died while starting (exit code {code})")
         if w.jobs:
             self._fail_head(w, f"reward worker died (exit code {code}) while scoring")
         self._replace(w)

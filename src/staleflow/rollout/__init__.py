@@ -8,8 +8,16 @@
 See docs/engine.md.
 """
 
-from staleflow.rollout.engine import (CostSample, EngineError, EngineStats, FinishReason, Request, RequestOutput,
-                                      RolloutEngine, SamplingParams)
+from staleflow.rollout.engine import (
+    CostSample,
+    EngineError,
+    EngineStats,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RolloutEngine,
+    SamplingParams,
+)
 
 
 def __getattr__(name):
@@ -21,5 +29,14 @@ def __getattr__(name):
     raise AttributeError(f"module 'staleflow.rollout' has no attribute {name!r}")
 
 
-__all__ = ["BuiltinEngine", "CostSample", "EngineError", "EngineStats", "FinishReason", "Request", "RequestOutput",
-           "RolloutEngine", "SamplingParams"]
+__all__ = [
+    "BuiltinEngine",
+    "CostSample",
+    "EngineError",
+    "EngineStats",
+    "FinishReason",
+    "Request",
+    "RequestOutput",
+    "RolloutEngine",
+    "SamplingParams",
+]

@@ -19,13 +19,22 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from staleflow.rollout.block_manager import BlockManager
-from staleflow.rollout.engine import (CostSample, EngineError, EngineStats, Request, RequestOutput, abort_ids,
-                                     check_request, generate_all)
+from staleflow.rollout.engine import (
+    CostSample,
+    EngineError,
+    EngineStats,
+    Request,
+    RequestOutput,
+    abort_ids,
+    check_request,
+    generate_all,
+)
 from staleflow.rollout.model_runner import ModelRunner
 from staleflow.rollout.prefix_sharing import SharingBlockManager
 from staleflow.rollout.sampler import Sampler
@@ -37,18 +46,32 @@ if TYPE_CHECKING:
 
 
 class BuiltinEngine:
-    def __init__(self, model: torch.nn.Module, *, max_running: int = 64, max_kv_tokens: int = 65536,
-                 block_size: int = 16, prefill_chunk_tokens: int = 2048, max_model_len: int = 2048,
-                 eos_ids: Iterable[int] | None = None, version: int = 0, seed: int = 0,
-                 profile: bool = False, decode_mirror: bool | None = None, decode_backend: str = "auto",
-                 prefix_sharing: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_running: int = 64,
+        max_kv_tokens: int = 65536,
+        block_size: int = 16,
+        prefill_chunk_tokens: int = 2048,
+        max_model_len: int = 2048,
+        eos_ids: Iterable[int] | None = None,
+        version: int = 0,
+        seed: int = 0,
+        profile: bool = False,
+        decode_mirror: bool | None = None,
+        decode_backend: str = "auto",
+        prefix_sharing: bool = True,
+    ):
         """decode_backend: "auto" | "mirror" | "gather" | "triton" | "flash" (decode_backend.py);
         decode_mirror True / False is the older spelling of "mirror" / "gather". prefix_sharing:
         requests with the same prompt share its full KV blocks (prefix_sharing.py)."""
         num_blocks = max_kv_tokens // block_size
         if num_blocks * block_size < max_model_len:
-            raise EngineError(f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
-                              f"{max_model_len}: raise --rollout.max-kv-tokens or lower --rollout.max-model-len")
+            raise EngineError(
+                f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
+                f"{max_model_len}: raise --rollout.max-kv-tokens or lower --rollout.max-model-len"
+            )
         if max_running < 1 or prefill_chunk_tokens < 1:
             raise EngineError(f"max_running={max_running} and prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         model.eval()
@@ -62,8 +85,14 @@ class BuiltinEngine:
         self.version = int(version)
         self.block_manager = (SharingBlockManager if prefix_sharing else BlockManager)(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_running, prefill_chunk_tokens)
-        self.runner = ModelRunner(model, self.block_manager, max_running=max_running, max_model_len=max_model_len,
-                                  decode_mirror=decode_mirror, decode_backend=decode_backend)
+        self.runner = ModelRunner(
+            model,
+            self.block_manager,
+            max_running=max_running,
+            max_model_len=max_model_len,
+            decode_mirror=decode_mirror,
+            decode_backend=decode_backend,
+        )
         self.sampler = Sampler()
         self.seqs: dict = {}
         self._rng = random.Random(seed)
@@ -76,9 +105,16 @@ class BuiltinEngine:
         self.profile_samples: list[CostSample] = []
 
     @classmethod
-    def from_config(cls, model_cfg, rollout_cfg, device: str | torch.device | None = None,
-                    version: int = 0, profile: bool | None = None, model: CausalLM | None = None,
-                    seed: int = 0) -> "BuiltinEngine":
+    def from_config(
+        cls,
+        model_cfg,
+        rollout_cfg,
+        device: str | torch.device | None = None,
+        version: int = 0,
+        profile: bool | None = None,
+        model: CausalLM | None = None,
+        seed: int = 0,
+    ) -> BuiltinEngine:
         """The one way to build an engine from ModelConfig + RolloutConfig (staleflow.config).
 
         `model`: an already loaded CausalLM (a rollout rank's, see load_rollout_model), cast here to
@@ -92,10 +128,19 @@ class BuiltinEngine:
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             model = load_rollout_model(model_cfg, rollout_cfg, device)
         rc = rollout_cfg
-        return cls(model, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens, block_size=rc.block_size,
-                   prefill_chunk_tokens=rc.prefill_chunk_tokens, max_model_len=rc.max_model_len, version=version,
-                   seed=seed, profile=rc.profile if profile is None else profile,
-                   decode_backend=rc.decode_backend, prefix_sharing=rc.prefix_sharing)
+        return cls(
+            model,
+            max_running=rc.max_running,
+            max_kv_tokens=rc.max_kv_tokens,
+            block_size=rc.block_size,
+            prefill_chunk_tokens=rc.prefill_chunk_tokens,
+            max_model_len=rc.max_model_len,
+            version=version,
+            seed=seed,
+            profile=rc.profile if profile is None else profile,
+            decode_backend=rc.decode_backend,
+            prefix_sharing=rc.prefix_sharing,
+        )
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -144,8 +189,9 @@ class BuiltinEngine:
         finished: list[RequestOutput] = []
         if rows:
             seqs = [batch.seqs[i] for i in rows]
-            tokens, logprobs = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                            [s.num_output for s in seqs])
+            tokens, logprobs = self.sampler(
+                logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output for s in seqs]
+            )
             for seq, tok, lp in zip(seqs, tokens, logprobs):
                 seq.append(tok, lp, self.version)
                 reason = self._finish_reason(seq, tok)
@@ -160,9 +206,14 @@ class BuiltinEngine:
         rate = len(rows) / max(self.last_step_latency_s, 1e-9)
         self.throughput_tok_s = rate if self.steps == 1 else 0.8 * self.throughput_tok_s + 0.2 * rate
         if self.profile:
-            self.profile_samples.append(CostSample(
-                n_running=len(batch), kv_tokens=kv_attended,
-                prefill_tokens=batch.prefill_tokens, latency_s=self.last_step_latency_s))
+            self.profile_samples.append(
+                CostSample(
+                    n_running=len(batch),
+                    kv_tokens=kv_attended,
+                    prefill_tokens=batch.prefill_tokens,
+                    latency_s=self.last_step_latency_s,
+                )
+            )
         return finished
 
     def _finish_reason(self, seq: Sequence, tok: int):
@@ -186,8 +237,9 @@ class BuiltinEngine:
     def close(self) -> None:
         """Nothing outside this process to stop (the KV cache goes with the engine)."""
 
-    def load_weights(self, named_tensors: Mapping | Iterable, version: int, strict: bool = True,
-                     keep_kv: bool = False) -> None:
+    def load_weights(
+        self, named_tensors: Mapping | Iterable, version: int, strict: bool = True, keep_kv: bool = False
+    ) -> None:
         """Copy named tensors (HF names) into the parameters in place and set the weight version.
 
         Everything is validated first (names, shapes, floating dtype, every parameter covered when
@@ -199,27 +251,35 @@ class BuiltinEngine:
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         if not isinstance(version, int) or version < self.version:
-            raise EngineError(f"load_weights: version={version!r} is older than the engine's version "
-                              f"{self.version}: versions only move forward")
+            raise EngineError(
+                f"load_weights: version={version!r} is older than the engine's version "
+                f"{self.version}: versions only move forward"
+            )
         covered = set()
         for name, t in items:
             if name not in params:
-                raise EngineError(f"load_weights: unknown parameter name {name!r} (expected HF names such as "
-                                  f"{next(iter(params))!r}); nothing was loaded")
+                raise EngineError(
+                    f"load_weights: unknown parameter name {name!r} (expected HF names such as "
+                    f"{next(iter(params))!r}); nothing was loaded"
+                )
             p = params[name]
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise EngineError(f"load_weights: {name!r} has shape {got}, expected {tuple(p.shape)}; "
-                                  f"nothing was loaded")
+                raise EngineError(
+                    f"load_weights: {name!r} has shape {got}, expected {tuple(p.shape)}; nothing was loaded"
+                )
             if not t.is_floating_point():
-                raise EngineError(f"load_weights: {name!r} has dtype {t.dtype}, expected a floating dtype; "
-                                  f"nothing was loaded")
+                raise EngineError(
+                    f"load_weights: {name!r} has dtype {t.dtype}, expected a floating dtype; nothing was loaded"
+                )
             covered.add(id(p))
         if strict:
             missing = [n for n, p in params.items() if id(p) not in covered]
             if missing:
-                raise EngineError(f"load_weights: {len(missing)} parameters missing, e.g. {missing[0]!r}; pass "
-                                  f"every parameter or strict=False; nothing was loaded")
+                raise EngineError(
+                    f"load_weights: {len(missing)} parameters missing, e.g. {missing[0]!r}; pass "
+                    f"every parameter or strict=False; nothing was loaded"
+                )
         with torch.no_grad():
             for name, t in items:
                 params[name].copy_(t)
@@ -236,11 +296,18 @@ class BuiltinEngine:
     def stats(self) -> EngineStats:
         sch = self.scheduler
         return EngineStats(
-            num_running=len(sch.running), num_waiting=len(sch.waiting), kv_tokens=self.kv_tokens(),
-            kv_capacity=self.block_manager.capacity_tokens, tokens_generated=self.tokens_generated,
-            last_step_latency_s=self.last_step_latency_s, version=self.version,
-            running_ids=[s.request_id for s in sch.running], waiting_ids=[s.request_id for s in sch.waiting],
-            steps=self.steps, throughput_tok_s=self.throughput_tok_s)
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
+            kv_tokens=self.kv_tokens(),
+            kv_capacity=self.block_manager.capacity_tokens,
+            tokens_generated=self.tokens_generated,
+            last_step_latency_s=self.last_step_latency_s,
+            version=self.version,
+            running_ids=[s.request_id for s in sch.running],
+            waiting_ids=[s.request_id for s in sch.waiting],
+            steps=self.steps,
+            throughput_tok_s=self.throughput_tok_s,
+        )
 
 
 def load_rollout_model(model_cfg, rollout_cfg, device) -> CausalLM:
@@ -256,7 +323,8 @@ def rollout_dtype(model_cfg, rollout_cfg, device: torch.device) -> torch.dtype:
     bfloat16 on CUDA and float32 on CPU."""
     name = model_cfg.dtype if rollout_cfg.dtype == "auto" else rollout_cfg.dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        name, torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+        name, torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    )
 
 
 __all__ = ["BuiltinEngine", "SequenceStatus", "load_rollout_model", "rollout_dtype"]

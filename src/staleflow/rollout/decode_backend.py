@@ -57,19 +57,30 @@ def resolve_decode_backend(requested: str, device: torch.device, dtype: torch.dt
             return "flash"
         return "triton" if triton_available(device) else "gather"
     if requested == "flash" and not flash_ok:
-        raise EngineError(f"decode_backend='flash' needs CUDA, fp16/bf16, block_size a multiple of "
-                          f"{FLASH_PAGE_MULTIPLE} (got {block_size}) and flash-attn installed (got device "
-                          f"{device}, {dtype}, flash-attn {'present' if flash_available() else 'missing'}): "
-                          f"use 'triton' or 'auto'")
+        raise EngineError(
+            f"decode_backend='flash' needs CUDA, fp16/bf16, block_size a multiple of "
+            f"{FLASH_PAGE_MULTIPLE} (got {block_size}) and flash-attn installed (got device "
+            f"{device}, {dtype}, flash-attn {'present' if flash_available() else 'missing'}): "
+            f"use 'triton' or 'auto'"
+        )
     if requested == "triton" and not triton_available(device):
-        raise EngineError(f"decode_backend='triton' needs triton with CUDA (or TRITON_INTERPRET=1 set before "
-                          f"staleflow.kernels is imported, for CPU tests); device is {device}: use 'auto'")
+        raise EngineError(
+            f"decode_backend='triton' needs triton with CUDA (or TRITON_INTERPRET=1 set before "
+            f"staleflow.kernels is imported, for CPU tests); device is {device}: use 'auto'"
+        )
     return requested
 
 
-def paged_decode(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                 max_context_len: int) -> torch.Tensor:
+def paged_decode(
+    backend: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    max_context_len: int,
+) -> torch.Tensor:
     """Decode attention over the paged cache in place. q [B, Hq, D]; k_cache / v_cache: one
     layer's [slots (+ null slot), Hkv, D]; block_tables int32 [B, max_blocks]; context_lens int32
     [B] (the new token included, already written). Returns [B, Hq, D]."""
@@ -78,11 +89,12 @@ def paged_decode(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
         num_blocks = (k_cache.shape[0] - 1) // block_size  # drop the null slot: whole blocks only
         shape = (num_blocks, block_size) + tuple(k_cache.shape[1:])
-        kc = k_cache[:num_blocks * block_size].view(shape)  # [num_blocks, block_size, Hkv, D]
-        vc = v_cache[:num_blocks * block_size].view(shape)
+        kc = k_cache[: num_blocks * block_size].view(shape)  # [num_blocks, block_size, Hkv, D]
+        vc = v_cache[: num_blocks * block_size].view(shape)
         out = flash_attn_with_kvcache(q.unsqueeze(1), kc, vc, cache_seqlens=context_lens, block_table=block_tables)
         return out[:, 0]  # [B, 1, Hq, D] -> [B, Hq, D]
     from staleflow.kernels.paged_decode import paged_decode_attention
 
-    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size,
-                                  max_context_len=max_context_len)
+    return paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, block_size, max_context_len=max_context_len
+    )

@@ -28,8 +28,18 @@ from staleflow.rollout.sequence import Sequence
 
 
 class DecodeMirror:
-    def __init__(self, num_layers: int, max_rows: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, budget_tokens: int | None = None, min_len: int = 128):
+    def __init__(
+        self,
+        num_layers: int,
+        max_rows: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        budget_tokens: int | None = None,
+        min_len: int = 128,
+    ):
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.max_rows, self.max_len, self.min_len = max_rows, max_len, min_len
         self.budget_tokens = budget_tokens if budget_tokens is not None else max_rows * max_len
@@ -76,8 +86,9 @@ class DecodeMirror:
     def clear(self) -> None:
         self.rows, self.row_epoch, self.row_len = [], [], []
 
-    def prepare(self, seqs: list[Sequence], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slots_of) -> list[Sequence] | None:
+    def prepare(
+        self, seqs: list[Sequence], k_cache: torch.Tensor, v_cache: torch.Tensor, slots_of
+    ) -> list[Sequence] | None:
         """Make rows 0..len(seqs)-1 hold exactly these decoding sequences' cached K/V (positions
         0..num_computed-1) and return the sequences in row order. k_cache / v_cache: the paged
         caches [layers, slots, Hkv, D]; slots_of(seq, n) -> [n] slot ids of its first n tokens.
@@ -89,13 +100,16 @@ class DecodeMirror:
             self.fallbacks += 1
             return None
         wanted = {id(s): s for s in seqs}
-        keep = [r for r, s in enumerate(self.rows)
-                if id(s) in wanted and self.row_epoch[r] == s.kv_epoch and self.row_len[r] == s.num_computed]
+        keep = [
+            r
+            for r, s in enumerate(self.rows)
+            if id(s) in wanted and self.row_epoch[r] == s.kv_epoch and self.row_len[r] == s.num_computed
+        ]
         # compact: surviving rows move down into the holes, in order
         for dst, src in enumerate(keep):
             if src != dst:
                 self._move(src, dst)
-        del self.rows[len(keep):], self.row_epoch[len(keep):], self.row_len[len(keep):]
+        del self.rows[len(keep) :], self.row_epoch[len(keep) :], self.row_len[len(keep) :]
         have = {id(s) for s in self.rows}
         new = [s for s in seqs if id(s) not in have]
         if (rows, length) != self.capacity:

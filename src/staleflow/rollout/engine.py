@@ -18,8 +18,9 @@ with msgspec unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping, Protocol, Union
+from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 """stop: an eos / stop id was sampled (it is the last output token); length: max_new_tokens or
@@ -70,7 +71,7 @@ class SamplingParams:
 class Request:
     """A trajectory to generate: a new prompt, or a partial trajectory resumed after an interrupt."""
 
-    request_id: Union[str, int]
+    request_id: str | int
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     output_ids: list[int] = field(default_factory=list)
@@ -84,7 +85,7 @@ class Request:
 class RequestOutput:
     """A finished or aborted request. Lists cover every generated token, resumed ones included."""
 
-    request_id: Union[str, int]
+    request_id: str | int
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
@@ -154,7 +155,7 @@ class RolloutEngine(Protocol):
         ``load_weights`` stamps it, or None when the engine's weights live elsewhere (vLLM's
         worker process): the source then hands over tensors of its own."""
 
-    def load_weights(self, named_tensors: Union[Mapping, Iterable], version: int, keep_kv: bool = False) -> None:
+    def load_weights(self, named_tensors: Mapping | Iterable, version: int, keep_kv: bool = False) -> None:
         """Load (or, given its own ``weight_targets``, accept) ``version``. keep_kv: sequences in
         flight keep the KV computed with the old weights (only their next tokens use the new
         ones); else their KV is recomputed. Engines that cannot keep KV say so in their docs."""
@@ -190,8 +191,9 @@ def abort_ids(request_ids: Iterable, live, missing_ok: bool) -> list:
     ids = list(dict.fromkeys(request_ids))
     unknown = [r for r in ids if r not in live]
     if unknown and not missing_ok:
-        raise EngineError(f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); "
-                          f"nothing was aborted")
+        raise EngineError(
+            f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); nothing was aborted"
+        )
     return [r for r in ids if r in live]
 
 
@@ -202,15 +204,21 @@ def check_request(request: Request, max_model_len: int, vocab_size: int) -> None
     if n_prompt == 0:
         raise EngineError(f"request {rid!r} has an empty prompt: give at least one prompt token")
     if n_prompt + n_out >= max_model_len:
-        raise EngineError(f"request {rid!r}: prompt of {n_prompt} tokens + {n_out} generated does not fit "
-                          f"max_model_len={max_model_len} (need room for one new token): shorten the "
-                          f"prompt or raise --rollout.max-model-len")
+        raise EngineError(
+            f"request {rid!r}: prompt of {n_prompt} tokens + {n_out} generated does not fit "
+            f"max_model_len={max_model_len} (need room for one new token): shorten the "
+            f"prompt or raise --rollout.max-model-len"
+        )
     if not (len(request.output_logprobs) == len(request.output_versions) == n_out):
-        raise EngineError(f"request {rid!r}: output_ids/output_logprobs/output_versions lengths differ "
-                          f"({n_out}, {len(request.output_logprobs)}, {len(request.output_versions)})")
+        raise EngineError(
+            f"request {rid!r}: output_ids/output_logprobs/output_versions lengths differ "
+            f"({n_out}, {len(request.output_logprobs)}, {len(request.output_versions)})"
+        )
     if n_out >= request.params.max_new_tokens:
-        raise EngineError(f"request {rid!r} already has {n_out} generated tokens >= max_new_tokens="
-                          f"{request.params.max_new_tokens}: it is finished, do not resume it")
+        raise EngineError(
+            f"request {rid!r} already has {n_out} generated tokens >= max_new_tokens="
+            f"{request.params.max_new_tokens}: it is finished, do not resume it"
+        )
     bad = [t for t in list(request.prompt_ids) + list(request.output_ids) if not 0 <= int(t) < vocab_size]
     if bad:
         raise EngineError(f"request {rid!r} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")

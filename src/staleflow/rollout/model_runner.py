@@ -26,22 +26,41 @@ from staleflow.rollout.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_manager: BlockManager, max_running: int = 64,
-                 max_model_len: int = 2048, decode_mirror: bool | None = None, decode_backend: str = "auto"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        block_manager: BlockManager,
+        max_running: int = 64,
+        max_model_len: int = 2048,
+        decode_mirror: bool | None = None,
+        decode_backend: str = "auto",
+    ):
         self.model = model
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         args = model.args
-        self.attn = PagedAttention(args.num_layers, block_manager.capacity_tokens, args.num_kv_heads,
-                                   args.head_dim, self.dtype, self.device)
+        self.attn = PagedAttention(
+            args.num_layers, block_manager.capacity_tokens, args.num_kv_heads, args.head_dim, self.dtype, self.device
+        )
         if decode_mirror is not None and decode_backend == "auto":  # the older switch: mirror or gather
             decode_backend = "mirror" if decode_mirror else "gather"
         self.backend = resolve_decode_backend(decode_backend, self.device, self.dtype, self.block_size)
-        self.mirror = DecodeMirror(args.num_layers, max_running, max_model_len, args.num_kv_heads, args.head_dim,
-                                   self.dtype, self.device,
-                                   budget_tokens=block_manager.capacity_tokens) if self.backend == "mirror" else None
+        self.mirror = (
+            DecodeMirror(
+                args.num_layers,
+                max_running,
+                max_model_len,
+                args.num_kv_heads,
+                args.head_dim,
+                self.dtype,
+                self.device,
+                budget_tokens=block_manager.capacity_tokens,
+            )
+            if self.backend == "mirror"
+            else None
+        )
         self.attn.mirror = self.mirror
         self.attn.backend, self.attn.block_size = self.backend, self.block_size
         self.sampled_logits = SampledLogits(model)
@@ -63,8 +82,12 @@ class ModelRunner:
         ctx = StepContext(slot_mapping=torch.empty(0), num_decode=nd)
         mirrored = None
         if nd and self.mirror is not None:
-            mirrored = self.mirror.prepare(batch.seqs[:nd], self.attn.k_cache, self.attn.v_cache,
-                                           lambda s, n: self._slots(s.block_table, 0, n).to(dev))
+            mirrored = self.mirror.prepare(
+                batch.seqs[:nd],
+                self.attn.k_cache,
+                self.attn.v_cache,
+                lambda s, n: self._slots(s.block_table, 0, n).to(dev),
+            )
         if mirrored is not None:
             seqs = mirrored
             batch.seqs[:nd] = seqs  # row order (the engine pairs batch.seqs with the sampled rows)
@@ -81,7 +104,7 @@ class ModelRunner:
             lens = [s.num_computed + 1 for s in seqs]
             tables = np.zeros((nd, max(len(s.block_table) for s in seqs)), dtype=np.int32)  # padding never read
             for i, s in enumerate(seqs):  # row by row: 3x faster than torch.tensor(list of lists)
-                tables[i, :len(s.block_table)] = s.block_table
+                tables[i, : len(s.block_table)] = s.block_table
             slot_parts.append(torch.tensor([self.block_manager.slot(s, s.num_computed) for s in seqs]))
             ctx.block_tables = torch.from_numpy(tables).to(dev, non_blocking=True)  # [B, max_blocks]
             ctx.context_lens = torch.tensor(lens, dtype=torch.int32).to(dev, non_blocking=True)  # [B]
@@ -111,7 +134,7 @@ class ModelRunner:
         for i in range(nd, len(batch)):
             seq, n = batch.seqs[i], batch.num_tokens[i]
             c = seq.num_computed
-            ids.extend(seq.token_ids[c:c + n])
+            ids.extend(seq.token_ids[c : c + n])
             positions.extend(range(c, c + n))
             ctx_slots = self._slots(seq.block_table, 0, c + n)
             slot_parts.append(ctx_slots[c:])

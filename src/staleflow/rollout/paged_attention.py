@@ -62,8 +62,15 @@ class StepContext:
 class PagedAttention:
     """Per-layer K/V cache [num_slots + block, Hkv, D] plus the step's context."""
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         # torch.empty: on CPU untouched pages stay unallocated; the scheduler reuses low blocks
         # first, so resident memory follows actual use. The null slot (index num_slots) is
         # zeroed because padded decode gathers read it (masked, but 0 * NaN would be NaN).
@@ -91,8 +98,9 @@ class PagedAttention:
         out = torch.empty_like(q)
         nd = ctx.num_decode
         if nd and ctx.block_tables is not None:  # a kernel reads the paged cache in place
-            out[:nd] = paged_decode(self.backend, q[:nd], kc, vc, ctx.block_tables, ctx.context_lens,
-                                    self.block_size, ctx.decode_len)
+            out[:nd] = paged_decode(
+                self.backend, q[:nd], kc, vc, ctx.block_tables, ctx.context_lens, self.block_size, ctx.decode_len
+            )
         elif nd:
             qd = q[:nd].view(nd, n_kv, group, head_dim)  # [B, Hkv, G, D]
             if ctx.mirror_pos is not None:  # dense rows: write the new token, attend a view
@@ -100,26 +108,27 @@ class PagedAttention:
                 rows = torch.arange(nd, device=q.device)
                 km[rows, :, ctx.mirror_pos] = k[:nd].to(km.dtype)
                 vm[rows, :, ctx.mirror_pos] = v[:nd].to(vm.dtype)
-                kd, vd = km[:nd, :, :ctx.decode_len], vm[:nd, :, :ctx.decode_len]  # [B, Hkv, L, D]
+                kd, vd = km[:nd, :, : ctx.decode_len], vm[:nd, :, : ctx.decode_len]  # [B, Hkv, L, D]
             else:
                 kd = kc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
                 vd = vc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask)  # [B, Hkv, G, D]
             out[:nd] = od.reshape(nd, n_heads, head_dim)
         for ch in ctx.prefills:
-            qp = q[ch.start:ch.end].transpose(0, 1)  # [Hq, n, D]
+            qp = q[ch.start : ch.end].transpose(0, 1)  # [Hq, n, D]
             if ch.context_slots is None:
-                kp, vp = k[ch.start:ch.end], v[ch.start:ch.end]  # [n, Hkv, D]
+                kp, vp = k[ch.start : ch.end], v[ch.start : ch.end]  # [n, Hkv, D]
             else:
                 kp, vp = kc.index_select(0, ch.context_slots), vc.index_select(0, ch.context_slots)  # [L, Hkv, D]
             kp, vp = kp.to(q.dtype).transpose(0, 1), vp.to(q.dtype).transpose(0, 1)  # [Hkv, L, D]
             op = prefill_sdpa(qp, kp, vp, ch.mask, stack_groups=ch.mask is not None and q.is_cuda)  # [Hq, n, D]
-            out[ch.start:ch.end] = op.transpose(0, 1)
+            out[ch.start : ch.end] = op.transpose(0, 1)
         return out
 
 
-def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                 stack_groups: bool = False) -> torch.Tensor:
+def prefill_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, stack_groups: bool = False
+) -> torch.Tensor:
     """Causal attention of one prefill chunk, q [Hq, n, D] over k, v [Hkv, L, D] -> [Hq, n, D];
     mask [n, L] (the chunk after L - n cached tokens) or None (plain causal, L = n).
 
@@ -137,5 +146,6 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         qg = q.reshape(1, n_kv, group * n, head_dim)  # [1, Hkv, G n, D], row g * n + i
         out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask.repeat(group, 1))
         return out.view(n_heads, n, head_dim)
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=group > 1)[0]
+    return F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1
+    )[0]

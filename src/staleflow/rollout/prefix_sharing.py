@@ -52,7 +52,7 @@ class SharingBlockManager(BlockManager):
 
     def _key(self, seq: Sequence, j: int, parent: int) -> tuple[int, tuple[int, ...]]:
         bs = self.block_size
-        return parent, tuple(seq.token_ids[j * bs:(j + 1) * bs])
+        return parent, tuple(seq.token_ids[j * bs : (j + 1) * bs])
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """The registered blocks holding seq's leading shareable prompt blocks (may be empty)."""
@@ -133,7 +133,8 @@ class SharingBlockManager(BlockManager):
         assert counts == self.ref_count, "reference counts differ from the block tables"
         held = {b for b, c in enumerate(counts) if c}
         assert sorted(held | set(self.free_blocks)) == list(range(self.num_blocks)), "a block was lost"
-        assert not held & set(self.free_blocks) and len(set(self.free_blocks)) == len(self.free_blocks), \
+        assert not held & set(self.free_blocks) and len(set(self.free_blocks)) == len(self.free_blocks), (
             "a held block is on the free list"
+        )
         assert set(self.block_key) <= held and {v: k for k, v in self.prefix_blocks.items()} == self.block_key
         assert self.stale <= held and not self.stale & set(self.block_key), "a stale block is shareable"

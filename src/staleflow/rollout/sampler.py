@@ -50,8 +50,9 @@ _BUCKET_SHIFT = 20
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                 positions: list[int]) -> tuple[list[int], list[float]]:
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+    ) -> tuple[list[int], list[float]]:
         """logits [N, V] (any float dtype) -> (tokens, log-probs) for the N rows."""
         n = logits.shape[0]
         device = logits.device

@@ -39,7 +39,7 @@ class ScheduledBatch:
 
     @property
     def prefill_tokens(self) -> int:
-        return sum(self.num_tokens[self.num_decode:])
+        return sum(self.num_tokens[self.num_decode :])
 
 
 class Scheduler:

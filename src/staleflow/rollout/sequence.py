@@ -20,8 +20,21 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    __slots__ = ("request_id", "params", "seed", "token_ids", "num_prompt", "logprobs", "versions",
-                 "num_computed", "block_table", "status", "finish_reason", "arrival", "kv_epoch")
+    __slots__ = (
+        "request_id",
+        "params",
+        "seed",
+        "token_ids",
+        "num_prompt",
+        "logprobs",
+        "versions",
+        "num_computed",
+        "block_table",
+        "status",
+        "finish_reason",
+        "arrival",
+        "kv_epoch",
+    )
 
     def __init__(self, request: Request, seed: int, arrival: int):
         self.request_id = request.request_id
@@ -65,7 +78,7 @@ class Sequence:
         return RequestOutput(
             request_id=self.request_id,
             prompt_ids=self.token_ids[: self.num_prompt],
-            output_ids=self.token_ids[self.num_prompt:],
+            output_ids=self.token_ids[self.num_prompt :],
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             finish_reason=self.finish_reason,

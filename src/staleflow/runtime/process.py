@@ -16,11 +16,11 @@ import os
 import signal
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
+from staleflow.cluster.roles import Roles
 from staleflow.control.hub import Hub, RankDied
 from staleflow.control.messages import Ping, Pong
-from staleflow.cluster.roles import Roles
 
 
 def smoke_job(ctl: Hub, cfg) -> None:
@@ -36,12 +36,18 @@ def smoke_job(ctl: Hub, cfg) -> None:
         rank, msg = got
         if isinstance(msg, Pong) and msg.seq == rank and msg.payload == f"hello rank {rank}":
             answered.add(rank)
-    print(f"[controller] run {ctl.run_id}: {ctl.roles.world_size} ranks registered "
-          f"({ctl.roles.num_trainer} trainer, {ctl.roles.num_rollout} rollout)", flush=True)
+    print(
+        f"[controller] run {ctl.run_id}: {ctl.roles.world_size} ranks registered "
+        f"({ctl.roles.num_trainer} trainer, {ctl.roles.num_rollout} rollout)",
+        flush=True,
+    )
     for rank in ctl.all_ranks:
         info = ctl.infos[rank]
-        print(f"[controller]   {ctl.describe(rank)}: model {info.get('model', '?')} "
-              f"{info.get('params', 0) / 1e6:.1f}M params, loaded in {info.get('load_s', 0):.1f}s", flush=True)
+        print(
+            f"[controller]   {ctl.describe(rank)}: model {info.get('model', '?')} "
+            f"{info.get('params', 0) / 1e6:.1f}M params, loaded in {info.get('load_s', 0):.1f}s",
+            flush=True,
+        )
     print("[controller] smoke run OK: every rank registered, loaded the model and answered", flush=True)
     # STALEFLOW_SMOKE_HOLD_S keeps the run alive (with liveness checks) so tests can kill a rank.
     hold_until = time.monotonic() + float(os.environ.get("STALEFLOW_SMOKE_HOLD_S", "0"))
@@ -49,8 +55,17 @@ def smoke_job(ctl: Hub, cfg) -> None:
         ctl.recv(min(0.2, max(0.0, hold_until - time.monotonic())))
 
 
-def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir: str = "",
-                    job: Callable | None = None, topology=None, secret: bytes = b"", endpoint_pipe=None) -> None:
+def controller_main(
+    cfg,
+    run_id: str,
+    world_size: int,
+    parent_pid: int,
+    run_dir: str = "",
+    job: Callable | None = None,
+    topology=None,
+    secret: bytes = b"",
+    endpoint_pipe=None,
+) -> None:
     """Entry point of the controller process (multiprocessing spawn target). Exits 0 on success.
 
     ``topology`` (cluster/topology.py) with ranks on other nodes: ``secret`` keys the TCP socket and
@@ -63,8 +78,7 @@ def controller_main(cfg, run_id: str, world_size: int, parent_pid: int, run_dir:
         secure = SecureContext(RunKeys(secret, world_size), "controller")
     ctl = None
     try:
-        ctl = Hub(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir, topology=topology,
-                         secure=secure)
+        ctl = Hub(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir, topology=topology, secure=secure)
     finally:
         if endpoint_pipe is not None:  # an empty endpoint tells rank 0 that binding failed
             endpoint_pipe.send_bytes((ctl.server.tcp_endpoint if ctl is not None else "").encode())

@@ -17,11 +17,25 @@ from staleflow.servers.layout import ParamEntry, ParamLayout
 from staleflow.servers.parameter import ParameterServer
 from staleflow.servers.segment import cleanup_stale_segments, list_segments
 from staleflow.servers.trajectory import TrajectoryRecord, TrajectoryRing, record_nbytes
-from staleflow.trajectory import RecordHandle
 from staleflow.servers.transport import broadcast_pull
+from staleflow.trajectory import RecordHandle
 
 __all__ = [
-    "ParamEntry", "ParamLayout", "ParameterServer", "RecordHandle", "RecordTooLarge", "RingFull",
-    "SegmentError", "ServerError", "StaleHandle", "TornRead", "TrajectoryRecord", "TrajectoryRing",
-    "VersionNotFound", "broadcast_pull", "cleanup_stale_segments", "list_segments", "record_nbytes",
+    "ParamEntry",
+    "ParamLayout",
+    "ParameterServer",
+    "RecordHandle",
+    "RecordTooLarge",
+    "RingFull",
+    "SegmentError",
+    "ServerError",
+    "StaleHandle",
+    "TornRead",
+    "TrajectoryRecord",
+    "TrajectoryRing",
+    "VersionNotFound",
+    "broadcast_pull",
+    "cleanup_stale_segments",
+    "list_segments",
+    "record_nbytes",
 ]

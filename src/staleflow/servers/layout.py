@@ -20,8 +20,15 @@ import msgspec
 import torch
 
 _DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
     "bool": torch.bool,
 }
 
@@ -73,16 +80,26 @@ class ParamLayout(msgspec.Struct, frozen=True):
     align: int = 256
 
     @classmethod
-    def from_named_tensors(cls, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                           align: int = 256, dtype: torch.dtype | None = None) -> ParamLayout:
+    def from_named_tensors(
+        cls,
+        named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        align: int = 256,
+        dtype: torch.dtype | None = None,
+    ) -> ParamLayout:
         """Layout of ``named`` (a state dict or ``model.named_parameters()``) in its order.
 
         ``dtype`` overrides every floating-point parameter's dtype (e.g. bfloat16 slots for fp32
         master weights); only shapes and dtypes are read, never the values.
         """
         items = list(named.items()) if isinstance(named, Mapping) else list(named)
-        specs = [(name, tuple(int(s) for s in t.shape),
-                  dtype_name(dtype if dtype is not None and t.is_floating_point() else t.dtype)) for name, t in items]
+        specs = [
+            (
+                name,
+                tuple(int(s) for s in t.shape),
+                dtype_name(dtype if dtype is not None and t.is_floating_point() else t.dtype),
+            )
+            for name, t in items
+        ]
         if not specs:
             raise ValueError("ParamLayout.from_named_tensors got no tensors: pass a non-empty state dict")
         return cls.from_specs(specs, align)
@@ -138,8 +155,9 @@ class ParamLayout(msgspec.Struct, frozen=True):
         """Typed, shaped views into a flat uint8 buffer of ``nbytes`` laid out by this layout."""
         if flat.dtype != torch.uint8 or flat.numel() < self.nbytes:
             raise ValueError(f"need a uint8 buffer of >= {self.nbytes} bytes, got {flat.dtype} x {flat.numel()}")
-        return {e.name: flat[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
-                for e in self.entries}
+        return {
+            e.name: flat[e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape) for e in self.entries
+        }
 
     def empty(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Fresh tensors with this layout's shapes and dtypes (targets for ``pull``)."""

@@ -28,7 +28,18 @@ import time
 from staleflow.servers.errors import ServerError, StaleHandle
 from staleflow.servers.ring import RECORD_ALIGN
 from staleflow.servers.segment import KIND_RING, Segment, check_run_id
-from staleflow.servers.trajectory import FREED, GENERATIONS_AT, LIVE, REC_HEADER, REC_HEADER_BYTES, RING_HEADER, RING_HEADER_BYTES, RING_MAGIC, TrajectoryRecord, TrajectoryRing
+from staleflow.servers.trajectory import (
+    FREED,
+    GENERATIONS_AT,
+    LIVE,
+    REC_HEADER,
+    REC_HEADER_BYTES,
+    RING_HEADER,
+    RING_HEADER_BYTES,
+    RING_MAGIC,
+    TrajectoryRecord,
+    TrajectoryRing,
+)
 from staleflow.trajectory import RecordHandle
 
 
@@ -51,9 +62,8 @@ class MirrorRing:
             RING_HEADER.pack_into(buf, 0, RING_MAGIC, rank, 0, capacity, 0)
 
         self.rank, self.capacity = rank, capacity
-        self._seg = Segment.create(mirror_name(run_id, rank, node), RING_HEADER_BYTES + capacity, KIND_RING,
-                                   init=init)
-        self._buf = self._seg.buf[RING_HEADER_BYTES:RING_HEADER_BYTES + capacity]
+        self._seg = Segment.create(mirror_name(run_id, rank, node), RING_HEADER_BYTES + capacity, KIND_RING, init=init)
+        self._buf = self._seg.buf[RING_HEADER_BYTES : RING_HEADER_BYTES + capacity]
         self.records = 0
         self.bytes = 0
 
@@ -65,16 +75,24 @@ class MirrorRing:
         """Store a shipped record at its offset. Raises ServerError for bytes that are not the
         record ``handle`` names (the caller logs and drops them)."""
         off, length = handle.offset, handle.length
-        if (handle.rank != self.rank or off < 0 or off % RECORD_ALIGN or length < REC_HEADER_BYTES
-                or off + length > self.capacity or len(payload) != length):
-            raise ServerError(f"shipped record {handle} ({len(payload)} bytes) does not fit mirror {self.name} "
-                              f"of {self.capacity} bytes")
+        if (
+            handle.rank != self.rank
+            or off < 0
+            or off % RECORD_ALIGN
+            or length < REC_HEADER_BYTES
+            or off + length > self.capacity
+            or len(payload) != length
+        ):
+            raise ServerError(
+                f"shipped record {handle} ({len(payload)} bytes) does not fit mirror {self.name} "
+                f"of {self.capacity} bytes"
+            )
         state, _, gen, got_len = REC_HEADER.unpack_from(payload, 0)[:4]
         if state != LIVE or gen != handle.generation or got_len != length:
             raise ServerError(f"shipped record {handle}: its header says generation {gen}, length {got_len}")
         struct.pack_into("<I", self._buf, off, FREED)  # nobody reads the old bytes as this record meanwhile
-        self._buf[off + 4:off + length] = payload[4:]
-        self._buf[off:off + 4] = payload[:4]  # the state word last: LIVE
+        self._buf[off + 4 : off + length] = payload[4:]
+        self._buf[off : off + 4] = payload[:4]  # the state word last: LIVE
         if gen > struct.unpack_from("<Q", self._seg.buf, GENERATIONS_AT)[0]:
             struct.pack_into("<Q", self._seg.buf, GENERATIONS_AT, gen)
         self.records += 1
@@ -114,9 +132,11 @@ def read_arrived(ring: TrajectoryRing, handle: RecordHandle, timeout: float = 60
     pause = 0.0002
     while not arrived(ring, handle):
         if time.monotonic() > deadline:
-            raise RecordLate(f"record {handle} of rank {handle.rank} did not reach this node within {timeout:.0f} s "
-                             f"(newest received: generation {ring.generations_written}): is the network between the "
-                             f"nodes up, and the record receiver (the node's first trainer rank) alive?")
+            raise RecordLate(
+                f"record {handle} of rank {handle.rank} did not reach this node within {timeout:.0f} s "
+                f"(newest received: generation {ring.generations_written}): is the network between the "
+                f"nodes up, and the record receiver (the node's first trainer rank) alive?"
+            )
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
     return ring.read(handle)

@@ -37,8 +37,8 @@ from __future__ import annotations
 import fcntl
 import math
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -46,11 +46,21 @@ from staleflow.servers.errors import ServerError, TornRead, VersionNotFound
 from staleflow.servers.layout import ParamLayout, dtype_of, piece_rows
 from staleflow.servers.pieces import Piece
 from staleflow.servers.segment import KIND_PARAM, Segment
-from staleflow.servers.slot import (EMPTY, FILLING, NUM_SLOTS, PUBLISHED, SLOT_HEADER, SLOT_MAGIC, _Slot, read_clean,
-                                    slot_name)
+from staleflow.servers.slot import (
+    EMPTY,
+    FILLING,
+    NUM_SLOTS,
+    PUBLISHED,
+    SLOT_HEADER,
+    SLOT_MAGIC,
+    _Slot,
+    read_clean,
+    slot_name,
+)
 from staleflow.servers.transport import sync_device
 
 __all__ = ["EMPTY", "FILLING", "PUBLISHED", "ParameterServer", "slot_name"]
+
 
 class ParameterServer:
     """Both slots of a run. ``create`` on the trainer leader, ``attach`` on every other rank."""
@@ -63,16 +73,19 @@ class ParameterServer:
         self._dirty: set[torch.device] = set()
 
     @classmethod
-    def create(cls, run_id: str, layout: ParamLayout, device: str | torch.device = "cpu", pieces: int = 1,
-               readers: int = 0) -> ParameterServer:
+    def create(
+        cls, run_id: str, layout: ParamLayout, device: str | torch.device = "cpu", pieces: int = 1, readers: int = 0
+    ) -> ParameterServer:
         """Create both slots (leader). ``device`` cpu: shared memory; cuda[:i]: GPU pieces shared by
         CUDA IPC, this process owning piece 0 of ``pieces``, with ``readers`` reader indices."""
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"ParameterServer device={device} is invalid: use cpu or cuda[:index]")
         if pieces < 1 or readers < 0 or (device.type == "cpu" and pieces != 1):
-            raise ValueError(f"ParameterServer pieces={pieces}, readers={readers} are invalid: pieces >= 1 "
-                             f"(exactly 1 on cpu: one shared-memory slot), readers >= 0")
+            raise ValueError(
+                f"ParameterServer pieces={pieces}, readers={readers} are invalid: pieces >= 1 "
+                f"(exactly 1 on cpu: one shared-memory slot), readers >= 0"
+            )
         cuda = device.type == "cuda"
         lay = layout.encode()
         first = layout.split(pieces)[0]
@@ -85,7 +98,7 @@ class ParameterServer:
 
                 def init(buf: memoryview, s=s, data_off=data_off) -> None:
                     SLOT_HEADER.pack_into(buf, 0, SLOT_MAGIC, s, EMPTY, -1, 0, data_off, len(lay), pieces, readers)
-                    buf[SLOT_HEADER.size:SLOT_HEADER.size + len(lay)] = lay
+                    buf[SLOT_HEADER.size : SLOT_HEADER.size + len(lay)] = lay
 
                 size = SLOT_HEADER.size + len(lay) if cuda else data_off + layout.nbytes
                 seg = Segment.create(slot_name(run_id, s), size, KIND_PARAM, init=init)
@@ -102,8 +115,15 @@ class ParameterServer:
         return cls(slots, layout, leader=True, device=device, pieces=pieces)
 
     @classmethod
-    def attach(cls, run_id: str, timeout: float = 0.0, *, reader: int | None = None, piece: int | None = None,
-               device: str | torch.device | None = None) -> ParameterServer:
+    def attach(
+        cls,
+        run_id: str,
+        timeout: float = 0.0,
+        *,
+        reader: int | None = None,
+        piece: int | None = None,
+        device: str | torch.device | None = None,
+    ) -> ParameterServer:
         """Attach to a run's server. CPU slots: every rank reads and writes the shared memory.
         GPU pieces: a trainer rank passes ``piece`` (its rank) and ``device`` and creates its own
         piece there; a puller passes its ``reader`` index and maps every piece; with neither,
@@ -117,7 +137,7 @@ class ParameterServer:
                 if magic != SLOT_MAGIC or got != s:
                     seg.close()
                     raise ServerError(f"segment {seg.name} is not parameter-server slot {s}")
-                layout = ParamLayout.decode(bytes(seg.buf[SLOT_HEADER.size:SLOT_HEADER.size + n_lay]))
+                layout = ParamLayout.decode(bytes(seg.buf[SLOT_HEADER.size : SLOT_HEADER.size + n_lay]))
                 if data_off:
                     slots.append(_Slot(seg, s, [layout.views(seg.u8[data_off:])]))
                     continue
@@ -126,14 +146,17 @@ class ParameterServer:
                 split = layout.split(pieces)
                 if piece is not None:
                     if not 0 <= piece < pieces or device is None:
-                        raise ServerError(f"attach(piece={piece}, device={device}): this server has pieces "
-                                          f"0..{pieces - 1}; pass the owning trainer rank and its GPU")
+                        raise ServerError(
+                            f"attach(piece={piece}, device={device}): this server has pieces "
+                            f"0..{pieces - 1}; pass the owning trainer rank and its GPU"
+                        )
                     sl.pieces[piece] = Piece.create(run_id, s, piece, split[piece], torch.device(device), readers)
                     sl.views[piece] = sl.pieces[piece].views
                 for p in range(pieces) if reader is not None else ():
                     if sl.pieces[p] is None:
-                        sl.pieces[p] = Piece.attach(run_id, s, p, split[p], reader,
-                                                    max(0.0, deadline - time.monotonic()))
+                        sl.pieces[p] = Piece.attach(
+                            run_id, s, p, split[p], reader, max(0.0, deadline - time.monotonic())
+                        )
                         sl.views[p] = sl.pieces[p].views
         except BaseException:
             for sl in slots:
@@ -171,8 +194,10 @@ class ParameterServer:
         """Start filling ``version``; returns the slot index. Leader claims, others wait for the claim."""
         latest = self.latest_version()
         if latest is not None and version <= latest:
-            raise ValueError(f"begin_push(version={version}) is invalid: version {latest} is already published; "
-                             f"push increasing versions")
+            raise ValueError(
+                f"begin_push(version={version}) is invalid: version {latest} is already published; "
+                f"push increasing versions"
+            )
         deadline = time.monotonic() + timeout
         if not self.leader:
             while True:
@@ -192,8 +217,10 @@ class ParameterServer:
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"begin_push({version}): slot {target.slot} stayed locked by a reader "
-                                       f"for {timeout}s (a reader hung mid-copy?)") from None
+                    raise TimeoutError(
+                        f"begin_push({version}): slot {target.slot} stayed locked by a reader "
+                        f"for {timeout}s (a reader hung mid-copy?)"
+                    ) from None
                 time.sleep(0.0002)
         try:
             target.set(bump=True)  # stamp odd: filling
@@ -218,12 +245,16 @@ class ParameterServer:
             raise KeyError(f"write_shard: parameter {name!r} is not in the layout (e.g. {self.layout.names()[:3]})")
         n = tensor.numel()
         if offset_in_param < 0 or offset_in_param + n > entry.numel:
-            raise ValueError(f"write_shard({name!r}): elements [{offset_in_param}, {offset_in_param + n}) fall "
-                             f"outside the parameter's {entry.numel} elements")
+            raise ValueError(
+                f"write_shard({name!r}): elements [{offset_in_param}, {offset_in_param + n}) fall "
+                f"outside the parameter's {entry.numel} elements"
+            )
         st, v, _ = sl.header()
         if st != FILLING:
-            raise ServerError(f"write_shard({name!r}): slot {sl.slot} is no longer filling (state {st}, "
-                              f"version {v}); call begin_push for the next version")
+            raise ServerError(
+                f"write_shard({name!r}): slot {sl.slot} is no longer filling (state {st}, "
+                f"version {v}); call begin_push for the next version"
+            )
         row = math.prod(entry.shape[1:])
         parts = []
         for p, (a, b) in enumerate(self._rows[name]):
@@ -231,12 +262,14 @@ class ParameterServer:
             if lo >= hi:
                 continue
             if sl.views[p] is None:
-                raise ServerError(f"write_shard({name!r}): elements [{lo}, {hi}) belong to piece {p}, owned by "
-                                  f"trainer rank {p}; each rank writes only its own shard")
-            parts.append((sl.views[p][name].view(-1)[lo - a * row:hi - a * row], lo - offset_in_param, hi - lo))
+                raise ServerError(
+                    f"write_shard({name!r}): elements [{lo}, {hi}) belong to piece {p}, owned by "
+                    f"trainer rank {p}; each rank writes only its own shard"
+                )
+            parts.append((sl.views[p][name].view(-1)[lo - a * row : hi - a * row], lo - offset_in_param, hi - lo))
         src = tensor.detach().reshape(-1)
         for dst, at, count in parts:
-            dst.copy_(src[at:at + count])
+            dst.copy_(src[at : at + count])
             self._dirty.add(dst.device)
         self._dirty.add(src.device)
 
@@ -253,16 +286,19 @@ class ParameterServer:
         sl = self._filling
         st, v, _ = sl.header() if sl is not None else (EMPTY, -1, 0)
         if sl is None or st != FILLING or v != version:
-            raise ServerError(f"publish({version}): no slot is filling version {version} "
-                              f"(call begin_push({version}) and write the shards first)")
+            raise ServerError(
+                f"publish({version}): no slot is filling version {version} "
+                f"(call begin_push({version}) and write the shards first)"
+            )
         self.end_push()
         sl.set(state=PUBLISHED)
         sl.set(bump=True)  # stamp even: stable
         self._filling = None
 
     # -- pull (rollout ranks) -------------------------------------------------------------------
-    def pull(self, version: int, out: dict[str, torch.Tensor] | None = None,
-             retries: int = 3) -> dict[str, torch.Tensor]:
+    def pull(
+        self, version: int, out: dict[str, torch.Tensor] | None = None, retries: int = 3
+    ) -> dict[str, torch.Tensor]:
         """Copy published ``version`` into ``out`` in place (or into new tensors) and return it.
 
         ``out`` needs every layout name with the layout's shape (any dtype/device, any strides:
@@ -271,14 +307,16 @@ class ParameterServer:
         """
         out = self._prepare(out)
         try:
-            read_clean(lambda v: self._read(v, out), lambda: version, retries + 1, f"pull({version})",
-                       follow_newest=False)
+            read_clean(
+                lambda v: self._read(v, out), lambda: version, retries + 1, f"pull({version})", follow_newest=False
+            )
         except VersionNotFound:
             self._not_found(version)
         return out
 
-    def pull_latest(self, out: dict[str, torch.Tensor] | None = None,
-                    retries: int = 3) -> tuple[int, dict[str, torch.Tensor]]:
+    def pull_latest(
+        self, out: dict[str, torch.Tensor] | None = None, retries: int = 3
+    ) -> tuple[int, dict[str, torch.Tensor]]:
         """Copy the newest published version; returns (version, tensors)."""
         out = self._prepare(out)
         return read_clean(lambda v: self._read(v, out), self.latest_version, retries + 2, "pull_latest"), out
@@ -288,8 +326,9 @@ class ParameterServer:
         return None if sl is None else self._copy(sl, version, out)
 
     @contextmanager
-    def stream(self, version: int, device: str | torch.device | None = None
-               ) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    def stream(
+        self, version: int, device: str | torch.device | None = None
+    ) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
         """Hold published ``version`` (shared lock) and yield an iterator of (name, whole tensor on
         ``device``): the slot's own view where one piece holds the parameter on that device, else a
         tensor assembled from the pieces. Use the tensors inside the block; on leaving it the
@@ -331,8 +370,10 @@ class ParameterServer:
     def _check_mapped(self, sl: _Slot) -> None:
         missing = [p for p, v in enumerate(sl.views) if v is None]
         if missing:
-            raise ServerError(f"this process has not mapped pieces {missing} of the parameter server: "
-                              f"attach(run_id, reader=<its reader index>) to pull")
+            raise ServerError(
+                f"this process has not mapped pieces {missing} of the parameter server: "
+                f"attach(run_id, reader=<its reader index>) to pull"
+            )
 
     def _copy_param(self, sl: _Slot, name: str, dst: torch.Tensor) -> None:
         for p, (a, b) in enumerate(self._rows[name]):
@@ -372,8 +413,10 @@ class ParameterServer:
 
     def _not_found(self, version: int):
         held = self.published_versions()
-        raise VersionNotFound(f"pull(version={version}): not available (published slots hold {held or 'nothing'}); "
-                              f"pull the latest_version() instead")
+        raise VersionNotFound(
+            f"pull(version={version}): not available (published slots hold {held or 'nothing'}); "
+            f"pull the latest_version() instead"
+        )
 
     def _check_out(self, out: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self._index if n not in out]

@@ -53,8 +53,9 @@ class Piece:
         self.readers = PIECE_HEADER.unpack_from(seg.buf, 0)[4]
 
     @classmethod
-    def create(cls, run_id: str, slot: int, piece: int, layout: ParamLayout, device: torch.device,
-               readers: int) -> Piece:
+    def create(
+        cls, run_id: str, slot: int, piece: int, layout: ParamLayout, device: torch.device, readers: int
+    ) -> Piece:
         """Allocate piece ``piece`` of ``slot`` on ``device`` (its owner) with ``readers`` handles."""
         name = piece_name(run_id, slot, piece)
         flat, blobs, uuid = cuda_piece_create(name, layout.nbytes, device, readers)
@@ -63,7 +64,7 @@ class Piece:
 
         def init(buf: memoryview) -> None:
             PIECE_HEADER.pack_into(buf, 0, PIECE_MAGIC, slot, piece, layout.nbytes, readers, uuid.encode()[:48])
-            buf[PIECE_HEADER.size + claims:PIECE_HEADER.size + claims + len(table)] = table
+            buf[PIECE_HEADER.size + claims : PIECE_HEADER.size + claims + len(table)] = table
 
         try:
             seg = Segment.create(name, PIECE_HEADER.size + claims + len(table), KIND_PIECE, init=init)
@@ -73,8 +74,9 @@ class Piece:
         return cls(seg, flat, layout, None, owner=True)
 
     @classmethod
-    def attach(cls, run_id: str, slot: int, piece: int, layout: ParamLayout, reader: int,
-               timeout: float = 0.0) -> Piece:
+    def attach(
+        cls, run_id: str, slot: int, piece: int, layout: ParamLayout, reader: int, timeout: float = 0.0
+    ) -> Piece:
         """Map another rank's piece as reader index ``reader`` (claimed for this process)."""
         seg = Segment.attach(piece_name(run_id, slot, piece), KIND_PIECE, timeout)
         try:
@@ -82,13 +84,15 @@ class Piece:
             if magic != PIECE_MAGIC or (got_slot, got_piece) != (slot, piece) or nbytes != layout.nbytes:
                 raise ServerError(f"segment {seg.name} is not piece {piece} of slot {slot} with {layout.nbytes} bytes")
             if not 0 <= reader < readers:
-                raise ServerError(f"reader index {reader} is outside the {readers} handles of {seg.name}: the "
-                                  f"creator sized it for readers 0..{readers - 1} (ParameterServer.create(readers=))")
+                raise ServerError(
+                    f"reader index {reader} is outside the {readers} handles of {seg.name}: the "
+                    f"creator sized it for readers 0..{readers - 1} (ParameterServer.create(readers=))"
+                )
             fd = os.open(segment_path(seg.name), os.O_RDWR | os.O_NOFOLLOW)
             try:
                 _claim(seg, fd, reader, os.getpid())
                 try:
-                    table = bytes(seg.buf[PIECE_HEADER.size + 4 * readers:])
+                    table = bytes(seg.buf[PIECE_HEADER.size + 4 * readers :])
                     blob = msgspec.msgpack.decode(table, type=list[bytes])[reader]
                     flat = cuda_piece_open(seg.name, blob, uuid.rstrip(b"\0").decode())
                 except BaseException:
@@ -120,8 +124,11 @@ class Piece:
         while (held := self.claimed_by()) and time.monotonic() < deadline:
             time.sleep(0.01)
         if held:  # keep the memory (until this process exits) rather than free it under a reader
-            warnings.warn(f"parameter-server piece {name}: readers {held} still map it after {wait_readers_s:.0f} s; "
-                          f"it stays allocated until this process exits", stacklevel=2)
+            warnings.warn(
+                f"parameter-server piece {name}: readers {held} still map it after {wait_readers_s:.0f} s; "
+                f"it stays allocated until this process exits",
+                stacklevel=2,
+            )
         else:
             cuda_piece_release(name)
         os.close(self.lock_fd)
@@ -136,11 +143,15 @@ def _claim(seg: Segment, fd: int, reader: int, pid: int) -> None:
         off = PIECE_HEADER.size + 4 * reader
         held = struct.unpack_from("<I", seg.buf, off)[0]
         if pid and held and held != pid and _pid_alive(held, 0):
-            raise ServerError(f"reader index {reader} of {seg.name} is in use by process {held}: every process "
-                              f"that maps the parameter server needs its own index (attach(reader=...))")
+            raise ServerError(
+                f"reader index {reader} of {seg.name} is in use by process {held}: every process "
+                f"that maps the parameter server needs its own index (attach(reader=...))"
+            )
         if pid and held == pid:
-            raise ServerError(f"reader index {reader} of {seg.name} is already attached in this process: "
-                              f"reuse that ParameterServer object")
+            raise ServerError(
+                f"reader index {reader} of {seg.name} is already attached in this process: "
+                f"reuse that ParameterServer object"
+            )
         struct.pack_into("<I", seg.buf, off, pid)
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)

@@ -89,8 +89,11 @@ class WeightServer:
                     raise ServerError(f"a {type(req).__name__} from rank {who}, which does not pull from here")
                 self._serve(frames[0].bytes, who, req)
             except Exception as e:  # a bad request or a puller that died mid-transfer: log, keep serving
-                print(f"staleflow: weight server (piece {self.piece}): {type(e).__name__}: {str(e)[:300]}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"staleflow: weight server (piece {self.piece}): {type(e).__name__}: {str(e)[:300]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _reply(self, ident: bytes, msg) -> None:
         self.sock.send_multipart([ident, _encode(msg)])
@@ -99,8 +102,12 @@ class WeightServer:
         ps = self.ps
         if req.version < 0:
             v = ps.latest_version()
-            self._reply(ident, WeightOffer(-1 if v is None else v, v is not None, ps.pieces,
-                                           ps.layout.encode() if req.want_layout else b""))
+            self._reply(
+                ident,
+                WeightOffer(
+                    -1 if v is None else v, v is not None, ps.pieces, ps.layout.encode() if req.want_layout else b""
+                ),
+            )
             return
         idx = next((i for i, sl in enumerate(ps.slots) if sl.header()[:2] == (PUBLISHED, req.version)), None)
         if idx is None:
@@ -140,8 +147,9 @@ class WeightServer:
 class RemoteWeights:
     """A rollout rank's pulls from the piece owners on the Parameter Server's node."""
 
-    def __init__(self, socks: list[zmq.Socket], owners: list[int], group, device: str | torch.device,
-                 timeout_s: float = 300.0):
+    def __init__(
+        self, socks: list[zmq.Socket], owners: list[int], group, device: str | torch.device, timeout_s: float = 300.0
+    ):
         self.socks, self.owners, self.group = socks, owners, group  # socks[p]: owner p's weight server
         self.device, self.timeout_ms = torch.device(device), int(timeout_s * 1000)
         self.layout: ParamLayout | None = None
@@ -154,8 +162,10 @@ class RemoteWeights:
 
     def _answer(self, p: int):
         if not self.socks[p].poll(self.timeout_ms):
-            raise ServerError(f"the weight server of rank {self.owners[p]} (Parameter Server piece {p}) did not "
-                              f"answer within {self.timeout_ms // 1000} s: is its node reachable?")
+            raise ServerError(
+                f"the weight server of rank {self.owners[p]} (Parameter Server piece {p}) did not "
+                f"answer within {self.timeout_ms // 1000} s: is its node reachable?"
+            )
         return _decode(self.socks[p].recv())
 
     def latest_version(self) -> int | None:
@@ -163,7 +173,9 @@ class RemoteWeights:
         if self.layout is None and offer.layout:
             self.layout, self.pieces = ParamLayout.decode(offer.layout), offer.pieces
             if self.pieces != len(self.owners):
-                raise ServerError(f"the Parameter Server has {self.pieces} pieces but {len(self.owners)} owners serve it")
+                raise ServerError(
+                    f"the Parameter Server has {self.pieces} pieces but {len(self.owners)} owners serve it"
+                )
         return offer.version if offer.ok else None
 
     def _receive(self, p: int, out: dict[str, torch.Tensor] | None) -> int:
@@ -213,8 +225,10 @@ class RemoteWeights:
         missing = [n for n in index if n not in out]
         bad = [n for n, t in out.items() if n not in index or tuple(t.shape) != index[n].shape]
         if missing or bad:
-            raise KeyError(f"pull(out=...): names or shapes differ from the Parameter Server's layout (missing "
-                           f"{missing[:3]}, unknown or reshaped {bad[:3]})")
+            raise KeyError(
+                f"pull(out=...): names or shapes differ from the Parameter Server's layout (missing "
+                f"{missing[:3]}, unknown or reshaped {bad[:3]})"
+            )
 
     def close(self) -> None:
         for s in self.socks:

@@ -48,8 +48,10 @@ class RingAllocator:
         """Offset of a fresh extent for ``nbytes`` tagged ``generation``; None when full right now."""
         n = align_up(nbytes)
         if n > self.capacity:
-            raise RecordTooLarge(f"record of {nbytes} bytes can never fit in a ring of {self.capacity} bytes: "
-                                 f"create the ring with a larger nbytes, or split the trajectory")
+            raise RecordTooLarge(
+                f"record of {nbytes} bytes can never fit in a ring of {self.capacity} bytes: "
+                f"create the ring with a larger nbytes, or split the trajectory"
+            )
         if generation in self._live:
             raise ValueError(f"generation {generation} is already live in this ring")
         if not self._live:
@@ -82,8 +84,9 @@ class RingAllocator:
         e = self._live.get(generation)
         if e is None or e[2] or e[0] != offset:
             state = "already freed" if e is not None and e[2] else "not live in this ring"
-            raise StaleHandle(f"record generation={generation} offset={offset} is {state}: "
-                              f"free each handle exactly once")
+            raise StaleHandle(
+                f"record generation={generation} offset={offset} is {state}: free each handle exactly once"
+            )
         e[2] = True
         reclaimed = []
         while self._live and next(iter(self._live.values()))[2]:

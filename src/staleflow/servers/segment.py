@@ -32,7 +32,7 @@ import stat
 import struct
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -65,7 +65,7 @@ def _pid_start_time(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -87,11 +87,15 @@ def _check_owned(fd: int, path: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise SegmentError(f"segment {path} is not a regular file: remove it")
     if st.st_uid != os.getuid():
-        raise SegmentError(f"segment {path} belongs to uid {st.st_uid}, not this user ({os.getuid()}): another user "
-                           f"created it; remove it or pick another run id")
+        raise SegmentError(
+            f"segment {path} belongs to uid {st.st_uid}, not this user ({os.getuid()}): another user "
+            f"created it; remove it or pick another run id"
+        )
     if st.st_mode & 0o077:
-        raise SegmentError(f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, segments are created 0600: "
-                           f"someone else made or changed it; remove it")
+        raise SegmentError(
+            f"segment {path} has mode {stat.S_IMODE(st.st_mode):o}, segments are created 0600: "
+            f"someone else made or changed it; remove it"
+        )
 
 
 def _unlink_if_owner(path: str, owner_pid: int) -> None:
@@ -113,13 +117,12 @@ class Segment:
     def __init__(self, name: str, mm: mmap.mmap, size: int, kind: int, owner: bool):
         self.name, self.size, self.kind, self.owner = name, size, kind, owner
         self._mm = mm
-        self.buf = memoryview(mm)[PREFIX_BYTES:PREFIX_BYTES + size]  # for struct.pack_into/unpack_from
-        self.u8 = torch.frombuffer(mm, dtype=torch.uint8)[PREFIX_BYTES:PREFIX_BYTES + size]  # [size], shared
+        self.buf = memoryview(mm)[PREFIX_BYTES : PREFIX_BYTES + size]  # for struct.pack_into/unpack_from
+        self.u8 = torch.frombuffer(mm, dtype=torch.uint8)[PREFIX_BYTES : PREFIX_BYTES + size]  # [size], shared
         self._finalizer = weakref.finalize(self, _unlink_if_owner, segment_path(name), os.getpid()) if owner else None
 
     @classmethod
-    def create(cls, name: str, nbytes: int, kind: int,
-               init: Callable[[memoryview], None] | None = None) -> Segment:
+    def create(cls, name: str, nbytes: int, kind: int, init: Callable[[memoryview], None] | None = None) -> Segment:
         """Create (exclusively) and map a zero-filled segment with a payload of ``nbytes``.
 
         ``init(payload)`` fills the payload (headers, layouts, handles) BEFORE the file appears
@@ -136,9 +139,9 @@ class Segment:
         finally:
             os.close(fd)
         pid = os.getpid()
-        mm[:_PREFIX.size] = _PREFIX.pack(MAGIC, kind, pid, _pid_start_time(pid), nbytes)
+        mm[: _PREFIX.size] = _PREFIX.pack(MAGIC, kind, pid, _pid_start_time(pid), nbytes)
         if init is not None:
-            payload = memoryview(mm)[PREFIX_BYTES:PREFIX_BYTES + nbytes]
+            payload = memoryview(mm)[PREFIX_BYTES : PREFIX_BYTES + nbytes]
             try:
                 init(payload)
             except BaseException:
@@ -152,8 +155,10 @@ class Segment:
         except FileExistsError:
             mm.close()
             os.unlink(tmp)
-            raise SegmentError(f"segment {path} already exists: another run uses this run_id, or a crashed "
-                               f"run left it (call cleanup_stale_segments() or pick a new run_id)") from None
+            raise SegmentError(
+                f"segment {path} already exists: another run uses this run_id, or a crashed "
+                f"run left it (call cleanup_stale_segments() or pick a new run_id)"
+            ) from None
         os.unlink(tmp)
         return cls(name, mm, nbytes, kind, owner=True)
 
@@ -168,13 +173,16 @@ class Segment:
                 break
             except FileNotFoundError:
                 if time.monotonic() >= deadline:
-                    raise SegmentError(f"segment {path} does not exist: start its creator first "
-                                       f"(or check run_id/rank)") from None
+                    raise SegmentError(
+                        f"segment {path} does not exist: start its creator first (or check run_id/rank)"
+                    ) from None
                 time.sleep(0.005)
             except OSError as e:
                 if e.errno == errno.ELOOP:
-                    raise SegmentError(f"segment {path} is a symbolic link, not a segment this run created: "
-                                       f"remove it (another user may have planted it)") from None
+                    raise SegmentError(
+                        f"segment {path} is a symbolic link, not a segment this run created: "
+                        f"remove it (another user may have planted it)"
+                    ) from None
                 raise SegmentError(f"segment {path} cannot be opened ({e.strerror})") from None
         try:
             _check_owned(fd, path)
@@ -185,8 +193,10 @@ class Segment:
         magic, got_kind, _, _, size = _PREFIX.unpack_from(mm, 0)
         if magic != MAGIC or got_kind != kind or size + PREFIX_BYTES != total:
             mm.close()
-            raise SegmentError(f"segment {path} is not a StaleFlow segment of kind {kind} "
-                               f"(magic {magic!r}, kind {got_kind}): wrong name or corrupted file")
+            raise SegmentError(
+                f"segment {path} is not a StaleFlow segment of kind {kind} "
+                f"(magic {magic!r}, kind {got_kind}): wrong name or corrupted file"
+            )
         return cls(name, mm, size, kind, owner=False)
 
     @property

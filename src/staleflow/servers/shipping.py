@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -82,8 +82,10 @@ class ZeroCopySends:
             try:
                 t.wait(timeout)
             except zmq.NotDone:
-                raise ServerError(f"record {handle} is still being sent to another node after {timeout:.0f} s: the "
-                                  f"network between the nodes is stuck") from None
+                raise ServerError(
+                    f"record {handle} is still being sent to another node after {timeout:.0f} s: the "
+                    f"network between the nodes is stuck"
+                ) from None
 
     def wait_all(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -157,8 +159,10 @@ class RecordReceiver:
             h = msg.handle
             mirror = self.mirrors.get(h.rank)
             if mirror is None or who != h.rank or len(frames) != 2 or msg.capacity != mirror.capacity:
-                raise ServerError(f"a record for ring {h.rank} from rank {who} (capacity {msg.capacity}): not one "
-                                  f"this node mirrors, or not the sender's own ring")
+                raise ServerError(
+                    f"a record for ring {h.rank} from rank {who} (capacity {msg.capacity}): not one "
+                    f"this node mirrors, or not the sender's own ring"
+                )
             mirror.write(h, frames[1].buffer)
         elif isinstance(msg, Freed):
             for h in msg.handles:
@@ -209,8 +213,9 @@ class RecordServer:
             except (StaleHandle, ServerError) as e:  # freed meanwhile (an Abort crossed the route)
                 self.sock.send_multipart([ident, _encode(Fetched(h, False, str(e)[:300]))])
                 continue
-            self.sends.add(h, self.sock.send_multipart([ident, _encode(Fetched(h, True)), view], copy=False,
-                                                       track=True))
+            self.sends.add(
+                h, self.sock.send_multipart([ident, _encode(Fetched(h, True)), view], copy=False, track=True)
+            )
             self.served += 1
 
     def close(self) -> None:
@@ -226,8 +231,9 @@ class RecordFetcher:
         self.records = 0
         self.bytes = 0
 
-    def fetch(self, handles: list[RecordHandle], serve: Callable[[], None] = lambda: None,
-              timeout: float = 60.0) -> dict[RecordHandle, TrajectoryRecord | None]:
+    def fetch(
+        self, handles: list[RecordHandle], serve: Callable[[], None] = lambda: None, timeout: float = 60.0
+    ) -> dict[RecordHandle, TrajectoryRecord | None]:
         """Records of ``handles`` (None: freed by their producer meanwhile). ``serve`` runs while
         waiting, so two ranks fetching from each other never wait on each other."""
         for h in handles:
@@ -242,8 +248,10 @@ class RecordFetcher:
         while len(out) < len(set(handles)):
             if time.monotonic() > deadline:
                 missing = [h for h in handles if h not in out]
-                raise ServerError(f"no answer within {timeout:.0f} s for records {missing[:3]} from rollout ranks "
-                                  f"{sorted({h.rank for h in missing})} on another node: is that rank alive?")
+                raise ServerError(
+                    f"no answer within {timeout:.0f} s for records {missing[:3]} from rollout ranks "
+                    f"{sorted({h.rank for h in missing})} on another node: is that rank alive?"
+                )
             for sock, _ in poller.poll(10):
                 frames = sock.recv_multipart(copy=False)
                 reply = _decode(frames[0].bytes)

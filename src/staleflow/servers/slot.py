@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -30,15 +30,19 @@ class _Slot:
     """One slot: its segment, a lock fd, and the typed views of every piece mapped here
     (``views[p]`` is None for a GPU piece this process did not map)."""
 
-    def __init__(self, seg: Segment, slot: int, views: list[dict[str, torch.Tensor] | None],
-                 pieces: list[Piece | None] = ()):
+    def __init__(
+        self, seg: Segment, slot: int, views: list[dict[str, torch.Tensor] | None], pieces: list[Piece | None] = ()
+    ):
         self.seg, self.slot, self.views, self.pieces = seg, slot, views, list(pieces)
         self.lock_fd = os.open(segment_path(seg.name), os.O_RDWR | os.O_NOFOLLOW)
 
     def header(self) -> tuple[int, int, int]:
         """(state, version, stamp)."""
-        return (struct.unpack_from("<I", self.seg.buf, _STATE)[0], struct.unpack_from("<q", self.seg.buf, _VERSION)[0],
-                struct.unpack_from("<Q", self.seg.buf, _STAMP)[0])
+        return (
+            struct.unpack_from("<I", self.seg.buf, _STATE)[0],
+            struct.unpack_from("<q", self.seg.buf, _VERSION)[0],
+            struct.unpack_from("<Q", self.seg.buf, _STAMP)[0],
+        )
 
     def set(self, state: int | None = None, version: int | None = None, bump: bool = False) -> None:
         if bump:
@@ -58,10 +62,13 @@ class _Slot:
         self.seg.close()
 
 
-
-
-def read_clean(read: Callable[[int], bool | None], version: Callable[[], int | None], attempts: int,
-               what: str, follow_newest: bool = True) -> int:
+def read_clean(
+    read: Callable[[int], bool | None],
+    version: Callable[[], int | None],
+    attempts: int,
+    what: str,
+    follow_newest: bool = True,
+) -> int:
     """The one retry loop of every weight reader (local slots, another node's owners, a vLLM
     worker): ``read(v)`` copies version v and returns True when the copy is clean (the seqlock
     stamp did not move), False when it was torn, None when v is no longer there (overwritten).
@@ -85,5 +92,7 @@ def read_clean(read: Callable[[int], bool | None], version: Callable[[], int | N
             return v
         if clean is None and not follow_newest:
             raise VersionNotFound(f"{what}: version {v} is not available any more (overwritten); pull the newest")
-    raise TornRead(f"{what}: the slot changed during each of {attempts} copies (a writer bypassing the slot "
-                   f"lock, or versions published faster than they can be read)")
+    raise TornRead(
+        f"{what}: the slot changed during each of {attempts} copies (a writer bypassing the slot "
+        f"lock, or versions published faster than they can be read)"
+    )

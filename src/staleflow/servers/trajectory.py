@@ -34,8 +34,9 @@ Usage::
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import msgspec
 import torch
@@ -104,8 +105,8 @@ class TrajectoryRing:
         if magic != RING_MAGIC or hdr_rank != rank:
             raise ServerError(f"segment {seg.name} is not the trajectory ring of rank {rank}")
         self.capacity = capacity
-        self._words = seg.u8[RING_HEADER_BYTES:RING_HEADER_BYTES + capacity].view(torch.int32)  # [capacity/4]
-        self._buf = seg.buf[RING_HEADER_BYTES:RING_HEADER_BYTES + capacity]
+        self._words = seg.u8[RING_HEADER_BYTES : RING_HEADER_BYTES + capacity].view(torch.int32)  # [capacity/4]
+        self._buf = seg.buf[RING_HEADER_BYTES : RING_HEADER_BYTES + capacity]
         self._alloc = RingAllocator(capacity) if producer else None
         self._generation = 0
         self._encoder = msgspec.msgpack.Encoder()
@@ -168,7 +169,7 @@ class TrajectoryRing:
         self._check_handle(handle)
         state, _flags, gen, length = REC_HEADER.unpack_from(self._buf, handle.offset)[:4]
         self._check_header(handle, state, gen, length)
-        return self._buf[handle.offset:handle.offset + length]
+        return self._buf[handle.offset : handle.offset + length]
 
     @property
     def live_records(self) -> int:
@@ -184,25 +185,30 @@ class TrajectoryRing:
         versions = _as_1d(record.versions, torch.int32, "versions")
         n_resp = response.numel()
         if logprobs.numel() != n_resp or versions.numel() != n_resp:
-            raise ValueError(f"TrajectoryRecord has {n_resp} response tokens but {logprobs.numel()} logprobs "
-                             f"and {versions.numel()} versions: need one of each per response token")
+            raise ValueError(
+                f"TrajectoryRecord has {n_resp} response tokens but {logprobs.numel()} logprobs "
+                f"and {versions.numel()} versions: need one of each per response token"
+            )
         try:
             meta = self._encoder.encode(record.meta)
         except (TypeError, msgspec.EncodeError) as e:
-            raise ValueError(f"TrajectoryRecord.meta cannot be encoded ({e}): use str/int/float/bool/list/dict "
-                             f"values") from None
+            raise ValueError(
+                f"TrajectoryRecord.meta cannot be encoded ({e}): use str/int/float/bool/list/dict values"
+            ) from None
         n_words = prompt.numel() + 3 * n_resp
         length = _record_length(prompt.numel(), n_resp, len(meta))
         generation = self._generation + 1
         off = alloc.alloc(length, generation)
         if off is None:
-            raise RingFull(f"ring {self.name}: no room for a {length}-byte record ({alloc.used_bytes} of "
-                           f"{self.capacity} bytes held by {len(alloc)} unconsumed records); free some and retry")
+            raise RingFull(
+                f"ring {self.name}: no room for a {length}-byte record ({alloc.used_bytes} of "
+                f"{self.capacity} bytes held by {len(alloc)} unconsumed records); free some and retry"
+            )
         self._generation = generation
         w0 = (off + REC_HEADER_BYTES) // 4
-        torch.cat([prompt, response, logprobs.view(torch.int32), versions], out=self._words[w0:w0 + n_words])
+        torch.cat([prompt, response, logprobs.view(torch.int32), versions], out=self._words[w0 : w0 + n_words])
         m0 = off + REC_HEADER_BYTES + 4 * n_words
-        self._buf[m0:m0 + len(meta)] = meta
+        self._buf[m0 : m0 + len(meta)] = meta
         # Header last; the state word is the last field written, so a reader never sees LIVE early.
         REC_HEADER.pack_into(self._buf, off, FREED, 0, generation, length, prompt.numel(), n_resp, len(meta))
         struct.pack_into("<I", self._buf, off, LIVE)
@@ -231,15 +237,17 @@ class TrajectoryRing:
         if _record_length(n_p, n_r, n_m) != length:
             raise StaleHandle(f"record {handle} has an inconsistent header (length {length})")
         w0 = (off + REC_HEADER_BYTES) // 4
-        words = self._words[w0:w0 + n_p + 3 * n_r].clone()  # one copy; the sections are views of it
+        words = self._words[w0 : w0 + n_p + 3 * n_r].clone()  # one copy; the sections are views of it
         a, b, c = n_p, n_p + n_r, n_p + 2 * n_r
         prompt, response, logprobs, versions = words[:a], words[a:b], words[b:c], words[c:]
         m0 = off + REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)
-        meta = self._decoder.decode(self._buf[m0:m0 + n_m]) if n_m else {}
+        meta = self._decoder.decode(self._buf[m0 : m0 + n_m]) if n_m else {}
         state2, _, gen2, length2 = REC_HEADER.unpack_from(self._buf, off)[:4]
         if (state2, gen2, length2) != (state, gen, length):
-            raise StaleHandle(f"record {handle} was freed or overwritten while being read: the controller freed it "
-                              f"before this reader finished (read before sending 'consumed')")
+            raise StaleHandle(
+                f"record {handle} was freed or overwritten while being read: the controller freed it "
+                f"before this reader finished (read before sending 'consumed')"
+            )
         return TrajectoryRecord(prompt, response, logprobs.view(torch.float32), versions, meta=meta)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -251,20 +259,31 @@ class TrajectoryRing:
         if len(buf) != handle.length or handle.length < REC_HEADER_BYTES:
             raise StaleHandle(f"record {handle}: got {len(buf)} bytes")
         state, _flags, gen, length, n_p, n_r, n_m = REC_HEADER.unpack_from(buf, 0)
-        if state != LIVE or gen != handle.generation or length != handle.length \
-                or _record_length(n_p, n_r, n_m) != length:
+        if (
+            state != LIVE
+            or gen != handle.generation
+            or length != handle.length
+            or _record_length(n_p, n_r, n_m) != length
+        ):
             raise StaleHandle(f"record {handle}: the bytes received are not that record (generation {gen})")
-        words = torch.frombuffer(bytearray(buf[REC_HEADER_BYTES:REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)]),
-                                 dtype=torch.int32) if n_p + n_r else torch.zeros(0, dtype=torch.int32)
+        words = (
+            torch.frombuffer(
+                bytearray(buf[REC_HEADER_BYTES : REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)]), dtype=torch.int32
+            )
+            if n_p + n_r
+            else torch.zeros(0, dtype=torch.int32)
+        )
         a, b, c = n_p, n_p + n_r, n_p + 2 * n_r
         m0 = REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)
-        meta = msgspec.msgpack.decode(buf[m0:m0 + n_m]) if n_m else {}
+        meta = msgspec.msgpack.decode(buf[m0 : m0 + n_m]) if n_m else {}
         return TrajectoryRecord(words[:a], words[a:b], words[b:c].view(torch.float32), words[c:], meta=meta)
 
     def _producer_only(self, what: str) -> RingAllocator:
         if not self.producer:
-            raise ServerError(f"TrajectoryRing.{what} on ring {self.name}: only the producer (rollout rank "
-                              f"{self.rank}) may do this; readers only read")
+            raise ServerError(
+                f"TrajectoryRing.{what} on ring {self.name}: only the producer (rollout rank "
+                f"{self.rank}) may do this; readers only read"
+            )
         return self._alloc
 
     def _check_handle(self, handle: RecordHandle) -> None:
@@ -272,12 +291,18 @@ class TrajectoryRing:
             raise TypeError(f"expected a RecordHandle, got {type(handle).__name__}")
         if handle.rank != self.rank:
             raise StaleHandle(f"handle {handle} belongs to the ring of rank {handle.rank}, not {self.rank}")
-        if (handle.offset < 0 or handle.offset % RECORD_ALIGN or handle.length < REC_HEADER_BYTES
-                or handle.offset + handle.length > self.capacity):
+        if (
+            handle.offset < 0
+            or handle.offset % RECORD_ALIGN
+            or handle.length < REC_HEADER_BYTES
+            or handle.offset + handle.length > self.capacity
+        ):
             raise StaleHandle(f"handle {handle} is out of bounds for ring {self.name} of {self.capacity} bytes")
 
     def _check_header(self, handle: RecordHandle, state: int, gen: int, length: int) -> None:
         if state != LIVE or gen != handle.generation or length != handle.length:
             why = "was freed" if state == FREED and gen == handle.generation else "was overwritten or never written"
-            raise StaleHandle(f"record {handle} {why} (ring {self.name} holds generation {gen} there): "
-                              f"do not use a handle after the controller freed it")
+            raise StaleHandle(
+                f"record {handle} {why} (ring {self.name} holds generation {gen} there): "
+                f"do not use a handle after the controller freed it"
+            )

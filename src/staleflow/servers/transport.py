@@ -54,21 +54,56 @@ class CudaHandle(msgspec.Struct, array_like=True, frozen=True):
 
 
 def _classes() -> dict[str, type]:
-    return {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "TypedStorage": torch.storage.TypedStorage,
-            "UntypedStorage": torch.UntypedStorage}
+    return {
+        "Tensor": torch.Tensor,
+        "Parameter": torch.nn.Parameter,
+        "TypedStorage": torch.storage.TypedStorage,
+        "UntypedStorage": torch.UntypedStorage,
+    }
 
 
 def encode_cuda_handle(pid: int, args: tuple) -> bytes:
     """``reduce_tensor(t)[1]`` of a CUDA tensor as bytes (CudaHandle)."""
     names = {v: k for k, v in _classes().items()}
-    (tcls, size, stride, offset, scls, dtype, device, handle, ssize, soff, grad, rc_handle, rc_off,
-     ev_handle, ev_sync) = args
+    (
+        tcls,
+        size,
+        stride,
+        offset,
+        scls,
+        dtype,
+        device,
+        handle,
+        ssize,
+        soff,
+        grad,
+        rc_handle,
+        rc_off,
+        ev_handle,
+        ev_sync,
+    ) = args
     if tcls not in names or scls not in names:
         raise ServerError(f"cannot share a {tcls.__name__} over a {scls.__name__} by CUDA IPC")
-    return msgspec.msgpack.encode(CudaHandle(
-        pid, names[tcls], list(size), list(stride), int(offset), names[scls], str(dtype).removeprefix("torch."),
-        int(device), bytes(handle), int(ssize), int(soff), bool(grad), bytes(rc_handle), int(rc_off),
-        None if ev_handle is None else bytes(ev_handle), bool(ev_sync)))
+    return msgspec.msgpack.encode(
+        CudaHandle(
+            pid,
+            names[tcls],
+            list(size),
+            list(stride),
+            int(offset),
+            names[scls],
+            str(dtype).removeprefix("torch."),
+            int(device),
+            bytes(handle),
+            int(ssize),
+            int(soff),
+            bool(grad),
+            bytes(rc_handle),
+            int(rc_off),
+            None if ev_handle is None else bytes(ev_handle),
+            bool(ev_sync),
+        )
+    )
 
 
 def decode_cuda_handle(blob: bytes) -> tuple[int, tuple]:
@@ -81,9 +116,23 @@ def decode_cuda_handle(blob: bytes) -> tuple[int, tuple]:
     dtype = getattr(torch, h.dtype, None)
     if h.tensor_cls not in cls or h.storage_cls not in cls or not isinstance(dtype, torch.dtype):
         raise ServerError(f"a CUDA IPC handle names unknown types ({h.tensor_cls}, {h.storage_cls}, {h.dtype})")
-    return h.pid, (cls[h.tensor_cls], torch.Size(h.size), tuple(h.stride), h.offset, cls[h.storage_cls], dtype,
-                   h.device, h.handle, h.storage_size_bytes, h.storage_offset_bytes, h.requires_grad,
-                   h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required)
+    return h.pid, (
+        cls[h.tensor_cls],
+        torch.Size(h.size),
+        tuple(h.stride),
+        h.offset,
+        cls[h.storage_cls],
+        dtype,
+        h.device,
+        h.handle,
+        h.storage_size_bytes,
+        h.storage_offset_bytes,
+        h.requires_grad,
+        h.ref_counter_handle,
+        h.ref_counter_offset,
+        h.event_handle,
+        h.event_sync_required,
+    )
 
 
 def device_uuid(device: torch.device) -> str:
@@ -98,12 +147,15 @@ def local_device_of(uuid: str) -> torch.device:
     for i in range(torch.cuda.device_count()):
         if device_uuid(torch.device("cuda", i)) == uuid:
             return torch.device("cuda", i)
-    raise ServerError(f"the GPU {uuid} holding a parameter-server piece is not visible in this process "
-                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): make it visible")
+    raise ServerError(
+        f"the GPU {uuid} holding a parameter-server piece is not visible in this process "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): make it visible"
+    )
 
 
-def cuda_piece_create(seg_name: str, nbytes: int, device: torch.device,
-                      readers: int) -> tuple[torch.Tensor, list[bytes], str]:
+def cuda_piece_create(
+    seg_name: str, nbytes: int, device: torch.device, readers: int
+) -> tuple[torch.Tensor, list[bytes], str]:
     """Allocate a piece on ``device``; returns it, one serialised IPC handle per reader index and
     the GPU's UUID."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -144,8 +196,9 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def broadcast_pull(group, src_rank: int, tensors: dict[str, torch.Tensor],
-                   bucket_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+def broadcast_pull(
+    group, src_rank: int, tensors: dict[str, torch.Tensor], bucket_bytes: int = 64 << 20
+) -> dict[str, torch.Tensor]:
     """Broadcast ``tensors`` from global rank ``src_rank`` to every rank of ``group``, in place.
 
     Every rank passes tensors with the same names, shapes and dtypes (e.g. ``layout.empty()``);
@@ -164,21 +217,27 @@ def broadcast_pull(group, src_rank: int, tensors: dict[str, torch.Tensor],
         if len(bucket) == 1 and bucket[0].is_contiguous():
             dist.broadcast(bucket[0], src=src_rank, group=group)
         else:
-            flat = (torch.cat([t.reshape(-1) for t in bucket]) if is_src
-                    else torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device))
+            flat = (
+                torch.cat([t.reshape(-1) for t in bucket])
+                if is_src
+                else torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            )
             dist.broadcast(flat, src=src_rank, group=group)
             if not is_src:
                 pos = 0
                 for t in bucket:
-                    t.copy_(flat[pos:pos + t.numel()].view(t.shape))
+                    t.copy_(flat[pos : pos + t.numel()].view(t.shape))
                     pos += t.numel()
         bucket.clear()
 
     size = 0
     for name in names:
         t = tensors[name]
-        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device
-                       or size + t.numel() * t.element_size() > bucket_bytes):
+        if bucket and (
+            t.dtype != bucket[0].dtype
+            or t.device != bucket[0].device
+            or size + t.numel() * t.element_size() > bucket_bytes
+        ):
             flush()
             size = 0
         bucket.append(t)

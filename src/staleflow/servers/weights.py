@@ -100,8 +100,7 @@ class EngineLoadsItself:
         pass
 
 
-def open_weight_source(run_id: str, engine_kind: str, reader: int, worker_reader: int,
-                       remote=None) -> WeightSource:
+def open_weight_source(run_id: str, engine_kind: str, reader: int, worker_reader: int, remote=None) -> WeightSource:
     """The one weight source of a rollout rank: remote when the Parameter Server is on another node
     (``remote``: its RemoteWeights), else the engine's own loader (vLLM, whose worker process reads
     as ``worker_reader``) or a local reader (``reader``: cluster.placement.reader_index)."""

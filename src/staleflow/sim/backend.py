@@ -21,7 +21,7 @@ import math
 import random
 from collections import deque
 
-from staleflow.controller.backend import PullDone, Published, Rewarded, TrainDone
+from staleflow.controller.backend import Published, PullDone, Rewarded, TrainDone
 from staleflow.coordinator.cost_model import CostModel
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.sim.config import SimConfig
@@ -36,8 +36,17 @@ def sim_record(traj_id: int, instance: int, generated: int) -> RecordHandle:
 
 
 class SimBackend:
-    def __init__(self, cfg: SimConfig, hw: Derived, cost: CostModel, n_instances: int, train_gpus: int,
-                 weight_sync: str, publish_every: int = 1, mixed_kv: bool = False):
+    def __init__(
+        self,
+        cfg: SimConfig,
+        hw: Derived,
+        cost: CostModel,
+        n_instances: int,
+        train_gpus: int,
+        weight_sync: str,
+        publish_every: int = 1,
+        mixed_kv: bool = False,
+    ):
         self.cfg, self.hw, self.cost, self.train_gpus, self.sync = cfg, hw, cost, train_gpus, weight_sync
         self.kv_moved: dict[int, tuple[int, int]] = {}  # traj_id -> (KV tokens, their weight version) in transit
         self.publish_every = publish_every
@@ -45,10 +54,20 @@ class SimBackend:
         self.pull_time = {"ps": hw.pull_s, "broadcast": hw.broadcast_s}.get(weight_sync, 0.0)
         rng = random.Random(cfg.seed * 7919 + 1)
         self.rng = random.Random(rng.getrandbits(32))
-        self.insts = [SimInstance(i, cost, hw.prefill_tokens_per_s, cfg.max_running,
-                                  speed=math.exp(rng.gauss(0.0, cfg.instance_spread)), noise=cfg.step_noise,
-                                  rng=random.Random(rng.getrandbits(32)), kv_move_tokens_per_s=hw.kv_move_tokens_per_s,
-                                  mixed_kv=mixed_kv) for i in range(n_instances)]
+        self.insts = [
+            SimInstance(
+                i,
+                cost,
+                hw.prefill_tokens_per_s,
+                cfg.max_running,
+                speed=math.exp(rng.gauss(0.0, cfg.instance_spread)),
+                noise=cfg.step_noise,
+                rng=random.Random(rng.getrandbits(32)),
+                kv_move_tokens_per_s=hw.kv_move_tokens_per_s,
+                mixed_kv=mixed_kv,
+            )
+            for i in range(n_instances)
+        ]
         self.t = 0.0
         self.pending: deque = deque()
         self.timers: list[tuple[float, int, object]] = []
@@ -79,8 +98,11 @@ class SimBackend:
                 finished, pulled = inst.advance(until)
                 self.pending.extend(PullDone(inst.instance, v, self.pull_time) for v in pulled)
                 for tr in finished:
-                    self.pending.append(Finished(tr.traj_id, inst.instance, sim_record(tr.traj_id, inst.instance, tr.generated),
-                                                 tr.generated))
+                    self.pending.append(
+                        Finished(
+                            tr.traj_id, inst.instance, sim_record(tr.traj_id, inst.instance, tr.generated), tr.generated
+                        )
+                    )
             self.t = until
             while self.timers and self.timers[0][0] <= until:
                 self.pending.append(heapq.heappop(self.timers)[2])
@@ -91,9 +113,18 @@ class SimBackend:
             for inst in self.insts:
                 tps = (inst.tokens_out - self._last_tokens[inst.instance]) / dt
                 self._last_tokens[inst.instance] = inst.tokens_out
-                yield InstanceSnapshot(inst.instance, inst.version, len(inst.running), len(inst.waiting), inst.kv,
-                                       self.cost.kv_capacity, tps, inst.syncing, self.t,
-                                       tokens_generated=inst.tokens_out)
+                yield InstanceSnapshot(
+                    inst.instance,
+                    inst.version,
+                    len(inst.running),
+                    len(inst.waiting),
+                    inst.kv,
+                    self.cost.kv_capacity,
+                    tps,
+                    inst.syncing,
+                    self.t,
+                    tokens_generated=inst.tokens_out,
+                )
 
     def _at(self, t: float, event) -> None:
         self._seq += 1
@@ -104,8 +135,9 @@ class SimBackend:
         """A loop-back resumes from its partial record's tokens (and recomputes their KV on admission)."""
         generated = cmd.partial.length if cmd.partial is not None else 0
         moved, version = self.kv_moved.pop(cmd.traj_id, (0, -1))
-        self.insts[cmd.instance].add(SimTraj(cmd.traj_id, -1, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens,
-                                             generated, moved, version))
+        self.insts[cmd.instance].add(
+            SimTraj(cmd.traj_id, -1, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens, generated, moved, version)
+        )
 
     def interrupt(self, cmd: Interrupt) -> None:
         """A migrated trajectory that was running takes its KV along when the engine can move KV
@@ -116,8 +148,15 @@ class SimBackend:
             if cmd.reason == "migrate" and tr.had_kv and inst.kv_rate > 0:
                 self.kv_moved[tr.traj_id] = (tr.tokens, inst.version)
                 inst.stall(self.t, tr.tokens * inst.speed / inst.kv_rate)
-            self.pending.append(Finished(tr.traj_id, cmd.instance, sim_record(tr.traj_id, cmd.instance, tr.generated),
-                                         tr.generated, partial=True))
+            self.pending.append(
+                Finished(
+                    tr.traj_id,
+                    cmd.instance,
+                    sim_record(tr.traj_id, cmd.instance, tr.generated),
+                    tr.generated,
+                    partial=True,
+                )
+            )
 
     def abort(self, cmd: Abort) -> None:
         self.insts[cmd.instance].take(cmd.traj_ids)

@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-from staleflow.config.parse import parse
 from staleflow.config import ConfigError
+from staleflow.config.parse import parse
 from staleflow.coordinator.cost_model import CostModelError, load_cost_model
 from staleflow.sim.config import PRESETS, SimConfig
 from staleflow.sim.report import compare, find, plot, ratios, table, write_json
@@ -34,13 +34,19 @@ def main(argv: list[str]) -> int:
         return grid_main(cfg)
     t0 = time.perf_counter()
     n_dis = cfg.rollout_gpus // cfg.gpus_per_instance
-    dist = (f"lognormal(median {cfg.response_median:.0f}, sigma {cfg.response_sigma})" if cfg.length_dist == "lognormal"
-            else cfg.length_dist)
-    print(f"staleflow sim: {cfg.total_gpus} GPUs (disaggregated: {cfg.rollout_gpus} rollout = {n_dis} instances x "
-          f"TP{cfg.gpus_per_instance}, {cfg.total_gpus - cfg.rollout_gpus} train; verl-sync: all colocated), "
-          f"cost model {cost.name} (router: fitted to {cfg.router_fit_samples} noisy samples), "
-          f"B={cfg.staleness.batch_size} groups x N={cfg.staleness.group_size}, responses {dist} <= {cfg.max_response}, "
-          f"{cfg.steps} steps (first {cfg.warmup_steps} not measured), seed {cfg.seed}", flush=True)
+    dist = (
+        f"lognormal(median {cfg.response_median:.0f}, sigma {cfg.response_sigma})"
+        if cfg.length_dist == "lognormal"
+        else cfg.length_dist
+    )
+    print(
+        f"staleflow sim: {cfg.total_gpus} GPUs (disaggregated: {cfg.rollout_gpus} rollout = {n_dis} instances x "
+        f"TP{cfg.gpus_per_instance}, {cfg.total_gpus - cfg.rollout_gpus} train; verl-sync: all colocated), "
+        f"cost model {cost.name} (router: fitted to {cfg.router_fit_samples} noisy samples), "
+        f"B={cfg.staleness.batch_size} groups x N={cfg.staleness.group_size}, responses {dist} <= {cfg.max_response}, "
+        f"{cfg.steps} steps (first {cfg.warmup_steps} not measured), seed {cfg.seed}",
+        flush=True,
+    )
 
     def progress(r):
         print(f"  ran {r.label:46s} {r.tokens_per_s:9.0f} tok/s  ({time.perf_counter() - t0:5.1f} s)", flush=True)

@@ -11,8 +11,9 @@ rollout ranks). ``--grid paper`` runs the evaluation grid (sim/grid.py) instead 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 from staleflow.config import ConfigError, CoordinatorConfig, StalenessConfig, _check
 from staleflow.coordinator.modes import ALIASES, MODES
@@ -115,8 +116,9 @@ class SimConfig:
     eta: tuple[int, ...] = (1, 2, 3)
     """Staleness bounds simulated for the asynchronous modes (verl-sync always 0, verl-one-step-off always 1)."""
     modes: tuple[str, ...] = DEFAULT_MODES
-    coordinator: CoordinatorConfig = field(default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2",
-                                                                                      keep_kv_on_pull=True))
+    coordinator: CoordinatorConfig = field(
+        default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2", keep_kv_on_pull=True)
+    )
     """Strategy settings of the staleflow mode (the baselines override theirs, see coordinator/modes.py).
     Its cost_model field is not used here: --cost-model sets the instances and the router alike. The
     simulated StaleFlow keeps KV across an in-flight weight update (keep_kv_on_pull; the runtime's rollout
@@ -146,15 +148,36 @@ class SimConfig:
     def __post_init__(self):
         _check(self.total_gpus >= 2, "total-gpus", self.total_gpus, "need >= 2 GPUs")
         _check(self.gpus_per_instance >= 1, "gpus-per-instance", self.gpus_per_instance, "must be >= 1")
-        _check(self.gpus_per_instance <= self.rollout_gpus < self.total_gpus, "rollout-gpus", self.rollout_gpus,
-               f"must be in [gpus-per-instance, total-gpus) = [{self.gpus_per_instance}, {self.total_gpus})")
-        for name in ("prefill_tokens_per_s", "train_tokens_per_gpu_s", "response_median", "gpu_memory_gb",
-                     "gpu_tflops", "kv_capacity"):
+        _check(
+            self.gpus_per_instance <= self.rollout_gpus < self.total_gpus,
+            "rollout-gpus",
+            self.rollout_gpus,
+            f"must be in [gpus-per-instance, total-gpus) = [{self.gpus_per_instance}, {self.total_gpus})",
+        )
+        for name in (
+            "prefill_tokens_per_s",
+            "train_tokens_per_gpu_s",
+            "response_median",
+            "gpu_memory_gb",
+            "gpu_tflops",
+            "kv_capacity",
+        ):
             v = getattr(self, name)
             _check(v is None or v > 0, name.replace("_", "-"), v, "must be > 0 (or unset: derived)")
-        for name in ("train_overhead_s", "push_s", "pull_s", "broadcast_s", "colocated_switch_s", "response_sigma",
-                     "kv_move_gb_s",
-                     "step_noise", "instance_spread", "train_noise", "router_fit_noise", "router_fit_samples"):
+        for name in (
+            "train_overhead_s",
+            "push_s",
+            "pull_s",
+            "broadcast_s",
+            "colocated_switch_s",
+            "response_sigma",
+            "kv_move_gb_s",
+            "step_noise",
+            "instance_spread",
+            "train_noise",
+            "router_fit_noise",
+            "router_fit_samples",
+        ):
             v = getattr(self, name)
             _check(v is None or v >= 0, name.replace("_", "-"), v, "must be >= 0")
         _check(self.length_dist in LENGTH_DISTS, "length-dist", self.length_dist, f"choose {', '.join(LENGTH_DISTS)}")
@@ -168,8 +191,12 @@ class SimConfig:
         for m in self.modes:
             _check(m in MODES or m in ALIASES, "modes", m, f"unknown mode; choose from {', '.join(MODES)}")
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
-        _check(0 <= self.warmup_steps < self.steps, "warmup-steps", self.warmup_steps,
-               f"must be in [0, steps) = [0, {self.steps})")
+        _check(
+            0 <= self.warmup_steps < self.steps,
+            "warmup-steps",
+            self.warmup_steps,
+            f"must be in [0, steps) = [0, {self.steps})",
+        )
         _check(self.tick_s > 0, "tick-s", self.tick_s, "must be > 0")
         _check(self.max_sim_s > 0, "max-sim-s", self.max_sim_s, "must be > 0")
 
@@ -181,18 +208,34 @@ def preset_paper_32b() -> SimConfig:
 
 def preset_cpu_small() -> SimConfig:
     """The default CPU job's shape: 3 processes (1 trainer + 2 rollout instances), SmolLM2-135M CPU cost model."""
-    return SimConfig(total_gpus=3, rollout_gpus=2, gpus_per_instance=1, cost_model="cpu-smollm2",
-                     prefill_tokens_per_s=400.0, max_running=64, train_tokens_per_gpu_s=300.0,
-                     train_overhead_s=0.5, push_s=0.3, pull_s=0.3, broadcast_s=0.4, colocated_switch_s=0.3,
-                     staleness=StalenessConfig(batch_size=8, group_size=4), prompt_len=64, response_median=96.0, response_sigma=0.6, max_response=256,
-                     eta=(1, 2), coordinator=CoordinatorConfig(cost_model="cpu-smollm2"), steps=12,
-                     warmup_steps=2, tick_s=0.05, out_dir="runs/sim-cpu")
+    return SimConfig(
+        total_gpus=3,
+        rollout_gpus=2,
+        gpus_per_instance=1,
+        cost_model="cpu-smollm2",
+        prefill_tokens_per_s=400.0,
+        max_running=64,
+        train_tokens_per_gpu_s=300.0,
+        train_overhead_s=0.5,
+        push_s=0.3,
+        pull_s=0.3,
+        broadcast_s=0.4,
+        colocated_switch_s=0.3,
+        staleness=StalenessConfig(batch_size=8, group_size=4),
+        prompt_len=64,
+        response_median=96.0,
+        response_sigma=0.6,
+        max_response=256,
+        eta=(1, 2),
+        coordinator=CoordinatorConfig(cost_model="cpu-smollm2"),
+        steps=12,
+        warmup_steps=2,
+        tick_s=0.05,
+        out_dir="runs/sim-cpu",
+    )
 
 
-PRESETS: dict[str, Callable[[], SimConfig]] = {
-    "paper-32b": preset_paper_32b,
-    "cpu-small": preset_cpu_small,
-}
+PRESETS: dict[str, Callable[[], SimConfig]] = {"paper-32b": preset_paper_32b, "cpu-small": preset_cpu_small}
 
 
 def replace(cfg: SimConfig, **changes) -> SimConfig:

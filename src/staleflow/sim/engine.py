@@ -31,11 +31,31 @@ from staleflow.coordinator.cost_model import CostModel
 
 
 class SimTraj:
-    __slots__ = ("traj_id", "group_id", "traj_version", "prompt_len", "target_len", "generated", "tok0", "finish_step",
-                 "had_kv", "kv_moved", "kv_version")
+    __slots__ = (
+        "traj_id",
+        "group_id",
+        "traj_version",
+        "prompt_len",
+        "target_len",
+        "generated",
+        "tok0",
+        "finish_step",
+        "had_kv",
+        "kv_moved",
+        "kv_version",
+    )
 
-    def __init__(self, traj_id: int, group_id: int, traj_version: int, prompt_len: int, target_len: int,
-                 generated: int = 0, kv_moved: int = 0, kv_version: int = -1):
+    def __init__(
+        self,
+        traj_id: int,
+        group_id: int,
+        traj_version: int,
+        prompt_len: int,
+        target_len: int,
+        generated: int = 0,
+        kv_moved: int = 0,
+        kv_version: int = -1,
+    ):
         self.traj_id, self.group_id, self.traj_version = traj_id, group_id, traj_version
         self.prompt_len, self.target_len, self.generated = prompt_len, target_len, generated
         self.tok0 = 0  # KV tokens minus the instance step counter at admission
@@ -50,9 +70,18 @@ class SimTraj:
 
 
 class SimInstance:
-    def __init__(self, instance: int, cost: CostModel, prefill_tokens_per_s: float, max_running: int,
-                 speed: float = 1.0, noise: float = 0.0, rng: random.Random | None = None,
-                 kv_move_tokens_per_s: float = 0.0, mixed_kv: bool = False):
+    def __init__(
+        self,
+        instance: int,
+        cost: CostModel,
+        prefill_tokens_per_s: float,
+        max_running: int,
+        speed: float = 1.0,
+        noise: float = 0.0,
+        rng: random.Random | None = None,
+        kv_move_tokens_per_s: float = 0.0,
+        mixed_kv: bool = False,
+    ):
         self.instance, self.cost = instance, cost
         self.kv_rate = kv_move_tokens_per_s
         self.mixed_kv = mixed_kv
@@ -130,8 +159,10 @@ class SimInstance:
                 break
             self.waiting.popleft()
             if self.version < w.traj_version:
-                raise AssertionError(f"instance {self.instance} at version {self.version} runs trajectory "
-                                     f"{w.traj_id} with V_traj {w.traj_version}")
+                raise AssertionError(
+                    f"instance {self.instance} at version {self.version} runs trajectory "
+                    f"{w.traj_id} with V_traj {w.traj_version}"
+                )
             w.tok0 = w.tokens - self.step
             w.finish_step = self.step + max(1, w.target_len - w.generated)
             self.running[w.traj_id] = w

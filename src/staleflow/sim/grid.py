@@ -46,8 +46,15 @@ ABLATION_SEEDS = (0, 1, 2)
 
 
 def setting_cfg(base: SimConfig, cost_model: str, tp: int, dist: str, split: tuple[int, int]) -> SimConfig:
-    return dataclasses.replace(base, cost_model=cost_model, gpus_per_instance=tp, length_dist=dist,
-                               total_gpus=sum(split), rollout_gpus=split[0], out_dir="")
+    return dataclasses.replace(
+        base,
+        cost_model=cost_model,
+        gpus_per_instance=tp,
+        length_dist=dist,
+        total_gpus=sum(split),
+        rollout_gpus=split[0],
+        out_dir="",
+    )
 
 
 def equal_transfer(cfg: SimConfig) -> dict:
@@ -62,8 +69,9 @@ def settings() -> list[tuple]:
     return [(f"{m} {d} {s[0]}:{s[1]}", m, cm, tp, d, s) for m, cm, tp in MODELS for d in DISTS for s in SPLITS]
 
 
-def run_task(cfg: SimConfig, mode: str, eta: int, overrides: dict, peer: dict, changes: dict, seed: int,
-             label: str) -> SimResult:
+def run_task(
+    cfg: SimConfig, mode: str, eta: int, overrides: dict, peer: dict, changes: dict, seed: int, label: str
+) -> SimResult:
     """One simulated run (a process-pool task)."""
     cfg = dataclasses.replace(cfg, seed=seed, **changes)
     return run(cfg, mode, eta, overrides, f"{label} seed={seed}", peer=peer)
@@ -88,15 +96,21 @@ class Setting:
         self.pending.discard((cfg, seed))
 
     def results(self) -> list[SimResult]:
-        return ([r for m in self.measured.values() for r in m.runs.values()] + list(self.staleflow.values())
-                + list(self.equal.values()) + list(self.strict.values()))
+        return (
+            [r for m in self.measured.values() for r in m.runs.values()]
+            + list(self.staleflow.values())
+            + list(self.equal.values())
+            + list(self.strict.values())
+        )
 
 
 def _scan(cfg: SimConfig, family: list, seed: int, max_eta: int):
     """A search family on one seed, in order, until its worst case passes max_eta (a pool task)."""
+
     def one(c, s):
         mode, eta, ov, peer = c.args()
         return run_task(cfg, mode, eta, ov, peer, {}, s, c.label)
+
     return search.scan(family, one, seed, max_eta)
 
 
@@ -108,41 +122,94 @@ def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[Setti
     abl: dict = {}  # (label, seed) -> SimResult
     done_settings: set = set()
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+
         def submit(fn, handler, *args):
             futures[pool.submit(fn, *args)] = handler
 
         def peer_run(st: Setting, c, seed):
             st.pending.add((c, seed))
             mode, eta, ov, peer = c.args()
-            submit(run_task, lambda r, st=st, c=c, seed=seed: st.record(c, seed, r), st.cfg, mode, eta, ov, peer, {},
-                   seed, c.label)
+            submit(
+                run_task,
+                lambda r, st=st, c=c, seed=seed: st.record(c, seed, r),
+                st.cfg,
+                mode,
+                eta,
+                ov,
+                peer,
+                {},
+                seed,
+                c.label,
+            )
 
         # Longest chains first: the families of the slow (32B) settings, then single runs.
         for st in sorted(sets, key=lambda s: s.model != "32B"):
             fams = search.families(st.B)
             st.scans_left = len(fams)
             for fam in fams:
+
                 def scanned(out, st=st):
                     for c, r in out:
                         st.record(c, SEEDS[0], r)
                     st.scans_left -= 1
+
                 submit(_scan, scanned, st.cfg, fam, SEEDS[0], max(ETAS))
         for st in sets:
             for eta in ETAS:
                 for seed in SEEDS:
-                    submit(run_task, lambda r, st=st, k=(eta, seed): st.staleflow.__setitem__(k, r), st.cfg,
-                           "staleflow", eta, {}, {}, {}, seed, f"staleflow eta={eta}")
-                    submit(run_task, lambda r, st=st, k=(eta, seed): st.equal.__setitem__(k, r), st.cfg, "staleflow",
-                           eta, {}, {}, equal_transfer(st.cfg), seed, f"staleflow eta={eta} equal-transfer")
+                    submit(
+                        run_task,
+                        lambda r, st=st, k=(eta, seed): st.staleflow.__setitem__(k, r),
+                        st.cfg,
+                        "staleflow",
+                        eta,
+                        {},
+                        {},
+                        {},
+                        seed,
+                        f"staleflow eta={eta}",
+                    )
+                    submit(
+                        run_task,
+                        lambda r, st=st, k=(eta, seed): st.equal.__setitem__(k, r),
+                        st.cfg,
+                        "staleflow",
+                        eta,
+                        {},
+                        {},
+                        equal_transfer(st.cfg),
+                        seed,
+                        f"staleflow eta={eta} equal-transfer",
+                    )
                 for c in search.strict(eta, st.B):
                     mode, e, ov, peer = c.args()
-                    submit(run_task, lambda r, st=st, c=c: st.strict.__setitem__(c, r), st.cfg, mode, e, ov, peer, {},
-                           SEEDS[0], c.label)
+                    submit(
+                        run_task,
+                        lambda r, st=st, c=c: st.strict.__setitem__(c, r),
+                        st.cfg,
+                        mode,
+                        e,
+                        ov,
+                        peer,
+                        {},
+                        SEEDS[0],
+                        c.label,
+                    )
         _, eta, _, _ = CENTRE
         for seed in ABLATION_SEEDS:
             for name, mode, ov, changes in [("full", "staleflow", {}, {})] + list(ABLATIONS):
-                submit(run_task, lambda r, k=(name, seed): abl.__setitem__(k, r), centre.cfg, mode, eta, ov, {},
-                       changes, seed, f"staleflow eta={eta} {name}")
+                submit(
+                    run_task,
+                    lambda r, k=(name, seed): abl.__setitem__(k, r),
+                    centre.cfg,
+                    mode,
+                    eta,
+                    ov,
+                    {},
+                    changes,
+                    seed,
+                    f"staleflow eta={eta} {name}",
+                )
         while futures:
             finished, _ = wait(list(futures), return_when=FIRST_COMPLETED)
             for f in finished:
@@ -150,14 +217,22 @@ def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[Setti
             for st in sets:
                 if st.scans_left == 0 and not st.pending:  # after the scans: nominal peers, later seeds as needed
                     forced = [c for eta in ETAS for c in search.nominal(eta, st.B)] + [search.fixed("verl-sync")]
-                    todo = [(c, seed) for c in forced for seed in SEEDS
-                            if seed not in st.measured.get(c, search.Measured(c)).runs]
+                    todo = [
+                        (c, seed)
+                        for c in forced
+                        for seed in SEEDS
+                        if seed not in st.measured.get(c, search.Measured(c)).runs
+                    ]
                     todo += search.more_seeds(st.measured, ETAS, SEEDS)
                     for c, seed in dict.fromkeys(todo):
                         peer_run(st, c, seed)
-                if st.name not in done_settings and st.scans_left == 0 and not st.pending and \
-                        len(st.staleflow) == len(st.equal) == len(ETAS) * len(SEEDS) and \
-                        len(st.strict) == 2 * len(ETAS):
+                if (
+                    st.name not in done_settings
+                    and st.scans_left == 0
+                    and not st.pending
+                    and len(st.staleflow) == len(st.equal) == len(ETAS) * len(SEEDS)
+                    and len(st.strict) == 2 * len(ETAS)
+                ):
                     done_settings.add(st.name)
                     progress(rep.setting_text(st, ETAS, SEEDS))
     ablation = rep.ablation_ratios(abl, ABLATION_SEEDS)
@@ -168,35 +243,55 @@ def main(base: SimConfig) -> int:
     t0 = time.perf_counter()
     jobs = base.jobs or os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"staleflow sim --grid paper: {len(settings()) * len(ETAS)} settings (models {[m for m, _, _ in MODELS]}, "
-          f"eta {list(ETAS)}, lengths {list(DISTS)}, splits {[f'{a}:{b}' for a, b in SPLITS]}); StaleFlow against "
-          f"the fastest peer configuration with observed worst-case staleness <= eta (seeds {list(SEEDS)}), the "
-          f"peers at nominal eta, the strict peers and equal transfer; ablations at {CENTRE} over seeds "
-          f"{list(ABLATION_SEEDS)}; {base.steps} steps per run, first {base.warmup_steps} not measured, "
-          f"B={base.staleness.batch_size} x N={base.staleness.group_size}; {jobs} processes; load average {load:.1f}", flush=True)
+    print(
+        f"staleflow sim --grid paper: {len(settings()) * len(ETAS)} settings (models {[m for m, _, _ in MODELS]}, "
+        f"eta {list(ETAS)}, lengths {list(DISTS)}, splits {[f'{a}:{b}' for a, b in SPLITS]}); StaleFlow against "
+        f"the fastest peer configuration with observed worst-case staleness <= eta (seeds {list(SEEDS)}), the "
+        f"peers at nominal eta, the strict peers and equal transfer; ablations at {CENTRE} over seeds "
+        f"{list(ABLATION_SEEDS)}; {base.steps} steps per run, first {base.warmup_steps} not measured, "
+        f"B={base.staleness.batch_size} x N={base.staleness.group_size}; {jobs} processes; load average {load:.1f}",
+        flush=True,
+    )
 
     def progress(text):
         print(f"\n{text}\n({time.perf_counter() - t0:.0f} s)", flush=True)
 
     sets, ablation, abl_runs = run_grid(base, jobs, progress)
     rows = [row for st in sets for row in rep.setting_rows(st, ETAS, SEEDS)]
-    print("\nSummary: StaleFlow at eta over the guarantee-matched best peer (observed worst case <= eta), over "
-          "the same best peer with equal transfer costs, over the best peer at the same nominal eta, over the "
-          "strict peers, and over verl-sync; step / floor = StaleFlow's mean step over its tail floor")
+    print(
+        "\nSummary: StaleFlow at eta over the guarantee-matched best peer (observed worst case <= eta), over "
+        "the same best peer with equal transfer costs, over the best peer at the same nominal eta, over the "
+        "strict peers, and over verl-sync; step / floor = StaleFlow's mean step over its tail floor"
+    )
     print(rep.summary_table(rows))
-    print(f"\nAblation at the grid centre {CENTRE} (ablated / full staleflow tokens/s, ratio of the means over seeds "
-          f"{list(ABLATION_SEEDS)}): " + ", ".join(f"{k} {v}" for k, v in ablation.items()))
+    print(
+        f"\nAblation at the grid centre {CENTRE} (ablated / full staleflow tokens/s, ratio of the means over seeds "
+        f"{list(ABLATION_SEEDS)}): " + ", ".join(f"{k} {v}" for k, v in ablation.items())
+    )
     every = [r for st in sets for r in st.results()] + abl_runs
     out = rep.summary(rows, every, ablation)
     wall = time.perf_counter() - t0
     out_dir = base.out_dir or "runs/sim-grid"
     rep.plot(rows, os.path.join(out_dir, "grid.png"))
     with open(os.path.join(out_dir, "grid.json"), "w") as f:
-        json.dump({"summary": out, "settings": rows, "search": {st.name: rep.search_rows(st) for st in sets},
-                   "wall_s": round(wall, 1), "jobs": jobs, "runs": [r.row() for r in every]}, f, indent=1, default=str)
+        json.dump(
+            {
+                "summary": out,
+                "settings": rows,
+                "search": {st.name: rep.search_rows(st) for st in sets},
+                "wall_s": round(wall, 1),
+                "jobs": jobs,
+                "runs": [r.row() for r in every],
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     end_load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\nwrote {os.path.join(out_dir, 'grid.png')} and {os.path.join(out_dir, 'grid.json')}; {len(every)} runs "
-          f"in {wall:.0f} s with {jobs} processes (load average {load:.1f} at the start, {end_load:.1f} at the end)")
+    print(
+        f"\nwrote {os.path.join(out_dir, 'grid.png')} and {os.path.join(out_dir, 'grid.json')}; {len(every)} runs "
+        f"in {wall:.0f} s with {jobs} processes (load average {load:.1f} at the start, {end_load:.1f} at the end)"
+    )
     for r in every:
         if r.violations:
             print(f"PROTOCOL VIOLATION or incomplete run in {r.label}: {r.violations[:3]}", file=sys.stderr)

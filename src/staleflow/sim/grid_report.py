@@ -62,69 +62,113 @@ def setting_rows(st, etas, seeds) -> list[dict]:
         nominal = {}
         for c in search.nominal(eta, st.B):
             m = st.measured[c]
-            nominal[c.label] = {"tok_s": round(m.tok_s, 1), "over_eta_frac": round(m.over(eta), 3),
-                                "mean_staleness": round(m.mean_staleness, 2), "worst": m.worst}
+            nominal[c.label] = {
+                "tok_s": round(m.tok_s, 1),
+                "over_eta_frac": round(m.over(eta), 3),
+                "mean_staleness": round(m.mean_staleness, 2),
+                "worst": m.worst,
+            }
         nom_best = max(nominal, key=lambda k: nominal[k]["tok_s"])
         strict = {c.label: st.strict[c] for c in search.strict(eta, st.B)}
         strict_best = max(strict, key=lambda k: strict[k].tokens_per_s)
         sb = strict[strict_best]
-        rows.append({
-            "setting": st.name, "model": st.model, "dist": st.dist, "split": f"{st.split[0]}:{st.split[1]}",
-            "eta": eta, "staleflow": round(sf_tok, 1), "staleflow_equal_transfer": round(eq_tok, 1),
-            "step_s": round(step, 1), "floor_s": round(floor, 1), "step_over_floor": round(step / floor, 3),
-            "guarantee_best": g.cfg.label if g else None, "guarantee_best_tok_s": round(g.tok_s, 1) if g else None,
-            "guarantee_best_worst": g.worst if g else None,
-            "guarantee_best_mean_staleness": round(g.mean_staleness, 2) if g else None,
-            "vs_guarantee_best": _ratio(sf_tok, g.tok_s) if g else None,
-            "vs_guarantee_best_equal_transfer": _ratio(eq_tok, g.tok_s) if g else None,
-            "nominal": nominal, "nominal_best": nom_best, "vs_nominal_best": _ratio(sf_tok, nominal[nom_best]["tok_s"]),
-            "strict": {k: round(r.tokens_per_s, 1) for k, r in strict.items()}, "strict_best": strict_best,
-            "vs_strict_best": _ratio(sf[0].tokens_per_s, sb.tokens_per_s),
-            "strict_dropped_frac": round(sb.aborts.get("window-closed", 0) / max(1, sb.fates.get("consumed", 0)), 3),
-            "strict_mean_len": round(sb.tokens / max(1, sb.samples), 0),
-            "staleflow_mean_len": round(_mean(r.tokens / max(1, r.samples) for r in sf), 0),
-            "vs_sync": _ratio(sf_tok, sync.tok_s) if sync else None,
-            "capped_batches": round(_mean(sum(n >= cfg.max_response for n in r.longest[cfg.warmup_steps:])
-                                          / max(1, len(r.longest[cfg.warmup_steps:])) for r in sf), 3)})
+        rows.append(
+            {
+                "setting": st.name,
+                "model": st.model,
+                "dist": st.dist,
+                "split": f"{st.split[0]}:{st.split[1]}",
+                "eta": eta,
+                "staleflow": round(sf_tok, 1),
+                "staleflow_equal_transfer": round(eq_tok, 1),
+                "step_s": round(step, 1),
+                "floor_s": round(floor, 1),
+                "step_over_floor": round(step / floor, 3),
+                "guarantee_best": g.cfg.label if g else None,
+                "guarantee_best_tok_s": round(g.tok_s, 1) if g else None,
+                "guarantee_best_worst": g.worst if g else None,
+                "guarantee_best_mean_staleness": round(g.mean_staleness, 2) if g else None,
+                "vs_guarantee_best": _ratio(sf_tok, g.tok_s) if g else None,
+                "vs_guarantee_best_equal_transfer": _ratio(eq_tok, g.tok_s) if g else None,
+                "nominal": nominal,
+                "nominal_best": nom_best,
+                "vs_nominal_best": _ratio(sf_tok, nominal[nom_best]["tok_s"]),
+                "strict": {k: round(r.tokens_per_s, 1) for k, r in strict.items()},
+                "strict_best": strict_best,
+                "vs_strict_best": _ratio(sf[0].tokens_per_s, sb.tokens_per_s),
+                "strict_dropped_frac": round(
+                    sb.aborts.get("window-closed", 0) / max(1, sb.fates.get("consumed", 0)), 3
+                ),
+                "strict_mean_len": round(sb.tokens / max(1, sb.samples), 0),
+                "staleflow_mean_len": round(_mean(r.tokens / max(1, r.samples) for r in sf), 0),
+                "vs_sync": _ratio(sf_tok, sync.tok_s) if sync else None,
+                "capped_batches": round(
+                    _mean(
+                        sum(n >= cfg.max_response for n in r.longest[cfg.warmup_steps :])
+                        / max(1, len(r.longest[cfg.warmup_steps :]))
+                        for r in sf
+                    ),
+                    3,
+                ),
+            }
+        )
     return rows
 
 
 def search_rows(st) -> list[dict]:
     """Every searched peer configuration of a setting (seeds run, tokens/s, worst and mean staleness)."""
-    return [{"config": m.cfg.label, "seeds": sorted(m.runs), "tok_s": round(m.tok_s, 1), "worst": m.worst,
-             "mean_staleness": round(m.mean_staleness, 2)} for m in st.measured.values()]
+    return [
+        {
+            "config": m.cfg.label,
+            "seeds": sorted(m.runs),
+            "tok_s": round(m.tok_s, 1),
+            "worst": m.worst,
+            "mean_staleness": round(m.mean_staleness, 2),
+        }
+        for m in st.measured.values()
+    ]
 
 
 def setting_text(st, etas, seeds) -> str:
     lines = [f"== {st.name} ==", "peer search (seed-0 scans, later seeds where they can decide a winner):"]
     for m in sorted(st.measured.values(), key=lambda m: (m.cfg.mode, m.cfg.label)):
-        lines.append(f"  {m.cfg.label:36s} seeds {','.join(map(str, sorted(m.runs))):4s} {m.tok_s:8.0f} tok/s  "
-                     f"worst {m.worst}  mean staleness {m.mean_staleness:.2f}")
-    head = (f"{'eta':>3s} {'staleflow':>9s} {'step/floor':>10s}  {'guarantee-matched best peer':34s} {'tok/s':>7s} "
-            f"{'worst':>5s} {'x':>6s}  {'eq-transfer':>11s} {'x':>6s}  {'nominal best (>eta, mean st)':44s} {'x':>6s}  "
-            f"{'strict best (seed 0)':30s} {'x':>6s} {'x sync':>6s}")
+        lines.append(
+            f"  {m.cfg.label:36s} seeds {','.join(map(str, sorted(m.runs))):4s} {m.tok_s:8.0f} tok/s  "
+            f"worst {m.worst}  mean staleness {m.mean_staleness:.2f}"
+        )
+    head = (
+        f"{'eta':>3s} {'staleflow':>9s} {'step/floor':>10s}  {'guarantee-matched best peer':34s} {'tok/s':>7s} "
+        f"{'worst':>5s} {'x':>6s}  {'eq-transfer':>11s} {'x':>6s}  {'nominal best (>eta, mean st)':44s} {'x':>6s}  "
+        f"{'strict best (seed 0)':30s} {'x':>6s} {'x sync':>6s}"
+    )
     lines += ["", head, "-" * len(head)]
     for r in setting_rows(st, etas, seeds):
         n = r["nominal"][r["nominal_best"]]
         nom = f"{r['nominal_best']} ({n['over_eta_frac']:.0%}, {n['mean_staleness']:.2f})"
-        lines.append(f"{r['eta']:3d} {r['staleflow']:9.0f} {r['step_over_floor']:10.3f}  {r['guarantee_best']!s:34s} "
-                     f"{r['guarantee_best_tok_s'] or 0:7.0f} {r['guarantee_best_worst']!s:>5s} "
-                     f"{r['vs_guarantee_best'] or 0:6.3f}  {r['staleflow_equal_transfer']:11.0f} "
-                     f"{r['vs_guarantee_best_equal_transfer'] or 0:6.3f}  {nom:44s} {r['vs_nominal_best']:6.3f}  "
-                     f"{r['strict_best']:30s} {r['vs_strict_best']:6.3f} {r['vs_sync'] or 0:6.3f}")
+        lines.append(
+            f"{r['eta']:3d} {r['staleflow']:9.0f} {r['step_over_floor']:10.3f}  {r['guarantee_best']!s:34s} "
+            f"{r['guarantee_best_tok_s'] or 0:7.0f} {r['guarantee_best_worst']!s:>5s} "
+            f"{r['vs_guarantee_best'] or 0:6.3f}  {r['staleflow_equal_transfer']:11.0f} "
+            f"{r['vs_guarantee_best_equal_transfer'] or 0:6.3f}  {nom:44s} {r['vs_nominal_best']:6.3f}  "
+            f"{r['strict_best']:30s} {r['vs_strict_best']:6.3f} {r['vs_sync'] or 0:6.3f}"
+        )
     return "\n".join(lines)
 
 
 def summary_table(rows: list[dict]) -> str:
-    head = (f"{'setting':22s} {'eta':>3s} {'staleflow':>9s} {'guarantee-matched best':34s} {'x guar':>6s} "
-            f"{'x eq-tr':>7s} {'x nom':>6s} {'x strict':>8s} {'x sync':>6s} {'step s':>7s} {'floor s':>7s} "
-            f"{'st/fl':>6s}")
+    head = (
+        f"{'setting':22s} {'eta':>3s} {'staleflow':>9s} {'guarantee-matched best':34s} {'x guar':>6s} "
+        f"{'x eq-tr':>7s} {'x nom':>6s} {'x strict':>8s} {'x sync':>6s} {'step s':>7s} {'floor s':>7s} "
+        f"{'st/fl':>6s}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['setting']:22s} {r['eta']:3d} {r['staleflow']:9.0f} {r['guarantee_best']!s:34s} "
-                     f"{r['vs_guarantee_best'] or 0:6.3f} {r['vs_guarantee_best_equal_transfer'] or 0:7.3f} "
-                     f"{r['vs_nominal_best']:6.3f} {r['vs_strict_best']:8.3f} {r['vs_sync'] or 0:6.3f} "
-                     f"{r['step_s']:7.1f} {r['floor_s']:7.1f} {r['step_over_floor']:6.3f}")
+        lines.append(
+            f"{r['setting']:22s} {r['eta']:3d} {r['staleflow']:9.0f} {r['guarantee_best']!s:34s} "
+            f"{r['vs_guarantee_best'] or 0:6.3f} {r['vs_guarantee_best_equal_transfer'] or 0:7.3f} "
+            f"{r['vs_nominal_best']:6.3f} {r['vs_strict_best']:8.3f} {r['vs_sync'] or 0:6.3f} "
+            f"{r['step_s']:7.1f} {r['floor_s']:7.1f} {r['step_over_floor']:6.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -143,15 +187,25 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
     g_avg, g_max = stats("vs_guarantee_best")
     n_avg, n_max = stats("vs_nominal_best")
     s_avg, s_max = stats("vs_sync")
-    family = Counter(r["guarantee_best"].split(" ")[0] + (" T>1" if " T=" in r["guarantee_best"] else "")
-                     for r in rows if r["guarantee_best"])
-    return {"vs_guarantee_best_avg": g_avg, "vs_guarantee_best_max": g_max,
-            "vs_guarantee_best_equal_transfer_avg": stats("vs_guarantee_best_equal_transfer")[0],
-            "vs_nominal_best_avg": n_avg, "vs_nominal_best_max": n_max,
-            "vs_strict_best_avg": stats("vs_strict_best")[0], "vs_sync_max": s_max, "vs_sync_avg": s_avg,
-            "step_over_floor_avg": stats("step_over_floor")[0],
-            "guarantee_best": family.most_common(1)[0][0] if family else None, "ablation": ablation,
-            "violations": sum(len(r.violations) for r in every)}
+    family = Counter(
+        r["guarantee_best"].split(" ")[0] + (" T>1" if " T=" in r["guarantee_best"] else "")
+        for r in rows
+        if r["guarantee_best"]
+    )
+    return {
+        "vs_guarantee_best_avg": g_avg,
+        "vs_guarantee_best_max": g_max,
+        "vs_guarantee_best_equal_transfer_avg": stats("vs_guarantee_best_equal_transfer")[0],
+        "vs_nominal_best_avg": n_avg,
+        "vs_nominal_best_max": n_max,
+        "vs_strict_best_avg": stats("vs_strict_best")[0],
+        "vs_sync_max": s_max,
+        "vs_sync_avg": s_avg,
+        "step_over_floor_avg": stats("step_over_floor")[0],
+        "guarantee_best": family.most_common(1)[0][0] if family else None,
+        "ablation": ablation,
+        "violations": sum(len(r.violations) for r in every),
+    }
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -162,9 +216,11 @@ def plot(rows: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(20, 7), sharey=True)
     labels = [f"{r['setting']} eta={r['eta']}" for r in rows]
-    for ax, key, title in ((axes[0], "vs_guarantee_best", "over the guarantee-matched best peer"),
-                           (axes[1], "vs_guarantee_best_equal_transfer", "same, equal transfer costs"),
-                           (axes[2], "vs_nominal_best", "over the best peer at nominal eta")):
+    for ax, key, title in (
+        (axes[0], "vs_guarantee_best", "over the guarantee-matched best peer"),
+        (axes[1], "vs_guarantee_best_equal_transfer", "same, equal transfer costs"),
+        (axes[2], "vs_nominal_best", "over the best peer at nominal eta"),
+    ):
         vals = [r[key] or 0.0 for r in rows]
         ax.barh(labels[::-1], vals[::-1], color=["tab:blue" if v >= 1 else "tab:red" for v in vals][::-1])
         ax.axvline(1.0, color="black", lw=0.8)

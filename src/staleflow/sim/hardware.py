@@ -71,8 +71,10 @@ def kv_capacity(spec: ModelSpec, gpu: GPU) -> int:
     heads = max(1.0, spec.kv_heads / spec.tp)
     per_token = spec.layers * 2 * heads * spec.head_dim * 2  # K and V, bf16, per GPU
     if free <= per_token:
-        raise ValueError(f"a {spec.params_b}B model at TP{spec.tp} does not fit in {gpu.memory_gb} GB x "
-                         f"{gpu.mem_util}; raise --gpus-per-instance or use a larger GPU")
+        raise ValueError(
+            f"a {spec.params_b}B model at TP{spec.tp} does not fit in {gpu.memory_gb} GB x "
+            f"{gpu.mem_util}; raise --gpus-per-instance or use a larger GPU"
+        )
     return int(free / per_token)
 
 
@@ -118,18 +120,23 @@ def derive(cfg, cost) -> Derived:
         if value is not None:
             return value
         if spec is None:
-            raise ValueError(f"--{what} is unset and cost model {cost.name!r} has no known architecture to derive "
-                             f"it from (known: {', '.join(MODEL_SPECS)}); give --{what}")
+            raise ValueError(
+                f"--{what} is unset and cost model {cost.name!r} has no known architecture to derive "
+                f"it from (known: {', '.join(MODEL_SPECS)}); give --{what}"
+            )
         return derived()
 
     return Derived(
         kv_capacity=cfg.kv_capacity or (kv_capacity(spec, gpu) if spec else cost.kv_capacity),
-        prefill_tokens_per_s=pick(cfg.prefill_tokens_per_s, lambda: prefill_tokens_per_s(spec, gpu),
-                                  "prefill-tokens-per-s"),
-        train_tokens_per_gpu_s=pick(cfg.train_tokens_per_gpu_s, lambda: train_tokens_per_gpu_s(spec, gpu),
-                                    "train-tokens-per-gpu-s"),
+        prefill_tokens_per_s=pick(
+            cfg.prefill_tokens_per_s, lambda: prefill_tokens_per_s(spec, gpu), "prefill-tokens-per-s"
+        ),
+        train_tokens_per_gpu_s=pick(
+            cfg.train_tokens_per_gpu_s, lambda: train_tokens_per_gpu_s(spec, gpu), "train-tokens-per-gpu-s"
+        ),
         push_s=pick(cfg.push_s, lambda: transfer_s(spec, 16.0), "push-s"),
         pull_s=pick(cfg.pull_s, lambda: transfer_s(spec, 32.0), "pull-s"),
         broadcast_s=pick(cfg.broadcast_s, lambda: transfer_s(spec, 8.0), "broadcast-s"),
         colocated_switch_s=pick(cfg.colocated_switch_s, lambda: transfer_s(spec, 8.0) + 2.0, "colocated-switch-s"),
-        kv_move_tokens_per_s=cfg.kv_move_gb_s * 1e9 / kv_bytes_per_token(spec) if spec else 0.0)
+        kv_move_tokens_per_s=cfg.kv_move_gb_s * 1e9 / kv_bytes_per_token(spec) if spec else 0.0,
+    )

@@ -27,8 +27,9 @@ LENGTH_DISTS = ("lognormal", "long-cot")
 class LengthSampler:
     """Draws per-prompt parameters at ``new_prompt`` and per-response lengths at ``__call__``."""
 
-    def __init__(self, dist: str, median: float, sigma: float, cap: int, rng: random.Random,
-                 samples: list[int] | None = None):
+    def __init__(
+        self, dist: str, median: float, sigma: float, cap: int, rng: random.Random, samples: list[int] | None = None
+    ):
         if dist not in LENGTH_DISTS:
             raise ValueError(f"--length-dist={dist!r} is unknown; choose one of {', '.join(LENGTH_DISTS)}")
         self.dist, self.rng, self.cap = dist, rng, cap

@@ -83,8 +83,11 @@ def ratios(results: list[SimResult], cfg: SimConfig) -> dict:
     for e in cfg.eta:
         sf = find(results, "staleflow", e)
         best = best_async(results, e)
-        row = {"vs_sync": ratio(sf, find(results, "verl-sync")), "vs_best_async": ratio(sf, best),
-               "best_async": best.mode if best else None}
+        row = {
+            "vs_sync": ratio(sf, find(results, "verl-sync")),
+            "vs_best_async": ratio(sf, best),
+            "best_async": best.mode if best else None,
+        }
         for m in ASYNC_BASELINES:
             row[f"vs_{m.replace('-', '_')}"] = ratio(sf, find(results, m, e))
         by_eta[str(e)] = row
@@ -93,8 +96,10 @@ def ratios(results: list[SimResult], cfg: SimConfig) -> dict:
 
 
 def table(results: list[SimResult], base: SimResult | None = None) -> str:
-    head = (f"{'run':46s} {'tok/s':>9s} {'samp/s':>7s} {'x base':>7s} {'util':>5s} {'step s':>7s} "
-            f"{'pulls':>6s} {'intr':>6s} {'migr':>5s} {'abort':>6s} {'>eta':>5s} {'tr idle':>7s}  staleness hist")
+    head = (
+        f"{'run':46s} {'tok/s':>9s} {'samp/s':>7s} {'x base':>7s} {'util':>5s} {'step s':>7s} "
+        f"{'pulls':>6s} {'intr':>6s} {'migr':>5s} {'abort':>6s} {'>eta':>5s} {'tr idle':>7s}  staleness hist"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         util = sum(r.utilisation) / max(1, len(r.utilisation))
@@ -103,9 +108,11 @@ def table(results: list[SimResult], base: SimResult | None = None) -> str:
         x = f"{r.tokens_per_s / base.tokens_per_s:.2f}" if base and base.tokens_per_s > 0 else "-"
         hist = " ".join(f"{k}:{v}" for k, v in r.staleness_hist.items())
         flag = "  !" + "; ".join(r.violations[:2]) if r.violations else ""
-        lines.append(f"{r.label:46s} {r.tokens_per_s:9.0f} {r.samples_per_s:7.2f} {x:>7s} {util:5.2f} {step:7.1f} "
-                     f"{r.pulls:6d} {r.interrupts:6d} {r.migrations:5d} {sum(r.aborts.values()):6d} {r.over_eta:5d} "
-                     f"{r.trainer_idle_frac:7.2f}  {hist}{flag}")
+        lines.append(
+            f"{r.label:46s} {r.tokens_per_s:9.0f} {r.samples_per_s:7.2f} {x:>7s} {util:5.2f} {step:7.1f} "
+            f"{r.pulls:6d} {r.interrupts:6d} {r.migrations:5d} {sum(r.aborts.values()):6d} {r.over_eta:5d} "
+            f"{r.trainer_idle_frac:7.2f}  {hist}{flag}"
+        )
     return "\n".join(lines)
 
 
@@ -123,8 +130,11 @@ def plot(results: list[SimResult], ablation: list[SimResult], path: str, title: 
 
     runs = results + ablation
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
-    ax1.barh([r.label for r in runs][::-1], [r.tokens_per_s for r in runs][::-1],
-             color=[colour(r, ablation) for r in runs][::-1])
+    ax1.barh(
+        [r.label for r in runs][::-1],
+        [r.tokens_per_s for r in runs][::-1],
+        color=[colour(r, ablation) for r in runs][::-1],
+    )
     ax1.set_xlabel("trained tokens / s (steady state)")
     ax1.set_title(title)
     for r in results:
@@ -143,5 +153,9 @@ def plot(results: list[SimResult], ablation: list[SimResult], path: str, title: 
 def write_json(results: list[SimResult], ablation: list[SimResult], summary: dict, path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"summary": summary, "runs": [r.row() for r in results], "ablation": [r.row() for r in ablation]},
-                  f, indent=1, default=str)
+        json.dump(
+            {"summary": summary, "runs": [r.row() for r in results], "ablation": [r.row() for r in ablation]},
+            f,
+            indent=1,
+            default=str,
+        )

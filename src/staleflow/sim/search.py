@@ -28,8 +28,12 @@ from dataclasses import dataclass, field
 
 SEEDS = (0, 1)
 MARGIN = 0.05
-S_GRID = {1: (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0), 2: (0.0, 0.1, 0.25, 0.5, 0.75, 1.0),
-          3: (0.0, 0.1, 0.25, 0.5), 4: (0.0, 0.1, 0.25)}
+S_GRID = {
+    1: (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0),
+    2: (0.0, 0.1, 0.25, 0.5, 0.75, 1.0),
+    3: (0.0, 0.1, 0.25, 0.5),
+    4: (0.0, 0.1, 0.25),
+}
 """verl staleness_threshold values per trigger_parameter_sync_step T (scanned in this order)."""
 S_NO_PARTIAL = (0.5, 1.0, 2.0, 3.0)
 """partial_rollout=False (T = 1): every sync waits for all in-flight work, so s barely moves throughput."""
@@ -59,8 +63,12 @@ def verl(s: float, T: int = 1, partial: bool = True, strict: bool = False) -> Pe
     if strict:
         peer.append(("strict", True))
     eta = int(s) if strict else max(0, math.ceil(round((1 + s) * T, 6)) - 1)
-    label = f"verl-fully-async s={s:g}" + (f" T={T}" if T != 1 else "") + ("" if partial else " no-partial") + (
-        " strict" if strict else "")
+    label = (
+        f"verl-fully-async s={s:g}"
+        + (f" T={T}" if T != 1 else "")
+        + ("" if partial else " no-partial")
+        + (" strict" if strict else "")
+    )
     return PeerConfig("verl-fully-async", eta, tuple(peer), () if partial else (("interrupt_on_pull", False),), label)
 
 

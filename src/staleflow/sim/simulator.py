@@ -74,7 +74,9 @@ def read_lengths(path: str) -> list[int]:
     try:
         lines = open(path).read().split()
     except OSError as e:
-        raise ConfigError(f"--lengths-file={path!r} cannot be read ({e.strerror}); give a file of ints, one per line")
+        raise ConfigError(
+            f"--lengths-file={path!r} cannot be read ({e.strerror}); give a file of ints, one per line"
+        ) from None
     out = []
     for i, tok in enumerate(lines, 1):
         try:
@@ -97,8 +99,9 @@ class SimWorkload:
     def __init__(self, cfg: SimConfig, rng: random.Random):
         self.prompt = cfg.prompt_len
         samples = read_lengths(cfg.lengths_file) if cfg.lengths_file else None
-        self.lengths = LengthSampler(cfg.length_dist, cfg.response_median, cfg.response_sigma, cfg.max_response,
-                                     rng, samples)
+        self.lengths = LengthSampler(
+            cfg.length_dist, cfg.response_median, cfg.response_sigma, cfg.max_response, rng, samples
+        )
         self.rng = rng
 
     def next_prompt(self) -> int:
@@ -125,12 +128,23 @@ def router_cost_model(true: CostModel, cfg: SimConfig, rng: random.Random) -> Co
         n = max(1, int(round(math.exp(rng.uniform(0.0, math.log(cfg.max_running))))))
         kv = rng.uniform(0.0, 1.0) * true.kv_capacity
         samples.append((n, kv, true.step_time(n, kv) * math.exp(rng.gauss(0.0, cfg.router_fit_noise))))
-    return fit_cost_model(samples, true.kv_capacity, name=f"{true.name}-fitted",
-                          source=f"{len(samples)} noisy samples of the simulated instances")
+    return fit_cost_model(
+        samples,
+        true.kv_capacity,
+        name=f"{true.name}-fitted",
+        source=f"{len(samples)} noisy samples of the simulated instances",
+    )
 
 
-def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, cost: CostModel | None = None,
-          label: str = "", peer: dict | None = None):
+def build(
+    cfg: SimConfig,
+    mode: str,
+    eta: int,
+    overrides: dict | None = None,
+    cost: CostModel | None = None,
+    label: str = "",
+    peer: dict | None = None,
+):
     """(loop, backend, resolved staleness config) of one simulated run, built like the runtime's.
 
     `overrides` (coordinator fields) are applied AFTER the mode, so the caller's value wins over the
@@ -155,15 +169,41 @@ def build(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, co
     train_gpus = cfg.total_gpus if colocated else cfg.total_gpus - cfg.rollout_gpus
     sync = m.weight_sync if colocated or m.weight_sync != "colocated" else "broadcast"
     peer = dict(peer or {})
-    backend = SimBackend(cfg, hw, true, n_inst, train_gpus, sync, publish_every=peer.get("trigger_sync_steps", 1),
-                         mixed_kv=ccfg.interrupt_on_pull and ccfg.keep_kv_on_pull)
-    loop = build_loop(mode, stale, ccfg, router, range(n_inst), backend, SimWorkload(cfg, random.Random(cfg.seed)),
-                      cfg.steps, tick_s=cfg.tick_s, stall_s=2000 * cfg.tick_s, peer=peer)
+    backend = SimBackend(
+        cfg,
+        hw,
+        true,
+        n_inst,
+        train_gpus,
+        sync,
+        publish_every=peer.get("trigger_sync_steps", 1),
+        mixed_kv=ccfg.interrupt_on_pull and ccfg.keep_kv_on_pull,
+    )
+    loop = build_loop(
+        mode,
+        stale,
+        ccfg,
+        router,
+        range(n_inst),
+        backend,
+        SimWorkload(cfg, random.Random(cfg.seed)),
+        cfg.steps,
+        tick_s=cfg.tick_s,
+        stall_s=2000 * cfg.tick_s,
+        peer=peer,
+    )
     return loop, backend, stale
 
 
-def run(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, label: str = "",
-        cost: CostModel | None = None, peer: dict | None = None) -> SimResult:
+def run(
+    cfg: SimConfig,
+    mode: str,
+    eta: int,
+    overrides: dict | None = None,
+    label: str = "",
+    cost: CostModel | None = None,
+    peer: dict | None = None,
+) -> SimResult:
     mode = check_mode(mode)
     loop, backend, stale = build(cfg, mode, eta, overrides, cost, label, peer)
     label = label or f"{mode} eta={stale.eta}"
@@ -177,10 +217,11 @@ def run(cfg: SimConfig, mode: str, eta: int, overrides: dict | None = None, labe
     return _result(cfg, mode, stale.eta, label, loop, backend, incomplete)
 
 
-def _result(cfg: SimConfig, mode: str, eta: int, label: str, loop: ControllerLoop, backend: SimBackend,
-            incomplete: str) -> SimResult:
+def _result(
+    cfg: SimConfig, mode: str, eta: int, label: str, loop: ControllerLoop, backend: SimBackend, incomplete: str
+) -> SimResult:
     steps = loop.steps
-    ends = backend.step_end[:len(steps)]
+    ends = backend.step_end[: len(steps)]
     done = len(ends)
     w = cfg.warmup_steps
     if done > w:
@@ -192,7 +233,7 @@ def _result(cfg: SimConfig, mode: str, eta: int, label: str, loop: ControllerLoo
         measured, tokens, samples = 0.0, 0, 0
     end = ends[-1] if ends else backend.now()
     c = loop.coord.counters
-    aborts = {k[len("aborted_"):]: v for k, v in c.items() if k.startswith("aborted_")}
+    aborts = {k[len("aborted_") :]: v for k, v in c.items() if k.startswith("aborted_")}
     fates = Counter(f.split(":")[0] for f in loop.ledger.ended.values())
     fates["live"] = len(loop.ledger.trajs)
     violations = list(loop.audit.violations)
@@ -202,16 +243,29 @@ def _result(cfg: SimConfig, mode: str, eta: int, label: str, loop: ControllerLoo
         violations.append(f"incomplete: {done}/{cfg.steps} steps")
     stale = Counter(x for r in steps for x in r.staleness)
     return SimResult(
-        mode=mode, eta=eta, label=label, steps_done=done, sim_time_s=end, measured_s=measured,
-        tokens=tokens, samples=samples, tokens_per_s=tokens / measured if measured > 0 else 0.0,
+        mode=mode,
+        eta=eta,
+        label=label,
+        steps_done=done,
+        sim_time_s=end,
+        measured_s=measured,
+        tokens=tokens,
+        samples=samples,
+        tokens_per_s=tokens / measured if measured > 0 else 0.0,
         samples_per_s=samples / measured if measured > 0 else 0.0,
         utilisation=[min(1.0, i.busy_s / end) if end > 0 else 0.0 for i in backend.insts],
-        staleness_hist=dict(sorted(stale.items())), pulls=c["pulls"], interrupts=c["interrupted"],
-        migrations=c["migrations"], aborts=aborts,
+        staleness_hist=dict(sorted(stale.items())),
+        pulls=c["pulls"],
+        interrupts=c["interrupted"],
+        migrations=c["migrations"],
+        aborts=aborts,
         trainer_idle_frac=1.0 - min(1.0, backend.trainer_busy_s / end) if end > 0 else 1.0,
-        preemptions=sum(i.preemptions for i in backend.insts), over_eta=loop.audit.over_eta,
+        preemptions=sum(i.preemptions for i in backend.insts),
+        over_eta=loop.audit.over_eta,
         train_s_mean=backend.trainer_busy_s / max(1, len(backend.step_end)),
-        violations=violations, fates=dict(fates),
+        violations=violations,
+        fates=dict(fates),
         step_times=[b - a for a, b in zip([0.0] + ends[:-1], ends)],
         fastest_speed=min((i.speed for i in backend.insts), default=1.0),
-        longest=[max((n for g in r.groups for n in g.n_tokens), default=0) for r in steps])
+        longest=[max((n for g in r.groups for n in g.n_tokens), default=0) for r in steps],
+    )

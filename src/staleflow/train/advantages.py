@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import defaultdict
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from staleflow.extensions import Registry, Shape
 
@@ -36,7 +36,8 @@ GROUP_EPS = 1e-6
 AdvantageFn = Callable[[list[float]], list[float]]
 """fn(rewards of one group, as floats) -> one advantage per reward, same order."""
 ADVANTAGES: Registry[AdvantageFn] = Registry(
-    "advantage estimator", "--train.advantage", Shape.function(1, "fn(rewards of one group) -> advantages (one each)"))
+    "advantage estimator", "--train.advantage", Shape.function(1, "fn(rewards of one group) -> advantages (one each)")
+)
 register_advantage = ADVANTAGES.register
 """Decorator: register fn(rewards of one group) -> advantages of that group under `name`."""
 
@@ -82,8 +83,9 @@ def _groups(group_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
     return groups
 
 
-def compute_advantages(name: str, rewards: Sequence[float], group_ids: Sequence[Hashable],
-                       fn: AdvantageFn | None = None) -> list[float]:
+def compute_advantages(
+    name: str, rewards: Sequence[float], group_ids: Sequence[Hashable], fn: AdvantageFn | None = None
+) -> list[float]:
     """One advantage per trajectory, computed within each group of equal group_id by the estimator
     `name` (a registered name or an import path; ``fn``: the function it already resolved to)."""
     fn = ADVANTAGES.resolve(name) if fn is None else fn
@@ -96,8 +98,10 @@ def compute_advantages(name: str, rewards: Sequence[float], group_ids: Sequence[
     for members in _groups(group_ids).values():
         adv = fn([float(rewards[i]) for i in members])
         if len(adv) != len(members) or not all(isinstance(a, numbers.Real) and math.isfinite(a) for a in adv):
-            raise ValueError(f"--train.advantage={name!r} returned {adv!r} for a group of {len(members)} rewards; "
-                             f"it must return one finite number per reward")
+            raise ValueError(
+                f"--train.advantage={name!r} returned {adv!r} for a group of {len(members)} rewards; "
+                f"it must return one finite number per reward"
+            )
         for i, a in zip(members, adv):
             out[i] = float(a)
     return out

@@ -16,8 +16,8 @@ Only the N response rows go through the LM head, so prompt tokens cost no vocab 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -49,16 +49,13 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def to(self, device) -> "MicroBatch":
+    def to(self, device) -> MicroBatch:
         kw = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return MicroBatch(**kw)
 
 
 def build_micro_batch(
-    samples: Sequence[TrajectorySample],
-    ids: Sequence[int],
-    advantages: Sequence[float],
-    seq_weights: Sequence[float],
+    samples: Sequence[TrajectorySample], ids: Sequence[int], advantages: Sequence[float], seq_weights: Sequence[float]
 ) -> MicroBatch:
     """Pack samples[ids] (each with >= 1 response token) into one MicroBatch.
 
@@ -69,8 +66,19 @@ def build_micro_batch(
     if not ids:
         one = torch.zeros(1, dtype=torch.int64)
         none_i, none_f = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
-        return MicroBatch(one, one.clone(), torch.tensor([0, 1], dtype=torch.int32), none_i, none_i.clone(),
-                          none_f, none_f.clone(), none_f.clone(), none_i.clone(), none_i.clone(), [])
+        return MicroBatch(
+            one,
+            one.clone(),
+            torch.tensor([0, 1], dtype=torch.int32),
+            none_i,
+            none_i.clone(),
+            none_f,
+            none_f.clone(),
+            none_f.clone(),
+            none_i.clone(),
+            none_i.clone(),
+            [],
+        )
     tokens: list[int] = []
     positions: list[int] = []
     cu = [0]

@@ -35,8 +35,16 @@ import torch
 import torch.distributed as dist
 
 from staleflow.durable import DiskError, atomic_write_json, disk_errors, file_sha256, fsync_dir
-from staleflow.train.state_store import (StateError, flatten_state, load_rank_state, read_full, read_index,
-                                         restore_groups, write_rank_state, write_safetensors)
+from staleflow.train.state_store import (
+    StateError,
+    flatten_state,
+    load_rank_state,
+    read_full,
+    read_index,
+    restore_groups,
+    write_rank_state,
+    write_safetensors,
+)
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -60,7 +68,7 @@ _sha256 = file_sha256  # a module-level name: tests replace it to kill a save mi
 
 def _version_of(p: Path) -> int | None:
     try:
-        return int(p.name[len(PREFIX):]) if p.name.startswith(PREFIX) else None
+        return int(p.name[len(PREFIX) :]) if p.name.startswith(PREFIX) else None
     except ValueError:
         return None
 
@@ -98,8 +106,10 @@ def find_resume_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
             warnings_.append(f"skipping checkpoint {path.name}: {str(e).split('; the previous')[0]}")
             continue
         if warnings_:
-            warnings_.append(f"resuming from the older checkpoint {path.name}: steps after version "
-                             f"{_version_of(path)} are trained again")
+            warnings_.append(
+                f"resuming from the older checkpoint {path.name}: steps after version "
+                f"{_version_of(path)} are trained again"
+            )
         return path, warnings_
     return None, warnings_
 
@@ -163,8 +173,11 @@ def _raise(code: int, error: BaseException | None, otherwise: str) -> None:
         return
     msg = str(error) if error is not None else otherwise
     if code == _DISK:
-        raise CheckpointDiskError(msg if isinstance(error, DiskError) else f"{otherwise} (a disk problem on another "
-                                  f"rank: the disk is full, read-only or not permitted)")
+        raise CheckpointDiskError(
+            msg
+            if isinstance(error, DiskError)
+            else f"{otherwise} (a disk problem on another rank: the disk is full, read-only or not permitted)"
+        )
     raise CheckpointError(msg)
 
 
@@ -209,8 +222,12 @@ def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: 
     code = _worst(trainer, _outcome(error))
     if code != _OK and trainer.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    _raise(code, error, f"checkpoint {final.name}: another trainer rank failed to write its part; the previous "
-                        f"checkpoint stays the resume point")
+    _raise(
+        code,
+        error,
+        f"checkpoint {final.name}: another trainer rank failed to write its part; the previous "
+        f"checkpoint stays the resume point",
+    )
     if trainer.rank == 0:
         try:
             with disk_errors(f"finishing checkpoint {final.name}", root):
@@ -227,11 +244,19 @@ def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: 
 def _finish(trainer, tmp: Path, final: Path, index: dict, extra: dict | None) -> None:
     """Rank 0: index, trainer state and manifest (last), then the atomic rename into place."""
     atomic_write_json(tmp / "state.json", index)
-    state = {"version": trainer.version, "optimizer_steps": trainer.optimizer_steps,
-             "scheduler": trainer.scheduler.state_dict(), "world": trainer.world, "extra": extra or {}}
+    state = {
+        "version": trainer.version,
+        "optimizer_steps": trainer.optimizer_steps,
+        "scheduler": trainer.scheduler.state_dict(),
+        "world": trainer.world,
+        "extra": extra or {},
+    }
     atomic_write_json(tmp / "trainer_state.json", state)
-    files = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
-             for f in sorted(tmp.rglob("*")) if f.is_file()}
+    files = {
+        str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(tmp.rglob("*"))
+        if f.is_file()
+    }
     for f in tmp.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
@@ -245,8 +270,10 @@ def _finish(trainer, tmp: Path, final: Path, index: dict, extra: dict | None) ->
 
 def _refuse_legacy(path: Path) -> None:
     if (path / ".metadata").is_file() and not (path / "state.json").is_file():
-        raise CheckpointError(f"checkpoint {path} is in torch's DCP format (written by an older StaleFlow), which "
-                              f"unpickles its metadata on load and is refused: start a fresh run")
+        raise CheckpointError(
+            f"checkpoint {path} is in torch's DCP format (written by an older StaleFlow), which "
+            f"unpickles its metadata on load and is refused: start a fresh run"
+        )
 
 
 def load_checkpoint(trainer, path: str | Path) -> dict:
@@ -291,15 +318,15 @@ def _load_rng(path: Path, rank: int) -> None:
         torch.set_rng_state(tensors["torch"])
         random.setstate((int(version), tuple(int(x) for x in internal), gauss))
     except Exception as e:  # safetensors raises its own SafetensorError on a bad header
-        raise CheckpointError(f"checkpoint {path}: unreadable random-generator state of rank {r} "
-                              f"({str(e).splitlines()[0][:200]})") from None
+        raise CheckpointError(
+            f"checkpoint {path}: unreadable random-generator state of rank {r} ({str(e).splitlines()[0][:200]})"
+        ) from None
     cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
 
 
-def export_hf(trainer, folder: str | Path, tokenizer_from: str | None = None,
-              dtype: torch.dtype | None = None) -> Path:
+def export_hf(trainer, folder: str | Path, tokenizer_from: str | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write the current policy as a HF safetensors folder (collective; rank 0 writes).
 
     Parameters are gathered one at a time and kept (cast to ``dtype``, on the CPU) by rank 0

@@ -111,7 +111,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return (
             dh.to(hidden.dtype) if need_h else None,
             dw.to(weight.dtype) if need_w else None,
-            None, None, None, None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
@@ -138,9 +141,7 @@ def _check(hidden, weight, targets, temperature, impl):
     if impl not in IMPLS:
         raise ValueError(f"logprob impl={impl!r} is unknown: use one of {list(IMPLS)} (--train.logprob-impl)")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [T, H] and [V, H]"
-        )
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [T, H] and [V, H]")
     if targets.shape != (hidden.shape[0],):
         raise ValueError(f"targets {tuple(targets.shape)} must be [T] with T={hidden.shape[0]}")
     if not temperature > 0:
@@ -159,7 +160,7 @@ def _triton_fn(required: bool):
         if required:
             raise RuntimeError(f"logprob impl='triton' needs staleflow.kernels.logprob: {e}") from e
         if not _warned_fallback:
-            warnings.warn(f"Triton log-prob kernel unavailable ({e}); using the chunked PyTorch path")
+            warnings.warn(f"Triton log-prob kernel unavailable ({e}); using the chunked PyTorch path", stacklevel=2)
             _warned_fallback = True
         return None
     if not triton_available():

@@ -49,8 +49,8 @@ papers' 1/G and TRL's mean over the batch (verl leaves fully-masked rows out of 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Callable
 
 import torch
 
@@ -81,16 +81,23 @@ def resolve_loss_agg(loss: str, advantage: str, loss_agg: str) -> str:
             return "seq-mean"
         return "seq-mean-token-sum-norm" if advantage == "dr-grpo" else "token-mean"
     if loss_agg not in AGGREGATIONS:
-        raise ValueError(f"loss_agg={loss_agg!r} is unknown: use auto or one of {list(AGGREGATIONS)} "
-                         "(--train.loss-agg)")
+        raise ValueError(
+            f"loss_agg={loss_agg!r} is unknown: use auto or one of {list(AGGREGATIONS)} (--train.loss-agg)"
+        )
     if loss == "gspo" and loss_agg in LENGTH_WEIGHTED:
-        _warn_once(("gspo", loss_agg), f"--train.loss gspo with --train.loss-agg {loss_agg}: GSPO's objective is a "
-                   "mean over sequences, and this aggregation weights each sequence by its length; use "
-                   "--train.loss-agg seq-mean (or auto) for GSPO as its paper defines it")
+        _warn_once(
+            ("gspo", loss_agg),
+            f"--train.loss gspo with --train.loss-agg {loss_agg}: GSPO's objective is a "
+            "mean over sequences, and this aggregation weights each sequence by its length; use "
+            "--train.loss-agg seq-mean (or auto) for GSPO as its paper defines it",
+        )
     if advantage == "dr-grpo" and loss_agg != "seq-mean-token-sum-norm":
-        _warn_once(("dr-grpo", loss_agg), f"--train.advantage dr-grpo with --train.loss-agg {loss_agg}: this drops "
-                   "only the std normalisation; Dr. GRPO also normalises the loss by a constant, use "
-                   "--train.loss-agg seq-mean-token-sum-norm (or auto)")
+        _warn_once(
+            ("dr-grpo", loss_agg),
+            f"--train.advantage dr-grpo with --train.loss-agg {loss_agg}: this drops "
+            "only the std normalisation; Dr. GRPO also normalises the loss by a constant, use "
+            "--train.loss-agg seq-mean-token-sum-norm (or auto)",
+        )
     return loss_agg
 
 
@@ -105,8 +112,10 @@ def token_weights(agg: str, lengths: list[int], max_response_tokens: int | None 
     if agg not in AGGREGATIONS:
         raise ValueError(f"loss_agg={agg!r} is unknown: use one of {list(AGGREGATIONS)} (--train.loss-agg)")
     if agg == "seq-mean-token-sum-norm" and not (max_response_tokens and max_response_tokens >= 1):
-        raise ValueError(f"loss_agg='seq-mean-token-sum-norm' (Dr. GRPO) normalises by the maximum response length, "
-                         f"got max_response_tokens={max_response_tokens!r}: pass the run's --rollout.max-new-tokens")
+        raise ValueError(
+            f"loss_agg='seq-mean-token-sum-norm' (Dr. GRPO) normalises by the maximum response length, "
+            f"got max_response_tokens={max_response_tokens!r}: pass the run's --rollout.max-new-tokens"
+        )
     total = sum(lengths)
     seqs = len(lengths)
     if total == 0:
@@ -161,9 +170,9 @@ class LossSettings:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
-    loss_fn: "LossFn" = field(init=False, repr=False, compare=False)
+    loss_fn: LossFn = field(init=False, repr=False, compare=False)
     """The function --train.loss names."""
-    correction: "OffPolicyFn" = field(init=False, repr=False, compare=False)
+    correction: OffPolicyFn = field(init=False, repr=False, compare=False)
     """The function --train.off-policy names."""
     recompute_proximal: bool = field(init=False, repr=False, compare=False)
     """The correction asks for a separate no-grad proximal forward (its ``recompute_proximal`` attribute)."""
@@ -176,7 +185,7 @@ class LossSettings:
             raise ValueError(f"kl_estimator={self.kl_estimator!r} is unknown: use k1 or k3")
 
     @classmethod
-    def from_config(cls, cfg) -> "LossSettings":
+    def from_config(cls, cfg) -> LossSettings:
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.init})
 
 
@@ -197,9 +206,15 @@ class Correction:
 
 OffPolicyFn = Callable[[LossSettings, LossInputs], Correction]
 OFF_POLICIES: Registry[OffPolicyFn] = Registry(
-    "off-policy correction", "--train.off-policy",
-    Shape.function(2, "fn(settings, inputs) -> Correction(logp_old, weight, truncated, rejected), with an optional "
-                      "bool attribute recompute_proximal", optional=(("recompute_proximal", bool),)))
+    "off-policy correction",
+    "--train.off-policy",
+    Shape.function(
+        2,
+        "fn(settings, inputs) -> Correction(logp_old, weight, truncated, rejected), with an optional "
+        "bool attribute recompute_proximal",
+        optional=(("recompute_proximal", bool),),
+    ),
+)
 register_off_policy = OFF_POLICIES.register
 
 
@@ -214,15 +229,20 @@ def _seq_sum(v: torch.Tensor, x: LossInputs) -> torch.Tensor:
 
 def _truncated(s: LossSettings, x: LossInputs, log_rho: torch.Tensor) -> Correction:
     rho = torch.exp(log_rho)
-    return Correction(x.proximal_logp.detach(), rho.clamp(max=s.is_cap), rho > s.is_cap,
-                      torch.zeros_like(rho, dtype=torch.bool))
+    return Correction(
+        x.proximal_logp.detach(), rho.clamp(max=s.is_cap), rho > s.is_cap, torch.zeros_like(rho, dtype=torch.bool)
+    )
 
 
 def _masked(s: LossSettings, x: LossInputs, log_rho: torch.Tensor) -> Correction:
     rho = torch.exp(log_rho)
     rejected = (rho < s.is_low) | (rho > s.is_high)
-    return Correction(x.proximal_logp.detach(), torch.where(rejected, torch.zeros_like(rho), rho),
-                      torch.zeros_like(rejected), rejected)
+    return Correction(
+        x.proximal_logp.detach(),
+        torch.where(rejected, torch.zeros_like(rho), rho),
+        torch.zeros_like(rejected),
+        rejected,
+    )
 
 
 @register_off_policy("none")
@@ -278,8 +298,10 @@ def importance_weights(s: LossSettings, x: LossInputs) -> tuple[torch.Tensor, to
 # ---- policy losses ---------------------------------------------------------------------------
 LossFn = Callable[[LossSettings, LossInputs, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LOSSES: Registry[LossFn] = Registry(
-    "loss", "--train.loss",
-    Shape.function(3, "fn(settings, inputs, logp_old) -> (per-token loss [N], clipped [N] bool)"))
+    "loss",
+    "--train.loss",
+    Shape.function(3, "fn(settings, inputs, logp_old) -> (per-token loss [N], clipped [N] bool)"),
+)
 register_loss = LOSSES.register
 """Decorator: fn(settings, inputs, logp_old) -> (per-token loss [N], clipped [N] bool)."""
 
@@ -360,5 +382,7 @@ def _check_output(spec: str, flag: str, what: str, value, x: LossInputs) -> None
     """A fork's loss or correction must give one value per token; say which flag's function did not."""
     if not isinstance(value, torch.Tensor) or value.shape != x.logp.shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{flag}={spec!r} returned a {what} of shape {got}; it must be one value per token, "
-                         f"shape {tuple(x.logp.shape)}")
+        raise ValueError(
+            f"{flag}={spec!r} returned a {what} of shape {got}; it must be one value per token, "
+            f"shape {tuple(x.logp.shape)}"
+        )

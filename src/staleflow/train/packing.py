@@ -100,7 +100,7 @@ def karmarkar_karp(costs: list[float], k: int) -> list[list[int]]:
         heapq.heappush(heap, (-spread, counter, merged))
         counter += 1
     subsets = [sorted(ids) for _, ids in heap[0][2]]
-    return sorted(subsets, key=lambda ids: (ids[0] if ids else float("inf")))
+    return sorted(subsets, key=lambda ids: ids[0] if ids else float("inf"))
 
 
 def plan_step(lengths: list[int], num_ranks: int, budget: int, quadratic_scale: float = 4096.0) -> StepPlan:

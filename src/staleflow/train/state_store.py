@@ -20,14 +20,23 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
-_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -51,8 +60,9 @@ def _is_sharded(t: torch.Tensor) -> bool:
     if kinds == ["Replicate"]:
         return False
     if kinds != ["Shard"] or t.placements[0].dim != 0:
-        raise StateError(f"a tensor with placements {t.placements} cannot be stored: only Shard(0) (FSDP2) "
-                         f"or Replicate is supported")
+        raise StateError(
+            f"a tensor with placements {t.placements} cannot be stored: only Shard(0) (FSDP2) or Replicate is supported"
+        )
     return True
 
 
@@ -63,8 +73,9 @@ def row_range(n: int, rank: int, world: int) -> tuple[int, int]:
     return lo, min(lo + c, n)
 
 
-def write_safetensors(path: str | Path, items: Iterable[tuple[str, torch.Tensor]],
-                      metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str | Path, items: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
+) -> None:
     """A safetensors file written tensor by tensor: only one tensor at a time is copied to the
     CPU, so a rank's whole shard never sits in host memory at once."""
     items = list(items)
@@ -98,8 +109,10 @@ def write_rank_state(folder: str | Path, rank: int, world: int, tensors: dict[st
             local = _local(t)
             lo, hi = row_range(t.shape[0], rank, world)
             if local.shape[0] != hi - lo:
-                raise StateError(f"{name}: rank {rank} holds {local.shape[0]} rows, torch.chunk gives {hi - lo}: "
-                                 f"an unexpected sharding")
+                raise StateError(
+                    f"{name}: rank {rank} holds {local.shape[0]} rows, torch.chunk gives {hi - lo}: "
+                    f"an unexpected sharding"
+                )
             mine.append((name, local))
         elif rank == 0:
             mine.append((name, _local(t)))
@@ -147,10 +160,17 @@ def _rows(files: _Files, name: str, entry: dict, saved_world: int, lo: int, hi: 
             continue
         sl = files.slice(src, name)
         if sl.get_shape() != [b - a, *shape[1:]]:
-            raise StateError(f"{name} in {rank_file(src)} has shape {sl.get_shape()}, the index says rows "
-                             f"[{a}, {b}) of {shape}")
-        parts.append(sl[max(lo, a) - a:min(hi, b) - a])
-    return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0, *shape[1:], dtype=_NAMES[entry["dtype"]])
+            raise StateError(
+                f"{name} in {rank_file(src)} has shape {sl.get_shape()}, the index says rows [{a}, {b}) of {shape}"
+            )
+        parts.append(sl[max(lo, a) - a : min(hi, b) - a])
+    return (
+        torch.cat(parts)
+        if len(parts) > 1
+        else parts[0]
+        if parts
+        else torch.empty(0, *shape[1:], dtype=_NAMES[entry["dtype"]])
+    )
 
 
 def read_index(folder: str | Path) -> dict:
@@ -162,15 +182,21 @@ def read_index(folder: str | Path) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StateError(f"{path} is missing or unreadable ({e})") from None
     for name, e in index["tensors"].items():
-        ok = (isinstance(e, dict) and e.get("dtype") in _NAMES and isinstance(e.get("sharded"), bool)
-              and isinstance(e.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in e["shape"]))
+        ok = (
+            isinstance(e, dict)
+            and e.get("dtype") in _NAMES
+            and isinstance(e.get("sharded"), bool)
+            and isinstance(e.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in e["shape"])
+        )
         if not ok:
             raise StateError(f"{path}: the entry of {name} is malformed ({str(e)[:120]})")
     return index
 
 
-def load_rank_state(folder: str | Path, rank: int, world: int, targets: dict[str, torch.Tensor],
-                    index: dict | None = None) -> None:
+def load_rank_state(
+    folder: str | Path, rank: int, world: int, targets: dict[str, torch.Tensor], index: dict | None = None
+) -> None:
     """Fill ``targets`` (name -> tensor or DTensor, in place) with this rank's rows of the stored
     state. Every target must be stored with the same global shape and dtype; a stored tensor
     that no target asks for is an error too (the checkpoint is of another model or optimizer)."""
@@ -180,21 +206,26 @@ def load_rank_state(folder: str | Path, rank: int, world: int, targets: dict[str
     missing = sorted(set(targets) - set(stored))
     extra = sorted(set(stored) - set(targets))
     if missing or extra:
-        raise StateError(f"the checkpoint does not match this model/optimizer: {len(missing)} tensors missing "
-                         f"(e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})")
+        raise StateError(
+            f"the checkpoint does not match this model/optimizer: {len(missing)} tensors missing "
+            f"(e.g. {missing[:2]}), {len(extra)} unexpected (e.g. {extra[:2]})"
+        )
     files = _Files(folder)
     with torch.no_grad():
         for name, t in targets.items():
             entry = stored[name]
             if list(t.shape) != entry["shape"] or _DTYPES.get(t.dtype) != entry["dtype"]:
-                raise StateError(f"{name}: stored {entry['dtype']} {entry['shape']}, this run has "
-                                 f"{_DTYPES.get(t.dtype, t.dtype)} {list(t.shape)}")
+                raise StateError(
+                    f"{name}: stored {entry['dtype']} {entry['shape']}, this run has "
+                    f"{_DTYPES.get(t.dtype, t.dtype)} {list(t.shape)}"
+                )
             lo, hi = row_range(t.shape[0], rank, world) if _is_sharded(t) else (0, t.shape[0] if t.dim() else 0)
             got = _rows(files, name, entry, saved_world, lo, hi)
             dst = _local(t)
             if got.dtype != dst.dtype or list(got.shape) != list(dst.shape):
-                raise StateError(f"{name}: read {got.dtype} {list(got.shape)} for a local {dst.dtype} "
-                                 f"{list(dst.shape)}")
+                raise StateError(
+                    f"{name}: read {got.dtype} {list(got.shape)} for a local {dst.dtype} {list(dst.shape)}"
+                )
             dst.copy_(got)
 
 
@@ -241,8 +272,10 @@ def restore_groups(live: list[dict], saved: list) -> None:
     """Copy saved hyper-parameters into the live param groups (in place), after checking that the
     groups hold the same parameters; lists become tuples where the live value is a tuple."""
     if not isinstance(saved, list) or len(saved) != len(live):
-        raise StateError(f"the checkpoint has {len(saved) if isinstance(saved, list) else '?'} optimizer param "
-                         f"groups, this run {len(live)}")
+        raise StateError(
+            f"the checkpoint has {len(saved) if isinstance(saved, list) else '?'} optimizer param "
+            f"groups, this run {len(live)}"
+        )
     for g, s in zip(live, saved):
         if not isinstance(s, dict) or list(s.get("params", [])) != list(g.get("params", [])):
             raise StateError("the checkpoint's optimizer param groups hold other parameters than this run's")

@@ -39,8 +39,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,18 @@ from torch import nn
 from staleflow.model.attention import PackedAttention
 from staleflow.train.advantages import ADVANTAGES, compute_advantages, groups_with_signal, overlong_penalty
 from staleflow.train.batch import MicroBatch, build_micro_batch
-from staleflow.trajectory import TrajectorySample
 from staleflow.train.logprobs import packed_logprobs
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
 from staleflow.train.packing import plan_step
-from staleflow.train.parallelize import (MASTER_DTYPE, activation_checkpointing_on, compute_dtype, fill_parameters,
-                                         shard_policy)
+from staleflow.train.parallelize import (
+    MASTER_DTYPE,
+    activation_checkpointing_on,
+    compute_dtype,
+    fill_parameters,
+    shard_policy,
+)
+from staleflow.trajectory import TrajectorySample
+
 
 def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The LM head's inputs in autocast's dtype when autocast is on: the fp32 master LM head of a
@@ -111,9 +117,17 @@ def lr_factor(step: int, warmup: int, schedule: str, total_steps: int | None) ->
 class Trainer:
     """FSDP2 trainer over `process_group` (None: a single, unsharded rank)."""
 
-    def __init__(self, model: nn.Module, cfg, device: str | torch.device = "cpu", process_group=None,
-                 temperature: float = 1.0, total_steps: int | None = None, max_response_tokens: int | None = None,
-                 weights: Iterable[tuple[str, torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg,
+        device: str | torch.device = "cpu",
+        process_group=None,
+        temperature: float = 1.0,
+        total_steps: int | None = None,
+        max_response_tokens: int | None = None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ):
         """max_response_tokens: the run's --rollout.max-new-tokens, the constant that Dr. GRPO
         (--train.loss-agg seq-mean-token-sum-norm) divides by; the other aggregations ignore it.
 
@@ -143,11 +157,14 @@ class Trainer:
 
         lazy = any(p.is_meta for p in model.parameters())
         if lazy and weights is None:
-            raise ValueError("a model on the meta device needs its weights: pass weights=... "
-                             "(staleflow.model.lazy_model gives both)")
+            raise ValueError(
+                "a model on the meta device needs its weights: pass weights=... (staleflow.model.lazy_model gives both)"
+            )
         if weights is not None and not lazy:
-            raise ValueError("weights=... fills a model built on the meta device; this model is already loaded: "
-                             "pass weights=None (or build it with staleflow.model.lazy_model)")
+            raise ValueError(
+                "weights=... fills a model built on the meta device; this model is already loaded: "
+                "pass weights=None (or build it with staleflow.model.lazy_model)"
+            )
         model.to(dtype=MASTER_DTYPE, **({} if lazy else {"device": self.device}))
         model.gradient_checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, self.device.type)
         self.model = model
@@ -160,7 +177,11 @@ class Trainer:
             fill_parameters(model, weights, self.device)
         self.ref_policy = self._reference() if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8,
+            self.policy.parameters(),
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay,
+            eps=1e-8,
             foreach=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -210,13 +231,16 @@ class Trainer:
         for i, s in enumerate(samples):
             s.validate(i)
         cfg = self.cfg
-        rewards = [float(s.reward) + overlong_penalty(len(s.response_ids), cfg.overlong_max_tokens,
-                                                      cfg.overlong_cache_tokens) for s in samples]
+        rewards = [
+            float(s.reward) + overlong_penalty(len(s.response_ids), cfg.overlong_max_tokens, cfg.overlong_cache_tokens)
+            for s in samples
+        ]
         groups = [s.group_id for s in samples]
         keep = groups_with_signal(rewards, groups) if cfg.dynamic_sampling else [True] * len(samples)
         kept = [i for i in range(len(samples)) if keep[i]]
-        adv_kept = compute_advantages(cfg.advantage, [rewards[i] for i in kept], [groups[i] for i in kept],
-                                      self.advantage_fn)
+        adv_kept = compute_advantages(
+            cfg.advantage, [rewards[i] for i in kept], [groups[i] for i in kept], self.advantage_fn
+        )
         adv = [0.0] * len(samples)
         for i, a in zip(kept, adv_kept):
             adv[i] = a
@@ -229,7 +253,7 @@ class Trainer:
                 order.setdefault(s.group_id, []).append(i)
         groups = list(order.values())
         n = min(self.cfg.mini_batches, len(groups))
-        return [[i for g in groups[k * len(groups) // n:(k + 1) * len(groups) // n] for i in g] for k in range(n)]
+        return [[i for g in groups[k * len(groups) // n : (k + 1) * len(groups) // n] for i in g] for k in range(n)]
 
     def _plan(self, samples, ids: list[int], adv: list[float]) -> list[MicroBatch]:
         """This rank's micro-batches for mini-batch `ids` (same count on every rank)."""
@@ -241,8 +265,9 @@ class Trainer:
         lengths = [samples[i].seq_len if r > 0 else 0 for i, r in zip(ids, resp)]
         plan = plan_step(lengths, self.world, self.cfg.micro_batch_tokens)
         self._oversize += len(plan.oversize)
-        return [build_micro_batch(samples, [ids[j] for j in mb], adv, seq_w).to(self.device)
-                for mb in plan.ranks[self.rank]]
+        return [
+            build_micro_batch(samples, [ids[j] for j in mb], adv, seq_w).to(self.device) for mb in plan.ranks[self.rank]
+        ]
 
     @torch.no_grad()
     def _logprobs_nograd(self, policy: PolicyHead, mbs: list[MicroBatch]) -> list[torch.Tensor]:
@@ -268,10 +293,15 @@ class Trainer:
             for m, mb in enumerate(mbs):
                 logp, entropy = self._forward(self.policy, mb)
                 x = LossInputs(
-                    logp=logp, behaviour_logp=mb.behaviour_logp,
+                    logp=logp,
+                    behaviour_logp=mb.behaviour_logp,
                     proximal_logp=proximal[k][m] if recompute else logp.detach(),
-                    advantages=mb.advantages, token_weight=mb.token_weight, seq_index=mb.seq_index,
-                    num_seqs=max(mb.num_seqs, 1), entropy=entropy, ref_logp=ref[k][m] if ref else None,
+                    advantages=mb.advantages,
+                    token_weight=mb.token_weight,
+                    seq_index=mb.seq_index,
+                    num_seqs=max(mb.num_seqs, 1),
+                    entropy=entropy,
+                    ref_logp=ref[k][m] if ref else None,
                 )
                 loss, stats = policy_loss(self.loss_settings, x)
                 (loss * self.world).backward()
@@ -308,8 +338,13 @@ class Trainer:
         keys = sorted(adds)
         vec = torch.stack([torch.as_tensor(adds[k], dtype=torch.float64, device=self.device) for k in keys])
         ext_keys = sorted(maxes) + sorted(mins)
-        ext = torch.stack([torch.as_tensor({**maxes, **mins}[k], dtype=torch.float64, device=self.device)
-                           for k in ext_keys]) if ext_keys else None
+        ext = (
+            torch.stack(
+                [torch.as_tensor({**maxes, **mins}[k], dtype=torch.float64, device=self.device) for k in ext_keys]
+            )
+            if ext_keys
+            else None
+        )
         if self.sharded:  # on the trainer's device: NCCL reduces CUDA tensors only
             dist.all_reduce(vec, group=self.group)
             if ext is not None:
@@ -365,8 +400,9 @@ class Trainer:
             else:
                 yield ParamShard(name, p.detach(), 0, tuple(p.shape))
 
-    def full_state_dict(self, to_cpu: bool = True, rank0_only: bool = False,
-                        dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, to_cpu: bool = True, rank0_only: bool = False, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
         """Full (unsharded) HF-named state dict; a collective when sharded. Parameters are gathered
         one at a time; with ``rank0_only`` the other ranks drop each one at once (they return {}),
         so only rank 0 ever holds the whole model. ``dtype`` casts floating tensors (before the copy
@@ -382,4 +418,3 @@ class Trainer:
                 t = t.to(dtype)
             out[name] = t.cpu() if to_cpu else t
         return out
-

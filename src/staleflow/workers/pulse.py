@@ -17,7 +17,7 @@ controller is away (send_stats).
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from staleflow.control.messages import Heartbeat
 
@@ -25,8 +25,13 @@ PULSE_S = 1.0
 
 
 class Pulse:
-    def __init__(self, connect: Callable[[], object], rank: int, progress: Callable[[], tuple[int, bool]],
-                 every_s: float = PULSE_S):
+    def __init__(
+        self,
+        connect: Callable[[], object],
+        rank: int,
+        progress: Callable[[], tuple[int, bool]],
+        every_s: float = PULSE_S,
+    ):
         """connect(): the pulse's own ControlClient, made in the thread that uses it (ZeroMQ
         sockets belong to one thread); progress(): (counter, busy) of the rank, read each beat."""
         self.connect, self.rank, self.progress, self.every_s = connect, rank, progress, every_s
@@ -34,7 +39,7 @@ class Pulse:
         self._thread = threading.Thread(target=self._run, name=f"staleflow-pulse-{rank}", daemon=True)
         self.beats = 0
 
-    def start(self) -> "Pulse":
+    def start(self) -> Pulse:
         self._thread.start()
         return self
 

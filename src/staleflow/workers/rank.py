@@ -16,14 +16,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from staleflow.config import RunConfig
-from staleflow.launch.cleanup import pid_alive
-from staleflow.control.sockets import ControlClient
-from staleflow.control.messages import Heartbeat, Shutdown
 from staleflow.cluster.roles import Roles
+from staleflow.config import RunConfig
+from staleflow.control.messages import Heartbeat, Shutdown
+from staleflow.control.sockets import ControlClient
+from staleflow.launch.cleanup import pid_alive
 
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("STALEFLOW_HEARTBEAT_TIMEOUT_S", "60"))
 TERM_GRACE_S = 20.0  # torchrun SIGKILLs 30 s after its SIGTERM

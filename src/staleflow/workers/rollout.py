@@ -24,10 +24,18 @@ import time
 
 import torch
 
-from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
-from staleflow.control.messages import (Evaluate, Evaluated, FreeRecords, Pulled, Shutdown,
-                                        eval_request_id, is_eval, split_eval_id)
 from staleflow.cluster.placement import reader_index
+from staleflow.control.messages import (
+    Evaluate,
+    Evaluated,
+    FreeRecords,
+    Pulled,
+    Shutdown,
+    eval_request_id,
+    is_eval,
+    split_eval_id,
+)
+from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.servers import RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES
@@ -55,16 +63,20 @@ def vllm_cuda_settings(ctx) -> dict:
         return {}
     import os
 
-    from staleflow.plan import build_plan
     from staleflow.cluster.placement import engine_visible_devices, gpu_of
+    from staleflow.plan import build_plan
 
     gpus = torch.cuda.device_count()
-    plan = build_plan(ctx.cfg, ctx.roles.world_size, torch.cuda.get_device_properties(ctx.device).total_memory,
-                      num_gpus=gpus)
+    plan = build_plan(
+        ctx.cfg, ctx.roles.world_size, torch.cuda.get_device_properties(ctx.device).total_memory, num_gpus=gpus
+    )
     pieces = [gpu_of(t, gpus) for t in ctx.roles.trainer_ranks]
-    return {"gpu_memory_utilization": plan.vllm_utilization[ctx.rank],
-            "visible_devices": engine_visible_devices(torch.device(ctx.device).index, pieces, gpus,
-                                                      os.environ.get("CUDA_VISIBLE_DEVICES"))}
+    return {
+        "gpu_memory_utilization": plan.vllm_utilization[ctx.rank],
+        "visible_devices": engine_visible_devices(
+            torch.device(ctx.device).index, pieces, gpus, os.environ.get("CUDA_VISIBLE_DEVICES")
+        ),
+    }
 
 
 class RolloutWorker:
@@ -83,9 +95,13 @@ class RolloutWorker:
         self._last_tokens, self._last_t = 0, time.monotonic()
         self.net = ctx.net
         world = ctx.roles.world_size
-        self.weights = open_weight_source(ctx.run_id, rc.engine, reader=reader_index(ctx.rank, world),
-                                          worker_reader=reader_index(ctx.rank, world, engine_worker=True),
-                                          remote=self.net.remote_weights() if self.net is not None else None)
+        self.weights = open_weight_source(
+            ctx.run_id,
+            rc.engine,
+            reader=reader_index(ctx.rank, world),
+            worker_reader=reader_index(ctx.rank, world, engine_worker=True),
+            remote=self.net.remote_weights() if self.net is not None else None,
+        )
         self.waiting_fetch: list[Route] = []  # routes whose partial record is on another node
         self.crossed: dict[int, tuple[int, int]] = {}  # traj_id -> (copies, bytes) fetched to resume it
 
@@ -112,8 +128,16 @@ class RolloutWorker:
         params = dict(self.params)
         if msg.max_new_tokens:
             params.update(max_new_tokens=msg.max_new_tokens, ignore_eos=True)
-        self.engine.add(Request(msg.traj_id, list(msg.prompt_ids), SamplingParams(seed=msg.seed, **params),
-                                output_ids=out_ids, output_logprobs=out_lp, output_versions=out_v))
+        self.engine.add(
+            Request(
+                msg.traj_id,
+                list(msg.prompt_ids),
+                SamplingParams(seed=msg.seed, **params),
+                output_ids=out_ids,
+                output_logprobs=out_lp,
+                output_versions=out_v,
+            )
+        )
 
     def fetch_waiting(self) -> None:
         """Fetch the partial records of the routes waiting for them (one round trip for all of them,
@@ -152,13 +176,21 @@ class RolloutWorker:
     def _pulled(self, msg: Pull, version: int, t0: float, nbytes: int, cross_node: bool = False) -> None:
         if version < msg.version:
             raise RuntimeError(f"Pull({msg.version}): the parameter server only has version {version}")
-        self.ctx.client.send(Pulled(instance=self.instance, version=version, seconds=time.monotonic() - t0,
-                                    nbytes=nbytes, cross_node=cross_node))
+        self.ctx.client.send(
+            Pulled(
+                instance=self.instance,
+                version=version,
+                seconds=time.monotonic() - t0,
+                nbytes=nbytes,
+                cross_node=cross_node,
+            )
+        )
 
     # ---- outputs -------------------------------------------------------------------------
     def emit(self, out, partial: bool) -> None:
-        rec = TrajectoryRecord(prompt_ids=out.prompt_ids, response_ids=out.output_ids, logprobs=out.logprobs,
-                               versions=out.versions)  # the engine's lists, written as bytes by the ring
+        rec = TrajectoryRecord(
+            prompt_ids=out.prompt_ids, response_ids=out.output_ids, logprobs=out.logprobs, versions=out.versions
+        )  # the engine's lists, written as bytes by the ring
         self.unsent.append((out.request_id, rec, out.finish_reason, partial))
         self.flush()
 
@@ -175,8 +207,19 @@ class RolloutWorker:
             if not partial and self.net is not None and self.net.shipper is not None:
                 shipped = self.net.shipper.ship(self.ring, h)  # before Finished: the bytes lead the news
                 copies, nbytes = copies + shipped[0], nbytes + shipped[1]
-            self.ctx.client.send(Finished(traj_id, self.instance, h, len(rec.response_ids), partial, reason,
-                                          cross_node_copies=copies, cross_node_bytes=nbytes, fetched=fetched))
+            self.ctx.client.send(
+                Finished(
+                    traj_id,
+                    self.instance,
+                    h,
+                    len(rec.response_ids),
+                    partial,
+                    reason,
+                    cross_node_copies=copies,
+                    cross_node_bytes=nbytes,
+                    fetched=fetched,
+                )
+            )
 
     def send_stats(self, now: float) -> None:
         st = self.engine.stats()
@@ -185,10 +228,21 @@ class RolloutWorker:
         self._last_tokens, self._last_t = st.tokens_generated, now
         running = [t for t in st.running_ids if not is_eval(t)]  # held-out answers are not the coordinator's
         waiting = [t for t in st.waiting_ids if not is_eval(t)]
-        self.ctx.client.send_stats(InstanceSnapshot(
-            instance=self.instance, version=st.version, running=len(running), waiting=len(waiting),
-            kv_tokens=st.kv_tokens, kv_capacity=st.kv_capacity, tokens_per_s=rate, syncing=False, time=now,
-            traj_ids=tuple(running) + tuple(waiting), tokens_generated=st.tokens_generated))
+        self.ctx.client.send_stats(
+            InstanceSnapshot(
+                instance=self.instance,
+                version=st.version,
+                running=len(running),
+                waiting=len(waiting),
+                kv_tokens=st.kv_tokens,
+                kv_capacity=st.kv_capacity,
+                tokens_per_s=rate,
+                syncing=False,
+                time=now,
+                traj_ids=tuple(running) + tuple(waiting),
+                tokens_generated=st.tokens_generated,
+            )
+        )
         self._last_stats = now
 
     def progress(self) -> tuple[int, bool]:
@@ -200,14 +254,26 @@ class RolloutWorker:
         """Held-out prompts, answered greedily in the same engine as the rollout (negative ids)."""
         max_new = msg.max_new_tokens or self.params["max_new_tokens"]
         for index, prompt in zip(msg.indices, msg.prompts):
-            self.engine.add(Request(eval_request_id(msg.eval_id, index), list(prompt),
-                                    SamplingParams(temperature=0.0, max_new_tokens=max_new)))
+            self.engine.add(
+                Request(
+                    eval_request_id(msg.eval_id, index),
+                    list(prompt),
+                    SamplingParams(temperature=0.0, max_new_tokens=max_new),
+                )
+            )
 
     def answered(self, out) -> None:
         eval_id, index = split_eval_id(out.request_id)
         versions = list(out.versions) or [self.engine.stats().version]
-        self.ctx.client.send(Evaluated(eval_id=eval_id, index=index, response_ids=list(out.output_ids),
-                                       min_version=min(versions), max_version=max(versions)))
+        self.ctx.client.send(
+            Evaluated(
+                eval_id=eval_id,
+                index=index,
+                response_ids=list(out.output_ids),
+                min_version=min(versions),
+                max_version=max(versions),
+            )
+        )
 
     def free(self, handles) -> None:
         """Release ring records (exactly once, on the controller's word): after any zero-copy send of
@@ -270,4 +336,3 @@ class RolloutWorker:
         self.ring.close()
         self.ring.unlink()
         self.weights.close()
-

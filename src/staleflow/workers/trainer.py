@@ -22,15 +22,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from staleflow.control.messages import SaveState, Saved, Shutdown, StepDone, TrainStep
 from staleflow.cluster.placement import slot_dtype, slot_placement
+from staleflow.control.messages import Saved, SaveState, Shutdown, StepDone, TrainStep
+from staleflow.durable import disk_problem
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
-from staleflow.trajectory import TrajectorySample
-from staleflow.durable import disk_problem
-from staleflow.train.checkpoint import (CheckpointDiskError, CheckpointError, export_hf, load_checkpoint,
-                                        save_checkpoint)
+from staleflow.train.checkpoint import CheckpointDiskError, CheckpointError, export_hf, load_checkpoint, save_checkpoint
 from staleflow.train.trainer import Trainer
+from staleflow.trajectory import TrajectorySample
 
 
 class TrainerWorker:
@@ -46,15 +45,23 @@ class TrainerWorker:
         self.slot_dtype = slot_dtype(cfg, self.device.type)
         # the exported policy: --model.dtype (auto: bf16 on CUDA, fp32 on CPU), cast one tensor at a time on rank 0
         self.export_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            cfg.model.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        layout = ParamLayout.from_named_tensors(((n, p.detach()) for n, p in model.named_parameters()),
-                                                dtype=self.slot_dtype)
+            cfg.model.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        )
+        layout = ParamLayout.from_named_tensors(
+            ((n, p.detach()) for n, p in model.named_parameters()), dtype=self.slot_dtype
+        )
         group = ctx.trainer_group if ctx.roles.num_trainer > 1 else None
         t0 = time.perf_counter()
-        self.trainer = Trainer(model, cfg.train, self.device, process_group=group,
-                               temperature=cfg.rollout.temperature, total_steps=cfg.steps,
-                               max_response_tokens=cfg.rollout.max_new_tokens,  # Dr. GRPO's constant normaliser
-                               weights=weights)
+        self.trainer = Trainer(
+            model,
+            cfg.train,
+            self.device,
+            process_group=group,
+            temperature=cfg.rollout.temperature,
+            total_steps=cfg.steps,
+            max_response_tokens=cfg.rollout.max_new_tokens,  # Dr. GRPO's constant normaliser
+            weights=weights,
+        )
         self.load_s = time.perf_counter() - t0  # with lazy weights: reading them into this rank's shards
         self.run_dir = ctx.run_dir
         self.resume_extra: dict = {}
@@ -64,13 +71,15 @@ class TrainerWorker:
             except BaseException as e:  # DCP's CheckpointException is a BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
-                raise CheckpointError(f"cannot load {ctx.resume_from} into {cfg.model.path!r}: "
-                                      f"{str(e).splitlines()[0][:300]} (was the run started with another model?)"
-                                      ) from None
+                raise CheckpointError(
+                    f"cannot load {ctx.resume_from} into {cfg.model.path!r}: "
+                    f"{str(e).splitlines()[0][:300]} (was the run started with another model?)"
+                ) from None
         place = slot_placement(ctx.roles.num_trainer, ctx.roles.world_size, self.device.type)
         if self.leader:
-            self.ps = ParameterServer.create(ctx.run_id, layout, device=self.device, pieces=place.pieces,
-                                             readers=place.readers)
+            self.ps = ParameterServer.create(
+                ctx.run_id, layout, device=self.device, pieces=place.pieces, readers=place.readers
+            )
         elif self.device.type == "cuda":  # this rank's own piece of each slot, on its GPU
             self.ps = ParameterServer.attach(ctx.run_id, timeout=120, piece=ctx.rank, device=self.device)
         else:
@@ -103,8 +112,11 @@ class TrainerWorker:
         """A record from its producer's ring on this node, or from this node's mirror of it."""
         if handle.rank not in self.rings:
             net = self.ctx.net
-            self.rings[handle.rank] = (net.ring_reader(handle.rank) if net is not None
-                                       else (TrajectoryRing.attach(self.ctx.run_id, handle.rank, timeout=30), False))
+            self.rings[handle.rank] = (
+                net.ring_reader(handle.rank)
+                if net is not None
+                else (TrajectoryRing.attach(self.ctx.run_id, handle.rank, timeout=30), False)
+            )
         ring, mirror = self.rings[handle.rank]
         return read_arrived(ring, handle) if mirror else ring.read(handle)
 
@@ -113,10 +125,17 @@ class TrainerWorker:
         for g in msg.groups:
             for handle, reward in zip(g.handles, g.rewards):
                 rec = self._read(handle)
-                out.append(TrajectorySample(
-                    prompt_ids=rec.prompt_ids.tolist(), response_ids=rec.response_ids.tolist(),
-                    behaviour_logprobs=rec.logprobs.tolist(), versions=rec.versions.tolist(), reward=reward,
-                    group_id=g.group_id, traj_version=g.traj_version))
+                out.append(
+                    TrajectorySample(
+                        prompt_ids=rec.prompt_ids.tolist(),
+                        response_ids=rec.response_ids.tolist(),
+                        behaviour_logprobs=rec.logprobs.tolist(),
+                        versions=rec.versions.tolist(),
+                        reward=reward,
+                        group_id=g.group_id,
+                        traj_version=g.traj_version,
+                    )
+                )
         return out
 
     def progress(self) -> tuple[int, bool]:
@@ -132,8 +151,10 @@ class TrainerWorker:
 
     def _train(self, msg: TrainStep) -> None:
         if msg.version != self.trainer.version:
-            raise RuntimeError(f"TrainStep for buffer {msg.version} but the trainer is at version "
-                               f"{self.trainer.version}: buffers must be consumed in version order")
+            raise RuntimeError(
+                f"TrainStep for buffer {msg.version} but the trainer is at version "
+                f"{self.trainer.version}: buffers must be consumed in version order"
+            )
         t0 = time.perf_counter()
         metrics = self.trainer.step(self.samples(msg))
         train_s = time.perf_counter() - t0
@@ -147,18 +168,26 @@ class TrainerWorker:
         previous checkpoint stays valid and the controller decides what to do."""
         cfg = self.ctx.cfg
         try:
-            path = save_checkpoint(self.trainer, os.path.join(self.run_dir, "checkpoints"), extra=msg.extra,
-                                   keep=cfg.checkpoint.keep)
+            path = save_checkpoint(
+                self.trainer, os.path.join(self.run_dir, "checkpoints"), extra=msg.extra, keep=cfg.checkpoint.keep
+            )
             if msg.export_dir:
                 from staleflow.model import resolve_model_path
 
-                export_hf(self.trainer, msg.export_dir, tokenizer_from=resolve_model_path(cfg.model.path),
-                          dtype=self.export_dtype)
+                export_hf(
+                    self.trainer,
+                    msg.export_dir,
+                    tokenizer_from=resolve_model_path(cfg.model.path),
+                    dtype=self.export_dtype,
+                )
         except Exception as e:
             if self.leader:
                 disk = isinstance(e, CheckpointDiskError) or disk_problem(e) is not None
-                self.ctx.client.send(Saved(step=msg.step, path="", error=f"{type(e).__name__}: "
-                                                                         f"{str(e).splitlines()[0][:300]}", disk=disk))
+                self.ctx.client.send(
+                    Saved(
+                        step=msg.step, path="", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", disk=disk
+                    )
+                )
             return
         if self.leader:
             self.ctx.client.send(Saved(step=self.trainer.version, path=str(path)))
@@ -180,4 +209,3 @@ class TrainerWorker:
             self.ctx.net.weight_server.close()  # before the slots it serves go
             self.ctx.net.weight_server = None
         self.ps.close()
-
