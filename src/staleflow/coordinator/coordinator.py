@@ -45,6 +45,8 @@ from staleflow.coordinator.strategies import make_pull, make_routing, migrate
 from staleflow.coordinator.types import Abort, Command, InstanceSnapshot
 from staleflow.trajectory import Route, TrajectoryItem
 
+_INSTANCE_STATS = ("version", "load", "syncing", "snapshots_used", "snapshots_dropped")
+
 
 class Coordinator:
     def __init__(
@@ -391,14 +393,6 @@ class Coordinator:
             "ps_version": self.ps_version,
             "counters": dict(self.counters),
             "instances": {
-                i: {
-                    "version": s.version,
-                    "load": s.load,
-                    "kv": s.kv_tokens,
-                    "syncing": s.syncing,
-                    "snapshots_used": s.snapshots_used,
-                    "snapshots_dropped": s.snapshots_dropped,
-                }
-                for i, s in self.instances.items()
+                i: {"kv": s.kv_tokens, **{k: getattr(s, k) for k in _INSTANCE_STATS}} for i, s in self.instances.items()
             },
         }

@@ -162,12 +162,6 @@ class StalenessManager(ManagerState):
             return BufferState.READY
         return BufferState.STUCK if len(b.occupied) + len(b.reserved) >= self.capacity else BufferState.WAITING
 
-    def buffer_entries(self, v: int) -> dict:
-        self.buffer_state(v)
-        b = self._buffers.get(v) or _Buffer()
-        n_res, n_occ = len(b.reserved), len(b.occupied)
-        return {EntryState.EMPTY: self.capacity - n_res - n_occ, EntryState.RESERVED: n_res, EntryState.OCCUPIED: n_occ}
-
     def _group(self, group_id) -> _Group:
         g = self._groups.get(group_id)
         if g is None:
@@ -175,29 +169,6 @@ class StalenessManager(ManagerState):
                 raise ProtocolError(f"group {group_id!r} is already {self._finished[group_id]}")
             raise ProtocolError(f"unknown group id {group_id!r}: reserve one of its members first")
         return g
-
-    def group_info(self, group_id) -> dict:
-        g = self._group(group_id)
-        state = "occupied" if g.occupied else ("closed" if g.buffer is None else "reserved")
-        return {
-            "group_id": group_id,
-            "traj_version": g.traj_version,
-            "buffer_version": g.buffer,
-            "state": state,
-            "live": list(g.live),
-            "done": list(g.done),
-        }
-
-    def consumption_log(self) -> list[tuple]:
-        return list(self._log)
-
-    def aborted_groups(self) -> dict:
-        return dict(self._aborted)
-
-    def closed_windows(self) -> list:
-        """In-flight groups that can no longer be placed (every buffer of their window became
-        Ready); the runtime aborts them."""
-        return list(self._closed)
 
     def stuck_stragglers(self, threshold: int) -> list:
         """If the next buffer is Stuck with <= threshold RESERVED entries, the groups holding them

