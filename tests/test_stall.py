@@ -124,7 +124,8 @@ def test_stall_a_stopped_rollout_rank_is_caught_and_the_run_recovers(tmp_path):
     finally:
         _kill_group(proc)
     assert proc.returncode == 0, out[-4000:]
-    assert "rank 2 (rollout instance 1" in out and "sent nothing for" in out, out[-3000:]
+    # a stopped process neither pulses nor progresses: either check may fire first
+    assert "rank 2 (rollout instance 1" in out and ("sent nothing for" in out or "made no progress" in out), out[-3000:]
     assert "elastic restart 1" in out, out[-3000:]
     report = audit_run(tmp_path / "run", steps=10, batch_size=4, group_size=4, eta=1)
     assert report.ok, report.problems
