@@ -76,6 +76,12 @@ def reserve_as_loopback(c, m, tid, gid, V, generated=10):
     c.submit([TrajectoryItem(tid, gid, V, 100, generated)])
 
 
+def loaded(c, i, n, t=0.5):
+    for k in range(n):
+        c.instances[i].trajs[1000 * (i + 1) + k] = 10
+    c.instances[i].tokens_per_s = 10.0 * n
+
+
 # ---- cost model --------------------------------------------------------------------------------
 def test_cost_model_formula_and_closed_form_steps():
     n, kv = 8, 5000
@@ -186,7 +192,7 @@ def test_status_pull_waits_for_queue_and_routable_work():
     c, m = make(n_inst=1, eta=1, version=0, pull="status", pull_indicator="requests", pull_threshold=5)
     m.version = 1
     c.on_new_version(1)
-    _loaded(c, 0, 2)
+    loaded(c, 0, 2)
     assert c.on_snapshot(snap(c, 0, t=0.5, running=0, waiting=2))
     assert not any(isinstance(x, Pull) for x in c.tick(1.0))  # the engine still has a queue
     c.instances[0].trajs.clear()
@@ -215,74 +221,6 @@ def test_greedy_pull_interrupts_everything_at_once():
 
 
 # ---- migration ---------------------------------------------------------------------------------
-def _loaded(c, i, n, t=0.5):
-    for k in range(n):
-        c.instances[i].trajs[1000 * (i + 1) + k] = 10
-    c.instances[i].tokens_per_s = 10.0 * n
-
-
-def test_migration_picks_the_largest_ratio():
-    c, m = make(n_inst=4, eta=1, version=0, migration=True, psi=2.0, migration_stop=1, migration_indicator="requests")
-    _loaded(c, 1, 3)
-    _loaded(c, 2, 7)
-    _loaded(c, 3, 5)
-    cmds = c.tick(1.0)  # instance 0 is starved (TS empty); 7/0 is the largest ratio
-    mig = [x for x in cmds if isinstance(x, Interrupt)]
-    assert mig == [Interrupt(2, tuple(c.instances[2].trajs), "migrate")]
-    assert c.counters["migrations"] == 1
-
-
-def test_migration_respects_stop_threshold_and_syncing():
-    c, m = make(n_inst=2, eta=1, version=0, migration=True, psi=2.0, migration_stop=5)
-    _loaded(c, 1, 4)  # below the stop threshold
-    assert not any(isinstance(x, Interrupt) for x in c.tick(1.0))
-    c2, _ = make(n_inst=2, eta=1, version=0, migration=True, psi=2.0, migration_stop=1)
-    _loaded(c2, 1, 4)
-    c2.instances[0].syncing = True
-    assert not any(isinstance(x, Interrupt) for x in c2.tick(1.0))
-
-
-def test_migration_leaves_an_instance_that_is_still_prefilling():
-    """No decode progress while it holds running work: it is recomputing the KV of what it was just given
-    (loop-backs); moving that work restarts the prefill elsewhere (two such instances used to hand the
-    same long loop-backs back and forth forever in the simulator)."""
-    c, m = make(n_inst=2, eta=1, version=0, migration=True, psi=2.0, migration_stop=1)
-    _loaded(c, 1, 4)
-    c.instances[1].tokens_per_s = 0.0
-    assert not any(isinstance(x, Interrupt) for x in c.tick(1.0))
-    c.instances[1].tokens_per_s = 40.0  # decoding now: the throughput-gap trigger applies again
-    assert [x.instance for x in c.tick(2.0) if isinstance(x, Interrupt)] == [1]
-
-
-def test_a_trajectory_migrates_at_most_once_and_never_back_to_the_instance_it_left():
-    c, m = make(n_inst=2, eta=1, B=8, version=0, migration=True, psi=2.0, migration_stop=1)
-    placed = {0: [1], 1: [2, 3, 4, 5]}
-    for i, tids in placed.items():
-        for t in tids:
-            item = TrajectoryItem(t, 100 + t, None, 50)
-            c.submit([item])
-            c._route_one(item, c.instances[i], 0, 0.0, [])
-        c.instances[i].tokens_per_s = 10.0
-    mig = [x for x in c.tick(10.0) if isinstance(x, Interrupt)]  # 4 vs 1 requests: ratio 4 > psi
-    assert mig == [Interrupt(1, (2, 3, 4, 5), "migrate")]
-    c.on_interrupted(1, [TrajectoryItem(t, 100 + t, 0, 50, 30) for t in (2, 3, 4, 5)])
-    # instance 1 is now empty, the best marginal gain: without the rule they would all go back there
-    assert {(t, i) for t, i, _ in routes(c.tick(11.0))} == {(2, 0), (3, 0), (4, 0), (5, 0)}
-    c.instances[0].tokens_per_s = 50.0
-    # instance 1 is starved and 0 holds 5, but 4 of them moved once already: nothing moves again
-    assert not any(isinstance(x, Interrupt) for x in c.tick(30.0))
-    assert c.counters["migrations"] == 1
-
-
-def test_migration_waiting_queue_trigger():
-    c, m = make(n_inst=2, eta=1, version=0, migration=True, phi_wait=2)
-    _loaded(c, 0, 6)
-    c.instances[0].waiting = 5
-    mig = [x for x in c.tick(1.0) if isinstance(x, Interrupt)]
-    assert mig == [Interrupt(0, tuple(list(c.instances[0].trajs)[-3:]), "migrate")]
-
-
-# ---- redundancy, closed windows, stragglers ----------------------------------------------------
 def test_group_redundancy_aborts_the_surplus():
     c, m = make(n_inst=1, eta=1, B=1, N=2, Np=3, version=0)
     c.submit([TrajectoryItem(t, 9, None, 10) for t in (1, 2, 3)])
@@ -355,12 +293,12 @@ def test_registry_lets_a_fork_add_a_router():
         make(routing="nope")
 
 
-def test_round_robin_and_least_loaded():
+def test_round_robin_and_leastloaded():
     c, _ = make(n_inst=3, routing="round-robin")
     c.submit([TrajectoryItem(t, t, None, 10) for t in range(4)])
     assert [r[1] for r in routes(c.tick(1.0))] == [0, 1, 2, 0]
     c, _ = make(n_inst=2, routing="least-loaded")
-    _loaded(c, 0, 2)
+    loaded(c, 0, 2)
     c.submit([TrajectoryItem(1, 1, None, 10)])
     assert routes(c.tick(1.0)) == [(1, 1, 0)]
 

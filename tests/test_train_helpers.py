@@ -72,3 +72,33 @@ def sample_responses(model: CausalLM, prompts: list[list[int]], max_new: int, ge
             seqs[i].append(t)
             logps[i].append(float(logp[i, t]))
     return [s[len(p) :] for s, p in zip(seqs, prompts)], logps
+
+
+def capture_grads(trainer) -> list[dict[str, torch.Tensor]]:
+    """Record the (full) gradients each optimizer update sees."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def hook(optimizer, args, kwargs):
+        g = {}
+        for n, p in trainer.policy.named_parameters():
+            grad = p.grad
+            if grad is not None and hasattr(grad, "full_tensor"):
+                grad = grad.full_tensor()
+            g[n] = None if grad is None else grad.detach().clone()
+        seen.append(g)
+
+    trainer.optimizer.register_step_pre_hook(hook)
+    return seen
+
+
+def lipschitz_adam(trainer) -> None:
+    """AdamW's g / (sqrt(v) + eps) turns fp32 reassociation noise on near-zero gradients into
+    O(lr) weight differences; a large eps makes the update Lipschitz in g, so weights can be
+    compared after a step with fp32 tolerances (gradients are compared directly as well)."""
+    trainer.optimizer.param_groups[0]["eps"] = 1e-3
+
+
+def assert_same(a: dict, b: dict, atol=2e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-5, msg=lambda m: f"{k}: {m}")
