@@ -261,7 +261,9 @@ class CoordinatorConfig:
     """Load indicator of the psi (throughput-gap) migration trigger."""
     interrupt_on_pull: bool = True
     """A Pull first interrupts the instance's in-flight trajectories (partial rollout: they loop back)."""
-    keep_kv_on_pull: bool = False  # a Pull interrupts nothing: in-flight work keeps its KV (simulated only, see docs)
+    keep_kv_on_pull: bool = False
+    """With interrupt-on-pull: a Pull interrupts nothing; in-flight trajectories keep their KV across the
+    weight load and continue with the new weights (built-in engine; vLLM re-prefills them itself)."""
     barrier: bool = False
     """Batch barrier (sync / one-step-off): route a new batch of B groups only when nothing is in flight."""
     scan_limit: int = 32
