@@ -30,7 +30,7 @@ def fake_ipc(monkeypatch):
         registry[name] = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
         return registry[name], [f"{name}/{i}".encode() for i in range(readers)], "GPU-fake"
 
-    def open_(name, blob, uuid_):
+    def open_(name, blob, uuid_, map_on=None):
         opened.append((name, blob))
         return registry[name]
 

@@ -80,6 +80,8 @@ class RolloutConfig:
     kernel on CUDA when it applies, else the Triton paged kernel; the dense decode mirror on CPU)."""
     prefix_sharing: bool = True
     """Share the KV blocks of identical prompt prefixes (a GRPO group's prompt is prefilled once)."""
+    cuda_graphs: bool = False
+    """Built-in engine on CUDA: replay a captured decode step per batch-size bucket (rollout/cuda_graphs.py)."""
 
     def __post_init__(self):
         _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")
@@ -261,9 +263,7 @@ class CoordinatorConfig:
     """Load indicator of the psi (throughput-gap) migration trigger."""
     interrupt_on_pull: bool = True
     """A Pull first interrupts the instance's in-flight trajectories (partial rollout: they loop back)."""
-    keep_kv_on_pull: bool = False
-    """With interrupt-on-pull: a Pull interrupts nothing; in-flight trajectories keep their KV across the
-    weight load and continue with the new weights (built-in engine; vLLM re-prefills them itself)."""
+    keep_kv_on_pull: bool = False  # a Pull interrupts nothing: in-flight work keeps its KV, continues (docs/engine.md)
     barrier: bool = False
     """Batch barrier (sync / one-step-off): route a new batch of B groups only when nothing is in flight."""
     scan_limit: int = 32

@@ -77,7 +77,7 @@ class BuiltinEngine:
         model.eval()
         model.requires_grad_(False)
         if hasattr(model, "fuse_projections"):
-            model.fuse_projections()  # one GEMM for q|k|v and gate|up, [in, out] layout
+            model.fuse_projections()  # one GEMM for q|k|v and gate|up; every parameter contiguous
         self.model = model
         self.vocab_size = int(model.args.vocab_size)
         self.max_model_len = max_model_len
