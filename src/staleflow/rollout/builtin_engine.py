@@ -62,10 +62,12 @@ class BuiltinEngine:
         decode_mirror: bool | None = None,
         decode_backend: str = "auto",
         prefix_sharing: bool = True,
+        cuda_graphs: bool = False,
     ):
         """decode_backend: "auto" | "mirror" | "gather" | "triton" | "flash" (decode_backend.py);
         decode_mirror True / False is the older spelling of "mirror" / "gather". prefix_sharing:
-        requests with the same prompt share its full KV blocks (prefix_sharing.py)."""
+        requests with the same prompt share its full KV blocks (prefix_sharing.py). cuda_graphs: replay
+        captured decode steps (cuda_graphs.py; CUDA with the triton / flash backend only)."""
         num_blocks = max_kv_tokens // block_size
         if num_blocks * block_size < max_model_len:
             raise EngineError(
@@ -92,6 +94,7 @@ class BuiltinEngine:
             max_model_len=max_model_len,
             decode_mirror=decode_mirror,
             decode_backend=decode_backend,
+            cuda_graphs=cuda_graphs,
         )
         self.sampler = Sampler()
         self.seqs: dict = {}
@@ -140,6 +143,7 @@ class BuiltinEngine:
             profile=rc.profile if profile is None else profile,
             decode_backend=rc.decode_backend,
             prefix_sharing=rc.prefix_sharing,
+            cuda_graphs=rc.cuda_graphs,
         )
 
     # ---- requests ------------------------------------------------------------------------
