@@ -12,7 +12,8 @@ decode_backend.py: DecodeMirror rows on CPU, a paged kernel on CUDA) -> Sampler 
 append tokens, finish on eos / stop ids / max_new_tokens / max_model_len, free the KV blocks of
 finished sequences. Every sampled token is stamped with the engine's weight version.
 load_weights() copies new tensors into the parameters in place (after validating all of them);
-in-flight sequences keep their tokens and re-prefill under the new weights.
+in-flight sequences keep their tokens and re-prefill under the new weights, or with keep_kv keep
+their K/V and continue at once (each token keeps the log-prob and version that sampled it).
 """
 
 from __future__ import annotations
@@ -249,8 +250,8 @@ class BuiltinEngine:
         Everything is validated first (names, shapes, floating dtype, every parameter covered when
         strict, version not older than the current one); on any error nothing is touched.
         In-flight requests keep their tokens; their KV is dropped and recomputed with the new
-        weights, unless keep_kv (--coordinator.interrupt-on-pull false): then the KV computed with
-        the old weights stays and only the next tokens come from the new ones.
+        weights, unless keep_kv (--coordinator.keep-kv-on-pull, or drain mode): then the KV computed
+        with the old weights stays and only the next tokens come from the new ones.
         """
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         params = dict(self.model.named_parameters(remove_duplicate=False))
