@@ -88,7 +88,7 @@ def test_sharded_push_pulls_bit_exact_into_strided_engine_parameters(fake_ipc):
     try:
         state = _state(7)
         _push_sharded(trainers, 1, state)
-        # engine parameters are views of fused [in, out] matrices: non-contiguous destinations
+        # destinations with any strides (views of transposed fused matrices, as another engine may hold)
         fused = torch.zeros(6, 11 + 6)
         out = {
             "embed": fused[:, :11].t(),

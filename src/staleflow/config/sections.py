@@ -80,8 +80,7 @@ class RolloutConfig:
     kernel on CUDA when it applies, else the Triton paged kernel; the dense decode mirror on CPU)."""
     prefix_sharing: bool = True
     """Share the KV blocks of identical prompt prefixes (a GRPO group's prompt is prefilled once)."""
-    cuda_graphs: bool = False
-    """Built-in engine on CUDA: replay a captured decode step per batch-size bucket (rollout/cuda_graphs.py)."""
+    cuda_graphs: bool = False  # built-in engine, CUDA only: replay captured decode steps (docs/engine.md)
 
     def __post_init__(self):
         _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")
