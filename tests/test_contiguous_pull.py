@@ -111,3 +111,52 @@ def test_contiguous_pull_pieces_copy_every_row_once_and_merge_nothing_across_pie
     held = sum(1 for name in out for p in range(pieces) if rows[name][p][1] > rows[name][p][0])
     assert len(pairs) <= held
     assert all(s.is_contiguous() and d.is_contiguous() for s, d in pairs)
+
+
+def test_contiguous_pull_gpu_pieces_are_mapped_on_the_readers_own_device(monkeypatch):
+    """A rollout rank maps every GPU piece on ITS device (copies then run on its stream); a reader
+    that names no device maps them on their owners. CUDA IPC is replaced by CPU tensors here."""
+    import staleflow.servers.pieces as pieces
+
+    registry, opened = {}, []
+
+    def create(name, nbytes, device, readers):
+        registry[name] = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+        return registry[name], [f"{name}/{i}".encode() for i in range(readers)], "GPU-fake"
+
+    def open_(name, blob, uuid_, map_on=None):
+        opened.append(map_on)
+        return registry[name]
+
+    monkeypatch.setattr(pieces, "cuda_piece_create", create)
+    monkeypatch.setattr(pieces, "cuda_piece_open", open_)
+    monkeypatch.setattr(pieces, "cuda_piece_release", lambda name: registry.pop(name, None))
+    trainer = dict(_trainer_model("llama", 5).named_parameters())
+    run = "g" + uuid.uuid4().hex[:10]
+    layout = ParamLayout.from_named_tensors(trainer)
+    owners = [ParameterServer.create(run, layout, device="cuda:0", pieces=2, readers=3)]
+    owners.append(ParameterServer.attach(run, piece=1, device="cuda:1"))
+    readers = []
+    try:
+        readers.append(ParameterServer.attach(run, reader=1, device="cuda:2"))
+        assert opened and all(d == torch.device("cuda:2") for d in opened)
+        opened.clear()
+        readers.append(ParameterServer.attach(run, reader=2))
+        assert opened and all(d is None for d in opened)
+        for ps in owners:
+            ps.begin_push(1)
+        for r, ps in enumerate(owners):
+            for name, t in trainer.items():
+                a, b = piece_rows(tuple(t.shape), 2, r)
+                row = t[0].numel() if t.dim() else 1
+                if b > a:
+                    ps.write_shard(name, t.detach().reshape(-1)[a * row : b * row], a * row)
+            ps.end_push()
+        owners[0].publish(1)
+        engine = _engine("llama", 6)
+        readers[0].pull(1, out=engine.weight_targets())
+        got = dict(engine.model.named_parameters())
+        assert all(torch.equal(got[k], v) for k, v in trainer.items())
+    finally:
+        for ps in readers + owners[::-1]:
+            ps.close()
