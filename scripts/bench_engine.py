@@ -111,24 +111,24 @@ def run_hf(hf_model, prompts, new_tokens) -> float:
 
 def gemm_floor_s(model, batch: int, repeats: int = 5) -> float:
     """Seconds per decode step spent in the weight GEMMs alone: the fused engine layout's
-    matrices (q|k|v, o, gate|up, down per layer, then the LM head) applied to a [batch, hidden]
+    matrices (q|k|v, o, gate|up, down per layer, then the LM head, all [out, in]) applied to a [batch, hidden]
     input, in model order so the weights stream from memory as in a real step. No engine and no
     transformers step can be faster than this at this batch and dtype: it bounds the ratio."""
     model.fuse_projections()
     mats = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        mats += [a.qkv_t, a.o_t, m.gate_up_t, m.down_t]
+        mats += [a.qkv_w, a.o_proj.weight, m.gate_up_w, m.down_proj.weight]
     head = model.lm_head_weight
-    xs = {w.shape[0]: torch.randn(batch, w.shape[0], dtype=w.dtype, device=w.device) for w in mats}
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in mats}
     xh = torch.randn(batch, head.shape[1], dtype=head.dtype, device=head.device)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
             _sync(model)
             t0 = time.perf_counter()
-            for w in mats:
-                torch.mm(xs[w.shape[0]], w)
+            for w in mats:  # [out, in]: x @ W^T, as the engine runs them
+                torch.nn.functional.linear(xs[w.shape[1]], w)
             torch.nn.functional.linear(xh, head)
             _sync(model)
             best = min(best, time.perf_counter() - t0)

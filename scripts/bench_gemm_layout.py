@@ -5,8 +5,10 @@
 Per dtype, every layer's projections are timed as a rollout engine would run them at decode batch
 M, with one distinct weight per layer so the weights stream from memory as in a real step:
 - linear: 7 `F.linear` per layer on the [out, in] weights (what transformers runs; the baseline);
-- fused mm: q|k|v and gate|up concatenated, all stored [in, out], 4 `torch.mm` per layer
-  (`CausalLM.fuse_projections`, what BuiltinEngine runs);
+- fused mm: q|k|v and gate|up concatenated, all stored [in, out], 4 `torch.mm` per layer (what
+  BuiltinEngine ran before issue 27);
+- fused linear: the same fused matrices stored [out, in] (HF's orientation), 4 `F.linear` per layer
+  (`CausalLM.fuse_projections` now: every parameter a contiguous row block, so pulls are plain copies);
 - oneDNN prepacked: the fused weights reordered once by `mkldnn._reorder_linear_weight`;
 - MKL prepacked (fp32 only): `mkl._mkl_reorder_linear_weight` at M, and used at another M too.
 CPU time, best of --repeats. Last line: JSON with the ratios vs linear.
@@ -58,6 +60,8 @@ def main() -> None:
             "linear": best_s(lambda: [F.linear(xs[w.shape[1]], w) for ws in w_sep for w in ws], args.repeats),
             "fused mm": best_s(lambda: [torch.mm(xs[w.shape[0]], w) for ws in w_fused for w in ws], args.repeats),
         }
+        w_rows = [[w.t().contiguous() for w in ws] for ws in w_fused]  # the same matrices, [out, in]
+        times["fused linear"] = best_s(lambda: [F.linear(xs[w.shape[1]], w) for ws in w_rows for w in ws], args.repeats)
         packed = [[torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), args.m) for w in ws] for ws in w_fused]
         times["oneDNN prepacked"] = best_s(
             lambda: [

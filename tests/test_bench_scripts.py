@@ -77,6 +77,7 @@ def test_bench_gemm_layout_times_every_layout():
     assert {
         "float32:linear",
         "float32:fused mm",
+        "float32:fused linear",
         "float32:oneDNN prepacked",
         "float32:MKL prepacked",
         "bfloat16:fused mm",

@@ -57,6 +57,9 @@ SMOKE: dict[str, Smoke] = {
     "bench_decode_step.py": Smoke("test", test=BENCH + "test_bench_decode_step_compares_mirror_and_sampler_paths"),
     "bench_engine.py": Smoke("test", test=BENCH + "test_bench_engine_reports_ratios_and_the_gemm_floor"),
     "bench_gemm_layout.py": Smoke("test", test=BENCH + "test_bench_gemm_layout_times_every_layout"),
+    "bench_keep_kv.py": Smoke(
+        "run", ("--seqs", "2", "--prompt", "8", "--before", "2", "--after", "2", "--reps", "1"), ("pulls", "copies")
+    ),
     "bench_kernels.py": Smoke(
         "run",
         ("--device", "cpu", "--shapes", "64x32x300", "--reps", "1", "--warmup", "0"),

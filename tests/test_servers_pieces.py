@@ -30,7 +30,7 @@ def fake_ipc(monkeypatch):
         registry[name] = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
         return registry[name], [f"{name}/{i}".encode() for i in range(readers)], "GPU-fake"
 
-    def open_(name, blob, uuid_):
+    def open_(name, blob, uuid_, map_on=None):
         opened.append((name, blob))
         return registry[name]
 
@@ -88,7 +88,7 @@ def test_sharded_push_pulls_bit_exact_into_strided_engine_parameters(fake_ipc):
     try:
         state = _state(7)
         _push_sharded(trainers, 1, state)
-        # engine parameters are views of fused [in, out] matrices: non-contiguous destinations
+        # destinations with any strides (views of transposed fused matrices, as another engine may hold)
         fused = torch.zeros(6, 11 + 6)
         out = {
             "embed": fused[:, :11].t(),

@@ -146,7 +146,8 @@ class TrajectorySample:
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
     behaviour_logprobs: Sequence[float]
-    """Log-prob of each response token under the weights that sampled it (same length as response)."""
+    """Log-prob of each response token under the computation that sampled it (same length as response):
+    after a Pull that kept the KV, the new weights over K/V the old ones computed (docs/engine.md)."""
     versions: Sequence[int]
     """Weight version that sampled each response token (differs within a trajectory after a Pull)."""
     reward: float

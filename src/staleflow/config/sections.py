@@ -80,6 +80,7 @@ class RolloutConfig:
     kernel on CUDA when it applies, else the Triton paged kernel; the dense decode mirror on CPU)."""
     prefix_sharing: bool = True
     """Share the KV blocks of identical prompt prefixes (a GRPO group's prompt is prefilled once)."""
+    cuda_graphs: bool = False  # built-in engine, CUDA only: replay captured decode steps (docs/engine.md)
 
     def __post_init__(self):
         _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")
@@ -261,7 +262,7 @@ class CoordinatorConfig:
     """Load indicator of the psi (throughput-gap) migration trigger."""
     interrupt_on_pull: bool = True
     """A Pull first interrupts the instance's in-flight trajectories (partial rollout: they loop back)."""
-    keep_kv_on_pull: bool = False  # a Pull interrupts nothing: in-flight work keeps its KV (simulated only, see docs)
+    keep_kv_on_pull: bool = False  # a Pull interrupts nothing: in-flight work keeps its KV, continues (docs/engine.md)
     barrier: bool = False
     """Batch barrier (sync / one-step-off): route a new batch of B groups only when nothing is in flight."""
     scan_limit: int = 32

@@ -133,16 +133,15 @@ class SelfAttention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
-        self.qkv_t: torch.Tensor | None = None
-        """[hidden, (H + 2 Hkv) D] q|k|v weights, transposed (set by CausalLM.fuse_projections)."""
+        self.qkv_w: torch.Tensor | None = None
+        """[(H + 2 Hkv) D, hidden] q|k|v weights, one contiguous matrix (set by CausalLM.fuse_projections)."""
         self.qkv_b: torch.Tensor | None = None
-        self.o_t: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, attn: Attention, layer_idx: int):
         """x [T, hidden]; cos, sin: [T, 1, D] from CausalLM.rope_cos_sin (sin in signed form)."""
         T = x.shape[0]
-        if self.qkv_t is not None:  # inference layout (CausalLM.fuse_projections): one GEMM
-            qkv = _mm(x, self.qkv_t, self.qkv_b)
+        if self.qkv_w is not None:  # inference layout (CausalLM.fuse_projections): one GEMM
+            qkv = F.linear(x, self.qkv_w, self.qkv_b)
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
             q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
             q = q.view(T, self.n_heads, self.head_dim)
@@ -154,14 +153,12 @@ class SelfAttention(nn.Module):
             v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.qkv_t is not None and not hasattr(self, "q_norm"):  # q|k adjacent: rotate both at once
+        if self.qkv_w is not None and not hasattr(self, "q_norm"):  # q|k adjacent: rotate both at once
             qk = apply_rope(qkv[:, : nq + nkv].view(T, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(layer_idx, q, k, v).reshape(T, self.n_heads * self.head_dim)  # [T, H * D]
-        if self.o_t is not None:
-            return _mm(out, self.o_t, self.o_proj.bias)
         return self.o_proj(out)
 
 
@@ -173,14 +170,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-        self.gate_up_t: torch.Tensor | None = None
-        """[hidden, 2 I] gate|up weights, transposed (set by CausalLM.fuse_projections)."""
-        self.down_t: torch.Tensor | None = None
+        self.gate_up_w: torch.Tensor | None = None
+        """[2 I, hidden] gate|up weights, one contiguous matrix (set by CausalLM.fuse_projections)."""
 
     def forward(self, x):
-        if self.gate_up_t is not None:
-            gate, up = torch.mm(x, self.gate_up_t).chunk(2, dim=-1)
-            return torch.mm(F.silu(gate) * up, self.down_t)
+        if self.gate_up_w is not None:
+            gate, up = F.linear(x, self.gate_up_w).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -313,37 +309,32 @@ class CausalLM(nn.Module):
     def fuse_projections(self) -> CausalLM:
         """Switch to the inference weight layout; for rollout engines, never for training.
 
-        q|k|v and gate|up become one matrix each and every decoder matrix is stored transposed,
-        [in, out] contiguous: `x @ W_t` is one GEMM instead of three (two), and on CPU the
-        [in, out] layout is the faster one at decode batch sizes (docs/engine.md has the numbers).
-        The Linear parameters are re-pointed to views of those matrices, so names, shapes and
-        values are unchanged and in-place loads (`load_weights`, `copy_`) update the fused
-        matrices too. Idempotent. The views share one storage per layer, which FSDP and
+        q|k|v and gate|up become one [out, in] matrix each (HF's orientation): ``F.linear(x, W)``
+        is one GEMM instead of three (two). The Linear parameters are re-pointed to row blocks of
+        those matrices, so names, shapes and values are unchanged, every parameter stays
+        contiguous (a row block of a contiguous matrix), and in-place loads (`load_weights`,
+        `copy_`, a Parameter Server pull) update the fused matrices with plain contiguous
+        copies; q|k|v (gate|up) are adjacent in memory in that order, the order of the Parameter
+        Server layout's fused groups (servers/layout.py), so a pull copies each fused matrix at
+        once. Idempotent. The views share one storage per fused matrix, which FSDP and
         optimizers that replace parameters do not expect: hence inference only.
         """
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
-            if a.qkv_t is not None:
+            if a.qkv_w is not None:
                 continue
-            a.qkv_t, a.qkv_b = _fuse_linears(a.q_proj, a.k_proj, a.v_proj)
-            a.o_t, _ = _fuse_linears(a.o_proj)
-            m.gate_up_t, _ = _fuse_linears(m.gate_proj, m.up_proj)
-            m.down_t, _ = _fuse_linears(m.down_proj)
+            a.qkv_w, a.qkv_b = _fuse_linears(a.q_proj, a.k_proj, a.v_proj)
+            m.gate_up_w, _ = _fuse_linears(m.gate_proj, m.up_proj)
         return self
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
-def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] @ w_t [in, out] (+ bias [out])."""
-    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
-
-
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the Linears' weights along out, stored transposed [in, sum(out)] contiguous;
-    re-point each weight (and bias) to a view of the new storage. Returns (w_t, bias or None)."""
-    w_t = torch.cat([lin.weight.detach() for lin in linears], 0).t().contiguous()
+    """Concatenate the Linears' weights along out into one contiguous [sum(out), in] matrix and
+    re-point each weight (and bias) to its row block of it. Returns (weight, bias or None)."""
+    w = torch.cat([lin.weight.detach() for lin in linears], 0).contiguous()
     has_bias = [lin.bias is not None for lin in linears]
     bias = torch.cat([lin.bias.detach() for lin in linears]).contiguous() if all(has_bias) else None
     if any(has_bias) and bias is None:
@@ -351,8 +342,8 @@ def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | Non
     off = 0
     for lin in linears:
         n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(w_t[:, off : off + n].t(), requires_grad=False)
+        lin.weight = nn.Parameter(w[off : off + n], requires_grad=False)
         if bias is not None:
             lin.bias = nn.Parameter(bias[off : off + n], requires_grad=False)
         off += n
-    return w_t, bias
+    return w, bias

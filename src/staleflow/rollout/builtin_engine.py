@@ -12,7 +12,8 @@ decode_backend.py: DecodeMirror rows on CPU, a paged kernel on CUDA) -> Sampler 
 append tokens, finish on eos / stop ids / max_new_tokens / max_model_len, free the KV blocks of
 finished sequences. Every sampled token is stamped with the engine's weight version.
 load_weights() copies new tensors into the parameters in place (after validating all of them);
-in-flight sequences keep their tokens and re-prefill under the new weights.
+in-flight sequences keep their tokens and re-prefill under the new weights, or with keep_kv keep
+their K/V and continue at once (each token keeps the log-prob and version that sampled it).
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ class BuiltinEngine:
         decode_mirror: bool | None = None,
         decode_backend: str = "auto",
         prefix_sharing: bool = True,
+        cuda_graphs: bool = False,
     ):
         """decode_backend: "auto" | "mirror" | "gather" | "triton" | "flash" (decode_backend.py);
         decode_mirror True / False is the older spelling of "mirror" / "gather". prefix_sharing:
-        requests with the same prompt share its full KV blocks (prefix_sharing.py)."""
+        requests with the same prompt share its full KV blocks (prefix_sharing.py). cuda_graphs: replay
+        captured decode steps (cuda_graphs.py; CUDA with the triton / flash backend only)."""
         num_blocks = max_kv_tokens // block_size
         if num_blocks * block_size < max_model_len:
             raise EngineError(
@@ -77,7 +80,7 @@ class BuiltinEngine:
         model.eval()
         model.requires_grad_(False)
         if hasattr(model, "fuse_projections"):
-            model.fuse_projections()  # one GEMM for q|k|v and gate|up, [in, out] layout
+            model.fuse_projections()  # one GEMM for q|k|v and gate|up; every parameter contiguous
         self.model = model
         self.vocab_size = int(model.args.vocab_size)
         self.max_model_len = max_model_len
@@ -92,6 +95,7 @@ class BuiltinEngine:
             max_model_len=max_model_len,
             decode_mirror=decode_mirror,
             decode_backend=decode_backend,
+            cuda_graphs=cuda_graphs,
         )
         self.sampler = Sampler()
         self.seqs: dict = {}
@@ -140,6 +144,7 @@ class BuiltinEngine:
             profile=rc.profile if profile is None else profile,
             decode_backend=rc.decode_backend,
             prefix_sharing=rc.prefix_sharing,
+            cuda_graphs=rc.cuda_graphs,
         )
 
     # ---- requests ------------------------------------------------------------------------
@@ -245,8 +250,8 @@ class BuiltinEngine:
         Everything is validated first (names, shapes, floating dtype, every parameter covered when
         strict, version not older than the current one); on any error nothing is touched.
         In-flight requests keep their tokens; their KV is dropped and recomputed with the new
-        weights, unless keep_kv (--coordinator.interrupt-on-pull false): then the KV computed with
-        the old weights stays and only the next tokens come from the new ones.
+        weights, unless keep_kv (--coordinator.keep-kv-on-pull, or drain mode): then the KV computed
+        with the old weights stays and only the next tokens come from the new ones.
         """
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         params = dict(self.model.named_parameters(remove_duplicate=False))

@@ -8,7 +8,9 @@ The decode backend is resolved once here (`decode_backend.resolve_decode_backend
 DecodeMirror (the CPU default) the decode part of the batch is first put in mirror-row order and
 decode attention reads the dense rows; with "triton" / "flash" (CUDA) it gets the decoding
 sequences' block tables and context lengths and a kernel reads the paged cache in place;
-"gather" builds padded slot indices. The sampled rows' logits are fp32 products of the hidden
+"gather" builds padded slot indices. Masks are built on the device (from positions already there),
+never on the host and copied. With --rollout.cuda-graphs a pure-decode step replays a captured
+graph instead (cuda_graphs.py). The sampled rows' logits are fp32 products of the hidden
 state and the LM head (`SampledLogits`), the numbers the trainer computes at the same weights.
 """
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from staleflow.rollout.block_manager import BlockManager
+from staleflow.rollout.cuda_graphs import DecodeGraphs
 from staleflow.rollout.decode_backend import resolve_decode_backend
 from staleflow.rollout.decode_mirror import DecodeMirror
 from staleflow.rollout.paged_attention import PagedAttention, PrefillChunk, StepContext
@@ -34,7 +37,9 @@ class ModelRunner:
         max_model_len: int = 2048,
         decode_mirror: bool | None = None,
         decode_backend: str = "auto",
+        cuda_graphs: bool = False,
     ):
+        """cuda_graphs: replay captured pure-decode steps (cuda_graphs.py); an EngineError off CUDA."""
         self.model = model
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -64,6 +69,7 @@ class ModelRunner:
         self.attn.mirror = self.mirror
         self.attn.backend, self.attn.block_size = self.backend, self.block_size
         self.sampled_logits = SampledLogits(model)
+        self.graphs = DecodeGraphs(self, max_running, max_model_len) if cuda_graphs else None
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """[end - start] cache slots of positions start..end-1 of one sequence."""
@@ -96,9 +102,9 @@ class ModelRunner:
             slot_parts.append(torch.tensor([self.block_manager.slot(s, s.num_computed) for s in seqs]))
             ctx.mirror_pos = torch.tensor([s.num_computed for s in seqs]).to(dev, non_blocking=True)
             ctx.decode_len = max_len
-            if min(lens) != max_len:
-                valid = torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None]
-                ctx.decode_mask = valid[:, None, None, :].to(dev, non_blocking=True)
+            if min(lens) != max_len:  # built on the device from the positions already there
+                valid = torch.arange(max_len, device=dev)[None, :] <= ctx.mirror_pos[:, None]  # [B, Lmax]
+                ctx.decode_mask = valid[:, None, None, :]
         elif nd and self.backend in ("triton", "flash"):
             seqs = batch.seqs[:nd]
             lens = [s.num_computed + 1 for s in seqs]
@@ -122,8 +128,10 @@ class ModelRunner:
             slots = torch.where(valid, slots, self.attn.null_slot)
             slot_parts.append(slots.gather(1, (lens_t - 1)[:, None])[:, 0])  # the new token's slot
             ctx.decode_slots = slots.reshape(-1).to(dev, non_blocking=True)
-            # equal lengths need no mask (SDPA's unmasked path is faster)
-            ctx.decode_mask = None if min(lens) == max_len else valid[:, None, None, :].to(dev, non_blocking=True)
+            # equal lengths need no mask (SDPA's unmasked path is faster); else it is built on the device
+            if min(lens) != max_len:
+                lens_d = lens_t.to(dev, non_blocking=True)
+                ctx.decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens_d[:, None])[:, None, None, :]
             ctx.decode_len = max_len
         if nd:  # decodes feed their last token; row i of the logits is decode i
             for s in batch.seqs[:nd]:
@@ -140,10 +148,10 @@ class ModelRunner:
             slot_parts.append(ctx_slots[c:])
             if c == 0:
                 chunk = PrefillChunk(offset, offset + n, None, None)
-            else:
-                q_pos = torch.arange(c, c + n)
-                mask = torch.arange(c + n)[None, :] <= q_pos[:, None]  # [n, L]
-                chunk = PrefillChunk(offset, offset + n, ctx_slots.to(dev), mask.to(dev))
+            else:  # the causal mask after c cached tokens, built on the device
+                q_pos = torch.arange(c, c + n, device=dev)
+                mask = torch.arange(c + n, device=dev)[None, :] <= q_pos[:, None]  # [n, L]
+                chunk = PrefillChunk(offset, offset + n, ctx_slots.to(dev, non_blocking=True), mask)
             ctx.prefills.append(chunk)
             offset += n
             if c + n == len(seq):
@@ -156,6 +164,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
         """Forward one step; returns (fp32 logits [N, V] or None, batch indices of those N rows)."""
+        n = len(batch)
+        if self.graphs is not None and batch.num_decode == n and self.graphs.bucket(n) is not None:
+            return self.graphs.run(batch.seqs, self.block_manager.slot), list(range(n))
         input_ids, positions, ctx, sample_rows = self._context(batch)
         self.attn.ctx = ctx
         try:
@@ -206,6 +217,10 @@ class SampledLogits:
             except (TypeError, RuntimeError, NotImplementedError):
                 self._mm_out_dtype = False
         key = (w.data_ptr(), w._version)
-        if key != self._key:
-            self._w32, self._key = w.float(), key
+        if key != self._key:  # refreshed in place: a captured decode graph keeps reading the same tensor
+            if self._w32 is not None and self._w32.shape == w.shape and self._w32.device == w.device:
+                self._w32.copy_(w)
+            else:
+                self._w32 = w.float()
+            self._key = key
         return F.linear(hidden.float(), self._w32)

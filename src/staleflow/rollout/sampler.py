@@ -13,6 +13,8 @@ Per row r with temperature t_r (greedy rows use t = 1 for their log-prob):
    chunk), not one fp64 cumsum over the vocabulary. With top-k / top-p the kept set is the
    prefix of the tokens sorted by probability, found without a full sort (`truncation_mask`:
    a 32 x 49k sort costs ~175 ms on one CPU core), then drawn from in vocabulary order.
+The step's tokens and log-probs reach the host in one transfer (the engine must emit them); on
+CUDA nothing else waits for the device.
 u is a counter-based hash of (request seed, output position): it does not depend on the
 batch, the device or on how many steps ran before, so a seeded request samples the same
 tokens alone, in any batch, and after an abort + resume.
@@ -87,7 +89,9 @@ class Sampler:
             top_p = torch.tensor([params[i].top_p for i in trunc], device=device, dtype=torch.float64)
             tokens[idx] = draw_truncated(logprobs[idx].exp(), u, top_k, top_p)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return tokens.tolist(), chosen.tolist()
+        # the step's one device -> host transfer: tokens (exact in fp64) and their log-probs together
+        both = torch.stack((tokens.double(), chosen.double())).tolist()
+        return [int(t) for t in both[0]], both[1]
 
 
 def draw_chunked(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -177,9 +181,24 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return keep
 
 
+def truncation_mask_sorted(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The kept set of `truncation_mask` from one full sort: no host synchronisation (the bucket
+    search sizes tensors from device values), the CUDA path, where a sort of the vocabulary is cheap."""
+    n, vocab = probs.shape
+    k_limit = torch.where(top_k > 0, top_k, vocab)
+    vals, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass = vals.double().cumsum(-1)
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    kept = (rank < k_limit[:, None]) & ((mass - vals.double()) < top_p[:, None])
+    kept[:, 0] = True  # the most likely token is always kept
+    return torch.zeros_like(kept).scatter_(1, order, kept)
+
+
 def draw_truncated(probs: torch.Tensor, u: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF (vocabulary order) over each row's kept set (`truncation_mask`)."""
-    return draw_chunked(torch.where(truncation_mask(probs, top_k, top_p), probs, 0.0), u)
+    """Inverse CDF (vocabulary order) over each row's kept set (`truncation_mask`; on CUDA the
+    sort-based `truncation_mask_sorted`, which never waits for the device)."""
+    mask = (truncation_mask_sorted if probs.is_cuda else truncation_mask)(probs, top_k, top_p)
+    return draw_chunked(torch.where(mask, probs, 0.0), u)
 
 
 def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

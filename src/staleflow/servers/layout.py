@@ -9,11 +9,20 @@ A slot can be split into ``pieces`` (one per trainer GPU on CUDA): piece p holds
 ``piece_rows(shape, pieces, p)`` of every parameter, the rows FSDP2 gives trainer rank p
 (torch.chunk along dim 0: ceil(n / pieces) rows per piece), so each trainer rank writes its
 shards into a piece on its own GPU. ``split(pieces)`` is the layout of each piece.
+
+Fused groups: the rollout engine stores q|k|v and gate|up of a layer as one contiguous matrix
+each (``CausalLM.fuse_projections``, HF's [out, in] orientation, members in that order). The
+layout puts the members of such a group next to each other, in that order and without alignment
+padding between them, so in a one-piece slot a fused matrix is one contiguous byte range laid out
+exactly as the engine's: a pull copies it with one contiguous copy (``ParameterServer`` merges
+copies whose source and destination are both adjacent). In piece p of a split slot the members'
+rows of p are adjacent in the same way.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 
 import msgspec
@@ -53,6 +62,47 @@ def piece_rows(shape: tuple[int, ...], pieces: int, piece: int) -> tuple[int, in
     n = shape[0] if shape else 1
     c = -(-n // pieces)
     return min(piece * c, n), min((piece + 1) * c, n)
+
+
+_FUSED = (
+    (re.compile(r"^(.*\.self_attn)\.([qkv])_proj\.(weight|bias)$"), "qkv"),
+    (re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.(weight)$"), "gate_up"),
+)
+_POSITION = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
+
+
+def fused_group(name: str) -> tuple[tuple[str, str, str], int] | None:
+    """(group key, position in the group) of a parameter the engine fuses, else None.
+
+    >>> fused_group("model.layers.3.self_attn.k_proj.weight")
+    (('model.layers.3.self_attn', 'qkv', 'weight'), 1)
+    """
+    for pattern, kind in _FUSED:
+        m = pattern.match(name)
+        if m is not None:
+            return (m.group(1), kind, m.group(3)), _POSITION[m.group(2)]
+    return None
+
+
+def fused_order(specs: list[tuple[str, tuple[int, ...], str]]) -> list[tuple[list, bool]]:
+    """``specs`` as runs: each fused group's members together, in fused order, at the place of its
+    first member (flag True: pack without padding), every other entry alone (flag False)."""
+    groups: dict[tuple, list] = {}
+    for spec in specs:
+        g = fused_group(spec[0])
+        if g is not None:
+            groups.setdefault(g[0], []).append((g[1], spec))
+    runs, placed = [], set()
+    for spec in specs:
+        g = fused_group(spec[0])
+        if g is None:
+            runs.append(([spec], False))
+        elif g[0] not in placed:
+            placed.add(g[0])
+            members = [m for _, m in sorted(groups[g[0]], key=lambda x: x[0])]
+            same = len({m[2] for m in members}) == 1 and len({tuple(m[1][1:]) for m in members}) == 1
+            runs.append((members, same and len(members) > 1))
+    return runs
 
 
 class ParamEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -109,14 +159,19 @@ class ParamLayout(msgspec.Struct, frozen=True):
         """Layout of (name, shape, dtype name) triples, in their order."""
         if align <= 0 or align & (align - 1):
             raise ValueError(f"ParamLayout align={align} is invalid: must be a power of two")
-        entries, offset, seen = [], 0, set()
-        for name, shape, dt in specs:
-            if name in seen:
-                raise ValueError(f"parameter name {name!r} appears twice: names must be unique")
-            seen.add(name)
-            e = ParamEntry(name, offset, tuple(shape), dtype_name(dtype_of(dt)))
-            entries.append(e)
-            offset += (e.nbytes + align - 1) // align * align
+        specs = list(specs)
+        names = [s[0] for s in specs]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"parameter name {dup!r} appears twice: names must be unique")
+        entries, offset = [], 0
+        for members, packed in fused_order(specs):
+            for i, (name, shape, dt) in enumerate(members):
+                e = ParamEntry(name, offset, tuple(shape), dtype_name(dtype_of(dt)))
+                entries.append(e)
+                offset += e.nbytes
+                if not packed or i == len(members) - 1:  # the next run starts aligned
+                    offset = (offset + align - 1) // align * align
         return cls(tuple(entries), offset, align)
 
     def split(self, pieces: int) -> list[ParamLayout]:

@@ -75,9 +75,17 @@ class Piece:
 
     @classmethod
     def attach(
-        cls, run_id: str, slot: int, piece: int, layout: ParamLayout, reader: int, timeout: float = 0.0
+        cls,
+        run_id: str,
+        slot: int,
+        piece: int,
+        layout: ParamLayout,
+        reader: int,
+        timeout: float = 0.0,
+        map_on: torch.device | None = None,
     ) -> Piece:
-        """Map another rank's piece as reader index ``reader`` (claimed for this process)."""
+        """Map another rank's piece as reader index ``reader`` (claimed for this process), on the
+        reader's GPU ``map_on`` where given (transport.cuda_piece_open)."""
         seg = Segment.attach(piece_name(run_id, slot, piece), KIND_PIECE, timeout)
         try:
             magic, got_slot, got_piece, nbytes, readers, uuid = PIECE_HEADER.unpack_from(seg.buf, 0)
@@ -94,7 +102,7 @@ class Piece:
                 try:
                     table = bytes(seg.buf[PIECE_HEADER.size + 4 * readers :])
                     blob = msgspec.msgpack.decode(table, type=list[bytes])[reader]
-                    flat = cuda_piece_open(seg.name, blob, uuid.rstrip(b"\0").decode())
+                    flat = cuda_piece_open(seg.name, blob, uuid.rstrip(b"\0").decode(), map_on)
                 except BaseException:
                     _claim(seg, fd, reader, 0)
                     raise

@@ -170,8 +170,14 @@ def cuda_piece_create(
     return piece, blobs, device_uuid(device)
 
 
-def cuda_piece_open(seg_name: str, blob: bytes, uuid: str) -> torch.Tensor:
-    """Map a piece created by ``cuda_piece_create`` (in this or another process of the node)."""
+def cuda_piece_open(seg_name: str, blob: bytes, uuid: str, map_on: torch.device | None = None) -> torch.Tensor:
+    """Map a piece created by ``cuda_piece_create`` (in this or another process of the node).
+
+    ``map_on``: the reader's own GPU. The handle is then opened in that GPU's context (CUDA maps
+    the other GPU's memory there with peer access, ``cudaIpcMemLazyEnablePeerAccess``), so torch
+    sees the piece on the reader's device and a pull is a same-device copy issued on the reader's
+    current stream, run by the reader's GPU; without it (or where peer access is refused) the piece
+    is mapped on the owner's GPU and torch runs each copy on the owner's stream, beside training."""
     local = _LOCAL_PIECES.get(seg_name)
     if local is not None:
         return local
@@ -181,7 +187,14 @@ def cuda_piece_open(seg_name: str, blob: bytes, uuid: str) -> torch.Tensor:
     if pid == os.getpid():
         raise ServerError(f"piece {seg_name} was created by this process but is no longer alive here")
     args = list(args)
-    args[_STORAGE_DEVICE] = local_device_of(uuid).index
+    owner = local_device_of(uuid)
+    if map_on is not None and map_on.type == "cuda" and map_on != owner:
+        args[_STORAGE_DEVICE] = map_on.index if map_on.index is not None else torch.cuda.current_device()
+        try:
+            return rebuild_cuda_tensor(*args)
+        except RuntimeError:  # no peer access between the two GPUs: map it on its owner
+            pass
+    args[_STORAGE_DEVICE] = owner.index
     return rebuild_cuda_tensor(*args)
 
 

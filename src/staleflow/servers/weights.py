@@ -7,8 +7,10 @@
 Three transports sit behind the one interface; the rollout worker never asks which:
 
 - ``LocalWeights``: the Parameter Server on this node (CPU shared memory, or GPU pieces mapped by
-  CUDA IPC), copied straight into the engine's parameters (``engine.weight_targets()``), cast on
-  their device, no staging copy;
+  CUDA IPC onto the engine's own GPU), copied straight into the engine's parameters
+  (``engine.weight_targets()``), no staging copy: the slot layout equals the engine's (fused groups
+  adjacent, every parameter contiguous), so each fused matrix of a one-piece slot arrives in one
+  contiguous copy (servers/copy_plan.py), issued on the engine GPU's stream;
 - ``RemoteSource``: the Parameter Server on another node; its piece owners send the bytes
   (servers/remote_weights.py) into the engine's parameters, or into staging tensors for an engine
   that has none to offer (vLLM), which then loads them with ``engine.load_weights``;
@@ -45,9 +47,12 @@ class LocalWeights:
         self.ps: ParameterServer | None = None
 
     def load(self, engine, keep_kv: bool) -> tuple[int, int, bool]:
-        if self.ps is None:
-            self.ps = ParameterServer.attach(self.run_id, timeout=self.timeout, reader=self.reader)
         targets = engine.weight_targets()
+        if self.ps is None:  # GPU pieces mapped on the engine's GPU: the copies run there, not on the trainers'
+            device = next(iter(targets.values())).device
+            self.ps = ParameterServer.attach(
+                self.run_id, timeout=self.timeout, reader=self.reader, device=device if device.type == "cuda" else None
+            )
         version, _ = self.ps.pull_latest(out=targets)
         engine.load_weights(targets, version, keep_kv=keep_kv)  # validates and stamps; copying onto itself is free
         return version, self.ps.layout.nbytes, False

@@ -122,7 +122,7 @@ class SimConfig:
     """Strategy settings of the staleflow mode (the baselines override theirs, see coordinator/modes.py).
     Its cost_model field is not used here: --cost-model sets the instances and the router alike. The
     simulated StaleFlow keeps KV across an in-flight weight update (keep_kv_on_pull; the runtime's rollout
-    ranks do not yet: docs/simulator.md)."""
+    ranks do so with --coordinator.keep-kv-on-pull, off by default there: docs/simulator.md)."""
     ablation: bool = True
     """Also run staleflow with each part removed in turn (at the largest eta)."""
     jobs: int = 0

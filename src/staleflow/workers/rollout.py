@@ -4,10 +4,12 @@
     Interrupt    abort in the engine; write the partial record and report it (Finished, partial)
     Abort        abort in the engine and forget the output
     Pull         load the newest version from the PS. With --coordinator.interrupt-on-pull (the
-                 default, partial rollout) everything still running is interrupted first; without
-                 it the engine keeps its sequences across the load: their KV cache, computed with
-                 the old weights, is kept and their next tokens come from the new weights (what
-                 the simulator models; per-token versions record it)
+                 default, partial rollout) everything still running is interrupted first, unless
+                 --coordinator.keep-kv-on-pull: then, as in drain mode (interrupt-on-pull false,
+                 where the instance is empty by then), the engine keeps its sequences across the
+                 load: their KV cache, computed with the old weights, is kept and their next
+                 tokens come from the new weights. Each token keeps the behaviour log-prob and the
+                 version of the weights that sampled it (the trainer's off-policy correction)
     FreeRecords  release ring space the controller no longer needs
 Between commands the engine steps; finished trajectories are written to this rank's ring and
 announced with Finished; an InstanceSnapshot goes out every --rollout.stats-interval-ms.
@@ -79,6 +81,12 @@ def vllm_cuda_settings(ctx) -> dict:
     }
 
 
+def keeps_kv_on_pull(coordinator_cfg) -> bool:
+    """Whether a Pull keeps the engine's sequences and their KV: the coordinator interrupts nothing
+    before it (--coordinator.keep-kv-on-pull), or drains the instance first (interrupt-on-pull false)."""
+    return coordinator_cfg.keep_kv_on_pull or not coordinator_cfg.interrupt_on_pull
+
+
 class RolloutWorker:
     def __init__(self, ctx, model):
         self.ctx = ctx
@@ -88,7 +96,7 @@ class RolloutWorker:
         self.readers: dict[int, TrajectoryRing] = {ctx.rank: self.ring}
         rc = ctx.cfg.rollout
         self.params = dict(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_new_tokens=rc.max_new_tokens)
-        self.keep_on_pull = not ctx.cfg.coordinator.interrupt_on_pull
+        self.keep_on_pull = keeps_kv_on_pull(ctx.cfg.coordinator)
         self.unsent: list[tuple] = []  # records waiting for ring space (back-pressure)
         self.stats_every = rc.stats_interval_ms / 1000.0
         self._last_stats = 0.0
