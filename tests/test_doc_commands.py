@@ -63,6 +63,7 @@ FENCED: dict[str, str] = {
     "python scripts/bench_convergence.py": "trains several runs, ~1 h on 2 cores; its smoke run is a row of "
     "tests/test_scripts_smoke.py",
     ".venv/bin/python -m staleflow eval --model 'runs/<run>/hf' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
+    "python -m staleflow eval --model runs/rec/b4ds-cos-s0/hf --data.source arithmetic-easy --n 256 --threads 1": "a record: needs that run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
     ".venv/bin/python -m staleflow eval --model 'runs/<run>' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder",
     ".venv/bin/python -m staleflow eval --model smollm2-135m --data.source qa.jsonl --reward.fn math --samples 8 "
     "--temperature 0.7": "needs the user's qa.jsonl; tests/test_eval_command.py samples K answers on a file",
