@@ -6,17 +6,12 @@ plain Python functions registered in staleflow.presets.PRESETS (``--preset tiny`
 validates its fields and raises ConfigError with a one-line message naming the flag.
 """
 
+from staleflow.config.job import CheckpointConfig, DataConfig, EvalConfig, FaultConfig, LogConfig, RewardConfig
 from staleflow.config.run import RunConfig, config_from_dict, resolve
 from staleflow.config.sections import (
-    CheckpointConfig,
     ConfigError,
     CoordinatorConfig,
-    DataConfig,
-    EvalConfig,
-    FaultConfig,
-    LogConfig,
     ModelConfig,
-    RewardConfig,
     RolloutConfig,
     StalenessConfig,
     TrainConfig,

@@ -8,15 +8,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from staleflow.config.job import CheckpointConfig, DataConfig, EvalConfig, FaultConfig, LogConfig, RewardConfig
 from staleflow.config.sections import (
-    CheckpointConfig,
     CoordinatorConfig,
-    DataConfig,
-    EvalConfig,
-    FaultConfig,
-    LogConfig,
     ModelConfig,
-    RewardConfig,
     RolloutConfig,
     StalenessConfig,
     TrainConfig,

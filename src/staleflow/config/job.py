@@ -1,0 +1,132 @@
+"""The config sections of the job's inputs and outputs: reward, data, fault handling,
+checkpoints, held-out evaluation and logging (the algorithm's sections are in config/sections.py).
+Each is a frozen dataclass validated in ``__post_init__`` with a one-line ConfigError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from staleflow.config.sections import _check
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward function and its worker pool (in the controller)."""
+
+    fn: str = "arithmetic"
+    """Registered name (arithmetic, math, countdown) or a user function 'module:function'."""
+    workers: int = 2
+    format_weight: float = 0.0
+    """Bonus added to a correct answer given in \\boxed{} (never to a wrong one)."""
+    timeout_s: float = 30.0
+    """A reward call running longer than this is killed and scores 0 (its worker is restarted)."""
+    max_consecutive_failures: int = 32
+    """Stop the run after this many reward calls in a row failed (raised, timed out, returned a
+    non-finite or non-number value); 0 never stops. Every failure is counted in metrics.jsonl."""
+
+    def __post_init__(self):
+        _check(bool(self.fn), "reward.fn", self.fn, "give a registered name or module:function")
+        _check(self.workers >= 1, "reward.workers", self.workers, "must be >= 1")
+        _check(
+            self.format_weight >= 0,
+            "reward.format-weight",
+            self.format_weight,
+            "must be >= 0 (a bonus for a correct boxed answer)",
+        )
+        _check(self.timeout_s > 0, "reward.timeout-s", self.timeout_s, "must be > 0")
+        _check(
+            self.max_consecutive_failures >= 0,
+            "reward.max-consecutive-failures",
+            self.max_consecutive_failures,
+            "must be >= 0 (0 never stops)",
+        )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompt source."""
+
+    source: str = "arithmetic"
+    """Built-in task (arithmetic, arithmetic-easy, countdown), a .jsonl / .parquet file, or a task function
+    'package.module:name' (docs/extending.md)."""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    bad_rows: Literal["skip", "error"] = "skip"
+    """Bad rows are always reported with their row number; then skipped or the run stops."""
+    max_prompt_tokens: int = 512
+    chat_template: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(
+            bool(self.source), "data.source", self.source, "give a built-in task name, a file or package.module:name"
+        )
+        _check(self.max_prompt_tokens >= 1, "data.max-prompt-tokens", self.max_prompt_tokens, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Stuck ranks: a rank that sends nothing, or has work and makes no progress, for the stall
+    limit is named in one line and the run restarts from its newest checkpoint."""
+
+    stall_s: float = 0.0
+    """The stall limit in seconds; 0: sized from the run, max(stall-floor-s, 4 x its longest step)."""
+    stall_floor_s: float = 300.0
+    """The smallest automatic stall limit (model loads, a first step on a busy machine)."""
+
+    def __post_init__(self):
+        _check(self.stall_s >= 0, "fault.stall-s", self.stall_s, "must be >= 0 (0: automatic)")
+        _check(self.stall_floor_s > 0, "fault.stall-floor-s", self.stall_floor_s, "must be > 0")
+
+    def limit(self, longest_step_s: float) -> float:
+        """The stall limit now, given the longest training step so far (0 before the first)."""
+        return self.stall_s or max(self.stall_floor_s, 4.0 * longest_step_s)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 5
+    """Save the full training state every this many steps (0: only at the end and on a stop).
+    A crash or a restart then repeats at most every-1 steps (their rows are marked superseded)."""
+    keep: int = 2
+    """Keep the last K training-state checkpoints."""
+    export_hf: bool = True
+    """Export the final policy as a Hugging Face safetensors folder."""
+
+    def __post_init__(self):
+        _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _check(self.keep >= 1, "checkpoint.keep", self.keep, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: greedy answers to prompts never used for training, on the rollout ranks."""
+
+    n: int = 0
+    """Held-out prompts per evaluation (0: no evaluation). They are set aside from the data
+    before training starts and never trained on."""
+    every: int = 10
+    """Evaluate every this many steps, besides at step 0 and at the end (0: only those two)."""
+    max_new_tokens: int = 0
+    """Answer length cap (0: --rollout.max-new-tokens)."""
+
+    def __post_init__(self):
+        _check(self.n >= 0, "eval.n", self.n, "must be >= 0 (0 disables evaluation)")
+        _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0: only at the start and the end)")
+        _check(self.max_new_tokens >= 0, "eval.max-new-tokens", self.max_new_tokens, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    run_dir: str = "runs"
+    """Parent folder of run folders."""
+    name: str = ""
+    """Run folder name (default: a timestamp)."""
+    progress: bool = True
+    """Rich progress display on the console."""
+    tensorboard: bool = True
+    plot: bool = True
+    wandb: bool = False
+    """Also log to Weights & Biases (extra staleflow[wandb]; WANDB_MODE=offline works without an account)."""
+    wandb_project: str = "staleflow"
