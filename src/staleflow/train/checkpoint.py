@@ -225,6 +225,7 @@ def begin_save(
     if code != _OK and trainer.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _raise(code, error, f"checkpoint {final.name}: another trainer rank could not snapshot its state")
+    writer.pending_bytes = sum(t.numel() * t.element_size() for _, t in job.items)
     writer.start(job)
     return final, writer
 
@@ -236,10 +237,7 @@ def finish_save(trainer, writer: CheckpointWriter, final: Path) -> Path:
     No rank blocks in one long collective: the ranks poll together (a small all-reduce every 20 ms)
     until every writer thread is done, so the only limit is rank 0's wait for the others' parts,
     sized from its own measured write time (checkpoint_writer.part_wait_s), not a fixed timeout."""
-    import time
-
-    while _worst(trainer, 1 if writer.busy else 0):
-        time.sleep(0.02)
+    settle(trainer, writer)
     outcome = writer.wait()
     code = outcome.code if outcome is not None else _FAILED
     _raise(
@@ -249,6 +247,15 @@ def finish_save(trainer, writer: CheckpointWriter, final: Path) -> Path:
         f"checkpoint stays the resume point",
     )
     return final
+
+
+def settle(trainer, writer: CheckpointWriter) -> None:
+    """Return once every trainer rank's writer is idle (collective: every rank calls it at the same
+    point, whatever its own writer is doing)."""
+    import time
+
+    while _worst(trainer, 1 if writer.busy else 0):
+        time.sleep(0.02)
 
 
 def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: int = 2) -> Path:

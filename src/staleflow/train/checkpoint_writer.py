@@ -41,6 +41,9 @@ PART_WAIT_FLOOR_S = 60.0
 PART_WAIT_FACTOR = 4.0
 """... else this many times its own measured write time (the others write as much, in parallel)."""
 
+DEFAULT_WRITE_BYTES_PER_S = 200e6
+"""Write speed assumed for an estimate before this rank has measured its own."""
+
 OK, FAILED, DISK = 0, 1, 2
 
 
@@ -116,8 +119,16 @@ class CheckpointWriter:
         self.buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._outcome: SaveOutcome | None = None
+        self.pending_bytes = 0
+        """Bytes of this rank's state file in the save last started."""
         self.bytes_per_s = 0.0
         """This rank's measured write speed (bytes / s) of the last successful save, 0 before one."""
+
+    def estimate_s(self, nbytes: int) -> float:
+        """How long a save of ``nbytes`` per rank may take: writing at the last measured speed
+        (or DEFAULT_WRITE_BYTES_PER_S) plus rank 0's limit for the other ranks' parts."""
+        own = nbytes / (self.bytes_per_s or DEFAULT_WRITE_BYTES_PER_S)
+        return own + part_wait_s(own)
 
     @property
     def busy(self) -> bool:
