@@ -364,9 +364,8 @@ class CheckpointConfig:
     export_hf: bool = True
     """Export the final policy as a Hugging Face safetensors folder."""
     async_save: bool = True
-    """Periodic checkpoints are copied to host memory and written in the background while
-    training goes on (one at a time); False: training waits until each is on disk. The final
-    checkpoint and one taken before a stop are always waited for."""
+    """Write periodic checkpoints in the background while training goes on (False: training waits
+    for each; the final one and one before a stop are always waited for)."""
 
     def __post_init__(self):
         _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")

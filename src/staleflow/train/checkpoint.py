@@ -38,13 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from staleflow.durable import DiskError, atomic_write_json, disk_errors, file_sha256, fsync_dir
 from staleflow.train.checkpoint_writer import DISK as _DISK
 from staleflow.train.checkpoint_writer import FAILED as _FAILED
 from staleflow.train.checkpoint_writer import OK as _OK
-from staleflow.train.checkpoint_writer import CheckpointWriter, SaveJob, host_copy
+from staleflow.train.checkpoint_writer import CheckpointWriter, SaveJob, host_copy, settle
+from staleflow.train.checkpoint_writer import worst as _worst
 from staleflow.train.export import export_hf  # noqa: F401 - part of this module's API
 from staleflow.train.state_store import (
     StateError,
@@ -166,15 +166,6 @@ def _rng_tensors(trainer) -> tuple[list[tuple[str, torch.Tensor]], list]:
     return tensors, [version, list(internal), gauss]
 
 
-def _worst(trainer, code: int) -> int:
-    """The worst outcome over the trainer ranks (a collective: every rank calls it, failed or not)."""
-    if not trainer.sharded:
-        return code
-    flag = torch.tensor([code], dtype=torch.int32, device=trainer.device if trainer.device.type == "cuda" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=trainer.group)
-    return int(flag.item())
-
-
 def _outcome(e: BaseException | None) -> int:
     return _OK if e is None else _DISK if isinstance(e, DiskError) else _FAILED
 
@@ -247,15 +238,6 @@ def finish_save(trainer, writer: CheckpointWriter, final: Path) -> Path:
         f"checkpoint stays the resume point",
     )
     return final
-
-
-def settle(trainer, writer: CheckpointWriter) -> None:
-    """Return once every trainer rank's writer is idle (collective: every rank calls it at the same
-    point, whatever its own writer is doing)."""
-    import time
-
-    while _worst(trainer, 1 if writer.busy else 0):
-        time.sleep(0.02)
 
 
 def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: int = 2) -> Path:

@@ -85,6 +85,24 @@ class SaveJob:
     parts: dict = field(default_factory=dict)
 
 
+def worst(trainer, code: int) -> int:
+    """The worst outcome over the trainer ranks (a collective: every rank calls it, failed or not)."""
+    if not trainer.sharded:
+        return code
+    import torch.distributed as dist
+
+    flag = torch.tensor([code], dtype=torch.int32, device=trainer.device if trainer.device.type == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=trainer.group)
+    return int(flag.item())
+
+
+def settle(trainer, writer: CheckpointWriter) -> None:
+    """Return once every trainer rank's writer is idle (collective: every rank calls it at the same
+    point, whatever its own writer is doing): a small all-reduce every 20 ms, never one long wait."""
+    while worst(trainer, 1 if writer.busy else 0):
+        time.sleep(0.02)
+
+
 def part_wait_s(own_s: float) -> float:
     """How long rank 0 waits for the other ranks' parts once its own files are written."""
     return max(PART_WAIT_FLOOR_S, PART_WAIT_FACTOR * own_s)

@@ -36,9 +36,8 @@ from staleflow.train.checkpoint import (
     export_hf,
     finish_save,
     load_checkpoint,
-    settle,
 )
-from staleflow.train.checkpoint_writer import DISK, OK, CheckpointWriter
+from staleflow.train.checkpoint_writer import DISK, OK, CheckpointWriter, settle
 from staleflow.train.trainer import Trainer
 from staleflow.trajectory import TrajectorySample
 
