@@ -64,10 +64,16 @@ def main() -> int:
     trainer.step(batch)  # AdamW state exists from here on
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-ckpt-"))
     writer = CheckpointWriter()
-    rows = {"sync_stall_s": [], "async_stall_s": [], "async_until_durable_s": [], "step_alone_s": [], "step_during_write_s": []}
+    rows = {
+        "sync_stall_s": [],
+        "async_stall_s": [],
+        "async_until_durable_s": [],
+        "step_alone_s": [],
+        "step_during_write_s": [],
+    }
     nbytes = 0
     try:
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             t = time.perf_counter()
             path = ck.save_checkpoint(trainer, root / "sync", keep=1)
             rows["sync_stall_s"].append(time.perf_counter() - t)

@@ -46,7 +46,9 @@ BENCH = "tests/test_bench_scripts.py::"
 HERE = "tests/test_scripts_smoke.py::"
 SMOKE: dict[str, Smoke] = {
     "bench_checkpoint.py": Smoke(
-        "run", ("--model", "tiny-llama", "--rounds", "1"), ("sync_stall_s", "async_stall_s", "stall_ratio_async_vs_sync")
+        "run",
+        ("--model", "tiny-llama", "--rounds", "1"),
+        ("sync_stall_s", "async_stall_s", "stall_ratio_async_vs_sync"),
     ),
     "bench_convergence.py": Smoke(
         "test", test="tests/test_bench_convergence.py::test_bench_convergence_smoke_runs_and_resumes"
