@@ -222,7 +222,14 @@ class TrainingJob:
             "next_traj": led["next_traj"],
         }
 
-    def save(self, export: bool, timeout_s: float = 600.0, final: bool = False, durable: bool | None = None) -> bool:
+    def save(
+        self,
+        export: bool,
+        timeout_s: float = 600.0,
+        final: bool = False,
+        durable: bool | None = None,
+        stopping: bool = False,
+    ) -> bool:
         """Checkpoint collectively on the trainer ranks; events keep flowing into the loop meanwhile.
 
         A periodic save with --checkpoint.async-save returns once the trainers have copied their
@@ -253,8 +260,9 @@ class TrainingJob:
         )
         try:
             self._wait_saved(timeout_s)
-            if self.saved.pending and durable:  # the state is copied; now the files
-                limit = max(timeout_s, 2.0 * self.saved.estimate_s)
+            if self.saved.pending and durable:  # the state is copied; now the files (as long as they take,
+                # unless the run is stopping: then the ranks' grace is the limit)
+                limit = timeout_s if stopping else max(timeout_s, 2.0 * self.saved.estimate_s)
                 self.saved = None
                 self._wait_saved(limit)
         finally:
@@ -332,7 +340,7 @@ class TrainingJob:
                     flush=True,
                 )
                 return
-            if self.save(export=False, timeout_s=max(1.0, deadline - time.monotonic()), durable=True):
+            if self.save(export=False, timeout_s=max(1.0, deadline - time.monotonic()), durable=True, stopping=True):
                 print(
                     f"staleflow: saved version {self.loop.version}; resume with --resume {self.run_dir} "
                     f"(launch.sh restarts resume by themselves)",

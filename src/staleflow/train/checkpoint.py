@@ -210,7 +210,7 @@ def begin_save(
     _raise(_worst(trainer, _outcome(error)), error, f"checkpoint {final.name}: the leader could not create {tmp}")
     try:
         job = _snapshot(trainer, tmp, final, extra, keep, writer.buffers if writer.copy else None)
-    except StateError as e:
+    except Exception as e:  # StateError, or no host memory for the copy: every rank must hear of it
         error = e
     code = _worst(trainer, _outcome(error))
     if code != _OK and trainer.rank == 0:
