@@ -1,7 +1,8 @@
 """Steps of scripts/device_check.sh that need more than a test file: each prints one JSON line last.
 
     python scripts/device_check_steps.py trainer [--device cuda]   # 1-rank NCCL FSDP2 bf16 step,
-                                                                   # Triton vs chunked log-probs
+                                                                   # Triton vs chunked log-probs (by hand:
+                                                                   # device_check.sh runs trainer_7b instead)
     python scripts/device_check_steps.py ps [--device cuda]        # bf16 Parameter Server write by two
                                                                    # piece owners, CUDA IPC pulls by two
                                                                    # other processes, context size
