@@ -247,3 +247,26 @@ def test_two_ranks_save_in_the_background_and_a_failed_rank_fails_the_save(tmp_p
 
 if __name__ == "__main__":
     {"crash": _crash_mid_write, "two": _two_ranks}[sys.argv[1]](Path(sys.argv[2]))
+
+
+def test_the_controller_tells_a_background_saves_answers_apart(capsys):
+    """The job's view of Saved messages: the answer to the save it waits for (by ticket), the late
+    outcome of an earlier background save (a failure is a warning, a full disk stops the run)."""
+    from staleflow.control.messages import Saved
+    from staleflow.durable import DiskError
+    from staleflow.runtime.job import TrainingJob
+
+    spans = []
+    job = TrainingJob.__new__(TrainingJob)  # only the checkpoint bookkeeping, no ranks
+    job.run_dir, job.failure, job.saved = "/runs/x", None, None
+    job.writer = type("W", (), {"log_span": lambda self, *a: spans.append(a[1])})()
+    job.writing, job.waiting_ticket = (3, 10, 0.0), 4
+    job._on_saved(Saved(step=10, path="/runs/x/checkpoints/step_00000010", ticket=3))  # ticket 3 is done late
+    assert job.saved is None and job.writing is None and spans == ["checkpoint_write"] and job.failure is None
+    job._on_saved(Saved(step=15, path="", pending=True, estimate_s=2.0, ticket=4))  # the answer being waited for
+    assert job.saved.ticket == 4 and job.saved.pending
+    job.waiting_ticket = None
+    job._on_saved(Saved(step=15, path="", error="OSError: [Errno 5] I/O error", ticket=4))
+    assert job.failure is None and "checkpoint of version 15 failed" in capsys.readouterr().err  # a warning
+    job._on_saved(Saved(step=20, path="", error="DiskError: the disk is full", disk=True, ticket=5))
+    assert isinstance(job.failure, DiskError) and "resume with --resume /runs/x" in str(job.failure)
