@@ -111,3 +111,20 @@ def test_shm_check_device_line_names_cuda_nccl_torch_and_the_gpus(monkeypatch):
     assert line.endswith("1 x NVIDIA H200 (143.0 GiB)")
     off = SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: False))
     assert env.device_line(off) == ""
+
+
+def test_shm_check_at_rank_zero_start_counts_this_nodes_rings(monkeypatch):
+    """A run started without launch.sh's check (torchrun directly): rank 0 refuses it before any
+    ring exists (a ring in a full tmpfs dies of SIGBUS at its first write, with no message)."""
+    from staleflow.cluster.roles import Roles
+    from staleflow.cluster.topology import Topology
+    from staleflow.launch.entry import _shm_refusal
+
+    cfg = _tiny()
+    roles = Roles(3, cfg.rollout.ranks)
+    need = env.shm_needed(cfg, 3, "cpu", rollout_here=cfg.rollout.ranks)[0]
+    monkeypatch.setattr(env.os, "statvfs", _statvfs(need - 4096))
+    msg = _shm_refusal(cfg, roles, Topology.single_node(roles))
+    assert "\n" not in msg and f"this run needs {need / MiB:.0f} MiB" in msg and "--shm-size" in msg
+    monkeypatch.setattr(env.os, "statvfs", _statvfs(need + 4096))
+    assert _shm_refusal(cfg, roles, Topology.single_node(roles)) == ""

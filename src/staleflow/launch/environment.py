@@ -20,14 +20,14 @@ NO_FLASH_ENV = "STALEFLOW_NO_FLASH_ATTN"
 """Set to 1: the trainer's attention uses PyTorch SDPA even where flash-attn is installed."""
 
 
-def shm_needed(cfg, nproc: int, device_type: str) -> tuple[int, str]:
+def shm_needed(cfg, nproc: int, device_type: str, rollout_here: int | None = None) -> tuple[int, str]:
     """(bytes this node's ranks put in /dev/shm, what they are): one trajectory ring per rollout
-    rank (servers/trajectory.py), and on CPU the Parameter Server's two slots (on GPU they live in
-    device memory)."""
+    rank on it (``rollout_here``, else all of the run's), and on CPU the Parameter Server's two
+    slots (on GPU they live in device memory)."""
     from staleflow.servers.ring import align_up
     from staleflow.servers.trajectory import DEFAULT_RING_BYTES, RING_HEADER_BYTES
 
-    rollout = min(cfg.rollout.ranks, nproc) if nproc else cfg.rollout.ranks
+    rollout = rollout_here if rollout_here is not None else min(cfg.rollout.ranks, nproc or cfg.rollout.ranks)
     ring = RING_HEADER_BYTES + align_up(DEFAULT_RING_BYTES)
     need, what = rollout * ring, f"{rollout} trajectory ring(s) of {DEFAULT_RING_BYTES // MiB} MiB"
     if device_type != "cuda":
