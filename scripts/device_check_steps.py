@@ -1,10 +1,13 @@
 """Steps of scripts/device_check.sh that need more than a test file: each prints one JSON line last.
 
     python scripts/device_check_steps.py trainer [--device cuda]   # 1-rank NCCL FSDP2 bf16 step,
-                                                                   # Triton vs chunked log-probs
+                                                                   # Triton vs chunked log-probs (by hand:
+                                                                   # device_check.sh runs trainer_7b instead)
     python scripts/device_check_steps.py ps [--device cuda]        # bf16 Parameter Server write by two
                                                                    # piece owners, CUDA IPC pulls by two
                                                                    # other processes, context size
+    python scripts/device_check_steps.py env                       # driver, CUDA, NCCL, torch, Triton,
+                                                                   # /dev/shm, torch.mm out_dtype support
 ``--device cpu`` runs the same code on CPU (gloo, chunked vs naive log-probs, shared-memory slots):
 a smoke test of this script, tests/test_device_check.py. Numbers are measurements of this run.
 """
@@ -281,16 +284,73 @@ def step_ps(device: str) -> dict:
     return out
 
 
+def _works(fn) -> bool | str:
+    try:
+        fn()
+        return True
+    except Exception as e:  # what the kernels' fallbacks catch: recorded, not raised
+        return f"no ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+
+
+def step_env(device: str) -> dict:
+    """The machine as the run sees it: versions, the GPU, /dev/shm, and whether cuBLAS accumulates a
+    bf16 GEMM into fp32 (``torch.mm(out_dtype=)``, and in place with ``addmm(out=)``), which decides
+    the log-prob backward's workspace (plan/transients.py)."""
+    import os
+    import platform
+    import subprocess
+
+    from staleflow.launch.environment import device_line
+
+    out: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        out["nvidia_smi"] = smi.stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError) as e:
+        out["nvidia_smi"] = f"unavailable ({type(e).__name__})"
+    st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+    out["dev_shm_gib"] = (
+        {"total": round(st.f_blocks * st.f_frsize / GiB, 2), "free": round(st.f_bavail * st.f_frsize / GiB, 2)}
+        if st
+        else None
+    )
+    out["hf_hub_offline"] = os.environ.get("HF_HUB_OFFLINE")
+    if device == "cuda":
+        out["device_line"] = device_line(torch)
+        out["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            out["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception:  # a torch built without NCCL
+            out["nccl"] = None
+    a = torch.randn(64, 64, device=device).to(torch.bfloat16)
+    acc = torch.zeros(64, 64, device=device)
+    out["mm_out_dtype"] = _works(lambda: torch.mm(a, a, out_dtype=torch.float32))
+    out["addmm_out_dtype_inplace"] = _works(lambda: torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc))
+    out["ok"] = device != "cuda" or bool(out.get("gpu"))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("trainer", "ps"))
+    ap.add_argument("step", choices=("trainer", "ps", "env"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     args = ap.parse_args()
     if args.device == "cuda":
         torch.cuda.set_device(0)
     t0 = time.perf_counter()
     try:
-        res = (step_trainer if args.step == "trainer" else step_ps)(args.device)
+        res = {"trainer": step_trainer, "ps": step_ps, "env": step_env}[args.step](args.device)
     except Exception as e:  # one JSON line even on failure: the caller's table shows the cause
         res = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
         import traceback

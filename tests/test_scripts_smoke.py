@@ -45,6 +45,11 @@ class Smoke:
 BENCH = "tests/test_bench_scripts.py::"
 HERE = "tests/test_scripts_smoke.py::"
 SMOKE: dict[str, Smoke] = {
+    "bench_checkpoint.py": Smoke(
+        "run",
+        ("--model", "tiny-llama", "--rounds", "1"),
+        ("sync_stall_s", "async_stall_s", "stall_ratio_async_vs_sync"),
+    ),
     "bench_convergence.py": Smoke(
         "test", test="tests/test_bench_convergence.py::test_bench_convergence_smoke_runs_and_resumes"
     ),
@@ -56,6 +61,9 @@ SMOKE: dict[str, Smoke] = {
     "bench_data_reward.py": Smoke("run", ("--n", "8"), ("reward",)),
     "bench_decode_step.py": Smoke("test", test=BENCH + "test_bench_decode_step_compares_mirror_and_sampler_paths"),
     "bench_engine.py": Smoke("test", test=BENCH + "test_bench_engine_reports_ratios_and_the_gemm_floor"),
+    "bench_engine_shape.py": Smoke(
+        "test", test="tests/test_device_check.py::test_device_check_engine_shape_bench_runs_small_on_cpu"
+    ),
     "bench_gemm_layout.py": Smoke("test", test=BENCH + "test_bench_gemm_layout_times_every_layout"),
     "bench_keep_kv.py": Smoke(
         "run", ("--seqs", "2", "--prompt", "8", "--before", "2", "--after", "2", "--reps", "1"), ("pulls", "copies")
@@ -93,6 +101,9 @@ SMOKE: dict[str, Smoke] = {
         ("fp32_step_s", "bf16_step_s", "speedup"),
     ),
     "bench_trainer_load.py": Smoke("test", test=BENCH + "test_bench_trainer_load_measures_both_paths_on_sharded_ranks"),
+    "bench_trainer_shape.py": Smoke(
+        "test", test="tests/test_device_check.py::test_device_check_trainer_shape_bench_runs_small_on_cpu"
+    ),
     "chaos.py": Smoke(
         "run", ("--runs", "1", "--steps", "4", "--timeout", "300"), ("runs", "lost", "duplicated", "hangs", "leaks")
     ),
@@ -237,11 +248,11 @@ def test_scripts_smoke_bench_modes_then_check_export(tmp_path):
 
 
 def test_scripts_smoke_device_check_cpu_step(tmp_path):
-    """device_check.sh's steps 1-6 need CUDA; step 7 (the memory plan of the 7B preset) runs on any
-    machine, and with it the script's shim, its step runner and its summary table."""
+    """device_check.sh's steps 2-8 need CUDA; step 1 (the environment) runs on any machine, and with
+    it the script's shim, its step runner, its summary and its two output files."""
     env = {
         **os.environ,
-        "STEPS": "7",
+        "STEPS": "1",
         "OUT": str(tmp_path),
         "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))),
     }
@@ -249,9 +260,11 @@ def test_scripts_smoke_device_check_cpu_step(tmp_path):
         ["bash", str(SCRIPTS / "device_check.sh")], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["device_check.json", "device_check_logs.tar.gz"]
     summary = json.loads((tmp_path / "device_check.json").read_text())
-    assert summary["ok"] is True and [s["step"] for s in summary["steps"]] == [7], summary
-    assert summary["steps"][0]["status"] == "pass" and summary["steps"][0]["detail"]["fits"] is True
+    assert summary["ok"] is True and [s["step"] for s in summary["steps"]] == [1], summary
+    assert summary["steps"][0]["status"] == "pass" and summary["env"]["torch"] == __import__("torch").__version__
+    assert summary["env"]["hf_hub_offline"] == "1" and "mm_out_dtype" in summary["env"]
 
 
 # Paths a script names that are its outputs or someone else's, not files of this repository.

@@ -93,6 +93,9 @@ class CheckpointConfig:
     """Keep the last K training-state checkpoints."""
     export_hf: bool = True
     """Export the final policy as a Hugging Face safetensors folder."""
+    async_save: bool = True
+    """Write periodic checkpoints in the background while training goes on (False: training waits
+    for each; the final one and one before a stop are always waited for)."""
 
     def __post_init__(self):
         _check(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")

@@ -151,11 +151,18 @@ class StepDone(msgspec.Struct, tag=True):
 
 
 class SaveState(msgspec.Struct, tag=True):
-    """Controller -> every trainer rank: save the training state (and export HF weights if export_dir)."""
+    """Controller -> every trainer rank: save the training state (and export HF weights if export_dir).
+
+    durable False: the leader answers ``Saved(pending=True)`` once the state is copied to host
+    memory (training may go on) and a second ``Saved`` when the files are in place or failed."""
 
     step: int
     extra: dict[str, Any]
     export_dir: str = ""
+    durable: bool = True
+    """Answer only once the checkpoint is in place (a final save, a save before a stop)."""
+    ticket: int = 0
+    """Echoed in every Saved about this save."""
 
 
 class Saved(msgspec.Struct, tag=True):
@@ -167,6 +174,11 @@ class Saved(msgspec.Struct, tag=True):
     error: str = ""
     disk: bool = False
     """The save failed on a full, read-only or forbidden disk: the run stops (no retry fixes it)."""
+    pending: bool = False
+    """Only the snapshot is taken: the files are being written (another Saved follows)."""
+    estimate_s: float = 0.0
+    """With pending: how long writing may take (from the bytes and the last measured write speed)."""
+    ticket: int = 0
 
 
 _SPAN = 1 << 20

@@ -2,8 +2,10 @@
 any process starts. launch.sh runs it first, so a bad flag, a missing model folder or package,
 an extension that does not resolve (--reward.fn, --train.loss / advantage / off-policy,
 --coordinator.routing / pull, --data.source: a bad import path or an object of the wrong shape), a
-missing data file or a --resume that cannot work is one line and exit 2, printed once, with no
-torchrun traceback and no elastic restarts of a doomed run.
+missing data file, a --resume that cannot work, a /dev/shm too small for the run's shared memory
+or a flash-attn build that does not run with this torch is one line and exit 2, printed once,
+with no torchrun traceback and no elastic restarts of a doomed run. On CUDA it prints the CUDA,
+driver, NCCL, torch and Triton versions.
 
 It also builds the model alias on first use (one process, before torchrun starts the ranks).
 STALEFLOW_NPROC (set by launch.sh) is the number of processes the run will have.
@@ -38,7 +40,22 @@ def check(argv: list[str]) -> RunConfig:
     lazy_folder(resolve_model_path(cfg.model.path, verify=True))  # config.json and every safetensors header
     check_extensions(cfg)
     check_writable(cfg.resume or cfg.log.run_dir, "--resume" if cfg.resume else "--log.run-dir")
+    check_machine(cfg, int(nproc) if nproc else 0)
     return cfg
+
+
+def check_machine(cfg: RunConfig, nproc: int) -> None:
+    """/dev/shm has room for what this node's ranks put there; on CUDA the versions are printed
+    and flash-attn, where it will run, is run once (launch/environment.py)."""
+    import torch
+
+    from staleflow.launch.environment import check_flash, check_shm, device_line, shm_needed
+
+    cuda = torch.cuda.is_available()
+    check_shm(shm_needed(cfg, nproc, "cuda" if cuda else "cpu"))
+    if cuda:
+        print(device_line(torch), file=sys.stderr, flush=True)
+        check_flash(cfg, cuda=True)
 
 
 def check_extensions(cfg: RunConfig) -> None:

@@ -74,6 +74,20 @@ def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str
     return proc, secret, endpoint
 
 
+def _shm_refusal(cfg: RunConfig, roles: Roles, topo: Topology) -> str:
+    """ "" or the one line saying this node's /dev/shm cannot hold its rollout ranks' rings (and slots)."""
+    import torch
+
+    from staleflow.launch.environment import check_shm, shm_needed
+
+    here = sum(topo.node_of(r) == topo.home for r in roles.rollout_ranks)
+    try:
+        check_shm(shm_needed(cfg, roles.world_size, "cuda" if torch.cuda.is_available() else "cpu", here))
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
 def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology, flags: frozenset[str]):
     """Rank 0: clean up after crashed runs, pick the run folder and config (new, --resume or elastic
     restart), start the controller. Returns (what every rank needs, the controller, the run)."""
@@ -91,6 +105,8 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology
         print(f"staleflow: {note}", file=sys.stderr, flush=True)
     cfg = run.cfg if run else cfg
     refusal = "" if cfg.smoke else at_start(cfg, roles.world_size)  # prints the memory plan
+    if not refusal and not cfg.smoke:  # a ring in a too small /dev/shm dies of SIGBUS on first use
+        refusal = _shm_refusal(cfg, roles, topo)
     if refusal:  # a GPU would overflow: one line naming the flag to change
         if run is not None and run.created:
             remove_if_empty(run.run_dir)

@@ -21,6 +21,7 @@ Backends:
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +50,9 @@ def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def _flash_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash-attn is installed and not switched off (STALEFLOW_NO_FLASH_ATTN=1: SDPA instead; the
+    start-up check, launch/environment.py, runs it once and names this switch when it fails)."""
+    return importlib.util.find_spec("flash_attn") is not None and os.environ.get("STALEFLOW_NO_FLASH_ATTN") != "1"
 
 
 class PackedAttention:

@@ -59,7 +59,24 @@ def _default_gpu_bytes() -> int:
     return 80 << 30
 
 
+def usage() -> str:
+    """The plan's own help: its usage line and flags (the run's flags are train's, listed by its --help)."""
+    text = (__doc__ or "").strip().replace("``", "")
+    head, _, rest = text.partition("\n\n")
+    flags = rest[rest.index("    --gpu-memory-gib") :] if "    --gpu-memory-gib" in rest else rest
+    return (
+        f"usage: {head}\n\n"
+        "Print the memory plan of a run (per rank, per GPU; no GPU needed) and exit 1 if it does not fit.\n\n"
+        f"plan options:\n{flags}\n\n"
+        "Every flag of the run itself is accepted as train takes it (--preset NAME, --rollout.ranks N, ...):\n"
+        "see python -m staleflow train --help."
+    )
+
+
 def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
     from staleflow.config import RunConfig, resolve
     from staleflow.config.parse import parse
     from staleflow.plan import build_plan

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from staleflow.plan.architecture import meta_model, unique_bytes
+from staleflow.plan.transients import adamw_step_bytes, logprob_backward_bytes, prefill_mask_bytes
 
 MiB, GiB = 2**20, 2**30
 PRIMARY_CONTEXT_BYTES = 600 * MiB
@@ -49,9 +50,16 @@ CATEGORIES = (
     "activations",
     "buffers",
     "workspace",
+    "prefill_mask",
+    "logprob_bwd",
+    "optim_step",
     "contexts",
     "slack",
 )
+PHASES = {"activations": "backward", "logprob_bwd": "backward", "optim_step": "optimizer step"}
+"""Categories that are never live together: the activations and the log-prob backward's workspace
+exist until backward ends, AdamW's temporaries only in the optimizer step after it. A rank's peak
+takes the larger phase, not their sum."""
 
 
 @dataclass
@@ -71,14 +79,20 @@ class RankPlan:
             self.notes.append(f"{category}: {note}")
 
     def finish(self) -> RankPlan:
-        self.items["slack"] = int(
-            sum(v for k, v in self.items.items() if k not in ("contexts", "slack")) * ALLOCATOR_SLACK
-        )
+        self.items["slack"] = int(self._live(exclude=("contexts", "slack")) * ALLOCATOR_SLACK)
         return self
+
+    def _live(self, exclude: tuple[str, ...] = ()) -> int:
+        """Bytes at the rank's peak: every category, but only the larger of the PHASES that never overlap."""
+        always = sum(v for k, v in self.items.items() if k not in PHASES and k not in exclude)
+        phases: dict[str, int] = {}
+        for k, phase in PHASES.items():
+            phases[phase] = phases.get(phase, 0) + self.items.get(k, 0)
+        return always + max(phases.values(), default=0)
 
     @property
     def steady(self) -> int:
-        return sum(self.items.values())
+        return self._live()
 
     @property
     def peak(self) -> int:
@@ -195,6 +209,13 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
         acts + logprob,
         f"{tokens} tokens per micro-batch, activation checkpointing {'on' if ac else 'off'}, log-prob op {impl}",
     )
+    if impl == "triton":
+        plan.add(
+            "logprob_bwd",
+            logprob_backward_bytes(tokens, args.hidden_size, args.vocab_size, cdt),
+            "Triton log-prob backward: fp32 dW + dz chunk + dW in the weight dtype (during backward)",
+        )
+    plan.add("optim_step", adamw_step_bytes(local), "AdamW foreach: sqrt(exp_avg_sq) per parameter (after backward)")
     if sharded:
         mp = mixed_precision(device_type)
         pdt = mp.param_dtype or MASTER_DTYPE
@@ -259,6 +280,12 @@ def builtin_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
         plan.add("workspace", head * 4, "the sampler's fp32 copy of the LM head")
     plan.add("workspace", engine_workspace(args, rc, dtype.itemsize), "step activations and sampler")
     if device_type == "cuda":
+        n, ctx = rc.prefill_chunk_tokens, rc.max_model_len
+        plan.add(
+            "prefill_mask",
+            prefill_mask_bytes(args, n, ctx, dtype.itemsize),
+            f"masked prefill: [{n} x {ctx}] mask repeated per GQA group + SDPA's additive copy",
+        )
         plan.add("contexts", PRIMARY_CONTEXT_BYTES)
     else:
         plan.notes.append("kv_cache: on CPU the decode mirror adds up to the KV cache again, as used")

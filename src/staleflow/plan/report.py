@@ -17,6 +17,9 @@ _HEAD = {
     "activations": "activ",
     "buffers": "buffers",
     "workspace": "work",
+    "prefill_mask": "mask",
+    "logprob_bwd": "lp_bwd",
+    "optim_step": "adamw",
     "contexts": "ctx",
     "slack": "slack",
 }

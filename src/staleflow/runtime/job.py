@@ -97,6 +97,11 @@ class TrainingJob:
         save_config(self.run_dir, cfg)
         self.backend = RuntimeBackend(ctl, cfg, tokenizer, self.rewards, self.writer)
         self.saved: Saved | None = None
+        self.ticket = 0
+        self.waiting_ticket: int | None = None
+        self.writing: tuple[int, int, float] | None = None
+        """(ticket, version, start) of the checkpoint being written in the background."""
+        self.failure: BaseException | None = None
         self.loop = build_loop(
             cfg.mode,
             s,
@@ -217,37 +222,73 @@ class TrainingJob:
             "next_traj": led["next_traj"],
         }
 
-    def save(self, export: bool, timeout_s: float = 600.0, final: bool = False) -> bool:
+    def save(
+        self,
+        export: bool,
+        timeout_s: float = 600.0,
+        final: bool = False,
+        durable: bool | None = None,
+        stopping: bool = False,
+    ) -> bool:
         """Checkpoint collectively on the trainer ranks; events keep flowing into the loop meanwhile.
 
-        A failed periodic save (disk full, DCP error) is reported and the run goes on: the previous
-        checkpoint is untouched. A failed final save fails the run."""
+        A periodic save with --checkpoint.async-save returns once the trainers have copied their
+        state to host memory (training goes on while they write; the outcome arrives later, see
+        ``_on_late_saved``); a final save, a save before a stop, or any save without async waits
+        until the checkpoint is in place, as long as the trainer leader estimates the write takes.
+        A failed periodic save (disk full, a write error) is reported and the run goes on: the
+        previous checkpoint is untouched. A failed final save fails the run."""
         t0 = time.time()
         self.save_due = False
         assert self.loop.training is None, "a checkpoint is taken between two steps"
+        if durable is None:
+            durable = final or export or not self.cfg.checkpoint.async_save
         export_dir = os.path.join(self.run_dir, "hf") if export else ""
         self.saved = None
+        self.ticket += 1
+        self.waiting_ticket = self.ticket
         self.loop.hold_training = True  # the checkpoint holds exactly this version
         self.ctl.broadcast(
-            SaveState(step=self.loop.version, extra=self.resume_state(), export_dir=export_dir),
+            SaveState(
+                step=self.loop.version,
+                extra=self.resume_state(),
+                export_dir=export_dir,
+                durable=durable,
+                ticket=self.ticket,
+            ),
             ranks=self.ctl.roles.trainer_ranks,
         )
         try:
-            self.loop.run(until=lambda: self.saved is not None, timeout_s=timeout_s, what="the trainer's checkpoint")
-        except LoopTimeout as e:
-            raise RuntimeError(str(e)) from None
+            self._wait_saved(timeout_s)
+            if self.saved.pending and durable:  # the state is copied; now the files (as long as they take,
+                # unless the run is stopping: then the ranks' grace is the limit)
+                limit = timeout_s if stopping else max(timeout_s, 2.0 * self.saved.estimate_s)
+                self.saved = None
+                self._wait_saved(limit)
+        finally:
+            self.waiting_ticket = None
         saved = self.saved
-        self.writer.log_span(0, "checkpoint", t0, time.time())
         self.loop.hold_training = False
+        if saved.pending:
+            self.writer.log_span(0, "checkpoint_snapshot", t0, time.time())
+            self.writing = (saved.ticket, saved.step, t0)
+            return True
+        self.writer.log_span(0, "checkpoint", t0, time.time())
         if saved.step != self.loop.version and not saved.error:
             raise RuntimeError(
                 f"the trainer saved version {saved.step}, the controller's resume state is for {self.loop.version}"
             )
+        return self._outcome(saved, final)
+
+    def _wait_saved(self, timeout_s: float) -> None:
+        try:
+            self.loop.run(until=lambda: self.saved is not None, timeout_s=timeout_s, what="the trainer's checkpoint")
+        except LoopTimeout as e:
+            raise RuntimeError(str(e)) from None
+
+    def _outcome(self, saved: Saved, final: bool) -> bool:
         if saved.error:
-            msg = (
-                f"checkpoint of version {self.loop.version} failed ({saved.error}); the previous "
-                f"checkpoint is still valid"
-            )
+            msg = f"checkpoint of version {saved.step} failed ({saved.error}); the previous checkpoint is still valid"
             if saved.disk:  # no retry or restart makes room: stop with the last checkpoint intact
                 import errno
 
@@ -263,7 +304,22 @@ class TrainingJob:
         return True
 
     def _on_saved(self, msg: Saved) -> None:
-        self.saved = msg
+        if self.waiting_ticket is not None and msg.ticket == self.waiting_ticket:
+            self.saved = msg
+        else:
+            self._on_late_saved(msg)
+
+    def _on_late_saved(self, msg: Saved) -> None:
+        """The outcome of a background write (its save() returned after the snapshot). A failure is
+        a warning, a full disk stops the run (raised by the job's main loop)."""
+        ticket, _, t0 = self.writing or (None, msg.step, time.time())
+        if ticket == msg.ticket:
+            self.writing = None
+            self.writer.log_span(0, "checkpoint_write", t0, time.time())
+        try:
+            self._outcome(msg, final=False)
+        except DiskError as e:
+            self.failure = e
 
     def save_before_stop(self, why: str, grace_s: float = 18.0) -> None:
         """The run is stopping (a rank died, a signal): finish the running step and save a
@@ -284,7 +340,7 @@ class TrainingJob:
                     flush=True,
                 )
                 return
-            if self.save(export=False, timeout_s=max(1.0, deadline - time.monotonic())):
+            if self.save(export=False, timeout_s=max(1.0, deadline - time.monotonic()), durable=True, stopping=True):
                 print(
                     f"staleflow: saved version {self.loop.version}; resume with --resume {self.run_dir} "
                     f"(launch.sh restarts resume by themselves)",
@@ -323,7 +379,9 @@ class TrainingJob:
         if self.held_out is not None and loop.version == 0:
             self.start_eval(0)
         while not loop.done:
-            loop.run(until=lambda: loop.done or self.save_due)
+            loop.run(until=lambda: loop.done or self.save_due or self.failure is not None)
+            if self.failure is not None:
+                raise self.failure
             if self.save_due:
                 self.save(export=False)
         if self.held_out is not None:

@@ -1,6 +1,8 @@
 """Training-state checkpoints (atomic, verified, keep-last-K) and Hugging Face policy export.
 
     path = save_checkpoint(trainer, "runs/x/checkpoints", extra={"staleness": ...}, keep=2)
+    final, writer = begin_save(trainer, root, extra, keep, writer)   # returns after the snapshot
+    finish_save(trainer, writer, final)                              # collective wait, raises on failure
     extra = load_checkpoint(trainer, latest_checkpoint("runs/x/checkpoints"))
     export_hf(trainer, "runs/x/policy", tokenizer_from=resolve_model_path("smollm2-135m"))
 
@@ -11,13 +13,16 @@ groups; train/state_store.py), ``trainer_state.json`` (version, LR scheduler, an
 the runtime fills: the controller's resume state), ``rng_{rank}.safetensors`` + ``rng_{rank}.json``
 and, written last, ``manifest.json`` with the size and sha256 of every file. Nothing in a
 checkpoint is unpickled or executed: safetensors headers and JSON only (torch's DCP format, which
-unpickles its metadata, is refused with a one-line error). Saving steps: all ranks write into
-``.tmp-step_*``; every rank's success is agreed on collectively; rank 0 writes the trainer state
-and the manifest and renames the folder into place (an atomic rename on one filesystem, then the
-directory is fsynced), then deletes all but the newest `keep` checkpoints. A failed save (disk
-full: named as such) removes its temporary folder at once; a crash leaves at most a ``.tmp-``
-folder that `latest_checkpoint` ignores and the next save removes; the previous checkpoint is
-untouched.
+unpickles its metadata, is refused with a one-line error). Saving (``begin_save`` then
+``finish_save``; ``save_checkpoint`` does both): rank 0 makes ``.tmp-step_*`` and every rank agrees;
+each rank copies its state into host memory and hands it to its background writer
+(train/checkpoint_writer.py), which writes and hashes its own files in parallel with the other
+ranks and with training; rank 0's writer waits for every rank's part (a limit sized from its own
+write time), writes the index, the trainer state and the manifest, renames the folder into place
+(atomic on one filesystem, then the directory is fsynced) and deletes all but the newest `keep`.
+A second save waits for the first. A failed save (disk full: named as such) removes its temporary
+folder at once; a crash leaves at most a ``.tmp-`` folder that `latest_checkpoint` ignores and the
+next save removes; the previous checkpoint is untouched.
 Loading verifies the manifest first and raises CheckpointError naming the bad file and the
 previous checkpoint to fall back to; ``find_resume_checkpoint`` picks the newest intact one and
 says in a warning when it had to skip a newer, damaged one (steps will be repeated).
@@ -29,25 +34,33 @@ import json
 import os
 import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from staleflow.durable import DiskError, atomic_write_json, disk_errors, file_sha256, fsync_dir
+from staleflow.train.checkpoint_writer import DISK as _DISK
+from staleflow.train.checkpoint_writer import FAILED as _FAILED
+from staleflow.train.checkpoint_writer import OK as _OK
+from staleflow.train.checkpoint_writer import CheckpointWriter, SaveJob, host_copy, settle
+from staleflow.train.checkpoint_writer import worst as _worst
+from staleflow.train.export import export_hf  # noqa: F401 - part of this module's API
 from staleflow.train.state_store import (
     StateError,
     flatten_state,
     load_rank_state,
+    rank_items,
     read_full,
     read_index,
     restore_groups,
-    write_rank_state,
     write_safetensors,
 )
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
+HASH_THREADS = 8
+"""Files hashed at once when a checkpoint is verified (one thread per file)."""
 
 
 class CheckpointError(RuntimeError):
@@ -56,11 +69,6 @@ class CheckpointError(RuntimeError):
 
 class CheckpointDiskError(CheckpointError):
     """A save failed because the disk is full, read-only or not permitted: no retry fixes it."""
-
-
-def _barrier(trainer) -> None:
-    if trainer.sharded:
-        dist.barrier(group=trainer.group)
 
 
 _sha256 = file_sha256  # a module-level name: tests replace it to kill a save midway
@@ -130,7 +138,13 @@ def verify_checkpoint(path: str | Path) -> dict:
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is corrupted: file {rel} is missing{hint}")
-        if f.stat().st_size != info["size"] or _sha256(f) != info["sha256"]:
+        if f.stat().st_size != info["size"]:
+            raise CheckpointError(f"checkpoint {path} is corrupted: {rel} does not match its sha256/size{hint}")
+    rels = list(files)
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(rels)))) as pool:  # hashlib frees the GIL
+        digests = list(pool.map(lambda rel: _sha256(path / rel), rels))
+    for rel, digest in zip(rels, digests):
+        if digest != files[rel]["sha256"]:
             raise CheckpointError(f"checkpoint {path} is corrupted: {rel} does not match its sha256/size{hint}")
     return manifest
 
@@ -152,53 +166,34 @@ def _rng_tensors(trainer) -> tuple[list[tuple[str, torch.Tensor]], list]:
     return tensors, [version, list(internal), gauss]
 
 
-_OK, _FAILED, _DISK = 0, 1, 2
-
-
-def _worst(trainer, code: int) -> int:
-    """The worst outcome over the trainer ranks (a collective: every rank calls it, failed or not)."""
-    if not trainer.sharded:
-        return code
-    flag = torch.tensor([code], dtype=torch.int32, device=trainer.device if trainer.device.type == "cuda" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=trainer.group)
-    return int(flag.item())
-
-
 def _outcome(e: BaseException | None) -> int:
     return _OK if e is None else _DISK if isinstance(e, DiskError) else _FAILED
 
 
-def _raise(code: int, error: BaseException | None, otherwise: str) -> None:
+def _raise(code: int, error: BaseException | str | None, otherwise: str) -> None:
     if code == _OK:
         return
-    msg = str(error) if error is not None else otherwise
+    msg = str(error) if error else otherwise
     if code == _DISK:
         raise CheckpointDiskError(
             msg
-            if isinstance(error, DiskError)
+            if error
             else f"{otherwise} (a disk problem on another rank: the disk is full, read-only or not permitted)"
         )
     raise CheckpointError(msg)
 
 
-def _write_rank_files(trainer, tmp: Path) -> dict:
-    model_sd, optim_sd = _live_state(trainer)
-    flat, groups = flatten_state(model_sd, optim_sd)
-    index = write_rank_state(tmp, trainer.rank, trainer.world, flat)
-    index["param_groups"] = groups
-    rng, py_state = _rng_tensors(trainer)
-    write_safetensors(tmp / f"rng_{trainer.rank}.safetensors", rng)
-    (tmp / f"rng_{trainer.rank}.json").write_text(json.dumps({"python": py_state}))
-    return index
-
-
-def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: int = 2) -> Path:
-    """Save the full training state of `trainer` (collective over its ranks); returns the folder.
-
-    Raises CheckpointError (every rank) when any rank failed to write; the temporary folder is
-    removed at once and the previous checkpoint stays the resume point."""
+def begin_save(
+    trainer, root: str | Path, extra: dict | None = None, keep: int = 2, writer: CheckpointWriter | None = None
+) -> tuple[Path, CheckpointWriter]:
+    """Start saving the full training state of ``trainer`` (collective over its ranks): wait for
+    ``writer``'s previous save, make the temporary folder, snapshot the state into host memory and
+    hand it to the writer's thread. Returns (the checkpoint's final path, the writer) as soon as the
+    thread runs: the trainer may change its state from then on. ``finish_save`` waits for it."""
     if keep < 1:
         raise ValueError(f"keep={keep!r} is invalid: keep at least 1 checkpoint (--checkpoint.keep)")
+    writer = writer or CheckpointWriter()
+    writer.wait()  # saves never overlap: the previous one (and its use of the host buffers) is done
     root = Path(root)
     final = root / f"{PREFIX}{trainer.version:08d}"
     tmp = root / f".tmp-{final.name}"
@@ -213,59 +208,103 @@ def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: 
         except OSError as e:
             error = e
     _raise(_worst(trainer, _outcome(error)), error, f"checkpoint {final.name}: the leader could not create {tmp}")
-    index = None
     try:
-        with disk_errors(f"writing checkpoint {final.name} (rank {trainer.rank})", root):
-            index = _write_rank_files(trainer, tmp)
-    except (OSError, StateError) as e:
+        job = _snapshot(trainer, tmp, final, extra, keep, writer.buffers if writer.copy else None)
+    except Exception as e:  # StateError, or no host memory for the copy: every rank must hear of it
         error = e
     code = _worst(trainer, _outcome(error))
     if code != _OK and trainer.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+    _raise(code, error, f"checkpoint {final.name}: another trainer rank could not snapshot its state")
+    writer.pending_bytes = sum(t.numel() * t.element_size() for _, t in job.items)
+    writer.start(job)
+    return final, writer
+
+
+def finish_save(trainer, writer: CheckpointWriter, final: Path) -> Path:
+    """Wait (collectively) until every rank's part of the save begun by ``begin_save`` is written and
+    rank 0 has put the folder into place; raise CheckpointError on every rank if any rank failed.
+
+    No rank blocks in one long collective: the ranks poll together (a small all-reduce every 20 ms)
+    until every writer thread is done, so the only limit is rank 0's wait for the others' parts,
+    sized from its own measured write time (checkpoint_writer.part_wait_s), not a fixed timeout."""
+    settle(trainer, writer)
+    outcome = writer.wait()
+    code = outcome.code if outcome is not None else _FAILED
     _raise(
-        code,
-        error,
+        _worst(trainer, code),
+        outcome.error if outcome is not None and code != _OK else None,
         f"checkpoint {final.name}: another trainer rank failed to write its part; the previous "
         f"checkpoint stays the resume point",
     )
-    if trainer.rank == 0:
-        try:
-            with disk_errors(f"finishing checkpoint {final.name}", root):
-                _finish(trainer, tmp, final, index, extra)
-                for old in list_checkpoints(root)[:-keep]:
-                    shutil.rmtree(old, ignore_errors=True)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = e
-    _raise(_worst(trainer, _outcome(error)), error, f"checkpoint {final.name}: the leader failed to finish it")
     return final
 
 
-def _finish(trainer, tmp: Path, final: Path, index: dict, extra: dict | None) -> None:
-    """Rank 0: index, trainer state and manifest (last), then the atomic rename into place."""
-    atomic_write_json(tmp / "state.json", index)
-    state = {
-        "version": trainer.version,
-        "optimizer_steps": trainer.optimizer_steps,
-        "scheduler": trainer.scheduler.state_dict(),
-        "world": trainer.world,
-        "extra": extra or {},
-    }
-    atomic_write_json(tmp / "trainer_state.json", state)
-    files = {
-        str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
-        for f in sorted(tmp.rglob("*"))
-        if f.is_file()
-    }
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    atomic_write_json(tmp / MANIFEST, {"version": trainer.version, "world": trainer.world, "files": files}, indent=1)
+def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: int = 2) -> Path:
+    """Save the full training state of `trainer` (collective over its ranks) and wait until it is in
+    place; returns the folder.
+
+    Raises CheckpointError (every rank) when any rank failed to write; the temporary folder is
+    removed at once and the previous checkpoint stays the resume point."""
+    final, writer = begin_save(trainer, root, extra, keep, CheckpointWriter(copy=False))
+    return finish_save(trainer, writer, final)
+
+
+def _snapshot(trainer, tmp: Path, final: Path, extra: dict | None, keep: int, buffers: dict) -> SaveJob:
+    """This rank's state copied into host buffers (the writer's own, reused), and the job that writes it."""
+    model_sd, optim_sd = _live_state(trainer)
+    flat, groups = flatten_state(model_sd, optim_sd)
+    index, mine = rank_items(trainer.rank, trainer.world, flat)
+    index["param_groups"] = groups
+    copy = buffers is not None
+    cuda = any(t.is_cuda for _, t in mine)
+    items = [(name, host_copy(t, buffers, name) if copy else t) for name, t in mine]
+    ready = None
+    if copy and cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    rng, py_state = _rng_tensors(trainer)
+    job = SaveJob(
+        tmp=tmp,
+        rank=trainer.rank,
+        world=trainer.world,
+        items=items,
+        rng=rng,
+        rng_json={"python": py_state},
+        write=lambda path, items: write_safetensors(path, items),  # looked up at call time: tests replace it
+        sha256=lambda path: _sha256(path),
+        ready=ready,
+        device=trainer.device,
+        label=f"checkpoint {final.name}",
+    )
+    if trainer.rank == 0:
+        state = {
+            "version": trainer.version,
+            "optimizer_steps": trainer.optimizer_steps,
+            "scheduler": json.loads(json.dumps(trainer.scheduler.state_dict())),
+            "world": trainer.world,
+            "extra": extra or {},
+        }
+        job.finish = lambda files: _finish(tmp, final, index, state, files, keep)
+        job.abandon = lambda: shutil.rmtree(tmp, ignore_errors=True)
+    return job
+
+
+def _finish(tmp: Path, final: Path, index: dict, state: dict, files: dict, keep: int) -> Path:
+    """Rank 0's thread, once every rank's files are written: index, trainer state and manifest
+    (last), then the atomic rename into place and the pruning of old checkpoints."""
+    for name, obj in (("state.json", index), ("trainer_state.json", state)):
+        atomic_write_json(tmp / name, obj)
+        files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+    manifest = {"version": state["version"], "world": state["world"], "files": dict(sorted(files.items()))}
+    atomic_write_json(tmp / MANIFEST, manifest, indent=1)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(final.parent)
+    for old in list_checkpoints(final.parent)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def _refuse_legacy(path: Path) -> None:
@@ -324,20 +363,6 @@ def _load_rng(path: Path, rank: int) -> None:
     cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
-
-
-def export_hf(trainer, folder: str | Path, tokenizer_from: str | None = None, dtype: torch.dtype | None = None) -> Path:
-    """Write the current policy as a HF safetensors folder (collective; rank 0 writes).
-
-    Parameters are gathered one at a time and kept (cast to ``dtype``, on the CPU) by rank 0
-    only: no other rank ever holds the full fp32 model (30 GB for a 7B)."""
-    from staleflow.model.hf import save_hf
-
-    sd = trainer.full_state_dict(rank0_only=True, dtype=dtype)
-    if trainer.rank == 0:
-        save_hf(trainer.model, folder, tokenizer_from=tokenizer_from, state_dict=sd)
-    _barrier(trainer)
-    return Path(folder)
 
 
 def load_policy_weights(model, path: str | Path) -> None:

@@ -18,6 +18,7 @@ state: a mismatch is a one-line StateError, never a silent broadcast or cast.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable
@@ -75,9 +76,10 @@ def row_range(n: int, rank: int, world: int) -> tuple[int, int]:
 
 def write_safetensors(
     path: str | Path, items: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
-) -> None:
+) -> str:
     """A safetensors file written tensor by tensor: only one tensor at a time is copied to the
-    CPU, so a rank's whole shard never sits in host memory at once."""
+    CPU, so a rank's whole shard never sits in host memory at once. Returns the sha256 (hex) of
+    the bytes written, hashed as they are written (no second read of the file)."""
     items = list(items)
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
     pos = 0
@@ -89,19 +91,24 @@ def write_safetensors(
         pos += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
+        for block in (len(head).to_bytes(8, "little"), head):
+            f.write(block)
+            digest.update(block)
         for _, t in items:
             flat = t.detach().contiguous().reshape(-1).cpu()
             if flat.numel():
-                f.write(flat.view(torch.uint8).numpy().tobytes())
+                view = memoryview(flat.view(torch.uint8).numpy())  # no copy: the tensor's own bytes
+                f.write(view)
+                digest.update(view)
         f.flush()
+    return digest.hexdigest()
 
 
-def write_rank_state(folder: str | Path, rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict:
-    """Write this rank's part of ``tensors`` (name -> tensor or DTensor, the same names on every
-    rank) into ``folder``; returns the index (identical on every rank; rank 0 saves it)."""
+def rank_items(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> tuple[dict, list]:
+    """(the index, identical on every rank; this rank's (name, local tensor) items to store):
+    its rows of every dim-0-sharded tensor, and on rank 0 the replicated ones too."""
     index, mine = {}, []
     for name, t in tensors.items():
         sharded = _is_sharded(t)
@@ -117,8 +124,15 @@ def write_rank_state(folder: str | Path, rank: int, world: int, tensors: dict[st
         elif rank == 0:
             mine.append((name, _local(t)))
         index[name] = {"shape": list(t.shape), "dtype": _DTYPES.get(t.dtype, str(t.dtype)), "sharded": sharded}
+    return {"world": world, "tensors": index}, mine
+
+
+def write_rank_state(folder: str | Path, rank: int, world: int, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write this rank's part of ``tensors`` (name -> tensor or DTensor, the same names on every
+    rank) into ``folder``; returns the index (identical on every rank; rank 0 saves it)."""
+    index, mine = rank_items(rank, world, tensors)
     write_safetensors(Path(folder) / rank_file(rank), mine)
-    return {"world": world, "tensors": index}
+    return index
 
 
 class _Files:

@@ -3,7 +3,9 @@
     TrainStep(v, items)  read every record of buffer v from the rollout rings (the same list on
                          every trainer rank), Trainer.step, then write this rank's shards into the
                          Parameter Server slot of version v+1; the leader publishes it and reports
-    SaveState            save the full training state (and export the HF policy) collectively
+    SaveState            save the full training state (and export the HF policy) collectively:
+                         copied to host memory, then written by a background thread while the
+                         next steps train (train/checkpoint_writer.py), unless it must be durable
 The leader (trainer rank 0) creates the Parameter Server and publishes the starting weights. The
 slots hold the rollout engines' dtype (bf16 on CUDA) and live where cluster/placement.py says: on
 CUDA one piece per trainer rank on its own GPU, created by that rank; on CPU in shared memory.
@@ -27,7 +29,15 @@ from staleflow.control.messages import Saved, SaveState, Shutdown, StepDone, Tra
 from staleflow.durable import disk_problem
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
-from staleflow.train.checkpoint import CheckpointDiskError, CheckpointError, export_hf, load_checkpoint, save_checkpoint
+from staleflow.train.checkpoint import (
+    CheckpointDiskError,
+    CheckpointError,
+    begin_save,
+    export_hf,
+    finish_save,
+    load_checkpoint,
+)
+from staleflow.train.checkpoint_writer import DISK, OK, CheckpointWriter, settle
 from staleflow.train.trainer import Trainer
 from staleflow.trajectory import TrajectorySample
 
@@ -89,6 +99,8 @@ class TrainerWorker:
             ctx.net.start_weight_server(self.ps, piece=ctx.rank if self.device.type == "cuda" else 0)
         self.rings: dict[int, tuple[TrajectoryRing, bool]] = {}
         self._training = False
+        self.writer = CheckpointWriter()  # background checkpoint writes; its host buffers are reused
+        self.pending: tuple[SaveState, object] | None = None
 
     def _barrier(self):
         if self.ctx.roles.num_trainer > 1:
@@ -164,42 +176,81 @@ class TrainerWorker:
             self.ctx.client.send(StepDone(version=self.trainer.version, metrics=clean, train_s=train_s, push_s=push_s))
 
     def save(self, msg: SaveState) -> None:
-        """Save (collectively); a failure (disk full, a write error) is reported, not raised: the
-        previous checkpoint stays valid and the controller decides what to do."""
-        cfg = self.ctx.cfg
+        """Save (collectively). A durable save answers once the checkpoint is in place; otherwise
+        the leader answers ``Saved(pending=True)`` as soon as the state is copied to host memory,
+        training goes on, and the outcome follows when the background writer is done (reported at
+        the next step, save or shutdown). A failure (disk full, a write error) is reported, not
+        raised: the previous checkpoint stays valid and the controller decides what to do."""
+        self.settle(wait=True)  # one save at a time: the previous one is finished and reported first
+        root = os.path.join(self.run_dir, "checkpoints")
         try:
-            path = save_checkpoint(
-                self.trainer, os.path.join(self.run_dir, "checkpoints"), extra=msg.extra, keep=cfg.checkpoint.keep
+            final, _ = begin_save(
+                self.trainer, root, extra=msg.extra, keep=self.ctx.cfg.checkpoint.keep, writer=self.writer
             )
+        except Exception as e:
+            self._report(msg, error=e)
+            return
+        self.pending = (msg, final)
+        if self.leader:
+            estimate = self.writer.estimate_s(self.writer.pending_bytes)
+            self.ctx.client.send(
+                Saved(step=msg.step, path=str(final), pending=True, estimate_s=estimate, ticket=msg.ticket)
+            )
+        if not (msg.durable or msg.export_dir):
+            return
+        self.pending = None
+        try:
+            finish_save(self.trainer, self.writer, final)
             if msg.export_dir:
                 from staleflow.model import resolve_model_path
 
                 export_hf(
                     self.trainer,
                     msg.export_dir,
-                    tokenizer_from=resolve_model_path(cfg.model.path),
+                    tokenizer_from=resolve_model_path(self.ctx.cfg.model.path),
                     dtype=self.export_dtype,
                 )
         except Exception as e:
-            if self.leader:
-                disk = isinstance(e, CheckpointDiskError) or disk_problem(e) is not None
-                self.ctx.client.send(
-                    Saved(
-                        step=msg.step, path="", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", disk=disk
-                    )
-                )
+            self._report(msg, error=e)
             return
-        if self.leader:
-            self.ctx.client.send(Saved(step=self.trainer.version, path=str(path)))
+        self._report(msg, path=final)
+
+    def settle(self, wait: bool) -> None:
+        """Report the outcome of the background save once it is done. ``wait``: block until every
+        trainer rank's writer is idle (collective; called at the same message on every rank)."""
+        if wait:
+            settle(self.trainer, self.writer)
+        out = self.writer.poll()
+        if out is None or self.pending is None:
+            return
+        msg, final = self.pending
+        self.pending = None
+        if out.code == OK:
+            self._report(msg, path=final)
+        else:
+            self._report(msg, error=out.error, disk=out.code == DISK)
+
+    def _report(self, msg: SaveState, path=None, error: BaseException | str | None = None, disk: bool = False) -> None:
+        if not self.leader:
+            return
+        if error is None:
+            self.ctx.client.send(Saved(step=msg.step, path=str(path), ticket=msg.ticket))
+            return
+        if isinstance(error, BaseException):
+            disk = isinstance(error, CheckpointDiskError) or disk_problem(error) is not None
+            error = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        self.ctx.client.send(Saved(step=msg.step, path="", error=error[:400], disk=disk, ticket=msg.ticket))
 
     def run(self) -> None:
         while True:
             msg = self.ctx.recv(timeout_s=1.0)
             if isinstance(msg, TrainStep):
+                self.settle(wait=False)  # a finished background save is reported; a running one goes on
                 self.train(msg)
             elif isinstance(msg, SaveState):
                 self.save(msg)
             elif isinstance(msg, Shutdown):
+                self.settle(wait=True)
                 return
 
     def close(self) -> None:
