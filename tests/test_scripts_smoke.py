@@ -91,7 +91,9 @@ SMOKE: dict[str, Smoke] = {
     ),
     "bench_trainer_load.py": Smoke("test", test=BENCH + "test_bench_trainer_load_measures_both_paths_on_sharded_ranks"),
     "chaos.py": Smoke(
-        "run", ("--runs", "1", "--steps", "4", "--timeout", "300"), ("runs", "lost", "duplicated", "hangs", "leaks")
+        "run",
+        ("--runs", "1", "--steps", "5", "--kinds", "kill-rollout", "--timeout", "300"),
+        ("runs", "kinds", "lost", "duplicated", "hangs", "leaks", "code_executed", "not_injected"),
     ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
     "check_latest_deps.sh": Smoke(
