@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 B, N, ETA = 4, 4, 1  # the tiny preset's batch size, group size and eta
-STALL_FLOOR_S = 20.0
+STALL_FLOOR_S = 60.0  # starved ranks (this machine is shared and the runs niced) must not look stuck
 HEARTBEAT_S = 60.0  # the ranks' default STALEFLOW_HEARTBEAT_TIMEOUT_S: a stopped controller is missed after it
 TITLE = {
     "controller": "staleflow[controller]",
@@ -348,39 +348,52 @@ def planted_shm(run: Run) -> None:
         run.planted.unlink()
 
 
-def crafted_checkpoint(run: Run) -> None:
-    """A finished run's newest checkpoint replaced by a crafted one, its manifest rewritten to match
-    (the manifest detects corruption, not tampering), then --resume with two more steps.
-    Variants by run index: a pickle payload as rank_0.safetensors, a safetensors header whose
-    offsets point far past the file, a torch DCP ``.metadata`` pickle instead of state.json."""
+CRAFTS = ("pickle-as-safetensors", "huge-offsets", "dcp-metadata")
+
+
+def craft(ck: Path, variant: str, canary: Path) -> None:
+    """Tamper with checkpoint folder ``ck`` and rewrite its manifest to match (the manifest detects
+    corruption, not tampering): a pickle payload as rank_0.safetensors, a safetensors header whose
+    offsets point far past the file, or a torch DCP ``.metadata`` pickle instead of state.json."""
     import hashlib
 
-    out = run.watch([run.launch()])
-    run.expect(run.exits[-1] == 0, f"exit {run.exits[-1]}, not 0 before the checkpoint was crafted: {tail(out)}")
-    found = checkpoints(run.dir)
-    if not found:
-        return
-    ck = found[-1]
     manifest = json.loads((ck / "manifest.json").read_text())
-    variant = ("pickle-as-safetensors", "huge-offsets", "dcp-metadata")[(run.i // len(KINDS)) % 3]
     if variant == "pickle-as-safetensors":
-        target, data = "rank_0.safetensors", pickle_canary(run.canary)
+        target, data = "rank_0.safetensors", pickle_canary(canary)
     elif variant == "huge-offsets":
         head = json.dumps({"w": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}).encode()
         target, data = "rank_0.safetensors", len(head).to_bytes(8, "little") + head + b"\0" * 64
     else:
         (ck / "state.json").unlink()
         manifest["files"].pop("state.json")
-        target, data = ".metadata", pickle_canary(run.canary)
+        target, data = ".metadata", pickle_canary(canary)
     (ck / target).write_bytes(data)
     manifest["files"][target] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (ck / "manifest.json").write_text(json.dumps(manifest))
-    run.kind_note = variant
-    out = run.watch([run.launch("--steps", str(run.args.steps + 2), resume=True)])
-    run.injected = ck.name in out
-    run.expect(run.exits[-1] not in (0, None), f"--resume of a crafted checkpoint exited {run.exits[-1]}")
-    errors = [line for line in out.splitlines() if ck.name in line and ("refused" in line or "cannot" in line)]
-    run.expect(bool(errors), f"no one-line refusal naming {ck.name}: {tail(out)}")
+
+
+def crafted_checkpoint(run: Run) -> None:
+    """A finished run's newest checkpoint crafted three ways (CRAFTS), each followed by --resume
+    with two more steps: every one must be refused in one line naming it, and run no code."""
+    out = run.watch([run.launch()])
+    run.expect(run.exits[-1] == 0, f"exit {run.exits[-1]}, not 0 before the checkpoint was crafted: {tail(out)}")
+    found = checkpoints(run.dir)
+    if not found:
+        return
+    ck, keep = found[-1], run.root / f"{run.name}.original"
+    shutil.copytree(ck, keep)
+    met = []
+    for variant in CRAFTS:
+        shutil.rmtree(ck)
+        shutil.copytree(keep, ck)
+        craft(ck, variant, run.canary)
+        out = run.watch([run.launch("--steps", str(run.args.steps + 2), resume=True)])
+        met.append(ck.name in out)
+        run.expect(run.exits[-1] not in (0, None), f"{variant}: --resume exited {run.exits[-1]}, not refused")
+        refusals = [line for line in out.splitlines() if ck.name in line and ("refused" in line or "cannot" in line)]
+        run.expect(bool(refusals), f"{variant}: no one-line refusal naming {ck.name}: {tail(out)}")
+    run.injected = all(met)
+    run.kind_note = "+".join(CRAFTS)
 
 
 def multinode_kill_rollout(run: Run) -> None:

@@ -311,14 +311,19 @@ def run_rank(
     return code
 
 
-def _finish_controller(controller, run_id: str, code: int) -> int:
-    """Rank 0: wait for the controller (bounded), take its exit code, remove the run's files."""
+def _finish_controller(controller, run_id: str, code: int, wait_s: float = 60.0) -> int:
+    """Rank 0: wait for the controller (bounded), take its exit code, remove the run's files. A
+    controller that outlives its wait and SIGTERM (stopped by SIGSTOP, or wedged) is SIGKILLed: a
+    stopped process never acts on SIGTERM, and it would keep its reward workers forever."""
     try:
-        controller.join(timeout=60)
+        controller.join(timeout=wait_s)
     except KeyboardInterrupt:
-        controller.join(timeout=30)
+        controller.join(timeout=wait_s / 2)
     if controller.is_alive():
         controller.terminate()
+        controller.join(timeout=5)
+    if controller.is_alive():
+        controller.kill()
         controller.join(timeout=5)
     if controller.exitcode not in (0, None):
         code = controller.exitcode if controller.exitcode > 0 else 1
