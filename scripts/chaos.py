@@ -243,7 +243,9 @@ def signal_role(run: Run, role: str, sig: int) -> None:
     out = run.watch([p], tick)
     run.expect(run.exits[-1] == 0, f"exit {run.exits[-1]}, not 0: {tail(out)}")
     if sig == signal.SIGSTOP and run.injected:
-        limit = (HEARTBEAT_S if role == "controller" else STALL_FLOOR_S) + 30.0
+        # the hub kills a stopped rank after the stall limit; the ranks give up on a silent controller
+        # after their heartbeat timeout, then rank 0 waits 60 s for it before killing it
+        limit = (HEARTBEAT_S + 70.0 if role == "controller" else STALL_FLOOR_S) + 30.0
         gone = victim.get("gone")
         run.expect(gone is not None and gone <= limit, f"the stopped {role} was gone after {gone} s (limit {limit})")
 
@@ -251,10 +253,14 @@ def signal_role(run: Run, role: str, sig: int) -> None:
 def kill_checkpoint_write(run: Run) -> None:
     """SIGKILL the trainer while its rank file of a checkpoint is being written."""
 
+    armed = {"at": 0.0, "ok": False}
+
     def tick():
-        if run.injected or last_step(run.dir) < run.at:
+        if run.injected:
             return
-        if any((run.dir / "checkpoints").glob(".tmp-*/rank_0.safetensors")):
+        if not armed["ok"] and time.monotonic() >= armed["at"]:  # the step is read twice a second
+            armed["ok"], armed["at"] = last_step(run.dir) >= run.at, time.monotonic() + 0.5
+        if armed["ok"] and any((run.dir / "checkpoints").glob(".tmp-*/rank_0.safetensors")):
             for pid in titled(run.tag, TITLE["trainer"]):
                 os.kill(pid, signal.SIGKILL)
                 run.injected = True
@@ -341,8 +347,9 @@ def planted_shm(run: Run) -> None:
             run.planted = path
 
     out = run.watch([run.launch()], tick, poll=0.02)
-    named = run.planted is not None and str(run.planted) in out
-    run.injected = named  # planted, and the run met it
+    run.injected = run.planted is not None and str(run.planted) in out  # planted, and the run met it
+    refusals = [line for line in out.splitlines() if line.startswith("staleflow:") and str(run.planted) in line]
+    run.expect(bool(refusals), f"no one-line refusal naming {run.planted}: {tail(out)}")
     run.expect(run.exits[-1] == 0, f"exit {run.exits[-1]}, not 0 (a restart with a new run id): {tail(out)}")
     if run.planted is not None and run.planted.exists():
         run.planted.unlink()
@@ -466,6 +473,8 @@ def one_run(i: int, kind: str, args, rng: random.Random, root: Path) -> dict:
     run = Run(i, kind, args, rng, root)
     try:
         SCENARIO[kind](run)
+    except Exception as e:  # a fault that could not be carried out is a failed run, never a crash of the rest
+        run.wrong.append(f"chaos error: {type(e).__name__}: {e}")
     finally:
         run.kill_all()
     steps = run.steps
