@@ -249,7 +249,7 @@ def run_rank(
         rank,
         lambda: ctx.progress(),
     ).start()
-    ok, reason, fatal = True, "", False
+    ok, reason, fatal, hung = True, "", False, False
     worker = None
     try:
         model, weights, info = _load_model_info(ctx)
@@ -268,6 +268,7 @@ def run_rank(
         # ... and, after a failure a restart may fix, the ranks of other nodes: their torchrun agents
         # restart them only if one of their workers fails.
         ok, reason = rank != 0 and (on_home or not e.restart), f"stopped: {e}"
+        hung = e.controller_hung
     except KeyboardInterrupt as e:
         ok, reason = False, f"interrupted ({e})" if str(e) else "interrupted"
     except Exception as e:  # one line to the controller, the traceback to the log
@@ -298,7 +299,7 @@ def run_rank(
     if controller is not None:
         from staleflow.launch.resume import elastic_pointer, is_fatal, remove_if_empty
 
-        code = _finish_controller(controller, run_id, code)
+        code = _finish_controller(controller, run_id, code, wait_s=5.0 if hung else 60.0)  # hung: no wait
         if code != 0 and run is not None and run.created:
             remove_if_empty(run.run_dir)  # died while starting: no empty run folder is left behind
         pointer = elastic_pointer()
