@@ -62,6 +62,11 @@ def test_fail_fast_classifies_what_a_restart_cannot_fix():
     with pytest.raises(DiskError, match=r"^writing x failed in /data: the disk is full; free space"):
         with disk_errors("writing x", "/data"):
             raise OSError(errno.ENOSPC, "No space left on device")
+    # a file over RLIMIT_FSIZE (ulimit -f): Python ignores SIGXFSZ, the write fails EFBIG; no restart helps
+    assert no_restart_helps(OSError(errno.EFBIG, "File too large"))
+    with pytest.raises(DiskError, match=r"file size limit"):
+        with disk_errors("writing x", "/data"):
+            raise OSError(errno.EFBIG, "File too large")
 
 
 def test_fail_fast_a_rank_failing_on_bad_input_stops_the_run_without_restart():

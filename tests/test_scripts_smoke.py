@@ -105,7 +105,9 @@ SMOKE: dict[str, Smoke] = {
         "test", test="tests/test_device_check.py::test_device_check_trainer_shape_bench_runs_small_on_cpu"
     ),
     "chaos.py": Smoke(
-        "run", ("--runs", "1", "--steps", "4", "--timeout", "300"), ("runs", "lost", "duplicated", "hangs", "leaks")
+        "run",
+        ("--runs", "1", "--steps", "5", "--kinds", "kill-rollout", "--timeout", "300"),
+        ("runs", "kinds", "lost", "duplicated", "hangs", "leaks", "code_executed", "not_injected"),
     ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
     "check_latest_deps.sh": Smoke(

@@ -4,7 +4,7 @@
     atomic_write_json(path, obj)
     rows, torn = read_jsonl(path)        # a torn (half-written) line is skipped and counted
     with disk_errors("writing checkpoint step_00000005"):
-        ...                              # ENOSPC / EDQUOT / EROFS / EACCES become DiskError, one line
+        ...                              # ENOSPC / EDQUOT / EFBIG / EROFS / EACCES become DiskError, one line
 
 A file the run rewrites (config, ids, trainer state, manifests, markers) is never seen half
 written: readers find the old or the new content. Append-only logs (metrics.jsonl, trained.jsonl)
@@ -22,7 +22,12 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-_NO_ROOM = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}
+_NO_ROOM = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    # RLIMIT_FSIZE (ulimit -f; Python ignores SIGXFSZ, so the write fails) or the file system's limit
+    errno.EFBIG: "a file would exceed the file size limit (ulimit -f) or the file system's largest file",
+}
 _NO_WRITE = {
     errno.EROFS: "the file system is read-only",
     errno.EACCES: "permission denied",

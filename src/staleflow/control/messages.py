@@ -148,6 +148,8 @@ class StepDone(msgspec.Struct, tag=True):
     metrics: dict[str, float]
     train_s: float
     push_s: float
+    content: dict[int, list[str]] = {}
+    """group id -> metrics.audit.content_digest of each member as the trainer read it (the audit trail)."""
 
 
 class SaveState(msgspec.Struct, tag=True):

@@ -43,6 +43,8 @@ class TrainDone(msgspec.Struct, frozen=True):
     metrics: dict = {}
     train_s: float = 0.0
     push_s: float = 0.0
+    content: dict = {}
+    """group id -> the trained members' content digests (runtime only: trained.jsonl's audit trail)."""
 
 
 class Published(msgspec.Struct, frozen=True):

@@ -265,7 +265,7 @@ def run_rank(
         rank,
         lambda: ctx.progress(),
     ).start()
-    ok, reason, fatal = True, "", False
+    ok, reason, fatal, hung = True, "", False, False
     worker = None
     try:
         model, weights, info = _load_model_info(ctx)
@@ -284,6 +284,7 @@ def run_rank(
         # ... and, after a failure a restart may fix, the ranks of other nodes: their torchrun agents
         # restart them only if one of their workers fails.
         ok, reason = rank != 0 and (on_home or not e.restart), f"stopped: {e}"
+        hung = e.controller_hung
     except KeyboardInterrupt as e:
         ok, reason = False, f"interrupted ({e})" if str(e) else "interrupted"
     except Exception as e:  # one line to the controller, the traceback to the log
@@ -314,7 +315,7 @@ def run_rank(
     if controller is not None:
         from staleflow.launch.resume import elastic_pointer, is_fatal, remove_if_empty
 
-        code = _finish_controller(controller, run_id, code)
+        code = _finish_controller(controller, run_id, code, wait_s=5.0 if hung else 60.0)  # hung: no wait
         if code != 0 and run is not None and run.created:
             remove_if_empty(run.run_dir)  # died while starting: no empty run folder is left behind
         pointer = elastic_pointer()
@@ -327,14 +328,19 @@ def run_rank(
     return code
 
 
-def _finish_controller(controller, run_id: str, code: int) -> int:
-    """Rank 0: wait for the controller (bounded), take its exit code, remove the run's files."""
+def _finish_controller(controller, run_id: str, code: int, wait_s: float = 60.0) -> int:
+    """Rank 0: wait for the controller (bounded), take its exit code, remove the run's files. A
+    controller that outlives its wait and SIGTERM (stopped by SIGSTOP, or wedged) is SIGKILLed: a
+    stopped process never acts on SIGTERM, and it would keep its reward workers forever."""
     try:
-        controller.join(timeout=60)
+        controller.join(timeout=wait_s)
     except KeyboardInterrupt:
-        controller.join(timeout=30)
+        controller.join(timeout=wait_s / 2)
     if controller.is_alive():
         controller.terminate()
+        controller.join(timeout=5)
+    if controller.is_alive():
+        controller.kill()
         controller.join(timeout=5)
     if controller.exitcode not in (0, None):
         code = controller.exitcode if controller.exitcode > 0 else 1

@@ -145,7 +145,7 @@ class RuntimeBackend:
             now = time.time()
             self.writer.log_span(0, "train", self._train_sent, now - msg.push_s)
             self.writer.log_span(0, "push", now - msg.push_s, now)
-            yield TrainDone(msg.version, msg.metrics, msg.train_s, msg.push_s)
+            yield TrainDone(msg.version, msg.metrics, msg.train_s, msg.push_s, msg.content)
             yield Published(msg.version)
         elif isinstance(msg, (Saved, Evaluated)):
             yield msg

@@ -142,6 +142,8 @@ class TrainingJob:
                 prompt=rec.prompts[g.group_id].text,
                 answer=rec.prompts[g.group_id].answer,
                 sample=rec.samples.get(g.group_id, ""),
+                prompt_id=rec.prompts[g.group_id].prompt_id,
+                content=rec.train.content.get(g.group_id, []),
             )
         now = time.monotonic()
         tokens = sum(self.loop.tokens_generated.values())

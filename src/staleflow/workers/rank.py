@@ -34,9 +34,10 @@ class RunStopped(RuntimeError):
     """The controller ended the run (ok=False), or disappeared. ``restart``: an elastic restart may
     fix the cause (a rank or the controller died), as opposed to a signal or bad input."""
 
-    def __init__(self, message: str, restart: bool = True):
+    def __init__(self, message: str, restart: bool = True, controller_hung: bool = False):
         super().__init__(message)
         self.restart = restart
+        self.controller_hung = controller_hung  # alive but silent (SIGSTOP, wedged): rank 0 kills it at once
 
 
 @dataclass
@@ -73,7 +74,10 @@ class RankContext:
             if not pid_alive(self.controller_pid):
                 raise RunStopped(f"the controller (pid {self.controller_pid}) died")
         if now - self._last_heard > HEARTBEAT_TIMEOUT_S:
-            raise RunStopped(f"the controller sent nothing for {HEARTBEAT_TIMEOUT_S:.0f} s (hung or unreachable)")
+            raise RunStopped(
+                f"the controller sent nothing for {HEARTBEAT_TIMEOUT_S:.0f} s (hung or unreachable)",
+                controller_hung=True,
+            )
 
     def recv(self, timeout_s: float):
         """Next controller message other than a heartbeat (None after timeout_s)."""

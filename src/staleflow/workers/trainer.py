@@ -27,6 +27,7 @@ import torch.distributed as dist
 from staleflow.cluster.placement import slot_dtype, slot_placement
 from staleflow.control.messages import Saved, SaveState, Shutdown, StepDone, TrainStep
 from staleflow.durable import disk_problem
+from staleflow.metrics.audit import content_digest
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
 from staleflow.train.checkpoint import (
@@ -168,12 +169,18 @@ class TrainerWorker:
                 f"{self.trainer.version}: buffers must be consumed in version order"
             )
         t0 = time.perf_counter()
-        metrics = self.trainer.step(self.samples(msg))
+        samples = self.samples(msg)
+        metrics = self.trainer.step(samples)
         train_s = time.perf_counter() - t0
         push_s = self.push(self.trainer.version)
         if self.leader:
             clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-            self.ctx.client.send(StepDone(version=self.trainer.version, metrics=clean, train_s=train_s, push_s=push_s))
+            content: dict[int, list[str]] = {}
+            for s in samples:  # what was trained, by content: the audit finds a group trained twice by it
+                content.setdefault(s.group_id, []).append(content_digest(s.prompt_ids, s.response_ids))
+            self.ctx.client.send(
+                StepDone(version=self.trainer.version, metrics=clean, train_s=train_s, push_s=push_s, content=content)
+            )
 
     def save(self, msg: SaveState) -> None:
         """Save (collectively). A durable save answers once the checkpoint is in place; otherwise
