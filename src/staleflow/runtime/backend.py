@@ -1,4 +1,5 @@
-"""The controller loop's Backend for the real system: ranks over ZeroMQ, rings, the reward pool.
+"""The controller loop's Backend for the real system: ranks over ZeroMQ, rings, the reward pool;
+and its Workload: prompts from the dataset.
 
 Commands leave as messages to the rank that runs the instance (the Route, completed by the loop
 with the prompt, Interrupt, Abort and Pull, all as they are); ranks answer with Finished,
@@ -14,9 +15,12 @@ counters and each instance's pull times to the step's metrics row.
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections import defaultdict
 
+from staleflow.config import parse_length_dist
 from staleflow.control.messages import Evaluated, FreeRecords, Pulled, Saved, StepDone, TrainStep
 from staleflow.controller.backend import Published, PullDone, Rewarded, TrainDone
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
@@ -179,3 +183,28 @@ class RuntimeBackend:
             )
         for r in self.rings.values():
             r.close()
+
+
+class RuntimeWorkload:
+    """Prompts from the dataset; a seed per trajectory; lengths drawn only for benchmark workloads."""
+
+    def __init__(self, cfg, source):
+        self.source, self.rng = source, random.Random(cfg.seed)
+        self.length_dist = parse_length_dist(cfg.rollout.length_dist) if cfg.rollout.length_dist else None
+        self.max_new_tokens = cfg.rollout.max_new_tokens
+
+    def next_prompt(self):
+        return next(self.source)
+
+    def prompt_len(self, prompt) -> int:
+        return len(prompt.prompt_ids)
+
+    def prompt_ids(self, prompt) -> list[int]:
+        return list(prompt.prompt_ids)
+
+    def new_member(self) -> tuple[int, int]:
+        seed = self.rng.getrandbits(62)
+        if not self.length_dist:
+            return seed, 0
+        median, sigma = self.length_dist
+        return seed, max(1, min(self.max_new_tokens, int(round(self.rng.lognormvariate(math.log(median), sigma)))))

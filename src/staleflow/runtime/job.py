@@ -13,13 +13,10 @@ rank dies. Bytes never pass through here except to decode a finished response fo
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import random
 import sys
 import time
 
-from staleflow.config import parse_length_dist
 from staleflow.control.hub import RankDied
 from staleflow.control.messages import Evaluated, Saved, SaveState, StepDone
 from staleflow.controller import Ledger, LoopTimeout, StepRecord
@@ -29,33 +26,8 @@ from staleflow.durable import DiskError
 from staleflow.launch.resume import read_ids, write_ids
 from staleflow.metrics.progress import ProgressDisplay
 from staleflow.metrics.writer import MetricsWriter, save_config
-from staleflow.runtime.backend import RuntimeBackend
+from staleflow.runtime.backend import RuntimeBackend, RuntimeWorkload
 from staleflow.runtime.evaluation import eval_line, gain_line
-
-
-class RuntimeWorkload:
-    """Prompts from the dataset; a seed per trajectory; lengths drawn only for benchmark workloads."""
-
-    def __init__(self, cfg, source):
-        self.source, self.rng = source, random.Random(cfg.seed)
-        self.length_dist = parse_length_dist(cfg.rollout.length_dist) if cfg.rollout.length_dist else None
-        self.max_new_tokens = cfg.rollout.max_new_tokens
-
-    def next_prompt(self):
-        return next(self.source)
-
-    def prompt_len(self, prompt) -> int:
-        return len(prompt.prompt_ids)
-
-    def prompt_ids(self, prompt) -> list[int]:
-        return list(prompt.prompt_ids)
-
-    def new_member(self) -> tuple[int, int]:
-        seed = self.rng.getrandbits(62)
-        if not self.length_dist:
-            return seed, 0
-        median, sigma = self.length_dist
-        return seed, max(1, min(self.max_new_tokens, int(round(self.rng.lognormvariate(math.log(median), sigma)))))
 
 
 class TrainingJob:
@@ -133,16 +105,17 @@ class TrainingJob:
     def log_step(self, rec: StepRecord, metrics: dict) -> None:
         """The loop finished a step: audit trail, metrics row, progress line; maybe a checkpoint."""
         for g in rec.groups:
+            p = rec.prompts[g.group_id]
             self.writer.log_trained(
                 rec.version,
                 g.group_id,
                 g.traj_version,
                 g.traj_ids,
                 g.rewards,
-                prompt=rec.prompts[g.group_id].text,
-                answer=rec.prompts[g.group_id].answer,
+                prompt=p.text,
+                answer=p.answer,
                 sample=rec.samples.get(g.group_id, ""),
-                prompt_id=rec.prompts[g.group_id].prompt_id,
+                prompt_id=p.prompt_id,
                 content=rec.train.content.get(g.group_id, []),
             )
         now = time.monotonic()
