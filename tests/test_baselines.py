@@ -204,34 +204,11 @@ def test_baseline_verl_sync_generates_then_trains_then_updates():
 # ---- every baseline end to end in the simulator ---------------------------------------------------------
 @pytest.mark.parametrize("mode", BASELINES)
 def test_baseline_runs_in_the_simulator_through_the_shared_loop(mode):
-    from staleflow.sim.config import SimConfig
+    from sim_helpers import tiny_sim
+
     from staleflow.sim.simulator import build, run
 
-    cfg = SimConfig(
-        total_gpus=4,
-        rollout_gpus=3,
-        gpus_per_instance=1,
-        cost_model="qwen2.5-7b-tp1",
-        prefill_tokens_per_s=5000.0,
-        max_running=16,
-        train_tokens_per_gpu_s=2000.0,
-        train_overhead_s=0.1,
-        push_s=0.2,
-        pull_s=0.2,
-        broadcast_s=0.3,
-        colocated_switch_s=0.2,
-        staleness=StalenessConfig(batch_size=3, group_size=2),
-        prompt_len=20,
-        response_median=40.0,
-        response_sigma=1.0,
-        max_response=300,
-        steps=8,
-        warmup_steps=1,
-        tick_s=0.05,
-        out_dir="",
-        ablation=False,
-        router_fit_samples=0,
-    )
+    cfg = tiny_sim()
     loop, _, _ = build(cfg, mode, 2)
     assert type(loop.manager) is type(build_protocol(mode, 2, 3))
     r = run(cfg, mode, 2)

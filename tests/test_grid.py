@@ -4,38 +4,18 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-from staleflow.config import StalenessConfig
 from staleflow.sim import grid, search
 from staleflow.sim.config import SimConfig
 
+sys.path.insert(0, str(Path(__file__).parent))
+from sim_helpers import sim_config  # noqa: E402
+
 
 def small(**kw) -> SimConfig:
-    base = dict(
-        total_gpus=4,
-        rollout_gpus=3,
-        gpus_per_instance=1,
-        cost_model="qwen2.5-7b-tp1",
-        max_running=16,
-        train_overhead_s=0.1,
-        staleness=StalenessConfig(batch_size=3, group_size=2),
-        prompt_len=20,
-        response_median=40.0,
-        response_sigma=1.0,
-        max_response=300,
-        steps=6,
-        warmup_steps=1,
-        tick_s=0.05,
-        out_dir="",
-        ablation=False,
-        router_fit_samples=50,
-        push_s=0.2,
-        pull_s=0.1,
-        broadcast_s=0.4,
-        jobs=1,
-    )
-    base.update(kw)
-    return SimConfig(**base)
+    return sim_config(**{**dict(router_fit_samples=50, push_s=0.2, pull_s=0.1, broadcast_s=0.4, jobs=1), **kw})
 
 
 def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, monkeypatch, capsys):

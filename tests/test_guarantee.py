@@ -4,45 +4,24 @@ and the drain ablation that interrupts nothing (``pytest -k "guarantee or grid o
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from staleflow.config import CoordinatorConfig, StalenessConfig
+from staleflow.config import CoordinatorConfig
 from staleflow.protocol import AReaLBuffer, ProtocolError, VerlAsyncBuffer
 from staleflow.sim import search
 from staleflow.sim.config import SimConfig
 from staleflow.sim.simulator import build, run
 
+sys.path.insert(0, str(Path(__file__).parent))
+from sim_helpers import tiny_sim  # noqa: E402
+
 
 def tiny(**kw) -> SimConfig:
-    base = dict(
-        total_gpus=4,
-        rollout_gpus=3,
-        gpus_per_instance=1,
-        cost_model="qwen2.5-7b-tp1",
-        prefill_tokens_per_s=5000.0,
-        max_running=16,
-        train_tokens_per_gpu_s=2000.0,
-        train_overhead_s=0.1,
-        push_s=0.2,
-        pull_s=0.2,
-        broadcast_s=0.3,
-        colocated_switch_s=0.2,
-        staleness=StalenessConfig(batch_size=3, group_size=2),
-        prompt_len=20,
-        response_median=40.0,
-        response_sigma=1.0,
-        max_response=300,
-        steps=8,
-        warmup_steps=1,
-        tick_s=0.05,
-        out_dir="",
-        ablation=False,
-        router_fit_samples=0,
-    )
-    base.update(kw)
-    return SimConfig(**base)
+    return tiny_sim(**kw)
 
 
 # ---- the search's logic, on scripted results ---------------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,39 +17,30 @@ from staleflow.sim.cli import main
 from staleflow.sim.config import SimConfig, replace
 from staleflow.sim.simulator import _result, build
 
+sys.path.insert(0, str(Path(__file__).parent))
+from sim_helpers import sim_config  # noqa: E402
+
 TINY_COST = CostModel(k1=2e-6, k2=0.01, k3=1e-3, b3=0.004, k4=1e-3, kv_capacity=3000, name="tiny")
 
 
 def tiny(**kw) -> SimConfig:
-    base = dict(
-        total_gpus=4,
-        rollout_gpus=3,
-        gpus_per_instance=1,
-        cost_model="qwen2.5-7b-tp1",
-        prefill_tokens_per_s=5000.0,
-        max_running=16,
-        train_tokens_per_gpu_s=2000.0,
-        train_overhead_s=0.1,
-        push_s=0.2,
-        pull_s=0.2,
-        broadcast_s=0.3,
-        colocated_switch_s=0.2,
-        staleness=StalenessConfig(batch_size=3, group_size=2),
-        prompt_len=20,
-        response_median=40.0,
-        response_sigma=1.0,
-        max_response=300,
-        eta=(1,),
-        steps=5,
-        warmup_steps=1,
-        tick_s=0.05,
-        max_sim_s=3000.0,
-        out_dir="",
-        ablation=False,
-        coordinator=CoordinatorConfig(migration=True, psi=2.0, migration_stop=1, phi_wait=1),
+    return sim_config(
+        **{
+            **dict(
+                prefill_tokens_per_s=5000.0,
+                train_tokens_per_gpu_s=2000.0,
+                push_s=0.2,
+                pull_s=0.2,
+                broadcast_s=0.3,
+                colocated_switch_s=0.2,
+                eta=(1,),
+                steps=5,
+                max_sim_s=3000.0,
+                coordinator=CoordinatorConfig(migration=True, psi=2.0, migration_stop=1, phi_wait=1),
+            ),
+            **kw,
+        }
     )
-    base.update(kw)
-    return SimConfig(**base)
 
 
 class Sim:

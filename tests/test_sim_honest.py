@@ -6,38 +6,23 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 
-from staleflow.config import StalenessConfig
 from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.sim.config import SimConfig
 from staleflow.sim.hardware import GPU, MODEL_SPECS, derive, kv_capacity
 from staleflow.sim.lengths import LengthSampler
 from staleflow.sim.simulator import build, router_cost_model, run
 
+sys.path.insert(0, str(Path(__file__).parent))
+from sim_helpers import sim_config  # noqa: E402
+
 
 def small(**kw) -> SimConfig:
-    base = dict(
-        total_gpus=4,
-        rollout_gpus=3,
-        gpus_per_instance=1,
-        cost_model="qwen2.5-7b-tp1",
-        max_running=16,
-        train_overhead_s=0.1,
-        staleness=StalenessConfig(batch_size=3, group_size=2),
-        prompt_len=20,
-        response_median=40.0,
-        response_sigma=1.0,
-        max_response=300,
-        steps=6,
-        warmup_steps=1,
-        tick_s=0.05,
-        out_dir="",
-        ablation=False,
-    )
-    base.update(kw)
-    return SimConfig(**base)
+    return sim_config(**kw)
 
 
 def test_sim_router_sees_a_fitted_cost_model_not_the_truth():

@@ -4,9 +4,12 @@ KV kept across an in-flight weight update (keep_kv_on_pull) and KV moved with a 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from staleflow.config import CoordinatorConfig, StalenessConfig
+from staleflow.config import CoordinatorConfig
 from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.coordinator.types import Interrupt
 from staleflow.sim import engine as sim_engine
@@ -15,42 +18,27 @@ from staleflow.sim.hardware import MODEL_SPECS, derive, kv_bytes_per_token
 from staleflow.sim.report import ABLATIONS
 from staleflow.sim.simulator import build
 
+sys.path.insert(0, str(Path(__file__).parent))
+from sim_helpers import tiny_sim  # noqa: E402
+
 COST = load_cost_model("qwen2.5-7b-tp1")
 KV_BYTES = kv_bytes_per_token(MODEL_SPECS["qwen2.5-7b-tp1"])  # 57 KB a token: the tiny runs move 4000 tokens/s
 
 
 def tiny(**kw) -> SimConfig:
-    base = dict(
-        total_gpus=4,
-        rollout_gpus=3,
-        gpus_per_instance=1,
-        cost_model="qwen2.5-7b-tp1",
-        prefill_tokens_per_s=5000.0,
-        max_running=16,
-        train_tokens_per_gpu_s=2000.0,
-        train_overhead_s=0.1,
-        push_s=0.2,
-        pull_s=0.2,
-        broadcast_s=0.3,
-        colocated_switch_s=0.2,
-        staleness=StalenessConfig(batch_size=3, group_size=2),
-        prompt_len=20,
-        response_median=60.0,
-        response_sigma=1.0,
-        max_response=300,
-        steps=10,
-        warmup_steps=1,
-        tick_s=0.05,
-        out_dir="",
-        ablation=False,
-        router_fit_samples=0,
-        kv_move_gb_s=4000 * KV_BYTES / 1e9,
-        coordinator=CoordinatorConfig(
-            migration=True, psi=1.5, migration_stop=1, phi_wait=1, pull="greedy", keep_kv_on_pull=True
-        ),
+    return tiny_sim(
+        **{
+            **dict(
+                response_median=60.0,
+                steps=10,
+                kv_move_gb_s=4000 * KV_BYTES / 1e9,
+                coordinator=CoordinatorConfig(
+                    migration=True, psi=1.5, migration_stop=1, phi_wait=1, pull="greedy", keep_kv_on_pull=True
+                ),
+            ),
+            **kw,
+        }
     )
-    base.update(kw)
-    return SimConfig(**base)
 
 
 def drive(cfg, overrides=None):
