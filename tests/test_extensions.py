@@ -319,9 +319,10 @@ def test_extension_data_source_by_import_path(tok):
 
 def test_extension_flags_help_lists_every_builtin():
     """tyro shows each field's docstring as its --help: it names every built-in and the import path."""
-    tree = ast.parse((ROOT / "src" / "staleflow" / "config" / "sections.py").read_text())
+    config = ROOT / "src" / "staleflow" / "config"
+    classes = [n for f in ("sections.py", "job.py") for n in ast.parse((config / f).read_text()).body]
     docs = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    for cls in (n for n in classes if isinstance(n, ast.ClassDef)):
         for a, b in zip(cls.body, cls.body[1:]):
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
                 docs[(cls.name, a.target.id)] = b.value.value
