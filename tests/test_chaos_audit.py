@@ -5,7 +5,10 @@ happened is a failure, not a pass."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
 
 from staleflow.control.messages import StepDone, decode, encode
 from staleflow.metrics.audit import audit_rows, content_digest
@@ -105,3 +108,11 @@ def test_content_digests_ride_on_step_done():
     assert decode(encode(msg)) == msg
     assert content_digest([1, 2], [3]) != content_digest([1], [2, 3])
     assert content_digest([1], [2, 3]) == content_digest((1,), (2, 3))
+
+
+@pytest.mark.scripts_smoke
+def test_chaos_faults_py_has_an_injector_for_every_fault_kind():
+    """scripts/chaos_faults.py (imported by chaos.py) injects every kind chaos.py promises an outcome for."""
+    chaos = _chaos()
+    faults = sys.modules["chaos_faults"]
+    assert set(faults.SCENARIO) == set(chaos.FAULTS) and all(callable(f) for f in faults.SCENARIO.values())

@@ -109,6 +109,10 @@ SMOKE: dict[str, Smoke] = {
         ("--runs", "1", "--steps", "5", "--kinds", "kill-rollout", "--timeout", "300"),
         ("runs", "kinds", "lost", "duplicated", "hangs", "leaks", "code_executed", "not_injected"),
     ),
+    # chaos.py's fault injectors (imported by it: its kill-rollout injector runs in chaos.py's smoke run)
+    "chaos_faults.py": Smoke(
+        "test", test="tests/test_chaos_audit.py::test_chaos_faults_py_has_an_injector_for_every_fault_kind"
+    ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
     "check_latest_deps.sh": Smoke(
         "static",
