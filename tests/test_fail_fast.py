@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from staleflow.cluster.roles import Roles
 from staleflow.control.hub import FatalFailure, Hub, RankDied
@@ -155,3 +156,11 @@ def test_stall_sends_to_a_gone_controller_time_out_and_stats_are_dropped(tmp_pat
         assert c.stats_dropped == 1
     finally:
         c.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_fail_fast_check_refuses_cuda_graphs_without_cuda():
+    """Before any process starts (the engine would refuse it only once its rank is up)."""
+    r = _check("--rollout.cuda-graphs")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("staleflow: config error: --rollout.cuda-graphs needs CUDA")

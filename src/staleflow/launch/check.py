@@ -52,6 +52,8 @@ def check_machine(cfg: RunConfig, nproc: int) -> None:
     from staleflow.launch.environment import check_flash, check_shm, device_line, shm_needed
 
     cuda = torch.cuda.is_available()
+    if cfg.rollout.cuda_graphs and not cuda:
+        raise ConfigError("--rollout.cuda-graphs needs CUDA (captured decode steps) and this machine has none: drop it")
     check_shm(shm_needed(cfg, nproc, "cuda" if cuda else "cpu"))
     if cuda:
         print(device_line(torch), file=sys.stderr, flush=True)
