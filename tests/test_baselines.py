@@ -217,3 +217,16 @@ def test_baseline_runs_in_the_simulator_through_the_shared_loop(mode):
         assert set(r.staleness_hist) == {0}
     if mode == "verl-one-step-off":
         assert r.staleness_hist == {0: 3, 1: 21}
+
+
+@pytest.mark.parametrize("mode", ["staleflow", *BASELINES, "staleflow-no-exchange", "staleflow-simple-strategies"])
+def test_baseline_every_mode_resolves_through_the_run_config(mode):
+    # The runtime applies --mode with config.resolve (dataclasses.replace re-runs every check,
+    # finiteness included): a mode whose settings a check refuses could not start a real run
+    # (verl-fully-async's "never migrate" psi was inf and failed exactly so).
+    from staleflow.config import RunConfig, resolve
+
+    cfg = resolve(RunConfig(mode=mode))
+    assert cfg.mode == mode and cfg.coordinator == apply_mode(mode, RunConfig().coordinator, RunConfig().staleness)[0]
+    if mode == "verl-fully-async":
+        assert cfg.coordinator.psi == 0  # its throughput-gap trigger is off (NEVER_MIGRATE)

@@ -251,7 +251,7 @@ class CoordinatorConfig:
     phi_wait: int = 3
     """Migrate when an instance's waiting queue exceeds this many trajectories."""
     psi: float = 5.0
-    """Migrate when an instance's load indicator exceeds psi times a starved instance's."""
+    """Migrate when an instance's load indicator exceeds psi times a starved instance's (0: never)."""
     migration_stop: int = 2
     """Do not migrate off an instance with fewer running trajectories than this."""
     tick_ms: float = 10.0
@@ -277,6 +277,6 @@ class CoordinatorConfig:
         _check(self.max_concurrent >= 1, "coordinator.max-concurrent", self.max_concurrent, "must be >= 1")
         _check(self.pull_threshold >= 0, "coordinator.pull-threshold", self.pull_threshold, "must be >= 0")
         _check(self.phi_wait >= 0, "coordinator.phi-wait", self.phi_wait, "must be >= 0")
-        _check(self.psi > 1, "coordinator.psi", self.psi, "must be > 1")
+        _check(self.psi > 1 or self.psi == 0, "coordinator.psi", self.psi, "must be > 1 (or 0: off)")
         _check(self.migration_stop >= 0, "coordinator.migration-stop", self.migration_stop, "must be >= 0")
         _check(self.tick_ms > 0, "coordinator.tick-ms", self.tick_ms, "must be > 0")

@@ -68,8 +68,9 @@ _PAUSE_ALL = {
 }
 """The peers clear the KV cache at every weight update (verl clear_kv_cache, AReaL pause_generation with
 clear_cache): interrupted work re-prefills, nothing keeps its KV across a load."""
-NEVER_MIGRATE = {"phi_wait": 1 << 30, "psi": float("inf")}
-"""Migration triggers that never fire: loop-backs may go to any instance, nothing is moved actively."""
+NEVER_MIGRATE = {"phi_wait": 1 << 30, "psi": 0.0}
+"""Migration triggers that never fire (psi 0: the throughput-gap trigger is off; finite, so the run's
+config checks accept it): loop-backs may go to any instance, nothing is moved actively."""
 
 _MODES = [
     Mode("staleflow", coordinator={"barrier": False}),

@@ -229,7 +229,7 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
         inst = max(over, key=lambda i: (i.waiting, -i.instance))
         ids = tuple(list(inst.trajs)[-(inst.waiting - cfg.phi_wait) :])
         return inst, ids
-    if cfg.psi == float("inf"):  # the throughput-gap trigger can never fire (the peers' NEVER_MIGRATE)
+    if cfg.psi == 0:  # the throughput-gap trigger is off (the peers' NEVER_MIGRATE)
         return None
     routable: dict[int, bool] = {}
     low: dict[int, float] = {}  # version -> smallest indicator of a starved instance at that version
