@@ -37,7 +37,8 @@ FENCED: dict[str, str] = {
     "python -m staleflow plan --preset gpu-7b --gpu-memory-gib 80 --rollout.engine vllm": RUN,
     "python -m staleflow plan --preset tiny --nproc 2 --gpus 1 --rollout.ranks 1": RUN,
     "python -m staleflow plan --preset smollm2-cpu --device cpu --nproc 3": RUN,
-    "./launch.sh": "the main job (SmolLM2-135M, 50 steps): ~25 min on 2 cores; .ci/run runs it shortened to 2 steps",
+    "./launch.sh": "the main job (SmolLM2-135M, 20 steps): 11 min 18 s on 2 idle cores (docs/perf.md); .ci/run runs it "
+    "shortened to 2 steps",
     "bash scripts/setup_env.sh": "builds .venv (~900 MB); .ci/run runs it; tests/test_scripts_smoke.py checks it",
     ".venv/bin/python -m pytest -q tests": "the whole suite (~15 min); .ci/run runs exactly this",
     "TORCH_SPEC=torch ./launch.sh --preset gpu-7b --model.path /models/Qwen2.5-7B-Instruct --data.source "
@@ -60,8 +61,8 @@ FENCED: dict[str, str] = {
     "staleflow verl-fully-async --eta 2 --no-ablation --out-dir runs/sim-1024": "~260 s on 2 shared cores (measured)",
     "python scripts/bench_modes.py": "every mode on the real system, ~15 min; tests/test_scripts_smoke.py runs its "
     "smallest configuration",
-    "python scripts/bench_convergence.py": "trains several runs, ~1 h on 2 cores; its smoke run is a row of "
-    "tests/test_scripts_smoke.py",
+    "python scripts/bench_convergence.py": "trains 15 runs of 30 steps, ~4 h on 2 cores (9 runs of 20 steps took 104 "
+    "min); its smoke run is a row of tests/test_scripts_smoke.py",
     ".venv/bin/python -m staleflow eval --model 'runs/<run>/hf' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
     "python -m staleflow eval --model runs/rec/b4ds-cos-s0/hf --data.source arithmetic-easy --n 256 --threads 1": "a record: needs that run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
     ".venv/bin/python -m staleflow eval --model 'runs/<run>' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder",
