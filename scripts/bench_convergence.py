@@ -2,7 +2,7 @@
 
     python scripts/bench_convergence.py [--seeds 0,1,2] [--steps 30] [--eval-every 5] [--eval-n 128]
         [--modes verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1] [--out runs/convergence]
-        [--smoke] [-- extra train flags]
+        [--keep-models] [--smoke] [-- extra train flags]
 
 Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic-easy) once per mode and
 seed: verl-sync (eta 0, the baseline), staleflow at eta 1 and 2, and verl-fully-async and areal at
@@ -12,7 +12,8 @@ Seed s sets --seed s and --data.seed s, so the runs of one seed share their held
 Runs go seed by seed (every mode of seed 0, then seed 1, ...) so that a shared machine's load drift
 spreads over the modes. Each finished run is saved (RUN/bench.json next to its metrics.jsonl); a
 second call resumes where the first stopped (finished runs are read back, an unfinished one is
-started again from scratch).
+started again from scratch). A finished run's checkpoints/ and hf/ (~2 GB) are deleted once its
+result is saved, unless --keep-models: the metrics, logs and report stay.
 
 Prints per mode: final held-out accuracy (mean and standard deviation over seeds), the paired
 difference against sync (mean over seeds, 95% Student t interval over the per-seed differences),
@@ -154,6 +155,9 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
             }
             if result["evals"] and result["evals"][-1]["step"] == args.steps:
                 saved.write_text(json.dumps(result))
+                if not args.keep_models:  # ~2 GB a run: a 15-run bench would fill a small disk
+                    for heavy in ("checkpoints", "hf"):
+                        shutil.rmtree(out / heavy, ignore_errors=True)
                 return result
         print(
             f"  {name}: attempt {attempt} failed (exit {res.returncode}); log {log}:\n{log.read_text()[-1500:]}",
@@ -299,6 +303,11 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-n", type=int, default=128)
     ap.add_argument("--out", default="runs/convergence")
+    ap.add_argument(
+        "--keep-models",
+        action="store_true",
+        help="keep each finished run's checkpoints/ and hf/ (default: deleted once its result is saved)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, 1 seed, 4 prompts, 2 modes")
     args = ap.parse_args(argv)
     args.out, args.preset = os.path.abspath(args.out), []  # launch.sh runs in the repository root

@@ -95,5 +95,7 @@ def test_bench_convergence_smoke_runs_and_resumes(tmp_path):
     assert sf["seeds"] == 1 and sf["paired_seeds"] == 1 and sf["staleness_max"] <= 1 and sf["wall_s"] > 0
     saved = {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")}
     assert len(saved) == 2 and "hardware:" in text and "time-to-target" in text
+    # a finished run keeps its metrics, not its ~2 GB of checkpoint and export (no --keep-models)
+    assert not list(out.glob("*/checkpoints")) and not list(out.glob("*/hf")) and list(out.glob("*/bench.json"))
     _, again = smoke()  # every run is saved: nothing runs again, the same numbers come back
     assert again == first and {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")} == saved
