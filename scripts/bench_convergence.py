@@ -93,10 +93,7 @@ def summarize_run(run_dir: Path, wall_s: float) -> dict:
         "staleness_hist": hist,
         "reward_last5": fmean(r["reward_mean"] for r in steps[-5:]) if steps else 0.0,
         "diag": {k: fmean(r.get("train", {}).get(k, 0.0) for r in steps) if steps else 0.0 for k in DIAG}
-        | {
-            "over_eta": sum(r.get("over_eta", 0) for r in steps),
-            "train_acc_last5": fmean(r.get("accuracy", 0.0) for r in steps[-5:]) if steps else 0.0,
-        },
+        | {"train_acc_last5": fmean(r.get("accuracy", 0.0) for r in steps[-5:]) if steps else 0.0},
     }
 
 
@@ -187,6 +184,7 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
             r["evals"][-1]["accuracy"] - sync[r["seed"]]["evals"][-1]["accuracy"] for r in runs if r["seed"] in sync
         ]
         ci = t_interval(diffs) if key != sync_key else None
+        eta = key[1]
         ttt = [t for t in (time_to_target(r, target) for r in runs) if t is not None]
         groups = sum(sum(r["staleness_hist"].values()) for r in runs)
         stats[key] = {
@@ -202,6 +200,10 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
             "staleness_mean": sum(sum(int(k) * n for k, n in r["staleness_hist"].items()) for r in runs)
             / max(groups, 1),
             "staleness_max": max(r["staleness_max"] for r in runs),
+            # groups trained beyond eta, all seeds (from the histogram: metrics.jsonl's over_eta is a
+            # running total, not a per-step count)
+            "over_eta": sum(n for r in runs for k, n in r["staleness_hist"].items() if int(k) > eta),
+            "groups": groups,
             "ttt_s": fmean(ttt) if ttt else None,
             "ttt_reached": len(ttt),
             "ttt_vs_sync": fmean(ttt) / fmean(sync_ttt) if ttt and sync_ttt and fmean(sync_ttt) > 0 else None,
@@ -238,15 +240,16 @@ def table(stats: dict, target: float) -> str:
         )
     lines.append(
         f"\n{'diagnostics (mean over steps)':32s} {'token stale':>11s} {'IS truncated':>12s} {'PPO clipped':>11s} "
-        f"{'KL(behav||cur)':>14s} {'entropy':>8s} {'over eta':>8s} {'train acc last5':>15s}"
+        f"{'KL(behav||cur)':>14s} {'entropy':>8s} {'> eta':>8s} {'train acc last5':>15s}"
     )
     for (mode, eta), s in stats.items():
         d = s["diag"]
         if d:
+            over = f"{s['over_eta']}/{s['groups']}"
             lines.append(
                 f"{label(mode, eta):32s} {d['token_staleness_mean']:11.2f} {d['is_truncated_frac_mean']:12.4f} "
                 f"{d['ppo_clipped_frac_mean']:11.4f} {d['behaviour_k3_mean']:14.2e} {d['entropy_mean']:8.3f} "
-                f"{d['over_eta'] / s['seeds']:8.1f} {d['train_acc_last5']:15.3f}"
+                f"{over:>8s} {d['train_acc_last5']:15.3f}"
             )
     lines.append(
         f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "

@@ -64,7 +64,23 @@ def test_ci95_bench_paired_difference_and_time_to_target(bench):
         0.056862, abs=1e-6
     )  # sample std of 0.63, 0.66, 0.55
     assert stats[("verl-sync", 0)]["diff_ci95"] is None
+    assert s["over_eta"] == 0 and s["groups"] == 180 and stats[("verl-sync", 0)]["over_eta"] == 0
     assert "(baseline)" in bench.table(stats, target) and "120 (2/3)" in bench.table(stats, target)
+
+
+def test_bench_counts_groups_over_eta_from_the_histogram(bench):
+    """A peer at nominal eta 1 that trained 10 of 60 groups per seed at staleness 2: 30 of 180 over eta
+    (not the sum of metrics.jsonl's running over_eta totals, which the bench once reported)."""
+    sync = [_run("verl-sync", 0, s, [0.4, 0.5, 0.6], [0, 100, 200], {0: 60}, 300) for s in range(3)]
+    peer = [_run("areal", 1, s, [0.4, 0.5, 0.6], [0, 90, 180], {0: 5, 1: 45, 2: 10}, 250) for s in range(3)]
+    for r in peer:
+        r["diag"] = dict.fromkeys(bench.DIAG, 0.0) | {"train_acc_last5": 0.5}
+    for r in sync:
+        r["diag"] = dict.fromkeys(bench.DIAG, 0.0) | {"train_acc_last5": 0.5}
+    target, stats = bench.aggregate({("verl-sync", 0): sync, ("areal", 1): peer}, ("verl-sync", 0))
+    assert stats[("areal", 1)]["over_eta"] == 30 and stats[("areal", 1)]["groups"] == 180
+    assert stats[("areal", 1)]["staleness_max"] == 2
+    assert "30/180" in bench.table(stats, target) and "0/180" in bench.table(stats, target)
 
 
 def test_bench_modes_need_the_sync_baseline(bench):
