@@ -43,7 +43,15 @@ def launch(tag: str, run_dir: Path, name: str, *args: str, **env) -> subprocess.
         env=_env(tag, **env),
         start_new_session=True,
         cwd=ROOT,
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    """The child starts with SIGINT at its default, as under a user's terminal. A test runner that is
+    itself a background job of a non-interactive shell (`pytest ... &`) has SIGINT ignored, children
+    inherit that, and bash cannot trap a signal ignored on entry: launch.sh would never see Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _titled(tag: str, title: str) -> list[int]:
