@@ -73,9 +73,7 @@ def test_bench_counts_groups_over_eta_from_the_histogram(bench):
     (not the sum of metrics.jsonl's running over_eta totals, which the bench once reported)."""
     sync = [_run("verl-sync", 0, s, [0.4, 0.5, 0.6], [0, 100, 200], {0: 60}, 300) for s in range(3)]
     peer = [_run("areal", 1, s, [0.4, 0.5, 0.6], [0, 90, 180], {0: 5, 1: 45, 2: 10}, 250) for s in range(3)]
-    for r in peer:
-        r["diag"] = dict.fromkeys(bench.DIAG, 0.0) | {"train_acc_last5": 0.5}
-    for r in sync:
+    for r in sync + peer:
         r["diag"] = dict.fromkeys(bench.DIAG, 0.0) | {"train_acc_last5": 0.5}
     target, stats = bench.aggregate({("verl-sync", 0): sync, ("areal", 1): peer}, ("verl-sync", 0))
     assert stats[("areal", 1)]["over_eta"] == 30 and stats[("areal", 1)]["groups"] == 180

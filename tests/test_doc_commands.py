@@ -40,7 +40,7 @@ FENCED: dict[str, str] = {
     "./launch.sh": "the main job (SmolLM2-135M, 20 steps): 11 min 18 s on 2 idle cores (docs/perf.md); .ci/run runs it "
     "shortened to 2 steps",
     "bash scripts/setup_env.sh": "builds .venv (~900 MB); .ci/run runs it; tests/test_scripts_smoke.py checks it",
-    ".venv/bin/python -m pytest -q tests": "the whole suite (~15 min); .ci/run runs exactly this",
+    ".venv/bin/python -m pytest -q tests": "the whole suite (~26 min on 2 idle cores, measured 2026-12-02); .ci/run runs exactly this",
     "TORCH_SPEC=torch ./launch.sh --preset gpu-7b --model.path /models/Qwen2.5-7B-Instruct --data.source "
     "/data/math.jsonl --reward.fn math --staleness.eta 2 --steps 200": "needs 8 GPUs, the model and the data file",
     "python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 "
