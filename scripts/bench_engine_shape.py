@@ -1,23 +1,30 @@
-"""The built-in engine at a real model's shape with random weights: paged kernel vs gather, with and
-without CUDA graphs (where the engine has them), set beside the memory plan's rollout row.
+"""The built-in engine at a real model's shape with random weights: paged kernel vs gather, the paged
+kernel with and without CUDA graphs, set beside the memory plan's rollout row.
 
     python scripts/bench_engine_shape.py                      # GPU: Qwen2.5-7B shape, bf16, 64 x (1024 + 256)
     python scripts/bench_engine_shape.py --device cpu --hidden 64 --layers 2 --batch 4 --prompt 16 --new-tokens 8
 
 No checkpoint is read (random bf16 weights, made on the device): the shapes, the KV cache and the
-kernels are the real ones. For each (decode backend, CUDA graphs) the same greedy requests run to
---new-tokens (eos ignored); reported per configuration: prefill seconds, decode ms per step (median
-over the steps where every sequence decodes), decode tokens/s, peak allocated memory, and the plan's
-rollout row (without the CUDA context, which torch does not count). CUDA graphs are passed to the
-engine as ``cuda_graphs=`` when its constructor takes that argument, else recorded "unavailable".
-The first configuration is the baseline of the ratios. Last line: JSON.
+kernels are the real ones. For each configuration (decode backend, CUDA graphs) the same greedy
+requests run to --new-tokens (eos ignored); reported per configuration: prefill seconds, decode ms
+per step (median over the steps where every sequence decodes), decode tokens/s, peak allocated
+memory, and the plan's rollout row (without the CUDA context, which torch does not count). The first
+configuration is the baseline of the ratios. Last line: JSON.
+
+Configurations (--configs, a comma list of BACKEND or BACKEND+graphs): by default, on CUDA,
+``triton,triton+graphs,gather`` (graphs only where ``check_cuda_graphs`` accepts them: never on
+gather); on CPU ``gather,mirror``. Before anything is built every configuration is resolved and
+validated by the engine's own checks (``validate_configs``); ``--validate`` stops there, without a
+GPU: scripts/device_check.sh --dry-run runs the step's exact command with it. After each
+configuration the engine is released (its KV cache and graph pool freed: gc + empty_cache) and the
+memory still allocated is recorded (``left_gib``) before the next one is built.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
+import gc
 import json
 import statistics
 import sys
@@ -60,11 +67,63 @@ def plan_row(args, rc, device: str) -> dict:
     return {"items_gib": items, "gib_without_contexts": round((plan.steady - plan.items.get("contexts", 0)) / GiB, 3)}
 
 
-def run_config(model, args, rc, prompts, new_tokens: int, backend: str, graphs: bool | None, device: str) -> dict:
+def parse_configs(text: str) -> list[tuple[str, bool]]:
+    """ "triton,triton+graphs,gather" -> [("triton", False), ("triton", True), ("gather", False)]."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        backend, _, extra = item.partition("+")
+        if extra not in ("", "graphs"):
+            raise SystemExit(f"--configs: {item!r} is invalid: use BACKEND or BACKEND+graphs")
+        out.append((backend, extra == "graphs"))
+    return out
+
+
+def default_configs(device: str) -> str:
+    return "triton,triton+graphs,gather" if device == "cuda" else "gather,mirror"
+
+
+def validate_configs(configs, margs, rc, device: str) -> list[str]:
+    """Every configuration through the checks the engine applies when it is built on ``device``
+    (none of which needs the device): the rollout config, the decode backend's name and, with CUDA
+    graphs, ``check_cuda_graphs``. Returns the list of errors (one line each)."""
+    from staleflow.rollout.cuda_graphs import check_cuda_graphs
+    from staleflow.rollout.decode_backend import DECODE_BACKENDS
+    from staleflow.rollout.engine import EngineError
+
+    errors = []
+    for backend, graphs in configs:
+        name = f"{backend}{'+graphs' if graphs else ''}"
+        try:
+            if backend not in DECODE_BACKENDS or backend == "auto":
+                raise EngineError(f"decode backend {backend!r} is unknown: use one of {list(DECODE_BACKENDS[1:])}")
+            if backend == "mirror" and device == "cuda":
+                raise EngineError("the mirror decode backend is the CPU path: use triton or gather on CUDA")
+            dataclasses.replace(rc, decode_backend=backend, cuda_graphs=graphs)  # RolloutConfig validation
+            if graphs:
+                check_cuda_graphs(torch.device(device), backend, margs)
+        except (EngineError, ValueError) as e:
+            errors.append(f"{name}: {e}")
+    return errors
+
+
+def release(engine) -> None:
+    """Free an engine's KV cache, decode graphs and their memory pool now, not at the next gc."""
+    runner = engine.runner
+    if runner.graphs is not None:
+        runner.graphs.release()
+    runner.graphs = None
+    runner.attn.k_cache = runner.attn.v_cache = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_config(model, args, rc, prompts, new_tokens: int, backend: str, graphs: bool, device: str) -> dict:
     from staleflow.rollout.builtin_engine import BuiltinEngine
     from staleflow.rollout.engine import Request, SamplingParams
 
-    kwargs = {} if graphs is None else {"cuda_graphs": graphs}
+    kwargs = {"cuda_graphs": True} if graphs else {}
     cuda = device == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -101,14 +160,18 @@ def run_config(model, args, rc, prompts, new_tokens: int, backend: str, graphs: 
                 decode_steps.append(dt)
     total_s = time.perf_counter() - t_start
     ms = statistics.median(decode_steps) * 1e3 if decode_steps else float("nan")
+    peak = round(torch.cuda.max_memory_allocated() / GiB, 3) if cuda else None
+    release(engine)
+    del engine
     return {
         "backend": backend,
-        "cuda_graphs": "unavailable" if graphs is None else graphs,
+        "cuda_graphs": graphs,
         "prefill_s": round(prefill_s or 0.0, 3),
         "decode_ms_per_step": round(ms, 3),
         "decode_tok_s": round(len(prompts) * 1e3 / ms, 1) if decode_steps else 0.0,
         "total_s": round(total_s, 3),
-        "peak_gib": round(torch.cuda.max_memory_allocated() / GiB, 3) if cuda else None,
+        "peak_gib": peak,
+        "left_gib": round(torch.cuda.memory_allocated() / GiB, 3) if cuda else None,  # the model's weights only
         "tokens": [outs[i] for i in range(len(prompts))],
     }
 
@@ -120,13 +183,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--backends", default="", help="comma list (default: triton,gather on CUDA; gather,mirror on CPU)")
+    ap.add_argument("--configs", default="", help="BACKEND[+graphs],... (default: triton,triton+graphs,gather on CUDA)")
+    ap.add_argument("--validate", action="store_true", help="resolve and validate the configurations, build nothing")
     ap.add_argument("--hidden", type=int, default=0, help="shrink the model (CPU smoke): hidden size")
     ap.add_argument("--layers", type=int, default=0, help="shrink the model: decoder layers")
     args = ap.parse_args()
     from staleflow.config import RolloutConfig
     from staleflow.plan.architecture import model_args
-    from staleflow.rollout.builtin_engine import BuiltinEngine
 
     margs = model_args(args.model)
     if args.hidden:
@@ -147,21 +210,25 @@ def main() -> int:
         prefill_chunk_tokens=min(8192, args.batch * args.prompt),
         max_model_len=max_len,
     )
-    backends = (args.backends or ("triton,gather" if cuda else "gather,mirror")).split(",")
-    has_graphs = "cuda_graphs" in inspect.signature(BuiltinEngine.__init__).parameters
-    graph_modes = [False, True] if (has_graphs and cuda) else [None]
+    configs = parse_configs(args.configs or default_configs(args.device))
+    errors = validate_configs(configs, margs, rc, args.device)
+    names = [f"{b}{'+graphs' if g else ''}" for b, g in configs]
+    if args.validate or errors:
+        print(json.dumps({"validated": names, "device": args.device, "errors": errors, "ok": not errors}))
+        for e in errors:
+            print(f"bench_engine_shape: configuration {e}", file=sys.stderr)
+        return 2 if errors else 0
     t0 = time.perf_counter()
     model = build_model(margs, args.device, dtype)
     build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, margs.vocab_size, (args.batch, args.prompt), generator=g).tolist()
     runs = []
-    for backend in backends:
-        for graphs in graph_modes:
-            try:
-                runs.append(run_config(model, margs, rc, prompts, args.new_tokens, backend, graphs, args.device))
-            except Exception as e:  # one configuration failing is a result, not the end of the table
-                runs.append({"backend": backend, "cuda_graphs": graphs, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    for backend, graphs in configs:
+        try:
+            runs.append(run_config(model, margs, rc, prompts, args.new_tokens, backend, graphs, args.device))
+        except Exception as e:  # one configuration failing is a result, not the end of the table
+            runs.append({"backend": backend, "cuda_graphs": graphs, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     base = next((r for r in runs if "error" not in r), None)
     plan = plan_row(margs, rc, args.device)
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
@@ -191,7 +258,7 @@ def main() -> int:
         "batch": args.batch,
         "prompt": args.prompt,
         "new_tokens": args.new_tokens,
-        "cuda_graphs": "available" if has_graphs else "unavailable",
+        "configs": names,
         "runs": runs,
         "plan_gib": plan["gib_without_contexts"],
         "peak_gib": max(peaks) if peaks else None,

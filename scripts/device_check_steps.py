@@ -292,6 +292,32 @@ def _works(fn) -> bool | str:
         return f"no ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
 
 
+def kernel_info(proc_version: str | None = None, dmesg: str | None = None) -> dict:
+    """The kernel as the run sees it: ``uname -r`` and whether it is a sandbox that may refuse CUDA
+    IPC (gVisor: its dmesg starts "Starting gVisor...", its /proc/version fakes Linux 4.4.0 of
+    2016). ``sandbox`` is "gvisor" or None; device_check.sh skips the IPC steps under gVisor."""
+    import platform
+    import subprocess
+
+    if proc_version is None:
+        try:
+            with open("/proc/version") as f:
+                proc_version = f.read().strip()
+        except OSError:
+            proc_version = ""
+    if dmesg is None:
+        try:
+            dmesg = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout[:4000]
+        except (OSError, subprocess.SubprocessError):
+            dmesg = ""
+    gvisor = (
+        "gvisor" in dmesg.lower()
+        or "gvisor" in proc_version.lower()
+        or proc_version.startswith("Linux version 4.4.0 #1 SMP Sun Jan 10 15:06:54 PST 2016")
+    )
+    return {"kernel": platform.release(), "proc_version": proc_version[:160], "sandbox": "gvisor" if gvisor else None}
+
+
 def step_env(device: str) -> dict:
     """The machine as the run sees it: versions, the GPU, /dev/shm, and whether cuBLAS accumulates a
     bf16 GEMM into fp32 (``torch.mm(out_dtype=)``, and in place with ``addmm(out=)``), which decides
@@ -303,6 +329,7 @@ def step_env(device: str) -> dict:
     from staleflow.launch.environment import device_line
 
     out: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    out.update(kernel_info())
     try:
         import triton
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from staleflow.cluster.placement import gpu_of, slot_dtype, slot_placement
 from staleflow.plan.estimate import (
+    NCCL_PULL_BYTES,
     PEER_CONTEXT_BYTES,
     PRIMARY_CONTEXT_BYTES,
     RankPlan,
@@ -55,10 +56,21 @@ class RunPlan:
 
 
 def build_plan(
-    cfg, nproc: int, gpu_bytes: int, device_type: str = "cuda", num_gpus: int | None = None, flash: bool | None = None
+    cfg,
+    nproc: int,
+    gpu_bytes: int,
+    device_type: str = "cuda",
+    num_gpus: int | None = None,
+    flash: bool | None = None,
+    nodes: int = 1,
 ) -> RunPlan:
-    """The plan of ``cfg`` run by ``nproc`` processes on ``num_gpus`` GPUs of ``gpu_bytes`` each
-    (one per process by default; ranks share GPUs round-robin as launch/dist.py assigns them)."""
+    """The plan of ``cfg`` run by ``nproc`` processes in all, on ``nodes`` nodes of ``num_gpus`` GPUs of
+    ``gpu_bytes`` each (one per process by default; a node's ranks share its GPUs round-robin as
+    launch/dist.py assigns them). GPUs are numbered node by node (node k's GPU g is k * num_gpus + g).
+    Rollout ranks off the first node pull weights over NCCL (one group each with the slot piece
+    owners: NCCL_PULL_BYTES on every member); the others map the slots by CUDA IPC."""
+    if nodes < 1 or nproc % nodes:
+        raise ValueError(f"{nproc} processes do not split evenly over {nodes} nodes")
     from staleflow.cluster.roles import Roles
     from staleflow.model.attention import _flash_available
     from staleflow.plan.architecture import meta_model, model_args
@@ -66,7 +78,8 @@ def build_plan(
     from staleflow.train.parallelize import MASTER_DTYPE
 
     roles = Roles(nproc, cfg.rollout.ranks)
-    gpus = num_gpus or nproc
+    per_node = nproc // nodes
+    gpus = num_gpus or per_node
     cuda = device_type == "cuda"
     flash = _flash_available() if flash is None else flash
     args = model_args(cfg.model.path)
@@ -92,15 +105,32 @@ def build_plan(
     )
     if not cuda:
         return plan
+
+    def gpu(rank: int) -> int:
+        node = rank // per_node
+        return node * gpus + gpu_of(rank - node * per_node, gpus)
+
     for rp in ranks:
-        rp.gpu = gpu_of(rp.rank, gpus)
-    # every puller (a rollout rank, or its vLLM engine's worker) maps every slot piece by CUDA IPC:
-    # one more context on each trainer GPU that is not its own
-    piece_gpus = sorted({gpu_of(t, gpus) for t in roles.trainer_ranks})
-    foreign = Counter(g for r in roles.rollout_ranks for g in piece_gpus if g != gpu_of(r, gpus))
+        rp.gpu = gpu(rp.rank)
+    remote = [r for r in roles.rollout_ranks if r >= per_node]
+    local = [r for r in roles.rollout_ranks if r < per_node]
+    # every local puller (a rollout rank, or its vLLM engine's worker) maps every slot piece by CUDA
+    # IPC: one more context on each trainer GPU that is not its own
+    piece_gpus = sorted({gpu(t) for t in roles.trainer_ranks})
+    foreign = Counter(g for r in local for g in piece_gpus if g != gpu(r))
     for g, n in sorted(foreign.items()):
         owner = next(rp for rp in ranks if rp.gpu == g)
         owner.add("contexts", n * PEER_CONTEXT_BYTES, f"{n} pullers' IPC contexts on GPU {g}")
+    for rp in ranks:
+        if rp.role == "trainer" and remote:
+            rp.add("contexts", len(remote) * NCCL_PULL_BYTES, f"{len(remote)} remote pullers' NCCL groups")
+        elif rp.rank in remote:
+            rp.add("contexts", NCCL_PULL_BYTES, "its weight-pull NCCL group with the slot piece owners")
+        elif rp.role == "trainer":
+            rp.notes.append(
+                f"contexts: no remote pullers (each rollout rank on another node adds {NCCL_PULL_BYTES >> 20} MiB "
+                f"of NCCL group here: plan it with --nodes)"
+            )
     for rp in ranks:
         plan.per_gpu[rp.gpu] = plan.per_gpu.get(rp.gpu, 0) + rp.peak
     for rp in ranks:
@@ -115,6 +145,7 @@ def at_start(cfg, world_size: int) -> str:
     """Rank 0 of a run, before anything is allocated: print the plan (stderr) for this node's GPUs
     (or host memory on CPU) and return "" or, on CUDA when a GPU would overflow, the one-line
     refusal naming the flag to change. A plan that cannot be built is reported, never fatal."""
+    import os
     import sys
 
     import torch
@@ -122,6 +153,7 @@ def at_start(cfg, world_size: int) -> str:
     from staleflow.plan.report import json_line, table
 
     cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
     try:
         plan = build_plan(
             cfg,
@@ -129,6 +161,7 @@ def at_start(cfg, world_size: int) -> str:
             torch.cuda.get_device_properties(0).total_memory if cuda else 0,
             device_type="cuda" if cuda else "cpu",
             num_gpus=torch.cuda.device_count() if cuda else None,
+            nodes=max(1, world_size // local) if world_size % local == 0 else 1,
         )
     except Exception as e:  # the plan informs; a model it cannot describe must not stop the run
         print(f"staleflow: memory plan unavailable ({type(e).__name__}: {e})", file=sys.stderr, flush=True)

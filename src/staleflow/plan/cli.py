@@ -9,6 +9,8 @@ line before the JSON names the flag to change).
     --nproc N            processes of the run, torchrun's --nproc_per_node (default: $STALEFLOW_NPROC,
                          else 2 x --rollout.ranks: as many trainer ranks as rollout ranks)
     --gpus K             GPUs of the node (default: N, one per process; fewer are shared round-robin)
+    --nodes K            nodes of N processes each (default 1); rollout ranks off the first node pull
+                         weights over NCCL, which the plan counts on them and on every trainer rank
     --device cuda|cpu    plan for GPUs (default) or for a CPU run (host memory, not enforced)
 """
 
@@ -19,7 +21,7 @@ import sys
 
 from staleflow.config import ConfigError
 
-PLAN_FLAGS = {"--gpu-memory-gib": float, "--nproc": int, "--gpus": int, "--device": str}
+PLAN_FLAGS = {"--gpu-memory-gib": float, "--nproc": int, "--gpus": int, "--device": str, "--nodes": int}
 
 
 def take_flags(argv: list[str]) -> tuple[dict, list[str]]:
@@ -42,7 +44,7 @@ def take_flags(argv: list[str]) -> tuple[dict, list[str]]:
         i += 1
     if found.get("--device", "cuda") not in ("cuda", "cpu"):
         raise ConfigError(f"--device={found['--device']!r} is invalid: use cuda or cpu")
-    for name in ("--gpu-memory-gib", "--nproc", "--gpus"):
+    for name in ("--gpu-memory-gib", "--nproc", "--gpus", "--nodes"):
         if name in found and found[name] <= 0:
             raise ConfigError(f"{name}={found[name]!r} is invalid: must be > 0")
     return found, rest
@@ -85,10 +87,16 @@ def main(argv: list[str]) -> int:
 
     flags, rest = take_flags(list(argv))
     cfg = resolve(parse(RunConfig, rest, PRESETS, default="smollm2-cpu", prog="staleflow plan"))
-    nproc = flags.get("--nproc") or int(os.environ.get("STALEFLOW_NPROC", 0)) or 2 * cfg.rollout.ranks
+    nodes = flags.get("--nodes", 1)
+    nproc = flags.get("--nproc") or int(os.environ.get("STALEFLOW_NPROC", 0)) or 2 * cfg.rollout.ranks // nodes
     gpu_bytes = int(flags["--gpu-memory-gib"] * (1 << 30)) if "--gpu-memory-gib" in flags else _default_gpu_bytes()
     plan = build_plan(
-        cfg, nproc, gpu_bytes, device_type=flags.get("--device", "cuda"), num_gpus=flags.get("--gpus") or nproc
+        cfg,
+        nproc * nodes,
+        gpu_bytes,
+        device_type=flags.get("--device", "cuda"),
+        num_gpus=flags.get("--gpus") or nproc,
+        nodes=nodes,
     )
     print(table(plan))
     print(notes(plan))

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 import torch
 
 from staleflow.plan.architecture import meta_model, unique_bytes
-from staleflow.plan.transients import adamw_step_bytes, logprob_backward_bytes, prefill_mask_bytes
+from staleflow.plan.transients import (
+    adamw_step_bytes,
+    addmm_out_dtype_inplace,
+    cuda_graph_pool_bytes,
+    logprob_backward_bytes,
+    prefill_mask_bytes,
+)
 
 MiB, GiB = 2**20, 2**30
 PRIMARY_CONTEXT_BYTES = 600 * MiB
@@ -36,6 +42,10 @@ PEER_CONTEXT_BYTES = 300 * MiB
 """A context a process creates on another GPU only to map IPC memory and copy from it."""
 NCCL_BYTES = 512 * MiB
 """NCCL communicator buffers of a trainer rank (one group, NVLink)."""
+NCCL_PULL_BYTES = 128 * MiB
+"""One remote puller's NCCL group (launch/dist.make_groups: the slot piece owners + that rollout rank),
+on each member: the communicator's device state and the point-to-point buffers of its one peer
+connection (NCCL_BUFFSIZE 4 MiB x channels, both directions). An estimate: one GPU cannot measure it."""
 VLLM_GRAPH_BYTES = 1 * GiB
 """vLLM's CUDA graphs when enforce_eager is off (it logs 0.5-1.5 GiB for 7-8B models)."""
 ALLOCATOR_SLACK = 0.05
@@ -51,6 +61,7 @@ CATEGORIES = (
     "buffers",
     "workspace",
     "prefill_mask",
+    "graphs",
     "logprob_bwd",
     "optim_step",
     "contexts",
@@ -210,10 +221,13 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
         f"{tokens} tokens per micro-batch, activation checkpointing {'on' if ac else 'off'}, log-prob op {impl}",
     )
     if impl == "triton":
+        inplace = addmm_out_dtype_inplace() if device_type == "cuda" else True
         plan.add(
             "logprob_bwd",
-            logprob_backward_bytes(tokens, args.hidden_size, args.vocab_size, cdt),
-            "Triton log-prob backward: fp32 dW + dz chunk + dW in the weight dtype (during backward)",
+            logprob_backward_bytes(tokens, args.hidden_size, args.vocab_size, cdt, inplace_fp32_accumulate=inplace),
+            "Triton log-prob backward: fp32 dW + dz chunk + "
+            + ("dW in the weight dtype" if inplace else "the fp32 [V, H] product of each chunk (no in-place addmm)")
+            + " (during backward)",
         )
     plan.add("optim_step", adamw_step_bytes(local), "AdamW foreach: sqrt(exp_avg_sq) per parameter (after backward)")
     if sharded:
@@ -284,9 +298,14 @@ def builtin_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
         plan.add(
             "prefill_mask",
             prefill_mask_bytes(args, n, ctx, dtype.itemsize),
-            f"masked prefill: [{n} x {ctx}] mask repeated per GQA group + SDPA's additive copy",
+            f"masked prefill: [{n} x {ctx}] bool mask + SDPA's additive copy (broadcast over heads)",
         )
         plan.add("contexts", PRIMARY_CONTEXT_BYTES)
+        pool = cuda_graph_pool_bytes(args, rc, dtype.itemsize)
+        if rc.cuda_graphs:
+            plan.add("graphs", pool, f"captured decode steps of {rc.max_running} sequences at most (one pool)")
+        else:
+            plan.notes.append(f"graphs: --rollout.cuda-graphs off (on, its pool adds {pool / MiB:.0f} MiB)")
     else:
         plan.notes.append("kv_cache: on CPU the decode mirror adds up to the KV cache again, as used")
     total = sum(p.numel() for p in engine.model.parameters())

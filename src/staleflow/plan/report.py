@@ -18,6 +18,7 @@ _HEAD = {
     "buffers": "buffers",
     "workspace": "work",
     "prefill_mask": "mask",
+    "graphs": "graphs",
     "logprob_bwd": "lp_bwd",
     "optim_step": "adamw",
     "contexts": "ctx",

@@ -14,7 +14,12 @@ B sequences replays a graph captured once for the smallest batch-size bucket >= 
    logits of every row, into a static output; sampling stays eager (per-row parameters);
 4. capture: largest bucket first, all buckets in one memory pool, each after two warm-up runs on
    a side stream (Triton compiles, cuBLAS picks its kernels) with every write aimed at the null
-   slot. Weight loads copy in place (same pointers), so graphs survive pulls.
+   slot. Weight loads copy in place (same pointers), so graphs survive pulls. Where cuBLAS has no
+   ``torch.mm(out_dtype=)`` the logits come from an fp32 copy of the LM head (SampledLogits) that
+   only Python refreshes: ``run`` calls ``SampledLogits.refresh()`` before every replay, so a
+   replay after a pull never samples from the previous version's head.
+5. the graphs hold their runner weakly (no reference cycle: dropping the engine frees its KV cache
+   and graph pool at once, not at the next garbage collection); ``release()`` drops them now.
 Steps with prefill chunks, or more sequences than the largest bucket, run eagerly.
 
 The flag needs the engine on CUDA and a paged decode kernel (triton or flash); anything else is
@@ -22,6 +27,8 @@ a one-line EngineError at engine build (a CPU run with the flag fails before it 
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -61,7 +68,8 @@ class DecodeGraphs:
     def __init__(self, runner, max_batch: int, max_model_len: int, replay: bool = True):
         if replay:
             check_cuda_graphs(runner.device, runner.backend, runner.model.args)
-        self.runner, self.replay = runner, replay
+        self._runner = weakref.ref(runner)
+        self.replay = replay
         dev = runner.device
         self.buckets = buckets_for(max_batch)
         bmax = self.buckets[-1]
@@ -76,6 +84,19 @@ class DecodeGraphs:
         self.host32 = torch.zeros(bmax + bmax * self.max_blocks, dtype=torch.int32, pin_memory=pin)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.captured = False
+
+    @property
+    def runner(self):
+        runner = self._runner()
+        if runner is None:
+            raise RuntimeError("DecodeGraphs outlived its ModelRunner")
+        return runner
+
+    def release(self) -> None:
+        """Drop the captured graphs, their outputs and memory pool (the static buffers go with self)."""
+        self.graphs.clear()
+        self.logits.clear()
         self.captured = False
 
     def bucket(self, n: int) -> int | None:
@@ -159,6 +180,7 @@ class DecodeGraphs:
         b = self.stage(seqs, slot_of)
         if not self.replay:
             return self._forward(b)[: len(seqs)]
+        self.runner.sampled_logits.refresh()  # the fp32 LM head (if in use) after a pull: in place
         self.graphs[b].replay()
         return self.logits[b][: len(seqs)]
 

@@ -26,6 +26,7 @@ from staleflow.rollout.decode_backend import resolve_decode_backend
 from staleflow.rollout.decode_mirror import DecodeMirror
 from staleflow.rollout.paged_attention import PagedAttention, PrefillChunk, StepContext
 from staleflow.rollout.scheduler import ScheduledBatch
+from staleflow.rollout.staging import HostStaging
 
 
 class ModelRunner:
@@ -69,69 +70,72 @@ class ModelRunner:
         self.attn.mirror = self.mirror
         self.attn.backend, self.attn.block_size = self.backend, self.block_size
         self.sampled_logits = SampledLogits(model)
+        self.staging = HostStaging(self.device, torch.int64)
         self.graphs = DecodeGraphs(self, max_running, max_model_len) if cuda_graphs else None
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+    def _slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
         """[end - start] cache slots of positions start..end-1 of one sequence."""
         bs = self.block_size
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[pos // bs] * bs + pos % bs
+        pos = np.arange(start, end)
+        return np.asarray(block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
 
-    def _context(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int]]:
+    def _context(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int], torch.Tensor]:
+        """The step's inputs: every host-built index array goes up in ONE copy (``HostStaging``);
+        masks are built on the device from what arrived. Returns (input ids, positions, context,
+        sampled batch rows, their rows in the packed step)."""
         dev = self.device
         ids: list[int] = []
         positions: list[int] = []
-        slot_parts: list[torch.Tensor] = []
+        slot_parts: list = []
         sample_rows: list[int] = []
+        up: dict[str, object] = {}  # name -> host array, uploaded together below
         nd = batch.num_decode
         ctx = StepContext(slot_mapping=torch.empty(0), num_decode=nd)
+        mask_len = 0  # > 0: decodes of unequal lengths need a key mask of this width
         mirrored = None
         if nd and self.mirror is not None:
             mirrored = self.mirror.prepare(
                 batch.seqs[:nd],
                 self.attn.k_cache,
                 self.attn.v_cache,
-                lambda s, n: self._slots(s.block_table, 0, n).to(dev),
+                lambda s, n: torch.from_numpy(self._slots(s.block_table, 0, n)).to(dev),
             )
         if mirrored is not None:
             seqs = mirrored
             batch.seqs[:nd] = seqs  # row order (the engine pairs batch.seqs with the sampled rows)
             lens = [s.num_computed + 1 for s in seqs]
-            max_len = max(lens)
-            slot_parts.append(torch.tensor([self.block_manager.slot(s, s.num_computed) for s in seqs]))
-            ctx.mirror_pos = torch.tensor([s.num_computed for s in seqs]).to(dev, non_blocking=True)
-            ctx.decode_len = max_len
-            if min(lens) != max_len:  # built on the device from the positions already there
-                valid = torch.arange(max_len, device=dev)[None, :] <= ctx.mirror_pos[:, None]  # [B, Lmax]
-                ctx.decode_mask = valid[:, None, None, :]
+            slot_parts.append([self.block_manager.slot(s, s.num_computed) for s in seqs])
+            up["mirror_pos"] = [s.num_computed for s in seqs]
+            ctx.decode_len = max(lens)
+            mask_len = ctx.decode_len if min(lens) != ctx.decode_len else 0
         elif nd and self.backend in ("triton", "flash"):
             seqs = batch.seqs[:nd]
             lens = [s.num_computed + 1 for s in seqs]
-            tables = np.zeros((nd, max(len(s.block_table) for s in seqs)), dtype=np.int32)  # padding never read
+            tables = np.zeros((nd, max(len(s.block_table) for s in seqs)), dtype=np.int64)  # padding never read
             for i, s in enumerate(seqs):  # row by row: 3x faster than torch.tensor(list of lists)
                 tables[i, : len(s.block_table)] = s.block_table
-            slot_parts.append(torch.tensor([self.block_manager.slot(s, s.num_computed) for s in seqs]))
-            ctx.block_tables = torch.from_numpy(tables).to(dev, non_blocking=True)  # [B, max_blocks]
-            ctx.context_lens = torch.tensor(lens, dtype=torch.int32).to(dev, non_blocking=True)  # [B]
+            slot_parts.append([self.block_manager.slot(s, s.num_computed) for s in seqs])
+            up["block_tables"], up["context_lens"] = tables, lens
             ctx.decode_len = max(lens)
         elif nd:
             seqs = batch.seqs[:nd]
-            lens = [s.num_computed + 1 for s in seqs]
-            max_len = max(lens)
-            max_blocks = max(len(s.block_table) for s in seqs)
-            tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
-            pos = torch.arange(max_len)
+            lens = np.array([s.num_computed + 1 for s in seqs])
+            max_len = int(lens.max())
+            tables = np.zeros((nd, max(len(s.block_table) for s in seqs)), dtype=np.int64)
+            for i, s in enumerate(seqs):
+                tables[i, : len(s.block_table)] = s.block_table
+            pos = np.arange(max_len)
             slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [B, Lmax]
-            lens_t = torch.tensor(lens)
-            valid = pos[None, :] < lens_t[:, None]  # [B, Lmax]
-            slots = torch.where(valid, slots, self.attn.null_slot)
-            slot_parts.append(slots.gather(1, (lens_t - 1)[:, None])[:, 0])  # the new token's slot
-            ctx.decode_slots = slots.reshape(-1).to(dev, non_blocking=True)
+            valid = pos[None, :] < lens[:, None]  # [B, Lmax]
+            slots = np.where(valid, slots, self.attn.null_slot)
+            slot_parts.append(slots[np.arange(nd), lens - 1])  # the new token's slot
+            up["decode_slots"] = slots
             # equal lengths need no mask (SDPA's unmasked path is faster); else it is built on the device
-            if min(lens) != max_len:
-                lens_d = lens_t.to(dev, non_blocking=True)
-                ctx.decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens_d[:, None])[:, None, None, :]
+            if lens.min() != max_len:
+                up["decode_lens"] = lens
+                mask_len = max_len
             ctx.decode_len = max_len
         if nd:  # decodes feed their last token; row i of the logits is decode i
             for s in batch.seqs[:nd]:
@@ -139,6 +143,7 @@ class ModelRunner:
                 positions.append(s.num_computed)
             sample_rows.extend(range(nd))
         offset = nd
+        chunks = []
         for i in range(nd, len(batch)):
             seq, n = batch.seqs[i], batch.num_tokens[i]
             c = seq.num_computed
@@ -146,20 +151,38 @@ class ModelRunner:
             positions.extend(range(c, c + n))
             ctx_slots = self._slots(seq.block_table, 0, c + n)
             slot_parts.append(ctx_slots[c:])
-            if c == 0:
-                chunk = PrefillChunk(offset, offset + n, None, None)
-            else:  # the causal mask after c cached tokens, built on the device
-                q_pos = torch.arange(c, c + n, device=dev)
-                mask = torch.arange(c + n, device=dev)[None, :] <= q_pos[:, None]  # [n, L]
-                chunk = PrefillChunk(offset, offset + n, ctx_slots.to(dev, non_blocking=True), mask)
-            ctx.prefills.append(chunk)
+            if c:
+                up[f"prefill{i}"] = ctx_slots
+            chunks.append((i, offset, n, c))
             offset += n
             if c + n == len(seq):
                 sample_rows.append(i)
-        ctx.slot_mapping = torch.cat(slot_parts).to(dev, non_blocking=True)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
-        return input_ids, pos_t, ctx, sample_rows
+        ends = np.cumsum(batch.num_tokens) - 1
+        up["slot_mapping"] = np.concatenate([np.asarray(p, dtype=np.int64) for p in slot_parts])
+        up["input_ids"], up["positions"], up["last"] = ids, positions, ends[sample_rows]
+        got = dict(zip(up, self.staging.upload(list(up.values()))))
+        ctx.slot_mapping = got["slot_mapping"]
+        if "mirror_pos" in got:
+            ctx.mirror_pos = got["mirror_pos"]
+            if mask_len:  # built on the device from the positions already there
+                valid = torch.arange(mask_len, device=dev)[None, :] <= ctx.mirror_pos[:, None]  # [B, Lmax]
+                ctx.decode_mask = valid[:, None, None, :]
+        if "block_tables" in got:
+            ctx.block_tables = got["block_tables"].view(nd, -1).to(torch.int32)  # [B, max_blocks]
+            ctx.context_lens = got["context_lens"].to(torch.int32)  # [B]
+        if "decode_slots" in got:
+            ctx.decode_slots = got["decode_slots"]
+            if mask_len:
+                lens_d = got["decode_lens"]
+                ctx.decode_mask = (torch.arange(mask_len, device=dev)[None, :] < lens_d[:, None])[:, None, None, :]
+        for i, start, n, c in chunks:
+            if c == 0:
+                ctx.prefills.append(PrefillChunk(start, start + n, None, None))
+            else:  # the causal mask after c cached tokens, built on the device
+                q_pos = torch.arange(c, c + n, device=dev)
+                mask = torch.arange(c + n, device=dev)[None, :] <= q_pos[:, None]  # [n, L]
+                ctx.prefills.append(PrefillChunk(start, start + n, got[f"prefill{i}"], mask))
+        return got["input_ids"], got["positions"], ctx, sample_rows, got["last"]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
@@ -167,7 +190,7 @@ class ModelRunner:
         n = len(batch)
         if self.graphs is not None and batch.num_decode == n and self.graphs.bucket(n) is not None:
             return self.graphs.run(batch.seqs, self.block_manager.slot), list(range(n))
-        input_ids, positions, ctx, sample_rows = self._context(batch)
+        input_ids, positions, ctx, sample_rows, last = self._context(batch)
         self.attn.ctx = ctx
         try:
             hidden = self.model(input_ids, positions, self.attn)  # [T, H]
@@ -177,12 +200,6 @@ class ModelRunner:
             self.mirror.advance()
         if not sample_rows:
             return None, []
-        ends = []
-        offset = 0
-        for n in batch.num_tokens:
-            offset += n
-            ends.append(offset - 1)
-        last = torch.tensor([ends[i] for i in sample_rows], device=hidden.device)
         logits = self.sampled_logits(hidden.index_select(0, last))  # [N, V]
         return logits.float(), sample_rows
 
@@ -216,11 +233,21 @@ class SampledLogits:
                 return torch.mm(hidden, w.t(), out_dtype=torch.float32)
             except (TypeError, RuntimeError, NotImplementedError):
                 self._mm_out_dtype = False
+        return F.linear(hidden.float(), self.refresh())
+
+    def refresh(self) -> torch.Tensor | None:
+        """The fp32 copy of the LM head, copied again (in place: same storage) when W changed; None
+        while no fp32 copy is in use. A captured decode graph reads the copy without running this
+        Python, so DecodeGraphs calls ``refresh()`` before every replay: after a pull it would
+        otherwise keep sampling from the previous version's head."""
+        w = self.model.lm_head_weight
+        if self._w32 is None and (w.dtype in (torch.float32, torch.float64) or (w.is_cuda and self._mm_out_dtype)):
+            return None
         key = (w.data_ptr(), w._version)
-        if key != self._key:  # refreshed in place: a captured decode graph keeps reading the same tensor
+        if key != self._key:
             if self._w32 is not None and self._w32.shape == w.shape and self._w32.device == w.device:
                 self._w32.copy_(w)
             else:
                 self._w32 = w.float()
             self._key = key
-        return F.linear(hidden.float(), self._w32)
+        return self._w32

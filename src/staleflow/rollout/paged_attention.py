@@ -135,17 +135,19 @@ def prefill_sdpa(
     GQA without repeating K/V: `enable_gqa` (bit-identical on CPU to repeating K/V, checked over
     360 shapes in fp32 and bf16; on CUDA the flash kernel takes it natively). With a mask on CUDA
     the kernel that accepts masks (memory-efficient) has no GQA and SDPA would fall back to the
-    math path, so `stack_groups` lays the G query heads of a kv head out as G x n query rows of
-    that head instead (the mask repeated G times). 4-D [1, H, n, D] inputs so CUDA picks a fused
+    math path, so `stack_groups` puts the G query heads of each kv head in the batch dimension
+    instead: q [G, Hkv, n, D] over K/V expanded to [G, Hkv, L, D] (stride 0: no copy) with the one
+    [n, L] mask broadcast to every head (no copy per head either). 4-D inputs so CUDA picks a fused
     kernel.
     """
     n_heads, n, head_dim = q.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
     if stack_groups and group > 1:
-        qg = q.reshape(1, n_kv, group * n, head_dim)  # [1, Hkv, G n, D], row g * n + i
-        out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask.repeat(group, 1))
-        return out.view(n_heads, n, head_dim)
+        qg = q.view(n_kv, group, n, head_dim).transpose(0, 1)  # [G, Hkv, n, D]: head h = kv * G + g
+        kg, vg = k[None].expand(group, -1, -1, -1), v[None].expand(group, -1, -1, -1)  # [G, Hkv, L, D]
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask[None, None])  # [G, Hkv, n, D]
+        return out.transpose(0, 1).reshape(n_heads, n, head_dim)
     return F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, enable_gqa=group > 1
     )[0]

@@ -13,8 +13,9 @@ Per row r with temperature t_r (greedy rows use t = 1 for their log-prob):
    chunk), not one fp64 cumsum over the vocabulary. With top-k / top-p the kept set is the
    prefix of the tokens sorted by probability, found without a full sort (`truncation_mask`:
    a 32 x 49k sort costs ~175 ms on one CPU core), then drawn from in vocabulary order.
-The step's tokens and log-probs reach the host in one transfer (the engine must emit them); on
-CUDA nothing else waits for the device.
+The per-row parameters (temperatures, uniforms, top-k / top-p, row indices) go to the device in one
+non-blocking copy from a pinned buffer (``HostStaging``), and the step's tokens and log-probs reach
+the host in one transfer (the engine must emit them): on CUDA nothing else waits for the device.
 u is a counter-based hash of (request seed, output position): it does not depend on the
 batch, the device or on how many steps ran before, so a seeded request samples the same
 tokens alone, in any batch, and after an abort + resume.
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from staleflow.rollout.engine import SamplingParams
+from staleflow.rollout.staging import HostStaging
 
 _MASK64 = (1 << 64) - 1
 
@@ -52,42 +54,54 @@ _BUCKET_SHIFT = 20
 
 
 class Sampler:
+    def __init__(self):
+        self.staging: HostStaging | None = None
+        """The per-row parameters' one host-to-device copy (made for the logits' device on first use)."""
+
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
     ) -> tuple[list[int], list[float]]:
         """logits [N, V] (any float dtype) -> (tokens, log-probs) for the N rows."""
         n = logits.shape[0]
         device = logits.device
+        if self.staging is None or self.staging.device != device:
+            self.staging = HostStaging(device, torch.float64)
         logits = logits.float()
         temps = [1.0 if p.temperature == 0 else p.temperature for p in params]
-        if all(t == 1.0 for t in temps):
-            scaled = logits
-        else:
-            scaled = logits / torch.tensor(temps, device=device, dtype=torch.float32)[:, None]
-        logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
-        tokens = torch.empty(n, dtype=torch.long, device=device)
-
         greedy = [i for i, p in enumerate(params) if p.greedy]
         plain = [i for i, p in enumerate(params) if not p.greedy and p.top_p >= 1.0 and p.top_k == 0]
         trunc = [i for i, p in enumerate(params) if not p.greedy and (p.top_p < 1.0 or p.top_k > 0)]
+        scale = not all(t == 1.0 for t in temps)
+        # every per-row value the device needs, in one fp64 upload (indices and top-k are exact in fp64)
+        (t_d, g_idx, p_idx, p_u, t_idx, t_u, t_k, t_p) = self.staging.upload(
+            [
+                temps if scale else [],
+                greedy if 0 < len(greedy) < n else [],
+                plain if 0 < len(plain) < n else [],
+                [uniform(seeds[i], positions[i]) for i in plain],
+                trunc,
+                [uniform(seeds[i], positions[i]) for i in trunc],
+                [params[i].top_k for i in trunc],
+                [params[i].top_p for i in trunc],
+            ]
+        )
+        scaled = logits / t_d.float()[:, None] if scale else logits
+        logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
+        tokens = torch.empty(n, dtype=torch.long, device=device)
         if len(greedy) == n:
             tokens = logits.argmax(dim=-1)
         elif greedy:
-            idx = torch.tensor(greedy, device=device)
+            idx = g_idx.long()
             tokens[idx] = logits[idx].argmax(dim=-1)
         if plain:
-            u = torch.tensor([uniform(seeds[i], positions[i]) for i in plain], device=device, dtype=torch.float64)
             if len(plain) == n:
-                tokens = draw_chunked(logprobs.exp(), u)
+                tokens = draw_chunked(logprobs.exp(), p_u)
             else:
-                idx = torch.tensor(plain, device=device)
-                tokens[idx] = draw_chunked(logprobs[idx].exp(), u)
+                idx = p_idx.long()
+                tokens[idx] = draw_chunked(logprobs[idx].exp(), p_u)
         if trunc:
-            idx = torch.tensor(trunc, device=device)
-            u = torch.tensor([uniform(seeds[i], positions[i]) for i in trunc], device=device, dtype=torch.float64)
-            top_k = torch.tensor([params[i].top_k for i in trunc], device=device)
-            top_p = torch.tensor([params[i].top_p for i in trunc], device=device, dtype=torch.float64)
-            tokens[idx] = draw_truncated(logprobs[idx].exp(), u, top_k, top_p)
+            idx = t_idx.long()
+            tokens[idx] = draw_truncated(logprobs[idx].exp(), t_u, t_k.long(), t_p)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
         # the step's one device -> host transfer: tokens (exact in fp64) and their log-probs together
         both = torch.stack((tokens.double(), chosen.double())).tolist()
