@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("--len", type=int, default=1024, help="prompt and response tokens of each trajectory")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3, help="steps, the first one untimed")
+    ap.add_argument("--validate", action="store_true", help="build the configs and the plan row only (no device)")
     args = ap.parse_args()
     from staleflow.config import RolloutConfig, RunConfig, TrainConfig
     from staleflow.plan.architecture import model_args
@@ -68,6 +69,13 @@ def main() -> int:
         )  # fmt: skip
     cuda = args.device == "cuda"
     cfg = TrainConfig(lr=1e-6, micro_batch_tokens=args.micro_batch_tokens)
+    if args.validate:  # scripts/device_check.sh --dry-run: the configs this run builds, without a device
+        run_cfg = RunConfig(
+            rollout=RolloutConfig(max_model_len=2 * args.len, max_kv_tokens=max(65536, 2 * args.len)), train=cfg
+        )
+        plan = trainer_rank(run_cfg, margs, 0, 1, args.device, 0, flash=False)
+        print(json.dumps({"validated": ["trainer"], "plan_gib": round(plan.steady / GiB, 3), "ok": True}))
+        return 0
     t0 = time.perf_counter()
     model = build_model(margs, args.device, MASTER_DTYPE)
     trainer = Trainer(model, cfg, args.device, max_response_tokens=args.len)

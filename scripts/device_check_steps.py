@@ -154,7 +154,7 @@ def step_trainer(device: str) -> dict:
 
 def _ps_tensors(version: int, device: str) -> dict[str, torch.Tensor]:
     """fp32 'master' tensors of a ~1.3 GB bf16 model (Qwen2.5-0.5B-like shapes; tiny on CPU), version-derived."""
-    big = device == "cuda"
+    big = device in ("cuda", "meta")
     shapes = {
         "model.embed_tokens.weight": (151936, 896) if big else (100, 16),
         "lm_head.weight": (151936, 896) if big else (100, 16),
@@ -368,11 +368,29 @@ def step_env(device: str) -> dict:
     return out
 
 
+def validate(step: str, device: str) -> dict:
+    """What ``step`` builds on ``device``, resolved here without one: the Parameter Server layout of
+    the ps step (its pieces must split it), the env step's probes (nothing to build)."""
+    if step == "ps":
+        from staleflow.servers import ParamLayout
+
+        with torch.device("meta"):
+            tensors = _ps_tensors(0, "meta")
+        layout = ParamLayout.from_named_tensors(tensors, dtype=torch.bfloat16)
+        pieces = layout.split(2 if device == "cuda" else 1)
+        return {"validated": ["ps"], "slot_gib": round(layout.nbytes / GiB, 3), "pieces": len(pieces), "ok": True}
+    return {"validated": [step], "ok": True}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("step", choices=("trainer", "ps", "env"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--validate", action="store_true", help="resolve what the step builds, without a device")
     args = ap.parse_args()
+    if args.validate:  # scripts/device_check.sh --dry-run
+        print(json.dumps(validate(args.step, args.device)))
+        return 0
     if args.device == "cuda":
         torch.cuda.set_device(0)
     t0 = time.perf_counter()

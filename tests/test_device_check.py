@@ -28,15 +28,14 @@ def test_device_check_step_runs_on_cpu(step):
         assert [p["exact"] for p in res["pulls"]] == [True] * 4 and {p["reader"] for p in res["pulls"]} == {2, 3}
 
 
-def test_device_check_dry_run_lists_every_step_with_its_limit_within_six_minutes(tmp_path):
-    import re
-    import tarfile
-
+def _dry_run(tmp_path, **env_extra) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
     env = {
         **os.environ,
         "OUT": str(out),
+        "PYTHON": sys.executable,
         "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))),
+        **env_extra,
     }
     proc = subprocess.run(
         ["bash", str(SCRIPT.parent / "device_check.sh"), "--dry-run"],
@@ -46,19 +45,142 @@ def test_device_check_dry_run_lists_every_step_with_its_limit_within_six_minutes
         cwd=tmp_path,
         env=env,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    steps = re.findall(r"^step (\d+) (\w+): limit (\d+) s: (.*)$", proc.stdout, re.M)
-    names = [s[1] for s in steps]
-    assert names == ["env", "ps_ipc", "torchrun_2proc", "engine_gpu", "kernel_tests", "kernel_bench", "engine_7b",
-                     "trainer_7b"]  # fmt: skip
-    assert sum(int(s[2]) for s in steps) <= 360
-    commands = {s[1]: s[3] for s in steps}
-    assert "plan" not in names and "--shapes 16384x3584x152064" in commands["kernel_bench"]  # the 7B shape only
-    assert sorted(p.name for p in out.iterdir()) == ["device_check.json", "device_check_logs.tar.gz"]  # <= 2 files
-    summary = json.loads((out / "device_check.json").read_text())
-    assert summary["dry_run"] is True and summary["limit_total_s"] == sum(int(s[2]) for s in steps)
-    with tarfile.open(out / "device_check_logs.tar.gz") as tar:
-        assert {Path(n).name for n in tar.getnames()} >= {f"{n}.log" for n in names}
+    return proc, out
+
+
+def test_device_check_dry_run_validates_two_calls_each_within_five_minutes(tmp_path):
+    import re
+    import tarfile
+
+    proc, out = _dry_run(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    calls: dict[str, list] = {}
+    current = None
+    for line in proc.stdout.splitlines():
+        m = re.match(r"^call (\w+)$", line)
+        if m:
+            current = calls.setdefault(m.group(1), [])
+        m = re.match(r"^step (\d+) (\w+): limit (\d+) s: (.*)$", line)
+        if m:
+            current.append(m.groups())
+    assert list(calls) == ["correctness", "benchmark"]
+    names = {c: [s[1] for s in steps] for c, steps in calls.items()}
+    assert names == {
+        "correctness": ["env", "ps_ipc", "torchrun_2proc", "engine_gpu", "kernel_tests", "decode_graphs"],
+        "benchmark": ["kernel_bench", "engine_7b", "trainer_7b"],
+    }
+    assert all(sum(int(s[2]) for s in steps) <= 300 for steps in calls.values())
+    commands = {s[1]: s[3] for steps in calls.values() for s in steps}
+    assert "tests/test_decode_device.py" in commands["decode_graphs"]  # the graph replay test runs on the device
+    assert "--shapes 16384x3584x152064" in commands["kernel_bench"] and "chunked-train" in commands["kernel_bench"]
+    assert "gather+graphs" not in commands["engine_7b"]
+    # every step validated, and the dry run says so
+    assert proc.stdout.count("  validated ") == 9 and "INVALID" not in proc.stdout
+    assert "configurations validated" in proc.stdout
+    # never a bare `python`: the interpreter it was started with
+    assert not re.search(r"(^|[\s:])python ", commands["env"]) and commands["env"].startswith(sys.executable)
+    files = sorted(p.name for p in out.iterdir())
+    assert files == [
+        "device_check_benchmark.json",
+        "device_check_benchmark_logs.tar.gz",
+        "device_check_correctness.json",
+        "device_check_correctness_logs.tar.gz",
+    ]
+    for call, steps in calls.items():
+        summary = json.loads((out / f"device_check_{call}.json").read_text())
+        assert summary["dry_run"] is True and summary["limit_total_s"] == sum(int(s[2]) for s in steps)
+        with tarfile.open(out / f"device_check_{call}_logs.tar.gz") as tar:
+            assert {Path(n).name for n in tar.getnames()} >= {f"{s[1]}.log" for s in steps}
+
+
+def test_device_check_dry_run_fails_on_the_old_step_7_matrix(tmp_path):
+    """The matrix step 7 used to build (every backend with CUDA graphs off and on) includes graphs on
+    gather, which check_cuda_graphs refuses on the device: the dry run (scripts/device_check_validate.py
+    on the step's exact command) must fail on it, naming why."""
+    proc, _ = _dry_run(tmp_path, STEPS="8", ENGINE_CONFIGS="triton,triton+graphs,gather,gather+graphs")
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert "INVALID engine_7b: gather+graphs: --rollout.cuda-graphs needs the triton or flash decode backend" in (
+        proc.stdout
+    )
+    assert "configuration validation FAILED" in proc.stderr
+
+
+def test_device_check_script_calls_no_bare_python():
+    import re
+
+    for name in ("device_check.sh", "device_check_prepare.sh"):
+        text = (SCRIPT.parent / name).read_text()
+        code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+        assert not re.search(r"(^|[\s;|&(])python\s", code), name
+
+
+def test_device_check_engine_configs_are_validated_by_check_cuda_graphs():
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "bench_engine_shape.py"), "--validate", "--device", "cuda",
+         "--configs", "triton,triton+graphs,gather,gather+graphs,mirror"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert res.returncode == 2 and out["ok"] is False
+    assert [e.split(":")[0] for e in out["errors"]] == ["gather+graphs", "mirror"]
+
+
+def test_device_check_run_kills_a_timed_out_tree_with_a_setsid_grandchild(tmp_path):
+    """scripts/device_check_run.py: a step whose grandchild left the step's session (setsid, as
+    torchrun's workers do) and which runs past its limit leaves no process behind."""
+    prog = tmp_path / "tree.py"
+    prog.write_text(
+        "import os, subprocess, sys, time\n"
+        "role, pidfile = sys.argv[1], sys.argv[2]\n"
+        "if role == 'grandchild':\n"
+        "    os.setsid()\n"
+        "    open(pidfile, 'w').write(str(os.getpid()))\n"
+        "else:\n"
+        "    subprocess.Popen([sys.executable, __file__, 'child' if role == 'parent' else 'grandchild', pidfile])\n"
+        "time.sleep(120)\n"
+    )
+    pidfile = tmp_path / "grandchild.pid"
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import device_check_run as dcr
+    finally:
+        sys.path.pop(0)
+    marker_seen = []
+    orig = dcr.kill_step
+
+    def spy(root, marker, grace_s=3.0):
+        import time
+
+        for _ in range(100):  # the grandchild is up before the limit (it writes its pid first)
+            if pidfile.exists() and pidfile.read_text():
+                break
+            time.sleep(0.05)
+        marker_seen.append(marker)
+        return orig(root, marker, grace_s)
+
+    dcr.kill_step = spy
+    try:
+        res = dcr.run_step([sys.executable, str(prog), "parent", str(pidfile)], 3.0, str(tmp_path / "step.log"))
+    finally:
+        dcr.kill_step = orig
+    assert res["timed_out"] and res["rc"] == 124 and res["left"] == 0 and res["killed"] >= 3
+    gpid = int(pidfile.read_text())
+    stat = Path(f"/proc/{gpid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # gone (or a zombie)
+    assert dcr.step_processes(0, marker_seen[0], set()) == set()  # nothing carries the step's marker
+    assert "ran past its limit" in (tmp_path / "step.log").read_text()
+
+
+def test_device_check_env_detects_gvisor_from_dmesg_or_proc_version():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from device_check_steps import kernel_info
+    finally:
+        sys.path.pop(0)
+    assert kernel_info("Linux version 6.18.0 (gcc) #1 SMP", "[0.0] Linux")["sandbox"] is None
+    assert kernel_info("Linux version 4.4.0 #1 SMP Sun Jan 10 15:06:54 PST 2016", "")["sandbox"] == "gvisor"
+    assert kernel_info("Linux version 4.4.0", "[   0.000000] Starting gVisor...")["sandbox"] == "gvisor"
+    assert kernel_info("", "")["kernel"]  # uname -r is always recorded
 
 
 def test_device_check_env_step_records_versions_and_out_dtype_support():
@@ -90,7 +212,7 @@ def test_device_check_engine_shape_bench_runs_small_on_cpu():
     assert res["ok"] is True and [r["backend"] for r in res["runs"]] == ["gather", "mirror"]
     assert all(r["decode_tok_s"] > 0 and r["agree_with_base"] == 1.0 for r in res["runs"])  # fp32: identical tokens
     assert res["runs"][0]["tok_s_vs_base"] == 1.0 and res["plan_gib"] > 0
-    assert res["cuda_graphs"] in ("available", "unavailable") and res["runs"][0]["cuda_graphs"] == "unavailable"
+    assert res["configs"] == ["gather", "mirror"] and res["runs"][0]["cuda_graphs"] is False
 
 
 def test_device_check_trainer_shape_bench_runs_small_on_cpu():

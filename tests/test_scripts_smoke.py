@@ -125,7 +125,13 @@ SMOKE: dict[str, Smoke] = {
         why="downloads wheels from PyPI into .whl/ and copies the tiny model "
         "into .devcheck/ of the checkout; its pins are checked against the lock below",
     ),
+    "device_check_run.py": Smoke(
+        "test", test="tests/test_device_check.py::test_device_check_run_kills_a_timed_out_tree_with_a_setsid_grandchild"
+    ),
     "device_check_steps.py": Smoke("test", test="tests/test_device_check.py::test_device_check_step_runs_on_cpu"),
+    "device_check_validate.py": Smoke(
+        "test", test="tests/test_device_check.py::test_device_check_dry_run_fails_on_the_old_step_7_matrix"
+    ),
     "fit_cost_model.py": Smoke("test", test=BENCH + "test_fit_cost_model_output_is_a_loadable_cost_model"),
     "lock_deps.sh": Smoke(
         "static", why="builds a venv with the newest allowed versions from PyPI and rewrites requirements.lock"
@@ -254,23 +260,32 @@ def test_scripts_smoke_bench_modes_then_check_export(tmp_path):
 
 
 def test_scripts_smoke_device_check_cpu_step(tmp_path):
-    """device_check.sh's steps 2-8 need CUDA; step 1 (the environment) runs on any machine, and with
-    it the script's shim, its step runner, its summary and its two output files."""
+    """device_check.sh's steps 2-9 need CUDA; step 1 (the environment) runs on any machine, and with
+    it the script's shim, its step runner, its summary and the correctness call's two output files."""
     env = {
         **os.environ,
         "STEPS": "1",
         "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
         "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))),
     }
     proc = subprocess.run(
-        ["bash", str(SCRIPTS / "device_check.sh")], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+        ["bash", str(SCRIPTS / "device_check.sh"), "correctness"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["device_check.json", "device_check_logs.tar.gz"]
-    summary = json.loads((tmp_path / "device_check.json").read_text())
+    names = ["device_check_correctness.json", "device_check_correctness_logs.tar.gz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    summary = json.loads((tmp_path / "device_check_correctness.json").read_text())
     assert summary["ok"] is True and [s["step"] for s in summary["steps"]] == [1], summary
     assert summary["steps"][0]["status"] == "pass" and summary["env"]["torch"] == __import__("torch").__version__
     assert summary["env"]["hf_hub_offline"] == "1" and "mm_out_dtype" in summary["env"]
+    assert summary["env"]["kernel"] and "sandbox" in summary["env"]
+    assert summary["steps"][0]["runner"]["left"] == 0  # the step runner found nothing of it left
 
 
 # Paths a script names that are its outputs or someone else's, not files of this repository.
