@@ -151,3 +151,31 @@ def test_decode_device_cuda_graph_replay_matches_the_eager_engine_on_gpu():
     for x, y in zip(outs[eager], outs[graphed]):
         assert x.output_ids == y.output_ids and x.versions == y.versions
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_decode_device_one_synchronisation_per_decode_step_on_gpu():
+    """On a GPU a pure decode step waits for the device once (its tokens and log-probs coming back):
+    the step's index arrays and the sampler's parameters go up from pinned staging buffers without a
+    wait (torch.cuda.set_sync_debug_mode counts every synchronising call)."""
+    import warnings
+
+    dev = torch.device("cuda")
+    eng = BuiltinEngine(_model().to(dev), max_running=4, max_kv_tokens=256, block_size=4, prefill_chunk_tokens=64,
+                        max_model_len=48)  # fmt: skip
+    eng.generate(_requests(n_new=4))  # warm-up: kernels, staging buffers
+    for r in _requests(n_new=12):
+        eng.add(r)
+    eng.step()  # the prefills (whole prompts in one chunk)
+    eng.step()
+    counts = []
+    for _ in range(4):  # pure decode steps
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counts.append(sum("synchroniz" in str(w.message) for w in seen))
+    assert counts == [1, 1, 1, 1], counts

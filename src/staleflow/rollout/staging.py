@@ -44,7 +44,7 @@ class HostStaging:
 
     def _wait_all(self) -> None:
         for ev in self.events:
-            if ev is not None:
+            if ev is not None and not ev.query():
                 ev.synchronize()
 
     def upload(self, parts: Sequence) -> list[torch.Tensor]:
@@ -55,8 +55,9 @@ class HostStaging:
         self._grow(total)
         turn = self._turn
         self._turn ^= 1
-        if self.events[turn] is not None:
-            self.events[turn].synchronize()  # its last copy (two uploads ago) has been read
+        ev = self.events[turn]
+        if ev is not None and not ev.query():  # its last copy (two uploads ago) not read yet: rare
+            ev.synchronize()
         buf = self.host_np[turn]
         offset = 0
         for p, n in zip(parts, sizes):

@@ -43,7 +43,7 @@ from staleflow.durable import DiskError, atomic_write_json, disk_errors, file_sh
 from staleflow.train.checkpoint_writer import DISK as _DISK
 from staleflow.train.checkpoint_writer import FAILED as _FAILED
 from staleflow.train.checkpoint_writer import OK as _OK
-from staleflow.train.checkpoint_writer import CheckpointWriter, SaveJob, host_copy, settle
+from staleflow.train.checkpoint_writer import CheckpointWriter, SaveJob, settle
 from staleflow.train.checkpoint_writer import worst as _worst
 from staleflow.train.export import export_hf  # noqa: F401 - part of this module's API
 from staleflow.train.state_store import (
@@ -250,7 +250,7 @@ def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: 
     return finish_save(trainer, writer, final)
 
 
-def _snapshot(trainer, tmp: Path, final: Path, extra: dict | None, keep: int, buffers: dict) -> SaveJob:
+def _snapshot(trainer, tmp: Path, final: Path, extra: dict | None, keep: int, buffers) -> SaveJob:
     """This rank's state copied into host buffers (the writer's own, reused), and the job that writes it."""
     model_sd, optim_sd = _live_state(trainer)
     flat, groups = flatten_state(model_sd, optim_sd)
@@ -258,7 +258,7 @@ def _snapshot(trainer, tmp: Path, final: Path, extra: dict | None, keep: int, bu
     index["param_groups"] = groups
     copy = buffers is not None
     cuda = any(t.is_cuda for _, t in mine)
-    items = [(name, host_copy(t, buffers, name) if copy else t) for name, t in mine]
+    items = buffers.snapshot(list(mine)) if copy else list(mine)  # one exact-size host arena (HostArena)
     ready = None
     if copy and cuda:
         ready = torch.cuda.Event()
