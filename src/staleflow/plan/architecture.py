@@ -25,13 +25,19 @@ def bundled_architectures() -> list[str]:
 
 
 def model_config(path: str) -> dict:
-    """config.json of ``path``: a model folder, an alias (built on first use), or a bundled name."""
-    from staleflow.model.aliases import ALIASES
+    """config.json of ``path``: a model folder, an alias (built on first use), a Hub id in the local
+    Hugging Face cache, or a bundled name (a Hub id not downloaded yet can still be planned)."""
+    from staleflow.model.aliases import ALIASES, AliasError, hub_snapshot, is_hub_id
 
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return json.loads((folder / "config.json").read_text())
-    if path in ALIASES:
+    if is_hub_id(path):
+        try:
+            return json.loads((hub_snapshot(path) / "config.json").read_text())
+        except AliasError:
+            pass  # not downloaded: its bundled architecture below
+    elif path in ALIASES:
         from staleflow.model.loader import resolve_model_path
 
         return json.loads((Path(resolve_model_path(path)) / "config.json").read_text())
