@@ -17,6 +17,7 @@ Prints one line ``validated NAME: ...`` or ``INVALID NAME: <reason>``; exit 0 or
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -101,10 +102,14 @@ def validate(name: str, cmd: list[str]) -> tuple[bool, str]:
 
 
 def main() -> int:
-    if len(sys.argv) < 4 or sys.argv[2] != "--":
-        print("usage: device_check_validate.py NAME -- CMD [ARGS...]", file=sys.stderr)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name", help="the step's name")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- and the step's exact command")
+    args = ap.parse_args()
+    name, cmd = args.name, args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        print("device_check_validate: no command given after --", file=sys.stderr)
         return 2
-    name, cmd = sys.argv[1], sys.argv[3:]
     try:
         ok, text = validate(name, cmd)
     except Exception as e:  # a validator that cannot run is a failed validation, said in one line

@@ -41,8 +41,15 @@ FENCED: dict[str, str] = {
     "shortened to 2 steps",
     "bash scripts/setup_env.sh": "builds .venv (~900 MB); .ci/run runs it; tests/test_scripts_smoke.py checks it",
     ".venv/bin/python -m pytest -q tests": "the whole suite (~26 min on 2 idle cores, measured 2026-12-02); .ci/run runs exactly this",
-    "TORCH_SPEC=torch ./launch.sh --preset gpu-7b --model.path /models/Qwen2.5-7B-Instruct --data.source "
+    "./launch.sh --preset gpu-7b --model.path /models/Qwen2.5-7B-Instruct --data.source "
     "/data/math.jsonl --reward.fn math --staleness.eta 2 --steps 200": "needs 8 GPUs, the model and the data file",
+    "bash scripts/setup_env.sh --cuda": "a GPU node: installs CUDA torch and vLLM (several GB); "
+    "tests/test_gpu_install.py checks its driver check and its commands with a fake nvidia-smi",
+    "bash scripts/device_check_prepare.sh": "downloads wheels from PyPI into .whl/ (device check preparation)",
+    "bash scripts/device_check.sh --dry-run": "validates every device-check configuration (~30 s); "
+    "tests/test_device_check.py runs it",
+    "bash scripts/device_check.sh correctness": "needs a GPU (the device check's first call)",
+    "bash scripts/device_check.sh benchmark": "needs a GPU (the device check's second call)",
     "python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 "
     "--master-port 29400 -m staleflow train --rollout.ranks 12 ...": "needs two 8-GPU nodes",
     ".venv/bin/python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr "
