@@ -222,3 +222,34 @@ def test_device_check_trainer_shape_bench_runs_small_on_cpu():
     )  # fmt: skip
     assert res["ok"] is True and res["tokens_per_step"] == 8 * 32 and res["tokens_per_s"] > 0
     assert res["shape"]["layers"] == 2 and res["plan_gib"] > 0 and "optim_step" in res["plan_items_gib"]
+
+
+def test_device_check_ipc_steps_skip_under_gvisor_with_one_line(tmp_path):
+    """Step 1 records the kernel and detects gVisor (here from a faked dmesg on PATH); the CUDA IPC
+    step is then skipped with its reason instead of failing."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "dmesg").write_text("#!/bin/sh\necho '[    0.000000] Starting gVisor...'\n")
+    (fake / "dmesg").chmod(0o755)
+    env = {
+        **os.environ,
+        "STEPS": "1 2",
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": sys.executable,
+        "PATH": os.pathsep.join((str(fake), str(Path(sys.executable).parent), os.environ.get("PATH", ""))),
+    }
+    proc = subprocess.run(
+        ["bash", str(SCRIPT.parent / "device_check.sh"), "correctness"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "device_check_correctness.json").read_text())
+    env_step, ipc = summary["steps"]
+    assert env_step["status"] == "pass" and env_step["detail"]["sandbox"] == "gvisor" and env_step["detail"]["kernel"]
+    assert ipc["name"] == "ps_ipc" and ipc["status"] == "skipped"
+    assert ipc["detail"]["skipped"].startswith("CUDA IPC may be refused under gvisor (kernel ")
+    assert "ps_ipc skipped: CUDA IPC may be refused under gvisor" in proc.stdout
