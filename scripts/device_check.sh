@@ -212,7 +212,8 @@ correctness() {
     step 1 env 40 -- "$PY" scripts/device_check_steps.py env
     SANDBOX="" KERNEL=""
     if [ "$DRY" = 0 ] && [ -f "$LOG_DIR/env.log" ]; then
-        read -r SANDBOX KERNEL < <("$PY" - "$LOG_DIR/env.log" <<'PY'
+        # '|' between the two (a whitespace IFS would drop an empty sandbox and read the kernel as one)
+        IFS='|' read -r SANDBOX KERNEL < <("$PY" - "$LOG_DIR/env.log" <<'PY'
 import json, sys
 d = {}
 for line in open(sys.argv[1], errors="replace"):
@@ -221,7 +222,7 @@ for line in open(sys.argv[1], errors="replace"):
             d = json.loads(line)
         except ValueError:
             pass
-print(d.get("sandbox") or "", d.get("kernel") or "?")
+print(f"{d.get('sandbox') or ''}|{d.get('kernel') or '?'}")
 PY
 )
         [ -n "${STALEFLOW_DEVCHECK_IPC:-}" ] && SANDBOX=""  # forced: try CUDA IPC anyway

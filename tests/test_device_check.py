@@ -253,3 +253,37 @@ def test_device_check_ipc_steps_skip_under_gvisor_with_one_line(tmp_path):
     assert ipc["name"] == "ps_ipc" and ipc["status"] == "skipped"
     assert ipc["detail"]["skipped"].startswith("CUDA IPC may be refused under gvisor (kernel ")
     assert "ps_ipc skipped: CUDA IPC may be refused under gvisor" in proc.stdout
+
+
+def test_device_check_ipc_steps_run_outside_a_sandbox(tmp_path):
+    """No sandbox (a plain dmesg, as on the H100's Firecracker VM): the CUDA IPC step must RUN. An
+    empty sandbox field once shifted the kernel into SANDBOX (whitespace IFS), skipping it everywhere."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from device_check_steps import kernel_info
+
+    if kernel_info(dmesg="")["sandbox"]:
+        pytest.skip("this machine's /proc/version is gVisor's")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "dmesg").write_text("#!/bin/sh\necho '[    0.000000] Linux version 6.18.44'\n")
+    (fake / "dmesg").chmod(0o755)
+    env = {
+        **os.environ,
+        "STEPS": "1 2",
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": sys.executable,
+        "PATH": os.pathsep.join((str(fake), str(Path(sys.executable).parent), os.environ.get("PATH", ""))),
+    }
+    proc = subprocess.run(
+        ["bash", str(SCRIPT.parent / "device_check.sh"), "correctness"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    summary = json.loads((tmp_path / "out" / "device_check_correctness.json").read_text())
+    env_step, ipc = summary["steps"]
+    assert env_step["status"] == "pass" and env_step["detail"]["sandbox"] is None, proc.stdout[-2000:]
+    assert ipc["name"] == "ps_ipc" and ipc["status"] != "skipped", proc.stdout[-2000:]
+    assert "== step 2: ps_ipc (limit" in proc.stdout and "skipped" not in proc.stdout

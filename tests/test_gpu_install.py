@@ -203,3 +203,21 @@ def test_gpu_install_hub_id_missing_from_the_cache_says_how_to_download_it(tmp_p
     from staleflow.plan.architecture import model_args
 
     assert model_args("Qwen/Qwen2.5-7B-Instruct").hidden_size == 3584
+
+
+def test_gpu_install_mistyped_local_folder_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    """``runs/x`` (one slash) matches a Hub id; when ``runs/`` is a folder here, the error names the
+    missing folder (the likely typo), not a download command for a Hub repo called ``runs/x``."""
+    from staleflow.model.aliases import AliasError
+    from staleflow.model.loader import resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(AliasError) as e:
+        resolve_model_path("runs/x")
+    msg = str(e.value)
+    assert "\n" not in msg and "model folder 'runs/x' does not exist" in msg and "'runs' does" in msg
+    assert "hf download" not in msg
+    with pytest.raises(AliasError, match="neither a folder here nor in the local Hugging Face cache"):
+        resolve_model_path("Org/Model")  # no Org/ folder here: a Hub id, how to download it

@@ -294,7 +294,15 @@ def hub_snapshot(repo_id: str) -> Path:
         f"HF_HUB_CACHE / HF_HOME choose where) or give its folder with --model.path"
     )
     if not snaps.is_dir():
-        raise AliasError(f"model {repo_id!r} is not in the local Hugging Face cache ({root}): {download}")
+        parent = Path(repo_id).parent
+        if parent.is_dir():  # "runs/x" with runs/ here: most likely a mistyped local folder, not a Hub id
+            raise AliasError(
+                f"model folder {repo_id!r} does not exist (though {str(parent)!r} does): give an existing "
+                f"Hugging Face model folder with --model.path (as a Hub id it is not in the cache {root} either)"
+            )
+        raise AliasError(
+            f"model {repo_id!r} is neither a folder here nor in the local Hugging Face cache ({root}): {download}"
+        )
     ref = repo / "refs" / "main"
     candidates = []
     if ref.is_file():
