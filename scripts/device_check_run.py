@@ -64,10 +64,16 @@ def step_processes(root: int, marker: str, sessions: set[int]) -> set[int]:
             st = _proc_stat(int(name))
             if st is not None:
                 stats[int(name)] = st
+    # never this driver's own session or ancestors (a reused pid must not widen the kill to them)
+    mine, ancestors, p = os.getsid(0), set(), os.getppid()
+    while p > 1 and p not in ancestors:
+        ancestors.add(p)
+        p = stats.get(p, (0, 0))[0]
+    stats = {pid: st for pid, st in stats.items() if pid not in ancestors}
     found = {pid for pid in stats if pid == root or _has_marker(pid, token)}
     changed = True
     while changed:  # close over children and sessions
-        sessions |= {stats[p][1] for p in found if stats[p][1] not in (0, 1)}
+        sessions |= {stats[p][1] for p in found if stats[p][1] not in (0, 1, mine)}
         more = {p for p, (ppid, sid) in stats.items() if p not in found and (ppid in found or sid in sessions)}
         changed = bool(more)
         found |= more
@@ -107,10 +113,12 @@ def gpu_free(wait_s: float) -> bool | None:
         try:
             out = subprocess.run(
                 [smi, "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
-            ).stdout
+            )
         except (OSError, subprocess.SubprocessError):
             return None
-        if not out.strip():
+        if out.returncode != 0:  # no NVML here (a sandbox): nothing to check, not "busy" for gpu_wait
+            return None
+        if not out.stdout.strip():
             return True
         if time.monotonic() > deadline:
             return False
@@ -128,7 +136,8 @@ def run_step(cmd: list[str], limit_s: float, log: str, grace_s: float = 3.0, gpu
             timed_out = False
         except subprocess.TimeoutExpired:
             rc, timed_out = 124, True
-    killed, left = kill_step(proc.pid, marker, grace_s)  # after a normal end too: orphans it left
+    # after a normal end too (orphans it left); the root only while unreaped (its pid cannot be reused yet)
+    killed, left = kill_step(proc.pid if timed_out else 0, marker, grace_s)
     proc.wait()
     if timed_out:
         with open(log, "a") as out:

@@ -287,3 +287,43 @@ def test_device_check_ipc_steps_run_outside_a_sandbox(tmp_path):
     assert env_step["status"] == "pass" and env_step["detail"]["sandbox"] is None, proc.stdout[-2000:]
     assert ipc["name"] == "ps_ipc" and ipc["status"] != "skipped", proc.stdout[-2000:]
     assert "== step 2: ps_ipc (limit" in proc.stdout and "skipped" not in proc.stdout
+
+
+def _dcr():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import device_check_run
+    finally:
+        sys.path.pop(0)
+    return device_check_run
+
+
+def test_device_check_run_never_widens_the_kill_to_its_own_session():
+    """A root pid that (reused) belongs to a process of the driver's own session must not pull that
+    whole session, the driver's shell and its siblings, into the step's kill list."""
+    dcr = _dcr()
+    a = subprocess.Popen(["sleep", "30"])  # this test's session, as device_check.sh's own helpers are
+    b = subprocess.Popen(["sleep", "30"])
+    try:
+        found = dcr.step_processes(a.pid, "no-such-marker", set())
+        assert found == {a.pid}, found
+        assert os.getppid() not in found and b.pid not in found
+    finally:
+        for p in (a, b):
+            p.kill()
+            p.wait()
+
+
+def test_device_check_run_treats_a_failing_nvidia_smi_as_no_check(tmp_path, monkeypatch):
+    """nvidia-smi that cannot reach NVML (a sandbox) prints its error on stdout and exits non-zero:
+    that is "no check" (None), not a busy GPU waited on after every step."""
+    dcr = _dcr()
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'Failed to initialize NVML: Unknown Error'\nexit 9\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert dcr.gpu_free(0.5) is None
+    fake.write_text("#!/bin/sh\necho 4242\n")  # a compute process that stays: busy
+    assert dcr.gpu_free(0.2) is False
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    assert dcr.gpu_free(0.2) is True
