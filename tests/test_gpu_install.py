@@ -221,3 +221,20 @@ def test_gpu_install_mistyped_local_folder_is_not_sent_to_the_hub(tmp_path, monk
     assert "hf download" not in msg
     with pytest.raises(AliasError, match="neither a folder here nor in the local Hugging Face cache"):
         resolve_model_path("Org/Model")  # no Org/ folder here: a Hub id, how to download it
+
+
+def test_gpu_install_check_leaves_gpus_hidden_on_purpose_alone(monkeypatch):
+    """CUDA_VISIBLE_DEVICES="" (or -1) on a GPU node is a deliberate CPU run: not refused with a
+    reinstall command; unset, the same machine and torch are refused."""
+    from types import SimpleNamespace
+
+    from staleflow.config import ConfigError
+    from staleflow.launch.environment import check_gpu_torch
+
+    cpu_torch = SimpleNamespace(__version__="2.13.0+cpu", version=SimpleNamespace(cuda=None))
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        check_gpu_torch(cpu_torch, gpus=["GPU 0: NVIDIA H100"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ConfigError, match="CPU-only"):
+        check_gpu_torch(cpu_torch, gpus=["GPU 0: NVIDIA H100"])

@@ -172,7 +172,10 @@ def nvidia_gpus(timeout: float = 20) -> list[str]:
 
 def check_gpu_torch(torch_module=None, gpus: list[str] | None = None) -> None:
     """ConfigError when nvidia-smi lists GPUs but this torch cannot use them: a CPU-only build (the
-    quick start's .venv) would run the CPU layout on a GPU node, or fail on the world size."""
+    quick start's .venv) would run the CPU layout on a GPU node, or fail on the world size. GPUs hidden
+    on purpose (``CUDA_VISIBLE_DEVICES`` empty or -1: a CPU run on a GPU node) are not refused."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return
     gpus = nvidia_gpus() if gpus is None else gpus
     if not gpus:
         return
