@@ -116,6 +116,7 @@ except ValueError:
 print(json.dumps({"step": int(step), "name": name, "status": status, "rc": rc, "seconds": float(secs),
                   "limit_s": int(limit), "runner": runner, "detail": detail}))
 PY
+    if [ "$DRY" = 0 ] && [ -n "${CUR_CALL:-}" ]; then summary "$CUR_CALL" partial; fi
 }
 
 # step N NAME LIMIT [--ipc] -- CMD...: validate (dry run) or run one step under its limit
@@ -169,10 +170,12 @@ skip() {
     record "$1" "$2" skipped 0 0 "$3" "$LOG_DIR/$2.log"
 }
 
-# summary CALL: the table, device_check_CALL.json and its logs under $OUT; exit status of the call
+# summary CALL [partial]: the table, device_check_CALL.json and its logs under $OUT; exit status of the call.
+# "partial" (after every step of a real run): only the JSON so far and the logs, quietly, so a call the
+# run tool stops at its timeout still returns every finished step's result.
 summary() {
-    local call=$1
-    "$PY" - "$RESULTS" "$OUT_DIR/device_check_$call.json" "$DRY" "$call" <<'PY'
+    local call=$1 partial=${2:-}
+    "$PY" - "$RESULTS" "$OUT_DIR/device_check_$call.json" "$DRY" "$call" "$partial" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 env = next((r["detail"] for r in rows if r["name"] == "env" and r["status"] == "pass"), {})
@@ -185,7 +188,11 @@ summary = {
     "steps": rows,
     "ok": all(r["status"] in ("pass", "skipped", "dry-run") for r in rows),
 }
+if sys.argv[5]:
+    summary["partial"] = True
 json.dump(summary, open(sys.argv[2], "w"), indent=1)
+if sys.argv[5]:
+    sys.exit(0)
 print(f"\n{'step':>4}  {'name':<15} {'status':<8} {'seconds':>7} {'limit':>5}  key numbers")
 for r in rows:
     d = r["detail"]
@@ -203,6 +210,7 @@ sys.exit(0 if summary["ok"] else 1)
 PY
     local rc=$?
     tar -czf "$OUT_DIR/device_check_${call}_logs.tar.gz" -C "$LOG_DIR" .
+    [ -n "$partial" ] && return 0
     : > "$RESULTS"
     return $rc
 }
@@ -259,6 +267,7 @@ echo "device_check: interpreter $PY"
 rc=0
 for call in correctness benchmark; do
     [ -z "$CALL" ] || [ "$CALL" = "$call" ] || continue
+    CUR_CALL=$call
     "$call"
     summary "$call" || rc=1
 done

@@ -327,3 +327,46 @@ def test_device_check_run_treats_a_failing_nvidia_smi_as_no_check(tmp_path, monk
     assert dcr.gpu_free(0.2) is False
     fake.write_text("#!/bin/sh\nexit 0\n")
     assert dcr.gpu_free(0.2) is True
+
+
+def test_device_check_call_stopped_midway_still_returns_the_finished_steps(tmp_path):
+    """The run tool stops a call at its timeout_s (killing device_check.sh): the steps finished by
+    then are already in $OUT (device_check_<call>.json marked partial, and the logs)."""
+    import signal
+    import time
+
+    real = sys.executable
+    pidfile = tmp_path / "slow.pid"
+    wrapper = tmp_path / "py"
+    wrapper.write_text(  # the ps step hangs (as a step running past the call's timeout would)
+        f'#!/bin/sh\ncase "$*" in *"device_check_steps.py ps"*) echo $$ > {pidfile}; exec sleep 60 ;; esac\n'
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "STEPS": "1 2", "OUT": str(out), "PYTHON": str(wrapper), "STALEFLOW_DEVCHECK_IPC": "1"}
+    env["PATH"] = os.pathsep.join((str(Path(real).parent), os.environ.get("PATH", "")))
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT.parent / "device_check.sh"), "correctness"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        for _ in range(1200):
+            if pidfile.exists() and pidfile.read_text().strip():
+                break
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)  # the run tool's timeout
+        proc.wait()
+    finally:
+        if pidfile.exists() and pidfile.read_text().strip():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    summary = json.loads((out / "device_check_correctness.json").read_text())
+    assert summary["partial"] is True and [s["name"] for s in summary["steps"]] == ["env"], summary
+    assert summary["steps"][0]["status"] == "pass" and (out / "device_check_correctness_logs.tar.gz").exists()
