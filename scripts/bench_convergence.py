@@ -35,16 +35,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import fmean, pstdev, stdev
+from statistics import fmean, median, pstdev, stdev
 
 from staleflow.metrics.hardware import cpu_name
-from staleflow.metrics.stats import t_interval
+from staleflow.metrics.stats import paired_seeds_needed, t_interval, tost, tost_seeds_needed
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODES = "verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1"
 TARGET_MARGIN = 0.02
 DIAG = ("token_staleness_mean", "is_truncated_frac_mean", "ppo_clipped_frac_mean", "behaviour_k3_mean", "entropy_mean")
 """Off-policy diagnostics from the trainer (mean over steps): why a mode learns less, if it does."""
+SAVED = ("name", "mode", "eta", "seed", "wall_s", "load_start", "load_end", "load_mean", "load_max", "load_samples")
+"""What bench.json keeps: what the run folder cannot give back. The rest is derived on every read."""
+LOAD_EVERY_S = 10.0
 
 
 def parse_modes(spec: str) -> list[tuple[str, int]]:
@@ -55,6 +58,21 @@ def parse_modes(spec: str) -> list[tuple[str, int]]:
         out.append((mode, 0 if mode == "verl-sync" else int(eta or 1)))
     if ("verl-sync", 0) not in out:
         raise SystemExit("--modes must include verl-sync: it is the baseline every other mode is paired with")
+    return out
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """'0,1,2' or '0-7' (inclusive) or '0-3,8' -> the seeds, in order, without repeats."""
+    out: list[int] = []
+    for item in spec.split(","):
+        lo, dash, hi = item.strip().partition("-")
+        try:
+            got = range(int(lo), int(hi) + 1) if dash else [int(lo)]
+        except ValueError:
+            raise SystemExit(f"--seeds {spec!r}: give seeds as 0,1,2 or a range 0-7") from None
+        out += [s for s in got if s not in out]
+    if not out:
+        raise SystemExit(f"--seeds {spec!r} names no seed: give seeds as 0,1,2 or a range 0-7")
     return out
 
 
@@ -84,10 +102,28 @@ def summarize_run(run_dir: Path, wall_s: float) -> dict:
         for k, n in (r.get("staleness_hist") or {}).items():
             hist[int(k)] = hist.get(int(k), 0) + n
     groups = sum(hist.values())
+    train = [r.get("train", {}) for r in steps]
+    tokens = [t.get("response_tokens", 0.0) for t in train]
+
+    def token_mean(key: str) -> float | None:  # a per-token mean of the trainer's, over the run's tokens
+        have = [(t[key], w) for t, w in zip(train, tokens) if key in t]
+        return sum(v * w for v, w in have) / max(sum(w for _, w in have), 1e-12) if have else None
+
+    k3 = [t["behaviour_k3_mean"] for t in train if "behaviour_k3_mean" in t]
+    last = steps[-1] if steps else {}
     return {
         "wall_s": wall_s,
         "evals": evals,
         "steps": len(steps),
+        # mechanics, all from metrics.jsonl (interrupts / migrations / pulls are running totals)
+        "k3_steps": k3,
+        "kl_median": median(k3) if k3 else None,
+        "trainer_s": sum(r.get("train_s", 0.0) for r in steps),
+        "interrupts": last.get("interrupts", 0),
+        "migrations": last.get("migrations", 0),
+        "pulls": last.get("pulls", 0),
+        "mixed_token_frac": token_mean("mixed_token_frac"),
+        "token_staleness": token_mean("token_staleness_mean"),
         "staleness_mean": sum(k * n for k, n in hist.items()) / max(groups, 1),
         "staleness_max": max(hist, default=0),
         "staleness_hist": hist,
@@ -102,7 +138,7 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
     out = Path(args.out) / name
     saved = out / "bench.json"
     if saved.is_file():
-        return json.loads(saved.read_text())
+        return load_saved(out)
     for attempt in (1, 2):
         if out.exists():  # an unfinished run (the bench was stopped): start it again
             shutil.rmtree(out)
@@ -133,35 +169,56 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
             "0",
             *extra,
         ]
-        load0, t0 = os.getloadavg()[0], time.monotonic()
+        loads, t0 = [os.getloadavg()[0]], time.monotonic()
         log = Path(args.out) / f"{name}.log"
         with open(log, "w") as fh:
-            res = subprocess.run(
+            proc = subprocess.Popen(
                 cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, STALEFLOW_MAX_RESTARTS="0")
             )
+            while True:  # the machine load the run saw: the 1-minute load average every LOAD_EVERY_S
+                try:
+                    returncode = proc.wait(timeout=LOAD_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    loads.append(os.getloadavg()[0])
         wall = time.monotonic() - t0
-        if res.returncode == 0 and (out / "metrics.jsonl").is_file():
-            result = {
+        loads.append(os.getloadavg()[0])
+        if returncode == 0 and (out / "metrics.jsonl").is_file():
+            meta = {
                 "name": name,
                 "mode": mode,
                 "eta": eta,
                 "seed": seed,
-                "load_start": load0,
-                "load_end": os.getloadavg()[0],
-                **summarize_run(out, wall),
+                "wall_s": wall,
+                "load_start": loads[0],
+                "load_end": loads[-1],
+                "load_mean": fmean(loads),
+                "load_max": max(loads),
+                "load_samples": len(loads),
             }
+            result = {**meta, **summarize_run(out, wall)}
             if result["evals"] and result["evals"][-1]["step"] == args.steps:
-                saved.write_text(json.dumps(result))
+                saved.write_text(json.dumps(meta))  # only what the run folder cannot give back
                 if not args.keep_models:  # ~2 GB a run: a 15-run bench would fill a small disk
                     for heavy in ("checkpoints", "hf"):
                         shutil.rmtree(out / heavy, ignore_errors=True)
                 return result
         print(
-            f"  {name}: attempt {attempt} failed (exit {res.returncode}); log {log}:\n{log.read_text()[-1500:]}",
+            f"  {name}: attempt {attempt} failed (exit {returncode}); log {log}:\n{log.read_text()[-1500:]}",
             file=sys.stderr,
             flush=True,
         )
     return None
+
+
+def load_saved(out: Path) -> dict:
+    """A finished run: its wall time and load from bench.json (an older bench.json holds more; only
+    these are kept), everything else derived again from its metrics.jsonl."""
+    meta = json.loads((out / "bench.json").read_text())
+    meta = {k: meta[k] for k in SAVED if k in meta}
+    meta.setdefault("load_mean", (meta["load_start"] + meta["load_end"]) / 2)
+    meta.setdefault("load_max", max(meta["load_start"], meta["load_end"]))
+    return {**meta, **summarize_run(out, meta["wall_s"])}
 
 
 def time_to_target(run: dict, target: float) -> float | None:
@@ -186,6 +243,9 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
         ci = t_interval(diffs) if key != sync_key else None
         eta = key[1]
         ttt = [t for t in (time_to_target(r, target) for r in runs) if t is not None]
+        both = [(time_to_target(r, target), time_to_target(sync[r["seed"]], target)) for r in runs if r["seed"] in sync]
+        ttt_d = [x - y for x, y in both if x is not None and y is not None]
+        ttt_ci = t_interval(ttt_d) if key != sync_key else None
         groups = sum(sum(r["staleness_hist"].values()) for r in runs)
         stats[key] = {
             "seeds": len(runs),
@@ -207,10 +267,75 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
             "ttt_s": fmean(ttt) if ttt else None,
             "ttt_reached": len(ttt),
             "ttt_vs_sync": fmean(ttt) / fmean(sync_ttt) if ttt and sync_ttt and fmean(sync_ttt) > 0 else None,
-            "load": fmean((r["load_start"] + r["load_end"]) / 2 for r in runs),
+            "ttt_diff_vs_sync": fmean(ttt_d) if ttt_d and key != sync_key else None,
+            "ttt_diff_ci95": list(ttt_ci) if ttt_ci else None,
+            "ttt_paired_seeds": len(ttt_d),
+            "load": fmean(r.get("load_mean", (r["load_start"] + r["load_end"]) / 2) for r in runs),
+            "load_max": max(r.get("load_max", max(r["load_start"], r["load_end"])) for r in runs),
             "diag": {k: fmean(r["diag"][k] for r in runs) for k in runs[0].get("diag", {})},
+            "mech": mechanics(runs),
         }
     return target, stats
+
+
+def mechanics(runs: list[dict]) -> dict:
+    """What docs/perf.md quotes about how a mode ran, from the runs' metrics.jsonl (over its seeds)."""
+    k3 = [v for r in runs for v in r.get("k3_steps", [])]
+    mixed = [r["mixed_token_frac"] for r in runs if r.get("mixed_token_frac") is not None]
+    tok = [r["token_staleness"] for r in runs if r.get("token_staleness") is not None]
+    return {
+        "kl_median": median(k3) if k3 else None,
+        "trainer_s": fmean(r.get("trainer_s", 0.0) for r in runs),
+        "interrupts": [r.get("interrupts", 0) for r in runs],
+        "migrations": [r.get("migrations", 0) for r in runs],
+        "mixed_token_frac": fmean(mixed) if mixed else None,
+        "token_staleness": fmean(tok) if tok else None,
+    }
+
+
+def equivalence(results: dict, a, b, margin: float) -> dict | None:
+    """TOST on the per-seed final-accuracy differences a - b (seeds both finished), and the seeds a
+    paired study needs at their observed spread: to detect `margin`, and to show equivalence within it."""
+    rb = {r["seed"]: r["evals"][-1]["accuracy"] for r in results.get(b, [])}
+    d = [r["evals"][-1]["accuracy"] - rb[r["seed"]] for r in results.get(a, []) if r["seed"] in rb]
+    res = tost(d, margin)
+    if res is None:
+        return None
+    sd = stdev(d)
+    res["seeds"], res["sd"] = len(d), sd
+    res["seeds_to_detect"] = paired_seeds_needed(sd, margin) if sd > 0 else 2
+    res["seeds_for_equivalence"] = tost_seeds_needed(sd, margin) if sd > 0 else 2
+    return res
+
+
+def equivalence_lines(results: dict, margin: float) -> tuple[list[str], dict]:
+    lines, out = [], {}
+    for a, b in ((("staleflow", 1), ("verl-sync", 0)), (("staleflow", 1), ("areal", 1))):
+        e = equivalence(results, a, b, margin)
+        if e is None:
+            continue
+        out[f"{label(*a)} - {label(*b)}"] = e
+        verdict = "EQUIVALENT within" if e["equivalent"] else "not shown equivalent within"
+        lines.append(
+            f"{label(*a)} - {label(*b)}: final accuracy {e['mean']:+.3f}, 90% t interval [{e['ci'][0]:+.3f}, "
+            f"{e['ci'][1]:+.3f}], TOST p {e['p']:.3f}: {verdict} +-{margin} ({e['seeds']} seeds; per-seed sd "
+            f"{e['sd']:.3f}: 80% power needs {e['seeds_to_detect']} seeds to detect {margin}, "
+            f"{e['seeds_for_equivalence']} to show equivalence if the true difference is 0)"
+        )
+    return lines, out
+
+
+def _ci(ci, fmt: str) -> str:
+    return f"[{fmt.format(ci[0])}, {fmt.format(ci[1])}]"
+
+
+def _num(v, fmt: str) -> str:
+    return fmt.format(v) if v is not None else f"{'-':>{len(fmt.format(0.0))}s}"
+
+
+def _span(vals: list) -> str:
+    """Per-run counts: '26-32' over seeds (one value when they agree)."""
+    return f"{min(vals)}-{max(vals)}" if min(vals) != max(vals) else f"{vals[0]}"
 
 
 def table(stats: dict, target: float) -> str:
@@ -251,6 +376,31 @@ def table(stats: dict, target: float) -> str:
                 f"{d['ppo_clipped_frac_mean']:11.4f} {d['behaviour_k3_mean']:14.2e} {d['entropy_mean']:8.3f} "
                 f"{over:>8s} {d['train_acc_last5']:15.3f}"
             )
+    lines.append(
+        f"\n{'paired vs sync':24s} {'final accuracy diff [95% t]':>30s} {'time-to-target diff s [95% t]':>34s}"
+    )
+    for (mode, eta), s in stats.items():
+        if mode == "verl-sync":
+            continue
+        acc = f"{s['diff_vs_sync']:+.3f} " + (_ci(s["diff_ci95"], "{:+.3f}") if s["diff_ci95"] else "(no CI)")
+        ttt = (
+            f"{s['ttt_diff_vs_sync']:+.0f} " + (_ci(s["ttt_diff_ci95"], "{:+.0f}") if s["ttt_diff_ci95"] else "(no CI)")
+            if s["ttt_diff_vs_sync"] is not None
+            else "-"
+        )
+        ttt += f" ({s['ttt_paired_seeds']} seeds)"
+        lines.append(f"{label(mode, eta):24s} {acc:>30s} {ttt:>34s}")
+    lines.append(
+        f"\n{'mechanics (metrics.jsonl)':24s} {'KL median':>9s} {'trainer s':>9s} {'interrupts':>10s} "
+        f"{'migrations':>10s} {'mixed tok':>9s} {'tok stale':>9s} {'load mean / max':>15s}"
+    )
+    for (mode, eta), s in stats.items():
+        m = s["mech"]
+        lines.append(
+            f"{label(mode, eta):24s} {_num(m['kl_median'], '{:9.2e}')} {m['trainer_s']:9.0f} "
+            f"{_span(m['interrupts']):>10s} {_span(m['migrations']):>10s} {_num(m['mixed_token_frac'], '{:9.4f}')} "
+            f"{_num(m['token_staleness'], '{:9.2f}')} {s['load']:7.1f} / {s['load_max']:<5.1f}"
+        )
     lines.append(
         f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "
         f"the start of each run's metrics (model loaded) to the version that first reached it"
@@ -301,7 +451,8 @@ def main() -> None:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=DEFAULT_MODES, help="mode[:eta] list; verl-sync (eta 0) is the baseline")
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", default="0,1,2", help="0,1,2 or a range 0-7 (inclusive), or both: 0-3,8")
+    ap.add_argument("--margin", type=float, default=0.05, help="equivalence margin of the TOST statement")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-n", type=int, default=128)
@@ -317,7 +468,7 @@ def main() -> None:
     if args.smoke:
         args.preset, args.steps, args.eval_every, args.eval_n = ["--preset", "tiny"], 2, 1, 4
         args.seeds, args.modes = "0", "verl-sync,staleflow:1"
-    modes, seeds = parse_modes(args.modes), [int(s) for s in args.seeds.split(",")]
+    modes, seeds = parse_modes(args.modes), parse_seeds(args.seeds)
     os.makedirs(args.out, exist_ok=True)
     print(
         f"hardware: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; "
@@ -344,6 +495,10 @@ def main() -> None:
         raise SystemExit("no verl-sync run finished: nothing to compare against")
     target, stats = aggregate(results, ("verl-sync", 0))
     print("\n" + table(stats, target))
+    eq_lines, eq = equivalence_lines(results, args.margin)
+    if eq_lines:
+        print(f"\nequivalence of final held-out accuracy (two one-sided t tests at +-{args.margin}, paired by seed):")
+        print("\n".join(eq_lines))
     png = os.path.join(args.out, "convergence.png")
     plot(
         results,
@@ -353,7 +508,7 @@ def main() -> None:
         f"Held-out accuracy vs wall time ({cpu_name()}, {os.cpu_count()} cores, {args.eval_n} prompts, seeds {seeds})",
     )
     print(f"wrote {png}")
-    print(json.dumps({"target": target, **{label(*k): v for k, v in stats.items()}}))
+    print(json.dumps({"target": target, **{label(*k): v for k, v in stats.items()}, "equivalence": eq}))
 
 
 if __name__ == "__main__":

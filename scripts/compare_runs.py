@@ -354,8 +354,8 @@ def compare(runs_a: list[dict], runs_b: list[dict], n_boot: int = N_BOOT, seed: 
             "key": "same_prompt_step_diff",
             "label": "same prompt: its step in B - in A",
             "unit": "prompt",
-            "a": 0.0,
-            "b": float(np.mean(means)),
+            "a": None,
+            "b": None,
             "diff": float(np.mean(means)),
             "n": len(per_pair),
         }
