@@ -42,6 +42,7 @@ from staleflow.metrics.convergence import (
     TARGET_MARGIN,
     aggregate,
     equivalence,
+    eval_noise_var,
     label,
     mechanics,
     summarize_run,
@@ -54,7 +55,14 @@ DEFAULT_MODES = "verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1"
 SAVED = ("name", "mode", "eta", "seed", "wall_s", "load_start", "load_end", "load_mean", "load_max", "load_samples")
 """What bench.json keeps: what the run folder cannot give back. The rest is derived on every read."""
 LOAD_EVERY_S = 10.0
-__all__ = ["DIAG", "aggregate", "mechanics", "summarize_run", "time_to_target"]  # staleflow.metrics.convergence
+__all__ = [
+    "DIAG",
+    "aggregate",
+    "eval_noise_var",
+    "mechanics",
+    "summarize_run",
+    "time_to_target",
+]  # staleflow.metrics.convergence
 
 
 def parse_modes(spec: str) -> list[tuple[str, int]]:
@@ -171,6 +179,10 @@ def load_saved(out: Path) -> dict:
     return {**meta, **summarize_run(out, meta["wall_s"])}
 
 
+def args_n(results: dict, key) -> int:
+    return results[key][0]["evals"][-1]["n"]
+
+
 def equivalence_lines(results: dict, margin: float) -> tuple[list[str], dict]:
     lines, out = [], {}
     for a, b in ((("staleflow", 1), ("verl-sync", 0)), (("staleflow", 1), ("areal", 1))):
@@ -185,6 +197,12 @@ def equivalence_lines(results: dict, margin: float) -> tuple[list[str], dict]:
             f"{e['sd']:.3f}: 80% power needs {e['seeds_to_detect']} seeds to detect {margin}, "
             f"{e['seeds_for_equivalence']} to show equivalence if the true difference is 0)"
         )
+        if "sd_eval" in e:
+            lines.append(
+                f"  of that sd: evaluation noise {e['sd_eval']:.3f} (per-prompt answers, {args_n(results, a)} "
+                f"prompts), run-to-run {e['sd_train']:.3f}; with 4x the held-out prompts the sd would be "
+                f"{e['sd_at_4x_eval_n']:.3f}: {e['seeds_to_detect_at_4x_eval_n']} seeds to detect {margin}"
+            )
     return lines, out
 
 

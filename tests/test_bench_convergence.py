@@ -131,6 +131,8 @@ def test_bench_convergence_smoke_runs_and_resumes(tmp_path):
     assert rows["groups_stale_0"]["a"] == 1.0 and rows["tokens_stale_0"]["a"] == 1.0 and rows["staleness"]["a"] == 0
     assert sum(r["b"] for k, r in rows.items() if k.startswith("tokens_stale_")) == pytest.approx(1.0)
     assert rows["response_len"]["a"] > 0 and "submit_to_train_s" in rows
+    evals = [json.loads(x) for x in (out / "staleflow-eta1-seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["eval_correct"]) == r["eval_n"] == 4 for r in evals if "eval_n" in r)  # per-prompt answers
     saved = {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")}
     assert len(saved) == 2 and "hardware:" in text and "time-to-target" in text
     # a finished run keeps its metrics, not its ~2 GB of checkpoint and export (no --keep-models)
@@ -230,3 +232,27 @@ def test_bench_convergence_seed_ranges(bench):
     assert bench.parse_seeds("0-7") == list(range(8)) and bench.parse_seeds("0-2,8,1") == [0, 1, 2, 8]
     with pytest.raises(SystemExit, match="range"):
         bench.parse_seeds("a-b")
+
+
+def test_bench_convergence_splits_the_spread_into_evaluation_noise(bench):
+    """Per-prompt answers (eval_correct) give the evaluation-noise part of a paired difference."""
+    # one prompt of 10 answered differently: z = (1, 0 x 9), sample variance s^2 = 0.9 / 9, of the mean s^2 / 10
+    assert bench.eval_noise_var({"correct": "1111100000"}, {"correct": "1111000000"}) == pytest.approx(0.01)
+    assert bench.eval_noise_var({"correct": None}, {"correct": "10"}) is None
+
+    def runs(mode, eta, answers):
+        out = []
+        for s, c in enumerate(answers):
+            r = _run(mode, eta, s, [0.4, c.count("1") / len(c)], [0, 100], {eta: 10}, 100)
+            r["evals"][-1]["correct"] = c
+            out.append(r)
+        return out
+
+    sync = runs("verl-sync", 0, ["1100000000", "1110000000", "1000000000"])
+    sf = runs("staleflow", 1, ["1110000000", "1100000000", "1000000000"])  # diffs +0.1, -0.1, 0
+    e = bench.equivalence({("verl-sync", 0): sync, ("staleflow", 1): sf}, ("staleflow", 1), ("verl-sync", 0), 0.05)
+    var_eval = (0.01 + 0.01 + 0) / 3
+    assert e["sd"] == pytest.approx(0.1) and e["sd_eval"] == pytest.approx(math.sqrt(var_eval))
+    assert e["sd_train"] == pytest.approx(math.sqrt(0.01 - var_eval))
+    assert e["sd_at_4x_eval_n"] == pytest.approx(math.sqrt(0.01 - var_eval + var_eval / 4))
+    assert e["seeds_to_detect_at_4x_eval_n"] <= e["seeds_to_detect"]

@@ -9,6 +9,7 @@ each run folder's metrics.jsonl and aggregates over seeds (paired with sync by s
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from statistics import fmean, median, stdev
 
@@ -38,6 +39,7 @@ def summarize_run(run_dir: Path, wall_s: float) -> dict:
             "ci95_high": r["eval_ci95_high"],
             "n": r["eval_n"],
             "t_policy": made.get(r["step"], r["time"]),
+            "correct": r.get("eval_correct"),  # "1011...": per held-out prompt (absent in older runs)
         }
         for r in sorted((r for r in rows if "eval_n" in r), key=lambda r: r["step"])
     ]
@@ -152,8 +154,9 @@ def mechanics(runs: list[dict]) -> dict:
 def equivalence(results: dict, a, b, margin: float) -> dict | None:
     """TOST on the per-seed final-accuracy differences a - b (seeds both finished), and the seeds a
     paired study needs at their observed spread: to detect `margin`, and to show equivalence within it."""
-    rb = {r["seed"]: r["evals"][-1]["accuracy"] for r in results.get(b, [])}
-    d = [r["evals"][-1]["accuracy"] - rb[r["seed"]] for r in results.get(a, []) if r["seed"] in rb]
+    rb = {r["seed"]: r for r in results.get(b, [])}
+    pairs = [(r, rb[r["seed"]]) for r in results.get(a, []) if r["seed"] in rb]
+    d = [x["evals"][-1]["accuracy"] - y["evals"][-1]["accuracy"] for x, y in pairs]
     res = tost(d, margin)
     if res is None:
         return None
@@ -161,4 +164,22 @@ def equivalence(results: dict, a, b, margin: float) -> dict | None:
     res["seeds"], res["sd"] = len(d), sd
     res["seeds_to_detect"] = paired_seeds_needed(sd, margin) if sd > 0 else 2
     res["seeds_for_equivalence"] = tost_seeds_needed(sd, margin) if sd > 0 else 2
+    noise = [eval_noise_var(x["evals"][-1], y["evals"][-1]) for x, y in pairs]
+    if noise and None not in noise:  # split the spread: evaluation noise vs run-to-run (training) spread
+        var_eval = fmean(noise)
+        var_train = max(sd * sd - var_eval, 0.0)
+        sd4 = math.sqrt(var_train + var_eval / 4)
+        res |= {"sd_eval": math.sqrt(var_eval), "sd_train": math.sqrt(var_train), "sd_at_4x_eval_n": sd4}
+        res["seeds_to_detect_at_4x_eval_n"] = paired_seeds_needed(sd4, margin) if sd4 > 0 else 2
     return res
+
+
+def eval_noise_var(ea: dict, eb: dict) -> float | None:
+    """Variance of one paired accuracy difference that comes from evaluating on a finite held-out set:
+    s^2 / n of the per-prompt differences (1 - 0, 0 - 1 or 0), from the two runs' per-prompt answers to
+    the same prompts. None when a run did not record them."""
+    x, y = ea.get("correct"), eb.get("correct")
+    if not x or not y or len(x) != len(y) or len(x) < 2:
+        return None
+    z = [int(p) - int(q) for p, q in zip(x, y)]
+    return stdev(z) ** 2 / len(z)
