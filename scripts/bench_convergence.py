@@ -1,8 +1,8 @@
 """Convergence at bounded staleness, with statistics: held-out accuracy of each mode over seeds.
 
-    python scripts/bench_convergence.py [--seeds 0,1,2] [--steps 30] [--eval-every 5] [--eval-n 128]
+    python scripts/bench_convergence.py [--seeds 0,1,2 | 0-7] [--steps 30] [--eval-every 5] [--eval-n 128]
         [--modes verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1] [--out runs/convergence]
-        [--keep-models] [--smoke] [-- extra train flags]
+        [--margin 0.05] [--keep-models] [--smoke] [-- extra train flags]
 
 Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic-easy) once per mode and
 seed: verl-sync (eta 0, the baseline), staleflow at eta 1 and 2, and verl-fully-async and areal at
@@ -10,19 +10,27 @@ NOMINAL eta 1 (their own staleness rules: the observed staleness is reported, it
 Seed s sets --seed s and --data.seed s, so the runs of one seed share their held-out prompts
 (--eval-n of them, never trained on) and their prompt stream: the comparison with sync is paired.
 Runs go seed by seed (every mode of seed 0, then seed 1, ...) so that a shared machine's load drift
-spreads over the modes. Each finished run is saved (RUN/bench.json next to its metrics.jsonl); a
-second call resumes where the first stopped (finished runs are read back, an unfinished one is
-started again from scratch). A finished run's checkpoints/ and hf/ (~2 GB) are deleted once its
-result is saved, unless --keep-models: the metrics, logs and report stay.
+spreads over the modes. A finished run leaves RUN/bench.json with only what its folder cannot give
+back (wall time; the machine's 1-minute load average sampled every 10 s while it ran: start, end,
+mean, max); everything else is derived again from RUN/metrics.jsonl on every read, so a second
+call (or a later session with the same --out) resumes where the first stopped and re-derives the
+finished runs with the current code; an unfinished run is started again from scratch. A finished
+run's checkpoints/ and hf/ (~2 GB) are deleted once it is saved, unless --keep-models.
 
 Prints per mode: final held-out accuracy (mean and standard deviation over seeds), the paired
 difference against sync (mean over seeds, 95% Student t interval over the per-seed differences),
 wall time (and its ratio to sync's), mean and maximum staleness of the trained groups, and
 time-to-target: the time since the run started at which the first evaluated policy reached the
-target = sync's mean final accuracy - 0.02 (mean over the seeds that reached it). Writes one PNG
-(held-out accuracy against wall time and against step, mean over seeds with a +-1 std band) and
-ends with one JSON line. --smoke: tiny preset, 2 steps, 1 seed, 4 held-out prompts, sync and
-staleflow eta 1 only (checks the plumbing; its accuracies mean nothing).
+target = sync's mean final accuracy - 0.02 (mean over the seeds that reached it), with its paired
+difference against sync; the trainer's off-policy diagnostics; the mechanics (median over steps of
+KL(behaviour || current), trainer seconds, interrupts and migrations per run, the share of tokens
+sampled by a later version than their response's first, token staleness, machine load); and, when
+staleflow eta 1 and sync or areal eta 1 are present, an equivalence statement (two one-sided t
+tests at +-margin on the per-seed differences) with the seeds 80% power would need at the observed
+spread, split into evaluation noise and run-to-run spread when the runs recorded per-prompt answers.
+Writes one PNG (held-out accuracy against wall time and against step, mean over seeds with a +-1 std
+band) and ends with one JSON line. --smoke: tiny preset, 2 steps, 1 seed, 4 held-out prompts, sync
+and staleflow eta 1 only (checks the plumbing; its accuracies mean nothing).
 """
 
 from __future__ import annotations
