@@ -26,8 +26,8 @@ Quantities, by unit:
   step   the trainer's importance ratio (mean, max), the share of ratios truncated and of tokens PPO
          clipped, KL(behaviour || current) k3 (mean and median over steps), entropy, gradient norm,
          token staleness, mixed-version token share, trainer seconds, groups dropped, train reward
-  run    final held-out accuracy, interrupts, migrations, pulls, rank correlation of drawing order vs
-         training order (Spearman)
+  run    final held-out accuracy, interrupts, migrations, pulls, groups aborted, rank correlation of
+         drawing order vs training order (Spearman)
 Exit 2 on a missing or empty run folder.
 """
 

@@ -58,6 +58,7 @@ def write_run(path: Path, seed: int, groups: list[dict], steps: int, train: dict
                 **extra,
             )
         row = {"reward_mean": 0.5, "interrupts": 3 * (b + 1), "migrations": b, "pulls": 2 * b, "train_s": 2.0}
+        row["groups_aborted"] = b // 2
         row["train"] = dict((train or {}).get(b, {"behaviour_k3_mean": 0.01, "response_tokens": 100.0}))
         w.log_step(b, row)
         # the clock the writer stamps is real: overwrite it with a planted one (10 s a step)
@@ -140,7 +141,11 @@ def test_compare_runs_order_and_lag_from_drawing_to_training(cr, tmp_path):
     # same prompt (same id = same seed's prompt stream): B trained prompt 2 a step later, prompt 4 a step earlier
     r = row(rows, "same_prompt_step_diff")
     assert r["diff"] == pytest.approx(0.0) and r["ci95"][0] <= 0 <= r["ci95"][1]
-    assert row(rows, "interrupts")["a"] == 12 and row(rows, "migrations")["b"] == 3
+    assert (
+        row(rows, "interrupts")["a"] == 12
+        and row(rows, "migrations")["b"] == 3
+        and row(rows, "groups_aborted")["a"] == 1
+    )
 
 
 def test_compare_runs_paired_over_seeds_uses_t_and_token_weighted_trainer_stats(cr, tmp_path):

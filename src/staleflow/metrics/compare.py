@@ -128,6 +128,7 @@ def load_run(path: str | Path) -> dict:
         "interrupts": last.get("interrupts"),
         "migrations": last.get("migrations"),
         "pulls": last.get("pulls"),
+        "groups_aborted": last.get("groups_aborted"),
         "order_spearman": spearman([g["group_id"] for g in groups], [g["buffer"] for g in groups]),
     }
     return {"name": p.name, "path": str(p), "seed": seed, "groups": groups, "steps": steps, "run": run}
@@ -191,6 +192,7 @@ def quantities(runs: list[dict]) -> list[Quantity]:
             ("interrupts", "interrupts (run total)"),
             ("migrations", "migrations (run total)"),
             ("pulls", "pulls (run total)"),
+            ("groups_aborted", "groups aborted (run total)"),
             ("order_spearman", "Spearman: drawing order vs training order"),
         )
     ]
