@@ -1,14 +1,15 @@
 """Convergence at bounded staleness, with statistics: held-out accuracy of each mode over seeds.
 
-    python scripts/bench_convergence.py [--seeds 0,1,2 | 0-7] [--steps 30] [--eval-every 5] [--eval-n 128]
+    python scripts/bench_convergence.py [--seeds 0,1,2] [--steps 30] [--eval-every 5] [--eval-n 128]
         [--modes verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1] [--out runs/convergence]
         [--margin 0.05] [--keep-models] [--smoke] [-- extra train flags]
 
 Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic-easy) once per mode and
 seed: verl-sync (eta 0, the baseline), staleflow at eta 1 and 2, and verl-fully-async and areal at
 NOMINAL eta 1 (their own staleness rules: the observed staleness is reported, it may exceed 1).
-Seed s sets --seed s and --data.seed s, so the runs of one seed share their held-out prompts
-(--eval-n of them, never trained on) and their prompt stream: the comparison with sync is paired.
+--seeds takes a list and ranges (0-7 = 0,1,...,7). Seed s sets --seed s and --data.seed s, so the
+runs of one seed share their held-out prompts (--eval-n of them, never trained on) and their prompt
+stream: the comparison with sync is paired.
 Runs go seed by seed (every mode of seed 0, then seed 1, ...) so that a shared machine's load drift
 spreads over the modes. A finished run leaves RUN/bench.json with only what its folder cannot give
 back (wall time; the machine's 1-minute load average sampled every 10 s while it ran: start, end,
