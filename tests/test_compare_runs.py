@@ -217,3 +217,15 @@ def test_compare_runs_trainer_reports_the_mixed_version_share():
     m = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-3)).step(samples)
     assert m["mixed_token_frac"] == pytest.approx(2 * len(samples[::2]) / n_tok)
     assert m["mixed_traj_frac"] == pytest.approx(0.5)
+
+
+def test_compare_runs_pairs_the_seeds_both_sides_ran(cr):
+    def run(seed):
+        return {"seed": seed, "name": f"s{seed}"}
+
+    pairs = cr.pair_runs([run(0), run(1), run(2)], [run(2), run(0)])
+    assert [(x["seed"], y["seed"]) for x, y in pairs] == [(0, 0), (2, 2)]
+    with pytest.raises(cr.RunError, match="no seed in common"):
+        cr.pair_runs([run(0)], [run(1)])
+    with pytest.raises(cr.RunError, match="as many on each side"):
+        cr.pair_runs([run(None), run(None)], [run(None)])

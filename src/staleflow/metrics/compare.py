@@ -280,11 +280,15 @@ def bootstrap_diff(q: Quantity, a: tuple, b: tuple, n_boot: int = N_BOOT, seed: 
 
 
 def pair_runs(a: list[dict], b: list[dict]) -> list[tuple[dict, dict]]:
-    """Pairs by seed when every run has a distinct seed and the sides share them, else by position."""
+    """Pairs by seed (the seeds both sides ran) when every run's seed is known and distinct on its
+    side; otherwise by position, which needs as many runs on each side."""
     sa, sb = [r["seed"] for r in a], [r["seed"] for r in b]
-    if None not in sa + sb and len(set(sa)) == len(sa) and len(set(sb)) == len(sb) and set(sa) == set(sb):
+    if None not in sa + sb and len(set(sa)) == len(sa) and len(set(sb)) == len(sb):
         by = {r["seed"]: r for r in b}
-        return [(r, by[r["seed"]]) for r in a]
+        pairs = [(r, by[r["seed"]]) for r in a if r["seed"] in by]
+        if not pairs:
+            raise RunError(f"no seed in common: A ran seeds {sorted(sa)}, B ran {sorted(sb)}")
+        return pairs
     if len(a) != len(b):
         raise RunError(f"{len(a)} runs against {len(b)} and their seeds do not pair them: give as many on each side")
     return list(zip(a, b))
