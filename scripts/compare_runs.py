@@ -2,6 +2,7 @@
 
     python scripts/compare_runs.py RUN_A RUN_B [--names A,B] [--json OUT.json] [--per-group OUT.jsonl]
     python scripts/compare_runs.py A_SEED0,A_SEED1,... B_SEED0,B_SEED1,...   # paired over seeds
+    python scripts/compare_runs.py staleflow-eta1 areal-eta1 --bench runs/convergence   # every finished seed
 
 Reads each run folder's trained.jsonl (one row per trained group: buffer, V_traj, rewards, members'
 lengths, tokens per weight version, when its prompt was drawn) and metrics.jsonl (one row per step:
@@ -61,10 +62,28 @@ def table(rows: list[dict], names: tuple[str, str]) -> str:
     return "\n".join(lines)
 
 
+def side(spec: str, bench: str) -> list[str]:
+    """One side's run folders: a comma-separated list, or (with --bench) every finished seed of a mode."""
+    if not bench:
+        return [x for x in spec.split(",") if x]
+    found = sorted(str(p.parent) for p in Path(bench).glob(f"{spec}-seed*/bench.json"))
+    if not found:
+        raise RunError(
+            f"{bench} has no finished run named {spec}-seed*: name a mode as the bench does (staleflow-eta1)"
+        )
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs_a", help="run folder, or comma-separated run folders (one per seed)")
+    ap.add_argument("runs_a", help="run folder, or comma-separated run folders (one per seed); with --bench: a mode")
     ap.add_argument("runs_b", help="the same for side B")
+    ap.add_argument(
+        "--bench",
+        default="",
+        help="a bench_convergence.py --out folder: RUNS_A / RUNS_B are then run names without the seed "
+        "(staleflow-eta1, areal-eta1), expanded to every finished seed (NAME-seed*/bench.json)",
+    )
     ap.add_argument("--names", default="", help="A,B labels (default: the first folders' names)")
     ap.add_argument("--json", default="", help="write the comparison here as JSON")
     ap.add_argument("--per-group", default="", help="write every trained group of every run here (JSON lines)")
@@ -72,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     args = ap.parse_args(argv)
     try:
-        runs_a = [load_run(x) for x in args.runs_a.split(",") if x]
-        runs_b = [load_run(x) for x in args.runs_b.split(",") if x]
+        runs_a = [load_run(x) for x in side(args.runs_a, args.bench)]
+        runs_b = [load_run(x) for x in side(args.runs_b, args.bench)]
         if not runs_a or not runs_b:
             raise RunError("give at least one run folder on each side")
         rows = compare(runs_a, runs_b, args.boot, args.seed)

@@ -194,6 +194,22 @@ def test_compare_runs_cli_prints_writes_json_and_rejects_bad_input(tmp_path):
     saved = json.loads(out.read_text())
     assert row(saved["rows"], "groups_stale_1")["diff"] == pytest.approx(-0.3)
     assert len((tmp_path / "groups.jsonl").read_text().splitlines()) == 40
+    # --bench: a bench_convergence --out folder, sides named by mode, every finished seed (bench.json) paired
+    for side, n0 in (("staleflow-eta1", 4), ("areal-eta1", 10)):
+        for seed in (0, 1):
+            write_run(tmp_path / "bench" / f"{side}-seed{seed}", seed, stale_groups(n0, 20 - n0), 10)
+            (tmp_path / "bench" / f"{side}-seed{seed}" / "bench.json").write_text("{}")
+    write_run(tmp_path / "bench" / "areal-eta1-seed2", 2, stale_groups(0, 20), 10)  # unfinished: no bench.json
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "staleflow-eta1", "areal-eta1", "--bench", str(tmp_path / "bench")]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    r = row(json.loads(out.read_text())["rows"], "groups_stale_1")
+    assert r["diff"] == pytest.approx(-0.3) and r["method"] == "t over 2 paired seeds"
     bad = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "a"), str(tmp_path / "nope")], capture_output=True, text=True
     )
