@@ -276,6 +276,8 @@ def bootstrap_diff(q: Quantity, a: tuple, b: tuple, n_boot: int = N_BOOT, seed: 
         ra, rb = reduce(q, a[0][ia], a[1][ia]), reduce(q, b[0][ib], b[1][ib])
         out[i] = np.nan if ra is None or rb is None else rb - ra
     out = out[~np.isnan(out)]
+    if not len(out):
+        return float("nan"), float("nan")
     return float(np.percentile(out, 2.5)), float(np.percentile(out, 97.5))
 
 
