@@ -378,7 +378,7 @@ def main() -> None:
             print(
                 f"  {name:30s} held-out {e0['accuracy']:.3f} -> {e1['accuracy']:.3f} "
                 f"[{e1['ci95_low']:.3f}, {e1['ci95_high']:.3f}]  wall {r['wall_s']:.0f} s  staleness mean "
-                f"{r['staleness_mean']:.2f} max {r['staleness_max']}  load {r['load_start']:.1f}->{r['load_end']:.1f}",
+                f"{r['staleness_mean']:.2f} max {r['staleness_max']}  load mean {r['load_mean']:.1f} max {r['load_max']:.1f}",
                 flush=True,
             )
     if not results[("verl-sync", 0)]:
