@@ -2,27 +2,36 @@
 
     python scripts/bench_convergence.py [--seeds 0,1,2] [--steps 30] [--eval-every 5] [--eval-n 128]
         [--modes verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1] [--out runs/convergence]
-        [--keep-models] [--smoke] [-- extra train flags]
+        [--margin 0.05] [--keep-models] [--smoke] [-- extra train flags]
 
 Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic-easy) once per mode and
 seed: verl-sync (eta 0, the baseline), staleflow at eta 1 and 2, and verl-fully-async and areal at
 NOMINAL eta 1 (their own staleness rules: the observed staleness is reported, it may exceed 1).
-Seed s sets --seed s and --data.seed s, so the runs of one seed share their held-out prompts
-(--eval-n of them, never trained on) and their prompt stream: the comparison with sync is paired.
+--seeds takes a list and ranges (0-7 = 0,1,...,7). Seed s sets --seed s and --data.seed s, so the
+runs of one seed share their held-out prompts (--eval-n of them, never trained on) and their prompt
+stream: the comparison with sync is paired.
 Runs go seed by seed (every mode of seed 0, then seed 1, ...) so that a shared machine's load drift
-spreads over the modes. Each finished run is saved (RUN/bench.json next to its metrics.jsonl); a
-second call resumes where the first stopped (finished runs are read back, an unfinished one is
-started again from scratch). A finished run's checkpoints/ and hf/ (~2 GB) are deleted once its
-result is saved, unless --keep-models: the metrics, logs and report stay.
+spreads over the modes. A finished run leaves RUN/bench.json with only what its folder cannot give
+back (wall time; the machine's 1-minute load average sampled every 10 s while it ran: start, end,
+mean, max); everything else is derived again from RUN/metrics.jsonl on every read, so a second
+call (or a later session with the same --out) resumes where the first stopped and re-derives the
+finished runs with the current code; an unfinished run is started again from scratch. A finished
+run's checkpoints/ and hf/ (~2 GB) are deleted once it is saved, unless --keep-models.
 
 Prints per mode: final held-out accuracy (mean and standard deviation over seeds), the paired
 difference against sync (mean over seeds, 95% Student t interval over the per-seed differences),
 wall time (and its ratio to sync's), mean and maximum staleness of the trained groups, and
 time-to-target: the time since the run started at which the first evaluated policy reached the
-target = sync's mean final accuracy - 0.02 (mean over the seeds that reached it). Writes one PNG
-(held-out accuracy against wall time and against step, mean over seeds with a +-1 std band) and
-ends with one JSON line. --smoke: tiny preset, 2 steps, 1 seed, 4 held-out prompts, sync and
-staleflow eta 1 only (checks the plumbing; its accuracies mean nothing).
+target = sync's mean final accuracy - 0.02 (mean over the seeds that reached it), with its paired
+difference against sync; the trainer's off-policy diagnostics; the mechanics (median over steps of
+KL(behaviour || current), trainer seconds, interrupts and migrations per run, the share of tokens
+sampled by a later version than their response's first, token staleness, machine load); and, when
+staleflow eta 1 and sync or areal eta 1 are present, an equivalence statement (two one-sided t
+tests at +-margin on the per-seed differences) with the seeds 80% power would need at the observed
+spread, split into evaluation noise and run-to-run spread when the runs recorded per-prompt answers.
+Writes one PNG (held-out accuracy against wall time and against step, mean over seeds with a +-1 std
+band) and ends with one JSON line. --smoke: tiny preset, 2 steps, 1 seed, 4 held-out prompts, sync
+and staleflow eta 1 only (checks the plumbing; its accuracies mean nothing).
 """
 
 from __future__ import annotations
@@ -35,16 +44,34 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import fmean, pstdev, stdev
+from statistics import fmean, pstdev
 
+from staleflow.metrics.convergence import (
+    DIAG,
+    TARGET_MARGIN,
+    aggregate,
+    equivalence,
+    eval_noise_var,
+    label,
+    mechanics,
+    summarize_run,
+    time_to_target,
+)
 from staleflow.metrics.hardware import cpu_name
-from staleflow.metrics.stats import t_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODES = "verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1"
-TARGET_MARGIN = 0.02
-DIAG = ("token_staleness_mean", "is_truncated_frac_mean", "ppo_clipped_frac_mean", "behaviour_k3_mean", "entropy_mean")
-"""Off-policy diagnostics from the trainer (mean over steps): why a mode learns less, if it does."""
+SAVED = ("name", "mode", "eta", "seed", "wall_s", "load_start", "load_end", "load_mean", "load_max", "load_samples")
+"""What bench.json keeps: what the run folder cannot give back. The rest is derived on every read."""
+LOAD_EVERY_S = 10.0
+__all__ = [
+    "DIAG",
+    "aggregate",
+    "eval_noise_var",
+    "mechanics",
+    "summarize_run",
+    "time_to_target",
+]  # staleflow.metrics.convergence
 
 
 def parse_modes(spec: str) -> list[tuple[str, int]]:
@@ -58,43 +85,19 @@ def parse_modes(spec: str) -> list[tuple[str, int]]:
     return out
 
 
-def label(mode: str, eta: int) -> str:
-    return mode if mode == "verl-sync" else f"{mode} eta {eta}"
-
-
-def summarize_run(run_dir: Path, wall_s: float) -> dict:
-    """The numbers the bench needs from one finished run folder (metrics.jsonl)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if not r.get("superseded")]
-    steps = sorted((r for r in rows if "eval_n" not in r), key=lambda r: r["step"])
-    made = {0: 0.0, **{r["step"] + 1: r["time"] for r in steps}}  # version v exists once buffer v-1 is trained
-    evals = [
-        {
-            "step": r["step"],
-            "accuracy": r["eval_accuracy"],
-            "ci95_low": r["eval_ci95_low"],
-            "ci95_high": r["eval_ci95_high"],
-            "n": r["eval_n"],
-            "t_policy": made.get(r["step"], r["time"]),
-        }
-        for r in sorted((r for r in rows if "eval_n" in r), key=lambda r: r["step"])
-    ]
-    hist: dict[int, int] = {}
-    for r in steps:
-        for k, n in (r.get("staleness_hist") or {}).items():
-            hist[int(k)] = hist.get(int(k), 0) + n
-    groups = sum(hist.values())
-    return {
-        "wall_s": wall_s,
-        "evals": evals,
-        "steps": len(steps),
-        "staleness_mean": sum(k * n for k, n in hist.items()) / max(groups, 1),
-        "staleness_max": max(hist, default=0),
-        "staleness_hist": hist,
-        "reward_last5": fmean(r["reward_mean"] for r in steps[-5:]) if steps else 0.0,
-        "diag": {k: fmean(r.get("train", {}).get(k, 0.0) for r in steps) if steps else 0.0 for k in DIAG}
-        | {"train_acc_last5": fmean(r.get("accuracy", 0.0) for r in steps[-5:]) if steps else 0.0},
-    }
+def parse_seeds(spec: str) -> list[int]:
+    """'0,1,2' or '0-7' (inclusive) or '0-3,8' -> the seeds, in order, without repeats."""
+    out: list[int] = []
+    for item in spec.split(","):
+        lo, dash, hi = item.strip().partition("-")
+        try:
+            got = range(int(lo), int(hi) + 1) if dash else [int(lo)]
+        except ValueError:
+            raise SystemExit(f"--seeds {spec!r}: give seeds as 0,1,2 or a range 0-7") from None
+        out += [s for s in got if s not in out]
+    if not out:
+        raise SystemExit(f"--seeds {spec!r} names no seed: give seeds as 0,1,2 or a range 0-7")
+    return out
 
 
 def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -> dict | None:
@@ -102,7 +105,7 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
     out = Path(args.out) / name
     saved = out / "bench.json"
     if saved.is_file():
-        return json.loads(saved.read_text())
+        return load_saved(out)
     for attempt in (1, 2):
         if out.exists():  # an unfinished run (the bench was stopped): start it again
             shutil.rmtree(out)
@@ -133,84 +136,96 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
             "0",
             *extra,
         ]
-        load0, t0 = os.getloadavg()[0], time.monotonic()
+        loads, t0 = [os.getloadavg()[0]], time.monotonic()
         log = Path(args.out) / f"{name}.log"
         with open(log, "w") as fh:
-            res = subprocess.run(
+            proc = subprocess.Popen(
                 cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, STALEFLOW_MAX_RESTARTS="0")
             )
+            while True:  # the machine load the run saw: the 1-minute load average every LOAD_EVERY_S
+                try:
+                    returncode = proc.wait(timeout=LOAD_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    loads.append(os.getloadavg()[0])
         wall = time.monotonic() - t0
-        if res.returncode == 0 and (out / "metrics.jsonl").is_file():
-            result = {
+        loads.append(os.getloadavg()[0])
+        if returncode == 0 and (out / "metrics.jsonl").is_file():
+            meta = {
                 "name": name,
                 "mode": mode,
                 "eta": eta,
                 "seed": seed,
-                "load_start": load0,
-                "load_end": os.getloadavg()[0],
-                **summarize_run(out, wall),
+                "wall_s": wall,
+                "load_start": loads[0],
+                "load_end": loads[-1],
+                "load_mean": fmean(loads),
+                "load_max": max(loads),
+                "load_samples": len(loads),
             }
+            result = {**meta, **summarize_run(out, wall)}
             if result["evals"] and result["evals"][-1]["step"] == args.steps:
-                saved.write_text(json.dumps(result))
+                saved.write_text(json.dumps(meta))  # only what the run folder cannot give back
                 if not args.keep_models:  # ~2 GB a run: a 15-run bench would fill a small disk
                     for heavy in ("checkpoints", "hf"):
                         shutil.rmtree(out / heavy, ignore_errors=True)
                 return result
         print(
-            f"  {name}: attempt {attempt} failed (exit {res.returncode}); log {log}:\n{log.read_text()[-1500:]}",
+            f"  {name}: attempt {attempt} failed (exit {returncode}); log {log}:\n{log.read_text()[-1500:]}",
             file=sys.stderr,
             flush=True,
         )
     return None
 
 
-def time_to_target(run: dict, target: float) -> float | None:
-    """Seconds since the run started at which the first evaluated policy reached the target."""
-    return next((e["t_policy"] for e in run["evals"] if e["accuracy"] >= target - 1e-12), None)
+def load_saved(out: Path) -> dict:
+    """A finished run: its wall time and load from bench.json (an older bench.json holds more; only
+    these are kept), everything else derived again from its metrics.jsonl."""
+    meta = json.loads((out / "bench.json").read_text())
+    meta = {k: meta[k] for k in SAVED if k in meta}
+    meta.setdefault("load_mean", (meta["load_start"] + meta["load_end"]) / 2)
+    meta.setdefault("load_max", max(meta["load_start"], meta["load_end"]))
+    return {**meta, **summarize_run(out, meta["wall_s"])}
 
 
-def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[float, dict]:
-    """(target, per-mode statistics); paired differences use the seeds both runs finished."""
-    sync = {r["seed"]: r for r in results[sync_key]}
-    target = fmean(r["evals"][-1]["accuracy"] for r in sync.values()) - TARGET_MARGIN
-    sync_wall = fmean(r["wall_s"] for r in sync.values())
-    sync_ttt = [t for t in (time_to_target(r, target) for r in sync.values()) if t is not None]
-    stats = {}
-    for key, runs in results.items():
-        if not runs:
+def args_n(results: dict, key) -> int:
+    return results[key][0]["evals"][-1]["n"]
+
+
+def equivalence_lines(results: dict, margin: float) -> tuple[list[str], dict]:
+    lines, out = [], {}
+    for a, b in ((("staleflow", 1), ("verl-sync", 0)), (("staleflow", 1), ("areal", 1))):
+        e = equivalence(results, a, b, margin)
+        if e is None:
             continue
-        final = [r["evals"][-1]["accuracy"] for r in runs]
-        diffs = [
-            r["evals"][-1]["accuracy"] - sync[r["seed"]]["evals"][-1]["accuracy"] for r in runs if r["seed"] in sync
-        ]
-        ci = t_interval(diffs) if key != sync_key else None
-        eta = key[1]
-        ttt = [t for t in (time_to_target(r, target) for r in runs) if t is not None]
-        groups = sum(sum(r["staleness_hist"].values()) for r in runs)
-        stats[key] = {
-            "seeds": len(runs),
-            "acc_start": fmean(r["evals"][0]["accuracy"] for r in runs),
-            "acc_final_mean": fmean(final),
-            "acc_final_std": stdev(final) if len(final) > 1 else 0.0,
-            "diff_vs_sync": fmean(diffs) if diffs and key != sync_key else 0.0,
-            "diff_ci95": list(ci) if ci else None,
-            "paired_seeds": len(diffs),
-            "wall_s": fmean(r["wall_s"] for r in runs),
-            "wall_vs_sync": fmean(r["wall_s"] for r in runs) / sync_wall,
-            "staleness_mean": sum(sum(int(k) * n for k, n in r["staleness_hist"].items()) for r in runs)
-            / max(groups, 1),
-            "staleness_max": max(r["staleness_max"] for r in runs),
-            # groups trained beyond eta, all seeds (from the histogram: metrics.jsonl's over_eta is a
-            # running total, not a per-step count)
-            "over_eta": sum(n for r in runs for k, n in r["staleness_hist"].items() if int(k) > eta),
-            "groups": groups,
-            "ttt_s": fmean(ttt) if ttt else None,
-            "ttt_reached": len(ttt),
-            "ttt_vs_sync": fmean(ttt) / fmean(sync_ttt) if ttt and sync_ttt and fmean(sync_ttt) > 0 else None,
-            "load": fmean((r["load_start"] + r["load_end"]) / 2 for r in runs),
-            "diag": {k: fmean(r["diag"][k] for r in runs) for k in runs[0].get("diag", {})},
-        }
-    return target, stats
+        out[f"{label(*a)} - {label(*b)}"] = e
+        verdict = "EQUIVALENT within" if e["equivalent"] else "not shown equivalent within"
+        lines.append(
+            f"{label(*a)} - {label(*b)}: final accuracy {e['mean']:+.3f}, 90% t interval [{e['ci'][0]:+.3f}, "
+            f"{e['ci'][1]:+.3f}], TOST p {e['p']:.3f}: {verdict} +-{margin} ({e['seeds']} seeds; per-seed sd "
+            f"{e['sd']:.3f}: 80% power needs {e['seeds_to_detect']} seeds to detect {margin}, "
+            f"{e['seeds_for_equivalence']} to show equivalence if the true difference is 0)"
+        )
+        if "sd_eval" in e:
+            lines.append(
+                f"  of that sd: evaluation noise {e['sd_eval']:.3f} (per-prompt answers, {args_n(results, a)} "
+                f"prompts), run-to-run {e['sd_train']:.3f}; with 4x the held-out prompts the sd would be "
+                f"{e['sd_at_4x_eval_n']:.3f}: {e['seeds_to_detect_at_4x_eval_n']} seeds to detect {margin}"
+            )
+    return lines, out
+
+
+def _ci(ci, fmt: str) -> str:
+    return f"[{fmt.format(ci[0])}, {fmt.format(ci[1])}]"
+
+
+def _num(v, fmt: str) -> str:
+    return fmt.format(v) if v is not None else f"{'-':>{len(fmt.format(0.0))}s}"
+
+
+def _span(vals: list) -> str:
+    """Per-run counts: '26-32' over seeds (one value when they agree)."""
+    return f"{min(vals)}-{max(vals)}" if min(vals) != max(vals) else f"{vals[0]}"
 
 
 def table(stats: dict, target: float) -> str:
@@ -251,6 +266,31 @@ def table(stats: dict, target: float) -> str:
                 f"{d['ppo_clipped_frac_mean']:11.4f} {d['behaviour_k3_mean']:14.2e} {d['entropy_mean']:8.3f} "
                 f"{over:>8s} {d['train_acc_last5']:15.3f}"
             )
+    lines.append(
+        f"\n{'paired vs sync':24s} {'final accuracy diff [95% t]':>30s} {'time-to-target diff s [95% t]':>34s}"
+    )
+    for (mode, eta), s in stats.items():
+        if mode == "verl-sync":
+            continue
+        acc = f"{s['diff_vs_sync']:+.3f} " + (_ci(s["diff_ci95"], "{:+.3f}") if s["diff_ci95"] else "(no CI)")
+        ttt = (
+            f"{s['ttt_diff_vs_sync']:+.0f} " + (_ci(s["ttt_diff_ci95"], "{:+.0f}") if s["ttt_diff_ci95"] else "(no CI)")
+            if s["ttt_diff_vs_sync"] is not None
+            else "-"
+        )
+        ttt += f" ({s['ttt_paired_seeds']} seeds)"
+        lines.append(f"{label(mode, eta):24s} {acc:>30s} {ttt:>34s}")
+    lines.append(
+        f"\n{'mechanics (metrics.jsonl)':24s} {'KL median':>9s} {'trainer s':>9s} {'interrupts':>10s} "
+        f"{'migrations':>10s} {'mixed tok':>9s} {'tok stale':>9s} {'load mean / max':>15s}"
+    )
+    for (mode, eta), s in stats.items():
+        m = s["mech"]
+        lines.append(
+            f"{label(mode, eta):24s} {_num(m['kl_median'], '{:9.2e}')} {m['trainer_s']:9.0f} "
+            f"{_span(m['interrupts']):>10s} {_span(m['migrations']):>10s} {_num(m['mixed_token_frac'], '{:9.4f}')} "
+            f"{_num(m['token_staleness'], '{:9.2f}')} {s['load']:7.1f} / {s['load_max']:<5.1f}"
+        )
     lines.append(
         f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "
         f"the start of each run's metrics (model loaded) to the version that first reached it"
@@ -301,7 +341,8 @@ def main() -> None:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=DEFAULT_MODES, help="mode[:eta] list; verl-sync (eta 0) is the baseline")
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", default="0,1,2", help="0,1,2 or a range 0-7 (inclusive), or both: 0-3,8")
+    ap.add_argument("--margin", type=float, default=0.05, help="equivalence margin of the TOST statement")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-n", type=int, default=128)
@@ -317,7 +358,7 @@ def main() -> None:
     if args.smoke:
         args.preset, args.steps, args.eval_every, args.eval_n = ["--preset", "tiny"], 2, 1, 4
         args.seeds, args.modes = "0", "verl-sync,staleflow:1"
-    modes, seeds = parse_modes(args.modes), [int(s) for s in args.seeds.split(",")]
+    modes, seeds = parse_modes(args.modes), parse_seeds(args.seeds)
     os.makedirs(args.out, exist_ok=True)
     print(
         f"hardware: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; "
@@ -337,13 +378,17 @@ def main() -> None:
             print(
                 f"  {name:30s} held-out {e0['accuracy']:.3f} -> {e1['accuracy']:.3f} "
                 f"[{e1['ci95_low']:.3f}, {e1['ci95_high']:.3f}]  wall {r['wall_s']:.0f} s  staleness mean "
-                f"{r['staleness_mean']:.2f} max {r['staleness_max']}  load {r['load_start']:.1f}->{r['load_end']:.1f}",
+                f"{r['staleness_mean']:.2f} max {r['staleness_max']}  load mean {r['load_mean']:.1f} max {r['load_max']:.1f}",
                 flush=True,
             )
     if not results[("verl-sync", 0)]:
         raise SystemExit("no verl-sync run finished: nothing to compare against")
     target, stats = aggregate(results, ("verl-sync", 0))
     print("\n" + table(stats, target))
+    eq_lines, eq = equivalence_lines(results, args.margin)
+    if eq_lines:
+        print(f"\nequivalence of final held-out accuracy (two one-sided t tests at +-{args.margin}, paired by seed):")
+        print("\n".join(eq_lines))
     png = os.path.join(args.out, "convergence.png")
     plot(
         results,
@@ -353,7 +398,7 @@ def main() -> None:
         f"Held-out accuracy vs wall time ({cpu_name()}, {os.cpu_count()} cores, {args.eval_n} prompts, seeds {seeds})",
     )
     print(f"wrote {png}")
-    print(json.dumps({"target": target, **{label(*k): v for k, v in stats.items()}}))
+    print(json.dumps({"target": target, **{label(*k): v for k, v in stats.items()}, "equivalence": eq}))
 
 
 if __name__ == "__main__":

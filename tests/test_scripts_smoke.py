@@ -119,6 +119,9 @@ SMOKE: dict[str, Smoke] = {
         why="installs the newest allowed versions into a fresh venv from PyPI "
         "(~1 GB, minutes); .ci/run runs it at the end of every CI run",
     ),
+    "compare_runs.py": Smoke(
+        "test", test="tests/test_compare_runs.py::test_compare_runs_cli_prints_writes_json_and_rejects_bad_input"
+    ),
     "device_check.sh": Smoke("test", test=HERE + "test_scripts_smoke_device_check_cpu_step"),
     "device_check_prepare.sh": Smoke(
         "static",

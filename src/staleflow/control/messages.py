@@ -150,6 +150,8 @@ class StepDone(msgspec.Struct, tag=True):
     push_s: float
     content: dict[int, list[str]] = {}
     """group id -> metrics.audit.content_digest of each member as the trainer read it (the audit trail)."""
+    token_versions: dict[int, list[list[list[int]]]] = {}
+    """group id -> metrics.audit.version_counts of each member's response tokens (trained.jsonl)."""
 
 
 class SaveState(msgspec.Struct, tag=True):

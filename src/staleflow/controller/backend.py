@@ -45,6 +45,8 @@ class TrainDone(msgspec.Struct, frozen=True):
     push_s: float = 0.0
     content: dict = {}
     """group id -> the trained members' content digests (runtime only: trained.jsonl's audit trail)."""
+    token_versions: dict = {}
+    """group id -> each member's [[version, tokens], ...] (runtime only: trained.jsonl)."""
 
 
 class Published(msgspec.Struct, frozen=True):

@@ -39,6 +39,22 @@ def content_digest(prompt_ids: Sequence[int], response_ids: Sequence[int]) -> st
     return h.hexdigest()[:20]
 
 
+def version_counts(versions: Sequence[int]) -> list[list[int]]:
+    """One trained response's tokens per weight version that sampled them, [[version, tokens], ...]
+    in order (trained.jsonl's ``token_versions``: more than one entry after a pull that kept the KV).
+
+    >>> version_counts([4, 4, 4, 5, 5])
+    [[4, 3], [5, 2]]
+    """
+    out: list[list[int]] = []
+    for v in versions:
+        if out and out[-1][0] == int(v):
+            out[-1][1] += 1
+        else:
+            out.append([int(v), 1])
+    return out
+
+
 @dataclass
 class Audit:
     steps: int = 0

@@ -5,7 +5,10 @@ TensorBoard scalars, and the run's resolved config.
     run_dir/timeline.jsonl   {"rank": r, "kind": "generate"|"train"|"pull"|..., "t0": s, "t1": s}
     run_dir/trained.jsonl    {"buffer": v, "group_id": g, "traj_version": V, "traj_ids": [...], "rewards": [...],
                               "prompt": ..., "answer": ..., "sample": first member's response, "prompt_id": p,
-                              "content": [metrics.audit.content_digest of each member, as the trainer read it]}
+                              "content": [metrics.audit.content_digest of each member, as the trainer read it],
+                              "n_tokens": [response length of each member],
+                              "token_versions": [[[version, tokens], ...] per member: audit.version_counts],
+                              "submitted_s": when the loop drew the prompt (run seconds; absent if requeued)}
     run_dir/tb/              TensorBoard events (scalars of metrics.jsonl)
     run_dir/wandb/           Weights & Biases files (--log.wandb; the same metric names as TensorBoard)
     run_dir/config.json      the RunConfig of the run

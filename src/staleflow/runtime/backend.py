@@ -149,7 +149,7 @@ class RuntimeBackend:
             now = time.time()
             self.writer.log_span(0, "train", self._train_sent, now - msg.push_s)
             self.writer.log_span(0, "push", now - msg.push_s, now)
-            yield TrainDone(msg.version, msg.metrics, msg.train_s, msg.push_s, msg.content)
+            yield TrainDone(msg.version, msg.metrics, msg.train_s, msg.push_s, msg.content, msg.token_versions)
             yield Published(msg.version)
         elif isinstance(msg, (Saved, Evaluated)):
             yield msg
@@ -192,9 +192,13 @@ class RuntimeWorkload:
         self.source, self.rng = source, random.Random(cfg.seed)
         self.length_dist = parse_length_dist(cfg.rollout.length_dist) if cfg.rollout.length_dist else None
         self.max_new_tokens = cfg.rollout.max_new_tokens
+        self.submitted: dict[int, float] = {}
+        """prompt id -> when the loop drew it (seconds since the epoch), until its group is trained."""
 
     def next_prompt(self):
-        return next(self.source)
+        p = next(self.source)
+        self.submitted[p.prompt_id] = time.time()  # trained.jsonl's submitted_s (popped when trained)
+        return p
 
     def prompt_len(self, prompt) -> int:
         return len(prompt.prompt_ids)

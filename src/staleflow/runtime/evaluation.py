@@ -73,6 +73,7 @@ class HeldOutEval:
             "eval_versions": [min(run["versions"]), max(run["versions"])],
             "eval_s": time.monotonic() - run["t0"],
             "eval_sample": answers[0][3][:300],
+            "eval_correct": "".join("1" if a[0] else "0" for a in answers),  # per prompt, held-out order
         }
         self.results.append({"step": run["step"], **row})
         return {"step": run["step"], **row}

@@ -74,6 +74,7 @@ class TrainingJob:
         self.writing: tuple[int, int, float] | None = None
         """(ticket, version, start) of the checkpoint being written in the background."""
         self.failure: BaseException | None = None
+        self.workload = RuntimeWorkload(cfg, self.source)
         self.loop = build_loop(
             cfg.mode,
             s,
@@ -81,7 +82,7 @@ class TrainingJob:
             load_cost_model(cfg.coordinator.cost_model),
             instances,
             self.backend,
-            RuntimeWorkload(cfg, self.source),
+            self.workload,
             cfg.steps,
             version=version,
             ledger=ledger,
@@ -117,6 +118,9 @@ class TrainingJob:
                 sample=rec.samples.get(g.group_id, ""),
                 prompt_id=p.prompt_id,
                 content=rec.train.content.get(g.group_id, []),
+                n_tokens=g.n_tokens,
+                token_versions=rec.train.token_versions.get(g.group_id, []),
+                **self._submitted(p.prompt_id),
             )
         now = time.monotonic()
         tokens = sum(self.loop.tokens_generated.values())
@@ -148,6 +152,12 @@ class TrainingJob:
         every = self.cfg.checkpoint.every
         self.save_due = bool(every) and ev.version % every == 0 and ev.version < self.cfg.steps
         self.loop.hold_training = self.save_due  # the checkpoint holds exactly this version
+
+    def _submitted(self, prompt_id: int) -> dict:
+        """trained.jsonl's submitted_s: when the loop drew the prompt, in the run's seconds (absent
+        for a prompt requeued on resume, drawn before the restart)."""
+        t = self.workload.submitted.pop(prompt_id, None)
+        return {} if t is None else {"submitted_s": round(t - self.writer.t_start, 4)}
 
     def _size_stall_limit(self) -> None:
         """The hub's stuck-rank limit (--fault.stall-s, or 4 x the longest step with a floor) and,

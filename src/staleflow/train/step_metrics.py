@@ -58,6 +58,10 @@ def step_metrics(self, samples, rewards, adv, keep, sums, loss_total, grad_norms
     token_versions = [v for s in kept for v in s.versions]
     if token_versions:
         out["token_staleness_mean"] = sum(self.version - 1 - v for v in token_versions) / len(token_versions)
+        # mixed-version responses (a pull that kept the KV, or a migration, mid-response): the share of
+        # tokens sampled by a later version than their response's first token, and of such responses
+        out["mixed_token_frac"] = sum(v != s.versions[0] for s in kept for v in s.versions) / len(token_versions)
+        out["mixed_traj_frac"] = sum(len(set(s.versions)) > 1 for s in kept) / len(kept)
     for k, v in adds.items():
         out[f"{k}_mean"] = float(v) / max(n_tok, 1)
     out.update(extremes)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from staleflow.cluster.placement import slot_dtype, slot_placement
 from staleflow.control.messages import Saved, SaveState, Shutdown, StepDone, TrainStep
 from staleflow.durable import disk_problem
-from staleflow.metrics.audit import content_digest
+from staleflow.metrics.audit import content_digest, version_counts
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
 from staleflow.train.checkpoint import (
@@ -176,10 +176,19 @@ class TrainerWorker:
         if self.leader:
             clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
             content: dict[int, list[str]] = {}
+            versions: dict[int, list[list[list[int]]]] = {}
             for s in samples:  # what was trained, by content: the audit finds a group trained twice by it
                 content.setdefault(s.group_id, []).append(content_digest(s.prompt_ids, s.response_ids))
+                versions.setdefault(s.group_id, []).append(version_counts(s.versions))
             self.ctx.client.send(
-                StepDone(version=self.trainer.version, metrics=clean, train_s=train_s, push_s=push_s, content=content)
+                StepDone(
+                    version=self.trainer.version,
+                    metrics=clean,
+                    train_s=train_s,
+                    push_s=push_s,
+                    content=content,
+                    token_versions=versions,
+                )
             )
 
     def save(self, msg: SaveState) -> None:

@@ -1,0 +1,123 @@
+"""What the trainer saw in two runs (or two sets of runs, paired by seed), side by side, with intervals.
+
+    python scripts/compare_runs.py RUN_A RUN_B [--names A,B] [--json OUT.json] [--per-group OUT.jsonl]
+    python scripts/compare_runs.py A_SEED0,A_SEED1,... B_SEED0,B_SEED1,...   # paired over seeds
+    python scripts/compare_runs.py staleflow-eta1 areal-eta1 --bench runs/convergence   # every finished seed
+
+Reads each run folder's trained.jsonl (one row per trained group: buffer, V_traj, rewards, members'
+lengths, tokens per weight version, when its prompt was drawn) and metrics.jsonl (one row per step:
+the trainer's importance-weight and KL statistics, interrupts, migrations; evaluation rows), rows
+marked superseded (written after the checkpoint a run resumed from) left out. For every quantity it
+prints A, B, B - A and a 95% interval of B - A:
+- several runs per side: the runs are paired by their seed (config.json; in the given order when a
+  seed is missing or repeated), the quantity is reduced per run, and the interval is Student's t over
+  the per-seed differences (the runs of one seed share their prompt stream);
+- one run per side: a percentile bootstrap (seeded) over the units the quantity is made of, each side
+  resampled on its own: trained groups for the group rows, steps for the step rows; run-level counts
+  (interrupts, final accuracy) have no interval from one run. Prompts trained in both runs (the same
+  seed draws the same prompts) are also paired directly: "same prompt, step B - step A".
+
+Quantities, by unit:
+  group  staleness (buffer - V_traj) and the share of groups at each staleness; the share of tokens
+         sampled at each token staleness (buffer - the version that sampled the token) and newer than
+         the group's V_traj (keep-KV pulls and migrations make mixed-version responses); response
+         length; reward, the group's reward variance and the share of all-equal groups (no learning
+         signal: dynamic sampling drops them); order: the share of groups overtaken by a later-drawn
+         one, |training rank - drawing rank|, steps and seconds from drawing the prompt to training it
+  step   the trainer's importance ratio (mean, max), the share of ratios truncated and of tokens PPO
+         clipped, KL(behaviour || current) k3 (mean and median over steps), entropy, gradient norm,
+         token staleness, mixed-version token share, trainer seconds, groups dropped, train reward
+  run    final held-out accuracy, interrupts, migrations, pulls, groups aborted, rank correlation of
+         drawing order vs training order (Spearman)
+Exit 2 on a missing or empty run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from staleflow.metrics.compare import N_BOOT, RunError, compare, load_run, pair_runs, spearman
+
+__all__ = ["compare", "load_run", "spearman"]  # the analysis (staleflow.metrics.compare), for tests and notebooks
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3e}" if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5) else f"{v:.4f}"
+
+
+def table(rows: list[dict], names: tuple[str, str]) -> str:
+    a, b = names
+    lines = [f"{'quantity':62s} {a[:12]:>12s} {b[:12]:>12s} {'B - A':>11s}  {'95% interval':26s} method"]
+    for r in rows:
+        ci = f"[{_fmt(r['ci95'][0])}, {_fmt(r['ci95'][1])}]" if r.get("ci95") else "-"
+        lines.append(
+            f"{r['label'][:62]:62s} {_fmt(r['a']):>12s} {_fmt(r['b']):>12s} {_fmt(r['diff']):>11s}  {ci:26s} "
+            f"{r['method']}"
+        )
+    return "\n".join(lines)
+
+
+def side(spec: str, bench: str) -> list[str]:
+    """One side's run folders: a comma-separated list, or (with --bench) every finished seed of a mode."""
+    if not bench:
+        return [x for x in spec.split(",") if x]
+    found = sorted(str(p.parent) for p in Path(bench).glob(f"{spec}-seed*/bench.json"))
+    if not found:
+        raise RunError(
+            f"{bench} has no finished run named {spec}-seed*: name a mode as the bench does (staleflow-eta1)"
+        )
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs_a", help="run folder, or comma-separated run folders (one per seed); with --bench: a mode")
+    ap.add_argument("runs_b", help="the same for side B")
+    ap.add_argument(
+        "--bench",
+        default="",
+        help="a bench_convergence.py --out folder: RUNS_A / RUNS_B are then run names without the seed "
+        "(staleflow-eta1, areal-eta1), expanded to every finished seed (NAME-seed*/bench.json)",
+    )
+    ap.add_argument("--names", default="", help="A,B labels (default: the first folders' names)")
+    ap.add_argument("--json", default="", help="write the comparison here as JSON")
+    ap.add_argument("--per-group", default="", help="write every trained group of every run here (JSON lines)")
+    ap.add_argument("--boot", type=int, default=N_BOOT, help="bootstrap resamples (one run per side)")
+    ap.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    args = ap.parse_args(argv)
+    try:
+        runs_a = [load_run(x) for x in side(args.runs_a, args.bench)]
+        runs_b = [load_run(x) for x in side(args.runs_b, args.bench)]
+        if not runs_a or not runs_b:
+            raise RunError("give at least one run folder on each side")
+        rows = compare(runs_a, runs_b, args.boot, args.seed)
+    except (RunError, json.JSONDecodeError, KeyError) as e:
+        print(f"compare_runs: {e}", file=sys.stderr)
+        return 2
+    names = tuple(args.names.split(",")) if args.names else (runs_a[0]["name"], runs_b[0]["name"])
+    if len(names) != 2:
+        print("compare_runs: --names takes two labels, A,B", file=sys.stderr)
+        return 2
+    pairs = pair_runs(runs_a, runs_b)
+    print(f"A = {names[0]}: {', '.join(r['path'] for r, _ in pairs)}")
+    print(f"B = {names[1]}: {', '.join(r['path'] for _, r in pairs)}")
+    print(table(rows, names))
+    result = {"a": names[0], "b": names[1], "pairs": [[x["path"], y["path"]] for x, y in pairs], "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.per_group:
+        with open(args.per_group, "w") as fh:
+            for r in runs_a + runs_b:
+                for g in r["groups"]:
+                    fh.write(json.dumps({"run": r["path"], **g}) + "\n")
+    print(json.dumps({"a": names[0], "b": names[1], "quantities": len(rows)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
