@@ -104,7 +104,7 @@ def load_prompts(cfg: EvalCommand, tokenizer) -> tuple[list, int]:
     if source.task is not None:
         return source.hold_out(cfg.n), 0
     rows = source.rows[: cfg.n] if cfg.n else source.rows
-    ids = source.encode([r.text for r in rows])
+    ids = source.encode([r.messages or r.text for r in rows])
     return [Prompt(i, r.text, r.answer, pid, r.meta) for i, (r, pid) in enumerate(zip(rows, ids))], len(source.bad_rows)
 
 

@@ -17,6 +17,7 @@ import os
 import sys
 
 from staleflow.config import ConfigError, RunConfig, resolve
+from staleflow.launch.preflight import check_data, check_extras, check_gpus
 from staleflow.presets import PRESETS
 
 
@@ -37,8 +38,11 @@ def check(argv: list[str]) -> RunConfig:
         cfg = check_resume(cfg, defaults, given_flags(argv))
     from staleflow.model.hf import lazy_folder
 
-    lazy_folder(resolve_model_path(cfg.model.path, verify=True))  # config.json and every safetensors header
+    folder = resolve_model_path(cfg.model.path, verify=True)
+    lazy_folder(folder)  # config.json and every safetensors header
     check_extensions(cfg)
+    check_extras(cfg)
+    check_data(cfg, folder)
     check_writable(cfg.resume or cfg.log.run_dir, "--resume" if cfg.resume else "--log.run-dir")
     check_machine(cfg, int(nproc) if nproc else 0)
     return cfg
@@ -55,6 +59,7 @@ def check_machine(cfg: RunConfig, nproc: int) -> None:
     if cfg.rollout.cuda_graphs and not cuda:
         raise ConfigError("--rollout.cuda-graphs needs CUDA (captured decode steps) and this machine has none: drop it")
     check_shm(shm_needed(cfg, nproc, "cuda" if cuda else "cpu"))
+    check_gpus(cfg, nproc, torch.cuda.device_count() if cuda else 0)
     if cuda:
         print(device_line(torch), file=sys.stderr, flush=True)
         check_flash(cfg, cuda=True)
@@ -78,11 +83,8 @@ def check_extensions(cfg: RunConfig) -> None:
         (PULL, cfg.coordinator.pull),
     ):
         registry.resolve(spec)
-    if task_for(cfg.data.source) is None and not os.path.isfile(cfg.data.source):
-        raise ConfigError(
-            f"--data.source={cfg.data.source!r}: no such file; give an existing .jsonl / .parquet file, "
-            f"a built-in task or a task function 'package.module:name'"
-        )
+    for name, _ in cfg.data.sources:
+        task_for(name)  # a task name or import path resolves; data sources are read by check_data
 
 
 def check_writable(folder: str, flag: str) -> None:
