@@ -18,6 +18,7 @@ class RewardConfig:
     fn: str = "arithmetic"
     """Registered name (arithmetic, math, countdown) or a user function 'module:function'."""
     workers: int = 2
+    """Reward worker processes in the controller (rewards are computed asynchronously)."""
     format_weight: float = 0.0
     """Bonus added to a correct answer given in \\boxed{} (never to a wrong one)."""
     timeout_s: float = 30.0
@@ -186,7 +187,10 @@ class LogConfig:
     progress: bool = True
     """Rich progress display on the console."""
     tensorboard: bool = True
+    """Write TensorBoard event files into the run folder (tb/)."""
     plot: bool = True
+    """Write report.png (reward, staleness and throughput over the steps) at the end of the run."""
     wandb: bool = False
     """Also log to Weights & Biases (extra staleflow[wandb]; WANDB_MODE=offline works without an account)."""
     wandb_project: str = "staleflow"
+    """Weights & Biases project name (with --log.wandb)."""

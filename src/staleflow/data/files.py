@@ -117,7 +117,10 @@ def check_record(rec, cfg: DataConfig) -> tuple[str, str] | FileRow:
     elif isinstance(prompt, str):
         text = prompt
     else:
-        return "not_string", f"field {cfg.prompt_field!r} must be a string or a list of chat messages, got {type(prompt).__name__}"
+        return (
+            "not_string",
+            f"field {cfg.prompt_field!r} must be a string or a list of chat messages, got {type(prompt).__name__}",
+        )
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         return "not_string", f"field {afield!r} must be a string or a number, got {type(answer).__name__}"
     if not text.strip():

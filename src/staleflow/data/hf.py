@@ -25,9 +25,7 @@ def resolve_source(source: str, cfg: DataConfig) -> tuple[str, Path | str]:
     path = Path(source).expanduser()
     if path.suffix in SUFFIXES:
         if not path.is_file():
-            raise DataError(
-                f"--data.source={source!r}: no such file; give an existing .jsonl, .parquet or .json file"
-            )
+            raise DataError(f"--data.source={source!r}: no such file; give an existing .jsonl, .parquet or .json file")
         return path.suffix[1:], path
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
@@ -68,7 +66,9 @@ def dataset_records(kind: str, target, cfg: DataConfig, limit: int | None = None
         try:
             import pyarrow.parquet  # noqa: F401
         except ImportError:
-            raise DataError(f"reading {str(target)!r} needs pyarrow, which is not installed: pip install pyarrow") from None
+            raise DataError(
+                f"reading {str(target)!r} needs pyarrow, which is not installed: pip install pyarrow"
+            ) from None
     datasets = _datasets()
     source = str(target)
     try:

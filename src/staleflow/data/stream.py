@@ -164,8 +164,7 @@ class Stream:
         if not keep:
             first = f"; first bad row {bad[0].location}: {bad[0].reason}" if bad else ""
             raise DataError(
-                f"--data.source={self.name!r} has no valid rows "
-                f"({len(bad)} bad, {self.blank_lines} blank lines){first}"
+                f"--data.source={self.name!r} has no valid rows ({len(bad)} bad, {self.blank_lines} blank lines){first}"
             )
 
     def _reject(self, bad: BadRow) -> None:

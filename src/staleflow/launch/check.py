@@ -27,7 +27,7 @@ def check(argv: list[str]) -> RunConfig:
     from staleflow.model.loader import resolve_model_path
 
     defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
-    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
+    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow check"))
     nproc = os.environ.get("STALEFLOW_NPROC")
     if nproc:
         Roles(int(nproc), cfg.rollout.ranks)
