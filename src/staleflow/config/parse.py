@@ -92,7 +92,7 @@ def given_flags(argv: Sequence[str]) -> frozenset[str]:
     for tok in argv:
         if tok.startswith("--") and len(tok) > 2:
             name = tok[2:].split("=", 1)[0].replace("-", "_")
-            if name in ("config", "preset"):
+            if name == "config":
                 continue
             head, dot, last = name.rpartition(".")
             out.add(name)

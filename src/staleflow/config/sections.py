@@ -173,7 +173,8 @@ class TrainConfig:
     advantage: str = "grpo"
     """Advantage estimator: grpo, grpo-nostd, dr-grpo, rloo, or 'package.module:name' (docs/extending.md)."""
     loss: str = "grpo"
-    """Policy loss: grpo (PPO-clip), dapo, gspo, ppo, or 'package.module:name' (docs/extending.md)."""
+    """Policy loss: grpo (PPO-clip; ppo is the same loss), gspo, or 'package.module:name' (docs/extending.md).
+    DAPO is a recipe, not a loss of its own: --preset dapo (docs/recipes.md)."""
     loss_agg: Literal["auto", "token-mean", "seq-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "auto"
     """Loss aggregation (docs/trainer.md maps each to TRL / verl names): auto = the loss's paper
     (gspo -> seq-mean, --train.advantage dr-grpo -> seq-mean-token-sum-norm, else token-mean)."""
@@ -202,6 +203,9 @@ class TrainConfig:
     """Optimizer updates per Ready buffer (>1 makes the proximal policy differ from the current one)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal)."""
+    dynamic_sampling_refill: int = 0
+    """DAPO's refill: up to this many all-equal groups per step are replaced by fresh prompts before
+    the batch is trained (needs --train.dynamic-sampling; 0: such groups are only dropped)."""
     overlong_max_tokens: int = 0
     """DAPO overlong shaping: response length where the penalty reaches -1 (0 disables)."""
     overlong_cache_tokens: int = 0
@@ -231,7 +235,20 @@ class TrainConfig:
             (self.is_low, self.is_high),
             "need 0 <= is-low <= 1 <= is-high",
         )
+        _check(
+            self.loss != "dapo",
+            "train.loss",
+            self.loss,
+            "DAPO's loss is PPO-clip with clip-higher and token-mean aggregation, not a loss of its own: use "
+            "--preset dapo (the whole recipe) or --train.loss grpo --train.clip-high 0.28 --train.loss-agg token-mean",
+        )
         _check(self.kl_coef >= 0, "train.kl-coef", self.kl_coef, "must be >= 0")
+        _check(
+            self.dynamic_sampling_refill >= 0 and (self.dynamic_sampling or not self.dynamic_sampling_refill),
+            "train.dynamic-sampling-refill",
+            self.dynamic_sampling_refill,
+            "must be >= 0, and > 0 only with --train.dynamic-sampling",
+        )
         _check(self.mini_batches >= 1, "train.mini-batches", self.mini_batches, "must be >= 1")
         _check(self.overlong_max_tokens >= 0, "train.overlong-max-tokens", self.overlong_max_tokens, "must be >= 0")
         _check(

@@ -174,6 +174,11 @@ class Coordinator:
         self._forget_group(group_id)
         return v
 
+    def drop_group(self, group_id: int, reason: str) -> None:
+        """Abort a rewarded group that will not occupy a slot (dynamic sampling refill): the protocol
+        releases its reservation; Abort commands tell the loop to free its records."""
+        self._abort_group_cmds(group_id, reason, self.clock())
+
     def on_interrupted(self, instance: int, items: Iterable[TrajectoryItem]) -> None:
         """Partial trajectories came back from an instance (Interrupt or engine preemption)."""
         now = self.clock()
