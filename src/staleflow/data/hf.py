@@ -38,12 +38,17 @@ def resolve_source(source: str, cfg: DataConfig) -> tuple[str, Path | str]:
 
 
 def _datasets():
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """The datasets module, offline: the environment variables for a first import, the module
+    constants for a process where transformers or datasets already read them (a run never waits
+    on network time-outs nor downloads)."""
+    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     try:
         import datasets
+        import huggingface_hub.constants
     except ImportError:
         raise DataError("reading this data source needs the datasets package: pip install datasets pyarrow") from None
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     return datasets

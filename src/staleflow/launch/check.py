@@ -1,8 +1,12 @@
 """``python -m staleflow check [train flags]``: everything about a run that can be checked before
 any process starts. launch.sh runs it first, so a bad flag, a missing model folder or package,
 an extension that does not resolve (--reward.fn, --train.loss / advantage / off-policy,
---coordinator.routing / pull, --data.source: a bad import path or an object of the wrong shape), a
-missing data file, a --resume that cannot work, a /dev/shm too small for the run's shared memory
+--coordinator.routing / pull, --data.source: a bad import path or an object of the wrong shape), an
+unknown --coordinator.cost-model, a data source that cannot be read or whose first rows lack the
+fields asked for, a prompt + --rollout.max-new-tokens over --rollout.max-model-len (or that over
+the model's max_position_embeddings), an optional package the flags need (vllm, wandb,
+flash-attn), more trainer ranks than GPUs (launch/preflight.py), an unwritable run folder, a
+--resume that cannot work, a /dev/shm too small for the run's shared memory
 or a flash-attn build that does not run with this torch is one line and exit 2, printed once,
 with no torchrun traceback and no elastic restarts of a doomed run. On CUDA it prints the CUDA,
 driver, NCCL, torch and Triton versions.
@@ -68,6 +72,7 @@ def check_machine(cfg: RunConfig, nproc: int) -> None:
 def check_extensions(cfg: RunConfig) -> None:
     """Every extension point resolves, through the registry the run itself uses, to an object of the
     right shape: a registered name or an importable 'package.module:name' (ExtensionError otherwise)."""
+    from staleflow.coordinator.cost_model import CostModelError, load_cost_model
     from staleflow.coordinator.strategies import PULL, ROUTING
     from staleflow.data.tasks import task_for
     from staleflow.reward.functions import REWARDS
@@ -85,6 +90,10 @@ def check_extensions(cfg: RunConfig) -> None:
         registry.resolve(spec)
     for name, _ in cfg.data.sources:
         task_for(name)  # a task name or import path resolves; data sources are read by check_data
+    try:
+        load_cost_model(cfg.coordinator.cost_model)
+    except CostModelError as e:
+        raise ConfigError(f"--coordinator.cost-model={cfg.coordinator.cost_model!r}: {e}") from None
 
 
 def check_writable(folder: str, flag: str) -> None:
