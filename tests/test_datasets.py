@@ -131,6 +131,26 @@ def test_datasets_hub_name_missing_from_the_cache_says_how_to_fetch(tmp_path, to
     assert "save_to_disk" in msg
 
 
+def test_datasets_hub_name_from_the_hub_cache_snapshot(tmp_path, tok, monkeypatch):
+    """What `huggingface-cli download --repo-type dataset acme/tiny-math` leaves in the hub cache
+    (refs/main -> snapshots/<commit>/data/*.parquet) loads offline by name."""
+    import huggingface_hub.constants
+
+    home = tmp_path / "hf"
+    repo = home / "hub" / "datasets--acme--tiny-math"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit / "data").mkdir(parents=True)
+    write_verl_parquet(repo / "snapshots" / commit / "data" / "train-00000-of-00001.parquet", n=6)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(home / "datasets"))
+    source = PromptSource(DataConfig(source="acme/tiny-math"), tok)
+    assert len(source.rows) == 6 and source.rows[0].meta["data_source"] == "openai/gsm8k"
+    with pytest.raises(DataError, match="Unknown split.*set --data.split"):
+        PromptSource(DataConfig(source="acme/tiny-math", split="dev"), tok)
+
+
 def test_datasets_folder_not_written_by_save_to_disk_and_corrupt_parquet(tmp_path, tok):
     (tmp_path / "plain").mkdir()
     with pytest.raises(DataError, match="not one written by datasets' save_to_disk"):

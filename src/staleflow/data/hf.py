@@ -5,8 +5,9 @@
 
 Kinds: ``jsonl`` (read line by line in files.py, for per-line bad-row reports), ``parquet`` and
 ``json`` files, ``disk`` (a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``)
-and ``hub`` (a dataset name, e.g. ``openai/gsm8k``, resolved from the local Hugging Face cache with
-HF_DATASETS_OFFLINE=1: a run never downloads). ``--data.split`` picks the split (default train) and
+and ``hub`` (a dataset name, e.g. ``openai/gsm8k``, resolved offline from datasets' own cache or
+from the hub cache's snapshot that ``huggingface-cli download --repo-type dataset NAME`` wrote:
+a run never downloads). ``--data.split`` picks the split (default train) and
 ``--data.subset`` the configuration of a hub dataset. Nothing read here runs code: no dataset
 loading scripts (``trust_remote_code`` is never passed), parquet and arrow are data only.
 """
@@ -96,20 +97,36 @@ def dataset_records(kind: str, target, cfg: DataConfig, limit: int | None = None
 
 
 def _hub(datasets, name: str, cfg: DataConfig):
+    """A dataset name from the local caches: datasets' own (a load_dataset done with network), else
+    the hub cache's snapshot (huggingface-cli download --repo-type dataset NAME), read as a folder."""
+    from staleflow.data.tasks import TASKS
+
     fetch = (
         f"fetch it on a machine with network (huggingface-cli download --repo-type dataset {name}, or "
         f"datasets.load_dataset({name!r}).save_to_disk(DIR) and pass --data.source DIR)"
     )
-    from staleflow.data.tasks import TASKS
-
+    subset = cfg.subset or None
     try:
-        return datasets.load_dataset(name, cfg.subset or None, split=cfg.split)
+        return datasets.load_dataset(name, subset, split=cfg.split)
     except ValueError as e:
-        if "split" in str(e).lower():
-            raise DataError(f"--data.source={name!r}: {' '.join(str(e).split())[:200]}; set --data.split") from None
-        raise DataError(f"--data.source={name!r} is not in the local Hugging Face cache (offline): {fetch}") from None
+        if "split" in str(e).lower() or "config" in str(e).lower():
+            raise DataError(
+                f"--data.source={name!r}: {' '.join(str(e).split())[:200]}; set --data.split / --data.subset"
+            ) from None
+    except Exception:
+        pass
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
     except Exception:
         raise DataError(
             f"--data.source={name!r} is not a registered task ({', '.join(sorted(TASKS))}), a .jsonl / .parquet / "
             f".json file, a save_to_disk folder, nor a dataset in the local Hugging Face cache (offline): {fetch}"
+        ) from None
+    try:
+        return datasets.load_dataset(folder, subset, split=cfg.split)
+    except ValueError as e:
+        raise DataError(
+            f"--data.source={name!r}: {' '.join(str(e).split())[:200]}; set --data.split / --data.subset"
         ) from None
