@@ -27,6 +27,7 @@ import msgspec
 
 from staleflow.controller.backend import Backend, Published, PullDone, Rewarded, TrainDone
 from staleflow.controller.ledger import Ledger, Traj
+from staleflow.controller.refill import Refill
 from staleflow.controller.types import Audit, LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
@@ -61,8 +62,7 @@ class ControllerLoop:
         self.reward_errors: Counter = Counter()
         self.first_reward_error = ""
         self.reward_failures_in_a_row = 0
-        self.refills: Counter = Counter()
-        """All-equal groups replaced by fresh ones, per trainer version (dynamic sampling refill)."""
+        self.no_signal = Refill(settings.refill_groups, coordinator, self.counts)  # DAPO dynamic sampling refill
         self.audit = Audit()
         self.unrouted: set[int] = set()  # live groups none of whose members was routed yet
         self.group_tag: dict[int, int] = {}  # V_traj carried by a group's routes (audit)
@@ -170,28 +170,11 @@ class ControllerLoop:
     def maybe_occupy(self, group_id: int) -> None:
         """Occupy once the group's N accepted finishers are all rewarded."""
         members = self.ledger.rewarded_members(group_id, self.s.group_size)
-        if members is None or self._refilled(group_id, members):
+        if members is None or self.no_signal.replaces(group_id, members, self.version):
             return
         v = self.coord.on_rewarded(group_id)
         if v is not None:  # None: its window closed meanwhile; the coordinator aborts the group
             self.ledger.occupy(group_id, v)
-
-    def _refilled(self, group_id: int, members) -> bool:
-        """DAPO dynamic sampling with refill: a group whose rewards are all equal teaches nothing, so
-        (up to --train.dynamic-sampling-refill per trainer version) it is aborted like a group whose
-        window closed: its reservation is released, its records freed, and the queue refill admits a
-        fresh prompt group in its place, a new trajectory reserved, generated and occupied under the
-        same protocol as any other. Past the budget the group occupies its slot (the trainer's filter
-        still drops it), so a policy that solves nothing or everything cannot stall the run."""
-        if not self.s.refill_groups or self.refills[self.version] >= self.s.refill_groups:
-            return False
-        first = members[0].reward
-        if any(t.reward != first for t in members):
-            return False
-        self.refills[self.version] += 1
-        self.counts["groups_refilled"] += 1
-        self.coord.drop_group(group_id, "no-signal")
-        return True
 
     # ---- commands ------------------------------------------------------------------------------
     def execute(self, cmd) -> None:

@@ -174,11 +174,6 @@ class Coordinator:
         self._forget_group(group_id)
         return v
 
-    def drop_group(self, group_id: int, reason: str) -> None:
-        """Abort a rewarded group that will not occupy a slot (dynamic sampling refill): the protocol
-        releases its reservation; Abort commands tell the loop to free its records."""
-        self._abort_group_cmds(group_id, reason, self.clock())
-
     def on_interrupted(self, instance: int, items: Iterable[TrajectoryItem]) -> None:
         """Partial trajectories came back from an instance (Interrupt or engine preemption)."""
         now = self.clock()
@@ -383,6 +378,8 @@ class Coordinator:
         (self._out if out is None else out).append(Abort(-1, (), reason, retry, gid))
         self.counters[f"groups_aborted_{reason}"] += 1
         self._forget_group(gid)
+
+    abort_group = _abort_group_cmds  # (gid, reason, now): public for the loop's dynamic sampling refill
 
     def _forget_group(self, gid: int) -> None:
         self.members.pop(gid, None)

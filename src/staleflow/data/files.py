@@ -24,16 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from staleflow.config import DataConfig
+from staleflow.data.errors import SUFFIXES, DataError
 
-SUFFIXES = (".jsonl", ".parquet", ".json")
+__all__ = ["SUFFIXES", "BadRow", "DataError", "FileRow", "check_record", "read_rows"]
+
 AUTO_ANSWER_FIELDS = ("answer", "reward_model.ground_truth", "solution", "ground_truth")
 """--data.answer-field auto: the first of these a row has (plain files, verl, TRL / HF math sets)."""
 MAX_LINE_BYTES = 1 << 24
 """A .jsonl line longer than this (16 MiB) is a bad row, never parsed."""
-
-
-class DataError(ValueError):
-    """Bad data: a missing or unreadable source, a bad row (with bad_rows=error), no valid rows."""
 
 
 @dataclass(frozen=True)

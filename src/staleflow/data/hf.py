@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from staleflow.config import DataConfig
-from staleflow.data.files import SUFFIXES, DataError
+from staleflow.data.errors import SUFFIXES, DataError
 
 
 def resolve_source(source: str, cfg: DataConfig) -> tuple[str, Path | str]:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
-from staleflow.data.files import SUFFIXES, DataError
+from staleflow.data.errors import SUFFIXES, DataError
 from staleflow.extensions import ExtensionError, Registry, Shape
 
 TaskRow = tuple[str, str, dict]
