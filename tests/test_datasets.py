@@ -166,10 +166,15 @@ def test_datasets_jsonl_deep_nesting_and_invalid_utf8_are_bad_rows(tmp_path, tok
     path = tmp_path / "rows.jsonl"
     good = json.dumps({"prompt": "Say 1.", "answer": "1"}).encode()
     bad_utf8 = b'{"prompt": "Say \xff.", "answer": "2"}'
-    path.write_bytes(b"\n".join([good, b"[" * 100_000, bad_utf8, good]) + b"\n")
+    surrogate = b'{"prompt": "Say \\ud800.", "answer": "3"}'  # valid JSON, not encodable text (found by fuzzing)
+    path.write_bytes(b"\n".join([good, b"[" * 100_000, bad_utf8, surrogate, good]) + b"\n")
     rows, bad, _ = read_rows(str(path), DataConfig())
     assert len(rows) == 2
-    assert [(b.location, b.kind) for b in bad] == [(f"{path}:2", "invalid_json"), (f"{path}:3", "invalid_utf8")]
+    assert [(b.location, b.kind) for b in bad] == [
+        (f"{path}:2", "invalid_json"),
+        (f"{path}:3", "invalid_utf8"),
+        (f"{path}:4", "invalid_utf8"),
+    ]
     assert "nested too deeply" in bad[0].reason and "\ufffd" not in "".join(r.text for r in rows)
 
 
@@ -237,7 +242,7 @@ def _mutate(data: bytes, edits: list[tuple[int, int]]) -> bytes:
     return bytes(out)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rows=st.lists(ROW | JSON_VALUES, min_size=1, max_size=6),
     edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6),
@@ -386,3 +391,20 @@ def test_data_mix_held_out_evaluation_is_reported_per_source(tmp_path, tok):
         row = ev.on_answer(Evaluated(0, i, tok(text, add_special_tokens=False)["input_ids"], 0, 0)) or row
     assert row[f"eval_accuracy@{a}"] == 1.0 and row[f"eval_accuracy@{b}"] == 0.0
     assert row[f"eval_n@{a}"] == row[f"eval_n@{b}"] == 4 and row["eval_accuracy"] == 0.5
+
+
+def test_datasets_meta_of_any_column_type_is_json(tmp_path, tok):
+    """A parquet's timestamp / binary / decimal columns reach meta as text: a checkpoint keeps the
+    in-flight prompts as JSON."""
+    import datetime
+    import decimal
+
+    rows = [
+        {"prompt": "Say 1.", "answer": "1", "when": datetime.datetime(2026, 1, 2), "raw": b"\x00\x01",
+         "price": decimal.Decimal("1.50"), "nested": {"t": datetime.date(2026, 1, 3)}}
+    ] * 3  # fmt: skip
+    path = tmp_path / "typed.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    p = next(PromptSource(DataConfig(source=str(path)), tok))
+    json.dumps(p.meta)
+    assert p.meta["when"].startswith("2026-01-02") and p.meta["nested"]["t"] == "2026-01-03"

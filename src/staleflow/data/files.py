@@ -95,6 +95,28 @@ def _messages(prompt) -> tuple[tuple[tuple[str, str], ...] | None, str]:
     return tuple(out), ""
 
 
+def _is_unicode(*texts: str) -> bool:
+    """Every text is encodable UTF-8 (JSON allows lone surrogate escapes; tokenizers do not)."""
+    try:
+        for t in texts:
+            t.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _plain(v):
+    """A meta value as JSON can hold it (checkpoints keep in-flight prompts): a parquet timestamp,
+    bytes or a decimal becomes its text."""
+    if v is None or isinstance(v, (str, bool, int, float)):
+        return v
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return str(v)
+
+
 def check_record(rec, cfg: DataConfig) -> tuple[str, str] | FileRow:
     """(kind, reason) if the record is bad, else FileRow (location and source meta filled by the caller)."""
     if not isinstance(rec, dict):
@@ -121,12 +143,14 @@ def check_record(rec, cfg: DataConfig) -> tuple[str, str] | FileRow:
         )
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         return "not_string", f"field {afield!r} must be a string or a number, got {type(answer).__name__}"
+    if not _is_unicode(text, *(r for r, _ in messages), str(answer)):  # a JSON '\\ud800' escape
+        return "invalid_utf8", "a string holds an unpaired surrogate (an invalid \\uD800-\\uDFFF escape)"
     if not text.strip():
         return "empty", f"field {cfg.prompt_field!r} is empty"
     if not str(answer).strip():
         return "empty", f"field {afield!r} is empty"
     top = {cfg.prompt_field.split(".", 1)[0], afield} if afield in rec else {cfg.prompt_field}
-    meta = {k: v for k, v in rec.items() if k not in top}
+    meta = {str(k): _plain(v) for k, v in rec.items() if k not in top}
     return FileRow("", text, str(answer), meta, messages)
 
 
