@@ -408,3 +408,56 @@ def test_datasets_meta_of_any_column_type_is_json(tmp_path, tok):
     p = next(PromptSource(DataConfig(source=str(path)), tok))
     json.dumps(p.meta)
     assert p.meta["when"].startswith("2026-01-02") and p.meta["nested"]["t"] == "2026-01-03"
+
+
+def test_data_mix_trained_groups_follow_the_weights_through_the_controller_loop(tmp_path, tok):
+    """The mix as the run sees it: the controller loop (scripted ranks, every trajectory finished at
+    once, rewards that always differ within a group) trains groups whose sources follow 0.7 / 0.3.
+    Deterministic (seeded draws, scripted events), with a 6-sigma binomial bound."""
+    from controller_fakes import ScriptedBackend
+    from test_controller import COST
+
+    from staleflow.config import CoordinatorConfig, RunConfig, StalenessConfig
+    from staleflow.controller import Finished, Published, PullDone, Rewarded, TrainDone
+    from staleflow.coordinator import Pull
+    from staleflow.controller.build import build_loop
+    from staleflow.runtime.backend import RuntimeWorkload
+    from staleflow.trajectory import Route
+
+    a = write_verl_parquet(tmp_path / "a.parquet", n=30, source="a")
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps({"prompt": f"B question {i}?", "answer": i}) + "\n" for i in range(30)))
+    cfg = RunConfig(data=DataConfig(mix=f"{a}:0.7,{b}:0.3", seed=1))
+    source = PromptSource(cfg.data, tok)
+    steps = 60
+    stale = StalenessConfig(eta=1, batch_size=4, group_size=2)
+    ccfg = CoordinatorConfig(routing="least-loaded", mlq=False, migration=False)
+    be = ScriptedBackend()
+    loop = build_loop("staleflow", stale, ccfg, COST, range(2), be, RuntimeWorkload(cfg, source), steps)
+    finished = set()
+    for _ in range(20 * steps):
+        if loop.version >= steps:
+            break
+        loop.refill()
+        loop.tick(be.now() + 0.01)
+        for cmd in [c for c in be.sent if isinstance(c, Route) and c.traj_id not in finished]:
+            finished.add(cmd.traj_id)
+            be.events.append(Finished(cmd.traj_id, cmd.instance, f"rec-{cmd.traj_id}", 4))
+        for ev in be.poll(be.t):
+            loop.handle(ev)
+        for tid in be.scored:
+            loop.handle(Rewarded(tid, float(tid % 2)))  # group members have consecutive ids: never all equal
+        be.scored.clear()
+        loop.maybe_train()
+        if be.trained:
+            version, _ = be.trained.pop()
+            loop.handle(TrainDone(version + 1))
+            loop.handle(Published(version + 1))
+        for cmd in [c for c in be.sent if isinstance(c, Pull)]:
+            be.sent.remove(cmd)
+            loop.handle(PullDone(cmd.instance, cmd.version))
+    assert loop.version == steps and loop.audit.violations == []
+    sources = [p.meta["mix_source"] for rec in loop.steps for p in rec.prompts.values()]
+    assert len(sources) == steps * 4
+    k = sources.count(a)
+    assert abs(k - 0.7 * len(sources)) <= 6 * math.sqrt(len(sources) * 0.21), k
