@@ -419,8 +419,8 @@ def test_data_mix_trained_groups_follow_the_weights_through_the_controller_loop(
 
     from staleflow.config import CoordinatorConfig, RunConfig, StalenessConfig
     from staleflow.controller import Finished, Published, PullDone, Rewarded, TrainDone
-    from staleflow.coordinator import Pull
     from staleflow.controller.build import build_loop
+    from staleflow.coordinator import Pull
     from staleflow.runtime.backend import RuntimeWorkload
     from staleflow.trajectory import Route
 
