@@ -2,6 +2,7 @@
 
     base = apply_dict(preset_cfg, {"train": {"lr": 2e-5}}, "run.yaml")   # file values over the preset
     text = dump_yaml(cfg)                                                 # what runs/X/config.yaml holds
+    text = dump_toml(cfg)                                                 # runs/X/config.toml: the same
 
 Keys are the flag names without ``--`` nested by section (``rollout: {max_new_tokens: 64}``;
 dashes or underscores, as on the command line; a dotted key ``rollout.max-new-tokens: 64`` works
@@ -139,3 +140,28 @@ def dump_yaml(cfg, header: str = "") -> str:
 
     body = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, allow_unicode=True, width=1000)
     return (header + body) if header else body
+
+
+def _toml_value(v) -> str:
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ConfigError(f"cannot write {v!r} to TOML")
+
+
+def dump_toml(cfg, header: str = "") -> str:
+    """The config as TOML that ``--config`` reads back into the same config (top-level flags, then
+    one [section] per config section)."""
+    d = to_dict(cfg)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    for name, section in d.items():
+        if isinstance(section, dict):
+            lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in section.items())]
+    return header + "\n".join(lines) + "\n"
