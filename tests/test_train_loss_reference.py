@@ -113,7 +113,7 @@ LENGTHS = st.lists(st.integers(0, L_MAX), min_size=1, max_size=6)
 @given(
     LENGTHS,
     st.sampled_from(AGGREGATIONS),
-    st.sampled_from(["grpo", "dapo", "gspo"]),
+    st.sampled_from(["grpo", "gspo"]),
     st.sampled_from(OFF_POLICY),
     st.integers(0, 10**6),
 )

@@ -40,7 +40,7 @@ def test_packed_micro_batch_equals_each_sequence_alone():
     [
         ("token-mean", "tis-token", "grpo"),
         ("seq-mean", "mis-seq", "gspo"),
-        ("seq-mean-token-sum", "tis-seq", "dapo"),
+        ("seq-mean-token-sum", "tis-seq", "grpo"),
         ("seq-mean-token-sum-norm", "mis-seq-geo", "grpo"),
     ],
 )

@@ -3,6 +3,10 @@
 smollm2-cpu   the embedded default: SmolLM2-135M-Instruct, arithmetic, 1 trainer + 2 rollout on CPU
 tiny          a tiny random Llama for tests and quick checks (seconds per step on CPU)
 gpu-7b        Qwen2.5-7B-Instruct on one 8-GPU node (80 GB each): 4 trainer + 4 rollout ranks
+
+Recipes (``--preset dapo``, ``--preset gpu-7b+dapo``): an algorithm's flags from its paper put over
+a machine preset (smollm2-cpu when none is named): dapo, grpo, dr-grpo, gspo (presets_recipes.py,
+docs/recipes.md).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from staleflow.config import (
     StalenessConfig,
     TrainConfig,
 )
+from staleflow.presets_recipes import RECIPES
 
 
 def preset_smollm2_cpu() -> RunConfig:
@@ -72,6 +77,10 @@ def preset_gpu_7b() -> RunConfig:
     docs/memory-plan.md): 8k-token trajectories (1k prompt + 7k response), 896k KV tokens per
     rollout GPU (~112 full-length sequences), 16k-token micro-batches; the coordinator's cost
     model is an unmeasured H100 rescaling of PSRL's Qwen2.5-7B fit (re-fit it on the node).
+    Math answers are checked with math-verify (``--reward.fn math``: a \\boxed{} answer, LaTeX or
+    numbers); DAPO's dynamic sampling drops groups whose answers are all right or all wrong; 256
+    held-out prompts are answered greedily every 10 steps. Bring the data with --data.source (a verl
+    parquet, a save_to_disk folder, a cached hub dataset: docs/data-and-rewards.md).
     """
     return RunConfig(
         model=ModelConfig(path="Qwen/Qwen2.5-7B-Instruct"),
@@ -84,17 +93,54 @@ def preset_gpu_7b() -> RunConfig:
             max_model_len=8192,
             stats_interval_ms=50.0,
         ),
-        train=TrainConfig(lr=1e-6, micro_batch_tokens=16384, warmup_steps=10),
+        train=TrainConfig(lr=1e-6, micro_batch_tokens=16384, warmup_steps=10, dynamic_sampling=True),
         staleness=StalenessConfig(eta=1, batch_size=32, group_size=8),
         coordinator=CoordinatorConfig(cost_model="gpu-7b-h100"),
+        reward=RewardConfig(fn="math"),
         data=DataConfig(max_prompt_tokens=1024),
         checkpoint=CheckpointConfig(every=10),
+        eval=EvalConfig(n=256, every=10),
         steps=200,
     )
 
 
-PRESETS: dict[str, Callable[[], RunConfig]] = {
+MACHINES: dict[str, Callable[[], RunConfig]] = {
     "smollm2-cpu": preset_smollm2_cpu,
     "tiny": preset_tiny,
     "gpu-7b": preset_gpu_7b,
 }
+"""The machine presets: model, ranks, lengths and sizes (a recipe is put over one of them)."""
+
+
+class Presets(dict):
+    """The machine presets and the recipes (each over smollm2-cpu); ``MACHINE+RECIPE`` composes any
+    machine preset with recipes, e.g. ``gpu-7b+dapo``."""
+
+    def _compose(self, name: str) -> Callable[[], RunConfig] | None:
+        base, *recipes = name.split("+")
+        if base in RECIPES:
+            base, recipes = "smollm2-cpu", [base, *recipes]
+        if base not in MACHINES or not recipes or any(r not in RECIPES for r in recipes):
+            return None
+
+        def build() -> RunConfig:
+            cfg = MACHINES[base]()
+            for r in recipes:
+                cfg = RECIPES[r].apply(cfg)
+            return cfg
+
+        return build
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or (isinstance(name, str) and self._compose(name) is not None)
+
+    def __missing__(self, name):
+        fn = self._compose(name) if isinstance(name, str) else None
+        if fn is None:
+            raise KeyError(name)
+        return fn
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = Presets(MACHINES)
+for _name in RECIPES:
+    PRESETS[_name] = PRESETS[f"smollm2-cpu+{_name}"]

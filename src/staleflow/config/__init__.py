@@ -2,7 +2,8 @@
 composed in RunConfig (config/run.py).
 
 Exposed on the command line by tyro (``--rollout.ranks 2 --staleness.eta 2``); presets are
-plain Python functions registered in staleflow.presets.PRESETS (``--preset tiny``). Every ``__post_init__``
+plain Python functions registered in staleflow.presets.PRESETS (``--preset tiny``, ``--preset
+gpu-7b+dapo``); ``--config run.yaml`` (or .toml) holds flags under the command line's (config/file.py). Every ``__post_init__``
 validates its fields and raises ConfigError with a one-line message naming the flag.
 """
 

@@ -4,6 +4,7 @@ Each is a frozen dataclass validated in ``__post_init__`` with a one-line Config
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,6 +18,7 @@ class RewardConfig:
     fn: str = "arithmetic"
     """Registered name (arithmetic, math, countdown) or a user function 'module:function'."""
     workers: int = 2
+    """Reward worker processes in the controller (rewards are computed asynchronously)."""
     format_weight: float = 0.0
     """Bonus added to a correct answer given in \\boxed{} (never to a wrong one)."""
     timeout_s: float = 30.0
@@ -43,26 +45,82 @@ class RewardConfig:
         )
 
 
+def parse_mix(spec: str) -> tuple[tuple[str, float], ...] | None:
+    """'a.parquet:0.7,b:0.3' -> (('a.parquet', 0.7), ('b', 0.3)); None when malformed. The weight is
+    after the last ':' of each item, so a task function 'pkg.mod:fn:0.5' keeps its own colon."""
+    out = []
+    for item in spec.split(","):
+        name, sep, weight = item.strip().rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            return None
+        if not sep or not name or not (w > 0 and math.isfinite(w)):
+            return None
+        out.append((name, w))
+    return tuple(out) if out else None
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """Prompt source."""
+    """Prompt source: a built-in task, a data file, a save_to_disk folder or a cached Hugging Face dataset
+    (docs/data-and-rewards.md)."""
 
     source: str = "arithmetic"
-    """Built-in task (arithmetic, arithmetic-easy, countdown), a .jsonl / .parquet file, or a task function
+    """Built-in task (arithmetic, arithmetic-easy, countdown), a .jsonl / .parquet / .json file, a folder
+    written by datasets' save_to_disk, a Hugging Face dataset name in the local cache, or a task function
     'package.module:name' (docs/extending.md)."""
+    mix: str = ""
+    """Several sources with weights, 'a.parquet:0.7,b.jsonl:0.3' (replaces --data.source; each prompt
+    is drawn from a source with probability weight / sum; held-out evaluation is reported per source)."""
+    split: str = "train"
+    """Split of a save_to_disk DatasetDict or a Hugging Face dataset."""
+    subset: str = ""
+    """Configuration (subset) name of a Hugging Face dataset ('' : its default)."""
     prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    """Field holding the prompt: a string or a list of chat messages; a dotted path reaches into nested
+    records (e.g. extra_info.question)."""
+    answer_field: str = "auto"
+    """Field holding the reference answer (dotted paths allowed); auto: the first of answer,
+    reward_model.ground_truth (verl), solution, ground_truth."""
+    system_prompt: str = ""
+    """System message put before each string prompt (chat-message prompts keep their own)."""
+    prompt_template: str = ""
+    """Template for string prompts with '{prompt}' where the row's prompt goes, e.g. '{prompt} Put the
+    final answer in \\boxed{}.' ('' : the prompt as is)."""
     bad_rows: Literal["skip", "error"] = "skip"
     """Bad rows are always reported with their row number; then skipped or the run stops."""
     max_prompt_tokens: int = 512
+    """Prompts longer than this many tokens (after the chat template) are bad rows."""
     chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (a chat-message prompt needs it)."""
     seed: int = 0
+    """Seed of the data order, the held-out choice and the mix draws."""
 
     def __post_init__(self):
         _check(
             bool(self.source), "data.source", self.source, "give a built-in task name, a file or package.module:name"
         )
         _check(self.max_prompt_tokens >= 1, "data.max-prompt-tokens", self.max_prompt_tokens, "must be >= 1")
+        _check(
+            not self.mix or parse_mix(self.mix) is not None,
+            "data.mix",
+            self.mix,
+            "use 'SOURCE:WEIGHT,SOURCE:WEIGHT' with weights > 0, e.g. 'a.parquet:0.7,b.jsonl:0.3'",
+        )
+        _check(
+            not self.prompt_template or "{prompt}" in self.prompt_template,
+            "data.prompt-template",
+            self.prompt_template,
+            "must contain {prompt} where the row's prompt goes",
+        )
+        _check(bool(self.prompt_field), "data.prompt-field", self.prompt_field, "give a field name")
+        _check(bool(self.answer_field), "data.answer-field", self.answer_field, "give a field name or auto")
+
+    @property
+    def sources(self) -> tuple[tuple[str, float], ...]:
+        """(source, weight) of every source: --data.mix, else --data.source with weight 1."""
+        return parse_mix(self.mix) if self.mix else ((self.source, 1.0),)
 
 
 @dataclass(frozen=True)
@@ -129,7 +187,10 @@ class LogConfig:
     progress: bool = True
     """Rich progress display on the console."""
     tensorboard: bool = True
+    """Write TensorBoard event files into the run folder (tb/)."""
     plot: bool = True
+    """Write report.png (reward, staleness and throughput over the steps) at the end of the run."""
     wandb: bool = False
     """Also log to Weights & Biases (extra staleflow[wandb]; WANDB_MODE=offline works without an account)."""
     wandb_project: str = "staleflow"
+    """Weights & Biases project name (with --log.wandb)."""

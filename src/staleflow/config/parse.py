@@ -1,6 +1,8 @@
-"""A run's config from the command line: a preset, then tyro's flags on top (every subcommand).
+"""A run's config from the command line: a preset, then a --config file, then tyro's flags on top
+(every subcommand).
 
 cfg = parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train")
+cfg = parse(RunConfig, ["--config", "runs/X/config.yaml", "--steps", "4"], ...)   # the flag wins
 defaults, rest = split_preset(argv, PRESETS, "smollm2-cpu")
 given_flags(["--steps", "4"])   # frozenset({"steps"}): what a resume must apply
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from staleflow.config.file import apply_dict, parse_text
 from staleflow.config.sections import ConfigError
 
 T = TypeVar("T")
@@ -35,12 +38,48 @@ def split_preset(argv: Sequence[str], presets: dict[str, Callable[[], T]], defau
     return presets[name](), argv
 
 
+def split_config(argv: Sequence[str]) -> tuple[dict, str, list[str]]:
+    """Remove ``--config FILE`` (or ``--config=FILE``) from argv: (the file's mapping, its name, the rest)."""
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            if arg == "--config":
+                if i + 1 >= len(argv):
+                    raise ConfigError("--config needs a file: a .yaml or .toml file of flags (docs/recipes.md)")
+                name = argv[i + 1]
+                del argv[i : i + 2]
+            else:
+                name = arg.split("=", 1)[1]
+                del argv[i]
+            try:
+                with open(name, encoding="utf-8") as fh:
+                    text = fh.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"--config={name!r} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+            return parse_text(text, name), name, argv
+    return {}, "", argv
+
+
+def base_config(argv: Sequence[str], presets: dict[str, Callable[[], T]], default: str) -> tuple[T, list[str]]:
+    """The config the command line's flags apply to: the preset (--preset, else the file's ``preset:``,
+    else the default) with the --config file's values put in; and the remaining argv."""
+    data, name, argv = split_config(argv)
+    if "preset" in data and not any(a == "--preset" or a.startswith("--preset=") for a in argv):
+        argv = ["--preset", str(data["preset"]), *argv]
+    data = {k: v for k, v in data.items() if k != "preset"}
+    base, rest = split_preset(argv, presets, default)
+    return (apply_dict(base, data, name) if data else base), rest
+
+
 def parse(cls: type[T], argv: Sequence[str], presets: dict[str, Callable[[], T]], default: str, prog: str) -> T:
-    """Parse a config dataclass from argv with tyro, starting from a preset."""
+    """Parse a config dataclass from argv with tyro, starting from a preset and a --config file."""
     import tyro
 
-    base, rest = split_preset(argv, presets, default)
-    description = f"{cls.__doc__ or ''}\n\nPresets (--preset NAME): {', '.join(presets)} (default {default})."
+    base, rest = base_config(argv, presets, default)
+    description = (
+        f"{cls.__doc__ or ''}\n\nPresets (--preset NAME): {', '.join(presets)} (default {default}). "
+        f"--config FILE reads flags from a .yaml / .toml file (command-line flags win)."
+    )
     return tyro.cli(cls, args=rest, default=base, prog=prog, description=description)
 
 
@@ -53,6 +92,8 @@ def given_flags(argv: Sequence[str]) -> frozenset[str]:
     for tok in argv:
         if tok.startswith("--") and len(tok) > 2:
             name = tok[2:].split("=", 1)[0].replace("-", "_")
+            if name == "config":
+                continue
             head, dot, last = name.rpartition(".")
             out.add(name)
             if last.startswith("no_"):

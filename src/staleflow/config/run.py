@@ -62,6 +62,7 @@ class RunConfig:
     steps: int = 20
     """Training steps (weight versions produced)."""
     seed: int = 0
+    """Seed of the rollout sampling and of every seeded choice of the run (data order: --data.seed)."""
     resume: str = ""
     """Resume from this run folder's last checkpoint."""
     smoke: bool = False

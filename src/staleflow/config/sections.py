@@ -61,11 +61,15 @@ class RolloutConfig:
     prefill_chunk_tokens: int = 2048
     """Token budget of one engine step for (chunked) prefill."""
     temperature: float = 1.0
+    """Sampling temperature of the rollout (the trainer computes log-probs at the same temperature)."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top-p (1 disables)."""
     top_k: int = 0
     """0 disables top-k."""
     max_new_tokens: int = 256
+    """Response length cap, in tokens (a response stopped there is truncated, not finished by eos)."""
     max_model_len: int = 2048
+    """Longest sequence (prompt + response) an engine holds, in tokens; at most the model's max_position_embeddings."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Rollout engine dtype: auto = the trainer's --model.dtype. bfloat16 decodes ~2x faster on CPUs
     with AMX / AVX512-BF16 (docs/perf.md); the off-policy correction absorbs the rounding."""
@@ -153,10 +157,15 @@ class TrainConfig:
     """Trainer: optimisation, advantage estimator, loss and off-policy correction."""
 
     lr: float = 1e-6
+    """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
     warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many steps."""
     schedule: Literal["constant", "cosine"] = "constant"
+    """Learning rate after warm-up: constant, or cosine decay to 0 at the last step."""
     grad_clip: float = 1.0
     """Max global grad norm (0 disables)."""
     micro_batch_tokens: int = 4096
@@ -164,12 +173,15 @@ class TrainConfig:
     advantage: str = "grpo"
     """Advantage estimator: grpo, grpo-nostd, dr-grpo, rloo, or 'package.module:name' (docs/extending.md)."""
     loss: str = "grpo"
-    """Policy loss: grpo (PPO-clip), dapo, gspo, ppo, or 'package.module:name' (docs/extending.md)."""
+    """Policy loss: grpo (PPO-clip; ppo is the same loss), gspo, or 'package.module:name' (docs/extending.md).
+    DAPO is a recipe, not a loss of its own: --preset dapo (docs/recipes.md)."""
     loss_agg: Literal["auto", "token-mean", "seq-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "auto"
     """Loss aggregation (docs/trainer.md maps each to TRL / verl names): auto = the loss's paper
     (gspo -> seq-mean, --train.advantage dr-grpo -> seq-mean-token-sum-norm, else token-mean)."""
     clip_low: float = 0.2
+    """PPO clip range below 1: the ratio is clipped at 1 - clip-low."""
     clip_high: float = 0.2
+    """PPO clip range above 1: the ratio is clipped at 1 + clip-high (DAPO clip-higher: 0.28)."""
     off_policy: str = "tis-token"
     """Off-policy correction between behaviour (rollout) and current policy: none, tis-token, tis-seq,
     mis-token, mis-seq, mis-seq-geo, decoupled, or 'package.module:name' (docs/extending.md)."""
@@ -180,14 +192,20 @@ class TrainConfig:
     is_high: float = 2.0
     """Masked IS: upper bound of the accepted ratio."""
     kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) policy (0: no reference model is kept)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator (Schulman's k1: log-ratio, k3: unbiased and non-negative)."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (0 disables)."""
     logprob_impl: Literal["auto", "chunked", "triton", "naive"] = "auto"
     """Packed log-prob op: auto = Triton on CUDA, chunked PyTorch elsewhere."""
     mini_batches: int = 1
     """Optimizer updates per Ready buffer (>1 makes the proximal policy differ from the current one)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal)."""
+    dynamic_sampling_refill: int = 0
+    """DAPO's refill: up to this many all-equal groups per step are replaced by fresh prompts before
+    the batch is trained (needs --train.dynamic-sampling; 0: such groups are only dropped)."""
     overlong_max_tokens: int = 0
     """DAPO overlong shaping: response length where the penalty reaches -1 (0 disables)."""
     overlong_cache_tokens: int = 0
@@ -217,7 +235,20 @@ class TrainConfig:
             (self.is_low, self.is_high),
             "need 0 <= is-low <= 1 <= is-high",
         )
+        _check(
+            self.loss != "dapo",
+            "train.loss",
+            self.loss,
+            "DAPO's loss is PPO-clip with clip-higher and token-mean aggregation, not a loss of its own: use "
+            "--preset dapo (the whole recipe) or --train.loss grpo --train.clip-high 0.28 --train.loss-agg token-mean",
+        )
         _check(self.kl_coef >= 0, "train.kl-coef", self.kl_coef, "must be >= 0")
+        _check(
+            self.dynamic_sampling_refill >= 0 and (self.dynamic_sampling or not self.dynamic_sampling_refill),
+            "train.dynamic-sampling-refill",
+            self.dynamic_sampling_refill,
+            "must be >= 0, and > 0 only with --train.dynamic-sampling",
+        )
         _check(self.mini_batches >= 1, "train.mini-batches", self.mini_batches, "must be >= 1")
         _check(self.overlong_max_tokens >= 0, "train.overlong-max-tokens", self.overlong_max_tokens, "must be >= 0")
         _check(
@@ -246,8 +277,11 @@ class CoordinatorConfig:
     pull: str = "status"
     """Pull policy: status, greedy, idle, pause-all, or 'package.module:Class' (docs/extending.md)."""
     pull_indicator: Literal["requests", "kv", "throughput"] = "kv"
+    """Load indicator the status pull compares with --coordinator.pull-threshold."""
     pull_threshold: float = 0.6
+    """An instance pulls new weights only while its load indicator (a fraction of capacity) is under this."""
     migration: bool = True
+    """Migrate trajectories between instances (interrupt and re-route) on a long queue or a throughput gap."""
     phi_wait: int = 3
     """Migrate when an instance's waiting queue exceeds this many trajectories."""
     psi: float = 5.0
@@ -255,6 +289,7 @@ class CoordinatorConfig:
     migration_stop: int = 2
     """Do not migrate off an instance with fewer running trajectories than this."""
     tick_ms: float = 10.0
+    """Period of the coordinator's Snapshot-Command cycle, in milliseconds."""
     cost_model: str = "cpu-smollm2"
     """Cost-model coefficients: a preset name or a JSON file path."""
     longest_first: bool = True

@@ -38,6 +38,7 @@ def build_loop(
     tick_s: float | None = None,
     stall_s: float = math.inf,
     max_reward_failures: int = 0,
+    refill_groups: int = 0,
     peer: Mapping[str, Any] | None = None,
     on_step: Callable[[StepRecord, dict], None] | None = None,
     listeners: Mapping[type, Callable[[Any], None]] | None = None,
@@ -64,6 +65,7 @@ def build_loop(
     )
     if tick_s is not None:
         settings = dataclasses.replace(settings, tick_s=tick_s)
+    settings = dataclasses.replace(settings, refill_groups=refill_groups)
     return ControllerLoop(
         settings, coord, ledger or Ledger(), backend, workload, version=version, on_step=on_step, listeners=listeners
     )

@@ -27,6 +27,7 @@ import msgspec
 
 from staleflow.controller.backend import Backend, Published, PullDone, Rewarded, TrainDone
 from staleflow.controller.ledger import Ledger, Traj
+from staleflow.controller.refill import Refill
 from staleflow.controller.types import Audit, LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
@@ -61,6 +62,7 @@ class ControllerLoop:
         self.reward_errors: Counter = Counter()
         self.first_reward_error = ""
         self.reward_failures_in_a_row = 0
+        self.no_signal = Refill(settings.refill_groups, coordinator, self.counts)  # DAPO dynamic sampling refill
         self.audit = Audit()
         self.unrouted: set[int] = set()  # live groups none of whose members was routed yet
         self.group_tag: dict[int, int] = {}  # V_traj carried by a group's routes (audit)
@@ -167,7 +169,8 @@ class ControllerLoop:
 
     def maybe_occupy(self, group_id: int) -> None:
         """Occupy once the group's N accepted finishers are all rewarded."""
-        if self.ledger.rewarded_members(group_id, self.s.group_size) is None:
+        members = self.ledger.rewarded_members(group_id, self.s.group_size)
+        if members is None or self.no_signal.replaces(group_id, members, self.version):
             return
         v = self.coord.on_rewarded(group_id)
         if v is not None:  # None: its window closed meanwhile; the coordinator aborts the group

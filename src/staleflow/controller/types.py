@@ -39,6 +39,9 @@ class LoopSettings:
     """No finish, reward or step for this long: the run is stalled (the loop stops and says so)."""
     max_reward_failures: int = 0
     """Stop the run after this many consecutive failed reward calls (0: never)."""
+    refill_groups: int = 0
+    """DAPO dynamic sampling with refill: up to this many rewarded groups whose rewards are all equal
+    are aborted per trainer version instead of occupying a slot; fresh prompts take their place."""
 
     @classmethod
     def from_config(

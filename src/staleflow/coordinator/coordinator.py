@@ -379,6 +379,8 @@ class Coordinator:
         self.counters[f"groups_aborted_{reason}"] += 1
         self._forget_group(gid)
 
+    abort_group = _abort_group_cmds  # (gid, reason, now): public for the loop's dynamic sampling refill
+
     def _forget_group(self, gid: int) -> None:
         self.members.pop(gid, None)
         self.group_tag.pop(gid, None)

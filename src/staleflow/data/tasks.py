@@ -20,7 +20,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
-from staleflow.data.files import SUFFIXES, DataError
+from staleflow.data.errors import SUFFIXES, DataError
 from staleflow.extensions import ExtensionError, Registry, Shape
 
 TaskRow = tuple[str, str, dict]
@@ -38,17 +38,18 @@ TASKS: Registry[TaskFn] = Registry(
     "--data.source",
     Shape.function(2, "fn(seed, index) -> (prompt text, answer, meta dict)"),
     error=TaskError,
-    also="a .jsonl / .parquet file",
+    also="a .jsonl / .parquet / .json file, a save_to_disk folder or a cached Hugging Face dataset",
 )
 register_task = TASKS.register
 """Decorator: make a task function available as --data.source NAME."""
 
 
 def task_for(source: str) -> TaskFn | None:
-    """The task function --data.source names (a registered task or 'package.module:name'), None for a data file."""
-    if source not in TASKS and Path(source).suffix in SUFFIXES:
-        return None
-    return TASKS.resolve(source)
+    """The task function --data.source names (a registered task or 'package.module:name'), None for a
+    data source (a file, a save_to_disk folder or a Hugging Face dataset name: data/hf.py)."""
+    if source in TASKS or (":" in source and "/" not in source and Path(source).suffix not in SUFFIXES):
+        return TASKS.resolve(source)
+    return None
 
 
 def _rng(task: str, seed: int, index: int) -> random.Random:

@@ -1,12 +1,15 @@
 """``python -m staleflow eval``: the accuracy of a policy on a task, with its 95% interval.
 
-    python -m staleflow eval --model runs/<run>/hf --data.source arithmetic-easy --n 256
-    python -m staleflow eval --model smollm2-135m --data.source qa.jsonl --reward.fn math --samples 8 --temperature 0.7
+    python -m staleflow eval --model.path runs/<run>/hf --data.source arithmetic-easy --n 256
+    python -m staleflow eval --model.path smollm2-135m --data.source qa.jsonl --reward.fn math --samples 8 \\
+        --rollout.temperature 0.7
 
---model is a Hugging Face folder, an alias (smollm2-135m, tiny-llama, ...) or a run folder (its
+The flags that name what ``staleflow train`` also has use train's names (--model.path, --data.*,
+--reward.fn, --rollout.temperature / top-p / max-new-tokens); ``--config FILE`` reads flags from a
+YAML or TOML file (config/file.py). --model.path is a Hugging Face folder, an alias (smollm2-135m, tiny-llama, ...) or a run folder (its
 exported policy, RUN/hf). Prompts: the held-out prompts of a built-in task (the same ones a run
 with the same --data.seed and --eval.n sets aside and never trains on; --n is required), or the
-first --n rows of a .jsonl / .parquet file (default: all). Answers come from the project's own
+first --n rows of a data source (file, save_to_disk folder, cached hub dataset) (default: all). Answers come from the project's own
 engine (the built-in rollout engine), greedy or --samples K per prompt; a completion is correct
 when the reward function (--reward.fn) gives it full credit. Progress goes to stderr; the last
 line on stdout is one JSON object: accuracy, ci95_low, ci95_high, ci_method (Wilson for greedy,
@@ -35,31 +38,63 @@ class EvalReward:
 
 
 @dataclass(frozen=True)
-class EvalCommand:
-    """Evaluate a policy on a task: accuracy with a 95% interval, as one JSON line."""
-
-    model: str = "smollm2-135m"
+class EvalModel:
+    path: str = "smollm2-135m"
     """Hugging Face model folder, alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3) or run folder (RUN/hf)."""
-    data: DataConfig = field(default_factory=lambda: DataConfig(source="arithmetic-easy", bad_rows="error"))
-    reward: EvalReward = field(default_factory=EvalReward)
-    n: int = 0
-    """Prompts: the first N rows of a file (0: all of them); N held-out prompts of a built-in task (required)."""
-    samples: int = 0
-    """0: one greedy answer per prompt. K >= 1: K sampled answers per prompt (mean accuracy and pass@K)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Engine dtype: auto = bfloat16 on CUDA, float32 on CPU."""
+
+
+@dataclass(frozen=True)
+class EvalRollout:
+    """The engine's sampling and size, under the names ``staleflow train`` gives them."""
+
     temperature: float = 1.0
     """Sampling temperature (with --samples K)."""
     top_p: float = 1.0
+    """Nucleus sampling threshold (with --samples K; 1 disables)."""
     max_new_tokens: int = 256
     """Answer length cap, in tokens."""
-    seed: int = 0
-    """Sampling seed (answer j of prompt i samples with seed + i * K + j)."""
     max_running: int = 64
     """Answers decoded at once by the engine."""
     max_kv_tokens: int = 32768
     """KV-cache capacity of the engine, in tokens."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Engine dtype: auto = bfloat16 on CUDA, float32 on CPU."""
+
+    def __post_init__(self):
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0 (greedy: leave --samples 0)")
+        _check(0 < self.top_p <= 1, "rollout.top-p", self.top_p, "must be in (0, 1]")
+        _check(self.max_new_tokens >= 1, "rollout.max-new-tokens", self.max_new_tokens, "must be >= 1")
+        _check(self.max_running >= 1, "rollout.max-running", self.max_running, "must be >= 1")
+
+
+RENAMED = {
+    "--model": "--model.path",
+    "--dtype": "--model.dtype",
+    "--temperature": "--rollout.temperature",
+    "--top-p": "--rollout.top-p",
+    "--max-new-tokens": "--rollout.max-new-tokens",
+    "--max-running": "--rollout.max-running",
+    "--max-kv-tokens": "--rollout.max-kv-tokens",
+}
+"""eval's flags before they took train's names: each is refused in one line naming its new name."""
+
+
+@dataclass(frozen=True)
+class EvalCommand:
+    """Evaluate a policy on a task: accuracy with a 95% interval, as one JSON line."""
+
+    model: EvalModel = field(default_factory=EvalModel)
+    data: DataConfig = field(default_factory=lambda: DataConfig(source="arithmetic-easy", bad_rows="error"))
+    reward: EvalReward = field(default_factory=EvalReward)
+    rollout: EvalRollout = field(default_factory=EvalRollout)
+    n: int = 0
+    """Prompts: the first N rows of a file (0: all of them); N held-out prompts of a built-in task (required)."""
+    samples: int = 0
+    """0: one greedy answer per prompt. K >= 1: K sampled answers per prompt (mean accuracy and pass@K)."""
+    seed: int = 0
+    """Sampling seed (answer j of prompt i samples with seed + i * K + j)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine runs: auto = CUDA when torch sees a device, else CPU."""
     threads: int = 0
     """CPU threads of the engine (0: torch's default, one per core)."""
     progress: bool = True
@@ -70,15 +105,11 @@ class EvalCommand:
     def __post_init__(self):
         _check(self.n >= 0, "n", self.n, "must be >= 0 (0: every row of a file)")
         _check(self.samples >= 0, "samples", self.samples, "must be >= 0 (0: greedy)")
-        _check(self.temperature > 0, "temperature", self.temperature, "must be > 0 (greedy: leave --samples 0)")
-        _check(0 < self.top_p <= 1, "top-p", self.top_p, "must be in (0, 1]")
-        _check(self.max_new_tokens >= 1, "max-new-tokens", self.max_new_tokens, "must be >= 1")
-        _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
         _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: torch's default)")
 
 
 def model_folder(spec: str) -> str:
-    """--model -> an existing HF folder: a run folder's exported policy, a folder, or an alias."""
+    """--model.path -> an existing HF folder: a run folder's exported policy, a folder, or an alias."""
     from staleflow.model.hf import ModelLoadError
     from staleflow.model.loader import resolve_model_path
 
@@ -87,7 +118,7 @@ def model_folder(spec: str) -> str:
         return str(path / "hf")
     if path.is_dir() and (path / "metrics.jsonl").is_file() and not (path / "model.safetensors").exists():
         raise ModelLoadError(
-            f"--model={spec!r} is a run folder without an exported policy (no hf/ inside): the run "
+            f"--model.path={spec!r} is a run folder without an exported policy (no hf/ inside): the run "
             f"has not finished, or ran with --checkpoint.no-export-hf"
         )
     return resolve_model_path(spec)
@@ -104,7 +135,7 @@ def load_prompts(cfg: EvalCommand, tokenizer) -> tuple[list, int]:
     if source.task is not None:
         return source.hold_out(cfg.n), 0
     rows = source.rows[: cfg.n] if cfg.n else source.rows
-    ids = source.encode([r.text for r in rows])
+    ids = source.encode([r.messages or r.text for r in rows])
     return [Prompt(i, r.text, r.answer, pid, r.meta) for i, (r, pid) in enumerate(zip(rows, ids))], len(source.bad_rows)
 
 
@@ -120,15 +151,18 @@ def build_engine(cfg: EvalCommand, folder: str, max_prompt: int):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    max_len = max_prompt + cfg.max_new_tokens + 1
+    r = cfg.rollout
+    max_len = max_prompt + r.max_new_tokens + 1
     rollout = RolloutConfig(
-        max_running=cfg.max_running,
-        max_kv_tokens=max(cfg.max_kv_tokens, max_len + 16),
-        max_new_tokens=cfg.max_new_tokens,
+        max_running=r.max_running,
+        max_kv_tokens=max(r.max_kv_tokens, max_len + 16),
+        max_new_tokens=r.max_new_tokens,
         max_model_len=max_len,
-        dtype=cfg.dtype,
+        dtype=cfg.model.dtype,
     )
-    return BuiltinEngine.from_config(ModelConfig(path=folder, dtype=cfg.dtype), rollout, device=device, seed=cfg.seed)
+    return BuiltinEngine.from_config(
+        ModelConfig(path=folder, dtype=cfg.model.dtype), rollout, device=device, seed=cfg.seed
+    )
 
 
 def run(cfg: EvalCommand) -> dict:
@@ -142,7 +176,7 @@ def run(cfg: EvalCommand) -> dict:
 
     t0 = time.monotonic()
     fn = resolve_reward_fn(cfg.reward.fn)
-    folder = model_folder(cfg.model)
+    folder = model_folder(cfg.model.path)
     try:
         tokenizer = load_tokenizer(folder)
     except ModelLoadError:
@@ -158,9 +192,9 @@ def run(cfg: EvalCommand) -> dict:
         raise ModelLoadError(f"cannot load the model in {folder!r}: {type(e).__name__}: {e}") from None
     greedy = cfg.samples == 0
     params = SamplingParams(
-        temperature=0.0 if greedy else cfg.temperature,
-        top_p=cfg.top_p,
-        max_new_tokens=cfg.max_new_tokens,
+        temperature=0.0 if greedy else cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
         seed=cfg.seed,
     )
     total = len(prompts) * max(1, cfg.samples)
@@ -173,14 +207,14 @@ def run(cfg: EvalCommand) -> dict:
     lengths = [len(a) for per in answers for a in per]
     return {
         **summary,
-        "model": cfg.model,
+        "model": cfg.model.path,
         "model_folder": folder,
         "data": cfg.data.source,
         "data_seed": cfg.data.seed,
         "reward_fn": cfg.reward.fn,
         "mode": "greedy" if greedy else "sampled",
-        "temperature": None if greedy else cfg.temperature,
-        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": None if greedy else cfg.rollout.temperature,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
         "response_len_mean": sum(lengths) / len(lengths),
         "bad_rows_skipped": skipped,
         "engine": "builtin",
@@ -223,9 +257,17 @@ class _Progress:
             self._bar.stop()
 
 
-def main(argv: list[str]) -> int:
+def parse_eval(argv: list[str]) -> EvalCommand:
+    """EvalCommand from argv (with --config FILE of the same flags; command-line flags win)."""
     import tyro
 
+    from staleflow.config.parse import base_config
+
+    base, rest = base_config(argv, {"eval": EvalCommand}, "eval")
+    return tyro.cli(EvalCommand, args=rest, default=base, prog="staleflow eval", description=__doc__)
+
+
+def main(argv: list[str]) -> int:
     from staleflow.data import DataError
     from staleflow.model.aliases import AliasError
     from staleflow.model.args import ModelConfigError
@@ -233,7 +275,16 @@ def main(argv: list[str]) -> int:
     from staleflow.reward.functions import RewardError
     from staleflow.rollout.engine import EngineError
 
-    cfg = tyro.cli(EvalCommand, args=argv, prog="staleflow eval", description=__doc__)
+    for arg in argv:
+        old = arg.split("=", 1)[0]
+        if old in RENAMED:
+            print(
+                f"staleflow eval: {old} is now {RENAMED[old]} (the name staleflow train gives it): use {RENAMED[old]}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 2
+    cfg = parse_eval(argv)
     try:
         result = run(cfg)
     except (DataError, AliasError, ModelLoadError, ModelConfigError, RewardError, EngineError) as e:

@@ -1,8 +1,12 @@
 """``python -m staleflow check [train flags]``: everything about a run that can be checked before
 any process starts. launch.sh runs it first, so a bad flag, a missing model folder or package,
 an extension that does not resolve (--reward.fn, --train.loss / advantage / off-policy,
---coordinator.routing / pull, --data.source: a bad import path or an object of the wrong shape), a
-missing data file, a --resume that cannot work, a /dev/shm too small for the run's shared memory
+--coordinator.routing / pull, --data.source: a bad import path or an object of the wrong shape), an
+unknown --coordinator.cost-model, a data source that cannot be read or whose first rows lack the
+fields asked for, a prompt + --rollout.max-new-tokens over --rollout.max-model-len (or that over
+the model's max_position_embeddings), an optional package the flags need (vllm, wandb,
+flash-attn), more trainer ranks than GPUs (launch/preflight.py), an unwritable run folder, a
+--resume that cannot work, a /dev/shm too small for the run's shared memory
 or a flash-attn build that does not run with this torch is one line and exit 2, printed once,
 with no torchrun traceback and no elastic restarts of a doomed run. On CUDA it prints the CUDA,
 driver, NCCL, torch and Triton versions.
@@ -17,6 +21,7 @@ import os
 import sys
 
 from staleflow.config import ConfigError, RunConfig, resolve
+from staleflow.launch.preflight import check_data, check_extras, check_gpus
 from staleflow.presets import PRESETS
 
 
@@ -26,7 +31,7 @@ def check(argv: list[str]) -> RunConfig:
     from staleflow.model.loader import resolve_model_path
 
     defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
-    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
+    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow check"))
     nproc = os.environ.get("STALEFLOW_NPROC")
     if nproc:
         Roles(int(nproc), cfg.rollout.ranks)
@@ -37,8 +42,11 @@ def check(argv: list[str]) -> RunConfig:
         cfg = check_resume(cfg, defaults, given_flags(argv))
     from staleflow.model.hf import lazy_folder
 
-    lazy_folder(resolve_model_path(cfg.model.path, verify=True))  # config.json and every safetensors header
+    folder = resolve_model_path(cfg.model.path, verify=True)
+    lazy_folder(folder)  # config.json and every safetensors header
     check_extensions(cfg)
+    check_extras(cfg)
+    check_data(cfg, folder)
     check_writable(cfg.resume or cfg.log.run_dir, "--resume" if cfg.resume else "--log.run-dir")
     check_machine(cfg, int(nproc) if nproc else 0)
     return cfg
@@ -56,6 +64,7 @@ def check_machine(cfg: RunConfig, nproc: int) -> None:
     if cfg.rollout.cuda_graphs and not cuda:
         raise ConfigError("--rollout.cuda-graphs needs CUDA (captured decode steps) and this machine has none: drop it")
     check_shm(shm_needed(cfg, nproc, "cuda" if cuda else "cpu"))
+    check_gpus(cfg, nproc, torch.cuda.device_count() if cuda else 0)
     if cuda:
         print(device_line(torch), file=sys.stderr, flush=True)
         check_flash(cfg, cuda=True)
@@ -64,6 +73,7 @@ def check_machine(cfg: RunConfig, nproc: int) -> None:
 def check_extensions(cfg: RunConfig) -> None:
     """Every extension point resolves, through the registry the run itself uses, to an object of the
     right shape: a registered name or an importable 'package.module:name' (ExtensionError otherwise)."""
+    from staleflow.coordinator.cost_model import CostModelError, load_cost_model
     from staleflow.coordinator.strategies import PULL, ROUTING
     from staleflow.data.tasks import task_for
     from staleflow.reward.functions import REWARDS
@@ -79,11 +89,12 @@ def check_extensions(cfg: RunConfig) -> None:
         (PULL, cfg.coordinator.pull),
     ):
         registry.resolve(spec)
-    if task_for(cfg.data.source) is None and not os.path.isfile(cfg.data.source):
-        raise ConfigError(
-            f"--data.source={cfg.data.source!r}: no such file; give an existing .jsonl / .parquet file, "
-            f"a built-in task or a task function 'package.module:name'"
-        )
+    for name, _ in cfg.data.sources:
+        task_for(name)  # a task name or import path resolves; data sources are read by check_data
+    try:
+        load_cost_model(cfg.coordinator.cost_model)
+    except CostModelError as e:
+        raise ConfigError(f"--coordinator.cost-model={cfg.coordinator.cost_model!r}: {e}") from None
 
 
 def check_writable(folder: str, flag: str) -> None:

@@ -11,7 +11,7 @@ TensorBoard scalars, and the run's resolved config.
                               "submitted_s": when the loop drew the prompt (run seconds; absent if requeued)}
     run_dir/tb/              TensorBoard events (scalars of metrics.jsonl)
     run_dir/wandb/           Weights & Biases files (--log.wandb; the same metric names as TensorBoard)
-    run_dir/config.json      the RunConfig of the run
+    run_dir/config.json      the RunConfig of the run (config.yaml, config.toml: the same, as --config flags)
 """
 
 from __future__ import annotations
@@ -141,9 +141,16 @@ def _wandb_run(run_dir: str, project: str, config: dict | None):
 
 
 def save_config(run_dir: str, cfg) -> None:
+    """config.json (read by --resume), config.yaml and config.toml: the same resolved config as
+    flags, which ``staleflow train --config RUN/config.yaml`` (or .toml) repeats (config/file.py)."""
+    from staleflow.config.file import dump_toml, dump_yaml
+
     durable.atomic_write_text(
         os.path.join(run_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2, default=str)
     )
+    header = "# The resolved config of this run: staleflow train --config <this file> repeats it.\n"
+    durable.atomic_write_text(os.path.join(run_dir, "config.yaml"), dump_yaml(cfg, header))
+    durable.atomic_write_text(os.path.join(run_dir, "config.toml"), dump_toml(cfg, header))
 
 
 def read_jsonl(path: str) -> list[dict]:

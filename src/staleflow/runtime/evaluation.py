@@ -4,7 +4,8 @@ Controller side (``HeldOutEval``, used by runtime/job.py): the held-out prompts 
 across the instances (``Evaluate``); answers come back one by one (``Evaluated``), are decoded
 and scored with the run's reward function in the controller (correct = answer reward >= 1, as in
 ``staleflow eval``: eval/scoring.py), and an evaluation row goes to metrics.jsonl once all of them
-are in, with its 95% Wilson interval (``eval_ci95_low``, ``eval_ci95_high``). Rank side: evaluation requests live in the same engine under negative ids (``is_eval``,
+are in, with its 95% Wilson interval (``eval_ci95_low``, ``eval_ci95_high``); with --data.mix
+also each source's accuracy and count (``eval_accuracy@SOURCE``, ``eval_n@SOURCE``). Rank side: evaluation requests live in the same engine under negative ids (``is_eval``,
 ``eval_request_id`` in control/messages.py, beside the messages), so the coordinator never sees
 them (they are left out of snapshots and never interrupted by a pull).
 """
@@ -75,8 +76,18 @@ class HeldOutEval:
             "eval_sample": answers[0][3][:300],
             "eval_correct": "".join("1" if a[0] else "0" for a in answers),  # per prompt, held-out order
         }
+        for name, idx in self._by_source().items():  # --data.mix: each source's own accuracy
+            part = summarize([[answers[i][0]] for i in idx])
+            row[f"eval_accuracy@{name}"], row[f"eval_n@{name}"] = part["accuracy"], len(idx)
         self.results.append({"step": run["step"], **row})
         return {"step": run["step"], **row}
+
+    def _by_source(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(self.prompts):
+            if "mix_source" in p.meta:
+                out.setdefault(p.meta["mix_source"], []).append(i)
+        return out
 
 
 def eval_line(step: int, row: dict) -> str:

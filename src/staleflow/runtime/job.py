@@ -87,6 +87,7 @@ class TrainingJob:
             version=version,
             ledger=ledger,
             max_reward_failures=cfg.reward.max_consecutive_failures,
+            refill_groups=cfg.train.dynamic_sampling_refill,
             on_step=self.log_step,
             listeners={Saved: self._on_saved, Evaluated: self._on_evaluated},
         )

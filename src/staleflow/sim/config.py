@@ -116,6 +116,7 @@ class SimConfig:
     eta: tuple[int, ...] = (1, 2, 3)
     """Staleness bounds simulated for the asynchronous modes (verl-sync always 0, verl-one-step-off always 1)."""
     modes: tuple[str, ...] = DEFAULT_MODES
+    """Modes to simulate side by side (staleflow, the baselines, the ablations: docs/baselines.md)."""
     coordinator: CoordinatorConfig = field(
         default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2", keep_kv_on_pull=True)
     )
@@ -142,6 +143,7 @@ class SimConfig:
     max_sim_s: float = 200000.0
     """Stop a run that has not finished `steps` by this simulated time (reported as incomplete)."""
     seed: int = 0
+    """Seed of the simulated lengths and arrival order."""
     out_dir: str = "runs/sim"
     """Where the PNG plot and results.json go ('' = do not write files)."""
 

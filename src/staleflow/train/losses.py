@@ -9,7 +9,7 @@ Three policies meet in asynchronous RL (AReaL's decoupled PPO vocabulary):
 
 Per token, with A the advantage, r = exp(logp - logp_old), and an importance weight w:
 
-    ppo/grpo/dapo:  l = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+    ppo/grpo:       l = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
     gspo:           same with the sequence ratio s_i = exp(mean_t(logp - logp_old)) in place of r,
                     carried per token as exp(logp - sg(logp) + sg(log s_i)) (GSPO-token form)
     + kl_coef * KL(pi_theta || pi_ref) (k1 = logp - ref, k3 = exp(ref - logp) - (ref - logp) - 1)
@@ -314,9 +314,8 @@ def _clip_objective(s: LossSettings, ratio: torch.Tensor, adv: torch.Tensor):
 
 @register_loss("ppo")
 @register_loss("grpo")
-@register_loss("dapo")
 def ppo_clip(s: LossSettings, x: LossInputs, logp_old: torch.Tensor):
-    """Token-level PPO-clip; dapo = the same with clip-higher (set --train.clip-high 0.28)."""
+    """Token-level PPO-clip (DAPO's clip-higher is --train.clip-high 0.28: --preset dapo, docs/recipes.md)."""
     return _clip_objective(s, torch.exp(x.logp - logp_old), x.advantages)
 
 

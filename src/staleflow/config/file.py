@@ -1,0 +1,167 @@
+"""A run's flags as a file: ``--config run.yaml`` (or ``.toml``) and the resolved config a run writes.
+
+    base = apply_dict(preset_cfg, {"train": {"lr": 2e-5}}, "run.yaml")   # file values over the preset
+    text = dump_yaml(cfg)                                                 # what runs/X/config.yaml holds
+    text = dump_toml(cfg)                                                 # runs/X/config.toml: the same
+
+Keys are the flag names without ``--`` nested by section (``rollout: {max_new_tokens: 64}``;
+dashes or underscores, as on the command line; a dotted key ``rollout.max-new-tokens: 64`` works
+too). Flags given on the command line win over the file (the file's values become the defaults
+tyro parses the command line against). ``preset: NAME`` in a file picks the preset the file's
+values apply to (``--preset`` on the command line wins). Values are checked against the field's
+type here and by each section's ``__post_init__``; an unknown key is a one-line ConfigError.
+Pure: the caller reads the file (config/parse.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from staleflow.config.sections import ConfigError
+
+
+def parse_text(text: str, name: str) -> dict:
+    """The mapping a .yaml / .yml / .toml file holds; ConfigError naming the file when it is not one."""
+    try:
+        if name.endswith(".toml"):
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif name.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"--config={name!r}: give a .yaml, .yml or .toml file")
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(
+            f"--config={name!r} is not valid {name.rsplit('.', 1)[-1].upper()}: {' '.join(str(e).split())[:200]}"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--config={name!r} must hold a mapping of flags (section: {{flag: value}}), got {type(data).__name__}"
+        )
+    return data
+
+
+def _nest(d: dict, name: str) -> dict:
+    """{'a.b': 1, 'a': {'c': 2}} -> {'a': {'b': 1, 'c': 2}} with dashes made underscores."""
+    out: dict = {}
+    for key, value in d.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"--config={name!r}: key {key!r} is not a flag name")
+        parts = key.replace("-", "_").split(".")
+        cur = out
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+            if not isinstance(cur, dict):
+                raise ConfigError(f"--config={name!r}: {key!r} is given both as a section and as a value")
+        if isinstance(value, dict):
+            cur.setdefault(parts[-1], {}).update(_nest(value, name))
+        else:
+            cur[parts[-1]] = value
+    return out
+
+
+def _coerce(value: Any, hint, flag: str, name: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    bad = ConfigError(f"--config={name!r}: {flag}={value!r} is not a valid {getattr(hint, '__name__', hint)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"--config={name!r}: {flag}={value!r}: choose one of {', '.join(map(str, args))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad
+        return tuple(_coerce(v, a, flag, name) for v, a in zip(value, args))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if hint is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            return float(value)  # YAML reads 1e-6 (no dot) as a string
+        except (TypeError, ValueError):
+            raise bad from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    return value
+
+
+def apply_dict(base, d: dict, name: str, prefix: str = ""):
+    """base (a config dataclass) with the file's values put in; ConfigError for an unknown key or a bad value."""
+    hints = typing.get_type_hints(type(base))
+    fields = {f.name for f in dataclasses.fields(base)}
+    changes = {}
+    for key, value in _nest(d, name).items():
+        flag = f"{prefix}{key}".replace("_", "-")
+        if key not in fields:
+            raise ConfigError(f"--config={name!r}: unknown key {flag!r} (run with --help for the flags)")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config={name!r}: {flag} is a section: give a mapping of its flags")
+            changes[key] = apply_dict(getattr(base, key), value, name, f"{prefix}{key}.")
+        else:
+            changes[key] = _coerce(value, hint, f"--{flag}", name)
+    return dataclasses.replace(base, **changes)
+
+
+def to_dict(cfg) -> dict:
+    """The config as a nested mapping of plain values (tuples as lists), for YAML / TOML."""
+
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(cfg)
+
+
+def dump_yaml(cfg, header: str = "") -> str:
+    """The config as YAML that ``--config`` reads back into the same config."""
+    import yaml
+
+    body = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, allow_unicode=True, width=1000)
+    return (header + body) if header else body
+
+
+def _toml_value(v) -> str:
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ConfigError(f"cannot write {v!r} to TOML")
+
+
+def dump_toml(cfg, header: str = "") -> str:
+    """The config as TOML that ``--config`` reads back into the same config (top-level flags, then
+    one [section] per config section)."""
+    d = to_dict(cfg)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    for name, section in d.items():
+        if isinstance(section, dict):
+            lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in section.items())]
+    return header + "\n".join(lines) + "\n"
