@@ -195,7 +195,11 @@ def _resume_point(run_dir: str, required: bool):
 
 
 def check_resume(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = frozenset()) -> RunConfig:
-    """Validate --resume without touching the folder: an intact checkpoint and a compatible config."""
+    """Validate --resume without touching the folder: not written by a live run, an intact
+    checkpoint and a compatible config."""
+    from staleflow.launch.run_lock import check_unlocked
+
+    check_unlocked(cfg.resume)
     _resume_point(cfg.resume, required=True)
     if os.path.isfile(os.path.join(cfg.resume, "config.json")):
         cfg, _ = merge_resume_config(_saved_config(cfg.resume), cfg, defaults, flags)
@@ -216,6 +220,10 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
         run_dir = cfg.resume
     else:
         run_dir, created = make_run_dir(cfg), True
+    from staleflow.launch.run_lock import lock_run_dir
+
+    if os.path.isdir(run_dir):  # one writer per run folder (a missing --resume folder is refused below)
+        lock_run_dir(run_dir)
     if pointer is not None:
         pointer.write_text(json.dumps({"run_dir": run_dir}))
     ckpt, warns = _resume_point(run_dir, required=bool(cfg.resume) and restart_count() == 0)
