@@ -253,7 +253,8 @@ def supersede_after(run_dir: str, version: int, notes: list[str] | None = None) 
         rows, torn = read_jsonl(path)
         changed = 0
         for row in rows:
-            if row.get(key, -1) >= version and not row.get("superseded"):
+            at = row.get(key)
+            if type(at) is int and at >= version and not row.get("superseded"):
                 row["superseded"] = True
                 changed += 1
         if torn and notes is not None:
@@ -265,10 +266,14 @@ def supersede_after(run_dir: str, version: int, notes: list[str] | None = None) 
 
 
 def read_ids(run_dir: str) -> dict:
+    """The id high-water marks of ``ids.json``: only its non-negative integer fields ({} if unreadable)."""
     try:
-        return json.loads((Path(run_dir) / IDS_FILE).read_text())
-    except (OSError, ValueError):
+        ids = json.loads((Path(run_dir) / IDS_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
         return {}
+    if not isinstance(ids, dict):
+        return {}
+    return {k: v for k, v in ids.items() if k in ("next_traj", "next_group") and type(v) is int and 0 <= v < 2**62}
 
 
 def write_ids(run_dir: str, next_traj: int, next_group: int) -> None:
