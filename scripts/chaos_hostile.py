@@ -90,7 +90,7 @@ def second_writer(run: Run) -> None:
     second: dict = {}
 
     def tick():
-        if run.injected or last_step(run.dir) < run.at:
+        if second or last_step(run.dir) < 1:  # early: the second launch.sh takes seconds to reach its check
             return
         rank0 = titled(run.tag, TITLE["trainer"])
         if not rank0:
@@ -98,9 +98,10 @@ def second_writer(run: Run) -> None:
         cmd = ["bash", str(ROOT / "launch.sh"), "--resume", str(run.dir)]  # waited for inside the first run's watch
         res = subprocess.run(cmd, env=run.env(), cwd=ROOT, capture_output=True, text=True, timeout=run.args.timeout)
         second.update(exit=res.returncode, pid=rank0[0], out=res.stdout + res.stderr)
-        run.injected = bool(titled(run.tag, TITLE["trainer"]))  # the first run was still live throughout
+        run.injected = rank0[0] in titled(run.tag, TITLE["trainer"])  # the first run was live throughout
 
-    out = run.watch([run.launch()], tick)
+    run.steps += 6  # a longer first run: it must still be writing when the second one checks
+    out = run.watch([run.launch("--steps", str(run.steps))], tick)
     run.expect(run.exits[-1] == 0, f"the first run exited {run.exits[-1]}, not 0: {tail(out)}")
     if second:
         lines = [line for line in second["out"].splitlines() if line.strip()]
