@@ -44,3 +44,19 @@ def test_fuzz_reader_ids(tmp_path_factory, value):
     (run / "ids.json").write_text(json.dumps(value))
     ids = read_ids(str(run))
     assert all(k in ("next_traj", "next_group") and type(v) is int and v >= 0 for k, v in ids.items())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=_LINE)
+def test_fuzz_reader_elastic_pointer(monkeypatch, tmp_path_factory, content):
+    """The elastic pointer file (/tmp/staleflow-elastic-<id>.json) read with any content: no exception."""
+    from staleflow.launch import resume
+
+    folder = tmp_path_factory.mktemp("ptr")
+    monkeypatch.setattr(resume.tempfile, "gettempdir", lambda: str(folder))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fuzzptr")
+    pointer = resume.elastic_pointer()
+    pointer.write_text(content.replace("\n", " "), errors="surrogatepass")
+    resume.is_fatal()
+    resume.mark_fatal("bad input")
+    assert resume.is_fatal()

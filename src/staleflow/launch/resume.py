@@ -59,12 +59,21 @@ def elastic_pointer() -> Path | None:
     return Path(tempfile.gettempdir()) / f"staleflow-elastic-{''.join(c for c in run_id if c.isalnum())}.json"
 
 
+def _read_pointer(pointer: Path) -> dict:
+    """The pointer file's JSON object ({} if missing, unreadable or not an object)."""
+    try:
+        state = json.loads(pointer.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
 def mark_fatal(message: str) -> None:
     """Record that the run failed on bad input: launch.sh reports it, and no restart is attempted."""
     pointer = elastic_pointer()
     if pointer is None:
         return
-    state = json.loads(pointer.read_text()) if pointer.is_file() else {}
+    state = _read_pointer(pointer)
     state["fatal"] = message
     atomic_write_json(pointer, state)
 
@@ -102,8 +111,8 @@ def no_restart_helps(e: BaseException) -> bool:
 def is_fatal() -> bool:
     pointer = elastic_pointer()
     try:
-        return bool(pointer is not None and json.loads(pointer.read_text()).get("fatal"))
-    except (OSError, ValueError):
+        return bool(pointer is not None and _read_pointer(pointer).get("fatal"))
+    except OSError:
         return False
 
 
@@ -211,7 +220,9 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
     pointer = elastic_pointer()
     run_dir, notes, created = "", [], False
     if restart_count() > 0 and pointer is not None and pointer.is_file():
-        run_dir = json.loads(pointer.read_text())["run_dir"]
+        run_dir = _read_pointer(pointer).get("run_dir")
+        if not isinstance(run_dir, str) or not run_dir:
+            raise ConfigError(f"{pointer}: field run_dir is not a folder; remove the file and --resume the run")
         notes.append(f"elastic restart {restart_count()}: continuing run {run_dir}")
         if not os.path.isdir(run_dir):
             os.makedirs(run_dir)
