@@ -199,3 +199,16 @@ def test_fuzz_reader_checkpoint_json(tmp_path_factory, target, path, value, raw)
         read_manifest(folder)
     except CheckpointError as e:
         assert "\n" not in str(e)
+
+
+def test_crafted_scheduler_fields_are_refused_and_other_torch_bookkeeping_accepted():
+    from staleflow.train.checkpoint_files import check_scheduler
+
+    live = {"base_lrs": [0.001], "last_epoch": 0, "_step_count": 1, "_is_initial": False, "lr_lambdas": [None]}
+    where = Path("trainer_state.json")
+    check_scheduler(dict(live), live, where)
+    check_scheduler({k: v for k, v in live.items() if k != "_is_initial"}, live, where)  # an older torch's
+    check_scheduler({**live, "_new_flag": True}, live, where)  # a newer torch's private scalar
+    for bad in ({"optimizer": "x"}, {"last_epoch": "3"}, {"base_lrs": [1.0, 2.0]}, {"__class__": 1}, {"_x": [1]}):
+        with pytest.raises(CheckpointError, match="scheduler"):
+            check_scheduler({**live, **bad}, live, where)

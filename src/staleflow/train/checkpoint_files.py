@@ -190,11 +190,17 @@ def check_resume_extra(extra: dict, path: Path, version: int) -> None:
 
 
 def check_scheduler(saved: dict, live: dict, path: Path) -> None:
-    """The LR scheduler's saved state has exactly the live scheduler's fields with their JSON types
-    (torch's ``load_state_dict`` copies every key onto the scheduler object)."""
-    if set(saved) != set(live):
-        raise CheckpointError(f"{path}: field 'scheduler' has keys {sorted(saved)[:8]}, not {sorted(live)}")
+    """The LR scheduler's saved state holds the live scheduler's fields with their JSON types (torch's
+    ``load_state_dict`` copies every key onto the scheduler object). A key the live one lacks is only
+    accepted as a private scalar (another torch release's bookkeeping, e.g. ``_is_initial``)."""
     for key, value in saved.items():
+        if key not in live:
+            private = isinstance(key, str) and key.startswith("_") and not key.startswith("__")
+            if not private or not (value is None or isinstance(value, (bool, int, float))):
+                raise CheckpointError(
+                    f"{path}: field 'scheduler.{str(key)[:40]}' is not a field of this run's scheduler"
+                )
+            continue
         want = live[key]
         if isinstance(want, list):
             ok = isinstance(value, list) and len(value) == len(want)
