@@ -62,7 +62,7 @@ def task_accuracy(model_path: str, task: str, n: int, max_new_tokens: int, tempe
 
     folder = resolve_model_path(model_path)
     tok = load_tokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False).eval()
     prompts = PromptSource(DataConfig(source=task, seed=1234), tok).take(n)
     fn = resolve_reward_fn(task.removesuffix("-easy"))  # arithmetic-easy is scored by the arithmetic reward
     width = max(len(p.prompt_ids) for p in prompts)

@@ -186,7 +186,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     folder = resolve_model_path(args.model)
     model = load_model(folder, dtype=dtype, device=device)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).to(device).eval()
     gen = torch.Generator().manual_seed(0)
     vocab = model.args.vocab_size
     prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]

@@ -53,9 +53,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     lengths = [int(x) for x in a.lengths.split(",")]
     ours = load_model(a.model, dtype=dtype, device=dev)
-    ref = AutoModelForCausalLM.from_pretrained(resolve_model_path(a.model), dtype=dtype, attn_implementation="sdpa").to(
-        dev
-    )
+    ref = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(a.model), dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
+    ).to(dev)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, ours.args.vocab_size, (n,), generator=g) for n in lengths]
     ids = torch.cat(seqs).to(dev)

@@ -9,8 +9,8 @@ Each fault kind has an expected outcome (FAULTS below says which); a run counts 
                 content digests of what it trained (trained.jsonl ``content``), by prompt and by id
   hang          a phase that did not exit within --timeout
   leak          a process of the run, or a /dev/shm segment it created, still there at the end
-  code_executed a crafted input (a pickle payload in a checkpoint or a planted shm file) ran code:
-                the payload would create a canary file
+  code_executed a crafted input (a pickle payload in a checkpoint, a planted shm file, the rendezvous
+                store; custom code in a model folder) ran code: the payload would create a canary file
   not_injected  the fault never happened (nothing killed, the limit never hit): a failure, never ok
   wrong_outcome the run did not behave as its kind promises (no one-line error, a stop not
                 detected within the stall limit, a torn checkpoint left, ...)
@@ -55,6 +55,16 @@ FAULTS = {  # kind -> expected outcome
     "it in one line, exit != 0, no code run",
     "multinode-kill-rollout": "SIGKILL of a rollout rank on the second torchrun agent: both agents stop naming "
     "it, a checkpoint saved; --resume finishes",
+    "rendezvous-payload": "a pickle payload set as the rendezvous state (port and id read from /proc): the agent "
+    "refuses it in one line and stops, nothing runs (canary), no process left; --resume finishes",
+    "agent-killed": "SIGKILL of the torchrun agent: every rank, the controller and the reward workers gone within "
+    "90 s, no /dev/shm segment left; --resume finishes",
+    "second-writer": "launch.sh --resume on the live run folder: refused in one line naming rank 0's pid, exit 2; "
+    "the first run finishes, exit 0",
+    "crafted-checkpoint-values": "version 10**20, a null files entry, a name outside the folder (manifest "
+    "rewritten): --resume skips it, resumes from the older checkpoint and finishes, exit 0",
+    "crafted-model-folder": "a million layers, vocab 1e12, RoPE factor 1e300, auto_map in config.json or the "
+    "tokenizer: refused by check in one line naming the file, exit 2, nothing started or run",
 }
 KINDS = tuple(FAULTS)
 
@@ -194,7 +204,8 @@ def one_run(i: int, kind: str, args, rng: random.Random, root: Path) -> dict:
     if kind == "crafted-checkpoint" and run.exits and run.exits[-1] == 0:
         steps += 2  # the crafted checkpoint was skipped for an older one and the run went on
     report = audit_run(run.dir, steps, batch_size=B, group_size=N, eta=ETA, require_content=True)
-    finished = bool(run.exits) and (run.exits[-1] == 0 or kind == "crafted-checkpoint") and not report.lost
+    must_finish = run.full and kind != "crafted-checkpoint"  # refused runs (crafted input) never train
+    finished = bool(run.exits) and (run.exits[-1] == 0 or not must_finish) and not report.lost
     left = run.left
     shm = [n for n in list_segments() if n not in run.shm_before and (segment_owner(n) or (0,))[0] in run.ours]
     counts = judge(

@@ -1,6 +1,8 @@
 """The fault injectors of scripts/chaos.py (each takes the chaos.Run it acts on): finding a run's processes by
 tag and title, signalling a role, killing during a checkpoint write, a file-size limit, torn log
-lines, a planted shared-memory file, crafted checkpoints, a second torchrun agent."""
+lines, a planted shared-memory file, crafted checkpoints, a second torchrun agent; the hostile-input
+kinds (rendezvous payload, agent killed, second writer, crafted values and model folders) are in
+chaos_hostile.py."""
 
 from __future__ import annotations
 
@@ -311,3 +313,7 @@ SCENARIO = {
     "crafted-checkpoint": crafted_checkpoint,
     "multinode-kill-rollout": multinode_kill_rollout,
 }
+
+from chaos_hostile import HOSTILE  # noqa: E402 - it uses the helpers above
+
+SCENARIO.update(HOSTILE)

@@ -58,7 +58,9 @@ def main() -> int:
             exported.update({k: fh.get_tensor(k) for k in fh.keys()})
     trained = trainer_model.state_dict()
     tensors_equal = set(exported) == set(trained) and all(torch.equal(exported[k], trained[k]) for k in trained)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32, trust_remote_code=False
+    ).eval()
     tok = load_tokenizer(str(hf_dir))
     texts = ["What is 12 + 30?", "The capital of France is", "1, 2, 3, 4,"]
     worst = 0.0

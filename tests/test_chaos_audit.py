@@ -116,3 +116,22 @@ def test_chaos_faults_py_has_an_injector_for_every_fault_kind():
     chaos = _chaos()
     faults = sys.modules["chaos_faults"]
     assert set(faults.SCENARIO) == set(chaos.FAULTS) and all(callable(f) for f in faults.SCENARIO.values())
+
+
+@pytest.mark.scripts_smoke
+def test_chaos_hostile_py_crafts_what_the_readers_refuse(tmp_path):
+    """scripts/chaos_hostile.py: its five kinds are chaos.py kinds, and each crafted checkpoint value it
+    writes (the manifest rewritten to match) is refused by verify_checkpoint without a launch."""
+    from test_checkpoint_readers import make_checkpoint
+
+    from staleflow.train.checkpoint import CheckpointError, verify_checkpoint
+
+    chaos = _chaos()
+    hostile = sys.modules["chaos_hostile"]
+    assert set(hostile.HOSTILE) <= set(chaos.FAULTS) and len(hostile.HOSTILE) == 5
+    for i, craft in enumerate(hostile.VALUE_CRAFTS.values()):
+        ck = make_checkpoint(tmp_path / str(i) / "checkpoints", 4)
+        verify_checkpoint(ck)
+        craft(ck)
+        with pytest.raises(CheckpointError):
+            verify_checkpoint(ck)

@@ -113,6 +113,10 @@ SMOKE: dict[str, Smoke] = {
     "chaos_faults.py": Smoke(
         "test", test="tests/test_chaos_audit.py::test_chaos_faults_py_has_an_injector_for_every_fault_kind"
     ),
+    # the hostile-input kinds of chaos.py (imported through chaos_faults.SCENARIO)
+    "chaos_hostile.py": Smoke(
+        "test", test="tests/test_chaos_audit.py::test_chaos_faults_py_has_an_injector_for_every_fault_kind"
+    ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
     "check_latest_deps.sh": Smoke(
         "static",

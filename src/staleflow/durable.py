@@ -100,15 +100,15 @@ def read_jsonl(path: str | Path) -> tuple[list[dict], int]:
     crash; damage elsewhere is counted the same way). A missing file has no rows."""
     rows, bad = [], 0
     try:
-        text = Path(path).read_text(errors="replace")
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")  # no newline translation of a lone \r
     except FileNotFoundError:
         return [], 0
-    for line in text.splitlines():
+    for line in text.split("\n"):  # JSONL lines end in \n only (splitlines also splits at \x0b, \x1c, ...)
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: a line of 100,000 nested brackets
             bad += 1
             continue
         if isinstance(row, dict):

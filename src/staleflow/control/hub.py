@@ -16,8 +16,11 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from staleflow.cluster.roles import Roles
@@ -278,5 +281,50 @@ class Hub:
                 if rank not in self.left and self.is_local(rank) and not pid_alive(pid):
                     self.left.add(rank)
 
+    @contextmanager
+    def beating(self, every_s: float = 1.0):
+        """Heartbeats from a thread while the caller is busy without the hub (the job is being built:
+        tokenizer, data, reward pool), so that no rank gives up on a silent controller. Meanwhile the
+        socket is used under a lock (ZeroMQ sockets are not thread-safe). A controller whose parent
+        (rank 0) died meanwhile exits: nothing of its run is left to serve."""
+        raw, lock, stop = self.server, threading.Lock(), threading.Event()
+
+        def beat():
+            while not stop.wait(every_s):
+                if os.getppid() != self.parent_pid:
+                    print(f"staleflow: {self.describe(0)} died while the job was built", file=sys.stderr, flush=True)
+                    os._exit(1)
+                with lock:
+                    raw.broadcast(self.all_ranks, Heartbeat(rank=-1))
+
+        self.server = _Serialized(raw, lock)
+        thread = threading.Thread(target=beat, name="staleflow-hub-beat", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+            self.server = raw
+            self._last_beat = 0.0  # the next recv beats at once
+
     def close(self) -> None:
         self.server.close()
+
+
+class _Serialized:
+    """A ControlServer whose methods run under a lock (Hub.beating's thread shares the socket)."""
+
+    def __init__(self, server: ControlServer, lock: threading.Lock):
+        self._server, self._lock = server, lock
+
+    def __getattr__(self, name):
+        value = getattr(self._server, name)
+        if not callable(value):
+            return value
+
+        def locked(*args, **kwargs):
+            with self._lock:
+                return value(*args, **kwargs)
+
+        return locked

@@ -31,6 +31,7 @@ from staleflow.control.messages import Failure, Goodbye, Ping, Pong, Ready, Regi
 from staleflow.control.sockets import ControlClient, ControllerGone, control_address
 from staleflow.launch import dist as rankdist
 from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
+from staleflow.launch.lifeline import tie_to_agent
 from staleflow.model.aliases import AliasError
 from staleflow.model.hf import ModelLoadError
 from staleflow.presets import PRESETS
@@ -354,6 +355,7 @@ def main(argv: list[str]) -> int:
 
     rank_env = os.environ.get("RANK", "0")
     install_signal_handlers()
+    tie_to_agent()  # SIGTERM when the torchrun agent dies (it started us in a session of our own)
     try:
         defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
         cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))

@@ -59,12 +59,21 @@ def elastic_pointer() -> Path | None:
     return Path(tempfile.gettempdir()) / f"staleflow-elastic-{''.join(c for c in run_id if c.isalnum())}.json"
 
 
+def _read_pointer(pointer: Path) -> dict:
+    """The pointer file's JSON object ({} if missing, unreadable or not an object)."""
+    try:
+        state = json.loads(pointer.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
 def mark_fatal(message: str) -> None:
     """Record that the run failed on bad input: launch.sh reports it, and no restart is attempted."""
     pointer = elastic_pointer()
     if pointer is None:
         return
-    state = json.loads(pointer.read_text()) if pointer.is_file() else {}
+    state = _read_pointer(pointer)
     state["fatal"] = message
     atomic_write_json(pointer, state)
 
@@ -102,8 +111,8 @@ def no_restart_helps(e: BaseException) -> bool:
 def is_fatal() -> bool:
     pointer = elastic_pointer()
     try:
-        return bool(pointer is not None and json.loads(pointer.read_text()).get("fatal"))
-    except (OSError, ValueError):
+        return bool(pointer is not None and _read_pointer(pointer).get("fatal"))
+    except OSError:
         return False
 
 
@@ -195,7 +204,11 @@ def _resume_point(run_dir: str, required: bool):
 
 
 def check_resume(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = frozenset()) -> RunConfig:
-    """Validate --resume without touching the folder: an intact checkpoint and a compatible config."""
+    """Validate --resume without touching the folder: not written by a live run, an intact
+    checkpoint and a compatible config."""
+    from staleflow.launch.run_lock import check_unlocked
+
+    check_unlocked(cfg.resume)
     _resume_point(cfg.resume, required=True)
     if os.path.isfile(os.path.join(cfg.resume, "config.json")):
         cfg, _ = merge_resume_config(_saved_config(cfg.resume), cfg, defaults, flags)
@@ -207,7 +220,9 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
     pointer = elastic_pointer()
     run_dir, notes, created = "", [], False
     if restart_count() > 0 and pointer is not None and pointer.is_file():
-        run_dir = json.loads(pointer.read_text())["run_dir"]
+        run_dir = _read_pointer(pointer).get("run_dir")
+        if not isinstance(run_dir, str) or not run_dir:
+            raise ConfigError(f"{pointer}: field run_dir is not a folder; remove the file and --resume the run")
         notes.append(f"elastic restart {restart_count()}: continuing run {run_dir}")
         if not os.path.isdir(run_dir):
             os.makedirs(run_dir)
@@ -216,6 +231,10 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
         run_dir = cfg.resume
     else:
         run_dir, created = make_run_dir(cfg), True
+    from staleflow.launch.run_lock import lock_run_dir
+
+    if os.path.isdir(run_dir):  # one writer per run folder (a missing --resume folder is refused below)
+        lock_run_dir(run_dir)
     if pointer is not None:
         pointer.write_text(json.dumps({"run_dir": run_dir}))
     ckpt, warns = _resume_point(run_dir, required=bool(cfg.resume) and restart_count() == 0)
@@ -245,7 +264,8 @@ def supersede_after(run_dir: str, version: int, notes: list[str] | None = None) 
         rows, torn = read_jsonl(path)
         changed = 0
         for row in rows:
-            if row.get(key, -1) >= version and not row.get("superseded"):
+            at = row.get(key)
+            if type(at) is int and at >= version and not row.get("superseded"):
                 row["superseded"] = True
                 changed += 1
         if torn and notes is not None:
@@ -257,10 +277,14 @@ def supersede_after(run_dir: str, version: int, notes: list[str] | None = None) 
 
 
 def read_ids(run_dir: str) -> dict:
+    """The id high-water marks of ``ids.json``: only its non-negative integer fields ({} if unreadable)."""
     try:
-        return json.loads((Path(run_dir) / IDS_FILE).read_text())
-    except (OSError, ValueError):
+        ids = json.loads((Path(run_dir) / IDS_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
         return {}
+    if not isinstance(ids, dict):
+        return {}
+    return {k: v for k, v in ids.items() if k in ("next_traj", "next_group") and type(v) is int and 0 <= v < 2**62}
 
 
 def write_ids(run_dir: str, next_traj: int, next_group: int) -> None:

@@ -11,12 +11,17 @@ binds that socket itself and hands it over:
     ``--local-addr``) listen on that interface only (two agents on one machine: on loopback);
   - a host name is left to torch (every interface): another node may resolve it to an address this
     machine does not know it has (a Debian host's own name resolves to 127.0.1.1 locally).
+It also guards the rendezvous (launch/rendezvous_guard.py): torch's c10d rendezvous unpickles its
+state from that unauthenticated store; here it is decoded by an unpickler that admits only the
+rendezvous' own types, so a process that writes the key cannot run code in the agent. And it tells
+its workers its pid (STALEFLOW_AGENT_PID): every rank dies with the agent (launch/lifeline.py).
 Every other torchrun behaviour (rendezvous, elastic restarts, worker monitoring) is unchanged.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import sys
 
@@ -65,7 +70,25 @@ def _bound_tcp_store(make):
     return create
 
 
+def _rdzv_id(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg in ("--rdzv-id", "--rdzv_id") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(("--rdzv-id=", "--rdzv_id=")):
+            return arg.split("=", 1)[1]
+    return "<run id>"
+
+
 def main() -> None:
+    from staleflow.launch.rendezvous_guard import GuardError, install
+
+    try:
+        guard = install(f"key torch.rendezvous.{_rdzv_id(sys.argv[1:])}")
+    except GuardError as e:
+        print(f"staleflow: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    os.environ["STALEFLOW_AGENT_PID"] = str(os.getpid())  # the workers inherit it (launch/lifeline.py)
+
     import torch.distributed as dist
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
@@ -82,7 +105,12 @@ def main() -> None:
         handler._create_tcp_store_server = lambda self, master_addr, master_port: make(
             master_addr, master_port, is_master=True, multi_tenant=True
         )
-    torchrun_main(sys.argv[1:])
+    try:
+        torchrun_main(sys.argv[1:])
+    except Exception:
+        if guard.refused:  # said in one line when it was refused; torch's traceback adds nothing
+            sys.exit(1)
+        raise
 
 
 if __name__ == "__main__":

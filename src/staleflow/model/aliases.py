@@ -197,7 +197,7 @@ def _build_tokenizer(out: Path) -> None:
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
     if not tok.chat_template:
         raise AliasError(f"the tokenizer in {gguf} has no chat template")
     tok.save_pretrained(str(out))
@@ -216,7 +216,9 @@ def _build_smollm2(out: Path) -> None:
     gguf = smollm2_gguf()
     hf_logging.disable_progress_bar()  # our own line says what is happening
     try:
-        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+        )
     finally:
         hf_logging.enable_progress_bar()
     config = quantized.config.to_dict()
@@ -244,7 +246,7 @@ def _build_tiny(alias: str) -> Callable[[Path], None]:
         from staleflow.model.transformer import CausalLM
 
         tok_dir = ensure_tokenizer()
-        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
         arch = alias.removeprefix("tiny-")
         args = ModelArgs(
             architecture=arch,

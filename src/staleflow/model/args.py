@@ -18,8 +18,38 @@ _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
+MAX_LAYERS = 1024
+MAX_VOCAB = 1 << 22
+MAX_POSITIONS = 1 << 27
+ROPE_FLOATS = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow")
+ROPE_FLOATS += ("mscale", "mscale_all_dim")
+"""Ranges far beyond any Llama/Qwen checkpoint: a config.json outside them is crafted or broken, and
+refusing it in one line beats building a meta model of a million layers or a 1e300 RoPE factor."""
+
+
 class ModelConfigError(ValueError):
-    """A config.json this implementation cannot run (unsupported architecture or feature)."""
+    """A config.json this implementation cannot run (unsupported architecture or feature, or a field
+    of the wrong type or outside its range: the message names the field)."""
+
+
+def _show(value) -> str:
+    return repr(value)[:40]
+
+
+def _integer(d: dict, key: str, lo: int, hi: int, default: int | None = None, prefix: str = "") -> int:
+    value = d.get(key)
+    if value is None and default is not None:
+        return default
+    if type(value) is not int or not lo <= value <= hi:
+        raise ModelConfigError(f"field {prefix}{key} is {_show(value)}, not an integer in [{lo}, {hi}]")
+    return value
+
+
+def _number(d: dict, key: str, lo: float, hi: float, default: float | None = None, prefix: str = "") -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ModelConfigError(f"field {prefix}{key} is {_show(value)}, not a number in [{lo:g}, {hi:g}]")
+    return float(value)
 
 
 @dataclass
@@ -90,9 +120,20 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> ModelArgs:
         """Read a Hugging Face config.json dict; raise ModelConfigError for what we cannot run."""
+        if not isinstance(d, dict):
+            raise ModelConfigError(f"it is a JSON {type(d).__name__}, not an object")
+        if "auto_map" in d:
+            raise ModelConfigError(
+                "field auto_map names custom model code, which staleflow never runs: use a Llama/Qwen2/Qwen3 "
+                "folder without auto_map"
+            )
         archs = d.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ModelConfigError(f"field architectures is {_show(archs)}, not a list of names")
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-        if not archs and d.get("model_type") in _HF_NAME:  # configs saved without `architectures`
+        if (
+            not archs and isinstance(d.get("model_type"), str) and d.get("model_type") in _HF_NAME
+        ):  # configs saved without `architectures`
             known = [_HF_NAME[d["model_type"]]]
         if not known:
             raise ModelConfigError(
@@ -103,40 +144,76 @@ class ModelArgs:
         if d.get("use_sliding_window"):
             raise ModelConfigError("use_sliding_window=true is not supported: set it to false in config.json")
         if d.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"hidden_act={d['hidden_act']!r} is not supported: only silu (SwiGLU)")
+            raise ModelConfigError(f"hidden_act={_show(d['hidden_act'])} is not supported: only silu (SwiGLU)")
         if d.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=true is not supported (no Llama/Qwen checkpoint uses it)")
         if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ModelConfigError(f"partial_rotary_factor={d['partial_rotary_factor']} is not supported: only 1.0")
+            raise ModelConfigError(
+                f"partial_rotary_factor={_show(d['partial_rotary_factor'])} is not supported: only 1.0"
+            )
 
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ModelConfigError(f"field rope_parameters/rope_scaling is a {type(rope).__name__}, not an object")
         if any(isinstance(v, dict) for v in rope.values()):
             raise ModelConfigError("per-layer-type rope_parameters are not supported")
-        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        if "rope_theta" in rope:
+            rope_theta = _number(rope, "rope_theta", 1.0, 1e12, None, "rope_parameters.")
+        else:
+            rope_theta = _number(d, "rope_theta", 1.0, 1e12, 10000.0)
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ModelConfigError(
+                f"rope_scaling rope_type={_show(rope_type)} is not supported: use one of {list(ROPE_TYPES)}"
+            )
+        needed = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ROPE_FLOATS[:3]}.get(rope_type, ())
+        for key in needed:
+            if rope.get(key) is None:
+                raise ModelConfigError(f"field rope_parameters.{key} is missing (rope_type {rope_type} needs it)")
+        for key, value in (rope_scaling or {}).items():
+            if key in ("rope_type", "type"):
+                continue
+            elif key == "original_max_position_embeddings":
+                _integer(rope, key, 1, MAX_POSITIONS, None, "rope_parameters.")
+            elif key in ROPE_FLOATS:
+                if value is not None:
+                    _number(rope, key, 1e-6, 1e4, None, "rope_parameters.")
+            elif not isinstance(value, (str, bool)) and value is not None:
+                raise ModelConfigError(f"field rope_parameters.{key} is {_show(value)}: not a known RoPE setting")
 
-        num_heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
+        num_heads = _integer(d, "num_attention_heads", 1, 4096)
+        hidden = _integer(d, "hidden_size", 1, 1 << 17)
+        vocab = _integer(d, "vocab_size", 1, MAX_VOCAB)
         eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        eos_list = [] if eos is None else ([eos] if not isinstance(eos, list) else eos)
+        if len(eos_list) > 64 or not all(type(e) is int and 0 <= e < vocab for e in eos_list):
+            raise ModelConfigError(f"field eos_token_id is {_show(eos)}: token ids in [0, vocab_size={vocab})")
+        bos = d.get("bos_token_id")
+        if bos is not None and not (type(bos) is int and 0 <= bos < vocab):
+            raise ModelConfigError(f"field bos_token_id is {_show(bos)}: a token id in [0, vocab_size={vocab})")
+        head_dim = d.get("head_dim")
+        for key in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(d.get(key, False), bool):
+                raise ModelConfigError(f"field {key} is {_show(d.get(key))}, not true/false")
         return cls(
             architecture=arch,
-            vocab_size=int(d["vocab_size"]),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            intermediate_size=_integer(d, "intermediate_size", 1, 1 << 20),
+            num_layers=_integer(d, "num_hidden_layers", 1, MAX_LAYERS),
             num_heads=num_heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(d.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=_integer(d, "num_key_value_heads", 1, 4096, num_heads),
+            head_dim=_integer(d, "head_dim", 2, 4096, hidden // num_heads if head_dim is None else None),
+            rms_norm_eps=_number(d, "rms_norm_eps", 1e-12, 0.5, 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
+            max_position_embeddings=_integer(d, "max_position_embeddings", 1, MAX_POSITIONS, 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=True if arch == "qwen2" else d.get("attention_bias", False),
             qk_norm=arch == "qwen3",
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=bos,
+            eos_token_ids=list(eos_list),
         )
 
     def to_hf_config(self) -> dict[str, Any]:

@@ -38,14 +38,64 @@ class ModelLoadError(ValueError):
     """A model folder or checkpoint that cannot be loaded; the message says why and what to do."""
 
 
+def _read_json(path: Path, limit: int = 16 << 20):
+    try:
+        if path.stat().st_size > limit:
+            raise ModelLoadError(f"{path}: {path.stat().st_size} bytes, more than a {path.name} holds")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ModelLoadError(f"cannot read {str(path)!r}: {type(e).__name__}: {str(e)[:160]}") from None
+
+
 def read_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"no config.json in model folder {str(folder)!r}: is it a Hugging Face model folder?")
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def read_model_args(folder: str | Path) -> ModelArgs:
+    """config.json decoded into typed, range-checked ModelArgs; one ModelLoadError naming the field."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {str(path)!r}: {e}") from None
+        return ModelArgs.from_hf_config(read_config(folder))
+    except ModelConfigError as e:
+        raise ModelLoadError(f"{folder}/config.json: {e}") from None
+    except KeyError as e:
+        raise ModelLoadError(f"{folder}/config.json lacks the required field {e.args[0]!r}") from None
+
+
+def check_tokenizer_config(folder: str | Path) -> None:
+    """The tokenizer's JSON files decode to objects of the expected types, and none asks for custom
+    code (auto_map): transformers would run it, or ask on a terminal. One ModelLoadError otherwise."""
+    folder = Path(folder)
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        obj = _read_json(path)
+        if not isinstance(obj, dict):
+            raise ModelLoadError(f"{path}: a JSON {type(obj).__name__}, not an object")
+        if "auto_map" in obj:
+            raise ModelLoadError(
+                f"{path}: field auto_map names custom tokenizer code, which staleflow never runs "
+                f"(trust_remote_code=False): remove auto_map or use the model's standard tokenizer files"
+            )
+        for key, types in _TOKENIZER_FIELDS.items():
+            if key in obj and obj[key] is not None and not isinstance(obj[key], types):
+                raise ModelLoadError(f"{path}: field {key} is a {type(obj[key]).__name__}, not the type it must be")
+
+
+_TOKENIZER_FIELDS = {
+    "tokenizer_class": str,
+    "chat_template": (str, list),
+    "model_max_length": (int, float),
+    "added_tokens_decoder": dict,
+    "padding_side": str,
+    "truncation_side": str,
+}
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -71,20 +121,74 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def check_headers(files: list[Path]) -> None:
+def check_headers(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Every file's safetensors header parses and fits the file (reads headers only): a corrupted
-    or truncated file is one ModelLoadError, on every rank alike, before any tensor is read."""
+    or truncated file is one ModelLoadError, on every rank alike, before any tensor is read.
+    Returns every tensor's name and shape, from the headers."""
     from safetensors import safe_open
 
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
-                f.keys()
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
         except Exception as e:  # safetensors raises its own SafetensorError
             raise ModelLoadError(
                 f"{file} is not a readable safetensors file ({str(e).splitlines()[0][:160]}): "
                 f"re-download or re-export the model"
             ) from None
+    return shapes
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape a model of ``args`` has, without building it: one layer is built on
+    the meta device and repeated (a config.json of a million layers costs nothing here)."""
+    with torch.device("meta"):
+        one = CausalLM(args.replace(num_layers=1))
+    out = {}
+    for name, t in one.state_dict().items():
+        if ".layers.0." in name:
+            for i in range(args.num_layers):
+                out[name.replace(".layers.0.", f".layers.{i}.", 1)] = tuple(t.shape)
+        else:
+            out[name] = tuple(t.shape)
+    return out
+
+
+def check_config_against_headers(folder: str, args: ModelArgs, headers: dict[str, tuple[int, ...]]) -> None:
+    """config.json must describe the weights: same tensors, same shapes (read from the headers only),
+    before any model is built; else one ModelLoadError naming the field and the fix."""
+    expected = expected_shapes(args)
+    found = {
+        n: s
+        for n, s in headers.items()
+        if not (n.endswith(_IGNORED_SUFFIXES) or (args.tie_word_embeddings and n == "lm_head.weight"))
+    }
+    layers = {int(n.split(".")[2]) for n in found if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    where = f"{folder}/config.json does not match the weights"
+    if layers and len(layers) != args.num_layers:
+        raise ModelLoadError(
+            f"{where}: field num_hidden_layers is {args.num_layers}, the safetensors hold {len(layers)} layers"
+        )
+    embed = found.get("model.embed_tokens.weight")
+    if embed is not None and embed != expected["model.embed_tokens.weight"]:
+        raise ModelLoadError(
+            f"{where}: fields vocab_size x hidden_size are {args.vocab_size} x {args.hidden_size}, "
+            f"model.embed_tokens.weight is {' x '.join(map(str, embed))}"
+        )
+    for name, shape in found.items():
+        if name in expected and shape != expected[name]:
+            raise ModelLoadError(
+                f"{where}: tensor {name!r} has shape {shape}, config.json implies {expected[name]} "
+                f"(check hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim)"
+            )
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint in {folder!r} does not match a {args.architecture} model: "
+            f"{len(missing)} missing tensors {missing[:4]}, {len(unexpected)} unexpected tensors {unexpected[:4]}"
+        )
 
 
 def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
@@ -102,17 +206,13 @@ def lazy_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="
     if a tensor was missing or unexpected. A sharded trainer fills only its own rows from it, so
     no rank ever holds the whole model (staleflow.train.trainer.Trainer(..., weights=...))."""
     folder = str(folder)
-    try:
-        args = ModelArgs.from_hf_config(read_config(folder))
-    except ModelConfigError as e:
-        raise ModelLoadError(f"{folder}: {e}") from None
-    except KeyError as e:
-        raise ModelLoadError(f"{folder}/config.json lacks the required field {e.args[0]!r}") from None
+    args = read_model_args(folder)
+    files = safetensors_files(folder)
+    check_config_against_headers(folder, args, check_headers(files))
+    check_tokenizer_config(folder)
     with torch.device("meta"):
         model = CausalLM(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    files = safetensors_files(folder)
-    check_headers(files)
     dev = torch.device(device)
     dev = f"cuda:{dev.index or 0}" if dev.type == "cuda" else str(dev)
 

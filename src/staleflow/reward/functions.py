@@ -135,8 +135,38 @@ def answer_problem(spec: str, answer: str) -> str | None:
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:
-    """A registered name or 'module:function'; RewardError naming the problem and the fix otherwise."""
-    return REWARDS.resolve(spec)
+    """A registered name or 'module:function'; RewardError naming the problem and the fix otherwise.
+
+    An import path must name a plain Python function defined in a module of the user's, never a
+    builtin or a standard-library function: ``builtins:exec``, ``builtins:eval``, ``os:system`` or
+    ``subprocess:run`` would run every completion the policy writes as code or as a command."""
+    fn = REWARDS.resolve(spec)
+    problem = _not_a_user_function(fn)
+    if problem:
+        raise RewardError(
+            f"--reward.fn={spec!r} is {problem}: a reward function must be a plain Python function defined "
+            f"in your own module (def fn(completion, answer, meta) -> float), not a builtin"
+        )
+    return fn
+
+
+def _not_a_user_function(fn) -> str:
+    """Why ``fn`` is not a user's Python function ("" if it is)."""
+    import inspect
+    import sys
+
+    target = inspect.unwrap(getattr(fn, "func", fn))  # functools.partial / wraps: judge what is called
+    if inspect.isbuiltin(target) or type(target).__name__ in (
+        "method-wrapper",
+        "wrapper_descriptor",
+        "method_descriptor",
+    ):
+        return f"the builtin {getattr(target, '__name__', type(target).__name__)}"
+    module = getattr(target, "__module__", None) or type(target).__module__
+    top = str(module).split(".")[0]
+    if top in ("builtins", "__builtin__") or top in getattr(sys, "stdlib_module_names", ()):
+        return f"{getattr(target, '__name__', 'a function')} from the standard library ({module})"
+    return ""
 
 
 MAX_ABS_REWARD = 1e6

@@ -382,4 +382,6 @@ class TrainingJob:
 
 
 def training_job(ctl, cfg) -> None:
-    TrainingJob(ctl, cfg).run()
+    with ctl.beating():  # the build reads the tokenizer and the data and starts the reward pool: ranks wait
+        job = TrainingJob(ctl, cfg)
+    job.run()

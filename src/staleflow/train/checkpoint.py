@@ -40,6 +40,14 @@ from pathlib import Path
 import torch
 
 from staleflow.durable import DiskError, atomic_write_json, disk_errors, file_sha256, fsync_dir
+from staleflow.train.checkpoint_files import (
+    CheckpointError,
+    check_resume_extra,
+    check_scheduler,
+    folder_version,
+    read_manifest,
+    read_trainer_state,
+)
 from staleflow.train.checkpoint_writer import DISK as _DISK
 from staleflow.train.checkpoint_writer import FAILED as _FAILED
 from staleflow.train.checkpoint_writer import OK as _OK
@@ -63,10 +71,6 @@ HASH_THREADS = 8
 """Files hashed at once when a checkpoint is verified (one thread per file)."""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, partial or corrupted."""
-
-
 class CheckpointDiskError(CheckpointError):
     """A save failed because the disk is full, read-only or not permitted: no retry fixes it."""
 
@@ -75,10 +79,7 @@ _sha256 = file_sha256  # a module-level name: tests replace it to kill a save mi
 
 
 def _version_of(p: Path) -> int | None:
-    try:
-        return int(p.name[len(PREFIX) :]) if p.name.startswith(PREFIX) else None
-    except ValueError:
-        return None
+    return folder_version(p)
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -130,23 +131,31 @@ def verify_checkpoint(path: str | Path) -> dict:
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"checkpoint {path} is partial or missing (no {MANIFEST}){hint}")
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST} ({e}){hint}") from None
+        manifest = read_manifest(path)  # typed: every name inside the folder, sizes and digests well formed
+        state = read_trainer_state(path)
+        check_resume_extra(state.extra, path / "trainer_state.json", state.version)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {path} is invalid: {e}{hint}") from None
+    files = manifest.files
     for rel, info in files.items():
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is corrupted: file {rel} is missing{hint}")
-        if f.stat().st_size != info["size"]:
+        if f.stat().st_size != info.size:
             raise CheckpointError(f"checkpoint {path} is corrupted: {rel} does not match its sha256/size{hint}")
+    if "trainer_state.json" not in files:
+        raise CheckpointError(f"checkpoint {path} is invalid: its manifest does not cover trainer_state.json{hint}")
     rels = list(files)
     with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(rels)))) as pool:  # hashlib frees the GIL
         digests = list(pool.map(lambda rel: _sha256(path / rel), rels))
     for rel, digest in zip(rels, digests):
-        if digest != files[rel]["sha256"]:
+        if digest != files[rel].sha256:
             raise CheckpointError(f"checkpoint {path} is corrupted: {rel} does not match its sha256/size{hint}")
-    return manifest
+    return {
+        "version": manifest.version,
+        "world": manifest.world,
+        "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in files.items()},
+    }
 
 
 def _live_state(trainer) -> tuple[dict, dict]:
@@ -335,14 +344,14 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     except StateError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     set_state_dict(trainer.policy, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    meta = read_trainer_state(path)  # verified above; typed and range-checked here
+    trainer.version, trainer.optimizer_steps = meta.version, meta.optimizer_steps
+    check_scheduler(meta.scheduler, trainer.scheduler.state_dict(), path / "trainer_state.json")
     try:
-        meta = json.loads((path / "trainer_state.json").read_text())
-        trainer.version = int(meta["version"])
-        trainer.optimizer_steps = int(meta["optimizer_steps"])
-        trainer.scheduler.load_state_dict(meta["scheduler"])
-        extra = meta["extra"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: unreadable trainer_state.json ({e})") from None
+        trainer.scheduler.load_state_dict(meta.scheduler)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: trainer_state.json field 'scheduler' does not fit ({e})") from None
+    extra = meta.extra
     _load_rng(path, trainer.rank)
     return extra
 

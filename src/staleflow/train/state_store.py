@@ -191,7 +191,8 @@ def read_index(folder: str | Path) -> dict:
     path = Path(folder) / "state.json"
     try:
         index = json.loads(path.read_text())
-        if not isinstance(index["world"], int) or not isinstance(index["tensors"], dict):
+        world = index["world"]
+        if type(world) is not int or not 1 <= world <= 1 << 20 or not isinstance(index["tensors"], dict):
             raise KeyError("world/tensors")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StateError(f"{path} is missing or unreadable ({e})") from None
@@ -201,7 +202,8 @@ def read_index(folder: str | Path) -> dict:
             and e.get("dtype") in _NAMES
             and isinstance(e.get("sharded"), bool)
             and isinstance(e.get("shape"), list)
-            and all(isinstance(d, int) and d >= 0 for d in e["shape"])
+            and len(e["shape"]) <= 8
+            and all(type(d) is int and 0 <= d < 1 << 40 for d in e["shape"])
         )
         if not ok:
             raise StateError(f"{path}: the entry of {name} is malformed ({str(e)[:120]})")
