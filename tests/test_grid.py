@@ -23,7 +23,8 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
     monkeypatch.setattr(grid, "ETAS", (1, 2))
     monkeypatch.setattr(grid, "DISTS", ("lognormal",))
     monkeypatch.setattr(grid, "SPLITS", ((3, 1),))
-    monkeypatch.setattr(grid, "CENTRE", ("7B", 2, "lognormal", (3, 1)))
+    monkeypatch.setattr(grid, "EXTRA", ())
+    monkeypatch.setattr(grid, "CENTRE", ("7B lognormal 3:1", 2))
     assert grid.main(small(out_dir=str(tmp_path))) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
@@ -35,12 +36,17 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
         "vs_nominal_best_max",
         "vs_sync_max",
         "vs_sync_avg",
-        "step_over_floor_avg",
+        "vs_guarantee_best_avg_throughput_bound",
+        "vs_guarantee_best_max_throughput_bound",
+        "vs_guarantee_best_avg_tail_bound",
+        "step_over_physical_floor_max",
         "ablation",
         "violations",
+        "rows",
     } <= set(summary)
     assert set(summary["ablation"]) == {name for name, *_ in grid.ABLATIONS} and summary["violations"] == 0
-    assert summary["vs_sync_max"] >= summary["vs_sync_avg"] > 0 and summary["step_over_floor_avg"] > 0
+    assert summary["vs_sync_max"] >= summary["vs_sync_avg"] > 0 and summary["step_over_physical_floor_max"] >= 1.0
+    assert summary["rows"] == 2
     assert any(line.startswith("Summary") for line in out) and (tmp_path / "grid.png").stat().st_size > 1000
     assert any("guarantee-matched best peer" in line for line in out)
     saved = json.loads((tmp_path / "grid.json").read_text())
@@ -65,4 +71,6 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
         assert set(row["nominal"]) == {f"verl-fully-async s={eta}", f"areal eta={eta} cap={eta + 1}B"}
         assert all(0 <= n["over_eta_frac"] <= 1 for n in row["nominal"].values())
         assert row["strict_best"].endswith("strict") and row["floor_s"] > 0
+        assert row["binds"] in ("train", "work", "tail") and row["regime"] in ("throughput", "tail")
+        assert row["step_over_floor"] >= 1.0 and row["step_over_floor_guarantee_best"] >= 1.0
         assert row["staleflow_equal_transfer"] < row["staleflow"]  # pushing and pulling at 8 GB/s costs StaleFlow

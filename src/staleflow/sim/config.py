@@ -128,8 +128,11 @@ class SimConfig:
     jobs: int = 0
     """--grid: settings simulated in parallel processes (0: one per CPU core)."""
     grid: Literal["", "paper"] = ""
-    """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, every
-    mode, ablations at the grid centre) instead of this one setting."""
+    """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, the authors'
+    two shapes, the load axis and one 1024-GPU setting; every mode, ablations at the paper-like centre)
+    instead of this one setting."""
+    smoke: bool = False
+    """--grid paper --smoke: the authors' two shapes only, 12 steps per run, one ablation seed (a quick check)."""
     # ---- simulation control ------------------------------------------------------------------
     steps: int = 48
     """Training steps simulated per run."""

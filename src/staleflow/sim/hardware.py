@@ -47,6 +47,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     "qwen2.5-7b-tp2": ModelSpec(7.62, 28, 4, 128, 2),
     "qwen2.5-14b": ModelSpec(14.8, 48, 8, 128, 1),
     "qwen2.5-32b-tp2": ModelSpec(32.8, 64, 8, 128, 2),
+    "qwen2.5-32b-tp4": ModelSpec(32.8, 64, 8, 128, 4),
     "qwen3-30b-a3b": ModelSpec(30.5, 48, 4, 128, 1, active_b=3.3),
 }
 
