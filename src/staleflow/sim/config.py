@@ -45,12 +45,19 @@ class SimConfig:
     prefill_tokens_per_s: float | None = None
     """Prefill (and KV recompute after an interrupt) rate of one instance. None: TP x peak x 40% MFU /
     (2 x params) (32B TP2 on H20: ~1.8k tokens/s)."""
+    prefill_chunk_tokens: int = 8192
+    """Chunked prefill: tokens per engine step shared by decode and prefill chunks (vLLM's
+    max_num_batched_tokens; verl's rollout default 8192): decoding goes on while new work prefills. 0: a
+    prefill (or a KV recompute) stops the instance's decoding until it is done."""
     max_running: int = 256
     """Engine cap on running sequences per instance (vLLM max_num_seqs default)."""
     # ---- trainer and weights -----------------------------------------------------------------
     train_tokens_per_gpu_s: float | None = None
     """Training throughput per trainer GPU, tokens/s (fwd+bwd+log-prob recompute). None: peak x 35% MFU /
     (8 x params) (32B on H20: ~200 tokens/s)."""
+    train_attention: bool = True
+    """Training time grows with sequence length: each sequence also costs its causal attention FLOPs,
+    8 x layers x q_dim x L^2 (sim/hardware.train_attention_tokens2); False: linear in tokens."""
     train_overhead_s: float = 5.0
     """Fixed seconds per training step (optimizer, data loading, reward stragglers)."""
     push_s: float | None = None
@@ -58,6 +65,10 @@ class SimConfig:
     log: 32B push 7 s -> 4 s with NIXL)."""
     pull_s: float | None = None
     """Instance pull of one version from the PS. None: weights at 32 GB/s (32B: 2.0 s; PSRL: 25 s -> 2 s)."""
+    ps_egress_gb_s: float | None = None
+    """Parameter Server egress shared by pulls in flight at once (GB/s): k pulls each run at
+    min(pull bandwidth, egress / k). None: 25 GB/s (one 200 Gb/s NIC) per trainer GPU, whose ranks hold the
+    PS's shards (an assumption); 0: pulls never contend."""
     broadcast_s: float | None = None
     """Peers' weight update: NCCL broadcast from the trainer to every instance (no PS). None: weights at
     8 GB/s (32B: 8.2 s; verl's checkpoint engine ~8.25 GB/s). AReaL and verl fully-async pause every instance
@@ -172,6 +183,7 @@ class SimConfig:
             "push_s",
             "pull_s",
             "broadcast_s",
+            "ps_egress_gb_s",
             "colocated_switch_s",
             "response_sigma",
             "kv_move_gb_s",
@@ -185,6 +197,7 @@ class SimConfig:
             _check(v is None or v >= 0, name.replace("_", "-"), v, "must be >= 0")
         _check(self.length_dist in LENGTH_DISTS, "length-dist", self.length_dist, f"choose {', '.join(LENGTH_DISTS)}")
         _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
+        _check(self.prefill_chunk_tokens >= 0, "prefill-chunk-tokens", self.prefill_chunk_tokens, "must be >= 0")
         _check(self.jobs >= 0, "jobs", self.jobs, "must be >= 0 (0: one per CPU core)")
         _check(self.shared_cores >= 0, "shared-cores", self.shared_cores, "must be >= 0 (0: dedicated devices)")
         _check(self.prompt_len >= 1, "prompt-len", self.prompt_len, "must be >= 1")

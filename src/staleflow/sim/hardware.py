@@ -30,6 +30,8 @@ class ModelSpec:
     """Tensor-parallel size of one rollout instance (GPUs per instance)."""
     active_b: float = 0.0
     """Parameters active per token, billions (MoE); 0 = all (dense). FLOPs scale with these."""
+    q_dim: int = 0
+    """Query heads x head_dim: the attention FLOPs of training grow with it and with sequence length."""
 
     @property
     def flop_params(self) -> float:
@@ -43,12 +45,13 @@ class ModelSpec:
 MODEL_SPECS: dict[str, ModelSpec] = {
     # Qwen2.5-7B: 28 layers, 4 KV heads x 128; Qwen2.5-14B: 48 x 8 x 128; Qwen2.5-32B: 64 x 8 x 128;
     # Qwen3-30B-A3B: 48 layers, 4 KV heads x 128 (config.json of each model on the Hugging Face hub)
-    "qwen2.5-7b-tp1": ModelSpec(7.62, 28, 4, 128, 1),
-    "qwen2.5-7b-tp2": ModelSpec(7.62, 28, 4, 128, 2),
-    "qwen2.5-14b": ModelSpec(14.8, 48, 8, 128, 1),
-    "qwen2.5-32b-tp2": ModelSpec(32.8, 64, 8, 128, 2),
-    "qwen2.5-32b-tp4": ModelSpec(32.8, 64, 8, 128, 4),
-    "qwen3-30b-a3b": ModelSpec(30.5, 48, 4, 128, 1, active_b=3.3),
+    # Query heads x 128: 7B 28, 14B 40, 32B 40, 30B-A3B 32 (same config.json files).
+    "qwen2.5-7b-tp1": ModelSpec(7.62, 28, 4, 128, 1, q_dim=3584),
+    "qwen2.5-7b-tp2": ModelSpec(7.62, 28, 4, 128, 2, q_dim=3584),
+    "qwen2.5-14b": ModelSpec(14.8, 48, 8, 128, 1, q_dim=5120),
+    "qwen2.5-32b-tp2": ModelSpec(32.8, 64, 8, 128, 2, q_dim=5120),
+    "qwen2.5-32b-tp4": ModelSpec(32.8, 64, 8, 128, 4, q_dim=5120),
+    "qwen3-30b-a3b": ModelSpec(30.5, 48, 4, 128, 1, active_b=3.3, q_dim=4096),
 }
 
 
@@ -92,6 +95,14 @@ def train_tokens_per_gpu_s(spec: ModelSpec, gpu: GPU) -> float:
     return gpu.bf16_tflops * 1e12 * gpu.train_mfu / (8.0 * spec.flop_params)
 
 
+def train_attention_tokens2(spec: ModelSpec) -> float:
+    """Training FLOPs per squared token of a sequence, over the linear 8 x params per token: causal attention
+    is 2 x layers x q_dim x L^2 FLOPs forward (QK^T and AV, half the matrix), x 4 for forward, backward (2x)
+    and the log-prob recompute. Divided by 8 x params it is the extra "tokens" an L-token sequence costs:
+    L^2 x this factor (7B at L = 20k: +26 % over the linear term)."""
+    return 8.0 * spec.layers * spec.q_dim / (8.0 * spec.flop_params) if spec.q_dim else 0.0
+
+
 def transfer_s(spec: ModelSpec, gb_per_s: float) -> float:
     """Seconds to move the bf16 weights at this bandwidth."""
     return spec.weight_bytes / (gb_per_s * 1e9)
@@ -110,6 +121,11 @@ class Derived:
     colocated_switch_s: float
     kv_move_tokens_per_s: float = 0.0
     """KV tokens per second a migrated trajectory's KV moves at (0: no KV move, it is recomputed)."""
+    train_attention: float = 0.0
+    """Extra training "tokens" per squared sequence length (train_attention_tokens2; 0: linear in tokens)."""
+    pull_share: float = 0.0
+    """Fraction of the Parameter Server's egress one full-speed pull takes (pull bandwidth / egress): k pulls
+    at once each take max(1, k x pull_share) x pull_s. 0: pulls never contend."""
 
 
 def derive(cfg, cost) -> Derived:
@@ -140,4 +156,16 @@ def derive(cfg, cost) -> Derived:
         broadcast_s=pick(cfg.broadcast_s, lambda: transfer_s(spec, 8.0), "broadcast-s"),
         colocated_switch_s=pick(cfg.colocated_switch_s, lambda: transfer_s(spec, 8.0) + 2.0, "colocated-switch-s"),
         kv_move_tokens_per_s=cfg.kv_move_gb_s * 1e9 / kv_bytes_per_token(spec) if spec else 0.0,
+        train_attention=train_attention_tokens2(spec) if spec and cfg.train_attention else 0.0,
+        pull_share=pull_share(cfg, spec, cfg.pull_s) if spec else 0.0,
     )
+
+
+def pull_share(cfg, spec: ModelSpec, pull_s: float | None) -> float:
+    """Pull bandwidth (weights / pull_s) over the PS egress (--ps-egress-gb-s; None: 25 GB/s, one 200 Gb/s
+    NIC, per trainer GPU: the PS's shards live on the trainer ranks)."""
+    if cfg.ps_egress_gb_s == 0:
+        return 0.0
+    egress = cfg.ps_egress_gb_s or 25.0 * (cfg.total_gpus - cfg.rollout_gpus)
+    per_pull = spec.weight_bytes / (pull_s or transfer_s(spec, 32.0)) / 1e9
+    return per_pull / max(egress, per_pull)  # one pull alone always runs at its own bandwidth
