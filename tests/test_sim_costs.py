@@ -81,3 +81,56 @@ def test_training_time_grows_with_sequence_length():
     assert long / short == pytest.approx(1.263 / 1.0132, rel=0.01)
     flat = dataclasses.replace(cfg, train_attention=False)
     assert train_s([1000] * 20, flat) == pytest.approx(train_s([20000], flat)) == pytest.approx(20.0)
+
+
+def test_hardware_profiles_rescale_the_h20_fit_or_use_a_preset_refitted_on_that_gpu(tmp_path, monkeypatch):
+    import json
+    import shutil
+    import subprocess
+
+    from staleflow.coordinator import cost_model as cm
+    from staleflow.sim.hardware import profile_cost
+    from staleflow.sim.simulator import build
+
+    h20 = load_cost_model("qwen2.5-7b-tp1")
+    assert profile_cost(h20, "h20") is h20
+    h100 = profile_cost(h20, "h100")
+    assert h100.name == h20.name and h100.k1 == pytest.approx(h20.k1 * 4.0 / 3.35)
+    assert h100.k3 == pytest.approx(h20.k3 * 148 / 989) and h100.k4 == h20.k4
+    # the profile's memory gives the KV capacity the instances run with: 141 GB (H200) holds more than 80 GB
+    caps = {
+        hw: build(tiny_sim(hardware=hw, push_s=None, pull_s=None), "staleflow", 1)[1].cost.kv_capacity
+        for hw in ("h100", "h200")
+    }
+    assert caps["h200"] > 2 * caps["h100"]
+    # scripts/fit_cost_model.py --profile refits a profile from a device run's samples; the simulator then uses it
+    lines = [
+        json.dumps({"n_running": n, "kv_tokens": kv * n, "prefill_tokens": 0, "latency_s": 2e-8 * kv * n + 0.004})
+        for n in (1, 4, 16, 64)
+        for kv in (100, 2000, 8000)
+    ]
+    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
+    presets = tmp_path / "presets"
+    shutil.copytree(cm.PRESET_DIR, presets)
+    script = Path(__file__).parents[1] / "scripts" / "fit_cost_model.py"
+    out = presets / "qwen2.5-7b-tp1-h100.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--samples",
+            str(tmp_path / "s.jsonl"),
+            "--profile",
+            "h100",
+            "--preset",
+            "qwen2.5-7b-tp1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    monkeypatch.setattr(cm, "PRESET_DIR", presets)
+    fitted = profile_cost(h20, "h100")
+    assert fitted.name == "qwen2.5-7b-tp1" and fitted.source.startswith("fitted on h100")
+    assert fitted.k1 == pytest.approx(2e-8, rel=0.05) and fitted.k2 == pytest.approx(0.004, rel=0.05)

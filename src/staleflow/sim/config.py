@@ -35,10 +35,14 @@ class SimConfig:
     """Tensor-parallel size of one rollout instance (the cost-model preset's TP)."""
     cost_model: str = "qwen2.5-32b-tp2"
     """Decode cost model of one instance: preset name or JSON file (staleflow.coordinator.cost_model)."""
-    gpu_memory_gb: float = 96.0
-    """Memory of one GPU (H20: 96 GB); with the model spec it gives the KV capacity."""
-    gpu_tflops: float = 148.0
-    """Dense bf16 peak of one GPU (H20: 148 TFLOP/s); with the model size it gives prefill/train rates."""
+    hardware: Literal["h20", "h100", "h200"] = "h20"
+    """GPU profile (sim/hardware.PROFILES, sources in docs/simulator.md): its memory, bf16 peak and HBM bandwidth
+    give the KV capacity, prefill/train rates and the decode cost model (the H20 fit rescaled, or a preset
+    fitted on that GPU: scripts/fit_cost_model.py --profile). h20: the paper's cluster, the fit's own."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU (None: the profile's; H20 96 GB); with the model spec it gives the KV capacity."""
+    gpu_tflops: float | None = None
+    """Dense bf16 peak of one GPU (None: the profile's; H20 148 TFLOP/s); it gives prefill/train rates."""
     kv_capacity: int | None = None
     """KV-cache tokens per instance. None: derived (GPU memory x 0.9 - weights - 4 GB) / KV bytes per
     token (sim/hardware.py); for a cost model without a known architecture, the cost-model file's value."""

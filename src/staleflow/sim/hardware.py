@@ -56,6 +56,55 @@ MODEL_SPECS: dict[str, ModelSpec] = {
 
 
 @dataclass(frozen=True)
+class Profile:
+    """A GPU's published numbers (docs/simulator.md has each source and the arithmetic)."""
+
+    memory_gb: float
+    bf16_tflops: float
+    """Dense bf16 peak (no sparsity)."""
+    hbm_tb_s: float
+    source: str
+
+
+PROFILES: dict[str, Profile] = {
+    "h20": Profile(96.0, 148.0, 4.0, "NVIDIA H20 (HGX): 96 GB HBM3, 4.0 TB/s, 148 TFLOP/s dense bf16"),
+    "h100": Profile(80.0, 989.0, 3.35, "NVIDIA H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense bf16"),
+    "h200": Profile(141.0, 989.0, 4.8, "NVIDIA H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s dense bf16"),
+}
+FIT_PROFILE = "h20"
+"""Where the shipped decode coefficients were fitted (PSRL's cost_model files: presumably its 128-H20 cluster)."""
+
+
+def profile_cost(cost, hardware: str):
+    """The decode cost model of `cost` on `hardware`: a preset fitted there ('<name>-<hardware>.json', written by
+    scripts/fit_cost_model.py --profile) if one exists, else the H20 fit rescaled from the spec sheets: the
+    memory-bound terms (k1 reads KV, k2 reads the weights) by the HBM bandwidth ratio, the compute-bound slope
+    k3 and its intercept b3 by the bf16 FLOP/s ratio, the per-step host overhead k4 kept. Same name (the
+    architecture lookup keys on it); the source says which it is."""
+    import dataclasses
+
+    from staleflow.coordinator.cost_model import CostModelError, load_cost_model
+
+    if hardware == FIT_PROFILE:
+        return cost
+    try:
+        fitted = load_cost_model(f"{cost.name}-{hardware}")
+        return dataclasses.replace(fitted, name=cost.name, source=f"fitted on {hardware}: {fitted.source}")
+    except CostModelError:
+        pass
+    fit, hw = PROFILES[FIT_PROFILE], PROFILES[hardware]
+    mem, flop = fit.hbm_tb_s / hw.hbm_tb_s, fit.bf16_tflops / hw.bf16_tflops
+    return dataclasses.replace(
+        cost,
+        k1=cost.k1 * mem,
+        k2=cost.k2 * mem,
+        k3=cost.k3 * flop,
+        b3=cost.b3 * flop,
+        source=f"{cost.name} ({FIT_PROFILE} fit) rescaled to {hardware}: k1, k2 x {mem:.3f}, k3, b3 x {flop:.3f}",
+    )
+
+
+@dataclass(frozen=True)
 class GPU:
     memory_gb: float = 96.0
     """H20: 96 GB HBM3 (the paper's cluster: 128 H20)."""
@@ -131,7 +180,8 @@ class Derived:
 def derive(cfg, cost) -> Derived:
     """Fill the None fields of a SimConfig from the cost model's architecture (MODEL_SPECS) and the GPU."""
     spec = MODEL_SPECS.get(cost.name)
-    gpu = GPU(memory_gb=cfg.gpu_memory_gb, bf16_tflops=cfg.gpu_tflops)
+    prof = PROFILES[cfg.hardware]
+    gpu = GPU(memory_gb=cfg.gpu_memory_gb or prof.memory_gb, bf16_tflops=cfg.gpu_tflops or prof.bf16_tflops)
 
     def pick(value, derived, what):
         if value is not None:

@@ -26,7 +26,7 @@ from staleflow.coordinator.modes import apply_mode, check_mode, mode_of, peer_kn
 from staleflow.sim.backend import SimBackend
 from staleflow.sim.config import SimConfig
 from staleflow.sim.floor import Floor, physical_floor
-from staleflow.sim.hardware import derive
+from staleflow.sim.hardware import derive, profile_cost
 from staleflow.sim.lengths import LengthSampler
 
 
@@ -168,7 +168,7 @@ def build(
     sees a fit (``router_cost_model``)."""
     mode = check_mode(mode)
     m = mode_of(mode)
-    loaded = cost or load_cost_model(cfg.cost_model)
+    loaded = cost or profile_cost(load_cost_model(cfg.cost_model), cfg.hardware)
     hw = derive(cfg, loaded)
     true = cost or dataclasses.replace(loaded, kv_capacity=hw.kv_capacity)
     router = cost or router_cost_model(true, cfg, random.Random(cfg.seed * 31 + 7))
