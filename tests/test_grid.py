@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from staleflow.sim import grid, search
 from staleflow.sim.config import SimConfig
 
@@ -74,3 +76,26 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
         assert row["binds"] in ("train", "work", "tail") and row["regime"] in ("throughput", "tail")
         assert row["step_over_floor"] >= 1.0 and row["step_over_floor_guarantee_best"] >= 1.0
         assert row["staleflow_equal_transfer"] < row["staleflow"]  # pushing and pulling at 8 GB/s costs StaleFlow
+
+
+def test_load_axis_and_the_authors_shapes_are_grid_rows_at_paper_load():
+    """The grid holds the authors' two scripts' shapes and the load axis; at the 30B-A3B shape the rollout fleet
+    is >= 50 % busy at the physical floor (a throughput-bound row), the 32B TP4 shape is trainer-bound on H20."""
+    import dataclasses
+
+    from staleflow.sim.simulator import run
+
+    shapes = {sh.name: sh for sh in grid.settings()}
+    moe, tp4 = shapes["30B-A3B authors 24:40"], shapes["32B-TP4 authors 16:32"]
+    assert (moe.split, moe.tp, moe.batch, moe.group, moe.group_redundancy, moe.cap) == ((24, 40), 1, 32, 16, 1, 40000)
+    assert (tp4.split, tp4.tp, tp4.batch, tp4.group, tp4.cap) == ((16, 32), 4, 256, 8, 20000)
+    per_step = sorted(sh.batch * sh.group for sh in shapes.values() if sh.batch and "authors" not in sh.name)
+    assert per_step[:4] == [1024, 1024, 2048, 2048] and any(sum(sh.split) == 1024 for sh in shapes.values())
+    assert len([sh for sh in shapes.values() if not sh.batch]) == 8  # today's 8 settings (24 rows) are kept
+    base = dataclasses.replace(SimConfig(), steps=10, warmup_steps=3, out_dir="")
+    r = run(grid.setting_cfg(base, moe), "staleflow", 3)
+    assert r.violations == [] and r.floor.util >= 0.5 and r.floor.throughput_bound
+    per_instance = moe.batch * (moe.group + moe.group_redundancy) / moe.split[0]
+    assert per_instance == pytest.approx(22.67, abs=0.01)  # the load the issue measured in the authors' script
+    r = run(grid.setting_cfg(dataclasses.replace(base, steps=5, warmup_steps=1), tp4), "staleflow", 2)
+    assert r.violations == [] and r.floor.binds == "train"
