@@ -146,6 +146,10 @@ class SimConfig:
     """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, the authors'
     two shapes, the load axis and one 1024-GPU setting; every mode, ablations at the paper-like centre)
     instead of this one setting."""
+    grid_settings: str = ""
+    """--grid paper: run only the settings whose name contains one of these comma-separated strings (e.g.
+    'authors' or 'x1024,x2048'); ablations run at the paper-like centre if it is among them, else at the
+    first setting's largest eta. '' = every setting."""
     smoke: bool = False
     """--grid paper --smoke: the authors' two shapes only, 12 steps per run, one ablation seed (a quick check)."""
     # ---- simulation control ------------------------------------------------------------------

@@ -29,6 +29,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
+from staleflow.config import ConfigError
 from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.sim import grid_report as rep
 from staleflow.sim import search
@@ -310,7 +311,17 @@ def main(base: SimConfig) -> int:
     base = grid_base(base)
     jobs = base.jobs or os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    shapes = [sh for sh in settings() if not base.smoke or sh.name in SMOKE]
+    pick = [p.strip() for p in base.grid_settings.split(",") if p.strip()]
+    shapes = [
+        sh
+        for sh in settings()
+        if (not base.smoke or sh.name in SMOKE) and (not pick or any(p in sh.name for p in pick))
+    ]
+    if not shapes:
+        raise ConfigError(
+            f"--grid-settings={base.grid_settings!r} matches no setting; names: "
+            f"{', '.join(sh.name for sh in settings())}"
+        )
     centre = CENTRE if any(sh.name == CENTRE[0] for sh in shapes) else (shapes[0].name, max(shapes[0].etas or ETAS))
     abl_seeds = ABLATION_SEEDS[:1] if base.smoke else ABLATION_SEEDS
     n_rows = sum(len(sh.etas or ETAS) for sh in shapes)
