@@ -148,7 +148,7 @@ class SimConfig:
     instead of this one setting."""
     grid_settings: str = ""
     """--grid paper: run only the settings whose name contains one of these comma-separated strings (e.g.
-    'authors' or 'x1024,x2048'); ablations run at the paper-like centre if it is among them, else at the
+    'authors' or 'x1024,x2048'; a trailing '$' matches the name's end: '64:64$'); ablations run at the paper-like centre if it is among them, else at the
     first setting's largest eta. '' = every setting."""
     smoke: bool = False
     """--grid paper --smoke: the authors' two shapes only, 12 steps per run, one ablation seed (a quick check)."""

@@ -306,6 +306,11 @@ def grid_base(base: SimConfig) -> SimConfig:
     return dataclasses.replace(base, steps=steps, warmup_steps=warmup)
 
 
+def _matches(pick: str, name: str) -> bool:
+    """A --grid-settings entry: a substring of the name, or with a trailing '$' its ending."""
+    return name.endswith(pick[:-1]) if pick.endswith("$") else pick in name
+
+
 def main(base: SimConfig) -> int:
     t0 = time.perf_counter()
     base = grid_base(base)
@@ -315,7 +320,7 @@ def main(base: SimConfig) -> int:
     shapes = [
         sh
         for sh in settings()
-        if (not base.smoke or sh.name in SMOKE) and (not pick or any(p in sh.name for p in pick))
+        if (not base.smoke or sh.name in SMOKE) and (not pick or any(_matches(p, sh.name) for p in pick))
     ]
     if not shapes:
         raise ConfigError(
