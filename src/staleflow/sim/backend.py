@@ -75,6 +75,8 @@ class SimBackend:
         self._seq = 0
         self._last_tokens = [0] * n_instances
         self.trainer_busy_s = 0.0
+        self.train_durs: list[float] = []
+        """Seconds the trainer spent on each step (the physical floor reads the measured steps')."""
         self.train_until = 0.0
         self.step_end: list[float] = []
         """Exact publication time of each trained version (throughput is measured on these)."""
@@ -193,6 +195,7 @@ class SimBackend:
             dur, push = dur + push, 0.0
         publish = self.t + dur + push
         self.trainer_busy_s += dur
+        self.train_durs.append(dur)
         self.train_until = self.t + dur
         self.step_end.append(publish)
         self._at(self.t + dur, TrainDone(version + 1, train_s=dur))

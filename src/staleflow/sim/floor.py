@@ -3,7 +3,8 @@
 For a run that trains the responses it trained (every mode: the trained work is what it is), the mean
 step time over the measured steps is at least the largest of three terms:
 
-``train``  the trainer's mean busy seconds per step (it trains one batch at a time);
+``train``  the trainer's mean busy seconds over the measured steps (it trains one batch at a time, so
+           the publication of version k + 1 comes at least step k + 1's training after version k's);
 ``work``   the step's rollout work over the fleet's throughput at KV capacity. Summed over every decode
            step of every instance, the cost model latency k1*KV + max(k2, k3*n + b3) + k4 totals
            k1*W + max(k2*S, k3*N + b3*S) + k4*S, where N = trained response tokens, W = sum over those

@@ -262,7 +262,7 @@ def _result(
     floor = physical_floor(
         backend.cost,
         [[(g.prompt_len, n) for g in r.groups for n in g.n_tokens] for r in steps[w:done]],
-        backend.trainer_busy_s / max(1, len(backend.step_end)),
+        sum(backend.train_durs[w:done]) / max(1, len(backend.train_durs[w:done])),
         transfer,
         max(stale, default=0),
         [i.speed for i in backend.insts],
