@@ -1,10 +1,13 @@
 """``staleflow sim --grid paper``: the evaluation grid, StaleFlow against peers held to the same guarantee.
 
-Axes (2 x 3 x 2 x 2 = 24 settings): a 7B-class and a 32B-class cost model (PSRL's Qwen2.5-7B TP1
-and Qwen2.5-32B TP2 coefficients; KV capacity, prefill/train rates and weight-transfer times derived
-from the model size and an H20, sim/hardware.py), eta in {1, 2, 3}, two response-length
-distributions (lognormal and long-cot, sim/lengths.py) and two rollout:train splits of 128 GPUs
-(64:64 and 96:32, the splits of verl's fully-async example scripts).
+Settings (``settings()``; 15, 43 rows with eta): the base axes 2 cost models (PSRL's Qwen2.5-7B TP1 and
+Qwen2.5-32B TP2 coefficients; KV capacity, prefill/train rates and transfer times derived from the model
+and the GPU profile, sim/hardware.py) x 2 response-length distributions (sim/lengths.py) x 2
+rollout:train splits of 128 GPUs (64:64, 96:32), B x N of the base config (32 x 8), plus ``EXTRA``: the
+authors' two scripts' shapes, the load axis (1024 and 2048 responses per step) and one 1024-GPU setting
+(reduced peer search); eta in {1, 2, 3} unless a setting says otherwise. Every row reports each system's
+mean step over its physical floor (sim/floor.py), the rollout utilisation at the floor and the binding
+term (>= 0.5: throughput-bound). ``--grid-settings`` runs a subset, ``--smoke`` the authors' shapes only.
 
 The headline (per setting and eta): StaleFlow at eta against the FASTEST peer configuration whose
 OBSERVED worst-case staleness is <= eta (sim/search.py: verl fully-async's staleness_threshold and
@@ -14,7 +17,7 @@ Secondary columns, each labelled: the peers at the same NOMINAL eta (with their 
 beyond eta and mean staleness), the STRICT variants that drop and regenerate over-stale groups
 (seed 0 only), and EQUAL TRANSFER (StaleFlow's push and pulls at the peers' broadcast bandwidth, the
 push holding the trainer). StaleFlow runs on every seed of ``SEEDS``; ratios are of seed means.
-Ablations (report.ABLATIONS) run at the grid centre over ``ABLATION_SEEDS``. Every run is one task
+Ablations (report.ABLATIONS) run at the paper-like ``CENTRE`` over ``ABLATION_SEEDS``. Every run is one task
 of a process pool (``--jobs``); the search's later seeds are submitted as its first results come in.
 Ends with the JSON line of grid_report.summary.
 """

@@ -1,7 +1,8 @@
 """What ``staleflow sim --grid paper`` computes from its runs: per-setting rows, tables, the summary, the plot.
 
 Per setting and eta (sim/grid.py runs them): StaleFlow's tokens/s (mean over the grid's seeds), with
-equal transfer costs, its mean step over its tail floor; the guarantee-matched best peer (sim/search.py:
+equal transfer costs, each system's mean step over its physical floor (sim/floor.py) with the rollout
+utilisation at the floor and the binding term; the guarantee-matched best peer (sim/search.py:
 the fastest configuration whose observed worst-case staleness is <= eta); the peers at the same nominal
 eta with their fraction of trained groups beyond eta and their mean staleness; the strict peers (groups
 beyond eta dropped and regenerated: they train what finishes in time, shorter responses); verl-sync.
