@@ -196,7 +196,7 @@ def run_grid(
     """(settings with all their runs, ablation ratios at the centre, the ablation runs)."""
     sets = [Setting(base, sh) for sh in (shapes if shapes is not None else settings())]
     centre_name, centre_eta = centre or CENTRE
-    abl_seeds = ablation_seeds or ABLATION_SEEDS
+    abl_seeds = ABLATION_SEEDS if ablation_seeds is None else ablation_seeds
     centre_set = next(s for s in sets if s.name == centre_name)
     futures: dict = {}  # future -> handler(result)
     abl: dict = {}  # (label, seed) -> SimResult
@@ -296,7 +296,7 @@ def run_grid(
                 ):
                     done_settings.add(st.name)
                     progress(rep.setting_text(st, st.etas, SEEDS))
-    ablation = rep.ablation_ratios(abl, abl_seeds)
+    ablation = rep.ablation_ratios(abl, abl_seeds) if abl_seeds else {}
     return sets, ablation, list(abl.values())
 
 
@@ -331,7 +331,7 @@ def main(base: SimConfig) -> int:
             f"{', '.join(sh.name for sh in settings())}"
         )
     centre = CENTRE if any(sh.name == CENTRE[0] for sh in shapes) else (shapes[0].name, max(shapes[0].etas or ETAS))
-    abl_seeds = ABLATION_SEEDS[:1] if base.smoke else ABLATION_SEEDS
+    abl_seeds = () if not base.ablation else ABLATION_SEEDS[:1] if base.smoke else ABLATION_SEEDS  # --no-ablation
     n_rows = sum(len(sh.etas or ETAS) for sh in shapes)
     print(
         f"staleflow sim --grid paper{' --smoke' if base.smoke else ''}: {len(shapes)} settings, {n_rows} rows "
