@@ -27,7 +27,7 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
     monkeypatch.setattr(grid, "SPLITS", ((3, 1),))
     monkeypatch.setattr(grid, "EXTRA", ())
     monkeypatch.setattr(grid, "CENTRE", ("7B lognormal 3:1", 2))
-    assert grid.main(small(out_dir=str(tmp_path))) == 0
+    assert grid.main(small(out_dir=str(tmp_path), ablation=True)) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     assert {
