@@ -152,7 +152,7 @@ def run_mode(mode: str, args, root: str, cost_json: str, rep: int = 0) -> dict:
         "--seed",
         str(args.seed),
         *args.extra,
-        *(args.staleflow_flags.split() if mode == "staleflow" else []),
+        *mode_flags(mode, args),
     ]
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -208,6 +208,25 @@ def train_fit(steps: list[tuple[int, int, float]], prompt_len: int) -> tuple[flo
     return slope, max(0.0, my - slope * mx)
 
 
+def mode_flags(mode: str, args) -> list[str]:
+    """The flags of one mode only: --staleflow-flags, --verl-flags (verl-fully-async), --areal-flags."""
+    own = {"staleflow": args.staleflow_flags, "verl-fully-async": args.verl_flags, "areal": args.areal_flags}
+    return own.get(mode, "").split()
+
+
+def peer_of(mode: str, args) -> dict | None:
+    """The peer knobs a mode's flags set (--coordinator.staleness-threshold ...), for the simulator's run."""
+    from staleflow.coordinator.modes import PEER_FLAGS
+
+    flags, out = mode_flags(mode, args), {}
+    for knob, (field, _unset) in PEER_FLAGS.items():
+        name = "--coordinator." + field.replace("_", "-")
+        if name in flags:
+            kind = {"staleness_threshold": float, "strict": bool}.get(knob, int)
+            out[knob] = True if kind is bool else kind(flags[flags.index(name) + 1])
+    return out or None
+
+
 def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], everything: list[dict]) -> float:
     """Simulated trained tokens/s of `mode` on the runtime's shape, with everything measured above."""
     from staleflow.config import StalenessConfig
@@ -254,7 +273,7 @@ def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], 
     flags = args.staleflow_flags.split() if mode == "staleflow" else []
     if "--coordinator.mu" in flags:
         overrides["mu"] = float(flags[flags.index("--coordinator.mu") + 1])
-    return run(cfg, mode, args.eta, overrides, cost=load_cost_model(cost_json)).tokens_per_s
+    return run(cfg, mode, args.eta, overrides, cost=load_cost_model(cost_json), peer=peer_of(mode, args)).tokens_per_s
 
 
 def main() -> None:
@@ -281,6 +300,15 @@ def main() -> None:
         help="flags for the staleflow mode only. Default mu 0: the CPU cost curve is compute-bound from "
         "n = 1, so the GPU default mu 0.2 makes the waterfall hold work back (2-3 trajectories per "
         "instance), which keeps the rollout ranks busy and slows the trainer sharing their cores",
+    )
+    ap.add_argument(
+        "--verl-flags",
+        default="",
+        help="flags for verl-fully-async only, e.g. the grid's guarantee-matched peer at eta 2: "
+        "'--coordinator.staleness-threshold 0 --coordinator.trigger-sync-steps 3'",
+    )
+    ap.add_argument(
+        "--areal-flags", default="", help="flags for areal only, e.g. '--coordinator.max-concurrent-rollouts 8'"
     )
     ap.add_argument("extra", nargs="*", help="more flags for every run (after --)")
     args = ap.parse_args()

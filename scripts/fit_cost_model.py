@@ -3,6 +3,8 @@
     python scripts/fit_cost_model.py                                   # SmolLM2-135M on this machine
     python scripts/fit_cost_model.py --out src/staleflow/coordinator/presets/cpu-smollm2.json
     python scripts/fit_cost_model.py --samples run/cost_samples.jsonl  # fit recorded samples only
+    python scripts/fit_cost_model.py --samples device/cost_samples.jsonl --profile h100 --preset qwen2.5-7b-tp1 \
+        --kv-capacity 917504   # refit a simulator hardware profile from a device run's samples
 
 Profiling runs BuiltinEngine(profile=True) over a grid of batch sizes (--batches) and prompt
 lengths (--prompt-lens) so n and KV vary independently, greedy with eos ignored, and keeps the
@@ -79,7 +81,26 @@ def main() -> None:
     ap.add_argument("--samples", default="", help="fit these JSONL CostSamples instead of profiling")
     ap.add_argument("--save-samples", default="", help="write the profiled samples as JSONL")
     ap.add_argument("--out", default="", help="write the coefficients JSON here")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="refit a simulator hardware profile: with --preset P (a coordinator preset, e.g. qwen2.5-7b-tp1) "
+        "write presets/P-<profile>.json (h100, h200) or overwrite presets/P.json (h20, the fit's own); the "
+        "simulator's --hardware <profile> then uses it instead of rescaling the H20 fit (sim/hardware.py)",
+    )
+    ap.add_argument("--preset", default="", help="the cost-model preset --profile refits")
     args = ap.parse_args()
+    if args.profile:
+        from staleflow.coordinator.cost_model import PRESET_DIR, preset_names
+        from staleflow.sim.hardware import FIT_PROFILE, PROFILES
+
+        if args.profile not in PROFILES or args.preset not in preset_names():
+            raise SystemExit(
+                f"--profile {args.profile!r} / --preset {args.preset!r}: give a profile of {', '.join(PROFILES)} "
+                f"and a preset of {', '.join(preset_names())}"
+            )
+        name = args.preset if args.profile == FIT_PROFILE else f"{args.preset}-{args.profile}"
+        args.out = args.out or str(PRESET_DIR / f"{name}.json")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -105,7 +126,7 @@ def main() -> None:
         else f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     )
     out = {
-        "name": f"{args.device.split(':')[0]}-{args.model}",
+        "name": args.preset or f"{args.device.split(':')[0]}-{args.model}",
         "k1": fit.k1,
         "k2": fit.k2,
         "k3": fit.k3,

@@ -165,3 +165,41 @@ def test_ablation_drain_interrupts_and_resumes_nothing():
     assert c["interrupted"] == 0 and c["migrations"] == 0 and c["loop_back"] == 0
     assert drain_loop.counts["interrupts"] == 0 and drain_loop.audit.violations == []
     assert c["pulls"] > 0 and len(drain_loop.steps) == 10
+
+
+# ---- the peers' knobs as run flags -----------------------------------------------------------------------
+def test_guarantee_peer_knobs_resolve_from_run_flags():
+    """--mode verl-fully-async / areal take their knobs as --coordinator.* flags: the run config resolves,
+    the protocol the loop builds carries them, the coordinator takes every T-th version, and a knob given to
+    a mode without it is a one-line config error naming the flag."""
+    from staleflow.config import ConfigError, RunConfig, resolve
+    from staleflow.config.parse import parse
+    from staleflow.controller.build import build_loop
+    from staleflow.coordinator.modes import peer_knobs
+    from staleflow.presets import PRESETS
+
+    def flags(argv):
+        return resolve(parse(RunConfig, argv, PRESETS, default="tiny", prog="staleflow train"))
+
+    argv = ["--mode", "verl-fully-async", "--coordinator.staleness-threshold", "0"]
+    argv += ["--coordinator.trigger-sync-steps", "3", "--staleness.eta", "2"]
+    cfg = flags(argv)
+    assert peer_knobs(cfg.mode, cfg.coordinator) == {"staleness_threshold": 0.0, "trigger_sync_steps": 3}
+    loop, backend, _ = build(tiny(), "verl-fully-async", 2)  # a backend to hang the runtime's loop on
+    rt = build_loop(cfg.mode, cfg.staleness, cfg.coordinator, backend.cost, [0, 1], backend, None, 4)
+    assert rt.coord.manager.max_required == cfg.staleness.batch_size * 3  # int(B (1 + 0) T)
+    rt.coord.on_new_version(1)
+    rt.coord.on_new_version(2)
+    assert rt.coord.ps_version == 0
+    rt.coord.on_new_version(3)
+    assert rt.coord.ps_version == 3
+    areal = flags(["--mode", "areal", "--coordinator.max-concurrent-rollouts", "5"])
+    assert peer_knobs(areal.mode, areal.coordinator) == {"max_concurrent": 5}
+    with pytest.raises(ConfigError, match="trigger-sync-steps=3 is a knob of --mode verl-fully-async"):
+        flags(["--mode", "areal", "--coordinator.trigger-sync-steps", "3"])
+    with pytest.raises(ConfigError, match="coordinator.trigger-sync-steps"):
+        CoordinatorConfig(trigger_sync_steps=0)
+    # the simulator reads the same flags when no peer dict is given
+    flagged = tiny(steps=9, coordinator=CoordinatorConfig(staleness_threshold=0.0, trigger_sync_steps=2))
+    r = run(flagged, "verl-fully-async", 1)
+    assert r.violations == [] and max(r.staleness_hist) == 1

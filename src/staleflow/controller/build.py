@@ -20,7 +20,7 @@ from staleflow.controller.ledger import Ledger
 from staleflow.controller.loop import ControllerLoop
 from staleflow.controller.types import LoopSettings, StepRecord
 from staleflow.coordinator.coordinator import Coordinator
-from staleflow.coordinator.modes import protocol_for
+from staleflow.coordinator.modes import peer_knobs, protocol_for
 
 
 def build_loop(
@@ -48,7 +48,8 @@ def build_loop(
     baseline's own knobs (coordinator/modes.PEER_OPTIONS); ``tick_s`` overrides the coordinator's
     --coordinator.tick-ms (the simulator's timing resolution)."""
     ids = list(instances)
-    manager = protocol_for(mode, staleness, version=version, n_instances=len(ids), **dict(peer or {}))
+    knobs = dict(peer) if peer is not None else peer_knobs(mode, coordinator_cfg)  # --coordinator.<knob> flags
+    manager = protocol_for(mode, staleness, version=version, n_instances=len(ids), **knobs)
     coord = Coordinator(
         coordinator_cfg,
         cost_model,

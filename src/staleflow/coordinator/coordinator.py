@@ -200,8 +200,9 @@ class Coordinator:
         return self.puller.blocks_trainer and updating(self)
 
     def on_new_version(self, version: int) -> None:
-        """The Parameter Server published `version`."""
-        self.ps_version = max(self.ps_version, version)
+        """The PS published `version`; with verl's T (--coordinator.trigger-sync-steps) every T-th counts."""
+        if version % self.cfg.trigger_sync_steps == 0:
+            self.ps_version = max(self.ps_version, version)
 
     def on_failed(self, instance: int, traj_id: int, reason: str = "failed") -> None:
         """A trajectory was lost (engine error): drop it; if its group can no longer reach N, the group."""

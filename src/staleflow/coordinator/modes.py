@@ -150,7 +150,9 @@ def mode_overrides(mode: str) -> dict[str, dict]:
 
 
 def apply_mode(mode: str, coordinator_cfg, staleness_cfg=None):
-    """Return (coordinator_cfg, staleness_cfg) with the mode's overrides applied (validated again)."""
+    """Return (coordinator_cfg, staleness_cfg) with the mode's overrides applied (validated again).
+    A peer knob set for a mode that has no such knob is a ConfigError naming the flag (peer_knobs)."""
+    peer_knobs(mode, coordinator_cfg)
     o = mode_overrides(mode)
     c = dataclasses.replace(coordinator_cfg, **o["coordinator"])
     s = dataclasses.replace(staleness_cfg, **o["staleness"]) if staleness_cfg is not None else None
@@ -164,6 +166,42 @@ PEER_OPTIONS = {
 """The peers' own knobs a caller may set (the grid's peer search): verl's staleness_threshold s (a
 fraction is allowed) and trigger_parameter_sync_step T; AReaL's max_concurrent_rollouts; and the
 strict variant of either (drop and regenerate groups beyond eta)."""
+
+
+PEER_FLAGS = {
+    "staleness_threshold": ("staleness_threshold", None),
+    "trigger_sync_steps": ("trigger_sync_steps", 1),
+    "max_concurrent": ("max_concurrent_rollouts", 0),
+    "strict": ("strict", False),
+}
+"""PEER_OPTIONS knob -> (CoordinatorConfig field, its unset value): --coordinator.staleness-threshold,
+--coordinator.trigger-sync-steps, --coordinator.max-concurrent-rollouts, --coordinator.strict."""
+
+
+def peer_knobs(mode: str, coordinator_cfg) -> dict:
+    """The peer's knobs set as run flags on the coordinator section, as build_protocol takes them.
+
+    >>> from staleflow.config import CoordinatorConfig
+    >>> peer_knobs("verl-fully-async", CoordinatorConfig(staleness_threshold=0.0, trigger_sync_steps=3))
+    {'staleness_threshold': 0.0, 'trigger_sync_steps': 3}
+    """
+    from staleflow.config.sections import ConfigError
+
+    m = mode_of(mode)
+    allowed = PEER_OPTIONS.get(m.protocol, ())
+    out = {}
+    for knob, (fld, unset) in PEER_FLAGS.items():
+        v = getattr(coordinator_cfg, fld, unset)
+        if v == unset and type(v) is type(unset):
+            continue
+        if knob not in allowed:
+            owners = [k for k, opts in PEER_OPTIONS.items() if knob in opts]
+            raise ConfigError(
+                f"--coordinator.{fld.replace('_', '-')}={v!r} is a knob of --mode {' / '.join(owners)}, not of "
+                f"--mode {mode}; drop the flag or choose one of those modes"
+            )
+        out[knob] = v
+    return out
 
 
 def build_protocol(

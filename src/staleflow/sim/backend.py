@@ -65,6 +65,7 @@ class SimBackend:
                 rng=random.Random(rng.getrandbits(32)),
                 kv_move_tokens_per_s=hw.kv_move_tokens_per_s,
                 mixed_kv=mixed_kv,
+                chunk_tokens=cfg.prefill_chunk_tokens,
             )
             for i in range(n_instances)
         ]
@@ -74,6 +75,8 @@ class SimBackend:
         self._seq = 0
         self._last_tokens = [0] * n_instances
         self.trainer_busy_s = 0.0
+        self.train_durs: list[float] = []
+        """Seconds the trainer spent on each step (the physical floor reads the measured steps')."""
         self.train_until = 0.0
         self.step_end: list[float] = []
         """Exact publication time of each trained version (throughput is measured on these)."""
@@ -164,7 +167,12 @@ class SimBackend:
             self.kv_moved.pop(t, None)
 
     def pull(self, cmd: Pull) -> None:
-        self.insts[cmd.instance].pull(cmd.version, self.t, self.pull_time)
+        """A PS pull shares the PS egress with the pulls in flight (hw.pull_share); a broadcast does not."""
+        dur = self.pull_time
+        if self.sync == "ps" and self.hw.pull_share > 0:
+            k = 1 + sum(1 for i in self.insts if i.syncing and i.sync_until > self.t)
+            dur *= max(1.0, k * self.hw.pull_share)
+        self.insts[cmd.instance].pull(cmd.version, self.t, dur)
 
     def free(self, handles: list) -> None:
         """Simulated records take no memory; a dropped trajectory's KV in transit is dropped too."""
@@ -176,7 +184,8 @@ class SimBackend:
 
     def train(self, version: int, batch: list[TrainGroup]) -> None:
         cfg, hw = self.cfg, self.hw
-        tokens = sum(g.prompt_len * len(g.n_tokens) + sum(g.n_tokens) for g in batch)
+        # linear FLOPs per token plus causal attention growing with each sequence's length squared
+        tokens = sum(g.prompt_len + n + hw.train_attention * (g.prompt_len + n) ** 2 for g in batch for n in g.n_tokens)
         dur = tokens / (hw.train_tokens_per_gpu_s * self.train_gpus) + cfg.train_overhead_s
         dur *= math.exp(self.rng.gauss(0.0, cfg.train_noise)) if cfg.train_noise else 1.0
         if self.sync == "colocated":
@@ -186,6 +195,7 @@ class SimBackend:
             dur, push = dur + push, 0.0
         publish = self.t + dur + push
         self.trainer_busy_s += dur
+        self.train_durs.append(dur)
         self.train_until = self.t + dur
         self.step_end.append(publish)
         self._at(self.t + dur, TrainDone(version + 1, train_s=dur))

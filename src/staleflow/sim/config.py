@@ -35,22 +35,33 @@ class SimConfig:
     """Tensor-parallel size of one rollout instance (the cost-model preset's TP)."""
     cost_model: str = "qwen2.5-32b-tp2"
     """Decode cost model of one instance: preset name or JSON file (staleflow.coordinator.cost_model)."""
-    gpu_memory_gb: float = 96.0
-    """Memory of one GPU (H20: 96 GB); with the model spec it gives the KV capacity."""
-    gpu_tflops: float = 148.0
-    """Dense bf16 peak of one GPU (H20: 148 TFLOP/s); with the model size it gives prefill/train rates."""
+    hardware: Literal["h20", "h100", "h200"] = "h20"
+    """GPU profile (sim/hardware.PROFILES, sources in docs/simulator.md): its memory, bf16 peak and HBM bandwidth
+    give the KV capacity, prefill/train rates and the decode cost model (the H20 fit rescaled, or a preset
+    fitted on that GPU: scripts/fit_cost_model.py --profile). h20: the paper's cluster, the fit's own."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU (None: the profile's; H20 96 GB); with the model spec it gives the KV capacity."""
+    gpu_tflops: float | None = None
+    """Dense bf16 peak of one GPU (None: the profile's; H20 148 TFLOP/s); it gives prefill/train rates."""
     kv_capacity: int | None = None
     """KV-cache tokens per instance. None: derived (GPU memory x 0.9 - weights - 4 GB) / KV bytes per
     token (sim/hardware.py); for a cost model without a known architecture, the cost-model file's value."""
     prefill_tokens_per_s: float | None = None
     """Prefill (and KV recompute after an interrupt) rate of one instance. None: TP x peak x 40% MFU /
     (2 x params) (32B TP2 on H20: ~1.8k tokens/s)."""
+    prefill_chunk_tokens: int = 8192
+    """Chunked prefill: tokens per engine step shared by decode and prefill chunks (vLLM's
+    max_num_batched_tokens; verl's rollout default 8192): decoding goes on while new work prefills. 0: a
+    prefill (or a KV recompute) stops the instance's decoding until it is done."""
     max_running: int = 256
     """Engine cap on running sequences per instance (vLLM max_num_seqs default)."""
     # ---- trainer and weights -----------------------------------------------------------------
     train_tokens_per_gpu_s: float | None = None
     """Training throughput per trainer GPU, tokens/s (fwd+bwd+log-prob recompute). None: peak x 35% MFU /
     (8 x params) (32B on H20: ~200 tokens/s)."""
+    train_attention: bool = True
+    """Training time grows with sequence length: each sequence also costs its causal attention FLOPs,
+    8 x layers x q_dim x L^2 (sim/hardware.train_attention_tokens2); False: linear in tokens."""
     train_overhead_s: float = 5.0
     """Fixed seconds per training step (optimizer, data loading, reward stragglers)."""
     push_s: float | None = None
@@ -58,6 +69,10 @@ class SimConfig:
     log: 32B push 7 s -> 4 s with NIXL)."""
     pull_s: float | None = None
     """Instance pull of one version from the PS. None: weights at 32 GB/s (32B: 2.0 s; PSRL: 25 s -> 2 s)."""
+    ps_egress_gb_s: float | None = None
+    """Parameter Server egress shared by pulls in flight at once (GB/s): k pulls each run at
+    min(pull bandwidth, egress / k). None: 25 GB/s (one 200 Gb/s NIC) per trainer GPU, whose ranks hold the
+    PS's shards (an assumption); 0: pulls never contend."""
     broadcast_s: float | None = None
     """Peers' weight update: NCCL broadcast from the trainer to every instance (no PS). None: weights at
     8 GB/s (32B: 8.2 s; verl's checkpoint engine ~8.25 GB/s). AReaL and verl fully-async pause every instance
@@ -129,8 +144,15 @@ class SimConfig:
     jobs: int = 0
     """--grid: settings simulated in parallel processes (0: one per CPU core)."""
     grid: Literal["", "paper"] = ""
-    """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, every
-    mode, ablations at the grid centre) instead of this one setting."""
+    """'paper': run the evaluation grid (2 models x eta 1-3 x 2 length distributions x 2 splits, the authors'
+    two shapes, the load axis and one 1024-GPU setting; every mode, ablations at the paper-like centre)
+    instead of this one setting."""
+    grid_settings: str = ""
+    """--grid paper: run only the settings whose name contains one of these comma-separated strings (e.g.
+    'authors' or 'x1024,x2048'; a trailing '$' matches the name's end: '64:64$'); ablations run at the paper-like centre if it is among them, else at the
+    first setting's largest eta. '' = every setting."""
+    smoke: bool = False
+    """--grid paper --smoke: the authors' two shapes only, 12 steps per run, one ablation seed (a quick check)."""
     # ---- simulation control ------------------------------------------------------------------
     steps: int = 48
     """Training steps simulated per run."""
@@ -171,6 +193,7 @@ class SimConfig:
             "push_s",
             "pull_s",
             "broadcast_s",
+            "ps_egress_gb_s",
             "colocated_switch_s",
             "response_sigma",
             "kv_move_gb_s",
@@ -184,6 +207,7 @@ class SimConfig:
             _check(v is None or v >= 0, name.replace("_", "-"), v, "must be >= 0")
         _check(self.length_dist in LENGTH_DISTS, "length-dist", self.length_dist, f"choose {', '.join(LENGTH_DISTS)}")
         _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
+        _check(self.prefill_chunk_tokens >= 0, "prefill-chunk-tokens", self.prefill_chunk_tokens, "must be >= 0")
         _check(self.jobs >= 0, "jobs", self.jobs, "must be >= 0 (0: one per CPU core)")
         _check(self.shared_cores >= 0, "shared-cores", self.shared_cores, "must be >= 0 (0: dedicated devices)")
         _check(self.prompt_len >= 1, "prompt-len", self.prompt_len, "must be >= 1")

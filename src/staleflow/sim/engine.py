@@ -81,6 +81,7 @@ class SimInstance:
         rng: random.Random | None = None,
         kv_move_tokens_per_s: float = 0.0,
         mixed_kv: bool = False,
+        chunk_tokens: int = 0,
     ):
         self.instance, self.cost = instance, cost
         self.kv_rate = kv_move_tokens_per_s
@@ -101,6 +102,10 @@ class SimInstance:
         self.tokens_out = 0
         self.busy_s = 0.0
         self.preemptions = 0
+        self.chunk_tokens = chunk_tokens
+        """Chunked prefill (vLLM max_num_batched_tokens): prefill rides along decode steps, each step carrying
+        up to chunk_tokens - n prefill tokens, instead of stopping decoding. 0: a prefill stops decoding."""
+        self.prefill_debt = 0.0  # seconds of admitted prefill not yet done (chunked prefill)
         self.min_version_seen = None  # smallest (instance version - V_traj) at admission, for checks
 
     # ---- state ---------------------------------------------------------------------------------
@@ -197,12 +202,19 @@ class SimInstance:
                 pulled.append(self.version)
                 continue
             pre = self._admit()
-            if pre > 0:
+            if pre > 0 and not self.chunk_tokens:
                 self.t += pre
                 self.busy_s += pre
                 continue
+            self.prefill_debt += pre
             n = len(self.running)
             if n == 0:
+                if self.prefill_debt > 0:  # nothing to decode: the prefill runs alone
+                    d = min(self.prefill_debt, t_end - self.t)
+                    self.t += d
+                    self.busy_s += d
+                    self.prefill_debt -= d
+                    continue
                 self.t = t_end
                 break
             kv = self.kv
@@ -216,9 +228,17 @@ class SimInstance:
             f = self.speed * self.contention * (math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else 1.0)
             k_time = self.cost.steps_within(n, kv, (t_end - self.t) / f)
             k = min(k_fin, k_over, k_time)
+            chunk = 0.0
+            if self.prefill_debt > 0:  # each step carries a prefill chunk until the debt is paid
+                chunk = max(1, self.chunk_tokens - n) * self.speed * self.contention / self.prefill_rate
+                k = min(k, max(1, math.ceil(self.prefill_debt / chunk)))
+                while k > 0 and self.cost.steps_time(n, kv, k) * f + min(self.prefill_debt, k * chunk) > t_end - self.t:
+                    k = k // 2 if k > 1 else 0
             if k <= 0:
                 break  # not even one step fits before t_end: carry the remainder to the next tick
-            dt = self.cost.steps_time(n, kv, k) * f
+            extra = min(self.prefill_debt, k * chunk)
+            self.prefill_debt -= extra
+            dt = self.cost.steps_time(n, kv, k) * f + extra
             self.t += dt
             self.busy_s += dt
             self.step += k

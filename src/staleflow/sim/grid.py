@@ -1,10 +1,13 @@
 """``staleflow sim --grid paper``: the evaluation grid, StaleFlow against peers held to the same guarantee.
 
-Axes (2 x 3 x 2 x 2 = 24 settings): a 7B-class and a 32B-class cost model (PSRL's Qwen2.5-7B TP1
-and Qwen2.5-32B TP2 coefficients; KV capacity, prefill/train rates and weight-transfer times derived
-from the model size and an H20, sim/hardware.py), eta in {1, 2, 3}, two response-length
-distributions (lognormal and long-cot, sim/lengths.py) and two rollout:train splits of 128 GPUs
-(64:64 and 96:32, the splits of verl's fully-async example scripts).
+Settings (``settings()``; 15, 43 rows with eta): the base axes 2 cost models (PSRL's Qwen2.5-7B TP1 and
+Qwen2.5-32B TP2 coefficients; KV capacity, prefill/train rates and transfer times derived from the model
+and the GPU profile, sim/hardware.py) x 2 response-length distributions (sim/lengths.py) x 2
+rollout:train splits of 128 GPUs (64:64, 96:32), B x N of the base config (32 x 8), plus ``EXTRA``: the
+authors' two scripts' shapes, the load axis (1024 and 2048 responses per step) and one 1024-GPU setting
+(reduced peer search); eta in {1, 2, 3} unless a setting says otherwise. Every row reports each system's
+mean step over its physical floor (sim/floor.py), the rollout utilisation at the floor and the binding
+term (>= 0.5: throughput-bound). ``--grid-settings`` runs a subset, ``--smoke`` the authors' shapes only.
 
 The headline (per setting and eta): StaleFlow at eta against the FASTEST peer configuration whose
 OBSERVED worst-case staleness is <= eta (sim/search.py: verl fully-async's staleness_threshold and
@@ -14,7 +17,7 @@ Secondary columns, each labelled: the peers at the same NOMINAL eta (with their 
 beyond eta and mean staleness), the STRICT variants that drop and regenerate over-stale groups
 (seed 0 only), and EQUAL TRANSFER (StaleFlow's push and pulls at the peers' broadcast bandwidth, the
 push holding the trainer). StaleFlow runs on every seed of ``SEEDS``; ratios are of seed means.
-Ablations (report.ABLATIONS) run at the grid centre over ``ABLATION_SEEDS``. Every run is one task
+Ablations (report.ABLATIONS) run at the paper-like ``CENTRE`` over ``ABLATION_SEEDS``. Every run is one task
 of a process pool (``--jobs``); the search's later seeds are submitted as its first results come in.
 Ends with the JSON line of grid_report.summary.
 """
@@ -27,7 +30,9 @@ import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 
+from staleflow.config import ConfigError
 from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.sim import grid_report as rep
 from staleflow.sim import search
@@ -40,19 +45,82 @@ MODELS = (("7B", "qwen2.5-7b-tp1", 1), ("32B", "qwen2.5-32b-tp2", 2))
 ETAS = (1, 2, 3)
 DISTS = ("lognormal", "long-cot")
 SPLITS = ((64, 64), (96, 32))
-CENTRE = ("32B", 2, "long-cot", (64, 64))
 SEEDS = search.SEEDS
 ABLATION_SEEDS = (0, 1, 2)
+GRID_STEPS, GRID_WARMUP = 24, 4
+"""Steps per grid run (first GRID_WARMUP not measured) unless --steps is given: the load axis's runs decode
+1-2k responses per step, and the seeds agree to a few % at 20 measured steps (docs/simulator.md)."""
 
 
-def setting_cfg(base: SimConfig, cost_model: str, tp: int, dist: str, split: tuple[int, int]) -> SimConfig:
+@dataclass(frozen=True)
+class Shape:
+    """One setting of the grid: model, GPUs, workload. batch / group None: the base config's."""
+
+    name: str
+    model: str
+    cost_model: str
+    tp: int
+    dist: str
+    split: tuple[int, int]
+    batch: int | None = None
+    group: int | None = None
+    group_redundancy: int = 0
+    """N' - N: redundant responses per prompt (StaleFlow only; the peers generate N)."""
+    cap: int | None = None
+    etas: tuple[int, ...] | None = None
+    """None: ETAS."""
+    search: str = "full"
+    """'full': every peer family; 'reduced': verl s = 0 over T (the winner elsewhere) and verl-sync only."""
+
+
+EXTRA = (
+    # The authors' scripts (docs/simulator.md): Qwen3-30B-A3B, 24 rollout GPUs (TP1) + 40 trainer GPUs,
+    # 32 prompts x 16 responses + 1 redundant, 40k cap, eta 3 (their "all strategies" script; eta 1-3 here) ...
+    Shape("30B-A3B authors 24:40", "30B-A3B", "qwen3-30b-a3b", 1, "long-cot", (24, 40), 32, 16, 1, 40000),
+    # ... and Qwen2.5-32B, 16 rollout GPUs at TP4 + 32 trainer GPUs, 256 prompts x 8, 20k cap.
+    Shape("32B-TP4 authors 16:32", "32B", "qwen2.5-32b-tp4", 4, "long-cot", (16, 32), 256, 8, 0, 20000),
+    # The load axis: 1024 and 2048 responses per step on 128 GPUs.
+    Shape("7B long-cot 32:96 x1024", "7B", "qwen2.5-7b-tp1", 1, "long-cot", (32, 96), 128, 8),
+    Shape("7B long-cot 32:96 x2048", "7B", "qwen2.5-7b-tp1", 1, "long-cot", (32, 96), 256, 8),
+    Shape("32B long-cot 64:64 x1024", "32B", "qwen2.5-32b-tp2", 2, "long-cot", (64, 64), 128, 8),
+    Shape("32B long-cot 64:64 x2048", "32B", "qwen2.5-32b-tp2", 2, "long-cot", (64, 64), 256, 8),
+    # One 1024-GPU setting (eta 2, reduced peer search: each run simulates 256 instances).
+    Shape(
+        "32B long-cot 512:512 x4096",
+        "32B",
+        "qwen2.5-32b-tp2",
+        2,
+        "long-cot",
+        (512, 512),
+        512,
+        8,
+        etas=(2,),
+        search="reduced",
+    ),
+)
+CENTRE = ("30B-A3B authors 24:40", 3)
+"""(setting, eta) of the ablations: the paper-like centre, the authors' all-strategies shape at its eta."""
+SMOKE = ("30B-A3B authors 24:40", "32B-TP4 authors 16:32")
+"""--smoke: the authors' two shapes only, short runs, one seed of ablations."""
+
+
+def setting_cfg(base: SimConfig, shape: Shape) -> SimConfig:
+    st = base.staleness
+    staleness = dataclasses.replace(
+        st,
+        batch_size=shape.batch or st.batch_size,
+        group_size=shape.group or st.group_size,
+        group_redundancy=shape.group_redundancy,
+    )
     return dataclasses.replace(
         base,
-        cost_model=cost_model,
-        gpus_per_instance=tp,
-        length_dist=dist,
-        total_gpus=sum(split),
-        rollout_gpus=split[0],
+        cost_model=shape.cost_model,
+        gpus_per_instance=shape.tp,
+        length_dist=shape.dist,
+        total_gpus=sum(shape.split),
+        rollout_gpus=shape.split[0],
+        staleness=staleness,
+        max_response=shape.cap or base.max_response,
         out_dir="",
     )
 
@@ -64,9 +132,10 @@ def equal_transfer(cfg: SimConfig) -> dict:
     return {"push_s": b, "pull_s": b, "push_blocks_trainer": True}
 
 
-def settings() -> list[tuple]:
-    """(name, model, cost model, TP, length distribution, split) of every setting, grid order."""
-    return [(f"{m} {d} {s[0]}:{s[1]}", m, cm, tp, d, s) for m, cm, tp in MODELS for d in DISTS for s in SPLITS]
+def settings() -> list[Shape]:
+    """Every setting, grid order: models x length distributions x splits (B x N of the base), then EXTRA."""
+    base = [Shape(f"{m} {d} {sp[0]}:{sp[1]}", m, cm, tp, d, sp) for m, cm, tp in MODELS for d in DISTS for sp in SPLITS]
+    return base + list(EXTRA)
 
 
 def run_task(
@@ -80,16 +149,23 @@ def run_task(
 class Setting:
     """Every run of one setting: the peer search, StaleFlow (and equal transfer), the strict peers."""
 
-    def __init__(self, base: SimConfig, name, model, cost_model, tp, dist, split):
-        self.name, self.model, self.dist, self.split = name, model, dist, split
-        self.cfg = setting_cfg(base, cost_model, tp, dist, split)
-        self.B = base.staleness.batch_size
+    def __init__(self, base: SimConfig, shape: Shape):
+        self.shape = shape
+        self.name, self.model, self.dist, self.split = shape.name, shape.model, shape.dist, shape.split
+        self.cfg = setting_cfg(base, shape)
+        self.B = self.cfg.staleness.batch_size
+        self.etas = shape.etas or ETAS
         self.measured: dict = {}  # PeerConfig -> search.Measured
         self.staleflow: dict = {}  # (eta, seed) -> SimResult
         self.equal: dict = {}  # (eta, seed) -> SimResult
         self.strict: dict = {}  # PeerConfig -> SimResult (seed 0)
         self.scans_left = 0
         self.pending: set = set()  # (PeerConfig, seed) submitted and not back yet
+
+    def families(self) -> list:
+        if self.shape.search == "reduced":
+            return [[search.verl(0.0, T) for T in range(1, max(self.etas) + 2)], [search.fixed("verl-sync")]]
+        return search.families(self.B)
 
     def record(self, cfg, seed, r) -> None:
         self.measured.setdefault(cfg, search.Measured(cfg)).runs[seed] = r
@@ -114,10 +190,14 @@ def _scan(cfg: SimConfig, family: list, seed: int, max_eta: int):
     return search.scan(family, one, seed, max_eta)
 
 
-def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[Setting], dict, list[SimResult]]:
+def run_grid(
+    base: SimConfig, jobs: int = 1, progress=print, shapes=None, centre=None, ablation_seeds=None
+) -> tuple[list[Setting], dict, list[SimResult]]:
     """(settings with all their runs, ablation ratios at the centre, the ablation runs)."""
-    sets = [Setting(base, *s) for s in settings()]
-    centre = next(s for s in sets if (s.model, s.dist, s.split) == (CENTRE[0], CENTRE[2], CENTRE[3]))
+    sets = [Setting(base, sh) for sh in (shapes if shapes is not None else settings())]
+    centre_name, centre_eta = centre or CENTRE
+    abl_seeds = ABLATION_SEEDS if ablation_seeds is None else ablation_seeds
+    centre_set = next(s for s in sets if s.name == centre_name)
     futures: dict = {}  # future -> handler(result)
     abl: dict = {}  # (label, seed) -> SimResult
     done_settings: set = set()
@@ -126,25 +206,20 @@ def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[Setti
         def submit(fn, handler, *args):
             futures[pool.submit(fn, *args)] = handler
 
+        def one(st: Setting, handler, mode, eta, ov, peer, changes, seed, label):
+            submit(run_task, handler, st.cfg, mode, eta, ov, peer, changes, seed, label)
+
         def peer_run(st: Setting, c, seed):
             st.pending.add((c, seed))
             mode, eta, ov, peer = c.args()
-            submit(
-                run_task,
-                lambda r, st=st, c=c, seed=seed: st.record(c, seed, r),
-                st.cfg,
-                mode,
-                eta,
-                ov,
-                peer,
-                {},
-                seed,
-                c.label,
-            )
+            one(st, lambda r, st=st, c=c, seed=seed: st.record(c, seed, r), mode, eta, ov, peer, {}, seed, c.label)
 
-        # Longest chains first: the families of the slow (32B) settings, then single runs.
-        for st in sorted(sets, key=lambda s: s.model != "32B"):
-            fams = search.families(st.B)
+        # Longest chains first: the families of the slowest settings (most responses, then 32B), then single runs.
+        def heavy(st: Setting):
+            return (-st.B * st.cfg.staleness.group_size, st.model != "32B")
+
+        for st in sorted(sets, key=heavy):
+            fams = st.families()
             st.scans_left = len(fams)
             for fam in fams:
 
@@ -153,14 +228,14 @@ def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[Setti
                         st.record(c, SEEDS[0], r)
                     st.scans_left -= 1
 
-                submit(_scan, scanned, st.cfg, fam, SEEDS[0], max(ETAS))
-        for st in sets:
-            for eta in ETAS:
+                submit(_scan, scanned, st.cfg, fam, SEEDS[0], max(st.etas))
+        for st in sorted(sets, key=heavy):
+            for eta in st.etas:
                 for seed in SEEDS:
-                    submit(
-                        run_task,
-                        lambda r, st=st, k=(eta, seed): st.staleflow.__setitem__(k, r),
-                        st.cfg,
+                    k = (eta, seed)
+                    one(
+                        st,
+                        lambda r, st=st, k=k: st.staleflow.__setitem__(k, r),
                         "staleflow",
                         eta,
                         {},
@@ -169,10 +244,9 @@ def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[Setti
                         seed,
                         f"staleflow eta={eta}",
                     )
-                    submit(
-                        run_task,
-                        lambda r, st=st, k=(eta, seed): st.equal.__setitem__(k, r),
-                        st.cfg,
+                    one(
+                        st,
+                        lambda r, st=st, k=k: st.equal.__setitem__(k, r),
                         "staleflow",
                         eta,
                         {},
@@ -183,32 +257,19 @@ def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[Setti
                     )
                 for c in search.strict(eta, st.B):
                     mode, e, ov, peer = c.args()
-                    submit(
-                        run_task,
-                        lambda r, st=st, c=c: st.strict.__setitem__(c, r),
-                        st.cfg,
-                        mode,
-                        e,
-                        ov,
-                        peer,
-                        {},
-                        SEEDS[0],
-                        c.label,
-                    )
-        _, eta, _, _ = CENTRE
-        for seed in ABLATION_SEEDS:
+                    one(st, lambda r, st=st, c=c: st.strict.__setitem__(c, r), mode, e, ov, peer, {}, SEEDS[0], c.label)
+        for seed in abl_seeds:
             for name, mode, ov, changes in [("full", "staleflow", {}, {})] + list(ABLATIONS):
-                submit(
-                    run_task,
+                one(
+                    centre_set,
                     lambda r, k=(name, seed): abl.__setitem__(k, r),
-                    centre.cfg,
                     mode,
-                    eta,
+                    centre_eta,
                     ov,
                     {},
                     changes,
                     seed,
-                    f"staleflow eta={eta} {name}",
+                    f"staleflow eta={centre_eta} {name}",
                 )
         while futures:
             finished, _ = wait(list(futures), return_when=FIRST_COMPLETED)
@@ -216,57 +277,87 @@ def run_grid(base: SimConfig, jobs: int = 1, progress=print) -> tuple[list[Setti
                 futures.pop(f)(f.result())
             for st in sets:
                 if st.scans_left == 0 and not st.pending:  # after the scans: nominal peers, later seeds as needed
-                    forced = [c for eta in ETAS for c in search.nominal(eta, st.B)] + [search.fixed("verl-sync")]
+                    forced = [c for eta in st.etas for c in search.nominal(eta, st.B)] + [search.fixed("verl-sync")]
                     todo = [
                         (c, seed)
                         for c in forced
                         for seed in SEEDS
                         if seed not in st.measured.get(c, search.Measured(c)).runs
                     ]
-                    todo += search.more_seeds(st.measured, ETAS, SEEDS)
+                    todo += search.more_seeds(st.measured, st.etas, SEEDS)
                     for c, seed in dict.fromkeys(todo):
                         peer_run(st, c, seed)
                 if (
                     st.name not in done_settings
                     and st.scans_left == 0
                     and not st.pending
-                    and len(st.staleflow) == len(st.equal) == len(ETAS) * len(SEEDS)
-                    and len(st.strict) == 2 * len(ETAS)
+                    and len(st.staleflow) == len(st.equal) == len(st.etas) * len(SEEDS)
+                    and len(st.strict) == 2 * len(st.etas)
                 ):
                     done_settings.add(st.name)
-                    progress(rep.setting_text(st, ETAS, SEEDS))
-    ablation = rep.ablation_ratios(abl, ABLATION_SEEDS)
+                    progress(rep.setting_text(st, st.etas, SEEDS))
+    ablation = rep.ablation_ratios(abl, abl_seeds) if abl_seeds else {}
     return sets, ablation, list(abl.values())
+
+
+def grid_base(base: SimConfig) -> SimConfig:
+    """The grid's runs: GRID_STEPS steps unless --steps / --warmup-steps were given (--smoke: 12 and 2)."""
+    default = SimConfig()
+    steps, warmup = base.steps, base.warmup_steps
+    if (steps, warmup) == (default.steps, default.warmup_steps):
+        steps, warmup = (12, 2) if base.smoke else (GRID_STEPS, GRID_WARMUP)
+    return dataclasses.replace(base, steps=steps, warmup_steps=warmup)
+
+
+def _matches(pick: str, name: str) -> bool:
+    """A --grid-settings entry: a substring of the name, or with a trailing '$' its ending."""
+    return name.endswith(pick[:-1]) if pick.endswith("$") else pick in name
 
 
 def main(base: SimConfig) -> int:
     t0 = time.perf_counter()
+    base = grid_base(base)
     jobs = base.jobs or os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    pick = [p.strip() for p in base.grid_settings.split(",") if p.strip()]
+    shapes = [
+        sh
+        for sh in settings()
+        if (not base.smoke or sh.name in SMOKE) and (not pick or any(_matches(p, sh.name) for p in pick))
+    ]
+    if not shapes:
+        raise ConfigError(
+            f"--grid-settings={base.grid_settings!r} matches no setting; names: "
+            f"{', '.join(sh.name for sh in settings())}"
+        )
+    centre = CENTRE if any(sh.name == CENTRE[0] for sh in shapes) else (shapes[0].name, max(shapes[0].etas or ETAS))
+    abl_seeds = () if not base.ablation else ABLATION_SEEDS[:1] if base.smoke else ABLATION_SEEDS  # --no-ablation
+    n_rows = sum(len(sh.etas or ETAS) for sh in shapes)
     print(
-        f"staleflow sim --grid paper: {len(settings()) * len(ETAS)} settings (models {[m for m, _, _ in MODELS]}, "
-        f"eta {list(ETAS)}, lengths {list(DISTS)}, splits {[f'{a}:{b}' for a, b in SPLITS]}); StaleFlow against "
-        f"the fastest peer configuration with observed worst-case staleness <= eta (seeds {list(SEEDS)}), the "
-        f"peers at nominal eta, the strict peers and equal transfer; ablations at {CENTRE} over seeds "
-        f"{list(ABLATION_SEEDS)}; {base.steps} steps per run, first {base.warmup_steps} not measured, "
-        f"B={base.staleness.batch_size} x N={base.staleness.group_size}; {jobs} processes; load average {load:.1f}",
+        f"staleflow sim --grid paper{' --smoke' if base.smoke else ''}: {len(shapes)} settings, {n_rows} rows "
+        f"({', '.join(sh.name for sh in shapes)}; eta {list(ETAS)} unless noted); StaleFlow against the fastest "
+        f"peer configuration with observed worst-case staleness <= eta (seeds {list(SEEDS)}), the peers at nominal "
+        f"eta, the strict peers and equal transfer; every run's physical floor; ablations at {centre} over seeds "
+        f"{list(abl_seeds)}; {base.steps} steps per run, first {base.warmup_steps} not measured; {jobs} processes; "
+        f"load average {load:.1f}",
         flush=True,
     )
 
     def progress(text):
         print(f"\n{text}\n({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    sets, ablation, abl_runs = run_grid(base, jobs, progress)
-    rows = [row for st in sets for row in rep.setting_rows(st, ETAS, SEEDS)]
+    sets, ablation, abl_runs = run_grid(base, jobs, progress, shapes, centre, abl_seeds)
+    rows = [row for st in sets for row in rep.setting_rows(st, st.etas, SEEDS)]
     print(
         "\nSummary: StaleFlow at eta over the guarantee-matched best peer (observed worst case <= eta), over "
         "the same best peer with equal transfer costs, over the best peer at the same nominal eta, over the "
-        "strict peers, and over verl-sync; step / floor = StaleFlow's mean step over its tail floor"
+        "strict peers, and over verl-sync; util = rollout utilisation at the physical floor (>= 0.5: "
+        "throughput-bound), binds = the floor's largest term, st/fl = each system's mean step over its own floor"
     )
     print(rep.summary_table(rows))
     print(
-        f"\nAblation at the grid centre {CENTRE} (ablated / full staleflow tokens/s, ratio of the means over seeds "
-        f"{list(ABLATION_SEEDS)}): " + ", ".join(f"{k} {v}" for k, v in ablation.items())
+        f"\nAblation at the paper-like centre {centre} (ablated / full staleflow tokens/s, ratio of the means over "
+        f"seeds {list(abl_seeds)}): " + ", ".join(f"{k} {v}" for k, v in ablation.items())
     )
     every = [r for st in sets for r in st.results()] + abl_runs
     out = rep.summary(rows, every, ablation)

@@ -1,7 +1,8 @@
 """What ``staleflow sim --grid paper`` computes from its runs: per-setting rows, tables, the summary, the plot.
 
 Per setting and eta (sim/grid.py runs them): StaleFlow's tokens/s (mean over the grid's seeds), with
-equal transfer costs, its mean step over its tail floor; the guarantee-matched best peer (sim/search.py:
+equal transfer costs, each system's mean step over its physical floor (sim/floor.py) with the rollout
+utilisation at the floor and the binding term; the guarantee-matched best peer (sim/search.py:
 the fastest configuration whose observed worst-case staleness is <= eta); the peers at the same nominal
 eta with their fraction of trained groups beyond eta and their mean staleness; the strict peers (groups
 beyond eta dropped and regenerated: they train what finishes in time, shorter responses); verl-sync.
@@ -12,31 +13,27 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.sim import search
-from staleflow.sim.config import SimConfig
-from staleflow.sim.hardware import derive
+from staleflow.sim.floor import THROUGHPUT_BOUND
 from staleflow.sim.simulator import SimResult
 
 
-def tail_floor_s(cfg: SimConfig, eta: int, train_s: float, speed: float = 1.0) -> float:
-    """A lower bound on the mean step time of any schedule that keeps EVERY trajectory within eta.
-
-    Version V is published train + push after step V - 1 starts; a group tagged V starts no earlier
-    and must be in buffer V + eta, whose training starts eta + 1 steps after step V - 1 started: so
-    (eta + 1) x step >= train + push + the group's generation time. With a response at the length
-    cap in (almost) every batch (the grid: 256 responses, 2-3% capped), generation >= that response
-    decoded alone (n = 1) on the fastest instance (`speed`: its factor on the cost model; the
-    per-stretch noise averages out over hundreds of stretches). The trainer also needs train per
-    step: step >= max(train, (decode at the cap + train + push) / (eta + 1))."""
-    cost = load_cost_model(cfg.cost_model)
-    push = derive(cfg, cost).push_s
-    return max(train_s, (cost.steps_time(1, cfg.prompt_len, cfg.max_response) * speed + train_s + push) / (eta + 1))
-
-
-def mean_step(r: SimResult, warmup: int) -> float:
-    steps = r.step_times[warmup:] or r.step_times
-    return sum(steps) / max(1, len(steps))
+def floor_of(runs) -> dict:
+    """Mean over runs (seeds) of each physical-floor term (sim/floor.py), the floor's utilisation, the term
+    that binds most often, and the mean step over the floor."""
+    runs = [r for r in runs if r.floor is not None]
+    if not runs:
+        return {"floor_s": 0.0, "util": 0.0, "binds": None, "step_over_floor": None}
+    fl = [r.floor for r in runs]
+    return {
+        "train_s": round(_mean(f.train for f in fl), 1),
+        "work_s": round(_mean(f.work for f in fl), 1),
+        "tail_s": round(_mean(f.tail for f in fl), 1),
+        "floor_s": round(_mean(f.floor for f in fl), 1),
+        "util": round(_mean(f.util for f in fl), 3),
+        "binds": Counter(f.binds for f in fl).most_common(1)[0][0],
+        "step_over_floor": round(_mean(r.step_s / r.floor.floor for r in runs), 3),
+    }
 
 
 def _mean(xs) -> float:
@@ -56,8 +53,8 @@ def setting_rows(st, etas, seeds) -> list[dict]:
         sf = [st.staleflow[(eta, s)] for s in seeds]
         eq = [st.equal[(eta, s)] for s in seeds]
         sf_tok, eq_tok = _mean(r.tokens_per_s for r in sf), _mean(r.tokens_per_s for r in eq)
-        step = _mean(mean_step(r, cfg.warmup_steps) for r in sf)
-        floor = _mean(tail_floor_s(cfg, eta, r.train_s_mean, r.fastest_speed) for r in sf)
+        step = _mean(r.step_s for r in sf)
+        fl = floor_of(sf)
         g = search.best(st.measured, eta, seeds)
         nominal = {}
         for c in search.nominal(eta, st.B):
@@ -69,6 +66,7 @@ def setting_rows(st, etas, seeds) -> list[dict]:
                 "worst": m.worst,
             }
         nom_best = max(nominal, key=lambda k: nominal[k]["tok_s"])
+        nom_floor = floor_of(next(m for c, m in st.measured.items() if c.label == nom_best).runs.values())
         strict = {c.label: st.strict[c] for c in search.strict(eta, st.B)}
         strict_best = max(strict, key=lambda k: strict[k].tokens_per_s)
         sb = strict[strict_best]
@@ -82,8 +80,19 @@ def setting_rows(st, etas, seeds) -> list[dict]:
                 "staleflow": round(sf_tok, 1),
                 "staleflow_equal_transfer": round(eq_tok, 1),
                 "step_s": round(step, 1),
-                "floor_s": round(floor, 1),
-                "step_over_floor": round(step / floor, 3),
+                "floor_s": fl["floor_s"],
+                "step_over_floor": fl["step_over_floor"],
+                "floor": fl,
+                "util": fl["util"],
+                "binds": fl["binds"],
+                "regime": "throughput" if fl["util"] >= THROUGHPUT_BOUND else "tail",
+                "responses_per_instance": round(
+                    st.B * cfg.staleness.group_capacity / max(1, cfg.rollout_gpus // cfg.gpus_per_instance), 1
+                ),
+                "preemptions_per_step": round(_mean(r.preemptions for r in sf) / cfg.steps, 1),
+                "step_over_floor_equal_transfer": floor_of(eq)["step_over_floor"],
+                "step_over_floor_guarantee_best": floor_of(g.runs.values())["step_over_floor"] if g else None,
+                "step_over_floor_nominal_best": nom_floor["step_over_floor"],
                 "guarantee_best": g.cfg.label if g else None,
                 "guarantee_best_tok_s": round(g.tok_s, 1) if g else None,
                 "guarantee_best_worst": g.worst if g else None,
@@ -137,7 +146,8 @@ def setting_text(st, etas, seeds) -> str:
             f"worst {m.worst}  mean staleness {m.mean_staleness:.2f}"
         )
     head = (
-        f"{'eta':>3s} {'staleflow':>9s} {'step/floor':>10s}  {'guarantee-matched best peer':34s} {'tok/s':>7s} "
+        f"{'eta':>3s} {'util':>5s} {'binds':>5s} {'staleflow':>9s} {'step/floor':>10s}  "
+        f"{'guarantee-matched best peer':34s} {'tok/s':>7s} "
         f"{'worst':>5s} {'x':>6s}  {'eq-transfer':>11s} {'x':>6s}  {'nominal best (>eta, mean st)':44s} {'x':>6s}  "
         f"{'strict best (seed 0)':30s} {'x':>6s} {'x sync':>6s}"
     )
@@ -146,7 +156,8 @@ def setting_text(st, etas, seeds) -> str:
         n = r["nominal"][r["nominal_best"]]
         nom = f"{r['nominal_best']} ({n['over_eta_frac']:.0%}, {n['mean_staleness']:.2f})"
         lines.append(
-            f"{r['eta']:3d} {r['staleflow']:9.0f} {r['step_over_floor']:10.3f}  {r['guarantee_best']!s:34s} "
+            f"{r['eta']:3d} {r['util']:5.2f} {r['binds'] or '-':>5s} {r['staleflow']:9.0f} "
+            f"{_f(r['step_over_floor'], '10.3f')}  {r['guarantee_best']!s:34s} "
             f"{r['guarantee_best_tok_s'] or 0:7.0f} {r['guarantee_best_worst']!s:>5s} "
             f"{r['vs_guarantee_best'] or 0:6.3f}  {r['staleflow_equal_transfer']:11.0f} "
             f"{r['vs_guarantee_best_equal_transfer'] or 0:6.3f}  {nom:44s} {r['vs_nominal_best']:6.3f}  "
@@ -155,19 +166,25 @@ def setting_text(st, etas, seeds) -> str:
     return "\n".join(lines)
 
 
+def _f(x, fmt="6.3f") -> str:
+    return format(x, fmt) if x is not None else "-".rjust(int(fmt.split(".")[0]))
+
+
 def summary_table(rows: list[dict]) -> str:
     head = (
-        f"{'setting':22s} {'eta':>3s} {'staleflow':>9s} {'guarantee-matched best':34s} {'x guar':>6s} "
-        f"{'x eq-tr':>7s} {'x nom':>6s} {'x strict':>8s} {'x sync':>6s} {'step s':>7s} {'floor s':>7s} "
-        f"{'st/fl':>6s}"
+        f"{'setting':28s} {'eta':>3s} {'resp/i':>6s} {'util':>5s} {'binds':>5s} {'staleflow':>9s} "
+        f"{'guarantee-matched best':34s} {'x guar':>6s} {'x eq-tr':>7s} {'x nom':>6s} {'x strict':>8s} "
+        f"{'x sync':>6s} {'step s':>7s} {'floor s':>7s} {'st/fl':>6s} {'peer st/fl':>10s} {'pre/st':>6s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['setting']:22s} {r['eta']:3d} {r['staleflow']:9.0f} {r['guarantee_best']!s:34s} "
-            f"{r['vs_guarantee_best'] or 0:6.3f} {r['vs_guarantee_best_equal_transfer'] or 0:7.3f} "
-            f"{r['vs_nominal_best']:6.3f} {r['vs_strict_best']:8.3f} {r['vs_sync'] or 0:6.3f} "
-            f"{r['step_s']:7.1f} {r['floor_s']:7.1f} {r['step_over_floor']:6.3f}"
+            f"{r['setting']:28s} {r['eta']:3d} {r['responses_per_instance']:6.1f} {r['util']:5.2f} "
+            f"{r['binds'] or '-':>5s} {r['staleflow']:9.0f} {r['guarantee_best']!s:34s} "
+            f"{_f(r['vs_guarantee_best'])} {_f(r['vs_guarantee_best_equal_transfer'], '7.3f')} "
+            f"{r['vs_nominal_best']:6.3f} {r['vs_strict_best']:8.3f} {_f(r['vs_sync'])} "
+            f"{r['step_s']:7.1f} {r['floor_s']:7.1f} {_f(r['step_over_floor'])} "
+            f"{_f(r['step_over_floor_guarantee_best'], '10.3f')} {r['preemptions_per_step']:6.1f}"
         )
     return "\n".join(lines)
 
@@ -184,7 +201,14 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
         xs = [r[key] for r in rows if r[key] is not None]
         return round(_mean(xs), 3), max(xs, default=0.0)
 
+    def within(regime, key):
+        xs = [r[key] for r in rows if r["regime"] == regime and r[key] is not None]
+        return (round(_mean(xs), 3) if xs else None), (max(xs) if xs else None)
+
     g_avg, g_max = stats("vs_guarantee_best")
+    tp_avg, tp_max = within("throughput", "vs_guarantee_best")
+    tail_avg, tail_max = within("tail", "vs_guarantee_best")
+    sof = [r["step_over_floor"] for r in rows if r["step_over_floor"] is not None]
     n_avg, n_max = stats("vs_nominal_best")
     s_avg, s_max = stats("vs_sync")
     family = Counter(
@@ -193,6 +217,14 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
         if r["guarantee_best"]
     )
     return {
+        "vs_guarantee_best_avg_throughput_bound": tp_avg,
+        "vs_guarantee_best_max_throughput_bound": tp_max,
+        "throughput_bound_rows": sum(r["regime"] == "throughput" for r in rows),
+        "vs_guarantee_best_avg_tail_bound": tail_avg,
+        "vs_guarantee_best_max_tail_bound": tail_max,
+        "step_over_physical_floor_max": max(sof, default=None),
+        "step_over_physical_floor_avg": round(_mean(sof), 3),
+        "rows": len(rows),
         "vs_guarantee_best_avg": g_avg,
         "vs_guarantee_best_max": g_max,
         "vs_guarantee_best_equal_transfer_avg": stats("vs_guarantee_best_equal_transfer")[0],
@@ -201,7 +233,6 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
         "vs_strict_best_avg": stats("vs_strict_best")[0],
         "vs_sync_max": s_max,
         "vs_sync_avg": s_avg,
-        "step_over_floor_avg": stats("step_over_floor")[0],
         "guarantee_best": family.most_common(1)[0][0] if family else None,
         "ablation": ablation,
         "violations": sum(len(r.violations) for r in every),

@@ -30,6 +30,8 @@ class ModelSpec:
     """Tensor-parallel size of one rollout instance (GPUs per instance)."""
     active_b: float = 0.0
     """Parameters active per token, billions (MoE); 0 = all (dense). FLOPs scale with these."""
+    q_dim: int = 0
+    """Query heads x head_dim: the attention FLOPs of training grow with it and with sequence length."""
 
     @property
     def flop_params(self) -> float:
@@ -43,12 +45,63 @@ class ModelSpec:
 MODEL_SPECS: dict[str, ModelSpec] = {
     # Qwen2.5-7B: 28 layers, 4 KV heads x 128; Qwen2.5-14B: 48 x 8 x 128; Qwen2.5-32B: 64 x 8 x 128;
     # Qwen3-30B-A3B: 48 layers, 4 KV heads x 128 (config.json of each model on the Hugging Face hub)
-    "qwen2.5-7b-tp1": ModelSpec(7.62, 28, 4, 128, 1),
-    "qwen2.5-7b-tp2": ModelSpec(7.62, 28, 4, 128, 2),
-    "qwen2.5-14b": ModelSpec(14.8, 48, 8, 128, 1),
-    "qwen2.5-32b-tp2": ModelSpec(32.8, 64, 8, 128, 2),
-    "qwen3-30b-a3b": ModelSpec(30.5, 48, 4, 128, 1, active_b=3.3),
+    # Query heads x 128: 7B 28, 14B 40, 32B 40, 30B-A3B 32 (same config.json files).
+    "qwen2.5-7b-tp1": ModelSpec(7.62, 28, 4, 128, 1, q_dim=3584),
+    "qwen2.5-7b-tp2": ModelSpec(7.62, 28, 4, 128, 2, q_dim=3584),
+    "qwen2.5-14b": ModelSpec(14.8, 48, 8, 128, 1, q_dim=5120),
+    "qwen2.5-32b-tp2": ModelSpec(32.8, 64, 8, 128, 2, q_dim=5120),
+    "qwen2.5-32b-tp4": ModelSpec(32.8, 64, 8, 128, 4, q_dim=5120),
+    "qwen3-30b-a3b": ModelSpec(30.5, 48, 4, 128, 1, active_b=3.3, q_dim=4096),
 }
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A GPU's published numbers (docs/simulator.md has each source and the arithmetic)."""
+
+    memory_gb: float
+    bf16_tflops: float
+    """Dense bf16 peak (no sparsity)."""
+    hbm_tb_s: float
+    source: str
+
+
+PROFILES: dict[str, Profile] = {
+    "h20": Profile(96.0, 148.0, 4.0, "NVIDIA H20 (HGX): 96 GB HBM3, 4.0 TB/s, 148 TFLOP/s dense bf16"),
+    "h100": Profile(80.0, 989.0, 3.35, "NVIDIA H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense bf16"),
+    "h200": Profile(141.0, 989.0, 4.8, "NVIDIA H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s dense bf16"),
+}
+FIT_PROFILE = "h20"
+"""Where the shipped decode coefficients were fitted (PSRL's cost_model files: presumably its 128-H20 cluster)."""
+
+
+def profile_cost(cost, hardware: str):
+    """The decode cost model of `cost` on `hardware`: a preset fitted there ('<name>-<hardware>.json', written by
+    scripts/fit_cost_model.py --profile) if one exists, else the H20 fit rescaled from the spec sheets: the
+    memory-bound terms (k1 reads KV, k2 reads the weights) by the HBM bandwidth ratio, the compute-bound slope
+    k3 and its intercept b3 by the bf16 FLOP/s ratio, the per-step host overhead k4 kept. Same name (the
+    architecture lookup keys on it); the source says which it is."""
+    import dataclasses
+
+    from staleflow.coordinator.cost_model import CostModelError, load_cost_model
+
+    if hardware == FIT_PROFILE:
+        return cost
+    try:
+        fitted = load_cost_model(f"{cost.name}-{hardware}")
+        return dataclasses.replace(fitted, name=cost.name, source=f"fitted on {hardware}: {fitted.source}")
+    except CostModelError:
+        pass
+    fit, hw = PROFILES[FIT_PROFILE], PROFILES[hardware]
+    mem, flop = fit.hbm_tb_s / hw.hbm_tb_s, fit.bf16_tflops / hw.bf16_tflops
+    return dataclasses.replace(
+        cost,
+        k1=cost.k1 * mem,
+        k2=cost.k2 * mem,
+        k3=cost.k3 * flop,
+        b3=cost.b3 * flop,
+        source=f"{cost.name} ({FIT_PROFILE} fit) rescaled to {hardware}: k1, k2 x {mem:.3f}, k3, b3 x {flop:.3f}",
+    )
 
 
 @dataclass(frozen=True)
@@ -91,6 +144,14 @@ def train_tokens_per_gpu_s(spec: ModelSpec, gpu: GPU) -> float:
     return gpu.bf16_tflops * 1e12 * gpu.train_mfu / (8.0 * spec.flop_params)
 
 
+def train_attention_tokens2(spec: ModelSpec) -> float:
+    """Training FLOPs per squared token of a sequence, over the linear 8 x params per token: causal attention
+    is 2 x layers x q_dim x L^2 FLOPs forward (QK^T and AV, half the matrix), x 4 for forward, backward (2x)
+    and the log-prob recompute. Divided by 8 x params it is the extra "tokens" an L-token sequence costs:
+    L^2 x this factor (7B at L = 20k: +26 % over the linear term)."""
+    return 8.0 * spec.layers * spec.q_dim / (8.0 * spec.flop_params) if spec.q_dim else 0.0
+
+
 def transfer_s(spec: ModelSpec, gb_per_s: float) -> float:
     """Seconds to move the bf16 weights at this bandwidth."""
     return spec.weight_bytes / (gb_per_s * 1e9)
@@ -109,12 +170,18 @@ class Derived:
     colocated_switch_s: float
     kv_move_tokens_per_s: float = 0.0
     """KV tokens per second a migrated trajectory's KV moves at (0: no KV move, it is recomputed)."""
+    train_attention: float = 0.0
+    """Extra training "tokens" per squared sequence length (train_attention_tokens2; 0: linear in tokens)."""
+    pull_share: float = 0.0
+    """Fraction of the Parameter Server's egress one full-speed pull takes (pull bandwidth / egress): k pulls
+    at once each take max(1, k x pull_share) x pull_s. 0: pulls never contend."""
 
 
 def derive(cfg, cost) -> Derived:
     """Fill the None fields of a SimConfig from the cost model's architecture (MODEL_SPECS) and the GPU."""
     spec = MODEL_SPECS.get(cost.name)
-    gpu = GPU(memory_gb=cfg.gpu_memory_gb, bf16_tflops=cfg.gpu_tflops)
+    prof = PROFILES[cfg.hardware]
+    gpu = GPU(memory_gb=cfg.gpu_memory_gb or prof.memory_gb, bf16_tflops=cfg.gpu_tflops or prof.bf16_tflops)
 
     def pick(value, derived, what):
         if value is not None:
@@ -139,4 +206,16 @@ def derive(cfg, cost) -> Derived:
         broadcast_s=pick(cfg.broadcast_s, lambda: transfer_s(spec, 8.0), "broadcast-s"),
         colocated_switch_s=pick(cfg.colocated_switch_s, lambda: transfer_s(spec, 8.0) + 2.0, "colocated-switch-s"),
         kv_move_tokens_per_s=cfg.kv_move_gb_s * 1e9 / kv_bytes_per_token(spec) if spec else 0.0,
+        train_attention=train_attention_tokens2(spec) if spec and cfg.train_attention else 0.0,
+        pull_share=pull_share(cfg, spec, cfg.pull_s) if spec else 0.0,
     )
+
+
+def pull_share(cfg, spec: ModelSpec, pull_s: float | None) -> float:
+    """Pull bandwidth (weights / pull_s) over the PS egress (--ps-egress-gb-s; None: 25 GB/s, one 200 Gb/s
+    NIC, per trainer GPU: the PS's shards live on the trainer ranks)."""
+    if cfg.ps_egress_gb_s == 0:
+        return 0.0
+    egress = cfg.ps_egress_gb_s or 25.0 * (cfg.total_gpus - cfg.rollout_gpus)
+    per_pull = spec.weight_bytes / (pull_s or transfer_s(spec, 32.0)) / 1e9
+    return per_pull / max(egress, per_pull)  # one pull alone always runs at its own bandwidth

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from staleflow.controller import ControllerLoop, Stalled
 from staleflow.controller.build import build_loop
 from staleflow.coordinator.cost_model import CostModel, fit_cost_model, load_cost_model
-from staleflow.coordinator.modes import apply_mode, check_mode, mode_of
+from staleflow.coordinator.modes import apply_mode, check_mode, mode_of, peer_knobs
 from staleflow.sim.backend import SimBackend
 from staleflow.sim.config import SimConfig
-from staleflow.sim.hardware import derive
+from staleflow.sim.floor import Floor, physical_floor
+from staleflow.sim.hardware import derive, profile_cost
 from staleflow.sim.lengths import LengthSampler
 
 
@@ -60,11 +61,16 @@ class SimResult:
     """Smallest per-instance speed factor (< 1: faster than the cost model); the tail floor uses it."""
     longest: list[int] = field(default_factory=list)
     """Longest response trained in each step."""
+    floor: Floor | None = None
+    """The run's physical floor (sim/floor.py) over its measured steps."""
+    step_s: float = 0.0
+    """Mean step time over the measured steps (seconds)."""
 
     def row(self) -> dict:
         d = dataclasses.asdict(self)
         d["utilisation_mean"] = sum(self.utilisation) / max(1, len(self.utilisation))
         del d["utilisation"]
+        d["floor"] = self.floor.row() if self.floor else None
         return d
 
 
@@ -136,6 +142,13 @@ def router_cost_model(true: CostModel, cfg: SimConfig, rng: random.Random) -> Co
     )
 
 
+def stall_s(cfg: SimConfig, hw, train_gpus: int, stale) -> float:
+    """Seconds without a finished trajectory or a step after which a run counts as stalled: 2000 ticks,
+    or three worst-case training steps (every response at the cap) where the trainer is that slow."""
+    worst_train = stale.batch_size * stale.group_size * (cfg.prompt_len + cfg.max_response)
+    return max(2000 * cfg.tick_s, 3.0 * worst_train / (hw.train_tokens_per_gpu_s * train_gpus))
+
+
 def build(
     cfg: SimConfig,
     mode: str,
@@ -155,7 +168,7 @@ def build(
     sees a fit (``router_cost_model``)."""
     mode = check_mode(mode)
     m = mode_of(mode)
-    loaded = cost or load_cost_model(cfg.cost_model)
+    loaded = cost or profile_cost(load_cost_model(cfg.cost_model), cfg.hardware)
     hw = derive(cfg, loaded)
     true = cost or dataclasses.replace(loaded, kv_capacity=hw.kv_capacity)
     router = cost or router_cost_model(true, cfg, random.Random(cfg.seed * 31 + 7))
@@ -163,12 +176,13 @@ def build(
         raise ValueError(f"--prompt-len={cfg.prompt_len} does not fit the KV capacity {true.kv_capacity}")
     ccfg, stale = apply_mode(mode, cfg.coordinator, dataclasses.replace(cfg.staleness, eta=eta))
     ccfg = dataclasses.replace(ccfg, **(overrides or {}))  # the caller's overrides win over the mode's
+    peer = dict(peer) if peer is not None else peer_knobs(mode, ccfg)  # a peer's knobs, else the run flags
+    ccfg = dataclasses.replace(ccfg, trigger_sync_steps=peer.get("trigger_sync_steps", 1))
     colocated = m.colocated and cfg.colocated_sync
     gpus = cfg.total_gpus if colocated else cfg.rollout_gpus
     n_inst = max(1, gpus // cfg.gpus_per_instance)
     train_gpus = cfg.total_gpus if colocated else cfg.total_gpus - cfg.rollout_gpus
     sync = m.weight_sync if colocated or m.weight_sync != "colocated" else "broadcast"
-    peer = dict(peer or {})
     backend = SimBackend(
         cfg,
         hw,
@@ -189,7 +203,7 @@ def build(
         SimWorkload(cfg, random.Random(cfg.seed)),
         cfg.steps,
         tick_s=cfg.tick_s,
-        stall_s=2000 * cfg.tick_s,
+        stall_s=stall_s(cfg, hw, train_gpus, stale),
         peer=peer,
     )
     return loop, backend, stale
@@ -242,6 +256,19 @@ def _result(
     if done < cfg.steps:
         violations.append(f"incomplete: {done}/{cfg.steps} steps")
     stale = Counter(x for r in steps for x in r.staleness)
+    step_times = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
+    measured_steps = step_times[w:] or step_times
+    transfer = (backend.hw.push_s if backend.sync == "ps" and not cfg.push_blocks_trainer else 0.0) + backend.pull_time
+    floor = physical_floor(
+        backend.cost,
+        [[(g.prompt_len, n) for g in r.groups for n in g.n_tokens] for r in steps[w:done]],
+        sum(backend.train_durs[w:done]) / max(1, len(backend.train_durs[w:done])),
+        transfer,
+        max(stale, default=0),
+        [i.speed for i in backend.insts],
+        cfg.max_running,
+        backend.hw.prefill_tokens_per_s,
+    )
     return SimResult(
         mode=mode,
         eta=eta,
@@ -265,7 +292,9 @@ def _result(
         train_s_mean=backend.trainer_busy_s / max(1, len(backend.step_end)),
         violations=violations,
         fates=dict(fates),
-        step_times=[b - a for a, b in zip([0.0] + ends[:-1], ends)],
+        step_times=step_times,
         fastest_speed=min((i.speed for i in backend.insts), default=1.0),
         longest=[max((n for g in r.groups for n in g.n_tokens), default=0) for r in steps],
+        floor=floor,
+        step_s=sum(measured_steps) / max(1, len(measured_steps)),
     )
