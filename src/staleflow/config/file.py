@@ -159,9 +159,10 @@ def _toml_value(v) -> str:
 def dump_toml(cfg, header: str = "") -> str:
     """The config as TOML that ``--config`` reads back into the same config (top-level flags, then
     one [section] per config section)."""
+    # TOML has no null: an unset (None) flag is left out, and reading the file back leaves it unset.
     d = to_dict(cfg)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict) and v is not None]
     for name, section in d.items():
         if isinstance(section, dict):
-            lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in section.items())]
+            lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in section.items() if v is not None)]
     return header + "\n".join(lines) + "\n"

@@ -166,7 +166,7 @@ class Coordinator:
         """The group's reward is known: Occupy. Returns the buffer version it landed in, or None if
         its window closed meanwhile (every admissible buffer became Ready): the group is aborted."""
         if self.manager.group_info(group_id)["state"] == "closed":
-            self._abort_group_cmds(
+            self.abort_group(
                 group_id, "window-closed", self.clock(), retry=getattr(self.manager, "retry_closed", False)
             )
             return None
@@ -211,7 +211,7 @@ class Coordinator:
         now = self.clock()
         if traj_id in self.reserved:
             for gid in self.manager.abort(traj_id, reason):
-                self._abort_group_cmds(gid, reason, now, aborted=True)
+                self.abort_group(gid, reason, now, aborted=True)
         self._drop(traj_id, reason, now)
 
     # ---- the cycle -------------------------------------------------------------------------
@@ -222,7 +222,7 @@ class Coordinator:
         self.counters["ticks"] += 1
         retry = getattr(self.manager, "retry_closed", False)  # the peers' strict variant regenerates
         for gid in self.manager.closed_windows():
-            self._abort_group_cmds(gid, "window-closed", now, out=cmds, retry=retry)
+            self.abort_group(gid, "window-closed", now, out=cmds, retry=retry)
         if self.straggler != "off":
             handle_stragglers(self, now, cmds)
         plan_pulls(self, now, cmds)
@@ -363,7 +363,7 @@ class Coordinator:
         (self._out if out is None else out).append(Abort(i, (traj_id,), reason))
         self.counters[f"aborted_{reason}"] += 1
 
-    def _abort_group_cmds(
+    def abort_group(
         self,
         gid: int,
         reason: str,
@@ -379,8 +379,6 @@ class Coordinator:
         (self._out if out is None else out).append(Abort(-1, (), reason, retry, gid))
         self.counters[f"groups_aborted_{reason}"] += 1
         self._forget_group(gid)
-
-    abort_group = _abort_group_cmds  # (gid, reason, now): public for the loop's dynamic sampling refill
 
     def _forget_group(self, gid: int) -> None:
         self.members.pop(gid, None)

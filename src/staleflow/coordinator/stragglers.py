@@ -23,7 +23,7 @@ def handle_stragglers(coord, now: float, cmds: list[Command]) -> None:
         coord._stragglers_done.add(gid)
         coord.counters["stragglers"] += 1
         if coord.straggler == "abort":
-            coord._abort_group_cmds(gid, "straggler", now, out=cmds, retry=True)
+            coord.abort_group(gid, "straggler", now, out=cmds, retry=True)
             continue
         live = sorted(coord.members.get(gid, ()))
         by_inst: dict[int, list[int]] = {}
