@@ -75,6 +75,58 @@ FIT_PROFILE = "h20"
 """Where the shipped decode coefficients were fitted (PSRL's cost_model files: presumably its 128-H20 cluster)."""
 
 
+CPU_PROFILE = "cpu"
+"""The CPU presets (``cpu-*``): fitted on the machine that runs the CPU jobs; a refit overwrites the preset."""
+REFIT_PROFILES = (*PROFILES, CPU_PROFILE)
+"""Every profile scripts/fit_cost_model.py --profile refits from a device run's cost samples (sim/cost_samples.py)."""
+
+# the coordinator preset of a profiled model: (model family as in MODEL_SPECS / the cpu presets, TP) -> preset
+_GPU_PRESETS = {("qwen2.5-7b", 1): "qwen2.5-7b-tp1", ("qwen2.5-7b", 2): "qwen2.5-7b-tp2", ("qwen2.5-14b", 1):
+                "qwen2.5-14b", ("qwen2.5-32b", 2): "qwen2.5-32b-tp2", ("qwen2.5-32b", 4): "qwen2.5-32b-tp4",
+                ("qwen3-30b-a3b", 1): "qwen3-30b-a3b"}  # fmt: skip
+_CPU_PRESETS = {"smollm2-135m": "cpu-smollm2", "tiny-llama": "cpu-tiny-llama"}
+
+
+def profile_of_device(device: str, gpu: str | None) -> str | None:
+    """The profile a device run measured: 'cpu', or the GPU's name matched to h20 / h100 / h200 (None: unknown)."""
+    import re
+
+    if device == "cpu":
+        return CPU_PROFILE
+    for name in sorted(PROFILES, key=len, reverse=True):  # h200 before h20
+        if re.search(rf"\b{name}\b", gpu or "", re.IGNORECASE):
+            return name
+    return None
+
+
+def preset_of_model(model: str, tp: int, profile: str) -> str | None:
+    """The coordinator preset a run of ``model`` (a bundled name, hub id or folder) at ``tp`` refits, or None."""
+    base = model.rstrip("/").rsplit("/", 1)[-1].lower().removesuffix("-instruct")
+    if profile == CPU_PROFILE:
+        return _CPU_PRESETS.get(base) if tp == 1 else None
+    return _GPU_PRESETS.get((base, tp))
+
+
+def refit_name(preset: str, profile: str) -> str:
+    """The preset file (presets/<name>.json) a refit of ``preset`` on ``profile`` writes: the preset itself where
+    it is that profile's own fit (PSRL's presets are h20's; cpu-* are the CPU's; a name ending in -<profile>, e.g.
+    gpu-7b-h100), else <preset>-<profile>, which profile_cost then prefers to rescaling the h20 fit. ValueError
+    for a CPU preset on a GPU profile or the reverse (a one-line reason)."""
+    if profile not in REFIT_PROFILES:
+        raise ValueError(f"profile {profile!r} is unknown: use one of {', '.join(REFIT_PROFILES)}")
+    cpu_preset = preset.startswith("cpu-")
+    if cpu_preset != (profile == CPU_PROFILE):
+        raise ValueError(
+            f"preset {preset!r} is a {'CPU' if cpu_preset else 'GPU'} preset and profile {profile!r} is not: refit "
+            f"cpu-* presets with --profile cpu and the GPU presets with --profile {', '.join(PROFILES)}"
+        )
+    other = [p for p in PROFILES if p != profile and preset.endswith(f"-{p}")]
+    if other:
+        raise ValueError(f"preset {preset!r} is fitted on {other[0]}: refit it with --profile {other[0]}")
+    own = cpu_preset or preset.endswith(f"-{profile}") or (profile == FIT_PROFILE and not preset.startswith("gpu-"))
+    return preset if own else f"{preset}-{profile}"
+
+
 def profile_cost(cost, hardware: str):
     """The decode cost model of `cost` on `hardware`: a preset fitted there ('<name>-<hardware>.json', written by
     scripts/fit_cost_model.py --profile) if one exists, else the H20 fit rescaled from the spec sheets: the
