@@ -182,7 +182,7 @@ def run_config(model, args, rc, prompts, new_tokens: int, backend: str, graphs: 
 
 
 def cost_sweep_cells(args, margs, errors: list[str]) -> list | None:
-    """--cost-samples' cells (scripts/fit_cost_model.parse_cells), checked without a device: they parse and their
+    """--cost-samples' cells (parse_cells of scripts/fit_cost_model.py), checked without a device: they parse and their
     KV fits the model's context; a problem is appended to ``errors``."""
     if not args.cost_samples:
         return None

@@ -181,6 +181,8 @@ def check_with_simulator(cost, header: SamplesHeader, steps: list[Step], prefill
     """Each measured cell replayed on a simulated instance (the simulator's SimInstance, no noise, chunked prefill
     off so prefill and decode separate): simulated vs measured seconds of the cell's decode steps after warm-up
     (the steps the fit uses; the simulator has no warm-up)."""
+    import dataclasses
+
     from staleflow.sim.engine import SimInstance, SimTraj
 
     rows = []
@@ -188,7 +190,8 @@ def check_with_simulator(cost, header: SamplesHeader, steps: list[Step], prefill
         n, plen, _ = header.cells[i]
         cell = [s for s in steps if s.cell == i and s.sample.prefill_tokens == 0 and not s.warmup]
         measured, k = sum(s.sample.latency_s for s in cell), len(cell)
-        inst = SimInstance(0, cost, prefill_tokens_per_s=prefill_rate, max_running=n)
+        room = dataclasses.replace(cost, kv_capacity=max(cost.kv_capacity, n * (plen + k + 4)))  # the engine held it
+        inst = SimInstance(0, room, prefill_tokens_per_s=prefill_rate, max_running=n)
         for j in range(n):  # after the prefill step's token and the warm-up step's: `generated` 2, then k steps
             inst.add(SimTraj(j, 0, 0, prompt_len=plen, target_len=k + 2, generated=2))
         finished, _ = inst.advance(1e9)

@@ -84,7 +84,6 @@ def test_training_time_grows_with_sequence_length():
 
 
 def test_hardware_profiles_rescale_the_h20_fit_or_use_a_preset_refitted_on_that_gpu(tmp_path, monkeypatch):
-    import json
     import shutil
     import subprocess
 
@@ -104,12 +103,18 @@ def test_hardware_profiles_rescale_the_h20_fit_or_use_a_preset_refitted_on_that_
     }
     assert caps["h200"] > 2 * caps["h100"]
     # scripts/fit_cost_model.py --profile refits a profile from a device run's samples; the simulator then uses it
-    lines = [
-        json.dumps({"n_running": n, "kv_tokens": kv * n, "prefill_tokens": 0, "latency_s": 2e-8 * kv * n + 0.004})
-        for n in (1, 4, 16, 64)
-        for kv in (100, 2000, 8000)
-    ]
-    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
+    from staleflow.rollout.engine import CostSample
+    from staleflow.sim.cost_samples import SamplesHeader, SamplesWriter, Step
+
+    cells = [(n, kv, 2) for n in (1, 4, 16, 64) for kv in (100, 2000, 8000)]
+    gpu = "NVIDIA H100 80GB HBM3"  # a profile is refitted from its own GPU's samples (the file's header)
+    header = SamplesHeader(
+        device="cuda", gpu=gpu, model="Qwen/Qwen2.5-7B-Instruct", dtype="bfloat16", torch="x", cells=cells
+    )
+    writer = SamplesWriter(tmp_path / "s.jsonl", header)
+    for i, (n, kv, _) in enumerate(cells):
+        writer.write([Step(i, CostSample(n, kv * n, 0, 2e-8 * kv * n + 0.004))])
+    writer.close()
     presets = tmp_path / "presets"
     shutil.copytree(cm.PRESET_DIR, presets)
     script = Path(__file__).parents[1] / "scripts" / "fit_cost_model.py"

@@ -8,7 +8,7 @@ config.json values of the Qwen2.5 / Qwen3 models the PSRL coefficients were fitt
                   per GPU of the tensor-parallel group (KV heads split across TP, replicated when
                   fewer than TP);
   prefill rate    TP x peak FLOP/s x prefill MFU / (2 x params) tokens/s (KV recompute after an
-                  interrupt costs the same);
+                  interrupt costs the same), or the rate a refit measured on that GPU (fitted_prefill);
 and per trainer GPU the training rate peak x train MFU / (8 x params) tokens/s (forward, backward
 and the log-prob recompute), the weight-transfer times from the bf16 weight bytes, and the rate at
 which a migrated trajectory's KV moves (its KV bytes per token at the KV-transfer bandwidth).
@@ -156,6 +156,25 @@ def profile_cost(cost, hardware: str):
     )
 
 
+def fitted_prefill(cost_name: str, hardware: str) -> float | None:
+    """Prefill tokens/s measured on ``hardware`` by the run a refitted preset came from (its fit's
+    prefill_tokens_per_s, written by scripts/fit_cost_model.py --profile), or None: no refit, or one without
+    prefill steps. The simulator uses it instead of the spec-sheet FLOP/s x prefill MFU."""
+    import json
+
+    from staleflow.coordinator.cost_model import PRESET_DIR
+
+    try:
+        raw = json.loads((PRESET_DIR / f"{refit_name(cost_name, hardware)}.json").read_text())
+    except (ValueError, OSError):  # no such refit (or a CPU preset on a GPU profile)
+        return None
+    fit = raw.get("fit") if isinstance(raw, dict) else None
+    if not isinstance(fit, dict) or fit.get("profile") != hardware:
+        return None
+    rate = fit.get("prefill_tokens_per_s")
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0 else None
+
+
 @dataclass(frozen=True)
 class GPU:
     memory_gb: float = 96.0
@@ -248,7 +267,9 @@ def derive(cfg, cost) -> Derived:
     return Derived(
         kv_capacity=cfg.kv_capacity or (kv_capacity(spec, gpu) if spec else cost.kv_capacity),
         prefill_tokens_per_s=pick(
-            cfg.prefill_tokens_per_s, lambda: prefill_tokens_per_s(spec, gpu), "prefill-tokens-per-s"
+            cfg.prefill_tokens_per_s,
+            lambda: fitted_prefill(cost.name, cfg.hardware) or prefill_tokens_per_s(spec, gpu),
+            "prefill-tokens-per-s",
         ),
         train_tokens_per_gpu_s=pick(
             cfg.train_tokens_per_gpu_s, lambda: train_tokens_per_gpu_s(spec, gpu), "train-tokens-per-gpu-s"
