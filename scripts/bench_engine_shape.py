@@ -261,7 +261,11 @@ def main() -> int:
     names = [f"{b}{'+graphs' if g else ''}" for b, g in configs]
     cost_cells = cost_sweep_cells(args, margs, errors)
     if cost_cells:
-        names.append(f"cost-samples {len(cost_cells)} cells")
+        from fit_cost_model import kv_tokens_needed
+
+        kv = kv_tokens_needed(cost_cells, block)
+        kv_gib = kv * margs.num_layers * 2 * margs.num_kv_heads * margs.head_dim * (2 if cuda else 4) / GiB
+        names.append(f"cost-samples {len(cost_cells)} cells ({kv} KV tokens, {kv_gib:.1f} GiB)")
     if args.validate or errors:
         print(json.dumps({"validated": names, "device": args.device, "errors": errors, "ok": not errors}))
         for e in errors:

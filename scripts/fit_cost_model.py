@@ -223,6 +223,17 @@ def fit_samples(header: SamplesHeader, steps: list[Step], kv_capacity: int, name
     return fit, dec, {"mean_rel_err": mean_err, "max_rel_err": max_err, "r2": r2, "prefill_tokens_per_s": prefill_rate}
 
 
+def prefill_mfu(target, rate: float) -> float | None:
+    """The measured prefill rate as a fraction of the GPU's bf16 peak (2 x parameters FLOPs a token), where the
+    preset's architecture and the profile's peak are known (sim/hardware: the simulator's default is 0.4)."""
+    from staleflow.sim.hardware import MODEL_SPECS, PROFILES
+
+    if not target or target[0] not in PROFILES or target[1] not in MODEL_SPECS or rate <= 0:
+        return None
+    spec = MODEL_SPECS[target[1]]
+    return round(rate * 2.0 * spec.flop_params / (spec.tp * PROFILES[target[0]].bf16_tflops * 1e12), 4)
+
+
 def profile_here(args) -> Path:
     """Without --samples: profile --model on this machine through record_cost_samples; returns the samples file."""
     import torch
@@ -292,6 +303,7 @@ def main() -> int:
             "prefill_tokens_per_s": round(quality["prefill_tokens_per_s"], 1),
             "cells": [list(c) for c in header.cells],
             "profile": target[0] if target else None,
+            "prefill_mfu": prefill_mfu(target, quality["prefill_tokens_per_s"]),
         },
         "source": f"{SOURCE} refit of {path.name} ({header.source or 'cost samples'}; engine {header.engine} "
         f"{header.decode_backend}{' + CUDA graphs' if header.cuda_graphs else ''}, {header.weights} weights at "
