@@ -102,7 +102,7 @@ def record_cost_samples(model, path, cells, *, model_name: str, backend: str = "
     t0, rid, done, per_cell = time.perf_counter(), 0, [], []
     try:
         for i, (n, plen, steps) in enumerate(cells):
-            if budget_s and time.perf_counter() - t0 > budget_s:
+            if i and budget_s and time.perf_counter() - t0 > budget_s:  # the first cell always runs
                 break
             start = len(engine.profile_samples)
             params = SamplingParams(temperature=0, max_new_tokens=steps + 1, ignore_eos=True)
@@ -155,7 +155,7 @@ def parse_cells(text: str, decode_steps: int) -> list[tuple[int, int, int]]:
 def resolve_target(header: SamplesHeader, profile: str, preset: str) -> tuple[str, str, str]:
     """(profile, preset, preset file name) the refit writes; ValueError naming the fix."""
     from staleflow.coordinator.cost_model import preset_names
-    from staleflow.sim.hardware import REFIT_PROFILES, preset_of_model, profile_of_device, refit_name
+    from staleflow.sim.hardware import MODEL_SPECS, REFIT_PROFILES, preset_of_model, profile_of_device, refit_name
 
     measured = profile_of_device(header.device, header.gpu)
     if profile not in REFIT_PROFILES:
@@ -168,7 +168,13 @@ def resolve_target(header: SamplesHeader, profile: str, preset: str) -> tuple[st
             if measured
             else f"the samples were measured on {on}, which is none of the profiles: fit without --profile (--out F)"
         )
-    preset = preset or preset_of_model(header.model, header.tp, profile) or ""
+    inferred = preset_of_model(header.model, header.tp, profile)
+    if preset and inferred and preset != inferred and (preset in MODEL_SPECS or preset.startswith("cpu-")):
+        raise ValueError(
+            f"the samples ran {header.model} at TP{header.tp}, whose preset is {inferred}, not {preset}: pass "
+            f"--preset {inferred} (or none)"
+        )
+    preset = preset or inferred or ""
     if preset not in preset_names():
         raise ValueError(
             f"--preset {preset!r}: no cost-model preset for model {header.model!r} at TP{header.tp}; give one of "

@@ -136,11 +136,37 @@ def test_every_profile_is_refitted_from_its_own_samples_and_the_simulator_uses_i
         assert derive(SimConfig(cost_model=preset, hardware=other), sim).prefill_tokens_per_s != pytest.approx(PREFILL)
 
 
-def test_a_profile_is_not_refitted_from_another_gpus_samples(tmp_path, monkeypatch, capsys):
+def test_a_profile_is_not_refitted_from_another_gpus_or_models_samples(tmp_path, monkeypatch, capsys):
     samples = synthetic(tmp_path / "s.jsonl", gpu="NVIDIA H200")
     assert _fit_main(monkeypatch, "--samples", str(samples), "--profile", "h100") == 2
     err = capsys.readouterr().err
     assert "measured on NVIDIA H200 (profile h200), not h100" in err and "--profile h200" in err
+    assert _fit_main(monkeypatch, "--samples", str(samples), "--profile", "h200", "--preset", "qwen2.5-32b-tp2") == 2
+    assert "whose preset is qwen2.5-7b-tp1, not qwen2.5-32b-tp2" in capsys.readouterr().err
+    samples = synthetic(tmp_path / "a100.jsonl", gpu="NVIDIA A100-SXM4-80GB")
+    assert _fit_main(monkeypatch, "--samples", str(samples), "--profile", "h100") == 2
+    assert "none of the profiles: fit without --profile" in capsys.readouterr().err
+
+
+def test_sweep_budget_stops_starting_cells_and_leaves_a_readable_file(tmp_path, monkeypatch):
+    """No cell starts after --cost-budget-s (the device step's guard); the first always runs, and the file holds
+    exactly the cells that ran."""
+    import torch
+
+    from staleflow.model import CausalLM, ModelArgs
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import fit_cost_model
+
+    args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = CausalLM(args).init_weights(std=0.02, seed=0)
+    cells = [(2, 8, 3), (4, 8, 3), (2, 40, 3)]
+    res = fit_cost_model.record_cost_samples(model, tmp_path / "s.jsonl", cells, model_name="toy", budget_s=1e-9)
+    assert res["cells_run"] == 1 and res["cells_skipped"] == 2
+    header, steps = read_samples(tmp_path / "s.jsonl")
+    assert header.cells == tuple(cells) and {s.cell for s in steps} == {0} and len(steps) == res["steps"] == 4
+    assert [s.warmup for s in steps] == [False, True, False, False]  # prefill step, then the first decode step
 
 
 @pytest.mark.scripts_smoke  # tests/test_scripts_smoke.py's row of fit_cost_model.py
