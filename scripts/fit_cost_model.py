@@ -37,8 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from staleflow.coordinator.cost_model import CostModelError, fit_cost_model, fit_error
 from staleflow.sim.cost_samples import CostSamplesError, SamplesHeader, SamplesWriter, Step, read_samples
+
+# staleflow.coordinator (the fit, the presets) is imported where it is used: importing the package needs msgspec,
+# which the device image lacks unless the prepared wheels are carried, and step 8 only records the samples
 
 SOURCE = "scripts/fit_cost_model.py"
 
@@ -213,6 +215,8 @@ def check_with_simulator(cost, header: SamplesHeader, steps: list[Step], prefill
 def fit_samples(header: SamplesHeader, steps: list[Step], kv_capacity: int, name: str):
     import numpy as np
 
+    from staleflow.coordinator.cost_model import CostModelError, fit_cost_model, fit_error
+
     dec = [(s.sample.n_running, float(s.sample.kv_tokens), s.sample.latency_s) for s in steps
            if s.sample.prefill_tokens == 0 and not s.warmup]  # fmt: skip
     if len(dec) < 4:
@@ -274,6 +278,8 @@ def main() -> int:
                     "presets/<preset>[-<profile>].json unless --out is given (sim/hardware.refit_name)")  # fmt: skip
     ap.add_argument("--preset", default="", help="the cost-model preset --profile refits (default: the model's)")
     args = ap.parse_args()
+    from staleflow.coordinator.cost_model import CostModelError
+
     try:
         if not args.samples:
             import torch

@@ -199,3 +199,22 @@ def test_device_check_writer_on_cpu_then_refit(tmp_path):
     out = json.loads(fit.stdout.strip().splitlines()[-1])
     assert model.name == "cpu-tiny-llama" and out["fit"]["samples"] == 9 and "sim_cell_mean_abs_rel_err" in out["fit"]
     assert "simulator vs measured decode time per cell" in fit.stdout
+
+
+def test_the_device_step_records_samples_without_msgspec_tyro_or_zmq():
+    """Step 8 runs on the device image, which lacks msgspec, tyro and pyzmq unless the prepared wheels came along:
+    the recording side of fit_cost_model.py (what bench_engine_shape.py imports) must not need them."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('msgspec', 'tyro', 'zmq'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"sys.path.insert(0, {str(SCRIPTS)!r})\n"
+        "from fit_cost_model import kv_tokens_needed, parse_cells, record_cost_samples\n"
+        "import staleflow.rollout.builtin_engine, staleflow.metrics.hardware\n"
+        "print('staleflow.coordinator' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
