@@ -24,20 +24,39 @@ GPUS = {"h20": "NVIDIA H20", "h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H2
 
 def synthetic(path: Path, device: str = "cuda", gpu: str | None = "NVIDIA H100 80GB HBM3", model: str = "Qwen/Qwen2.5-7B-Instruct", true: CostModel = TRUE, dtype: str = "bfloat16") -> Path:  # fmt: skip
     """What the engine records for each cell, from a known cost model: one prefill step (the first token), then
-    decode steps with KV growing by n per step; the first decode step is warm-up (3x slow, which the fit drops)."""
-    cells = [(1, 64, 6), (16, 2048, 6), (256, 64, 6), (32, 64, 6), (128, 512, 6), (48, 2048, 6)]
+    decode steps with KV growing by one token per running sequence and step; the first decode step is warm-up
+    (3x slow, which the fit drops). The last cell is staggered, as chunked prefill leaves long prompts: half of
+    its sequences started decoding earlier (longer context) and finish 2 steps before the others."""
+    uniform = [(1, 64), (16, 2048), (256, 64), (32, 64), (128, 512), (48, 2048)]
+    seqs = [[(p + 2, 5)] * n for n, p in uniform] + [[(520, 3)] * 4 + [(515, 5)] * 4]  # (context at step 0, steps)
+    cells = [(n, p, 6) for n, p in uniform] + [(8, 512, 6)]
     header = SamplesHeader(
         device=device, gpu=gpu, model=model, dtype=dtype, torch="2.x", cells=cells, max_kv_tokens=4096
     )
     w = SamplesWriter(path, header)
-    for i, (n, p, d) in enumerate(cells):
-        recs = [Step(i, CostSample(n, n * p, n * p, n * p / PREFILL))]
-        for j in range(1, d + 1):
-            lat = true.step_time(n, n * (p + j)) * (3.0 if j == 1 else 1.0)
-            recs.append(Step(i, CostSample(n, n * (p + j), 0, lat), warmup=j == 1))
+    for i, cell in enumerate(seqs):
+        n, pre = len(cell), sum(c - 2 for c, _ in cell)
+        recs = [Step(i, CostSample(n, pre, pre, pre / PREFILL))]
+        recs.append(Step(i, CostSample(n, sum(c - 1 for c, _ in cell), 0, 3 * true.step_time(n, pre + n)), True))
+        for j in range(max(f for _, f in cell)):
+            live = [c + j for c, f in cell if f > j]
+            recs.append(Step(i, CostSample(len(live), sum(live), 0, true.step_time(len(live), sum(live)))))
         w.write(recs)
     w.close()
     return path
+
+
+def test_replay_recovers_each_sequences_context_and_finish_from_the_steps(tmp_path):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from fit_cost_model import replay_trajectories
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    _, steps = read_samples(synthetic(tmp_path / "s.jsonl"))
+    tail = [s.sample for s in steps if s.cell == 6 and s.sample.prefill_tokens == 0 and not s.warmup]
+    assert [s.n_running for s in tail] == [8, 8, 8, 4, 4]
+    assert replay_trajectories(tail) == [(520, 3)] * 4 + [(515, 5)] * 4
+    assert replay_trajectories([CostSample(2, 10, 0, 0.1), CostSample(4, 30, 0, 0.1)]) is None  # n grew: not a run
 
 
 def test_cost_samples_round_trip_typed():
@@ -46,7 +65,7 @@ def test_cost_samples_round_trip_typed():
     with tempfile.TemporaryDirectory() as d:
         header, steps = read_samples(synthetic(Path(d) / "s.jsonl"))
     assert header.gpu == "NVIDIA H100 80GB HBM3" and header.cells[1] == (16, 2048, 6) and header.tp == 1
-    assert len(steps) == 6 * 7 and sum(s.warmup for s in steps) == 6
+    assert len(steps) == 7 * 7 and sum(s.warmup for s in steps) == 7
     assert all(isinstance(s.sample, CostSample) and isinstance(s.sample.kv_tokens, int) for s in steps)
 
 
@@ -119,7 +138,7 @@ def test_every_profile_is_refitted_from_its_own_samples_and_the_simulator_uses_i
     written = presets / f"{preset if profile in ('h20', 'cpu') else f'{preset}-{profile}'}.json"
     assert json.loads(written.read_text()) == out  # the printed profile is the one written
     fit = out["fit"]
-    assert fit["profile"] == profile and fit["samples"] == 6 * 5 and fit["r2"] > 0.999 and fit["max_rel_err"] < 0.01
+    assert fit["profile"] == profile and fit["samples"] == 7 * 5 and fit["r2"] > 0.999 and fit["max_rel_err"] < 0.01
     assert fit["sim_cell_max_abs_rel_err"] < 0.01  # the simulator replays every cell's measured decode time
     assert fit["prefill_tokens_per_s"] == pytest.approx(PREFILL, rel=1e-6)
     # the simulator reads the refit: decode coefficients and the measured prefill rate
