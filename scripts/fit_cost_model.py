@@ -22,7 +22,7 @@ the refitted cost model, no noise) against the cell's measured decode seconds.
 simulator reads it (sim/hardware.refit_name: presets/<preset>-<P>.json, or the preset itself where it
 is P's own fit); --preset defaults to the one of the header's model (sim/hardware.preset_of_model).
 The profile must be the one the samples were measured on. Output JSON: k1, k2, k3, b3, k4 = 0,
-kv_capacity (the refitted preset's, else --kv-capacity, else the engine's), model, dtype, hardware,
+kv_capacity (--kv-capacity, else the refitted preset's, else the profiled engine's), model, dtype, hardware,
 torch, date, fit. Last line: that JSON. A bad file or flag: one line, exit 2.
 """
 
@@ -354,8 +354,14 @@ def main() -> int:
         f"R^2 {quality['r2']:.3f}; prefill {quality['prefill_tokens_per_s']:.0f} tok/s; on {hw}"
     )
     if out_path:  # written first, so the check below replays the file the simulator reads
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(out, indent=2) + "\n")
+        try:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(out, indent=2) + "\n")
+        except OSError as e:
+            print(
+                f"fit_cost_model: cannot write {out_path} ({e.strerror or e}): give a writable --out", file=sys.stderr
+            )
+            return 2
     sim_cost = load_cost_model(str(out_path)) if out_path else fit
     if quality["prefill_tokens_per_s"] > 0:
         check = check_with_simulator(sim_cost, header, steps, quality["prefill_tokens_per_s"])
