@@ -146,8 +146,10 @@ def _header(d: dict) -> SamplesHeader:
     if device == "cuda" and not gpu:
         raise ValueError("device is cuda but gpu (the device name) is missing")
     extra = d.get("extra", {})
-    if not isinstance(extra, dict):
-        raise ValueError(f"extra={extra!r} must be an object")
+    if not isinstance(extra, dict) or not all(
+        isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in extra.values()
+    ):
+        raise ValueError(f"extra={extra!r} must be an object of strings and numbers")
     load = d.get("load_average_1min", 0.0)
     if isinstance(load, bool) or not isinstance(load, (int, float)) or not math.isfinite(load) or load < 0:
         raise ValueError(f"load_average_1min={load!r} must be a number >= 0")
