@@ -62,7 +62,7 @@ def build_loop(
         label=mode,
     )
     settings = LoopSettings.from_config(
-        staleness, coordinator_cfg, steps, stall_s=stall_s, max_reward_failures=max_reward_failures
+        coordinator_cfg, steps, stall_s=stall_s, max_reward_failures=max_reward_failures
     )
     if tick_s is not None:
         settings = dataclasses.replace(settings, tick_s=tick_s)

@@ -49,6 +49,8 @@ class ControllerLoop:
         """listeners: a front end's own events (type -> handler) that its backend yields among the
         loop's (the runtime's Saved checkpoint and Evaluated held-out answers)."""
         self.s, self.coord, self.manager = settings, coordinator, coordinator.manager
+        self.spec = coordinator.manager.spec
+        """eta, B, B', N, N' (the protocol's StalenessSpec)."""
         self.ledger, self.backend, self.workload = ledger, backend, workload
         self.version = version
         """The trainer's version: the next buffer it trains."""
@@ -75,7 +77,7 @@ class ControllerLoop:
 
     # ---- prompts ---------------------------------------------------------------------------
     def submit_group(self, prompt) -> None:
-        draws = [self.workload.new_member() for _ in range(self.s.group_capacity)]
+        draws = [self.workload.new_member() for _ in range(self.spec.group_capacity)]
         g = self.ledger.new_group(prompt, [d[0] for d in draws], [d[1] for d in draws])
         plen = self.workload.prompt_len(prompt)
         self.coord.submit([TrajectoryItem(t, g.group_id, None, plen) for t in g.members])
@@ -83,7 +85,7 @@ class ControllerLoop:
 
     def refill(self) -> None:
         """Keep 2 * (eta + 1) * B' fresh groups queued: admission, never supply, limits the rollout."""
-        want = 2 * (self.s.eta + 1) * self.s.batch_capacity
+        want = 2 * (self.spec.eta + 1) * self.spec.capacity
         while len(self.unrouted) < want:
             self.submit_group(self.workload.next_prompt())
 
@@ -169,7 +171,7 @@ class ControllerLoop:
 
     def maybe_occupy(self, group_id: int) -> None:
         """Occupy once the group's N accepted finishers are all rewarded."""
-        members = self.ledger.rewarded_members(group_id, self.s.group_size)
+        members = self.ledger.rewarded_members(group_id, self.spec.group_size)
         if members is None or self.no_signal.replaces(group_id, members, self.version):
             return
         v = self.coord.on_rewarded(group_id)
@@ -284,14 +286,14 @@ class ControllerLoop:
             trained.sort(key=lambda t: t.traj_id)
             self._free([t.handle for t in surplus])
             self.group_tag.pop(gid, None)
-            if len(trained) != self.s.group_size or any(t.reward is None for t in trained):
+            if len(trained) != self.spec.group_size or any(t.reward is None for t in trained):
                 self.audit.violations.append(f"group {gid} consumed with {len(trained)} rewarded members")
             V = min(t.traj_version for t in trained)
-            if V <= v and v > V + self.s.eta and not self.manager.bounded:
+            if V <= v and v > V + self.spec.eta and not self.manager.bounded:
                 self.audit.over_eta += 1
-            elif not V <= v <= V + self.s.eta:
+            elif not V <= v <= V + self.spec.eta:
                 self.audit.bound_violations += 1
-                self.audit.violations.append(f"group {gid} V_traj {V} consumed in buffer {v} (eta {self.s.eta})")
+                self.audit.violations.append(f"group {gid} V_traj {V} consumed in buffer {v} (eta {self.spec.eta})")
             stale.append(v - V)
             samples[gid], prompts[gid] = trained[0].text, g.prompt
             batch.append(
