@@ -239,11 +239,11 @@ def test_controller_run_is_the_one_driver_front_end_events_go_to_listeners():
     with pytest.raises(TypeError, match="unexpected event object"):
         loop.run(until=lambda: False, timeout_s=5)
     loop.s = dataclasses.replace(loop.s, stall_s=3.0)
-    loop.hold_training = True  # a front end holding training (a checkpoint) is not a stall
-    with pytest.raises(LoopTimeout):
-        loop.run(until=lambda: False, timeout_s=10)
-    loop.hold_training = False
+    with pytest.raises(LoopTimeout):  # a front end holding training (a checkpoint) is not a stall
+        loop.run(until=lambda: False, timeout_s=10, hold_training=True)
     from staleflow.controller import Stalled
 
     with pytest.raises(Stalled, match="no trajectory finished and no step ran for 3 s"):
         loop.run(until=lambda: False, timeout_s=60)
+    with pytest.raises(Stalled, match="no step ran for 2 s"):  # a run's own limit (the job's, read every turn)
+        loop.run(until=lambda: False, timeout_s=60, stall_s=lambda: 2.0)

@@ -72,14 +72,6 @@ class StepRecord:
         return sum(sum(g.n_tokens) for g in self.groups)
 
 
-@dataclass
-class Audit:
-    violations: list[str] = field(default_factory=list)
-    bound_violations: int = 0
-    over_eta: int = 0
-    """Trained groups with staleness > eta under a protocol that does not bound it (the peers)."""
-
-
 class LoopTimeout(RuntimeError):
     """ControllerLoop.run waited longer than its timeout for its condition."""
 
