@@ -186,7 +186,7 @@ class ControllerLoop:
             return
         v = self.coord.on_rewarded(group_id)
         if v is not None:  # None: its window closed meanwhile; the coordinator aborts the group
-            self.ledger.occupy(group_id, v)
+            self.ledger.occupy(group_id)
 
     # ---- commands ------------------------------------------------------------------------------
     def execute(self, cmd) -> None:
@@ -234,7 +234,7 @@ class ControllerLoop:
         t = self.ledger.trajs[cmd.traj_id]
         g = self.ledger.groups[t.group_id]
         self.audit.route(g.group_id, t.traj_id, t.traj_version, cmd.traj_version)
-        t.instance, t.traj_version = cmd.instance, cmd.traj_version
+        t.traj_version = cmd.traj_version
         self.unrouted.discard(g.group_id)
         self.backend.route(
             msgspec.structs.replace(
