@@ -42,14 +42,6 @@ class BufferBook:
                 return v
         return None
 
-    def earliest_room(self, lo: int, hi: int) -> int | None:
-        """The earliest buffer in [lo, hi) with room."""
-        full = self.full
-        for v in range(lo, hi):
-            if v not in full:
-                return v
-        return None
-
     def is_ready(self, v: int) -> bool:
         b = self.buffers.get(v)
         return b is not None and len(b.occupied) >= self.batch_size

@@ -83,8 +83,9 @@ def _rebuild(cls, d: dict):
     m.closed_version = d["closed_version"]
     m.book.load(d["buffers"])
     for rec in d["groups"]:
-        g = _Group(rec["group_id"], rec["traj_version"], rec["buffer"], rec["live"])
+        g = _Group(rec["group_id"], rec["traj_version"], rec["buffer"])
         g.occupied = rec["occupied"]
+        g.live = dict.fromkeys(rec["live"])
         g.done = dict.fromkeys(rec["done"])
         m._groups[g.group_id] = g
         for t in list(g.live) + list(g.done):

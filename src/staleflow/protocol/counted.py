@@ -169,7 +169,7 @@ class CountedBuffer:
                     f"group {group_id!r} at version {V} is not admissible now (check can_admit "
                     f"first; it waits in the Trajectory Server)"
                 )
-            g = self._groups[group_id] = _Group(group_id, V, None, (traj_id,))
+            g = self._groups[group_id] = _Group(group_id, V, None, traj_id)
             self._seq[group_id] = self._next_seq
             self._next_seq += 1
             self._admitted(g)

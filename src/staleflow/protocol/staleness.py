@@ -29,8 +29,8 @@ surplus (B' > B) is moved to the latest other buffer of its window with room, or
 
 from __future__ import annotations
 
-from staleflow.protocol import checkpoint
 from staleflow.protocol.buffers import BufferBook
+from staleflow.protocol.checkpoint import manager_from_state_dict, manager_state_dict, manager_stats, validate_manager
 from staleflow.protocol.types import _FAST_ID, BufferState, EntryState, ProtocolError, StalenessSpec, _check_id, _Group
 
 
@@ -115,7 +115,8 @@ class StalenessManager:
 
     def ready_version(self) -> int | None:
         """``version`` when buffer ``version`` is Ready (the trainer may consume it), else None."""
-        return self.version if self.book.is_ready(self.version) else None
+        b = self.book.buffers.get(self.version)  # (inlined BufferBook.is_ready: the trainer asks every turn)
+        return self.version if b is not None and len(b.occupied) >= self.batch_size else None
 
     def buffer_state(self, v: int) -> BufferState:
         if v < self.version:
@@ -200,13 +201,19 @@ class StalenessManager:
             return g.buffer
         if group_id in self._finished:
             raise ProtocolError(f"group {group_id!r} is already {self._finished[group_id]}; use a new group id")
-        v = self._window_room(V)
+        v = None
+        if V > self.closed_version:  # (inlined _window_room: the hot path of every dispatch)
+            full = self.book.full
+            for u in range(V + self.eta, (V if V > self.version else self.version) - 1, -1):
+                if u not in full:
+                    v = u
+                    break
         if v is None:
             raise ProtocolError(
                 f"traj_version {V} is not admissible: no buffer in [{V}, {V + self.eta}] has "
                 f"an EMPTY entry (check can_admit first; the trajectory waits)"
             )
-        self._groups[group_id] = self._trajs[traj_id] = _Group(group_id, V, v, (traj_id,))
+        self._groups[group_id] = self._trajs[traj_id] = _Group(group_id, V, v, traj_id)
         self.book.reserve(group_id, v)
         return v
 
@@ -244,8 +251,11 @@ class StalenessManager:
         lo = g.traj_version if g.traj_version > self.version else self.version
         if self.exchange and lo < v0:
             self._exchange(lo, v0)
-        v = self.book.earliest_room(lo, v0)  # greedy: the earliest buffer with a free required slot
-        v = v0 if v is None else v
+        v, full = v0, self.book.full
+        for cand in range(lo, v0):  # greedy: the earliest buffer with a free required slot
+            if cand not in full:
+                v = cand
+                break
         assert self.version <= v <= v0 <= g.traj_version + self.eta, (group_id, v, v0)
         self.book.release(group_id, v0)  # not Ready (no reservation survives in a Ready buffer)
         g.buffer, g.occupied = v, True
@@ -356,16 +366,16 @@ class StalenessManager:
     # ---- metrics, checkpoint, self-check (protocol/checkpoint.py) -------------------------------
     def stats(self) -> dict:
         """JSON-able metrics (per-buffer counts, in flight, aborts, occupy exchanges)."""
-        return checkpoint.manager_stats(self)
+        return manager_stats(self)
 
     def state_dict(self) -> dict:
         """JSON-able checkpoint; ``from_state_dict`` rebuilds an identical manager."""
-        return checkpoint.manager_state_dict(self)
+        return manager_state_dict(self)
 
     @classmethod
     def from_state_dict(cls, d: dict):
-        return checkpoint.manager_from_state_dict(cls, d)
+        return manager_from_state_dict(cls, d)
 
     def validate(self) -> None:
         """Recompute every derived structure from the group table; raise on any mismatch (tests)."""
-        checkpoint.validate_manager(self)
+        validate_manager(self)

@@ -66,12 +66,12 @@ class _Group:
 
     __slots__ = ("group_id", "traj_version", "buffer", "occupied", "live", "done")
 
-    def __init__(self, group_id, traj_version: int, buffer: int | None = None, live=()):
+    def __init__(self, group_id, traj_version: int, buffer: int | None = None, first=None):
         self.group_id = group_id
         self.traj_version = traj_version  # min V_traj over members: the group's window starts here
         self.buffer = buffer  # reserved (or occupied) buffer version; None = closed
         self.occupied = False
-        self.live: dict = dict.fromkeys(live)  # ids still generating (ordered set)
+        self.live: dict = {} if first is None else {first: None}  # ids still generating (ordered set)
         self.done: dict = {}  # ids that finished generation (ordered set)
 
 
