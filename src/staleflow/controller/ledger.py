@@ -88,14 +88,6 @@ class Ledger:
     def group_of(self, traj_id: int) -> Group:
         return self.groups[self.trajs[traj_id].group_id]
 
-    def fresh_groups(self) -> int:
-        """Live groups none of whose members has been routed yet (supply for admission)."""
-        return sum(
-            1
-            for g in self.groups.values()
-            if not g.occupied and all(self.trajs[t].traj_version is None for t in g.members)
-        )
-
     def rewarded_members(self, group_id: int, group_size: int) -> list[Traj] | None:
         """The group's N accepted finishers if all of them are rewarded, else None."""
         g = self.groups.get(group_id)

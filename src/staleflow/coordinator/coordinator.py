@@ -80,7 +80,6 @@ class Coordinator:
         self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first)
         self.ps_version = version
         self.live: dict[int, int] = {}  # traj_id -> group_id of every live trajectory (queued or in flight)
-        self.where: dict[int, int] = {}  # traj_id -> instance, while on an instance (placement)
         self.reserved: set[int] = set()  # live trajectories holding a reservation (= in flight)
         self.group_tag: dict[int, int] = {}  # group_id -> V_traj fixed at its first route
         self.members: dict[int, set[int]] = {}  # group_id -> its items still scheduled here (queued or in flight)
@@ -314,7 +313,6 @@ class Coordinator:
         self._dequeue(t)
         self.moved_off.pop(t, None)
         inst.add(t, item.tokens, now)
-        self.where[t] = inst.instance
         cmds.append(Route(t, inst.instance, V))
         self.counters["routes"] += 1
 
@@ -337,11 +335,18 @@ class Coordinator:
             if not self.queued_tagged[it.traj_version]:
                 del self.queued_tagged[it.traj_version]
 
+    def instance_of(self, traj_id: int) -> int:
+        """The instance holding the trajectory (-1: none); placement lives once, in InstanceState.trajs."""
+        for i, inst in self.instances.items():
+            if traj_id in inst.trajs:
+                return i
+        return -1
+
     def _detach(self, traj_id: int, now: float) -> int:
-        i = self.where.pop(traj_id, -1)
-        if i >= 0:
-            self.instances[i].remove(traj_id, now)
-        return i
+        for i, inst in self.instances.items():
+            if inst.remove(traj_id, now):
+                return i
+        return -1
 
     def _drop(self, traj_id: int, reason: str, now: float, out: list[Command] | None = None) -> None:
         """Forget one live trajectory and tell the runtime to stop it (manager already updated)."""
