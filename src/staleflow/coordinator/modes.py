@@ -243,7 +243,12 @@ def check_protocol(mode: str, manager) -> None:
     if mode not in MODE_TABLE and mode not in ALIASES:
         return
     spec = getattr(manager, "spec", None)
-    want = build_protocol(mode, spec) if isinstance(spec, StalenessSpec) else None
+    if not isinstance(spec, StalenessSpec):
+        raise ValueError(
+            f"the coordinator was given a {type(manager).__name__} without a StalenessSpec (.spec): build it with "
+            f"staleflow.coordinator.modes.protocol_for({mode!r}, staleness)"
+        )
+    want = build_protocol(mode, spec)
     if type(want) is not type(manager) or getattr(want, "exchange", None) != getattr(manager, "exchange", None):
         raise ValueError(
             f"mode {mode!r} runs protocol {type(want).__name__}"
