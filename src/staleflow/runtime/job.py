@@ -318,11 +318,7 @@ class TrainingJob:
         try:
             try:  # the running step finishes; nothing new starts
                 self.loop.run(
-                    until=lambda: not self.view.training,
-                    timeout_s=grace_s,
-                    what="the running training step",
-                    hold_training=True,
-                    dispatch=False,
+                    until=lambda: not self.view.training, timeout_s=grace_s, hold_training=True, dispatch=False
                 )
             except LoopTimeout:
                 print(
