@@ -12,7 +12,7 @@ import pytest
 from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.coordinator.types import Pull
 from staleflow.sim.backend import SimBackend
-from staleflow.sim.engine import SimInstance, SimTraj
+from staleflow.sim.engine import SimInstance, SimSequence
 from staleflow.sim.hardware import MODEL_SPECS, derive, train_attention_tokens2
 from staleflow.trajectory import TrainGroup
 
@@ -50,10 +50,10 @@ def test_chunked_prefill_keeps_decoding_while_a_new_trajectory_prefills():
 
     def one(chunk):
         inst = SimInstance(0, cost, prefill_tokens_per_s=1000.0, max_running=8, chunk_tokens=chunk)
-        inst.add(SimTraj(0, 0, 0, 10, 400))
+        inst.add(SimSequence(0, 0, 10, 400))
         inst.advance(1.0)  # the first one runs alone
         made = inst.tokens_out
-        inst.add(SimTraj(1, 0, 0, 3000, 50))  # a 3 s prefill arrives
+        inst.add(SimSequence(1, 0, 3000, 50))  # a 3 s prefill arrives
         inst.advance(3.0)
         return inst.tokens_out - made, inst
 
