@@ -113,7 +113,7 @@ def controller_outcome(e: BaseException, signum: int = 2) -> ControllerOutcome:
     act = fault_kind(e).action
     if act is SAVE_THEN_STOP:
         return ControllerOutcome(
-            f"staleflow: {e or 'interrupted'}; stopping the run", "interrupted", False, 128 + int(signum), False
+            f"staleflow: {str(e) or 'interrupted'}; stopping the run", "interrupted", False, 128 + int(signum), False
         )
     if act is SAVE_THEN_RESTART:
         return ControllerOutcome(f"staleflow: {e}; stopping the run", str(e), True, act.exit_code, False)

@@ -30,7 +30,7 @@ from staleflow.cluster.topology import Topology
 from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
 from staleflow.control.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
 from staleflow.control.sockets import ControlClient, ControllerGone, control_address
-from staleflow.faults import rank_outcome, start_outcome
+from staleflow.faults import RankOutcome, rank_outcome, start_outcome
 from staleflow.launch import dist as rankdist
 from staleflow.launch.lifeline import tie_to_agent
 from staleflow.presets import PRESETS
@@ -264,7 +264,7 @@ def run_rank(
     pulse = Pulse(
         lambda: ControlClient(endpoint, rank, secure=secure, pulse=True), rank, lambda: ctx.progress()
     ).start()
-    ok, reason, fatal, hung, failed_code = True, "", False, False, 1
+    ok, reason, hung, failed_code = True, "", False, 1
     worker = None
     try:
         model, weights, info = _load_model_info(ctx)
@@ -285,15 +285,8 @@ def run_rank(
         ok, reason = rank != 0 and (on_home or not e.restart), f"stopped: {e}"
         hung = e.controller_hung
     except (Exception, KeyboardInterrupt) as e:  # the fault table (faults.py): one line to the controller
-        said = rank_outcome(e)
-        ok, reason, fatal, failed_code = False, said.reason, said.fatal, said.code
-        if said.traceback:  # bad input is said in one line (by the controller), a bug with its traceback
-            traceback.print_exc()
-        if said.report:
-            try:
-                client.send(Failure(rank=rank, error=reason, fatal=fatal), timeout_s=5.0)
-            except ControllerGone:
-                pass
+        said = report_failure(e, client, rank)
+        ok, reason, failed_code = False, said.reason, said.code
     finally:
         try:
             pulse.stop()
@@ -320,6 +313,20 @@ def run_rank(
     if not ok and rank == 0 and reason:
         print(f"staleflow: rank {rank}: {reason}", file=sys.stderr, flush=True)
     return code
+
+
+def report_failure(e: BaseException, client, rank: int) -> RankOutcome:
+    """A rank's answer to an exception out of its loop, as the fault table says (faults.rank_outcome):
+    a bug's traceback to the log, and Failure (fatal or not) to the controller, which names it."""
+    said = rank_outcome(e)
+    if said.traceback:  # bad input is said in one line (by the controller), a bug with its traceback
+        traceback.print_exception(e)
+    if said.report:
+        try:
+            client.send(Failure(rank=rank, error=said.reason, fatal=said.fatal), timeout_s=5.0)
+        except ControllerGone:
+            pass
+    return said
 
 
 def _finish_controller(controller, run_id: str, code: int, wait_s: float = 60.0) -> int:
