@@ -187,3 +187,24 @@ def test_error_classes_declare_their_kind_by_subclassing_and_the_table_imports_n
     for cls in (ConfigError, DataError, ModelLoadError, AliasError, CheckpointError, FatalFailure, RewardsFailing):
         assert issubclass(cls, faults.BadInput)
     assert issubclass(RankDied, faults.RankLost) and issubclass(Stalled, faults.Stuck)
+
+
+def test_the_job_saves_first_for_exactly_the_save_first_kinds():
+    """``save_first`` is acted on by the training job (runtime/job.py): the exceptions whose handler
+    there calls save_before_stop are exactly those of the kinds whose action saves first."""
+    import ast
+    import builtins
+    from pathlib import Path
+
+    from staleflow.runtime import job
+
+    saving = set()
+    for node in ast.walk(ast.parse(Path(job.__file__).read_text())):
+        if isinstance(node, ast.ExceptHandler) and node.type is not None:
+            calls = {getattr(c.func, "attr", "") for c in ast.walk(node) if isinstance(c, ast.Call)}
+            if "save_before_stop" in calls:
+                types = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+                saving |= {getattr(job, t.id, None) or getattr(builtins, t.id) for t in types}
+    assert saving and all(faults.fault_kind(cls("x")).action.save_first for cls in saving)
+    first = {k.cls for k in faults.TABLE if k.action.save_first}
+    assert all(any(issubclass(c, k) for c in saving) for k in first)
