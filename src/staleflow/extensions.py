@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from staleflow.config.sections import ConfigError
+from staleflow.faults import ConfigError
 
 T = TypeVar("T")
 IMPORT_PATH = "'package.module:name'"

@@ -133,7 +133,7 @@ class Topology:
 
 def gather_topology(roles: Roles, node_rank: int, local_rank: int, addr: str) -> Topology:
     """Every rank's (node, local rank, bind address), gathered over the world group (a collective)."""
-    from staleflow.launch.dist import all_gather_json
+    from staleflow.cluster.exchange import all_gather_json
 
     got = all_gather_json([int(node_rank), int(local_rank), str(addr)])
     addrs = {}

@@ -9,9 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the flag, the value and the fix."""
+from staleflow.faults import ConfigError  # the fault every layer raises for a bad value (re-exported)
 
 
 def _check(ok: bool, flag: str, value, need: str) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from staleflow.controller.backend import TrainDone
+from staleflow.faults import BadInput, Stuck
 from staleflow.trajectory import TrainGroup
 
 
@@ -76,9 +77,10 @@ class LoopTimeout(RuntimeError):
     """ControllerLoop.run waited longer than its timeout for its condition."""
 
 
-class Stalled(RuntimeError):
-    """The loop made no progress for its stall_s."""
+class Stalled(Stuck):
+    """The loop made no progress for its stall_s (a restart from the newest checkpoint: faults.py)."""
 
 
-class RewardsFailing(RuntimeError):
-    """Too many consecutive reward calls failed: the reward function is broken, not unlucky."""
+class RewardsFailing(BadInput, RuntimeError):
+    """Too many consecutive reward calls failed: the reward function is broken, not unlucky (fatal:
+    a restart would fail the same way, faults.py)."""

@@ -185,7 +185,7 @@ def peer_knobs(mode: str, coordinator_cfg) -> dict:
     >>> peer_knobs("verl-fully-async", CoordinatorConfig(staleness_threshold=0.0, trigger_sync_steps=3))
     {'staleness_threshold': 0.0, 'trigger_sync_steps': 3}
     """
-    from staleflow.config.sections import ConfigError
+    from staleflow.faults import ConfigError
 
     m = mode_of(mode)
     allowed = PEER_OPTIONS.get(m.protocol, ())

@@ -23,9 +23,9 @@ from staleflow.controller import Ledger, LoopTimeout, StepRecord
 from staleflow.controller.build import build_loop
 from staleflow.coordinator import load_cost_model
 from staleflow.durable import DiskError
-from staleflow.launch.resume import read_ids, write_ids
 from staleflow.metrics.progress import ProgressDisplay
 from staleflow.metrics.writer import MetricsWriter, save_config
+from staleflow.runfolder.run_dir import read_ids, write_ids
 from staleflow.runtime.backend import RuntimeBackend, RuntimeWorkload
 from staleflow.runtime.evaluation import eval_line, gain_line
 
