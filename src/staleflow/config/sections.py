@@ -51,8 +51,8 @@ class RolloutConfig:
     ranks: int = 2
     """Number of rollout ranks (the last ranks of the torchrun world); the others train."""
     engine: str = "builtin"
-    """Rollout engine: a registered backend (builtin: pure PyTorch; docs/engine.md lists the others)
-    or 'package.module:Name', a fork's backend class (docs/extending.md)."""
+    """Rollout engine: a registered backend (builtin, pure PyTorch, the default; docs/extending.md lists
+    them all) or 'package.module:Name', a fork's backend class (docs/extending.md)."""
     max_running: int = 64
     """Cap on concurrently running requests per instance."""
     max_kv_tokens: int = 65536
