@@ -91,7 +91,13 @@ def test_engine_registry_flag_parses_any_spec_and_check_refuses_a_bad_one(tmp_pa
     from staleflow.launch import check
     from staleflow.presets import PRESETS
 
-    cfg = parse(RunConfig, ["--preset", "tiny", "--rollout.engine", LOCKSTEP], PRESETS, default="smollm2-cpu", prog="staleflow train")
+    cfg = parse(
+        RunConfig,
+        ["--preset", "tiny", "--rollout.engine", LOCKSTEP],
+        PRESETS,
+        default="smollm2-cpu",
+        prog="staleflow train",
+    )
     assert cfg.rollout.engine == LOCKSTEP
     code = check.main(["--preset", "tiny", "--log.run-dir", str(tmp_path), "--rollout.engine", "my_fork.engine:Fast"])
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
