@@ -222,6 +222,14 @@ def test_engine_registry_lockstep_samples_what_the_builtin_engine_samples():
     assert aborted.finish_reason == "abort" and aborted.output_ids == [] and not lock.has_unfinished()
 
 
+def test_engine_registry_lockstep_command_is_the_documented_one():
+    from test_examples import documented
+
+    (cmd,) = documented("lockstep_engine.py")
+    guide = " ".join((ROOT / "docs" / "extending.md").read_text().split())
+    assert cmd == f"./launch.sh --preset tiny --rollout.engine {LOCKSTEP}" and cmd in guide
+
+
 @pytest.mark.slow
 def test_engine_registry_lockstep_trains_the_tiny_model(tmp_path):
     """The documented command, two steps: each rollout rank built the fork's engine, which admitted
