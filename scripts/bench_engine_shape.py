@@ -65,9 +65,9 @@ def build_model(args, device: str, dtype: torch.dtype, seed: int = 0):
 
 def plan_row(args, rc, device: str) -> dict:
     from staleflow.config import RunConfig
-    from staleflow.plan.estimate import builtin_rollout_rank
+    from staleflow.plan.estimate import rollout_rank
 
-    plan = builtin_rollout_rank(RunConfig(rollout=rc), args, 0, device)
+    plan = rollout_rank(RunConfig(rollout=rc), args, 0, device)
     items = {k: round(v / GiB, 3) for k, v in plan.items.items()}
     return {"items_gib": items, "gib_without_contexts": round((plan.steady - plan.items.get("contexts", 0)) / GiB, 3)}
 

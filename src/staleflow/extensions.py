@@ -1,7 +1,7 @@
 """Extension points: one registry per kind of pluggable object, resolved and checked once at start-up.
 
 Each kind (loss, advantage estimator, off-policy correction, routing strategy, pull policy, data
-source, reward) has ONE ``Registry``: registered name -> object, plus import paths. The built-ins
+source, reward, rollout engine) has ONE ``Registry``: registered name -> object, plus import paths. The built-ins
 register themselves in it, so a research fork's object is found, checked and called on the same
 path as a built-in::
 

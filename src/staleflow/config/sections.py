@@ -48,8 +48,9 @@ class RolloutConfig:
 
     ranks: int = 2
     """Number of rollout ranks (the last ranks of the torchrun world); the others train."""
-    engine: Literal["builtin", "vllm"] = "builtin"
-    """Rollout engine: builtin (pure PyTorch) or vllm (optional extra staleflow[vllm])."""
+    engine: str = "builtin"
+    """Rollout engine: a registered backend (builtin, pure PyTorch, the default; docs/extending.md lists
+    them all) or 'package.module:Name', a fork's backend class (docs/extending.md)."""
     max_running: int = 64
     """Cap on concurrently running requests per instance."""
     max_kv_tokens: int = 65536

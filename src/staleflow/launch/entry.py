@@ -30,6 +30,7 @@ from staleflow.cluster.topology import Topology
 from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
 from staleflow.control.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
 from staleflow.control.sockets import ControlClient, ControllerGone, control_address
+from staleflow.engines import engine_backend
 from staleflow.faults import RankOutcome, rank_outcome, start_outcome
 from staleflow.launch import dist as rankdist
 from staleflow.launch.lifeline import tie_to_agent
@@ -138,12 +139,12 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology
 
 
 def _load_model_info(ctx: RankContext) -> tuple[object, object, dict]:
-    """(model, weights, info). A rollout rank's copy of the model on its device (a vLLM rollout
-    rank loads none: vLLM does). A trainer rank's model on the meta device with a stream of its
+    """(model, weights, info). A rollout rank's copy of the model on its device (none when its engine
+    backend loads its own: rank_loads_model). A trainer rank's model on the meta device with a stream of its
     weights: the trainer shards it first and keeps only its own rows (Trainer(..., weights=...))."""
     from staleflow.model import lazy_model
 
-    if ctx.role == "rollout" and ctx.cfg.rollout.engine == "vllm" and not ctx.cfg.smoke:
+    if ctx.role == "rollout" and not engine_backend(ctx.cfg).rank_loads_model and not ctx.cfg.smoke:
         return None, None, {"model": ctx.cfg.model.path, "params": 0, "load_s": 0.0, "device": ctx.device}
     t0 = time.perf_counter()
     weights = None
@@ -215,7 +216,7 @@ def run_rank(
     rankdist.init_world(roles.world_size, rank)
     topo = _topology(roles, env)
     try:
-        topo.validate(cfg.rollout.engine)
+        topo.validate(engine_backend(cfg))
     except ConfigError as e:  # every rank sees the same topology: all stop, rank 0 says why
         if rank == 0:
             print(f"staleflow: config error: {e}", file=sys.stderr, flush=True)
