@@ -27,10 +27,10 @@ python -m staleflow.launch.torchrun --nnodes 1 --nproc_per_node "$NPROC" --rdzv-
   --rdzv-endpoint "127.0.0.1:$port" --local-addr 127.0.0.1 --rdzv-id "$run_id" \
   --max-restarts "${STALEFLOW_MAX_RESTARTS:-3}" -m staleflow train "$@" &
 pid=$!
-trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid" || true; python -m staleflow.launch.resume "$run_id" || true; exit 143' TERM
-trap 'kill -INT "$pid" 2>/dev/null; wait "$pid" || true; python -m staleflow.launch.resume "$run_id" || true; exit 130' INT
+trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid" || true; python -m staleflow.runfolder.elastic "$run_id" || true; exit 143' TERM
+trap 'kill -INT "$pid" 2>/dev/null; wait "$pid" || true; python -m staleflow.runfolder.elastic "$run_id" || true; exit 130' INT
 code=0
 wait "$pid" || code=$?
 # A run that stopped on bad input exits its ranks with 0 (no restart can help); it says so here.
-python -m staleflow.launch.resume "$run_id" || exit $?
+python -m staleflow.runfolder.elastic "$run_id" || exit $?
 exit "$code"

@@ -27,12 +27,13 @@ from staleflow.config import CoordinatorConfig
 from staleflow.coordinator import Coordinator, InstanceSnapshot, TrajectoryItem, load_cost_model
 from staleflow.coordinator.modes import apply_mode
 from staleflow.metrics.hardware import cpu_name
+from staleflow.protocol import StalenessSpec
 from staleflow.protocol.staleness import StalenessManager
 
 
 def build(mode: str, cfg: CoordinatorConfig, args, rng: random.Random):
     cost = load_cost_model("qwen2.5-32b-tp2")
-    m = StalenessManager(eta=3, batch_size=1_000_000, group_size=1)
+    m = StalenessManager(StalenessSpec(eta=3, batch_size=1_000_000, group_size=1))
     m.version = 3  # versions 0..3 exist (the trainer consumed three buffers)
     now = [0.0]
     cfg, _ = apply_mode(mode, cfg)

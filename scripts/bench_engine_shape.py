@@ -18,6 +18,11 @@ validated by the engine's own checks (``validate_configs``); ``--validate`` stop
 GPU: scripts/device_check.sh --dry-run runs the step's exact command with it. After each
 configuration the engine is released (its KV cache and graph pool freed: gc + empty_cache) and the
 memory still allocated is recorded (``left_gib``) before the next one is built.
+
+``--cost-samples FILE`` then profiles the first configuration over a sweep of cells (``--cost-cells``,
+n sequences x prompt tokens, ``--cost-decode-steps`` each; no cell starts after ``--cost-budget-s``)
+and writes every engine step to FILE in the cost-samples format (staleflow/sim/cost_samples.py), which
+``scripts/fit_cost_model.py --samples FILE --profile <gpu>`` refits (device check step 8).
 """
 
 from __future__ import annotations
@@ -60,9 +65,9 @@ def build_model(args, device: str, dtype: torch.dtype, seed: int = 0):
 
 def plan_row(args, rc, device: str) -> dict:
     from staleflow.config import RunConfig
-    from staleflow.plan.estimate import builtin_rollout_rank
+    from staleflow.plan.estimate import rollout_rank
 
-    plan = builtin_rollout_rank(RunConfig(rollout=rc), args, 0, device)
+    plan = rollout_rank(RunConfig(rollout=rc), args, 0, device)
     items = {k: round(v / GiB, 3) for k, v in plan.items.items()}
     return {"items_gib": items, "gib_without_contexts": round((plan.steady - plan.items.get("contexts", 0)) / GiB, 3)}
 
@@ -176,6 +181,42 @@ def run_config(model, args, rc, prompts, new_tokens: int, backend: str, graphs: 
     }
 
 
+def cost_sweep_cells(args, margs, errors: list[str]) -> list | None:
+    """--cost-samples' cells (parse_cells of scripts/fit_cost_model.py), checked without a device: they parse and their
+    KV fits the model's context; a problem is appended to ``errors``."""
+    if not args.cost_samples:
+        return None
+    from fit_cost_model import parse_cells
+
+    default = (
+        "1x64,16x2048,256x64,8x64,32x64,128x64,48x2048"
+        if args.device == "cuda"
+        else "1x32,4x32,16x32,48x32,4x256,16x256"
+    )
+    try:
+        cells = parse_cells(args.cost_cells or default, args.cost_decode_steps)
+    except ValueError as e:
+        errors.append(f"--cost-cells: {e}")
+        return None
+    longest = max(p + d for _, p, d in cells) + 16
+    if longest > margs.max_position_embeddings:
+        errors.append(f"--cost-cells: a {longest}-token sequence exceeds the model's {margs.max_position_embeddings}")
+    return cells
+
+
+def record_sweep(model, args, config, cells) -> dict:
+    """The cost-model sweep on the first configuration; an error is a result, the benchmark's numbers stand."""
+    from fit_cost_model import record_cost_samples
+
+    backend, graphs = config
+    try:
+        return record_cost_samples(model, args.cost_samples, cells, model_name=args.model, backend=backend,
+                                   graphs=graphs, budget_s=args.cost_budget_s,
+                                   source="scripts/bench_engine_shape.py --cost-samples")  # fmt: skip
+    except Exception as e:
+        return {"path": args.cost_samples, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="Qwen/Qwen2.5-7B-Instruct", help="architecture (bundled name, alias or folder)")
@@ -187,6 +228,11 @@ def main() -> int:
     ap.add_argument("--validate", action="store_true", help="resolve and validate the configurations, build nothing")
     ap.add_argument("--hidden", type=int, default=0, help="shrink the model (CPU smoke): hidden size")
     ap.add_argument("--layers", type=int, default=0, help="shrink the model: decoder layers")
+    ap.add_argument("--cost-samples", default="", help="then write a cost-model sweep's steps here (JSON lines)")
+    ap.add_argument("--cost-cells", default="", help="SEQUENCESxPROMPT,... (default: 7 cells up to 256 sequences "
+                    "and 48 x 2048 prompt tokens on CUDA, up to 48 x 256 on CPU)")  # fmt: skip
+    ap.add_argument("--cost-decode-steps", type=int, default=8)
+    ap.add_argument("--cost-budget-s", type=float, default=25.0, help="no sweep cell starts after this long")
     args = ap.parse_args()
     from staleflow.config import RolloutConfig
     from staleflow.plan.architecture import model_args
@@ -213,6 +259,13 @@ def main() -> int:
     configs = parse_configs(args.configs or default_configs(args.device))
     errors = validate_configs(configs, margs, rc, args.device)
     names = [f"{b}{'+graphs' if g else ''}" for b, g in configs]
+    cost_cells = cost_sweep_cells(args, margs, errors)
+    if cost_cells:
+        from fit_cost_model import kv_tokens_needed
+
+        kv = kv_tokens_needed(cost_cells, block)
+        kv_gib = kv * margs.num_layers * 2 * margs.num_kv_heads * margs.head_dim * (2 if cuda else 4) / GiB
+        names.append(f"cost-samples {len(cost_cells)} cells ({kv} KV tokens, {kv_gib:.1f} GiB)")
     if args.validate or errors:
         print(json.dumps({"validated": names, "device": args.device, "errors": errors, "ok": not errors}))
         for e in errors:
@@ -229,6 +282,7 @@ def main() -> int:
             runs.append(run_config(model, margs, rc, prompts, args.new_tokens, backend, graphs, args.device))
         except Exception as e:  # one configuration failing is a result, not the end of the table
             runs.append({"backend": backend, "cuda_graphs": graphs, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    cost = record_sweep(model, args, configs[0], cost_cells) if cost_cells else None
     base = next((r for r in runs if "error" not in r), None)
     plan = plan_row(margs, rc, args.device)
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
@@ -265,6 +319,9 @@ def main() -> int:
         "peak_vs_plan": round(max(peaks) / plan["gib_without_contexts"], 3) if peaks else None,
         "ok": bool(runs) and all("error" not in r and r["decode_tok_s"] > 0 for r in runs),
     }
+    if cost is not None:
+        out["cost_samples"] = cost
+        out["ok"] = out["ok"] and "error" not in cost
     print(json.dumps(out), flush=True)
     return 0 if out["ok"] else 1
 

@@ -17,11 +17,11 @@ import platform
 import sys
 import time
 
-from staleflow.protocol import StalenessManager
+from staleflow.protocol import StalenessManager, StalenessSpec
 
 
 def run_manager(n: int, eta: int, batch_size: int, capacity: int) -> tuple[float, float, int]:
-    m = StalenessManager(eta=eta, batch_size=batch_size, capacity=capacity)
+    m = StalenessManager(StalenessSpec(eta=eta, batch_size=batch_size, capacity=capacity))
     fifo = collections.deque()
     aborted = set()
     gid = 0

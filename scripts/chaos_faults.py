@@ -190,7 +190,7 @@ def planted_shm(run: Run) -> None:
     """A file planted in /dev/shm under the name of the run's first Parameter Server slot as soon
     as the run id is known (rank 0's claimed folder), holding a pickle payload: the trainer must
     refuse the name in one line; nothing may read the payload."""
-    from staleflow.launch.cleanup import OWNER_FILE, RUN_FOLDER_PREFIX
+    from staleflow.runfolder.scratch import OWNER_FILE, RUN_FOLDER_PREFIX
     from staleflow.servers.segment import segment_path
 
     before = set(Path(tempfile.gettempdir()).glob(RUN_FOLDER_PREFIX + "*"))

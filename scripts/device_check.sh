@@ -15,7 +15,9 @@
 #   call benchmark (limits 290 s)
 #     7 kernel_bench   the log-prob kernel at the 7B shape (16k x 3584 x 152064) vs the verl-style chunked path
 #     8 engine_7b      the built-in engine at Qwen2.5-7B shape, random bf16 weights, 64 x (1024 + 128):
-#                      triton, triton + CUDA graphs, gather (scripts/bench_engine_shape.py)
+#                      triton, triton + CUDA graphs, gather (scripts/bench_engine_shape.py); then a cost-model
+#                      sweep on triton (7 cells, n 1-256, KV up to 99k tokens, ~10 s) into $OUT/cost_samples.jsonl,
+#                      which scripts/fit_cost_model.py --samples ... --profile h100|h200 refits
 #     9 trainer_7b     2 decoder layers at 7B width, 16k-token micro-batches (scripts/bench_trainer_shape.py)
 #
 #   bash scripts/device_check.sh correctness          # on the GPU machine, one call of the run tool
@@ -197,7 +199,7 @@ print(f"\n{'step':>4}  {'name':<15} {'status':<8} {'seconds':>7} {'limit':>5}  k
 for r in rows:
     d = r["detail"]
     keys = [k for k in ("torch", "cuda", "kernel", "sandbox", "mm_out_dtype", "pulls", "steps", "peak_gib",
-                        "plan_gib", "peak_vs_plan", "tokens_per_s", "error", "skipped") if k in d]
+                        "plan_gib", "peak_vs_plan", "tokens_per_s", "cost_samples", "error", "skipped") if k in d]
     text = ", ".join(f"{k}={json.dumps(d[k])[:60]}" for k in keys)
     left = r["runner"].get("left")
     if left:
@@ -259,7 +261,7 @@ benchmark() {
     step 7 kernel_bench 70 -- "$PY" scripts/bench_kernels.py --shapes 16384x3584x152064 --reps 2 \
         --skip naive,chunked-train
     step 8 engine_7b 130 -- "$PY" scripts/bench_engine_shape.py --batch 64 --prompt 1024 --new-tokens 128 \
-        --configs "$ENGINE_CONFIGS"
+        --configs "$ENGINE_CONFIGS" --cost-samples "$OUT_DIR/cost_samples.jsonl"
     step 9 trainer_7b 90 -- "$PY" scripts/bench_trainer_shape.py --layers 2 --micro-batch-tokens 16384 --len 1024
 }
 

@@ -18,7 +18,7 @@ from test_faults import _env, _leaked, _shm, _titled, _wait_for_step, launch
 from test_launch import _kill_group, _tagged_processes, _wait_gone
 
 from staleflow.config import ConfigError
-from staleflow.launch import run_lock
+from staleflow.runfolder import lock as run_lock
 
 AGENT_DEATH_BOUND_S = 120  # SIGTERM to every rank; the trainer may take its 20 s grace to save
 
@@ -74,7 +74,7 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_ones(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys,time; from staleflow.launch import run_lock; "
+            "import sys,time; from staleflow.runfolder import lock as run_lock; "
             "run_lock.lock_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(60)",
             str(run),
         ],

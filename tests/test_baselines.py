@@ -15,7 +15,7 @@ from staleflow.controller import Finished, Published, PullDone, TrainDone
 from staleflow.controller.build import build_loop
 from staleflow.coordinator import CostModel, Interrupt, Pull, Route, apply_mode, build_protocol
 from staleflow.coordinator.modes import BASELINES, mode_of
-from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessManager, VerlAsyncBuffer
+from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessManager, StalenessSpec, VerlAsyncBuffer
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
 
@@ -31,7 +31,7 @@ def finish(m, gid):
 
 # ---- areal: StalenessManager.get_capacity and wait_results -------------------------------------------
 def test_baseline_areal_admission_is_accepted_plus_running_below_eta_v_plus_1_times_b():
-    m = AReaLBuffer(eta=1, batch_size=2)
+    m = AReaLBuffer(StalenessSpec(eta=1, batch_size=2))
     for g in range(4):  # (eta + v + 1) * B = 4 groups at v = 0
         assert m.can_admit(0)
         start(m, g)
@@ -49,7 +49,7 @@ def test_baseline_areal_admission_is_accepted_plus_running_below_eta_v_plus_1_ti
 
 
 def test_baseline_areal_concurrency_cap_and_batches_of_the_earliest_started_completed_groups():
-    m = AReaLBuffer(eta=3, batch_size=2, max_concurrent=3)
+    m = AReaLBuffer(StalenessSpec(eta=3, batch_size=2), max_concurrent=3)
     for g in range(3):
         start(m, g)
     assert not m.can_admit(0)  # the cap binds before the staleness formula (8 groups)
@@ -64,7 +64,7 @@ def test_baseline_areal_concurrency_cap_and_batches_of_the_earliest_started_comp
 
 
 def test_baseline_areal_trains_a_group_beyond_eta_and_counts_it():
-    m = AReaLBuffer(eta=1, batch_size=1)
+    m = AReaLBuffer(StalenessSpec(eta=1, batch_size=1))
     start(m, "slow")
     start(m, "a")
     finish(m, "a")
@@ -81,7 +81,7 @@ def test_baseline_areal_trains_a_group_beyond_eta_and_counts_it():
 
 # ---- verl fully-async: the staleness_threshold window counter -----------------------------------------
 def test_baseline_verl_fully_async_window_counter_resets_to_the_carry_over():
-    m = VerlAsyncBuffer(eta=1, batch_size=2, staleness_threshold=0.5, n_instances=4)
+    m = VerlAsyncBuffer(StalenessSpec(eta=1, batch_size=2), staleness_threshold=0.5, n_instances=4)
     assert (m.max_required, m.max_queue, m.max_concurrent) == (3, 3, 3)  # int(2 * 1.5); min(16 * 4, 3)
     for g in range(3):
         start(m, g)
@@ -99,17 +99,17 @@ def test_baseline_verl_fully_async_window_counter_resets_to_the_carry_over():
 
 
 def test_baseline_verl_fully_async_matched_eta_is_s_equals_eta():
-    m = build_protocol("verl-fully-async", eta=2, batch_size=4, n_instances=2)
+    m = build_protocol("verl-fully-async", StalenessSpec(eta=2, batch_size=4), n_instances=2)
     assert isinstance(m, VerlAsyncBuffer) and m.staleness_threshold == 2.0 and m.max_required == 12
     with pytest.raises(ProtocolError, match="batch redundancy"):
-        build_protocol("verl-fully-async", eta=2, batch_size=4, capacity=5)
+        build_protocol("verl-fully-async", StalenessSpec(eta=2, batch_size=4, capacity=5))
 
 
 def test_baseline_modes_name_their_protocols_and_aliases_resolve():
-    assert isinstance(build_protocol("areal", 1, 2), AReaLBuffer)
-    assert isinstance(build_protocol("sync", 0, 2), StalenessManager)
-    assert build_protocol("staleflow-no-exchange", 1, 2).exchange is False
-    assert build_protocol("staleflow", 1, 2).exchange is True
+    assert isinstance(build_protocol("areal", StalenessSpec(1, 2)), AReaLBuffer)
+    assert isinstance(build_protocol("sync", StalenessSpec(0, 2)), StalenessManager)
+    assert build_protocol("staleflow-no-exchange", StalenessSpec(1, 2)).exchange is False
+    assert build_protocol("staleflow", StalenessSpec(1, 2)).exchange is True
     assert [mode_of(m).peer for m in BASELINES] == ["verl", "verl", "verl", "areal"]
     assert mode_of("one-step-off").name == "verl-one-step-off" and mode_of("verl-sync").colocated
 
@@ -190,7 +190,7 @@ def test_baseline_verl_one_step_off_batch_k_plus_1_uses_the_weights_before_step_
 
 def test_baseline_verl_sync_generates_then_trains_then_updates():
     loop, be = loop_of("verl-sync", n_inst=2, eta=3, B=2)
-    assert loop.s.eta == 0
+    assert loop.spec.eta == 0
     step(loop, be)
     batch = routes(be)
     assert len(batch) == 2
@@ -210,7 +210,7 @@ def test_baseline_runs_in_the_simulator_through_the_shared_loop(mode):
 
     cfg = tiny_sim()
     loop, _, _ = build(cfg, mode, 2)
-    assert type(loop.manager) is type(build_protocol(mode, 2, 3))
+    assert type(loop.manager) is type(build_protocol(mode, StalenessSpec(2, 3)))
     r = run(cfg, mode, 2)
     assert r.violations == [] and r.steps_done == 8
     if mode == "verl-sync":

@@ -56,15 +56,20 @@ def test_bench_decode_step_compares_mirror_and_sampler_paths():
 def test_fit_cost_model_output_is_a_loadable_cost_model(tmp_path):
     """The documented workflow: fit on this machine, hand the JSON to --coordinator.cost-model."""
     from staleflow.coordinator.cost_model import load_cost_model
+    from staleflow.rollout.engine import CostSample
+    from staleflow.sim.cost_samples import SamplesHeader, SamplesWriter, Step
 
     k1, k2, k3, k4 = 2e-5, 3e-3, 4e-3, 5e-2
-    lines = []
-    for n in (1, 4, 8, 16, 32, 48):
-        for kv in (100, 2000, 8000):
-            lat = k1 * kv * n + max(k2, k3 * n) + k4
-            lines.append(json.dumps({"n_running": n, "kv_tokens": kv * n, "prefill_tokens": 0, "latency_s": lat}))
+    cells = [(n, kv, 2) for n in (1, 4, 8, 16, 32, 48) for kv in (100, 2000, 8000)]
     samples = tmp_path / "samples.jsonl"
-    samples.write_text("\n".join(lines) + "\n")
+    header = SamplesHeader(
+        device="cpu", model="tiny-llama", dtype="float32", torch="x", cells=cells, max_kv_tokens=32768
+    )
+    writer = SamplesWriter(samples, header)
+    for i, (n, kv, _) in enumerate(cells):
+        lat = k1 * kv * n + max(k2, k3 * n) + k4
+        writer.write([Step(i, CostSample(n, kv * n, 0, lat))])
+    writer.close()
     out = tmp_path / "fit.json"
     printed = run_script("fit_cost_model.py", "--samples", str(samples), "--out", str(out))
     model = load_cost_model(str(out))

@@ -202,7 +202,7 @@ def test_recipe_dapo_refill_replaces_all_equal_groups_under_the_protocol():
             g.group_id
             for g in loop.ledger.groups.values()
             if loop.manager.group_info(g.group_id)["buffer_version"] == 0
-            and all(loop.ledger.trajs[t].instance is not None for t in g.members)
+            and all(loop.ledger.trajs[t].traj_version is not None for t in g.members)
         )
         members = loop.ledger.groups[gid].members
         deliver(loop, be, *[Finished(t, 0, f"rec-{t}", 4) for t in members])

@@ -148,8 +148,9 @@ def test_resume_merges_given_flags_into_the_saved_config_and_refuses_a_new_model
 
     from staleflow.config import config_from_dict, resolve
     from staleflow.config.parse import given_flags
-    from staleflow.launch.resume import merge_resume_config, supersede_after
+    from staleflow.launch.resume import merge_resume_config
     from staleflow.presets import PRESETS
+    from staleflow.runfolder.run_dir import supersede_after
 
     saved = resolve(dataclasses.replace(PRESETS["tiny"](), steps=4))
     assert config_from_dict(RunConfig, json.loads(json.dumps(dataclasses.asdict(saved)))) == saved

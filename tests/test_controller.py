@@ -239,11 +239,51 @@ def test_controller_run_is_the_one_driver_front_end_events_go_to_listeners():
     with pytest.raises(TypeError, match="unexpected event object"):
         loop.run(until=lambda: False, timeout_s=5)
     loop.s = dataclasses.replace(loop.s, stall_s=3.0)
-    loop.hold_training = True  # a front end holding training (a checkpoint) is not a stall
-    with pytest.raises(LoopTimeout):
-        loop.run(until=lambda: False, timeout_s=10)
-    loop.hold_training = False
+    with pytest.raises(LoopTimeout):  # a front end holding training (a checkpoint) is not a stall
+        loop.run(until=lambda: False, timeout_s=10, hold_training=True)
     from staleflow.controller import Stalled
 
     with pytest.raises(Stalled, match="no trajectory finished and no step ran for 3 s"):
         loop.run(until=lambda: False, timeout_s=60)
+    with pytest.raises(Stalled, match="no step ran for 2 s"):  # a run's own limit (the job's, read every turn)
+        loop.run(until=lambda: False, timeout_s=60, stall_s=lambda: 2.0)
+
+
+def test_controller_front_end_surface_hold_stop_pull_and_view():
+    """What the runtime's job uses, and only that: run(pull=...) loads a version everywhere first;
+    hold_training keeps a Ready buffer unconsumed; dispatch=False lets the running step finish and
+    starts nothing; the read-only view reports version, training, counters, ids and live prompts."""
+    from staleflow.controller import LoopTimeout, TrainDone
+
+    loop, be = make_loop(n_inst=2, eta=1, B=1, N=1, steps=3)
+    be.reward = 1.0
+    view = loop.view
+    loop.run(until=lambda: bool(routed(be)), timeout_s=5, pull=0)
+    assert [c.instance for c in be.sent[:2] if isinstance(c, Pull)] == [0, 1] and view.counts()["pulls"] == 2
+    t = routed(be)[0].traj_id
+    be.events.append(Finished(t, routed(be)[0].instance, f"rec-{t}", 4))
+    with pytest.raises(LoopTimeout):
+        loop.run(until=lambda: False, timeout_s=1, hold_training=lambda: True)
+    assert not be.trained and not view.training and loop.manager.ready_version() == 0
+    loop.run(until=lambda: view.training, timeout_s=5)
+    assert len(be.trained) == 1 and view.training and view.version == 0
+    sent = len(be.sent)
+    be.events.extend([TrainDone(1), Published(1)])
+    loop.run(until=lambda: not view.training, timeout_s=5, hold_training=True, dispatch=False)
+    assert view.version == 1 and not view.training and len(be.sent) == sent and len(be.trained) == 1
+    counts = view.counts()
+    counts["routes"] = -1
+    assert view.counts()["routes"] == len(routed(be))  # a copy: the view is read-only
+    next_traj, next_group = view.ids()
+    assert next_traj == next_group == len(view.live_prompts()) + 1  # B=1, N=1: one group trained
+
+
+def test_controller_resume_counters_and_requeued_prompts_go_in_through_build_loop():
+    stale = StalenessConfig(eta=1, batch_size=1)
+    ccfg, stale = apply_mode("staleflow", CoordinatorConfig(routing="least-loaded", mlq=False), stale)
+    be = ScriptedBackend()
+    loop = build_loop(
+        "staleflow", stale, ccfg, COST, range(1), be, Prompts(), 2, counts={"routes": 5}, requeue=["p0", "p1"]
+    )
+    assert loop.view.counts()["routes"] == 5 and loop.view.live_prompts() == ["p0", "p1"]
+    assert loop.view.ids() == (2 * stale.group_capacity, 2)  # N' members each

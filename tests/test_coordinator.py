@@ -19,6 +19,7 @@ from staleflow.coordinator import (
     register_routing,
 )
 from staleflow.coordinator.strategies import ROUTING
+from staleflow.protocol import StalenessSpec
 from staleflow.protocol.staleness import StalenessManager
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
@@ -34,7 +35,7 @@ class Clock:
 
 def make(n_inst=2, eta=2, B=4, N=1, Np=None, mode="staleflow", version=0, clock=None, **cfg):
     cfg.setdefault("migration", False)
-    m = StalenessManager(eta, B, group_size=N, group_capacity=Np)
+    m = StalenessManager(StalenessSpec(eta, B, group_size=N, group_capacity=Np))
     for v in range(version):  # advance the manager so versions up to `version` exist
         m.version = v + 1
     ccfg, _ = apply_mode(mode, CoordinatorConfig(**cfg))
@@ -234,7 +235,7 @@ def test_group_redundancy_aborts_the_surplus():
 
 def test_straggler_truncate_and_abort():
     for mode in ("truncate", "abort"):
-        m = StalenessManager(0, 2, group_size=1)
+        m = StalenessManager(StalenessSpec(0, 2, group_size=1))
         c = Coordinator(
             CoordinatorConfig(migration=False), COST, m, [0], straggler=mode, straggler_threshold=1, clock=Clock()
         )
@@ -352,12 +353,19 @@ def test_a_coordinator_refuses_a_protocol_that_is_not_its_modes():
     with pytest.raises(
         ValueError, match="mode 'areal' runs protocol AReaLBuffer, but the coordinator was given a StalenessManager"
     ):
-        Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="areal")
+        Coordinator(CoordinatorConfig(), COST, StalenessManager(StalenessSpec(1, 2)), range(2), label="areal")
     with pytest.raises(ValueError, match="without the occupy exchange"):
-        Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="staleflow-no-exchange")
+        Coordinator(
+            CoordinatorConfig(), COST, StalenessManager(StalenessSpec(1, 2)), range(2), label="staleflow-no-exchange"
+        )
     stale = StalenessConfig(eta=1, batch_size=2, group_size=1)
     assert isinstance(
         Coordinator(CoordinatorConfig(), COST, protocol_for("areal", stale), range(2), label="areal").manager,
         AReaLBuffer,
     )
-    assert Coordinator(CoordinatorConfig(), COST, StalenessManager(1, 2), range(2), label="my-fork").manager.eta == 1
+    assert (
+        Coordinator(
+            CoordinatorConfig(), COST, StalenessManager(StalenessSpec(1, 2)), range(2), label="my-fork"
+        ).manager.eta
+        == 1
+    )

@@ -74,6 +74,9 @@ def test_device_check_dry_run_validates_two_calls_each_within_five_minutes(tmp_p
     assert "tests/test_decode_device.py" in commands["decode_graphs"]  # the graph replay test runs on the device
     assert "--shapes 16384x3584x152064" in commands["kernel_bench"] and "chunked-train" in commands["kernel_bench"]
     assert "gather+graphs" not in commands["engine_7b"]
+    # step 8 then writes the cost samples fit_cost_model.py refits a profile from; the dry run validates its cells
+    assert commands["engine_7b"].endswith(f"--cost-samples {out}/cost_samples.jsonl")
+    assert "validated engine_7b: 4 configuration(s): triton, triton+graphs, gather, cost-samples 7 cells" in proc.stdout
     # every step validated, and the dry run says so
     assert proc.stdout.count("  validated ") == 9 and "INVALID" not in proc.stdout
     assert "configurations validated" in proc.stdout

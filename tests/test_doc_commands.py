@@ -90,6 +90,7 @@ FENCED: dict[str, str] = {
     "./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
     "./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
     "./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "./launch.sh --preset tiny --rollout.engine examples.lockstep_engine:LockstepBackend": "a training run (~1 min); tests/test_engine_registry.py runs it for 2 steps from the repository root",
     "python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation --coordinator.routing "
     "examples.kv_router:MostFreeKV": "imports examples/ from the repository root (RUN rows run in an empty folder); "
     "tests/test_examples.py runs it there",

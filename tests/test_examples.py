@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staleflow.protocol import StalenessSpec
 from staleflow.train.advantages import compute_advantages
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, token_weights
 
@@ -200,7 +201,7 @@ def test_examples_most_free_kv_picks_the_emptiest_instance_that_fits():
         c = Coordinator(
             CoordinatorConfig(routing=routing, migration=False),
             COST,
-            StalenessManager(2, 4, group_size=1),
+            StalenessManager(StalenessSpec(2, 4, group_size=1)),
             range(3),
             clock=Clock(),
         )

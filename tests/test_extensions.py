@@ -26,6 +26,7 @@ from staleflow.data import DataError, PromptSource
 from staleflow.data.tasks import TASKS
 from staleflow.extensions import ExtensionError, Registry, Shape
 from staleflow.launch import check
+from staleflow.protocol import StalenessSpec
 from staleflow.protocol.staleness import StalenessManager
 from staleflow.reward.functions import REWARDS, resolve_reward_fn
 from staleflow.train.advantages import ADVANTAGES, compute_advantages
@@ -242,7 +243,7 @@ def _inputs(seed=0, lens=(3, 1, 4), gap=0.3):
 
 def _coordinator(**cfg):
     cfg.setdefault("migration", False)
-    manager = StalenessManager(2, 4, group_size=1)
+    manager = StalenessManager(StalenessSpec(2, 4, group_size=1))
     c = Coordinator(CoordinatorConfig(**cfg), COST, manager, range(3), clock=Clock())
     c.on_new_version(0)
     return c, manager

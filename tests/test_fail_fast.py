@@ -20,9 +20,10 @@ from staleflow.control.hub import FatalFailure, Hub, RankDied
 from staleflow.control.messages import Failure
 from staleflow.control.sockets import ControlClient, control_address
 from staleflow.durable import DiskError, atomic_write_text, disk_errors, read_jsonl
-from staleflow.launch.cleanup import remove_run_folder
-from staleflow.launch.resume import no_restart_helps, supersede_after
+from staleflow.faults import no_restart_helps
 from staleflow.reward.functions import score
+from staleflow.runfolder.run_dir import supersede_after
+from staleflow.runfolder.scratch import remove_run_folder
 
 
 def _check(*flags: str) -> subprocess.CompletedProcess:

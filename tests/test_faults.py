@@ -105,7 +105,7 @@ def _shm() -> set[str]:
 
 def _leaked(before: set[str]) -> set[str]:
     """New segments whose creator is gone: nobody will unlink them (live runs' are not leaks)."""
-    from staleflow.launch.cleanup import pid_alive
+    from staleflow.runfolder.scratch import pid_alive
     from staleflow.servers.segment import segment_owner
 
     return {n for n in _shm() - before if (owner := segment_owner(n)) is not None and not pid_alive(owner[0])}

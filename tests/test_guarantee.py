@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from staleflow.config import CoordinatorConfig
-from staleflow.protocol import AReaLBuffer, ProtocolError, VerlAsyncBuffer
+from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessSpec, VerlAsyncBuffer
 from staleflow.sim import search
 from staleflow.sim.config import SimConfig
 from staleflow.sim.simulator import build, run
@@ -90,12 +90,12 @@ def test_guarantee_verl_trigger_sync_step_T_with_s0_bounds_staleness_at_T_minus_
     # loop starts no work once the run is done
     assert r.pulls == 3 * (12 // T - 1)
     with pytest.raises(ProtocolError, match="trigger_sync_steps"):
-        VerlAsyncBuffer(1, 4, trigger_sync_steps=0)
-    assert VerlAsyncBuffer(1, 4, staleness_threshold=0.5, trigger_sync_steps=2).max_required == 12
+        VerlAsyncBuffer(StalenessSpec(1, 4), trigger_sync_steps=0)
+    assert VerlAsyncBuffer(StalenessSpec(1, 4), staleness_threshold=0.5, trigger_sync_steps=2).max_required == 12
 
 
 def test_guarantee_strict_variant_drops_over_stale_groups_and_never_trains_beyond_eta():
-    m = VerlAsyncBuffer(eta=1, batch_size=1, staleness_threshold=3.0, strict=True)
+    m = VerlAsyncBuffer(StalenessSpec(eta=1, batch_size=1), staleness_threshold=3.0, strict=True)
     for g in "abcd":
         m.reserve(g, g, 0)
     for g in "abc":
@@ -110,9 +110,11 @@ def test_guarantee_strict_variant_drops_over_stale_groups_and_never_trains_beyon
         m.occupy("d")
     m.abort_group("c", "window-closed")
     m.abort_group("d", "window-closed")
-    assert m.stats()["queued"] == 0 and m.retry_closed and m.bounded and not VerlAsyncBuffer(1, 1).bounded
+    assert (
+        m.stats()["queued"] == 0 and m.retry_closed and m.bounded and not VerlAsyncBuffer(StalenessSpec(1, 1)).bounded
+    )
     m.validate()
-    a = AReaLBuffer(eta=0, batch_size=1, strict=True)
+    a = AReaLBuffer(StalenessSpec(eta=0, batch_size=1), strict=True)
     a.reserve("a", "a", 0)
     a.complete("a")
     a.occupy("a")

@@ -11,7 +11,7 @@ from staleflow.cluster.roles import Roles
 from staleflow.control.hub import Hub
 from staleflow.control.messages import Heartbeat, Ping
 from staleflow.control.sockets import ControlClient, control_address
-from staleflow.launch.cleanup import remove_run_folder
+from staleflow.runfolder.scratch import remove_run_folder
 
 
 def test_hub_beats_while_the_job_is_built_and_the_socket_stays_usable():

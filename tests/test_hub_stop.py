@@ -19,7 +19,7 @@ from staleflow.cluster.roles import Roles
 from staleflow.control.hub import Hub, RankDied
 from staleflow.control.messages import Goodbye
 from staleflow.control.sockets import ControlClient, control_address
-from staleflow.launch.cleanup import remove_run_folder
+from staleflow.runfolder.scratch import remove_run_folder
 
 
 @pytest.fixture

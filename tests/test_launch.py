@@ -136,7 +136,7 @@ def test_killed_rank_ends_the_run_nonzero_naming_it():
 def test_cleanup_removes_only_claimed_folders_of_dead_runs(tmp_path, monkeypatch):
     import tempfile
 
-    from staleflow.launch import cleanup
+    from staleflow.runfolder import scratch as cleanup
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = tmp_path / "staleflow-run-dead1"

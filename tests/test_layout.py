@@ -1,5 +1,6 @@
-"""The layout is the architecture: no import cycles (module- or function-level) and no file over
-400 lines in src/staleflow and kernels/ (docs/architecture.md, CONVENTIONS.md)."""
+"""The layout is the architecture: no import cycles (module- or function-level) between modules nor
+between packages, launch/ imported by nothing below it, and no file over 400 lines in src/staleflow
+and kernels/ (docs/architecture.md, CONVENTIONS.md)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,33 @@ def _imports(path: Path, known: set[str]) -> set[str]:
 
 def import_cycles() -> list[list[str]]:
     mods = _modules()
-    edges = {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
+    return _cycles({m: _imports(p, set(mods)) - {m} for m, p in mods.items()})
+
+
+def _package(module: str) -> str:
+    """staleflow.control.hub -> staleflow.control; a top-level module (staleflow.faults) is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_edges() -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (anywhere in a file, or by name in a string)."""
+    mods = _modules()
+    return _package_graph({m: _imports(p, set(mods)) for m, p in mods.items()})
+
+
+def _package_graph(module_edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {_package(m): set() for m in module_edges}
+    for m, deps in module_edges.items():
+        edges[_package(m)] |= {_package(i) for i in deps} - {_package(m)}
+    return edges
+
+
+def package_cycles() -> list[list[str]]:
+    return _cycles(package_edges())
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (each one or more cycles)."""
     index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):  # Tarjan's strongly connected components
@@ -79,7 +106,7 @@ def import_cycles() -> list[list[str]]:
             if len(comp) > 1:
                 cycles.append(sorted(comp))
 
-    for v in sorted(mods):
+    for v in sorted(edges):
         if v not in index:
             visit(v)
     return cycles
@@ -87,6 +114,34 @@ def import_cycles() -> list[list[str]]:
 
 def test_layout_no_import_cycles():
     assert import_cycles() == []
+
+
+def test_layout_no_package_cycles():
+    """No package imports a package that imports it back, through any chain (issue 38: launch <->
+    cluster, control, workers, runtime and cluster <-> control were cycles with no module cycle)."""
+    assert package_cycles() == []
+
+
+def test_layout_package_cycle_detector_finds_a_cycle_without_a_module_cycle():
+    """a.x -> b.y and b.z -> a.w: no module imports itself back, the packages do."""
+    edges = {
+        "staleflow.a.x": {"staleflow.b.y"},
+        "staleflow.b.y": set(),
+        "staleflow.b.z": {"staleflow.a.w"},
+        "staleflow.a.w": set(),
+        "staleflow.c": {"staleflow.a.x"},
+    }
+    assert _cycles(edges) == []
+    assert _cycles(_package_graph(edges)) == [["staleflow.a", "staleflow.b"]]
+    assert (
+        _package("staleflow.control.hub") == "staleflow.control" and _package("staleflow.faults") == "staleflow.faults"
+    )
+
+
+def test_layout_nothing_below_launch_imports_it():
+    """launch/ only starts processes: no other package (the CLI's dispatch table aside) imports it."""
+    users = sorted(p for p, deps in package_edges().items() if "staleflow.launch" in deps)
+    assert users == ["staleflow.cli"]
 
 
 def test_layout_cycle_detector_sees_function_level_imports(tmp_path):

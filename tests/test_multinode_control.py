@@ -170,6 +170,6 @@ def test_multinode_hub_declares_a_remote_rank_dead_when_its_connection_is_lost(m
         ctl.close()
         rank_ctx.close()
         secure.close()
-        from staleflow.launch.cleanup import remove_run_folder
+        from staleflow.runfolder.scratch import remove_run_folder
 
         remove_run_folder(ctl.run_id)

@@ -9,8 +9,13 @@ from hypothesis import strategies as st
 
 from staleflow.cluster.roles import Roles
 from staleflow.cluster.topology import Topology
-from staleflow.config import ConfigError
+from staleflow.config import ConfigError, RolloutConfig, RunConfig
+from staleflow.engines import engine_backend
 from staleflow.launch import dist
+
+
+def _backend(engine: str):
+    return engine_backend(RunConfig(rollout=RolloutConfig(engine=engine)))
 
 
 def two_nodes(rollout: int, per_node: int = 2) -> Topology:
@@ -51,8 +56,8 @@ def test_multinode_refuses_trainer_ranks_off_the_first_node_and_vllm_off_it():
     with pytest.raises(ConfigError, match=r"trainer ranks \[2\] are not on node 0.*--rollout.ranks to at least 2"):
         two_nodes(rollout=1).validate()
     with pytest.raises(ConfigError, match=r"--rollout.engine=vllm on rollout ranks \[2, 3\]"):
-        two_nodes(rollout=2).validate("vllm")
-    two_nodes(rollout=2).validate("builtin")
+        two_nodes(rollout=2).validate(_backend("vllm"))
+    two_nodes(rollout=2).validate(_backend("builtin"))
 
 
 def test_multinode_single_node_has_nothing_to_send():

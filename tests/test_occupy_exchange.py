@@ -10,12 +10,12 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from staleflow.protocol import BufferState, StalenessManager
+from staleflow.protocol import BufferState, StalenessManager, StalenessSpec
 
 
 def four_groups(exchange: bool) -> StalenessManager:
     """eta 1, B 2, four groups at V=0: reservations land in buffers 1, 1, 0, 0 (latest first)."""
-    m = StalenessManager(eta=1, batch_size=2, exchange=exchange)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=2), exchange=exchange)
     assert [m.reserve(g, g, 0) for g in range(4)] == [1, 1, 0, 0]
     return m
 
@@ -42,7 +42,7 @@ def test_occupy_exchange_off_is_the_old_rule_buffer_0_stuck():
 
 def test_occupy_exchange_never_moves_a_reservation_out_of_its_window():
     # eta 2, B 1: g0 (V=0) reserved buffer 2; g1 (V=1) reserved buffer 3 after consuming 0.
-    m = StalenessManager(eta=2, batch_size=1, exchange=True)
+    m = StalenessManager(StalenessSpec(eta=2, batch_size=1), exchange=True)
     m.reserve("a", "a", 0)
     m.reserve("b", "b", 0)
     m.reserve("c", "c", 0)  # buffers 2, 1, 0
@@ -60,7 +60,7 @@ def run_history(seed: int, eta: int, B: int, extra: int, exchange: bool, n_group
     """Admit at the newest version, finish in a random order, occupy, consume: (manager, finishes the
     trainer waited for)."""
     rng = random.Random(seed)
-    m = StalenessManager(eta, B, B + extra, exchange=exchange)
+    m = StalenessManager(StalenessSpec(eta, B, B + extra), exchange=exchange)
     live, gid, trainer_waits = [], 0, 0
     while len(m.consumption_log()) < n_groups:
         while m.can_admit(m.version) and gid < 10 * n_groups:

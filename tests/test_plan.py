@@ -20,7 +20,7 @@ import torch
 from staleflow.config import RolloutConfig, RunConfig, TrainConfig
 from staleflow.model.args import ModelArgs
 from staleflow.plan import at_start, build_plan
-from staleflow.plan.estimate import builtin_rollout_rank, layer_saved_bytes, trainer_rank
+from staleflow.plan.estimate import layer_saved_bytes, rollout_rank, trainer_rank
 from staleflow.presets import preset_gpu_7b
 
 ARGS = ModelArgs(
@@ -145,7 +145,7 @@ def test_plan_kv_cache_equals_a_real_engine_cache():
         prefill_chunk_tokens=rc.prefill_chunk_tokens,
         max_model_len=rc.max_model_len,
     )
-    plan = builtin_rollout_rank(cfg, model_args("tiny-llama"), 1, "cpu")
+    plan = rollout_rank(cfg, model_args("tiny-llama"), 1, "cpu")
     assert plan.items["kv_cache"] == engine.runner.attn.k_cache.nbytes + engine.runner.attn.v_cache.nbytes
     assert plan.items["weights"] == sum(p.nbytes for p in engine.model.parameters())
 

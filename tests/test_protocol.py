@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from staleflow.protocol import BufferState, EntryState, ProtocolError, StalenessManager
+from staleflow.protocol import BufferState, EntryState, ProtocolError, StalenessManager, StalenessSpec
 
 
 def advance_to(m: StalenessManager, version: int, gid_prefix="warm"):
@@ -24,7 +24,7 @@ def advance_to(m: StalenessManager, version: int, gid_prefix="warm"):
 def test_worked_example_reserve_latest_occupy_earliest():
     # eta=1; trajectories 1-6 get V_traj = V1 -> reservations go to buffer V2;
     # trajectory 1 finishes first and occupies the earliest free slot, in V1.
-    m = StalenessManager(eta=1, batch_size=6)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=6))
     advance_to(m, 1)
     assert m.version == 1
     for t in range(1, 7):
@@ -49,7 +49,7 @@ def test_worked_example_reserve_latest_occupy_earliest():
 def test_occupy_never_later_than_reservation_and_within_window():
     """Without the occupy exchange (the ablation): early finishers cannot enter an earlier buffer
     whose entries are all reserved (tests/test_occupy_exchange.py has the exchange)."""
-    m = StalenessManager(eta=2, batch_size=2, exchange=False)
+    m = StalenessManager(StalenessSpec(eta=2, batch_size=2), exchange=False)
     assert [m.reserve(i, i, 0) for i in range(6)] == [2, 2, 1, 1, 0, 0]
     assert not m.can_admit(0)
     with pytest.raises(ProtocolError, match="not admissible"):
@@ -77,7 +77,7 @@ def test_occupy_never_later_than_reservation_and_within_window():
 
 
 def test_group_version_is_min_and_group_redundancy_aborts_surplus():
-    m = StalenessManager(eta=1, batch_size=1, group_size=2, group_capacity=3)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=1, group_size=2, group_capacity=3))
     advance_to(m, 1)
     assert m.reserve("a", "g", 1) == 2
     assert not m.can_admit(0, group_id="g")
@@ -98,7 +98,7 @@ def test_group_version_is_min_and_group_redundancy_aborts_surplus():
 
 
 def test_group_min_version_shrinks_window():
-    m = StalenessManager(eta=2, batch_size=1, group_size=2)
+    m = StalenessManager(StalenessSpec(eta=2, batch_size=1, group_size=2))
     advance_to(m, 2)
     assert m.reserve("x", "g", 1) == 3
     assert m.reserve("y", "g", 2) == 3  # buffer 3 <= 2 + eta
@@ -111,7 +111,7 @@ def test_group_min_version_shrinks_window():
 
 
 def test_member_crash_aborts_group_when_n_unreachable():
-    m = StalenessManager(eta=1, batch_size=2, group_size=2, group_capacity=3)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=2, group_size=2, group_capacity=3))
     m.reserve(0, "g", 0)
     m.reserve(1, "g", 0)
     m.reserve(2, "g", 0)
@@ -129,7 +129,7 @@ def test_member_crash_aborts_group_when_n_unreachable():
 
 def test_batch_redundancy_moves_then_closes_surplus():
     # B=1, B'=2, eta=1: buffers 0 and 1 take two reservations each.
-    m = StalenessManager(eta=1, batch_size=1, capacity=2)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=1, capacity=2))
     assert [m.reserve(i, i, 0) for i in range(4)] == [1, 1, 0, 0]
     m.complete(2)
     assert m.occupy(2) == 0  # buffer 0 Ready; reservation of group 3 cannot move (buffer 1 full)
@@ -148,14 +148,14 @@ def test_batch_redundancy_moves_then_closes_surplus():
 
 
 def test_surplus_reservation_moves_to_later_buffer_with_room():
-    m = StalenessManager(eta=1, batch_size=1, capacity=3)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=1, capacity=3))
     assert [m.reserve(i, i, 0) for i in range(4)] == [1, 1, 1, 0]
     m.complete(3)
     assert m.occupy(3) == 0  # buffer 0 Ready: nothing else reserved there
     m.complete(0)
     assert m.occupy(0) == 1  # buffer 1 Ready: groups 1, 2 reserved there, window [0, 1] is closed
     assert m.closed_windows() == [1, 2]
-    m2 = StalenessManager(eta=2, batch_size=1, capacity=2)
+    m2 = StalenessManager(StalenessSpec(eta=2, batch_size=1, capacity=2))
     assert [m2.reserve(i, i, 0) for i in range(3)] == [2, 2, 1]
     m2.complete(0)
     assert m2.occupy(0) == 0  # buffer 0 Ready (nothing reserved there)
@@ -166,7 +166,7 @@ def test_surplus_reservation_moves_to_later_buffer_with_room():
 
 
 def test_stuck_stragglers():
-    m = StalenessManager(eta=0, batch_size=3)
+    m = StalenessManager(StalenessSpec(eta=0, batch_size=3))
     for i in range(3):
         m.reserve(i, i, 0)
     assert m.buffer_state(0) is BufferState.STUCK
@@ -182,7 +182,7 @@ def test_stuck_stragglers():
 
 
 def test_state_dict_round_trip_is_json_and_exact():
-    m = StalenessManager(eta=2, batch_size=2, capacity=3, group_size=2, group_capacity=3)
+    m = StalenessManager(StalenessSpec(eta=2, batch_size=2, capacity=3, group_size=2, group_capacity=3))
     for g in range(5):
         for k in range(3):
             m.reserve(f"t{g}.{k}", g, 0)
@@ -225,11 +225,11 @@ def test_state_dict_round_trip_is_json_and_exact():
 )
 def test_bad_construction(kwargs, match):
     with pytest.raises(ProtocolError, match=match):
-        StalenessManager(**kwargs)
+        StalenessManager(StalenessSpec(**kwargs))
 
 
 def test_bad_operations_raise_and_change_nothing():
-    m = StalenessManager(eta=1, batch_size=2)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=2))
     m.reserve("a", "a", 0)
     before = m.state_dict()
     cases = [
@@ -263,11 +263,26 @@ def test_bad_operations_raise_and_change_nothing():
 
 
 def test_start_at_version_for_resume():
-    m = StalenessManager(eta=1, batch_size=1, version=5)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=1, version=5))
     assert m.version == 5 and m.closed_version == 4
     assert not m.can_admit(4) and m.can_admit(5)
     assert m.reserve("t", "g", 5) == 6
     m.complete("t")
     assert m.occupy("g") == 5 and m.consume(5) == ["g"]
     with pytest.raises(ProtocolError, match="version=-1"):
-        StalenessManager(eta=1, batch_size=1, version=-1)
+        StalenessManager(StalenessSpec(eta=1, batch_size=1, version=-1))
+
+
+def test_every_protocol_is_built_from_one_staleness_spec():
+    """The six settings (eta, B, B', N, N', start version) travel as one validated StalenessSpec."""
+    from staleflow.protocol import PROTOCOLS, make_protocol
+
+    spec = StalenessSpec(eta=2, batch_size=3, group_size=2, version=4)
+    assert (spec.capacity, spec.group_capacity) == (3, 2)  # None: B and N
+    for name in PROTOCOLS:
+        m = make_protocol(name, spec)
+        assert m.spec is spec and (m.eta, m.batch_size, m.group_capacity, m.version) == (2, 3, 2, 4)
+        with pytest.raises(ProtocolError, match="takes a StalenessSpec"):
+            type(m)(2, 3)
+    with pytest.raises(Exception, match="frozen|cannot assign"):
+        spec.eta = 1

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from staleflow.protocol import EntryState, ProtocolError, StalenessManager
+from staleflow.protocol import EntryState, ProtocolError, StalenessManager, StalenessSpec
 
 REASONS = ("crash", "redundancy", "filter")
 
@@ -32,7 +32,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     )
     def setup(self, eta, B, extra_b, N, extra_n, exchange):
         self.eta, self.B, self.N, self.exchange = eta, B, N, exchange
-        self.m = StalenessManager(eta, B, B + extra_b, N, N + extra_n, exchange=exchange)
+        self.m = StalenessManager(StalenessSpec(eta, B, B + extra_b, N, N + extra_n), exchange=exchange)
         self.next_id = 0
         self.versions: dict = {}  # gid -> {traj_id: V_traj} of every member ever reserved
         self.live: dict = {}  # traj_id -> gid, members still generating (runtime view)

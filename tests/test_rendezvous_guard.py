@@ -185,7 +185,7 @@ def _attacker_reads(agent_pid: int) -> tuple[int, str]:
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
-    from staleflow.launch.cleanup import pid_alive
+    from staleflow.runfolder.scratch import pid_alive
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

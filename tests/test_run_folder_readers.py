@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from staleflow.durable import read_jsonl
-from staleflow.launch.resume import read_ids, supersede_after
+from staleflow.runfolder.run_dir import read_ids, supersede_after
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
@@ -50,7 +50,7 @@ def test_fuzz_reader_ids(tmp_path_factory, value):
 @given(content=_LINE)
 def test_fuzz_reader_elastic_pointer(monkeypatch, tmp_path_factory, content):
     """The elastic pointer file (/tmp/staleflow-elastic-<id>.json) read with any content: no exception."""
-    from staleflow.launch import resume
+    from staleflow.runfolder import elastic as resume
 
     folder = tmp_path_factory.mktemp("ptr")
     monkeypatch.setattr(resume.tempfile, "gettempdir", lambda: str(folder))

@@ -139,7 +139,7 @@ SMOKE: dict[str, Smoke] = {
     "device_check_validate.py": Smoke(
         "test", test="tests/test_device_check.py::test_device_check_dry_run_fails_on_the_old_step_7_matrix"
     ),
-    "fit_cost_model.py": Smoke("test", test=BENCH + "test_fit_cost_model_output_is_a_loadable_cost_model"),
+    "fit_cost_model.py": Smoke("test", test="tests/test_cost_samples.py::test_device_check_writer_on_cpu_then_refit"),
     "lock_deps.sh": Smoke(
         "static", why="builds a venv with the newest allowed versions from PyPI and rewrites requirements.lock"
     ),

@@ -12,7 +12,7 @@ import pytest
 from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.coordinator.types import Pull
 from staleflow.sim.backend import SimBackend
-from staleflow.sim.engine import SimInstance, SimTraj
+from staleflow.sim.engine import SimInstance, SimSequence
 from staleflow.sim.hardware import MODEL_SPECS, derive, train_attention_tokens2
 from staleflow.trajectory import TrainGroup
 
@@ -50,10 +50,10 @@ def test_chunked_prefill_keeps_decoding_while_a_new_trajectory_prefills():
 
     def one(chunk):
         inst = SimInstance(0, cost, prefill_tokens_per_s=1000.0, max_running=8, chunk_tokens=chunk)
-        inst.add(SimTraj(0, 0, 0, 10, 400))
+        inst.add(SimSequence(0, 0, 10, 400))
         inst.advance(1.0)  # the first one runs alone
         made = inst.tokens_out
-        inst.add(SimTraj(1, 0, 0, 3000, 50))  # a 3 s prefill arrives
+        inst.add(SimSequence(1, 0, 3000, 50))  # a 3 s prefill arrives
         inst.advance(3.0)
         return inst.tokens_out - made, inst
 
@@ -84,7 +84,6 @@ def test_training_time_grows_with_sequence_length():
 
 
 def test_hardware_profiles_rescale_the_h20_fit_or_use_a_preset_refitted_on_that_gpu(tmp_path, monkeypatch):
-    import json
     import shutil
     import subprocess
 
@@ -104,12 +103,18 @@ def test_hardware_profiles_rescale_the_h20_fit_or_use_a_preset_refitted_on_that_
     }
     assert caps["h200"] > 2 * caps["h100"]
     # scripts/fit_cost_model.py --profile refits a profile from a device run's samples; the simulator then uses it
-    lines = [
-        json.dumps({"n_running": n, "kv_tokens": kv * n, "prefill_tokens": 0, "latency_s": 2e-8 * kv * n + 0.004})
-        for n in (1, 4, 16, 64)
-        for kv in (100, 2000, 8000)
-    ]
-    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
+    from staleflow.rollout.engine import CostSample
+    from staleflow.sim.cost_samples import SamplesHeader, SamplesWriter, Step
+
+    cells = [(n, kv, 2) for n in (1, 4, 16, 64) for kv in (100, 2000, 8000)]
+    gpu = "NVIDIA H100 80GB HBM3"  # a profile is refitted from its own GPU's samples (the file's header)
+    header = SamplesHeader(
+        device="cuda", gpu=gpu, model="Qwen/Qwen2.5-7B-Instruct", dtype="bfloat16", torch="x", cells=cells
+    )
+    writer = SamplesWriter(tmp_path / "s.jsonl", header)
+    for i, (n, kv, _) in enumerate(cells):
+        writer.write([Step(i, CostSample(n, kv * n, 0, 2e-8 * kv * n + 0.004))])
+    writer.close()
     presets = tmp_path / "presets"
     shutil.copytree(cm.PRESET_DIR, presets)
     script = Path(__file__).parents[1] / "scripts" / "fit_cost_model.py"

@@ -90,8 +90,8 @@ def test_kv_move_charges_the_transfer_on_both_ends_and_only_reuses_valid_kv():
 
     def admit(i, moved, kv_version):
         i.add(
-            sim_engine.SimTraj(
-                1, 0, 0, prompt_len=100, target_len=5000, generated=1900, kv_moved=moved, kv_version=kv_version
+            sim_engine.SimSequence(
+                1, 0, prompt_len=100, target_len=5000, generated=1900, kv_moved=moved, kv_version=kv_version
             )
         )
         return i._admit()
@@ -113,7 +113,7 @@ def test_kv_move_source_stalls_for_the_offload():
     cfg = tiny()
     _, backend, _ = build(cfg, "staleflow", 1)
     src = backend.insts[0]
-    src.add(sim_engine.SimTraj(7, 0, 0, prompt_len=20, target_len=400))
+    src.add(sim_engine.SimSequence(7, 0, prompt_len=20, target_len=400))
     src.advance(0.5)  # admitted and decoding
     tokens = src.running[7].tok0 + src.step  # prompt + generated so far: its KV
     assert tokens > 20

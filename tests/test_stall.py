@@ -19,8 +19,8 @@ from staleflow.config import FaultConfig
 from staleflow.control.hub import Hub, RankDied
 from staleflow.control.messages import Heartbeat
 from staleflow.control.sockets import ControlClient, control_address
-from staleflow.launch.cleanup import remove_run_folder
 from staleflow.metrics.audit import audit_run
+from staleflow.runfolder.scratch import remove_run_folder
 from staleflow.workers.pulse import Pulse
 
 

@@ -96,8 +96,8 @@ def test_cuda_visible_each_vllm_rank_gets_exactly_its_own_device(fake_vllm):
         assert visible[1:] == ["0", "1", "2", "3"]  # the trainer GPUs whose pieces its worker maps
         assert e["args"]["enforce_eager"] is False  # CUDA graphs on a GPU
     plan = build_plan(_ctx(4).cfg, 8, 80 * GiB, num_gpus=8)
-    assert [e["args"]["gpu_memory_utilization"] for e in started] == [plan.vllm_utilization[r] for r in (4, 5, 6, 7)]
-    assert 0 < plan.vllm_utilization[4] < 1
+    assert [e["args"]["gpu_memory_utilization"] for e in started] == [plan.gpu_share[r] for r in (4, 5, 6, 7)]
+    assert 0 < plan.gpu_share[4] < 1
     assert fake_vllm["config_env"] == "7,0,1,2,3"  # vLLM's config was also built under the rank's own view
 
 

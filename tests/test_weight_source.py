@@ -13,6 +13,13 @@ from staleflow.servers.slot import read_clean
 from staleflow.servers.weights import EngineLoadsItself, LocalWeights, RemoteSource, open_weight_source
 
 
+def _backend(engine: str):
+    from staleflow.config import RolloutConfig, RunConfig
+    from staleflow.engines import engine_backend
+
+    return engine_backend(RunConfig(rollout=RolloutConfig(engine=engine)))
+
+
 def _script(outcomes):
     """A read() that answers from a list (True clean, False torn, None gone), recording versions."""
     seen = []
@@ -67,7 +74,7 @@ def test_local_weights_copy_a_published_version_into_the_engine():
         for name, t in named.items():
             ps.write_shard(name, t.detach())
         ps.publish(3)
-        source = open_weight_source(run, "builtin", reader=0, worker_reader=0)
+        source = open_weight_source(run, _backend("builtin"), reader=0, worker_reader=0)
         assert isinstance(source, LocalWeights)
         version, nbytes, cross = source.load(dst, keep_kv=False)
         assert (version, nbytes, cross) == (3, ps.layout.nbytes, False) and dst.version == 3
@@ -109,8 +116,9 @@ class _EngineWithoutTargets:
 def test_a_remote_source_stages_for_an_engine_that_holds_its_weights_elsewhere():
     named = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4)}
     engine = _EngineWithoutTargets()
-    source = open_weight_source("r", "vllm", reader=0, worker_reader=1, remote=_Remote(named))
+    source = open_weight_source("r", _backend("vllm"), reader=0, worker_reader=1, remote=_Remote(named))
     assert isinstance(source, RemoteSource)
     assert source.load(engine, keep_kv=True) == (5, 123, True)
     assert engine.version == 5 and engine.keep_kv and all(torch.equal(engine.loaded[k], v) for k, v in named.items())
-    assert isinstance(open_weight_source("r", "vllm", reader=0, worker_reader=1), EngineLoadsItself)
+    own = open_weight_source("r", _backend("vllm"), reader=0, worker_reader=1)
+    assert isinstance(own, EngineLoadsItself) and own.worker_reader == 1  # the engine's worker reads as itself

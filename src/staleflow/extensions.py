@@ -1,7 +1,7 @@
 """Extension points: one registry per kind of pluggable object, resolved and checked once at start-up.
 
 Each kind (loss, advantage estimator, off-policy correction, routing strategy, pull policy, data
-source, reward) has ONE ``Registry``: registered name -> object, plus import paths. The built-ins
+source, reward, rollout engine) has ONE ``Registry``: registered name -> object, plus import paths. The built-ins
 register themselves in it, so a research fork's object is found, checked and called on the same
 path as a built-in::
 
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from staleflow.config.sections import ConfigError
+from staleflow.faults import ConfigError
 
 T = TypeVar("T")
 IMPORT_PATH = "'package.module:name'"

@@ -1,7 +1,7 @@
 """A rank's cross-node plane in a multi-node run: its TCP servers and clients, set up once.
 
     net = NetPlane.open(topo, rank, run_id, secret, pull_groups, device)   # every rank (a collective)
-    client = net.control_client(endpoint)          # a rank off the controller's node
+    ControlClient(endpoint, rank, secure=net.secure)   # a rank off the controller's node (control/)
     net.shipper / net.record_server / net.fetcher  # a rollout rank (what its node needs)
     net.start_receiver(); net.ring_reader(r)       # trainer ranks (and the controller: servers.mirror)
     net.start_weight_server(ps); net.remote_weights()
@@ -21,10 +21,9 @@ from __future__ import annotations
 import torch
 import zmq
 
+from staleflow.cluster.exchange import all_gather_json
 from staleflow.cluster.placement import slot_placement
 from staleflow.cluster.topology import Topology
-from staleflow.control.sockets import ControlClient
-from staleflow.launch.dist import all_gather_json
 from staleflow.net.curve import RunKeys, SecureContext
 from staleflow.servers.mirror import attach_mirror
 from staleflow.servers.remote_weights import RemoteWeights, WeightServer
@@ -127,9 +126,6 @@ class NetPlane:
         return attach_mirror(self.run_id, producer, self.node, timeout=timeout), True
 
     # ---- all ----------------------------------------------------------------------------------
-    def control_client(self, endpoint: str, pulse: bool = False) -> ControlClient:
-        return ControlClient(endpoint, self.rank, secure=self.secure, pulse=pulse)
-
     def close(self) -> None:
         for close in self._closers:
             close()

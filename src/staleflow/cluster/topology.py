@@ -92,8 +92,9 @@ class Topology:
         return len(self.rollout_nodes) > 1
 
     # ---- checks and the table ----------------------------------------------------------------
-    def validate(self, rollout_engine: str = "builtin") -> None:
-        """Refuse layouts this version cannot run, in one line naming the fix."""
+    def validate(self, engine=None) -> None:
+        """Refuse layouts this version cannot run, in one line naming the fix; ``engine``: the run's
+        rollout-engine backend (staleflow.engines), which may refuse more (``check_placement``)."""
         off = [r for r in self.roles.trainer_ranks if self.nodes[r] != self.home]
         if off:
             per_node = self.nodes.count(self.home)
@@ -102,12 +103,8 @@ class Topology:
                 f"live on one node, so every trainer rank must be there; raise --rollout.ranks to at least "
                 f"{self.roles.world_size - per_node} (at most {per_node} trainer ranks on the first node)"
             )
-        if rollout_engine == "vllm" and self.remote_pullers:
-            raise ConfigError(
-                f"--rollout.engine=vllm on rollout ranks {self.remote_pullers}, which are not on node {self.home}: a "
-                f"vLLM worker maps the Parameter Server by CUDA IPC, so it must share its node; use "
-                f"--rollout.engine builtin for multi-node runs"
-            )
+        if engine is not None:
+            engine.check_placement(self)
 
     def describe(self, controller: str = "") -> str:
         """One line per node: its ranks and their roles (printed by rank 0 at start)."""
@@ -133,7 +130,7 @@ class Topology:
 
 def gather_topology(roles: Roles, node_rank: int, local_rank: int, addr: str) -> Topology:
     """Every rank's (node, local rank, bind address), gathered over the world group (a collective)."""
-    from staleflow.launch.dist import all_gather_json
+    from staleflow.cluster.exchange import all_gather_json
 
     got = all_gather_json([int(node_rank), int(local_rank), str(addr)])
     addrs = {}

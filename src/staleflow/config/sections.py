@@ -9,9 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the flag, the value and the fix."""
+from staleflow.faults import ConfigError  # the fault every layer raises for a bad value (re-exported)
 
 
 def _check(ok: bool, flag: str, value, need: str) -> None:
@@ -50,8 +48,9 @@ class RolloutConfig:
 
     ranks: int = 2
     """Number of rollout ranks (the last ranks of the torchrun world); the others train."""
-    engine: Literal["builtin", "vllm"] = "builtin"
-    """Rollout engine: builtin (pure PyTorch) or vllm (optional extra staleflow[vllm])."""
+    engine: str = "builtin"
+    """Rollout engine: a registered backend (builtin, pure PyTorch, the default; docs/extending.md lists
+    them all) or 'package.module:Name', a fork's backend class (docs/extending.md)."""
     max_running: int = 64
     """Cap on concurrently running requests per instance."""
     max_kv_tokens: int = 65536

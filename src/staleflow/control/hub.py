@@ -27,20 +27,22 @@ from staleflow.cluster.roles import Roles
 from staleflow.cluster.topology import Topology
 from staleflow.control.messages import Failure, Goodbye, Heartbeat, Ready, Register, Shutdown, Welcome
 from staleflow.control.sockets import ControlServer, control_address
-from staleflow.launch.cleanup import pid_alive
+from staleflow.faults import BadInput, RankLost
+from staleflow.runfolder.scratch import pid_alive
 
 REMOTE_LOST_S = 3.0
 
 
-class RankDied(RuntimeError):
-    """A rank's process disappeared (or reported a Failure) while the run was going on."""
+class RankDied(RankLost):
+    """A rank's process disappeared (or reported a Failure) while the run was going on (faults.py:
+    save a checkpoint when the trainer is intact, then stop and restart)."""
 
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
 
 
-class FatalFailure(RuntimeError):
+class FatalFailure(BadInput, RuntimeError):
     """A rank failed on bad input or a broken environment: the run stops, no restart can help."""
 
 

@@ -55,7 +55,7 @@ class Failure(msgspec.Struct, tag=True):
     rank: int
     error: str
     fatal: bool = False
-    """Bad input or environment (launch/resume.no_restart_helps): restarting would fail the same way."""
+    """Bad input or environment (the fault table, faults.py): restarting would fail the same way."""
 
 
 class Shutdown(msgspec.Struct, tag=True):

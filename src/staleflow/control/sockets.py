@@ -29,7 +29,7 @@ MAX_CONTROL_MSG = 64 << 20
 
 def control_address(run_id: str) -> str:
     """The controller's ipc:// address for a run (short path: ipc paths are limited to ~100 bytes)."""
-    from staleflow.launch.cleanup import run_folder
+    from staleflow.runfolder.scratch import run_folder
 
     folder = run_folder(run_id)
     os.makedirs(folder, exist_ok=True)

@@ -2,7 +2,8 @@
 
     loop = ControllerLoop(settings, coordinator, Ledger(), backend, workload)
     loop.run()                                   # until --steps versions are trained (runtime and simulator)
-    loop.run(until=lambda: saved, timeout_s=600)  # a front end's wait: events keep flowing
+    loop.run(until=lambda: saved, timeout_s=600, hold_training=True)  # a front end's wait: events keep flowing
+    loop.view.version                            # what a front end reads (controller/view.py)
 
 See controller/loop.py for the steps and docs/architecture.md for the path of one trajectory.
 """
@@ -11,6 +12,7 @@ from staleflow.controller.backend import Backend, Published, PullDone, Rewarded,
 from staleflow.controller.ledger import Group, Ledger, LedgerError, Traj
 from staleflow.controller.loop import ControllerLoop
 from staleflow.controller.types import LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
+from staleflow.controller.view import LoopView
 from staleflow.trajectory import Finished, TrainGroup
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "LedgerError",
     "LoopSettings",
     "LoopTimeout",
+    "LoopView",
     "PullDone",
     "Published",
     "Rewarded",

@@ -42,11 +42,14 @@ def build_loop(
     peer: Mapping[str, Any] | None = None,
     on_step: Callable[[StepRecord, dict], None] | None = None,
     listeners: Mapping[type, Callable[[Any], None]] | None = None,
+    counts: Mapping[str, int] | None = None,
+    requeue: Iterable = (),
 ) -> ControllerLoop:
     """A ControllerLoop for ``mode`` (its protocol from ``staleness``: B', N' and eta; the sections
     arrive with the mode applied, config.resolve / coordinator.modes.apply_mode). ``peer``: a
     baseline's own knobs (coordinator/modes.PEER_OPTIONS); ``tick_s`` overrides the coordinator's
-    --coordinator.tick-ms (the simulator's timing resolution)."""
+    --coordinator.tick-ms (the simulator's timing resolution); ``counts``, ``requeue``: a resumed run's
+    counters and the prompts in flight at its checkpoint (ControllerLoop)."""
     ids = list(instances)
     knobs = dict(peer) if peer is not None else peer_knobs(mode, coordinator_cfg)  # --coordinator.<knob> flags
     manager = protocol_for(mode, staleness, version=version, n_instances=len(ids), **knobs)
@@ -62,11 +65,20 @@ def build_loop(
         label=mode,
     )
     settings = LoopSettings.from_config(
-        staleness, coordinator_cfg, steps, stall_s=stall_s, max_reward_failures=max_reward_failures
+        coordinator_cfg, steps, stall_s=stall_s, max_reward_failures=max_reward_failures
     )
     if tick_s is not None:
         settings = dataclasses.replace(settings, tick_s=tick_s)
     settings = dataclasses.replace(settings, refill_groups=refill_groups)
     return ControllerLoop(
-        settings, coord, ledger or Ledger(), backend, workload, version=version, on_step=on_step, listeners=listeners
+        settings,
+        coord,
+        ledger or Ledger(),
+        backend,
+        workload,
+        version=version,
+        on_step=on_step,
+        listeners=listeners,
+        counts=counts,
+        requeue=requeue,
     )

@@ -3,8 +3,10 @@
 Pure bookkeeping (no torch, no I/O), shared by the real runtime and the simulator. For every
 trajectory it holds what the controller knows and nobody else owns: the group it belongs to,
 its sampling seed, its newest record handle (partial while interrupted, final once finished),
-its V_traj, reward and fate. The protocol (reservations) lives in the StalenessManager and the
-scheduling state (queue, placement) in the Coordinator; they refer to trajectories by id only.
+its V_traj, reward and fate. The protocol keeps buffer reservations (which buffer a group holds,
+which member ids hold it) and the Coordinator the scheduling state (the queue, which ids run on
+which instance); both refer to trajectories by id only, and the facts they act on (V_traj, lengths)
+reach them from here, through the loop.
 
 Fates. A trajectory is live from submission until it ends exactly once, as ``consumed``
 (trained) or ``aborted: <reason>``; ``ended`` keeps every fate so an audit can prove nothing was
@@ -31,9 +33,9 @@ class Traj:
     target_len: int = 0
     """Benchmark/simulated workloads: the drawn response length (0: the model decides)."""
     handle: Any = None
-    """Newest record of its tokens (a servers.RecordHandle in the runtime; None in the simulator)."""
-    instance: int = -1
+    """Newest record of its tokens (a servers.RecordHandle in the runtime; a simulated one in the simulator)."""
     traj_version: int | None = None
+    """V_traj, fixed at its first route (None: never routed)."""
     n_tokens: int = 0
     finished: bool = False
     """Generation is over and the coordinator counted it (one of the group's N)."""
@@ -53,7 +55,7 @@ class Group:
     finished: list[int] = field(default_factory=list)
     """Members whose finish the coordinator accepted, in finishing order (at most N)."""
     occupied: bool = False
-    buffer: int | None = None
+    """Its N members occupy a buffer slot (which buffer is the protocol's)."""
 
 
 class LedgerError(RuntimeError):
@@ -85,14 +87,6 @@ class Ledger:
 
     def group_of(self, traj_id: int) -> Group:
         return self.groups[self.trajs[traj_id].group_id]
-
-    def fresh_groups(self) -> int:
-        """Live groups none of whose members has been routed yet (supply for admission)."""
-        return sum(
-            1
-            for g in self.groups.values()
-            if not g.occupied and all(self.trajs[t].traj_version is None for t in g.members)
-        )
 
     def rewarded_members(self, group_id: int, group_size: int) -> list[Traj] | None:
         """The group's N accepted finishers if all of them are rewarded, else None."""
@@ -151,9 +145,8 @@ class Ledger:
         g.members.clear()
         return g, dropped
 
-    def occupy(self, group_id: int, buffer: int) -> None:
-        g = self.groups[group_id]
-        g.occupied, g.buffer = True, buffer
+    def occupy(self, group_id: int) -> None:
+        self.groups[group_id].occupied = True
 
     def consume(self, group_id: int) -> tuple[Group, list[Traj], list[Traj]]:
         """End a trained group: (group, its consumed finishers, other members aborted as surplus)."""

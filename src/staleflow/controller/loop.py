@@ -12,23 +12,25 @@ differs). Each turn of ``run``:
      commands are executed at once, and their immediate effects handled.
 The ledger is the only table of trajectories; the batch protocol (StaleFlow's StalenessManager or
 a peer's count-based rule, chosen by the mode) decides admission and batches; the Coordinator holds
-the queue and its view of the instances. The loop audits the protocol from outside (V_traj of every
-route, the bound of every trained group, every fate exactly once); for a protocol without a
-per-trajectory bound (``bounded`` False) groups beyond eta are counted, not violations.
+the queue and its view of the instances. The loop audits the protocol from outside (controller/audit.py).
+A front end drives the loop with ``run`` only and reads it through ``view`` (controller/view.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
 
+from staleflow.controller.audit import Audit
 from staleflow.controller.backend import Backend, Published, PullDone, Rewarded, TrainDone
 from staleflow.controller.ledger import Ledger, Traj
 from staleflow.controller.refill import Refill
-from staleflow.controller.types import Audit, LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
+from staleflow.controller.step_metrics import step_metrics
+from staleflow.controller.types import LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
+from staleflow.controller.view import LoopView
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.trajectory import Finished, Route, TrainGroup, TrajectoryItem
@@ -45,17 +47,23 @@ class ControllerLoop:
         version: int = 0,
         on_step: Callable[[StepRecord, dict], None] | None = None,
         listeners: Mapping[type, Callable[[Any], None]] | None = None,
+        counts: Mapping[str, int] | None = None,
+        requeue: Iterable = (),
     ):
-        """listeners: a front end's own events (type -> handler) that its backend yields among the
-        loop's (the runtime's Saved checkpoint and Evaluated held-out answers)."""
+        """on_step: the step event (the record and its metrics); listeners: a front end's own events
+        (type -> handler) that its backend yields among the loop's (the runtime's Saved checkpoint
+        and Evaluated held-out answers). counts, requeue: a resumed run's counters and the prompts in
+        flight at its checkpoint (submitted again as fresh groups)."""
         self.s, self.coord, self.manager = settings, coordinator, coordinator.manager
+        self.spec = coordinator.manager.spec
+        """eta, B, B', N, N' (the protocol's StalenessSpec)."""
         self.ledger, self.backend, self.workload = ledger, backend, workload
         self.version = version
         """The trainer's version: the next buffer it trains."""
         self.published = version
         self.training: StepRecord | None = None
-        self.hold_training = False
-        """Set by a front end that must act between two steps (a checkpoint): no buffer is consumed."""
+        self._hold: bool | Callable[[], bool] = False
+        """While a run(hold_training=...) says so, no buffer is consumed (a front end acts between two steps)."""
         self.steps: list[StepRecord] = []
         self.on_step = on_step
         self.counts: Counter = Counter()
@@ -65,17 +73,21 @@ class ControllerLoop:
         self.no_signal = Refill(settings.refill_groups, coordinator, self.counts)  # DAPO dynamic sampling refill
         self.audit = Audit()
         self.unrouted: set[int] = set()  # live groups none of whose members was routed yet
-        self.group_tag: dict[int, int] = {}  # V_traj carried by a group's routes (audit)
         self.response_lens: list[int] = []
         self.progress_at = backend.now()
         self.listeners = dict(listeners or {})
         self.tokens_generated: dict[int, int] = {}
         """Tokens each instance has generated so far (its newest snapshot)."""
         self._next_tick = backend.now()
+        self.view = LoopView(self)
+        """What a front end reads (checkpoints, metrics, wait conditions); it drives the loop with ``run`` only."""
+        self.counts.update(counts or {})
+        for prompt in requeue:
+            self.submit_group(prompt)
 
     # ---- prompts ---------------------------------------------------------------------------
     def submit_group(self, prompt) -> None:
-        draws = [self.workload.new_member() for _ in range(self.s.group_capacity)]
+        draws = [self.workload.new_member() for _ in range(self.spec.group_capacity)]
         g = self.ledger.new_group(prompt, [d[0] for d in draws], [d[1] for d in draws])
         plen = self.workload.prompt_len(prompt)
         self.coord.submit([TrajectoryItem(t, g.group_id, None, plen) for t in g.members])
@@ -83,7 +95,7 @@ class ControllerLoop:
 
     def refill(self) -> None:
         """Keep 2 * (eta + 1) * B' fresh groups queued: admission, never supply, limits the rollout."""
-        want = 2 * (self.s.eta + 1) * self.s.batch_capacity
+        want = 2 * (self.spec.eta + 1) * self.spec.capacity
         while len(self.unrouted) < want:
             self.submit_group(self.workload.next_prompt())
 
@@ -169,12 +181,12 @@ class ControllerLoop:
 
     def maybe_occupy(self, group_id: int) -> None:
         """Occupy once the group's N accepted finishers are all rewarded."""
-        members = self.ledger.rewarded_members(group_id, self.s.group_size)
+        members = self.ledger.rewarded_members(group_id, self.spec.group_size)
         if members is None or self.no_signal.replaces(group_id, members, self.version):
             return
         v = self.coord.on_rewarded(group_id)
         if v is not None:  # None: its window closed meanwhile; the coordinator aborts the group
-            self.ledger.occupy(group_id, v)
+            self.ledger.occupy(group_id)
 
     # ---- commands ------------------------------------------------------------------------------
     def execute(self, cmd) -> None:
@@ -205,8 +217,7 @@ class ControllerLoop:
             if cmd.instance >= 0:
                 self.backend.abort(cmd)
             for tid in cmd.traj_ids:
-                if self.ledger.ended.get(tid) == "consumed":
-                    self.audit.violations.append(f"abort of trajectory {tid}, which was already trained")
+                self.audit.aborted(tid, self.ledger.ended.get(tid))
                 self._drop(tid, cmd.reason)
             self.counts[f"aborted_{cmd.reason}"] += len(cmd.traj_ids)
             if cmd.group_id >= 0:
@@ -214,27 +225,16 @@ class ControllerLoop:
         else:
             raise TypeError(f"unexpected command {type(cmd).__name__}")
 
-    def pull_all(self, version: int) -> None:
+    def _pull_all(self, version: int) -> None:
         """Every instance loads ``version`` (a resumed run's first act, and before the final evaluation)."""
         for inst in self.coord.instances:
             self.execute(Pull(instance=inst, version=version))
 
-    @property
-    def syncing(self) -> bool:
-        """Some instance is still loading weights."""
-        return any(i.syncing for i in self.coord.instances.values())
-
     def _route(self, cmd: Route) -> None:
         t = self.ledger.trajs[cmd.traj_id]
         g = self.ledger.groups[t.group_id]
-        tag = self.group_tag.setdefault(g.group_id, cmd.traj_version)
-        if tag != cmd.traj_version:
-            self.audit.violations.append(f"group {g.group_id} routed with V_traj {cmd.traj_version} after {tag}")
-        if t.traj_version is not None and t.traj_version != cmd.traj_version:
-            self.audit.violations.append(
-                f"trajectory {t.traj_id} re-routed with V_traj {cmd.traj_version} (was {t.traj_version})"
-            )
-        t.instance, t.traj_version = cmd.instance, cmd.traj_version
+        self.audit.route(g.group_id, t.traj_id, t.traj_version, cmd.traj_version)
+        t.traj_version = cmd.traj_version
         self.unrouted.discard(g.group_id)
         self.backend.route(
             msgspec.structs.replace(
@@ -264,14 +264,14 @@ class ControllerLoop:
             return
         self._free([t.handle for t in dropped])
         self.unrouted.discard(group_id)
-        self.group_tag.pop(group_id, None)
+        self.audit.group_tag.pop(group_id, None)
         self.counts["groups_aborted"] += 1
         if retry:
             self.submit_group(g.prompt)
 
     # ---- training ------------------------------------------------------------------------------
     def maybe_train(self) -> None:
-        if self.training is not None or self.version >= self.s.steps or self.hold_training:
+        if self.training is not None or self.version >= self.s.steps or self.holding:
             return
         if self.manager.ready_version() != self.version or self.coord.trainer_blocked():
             return
@@ -283,15 +283,9 @@ class ControllerLoop:
             g, trained, surplus = self.ledger.consume(gid)
             trained.sort(key=lambda t: t.traj_id)
             self._free([t.handle for t in surplus])
-            self.group_tag.pop(gid, None)
-            if len(trained) != self.s.group_size or any(t.reward is None for t in trained):
-                self.audit.violations.append(f"group {gid} consumed with {len(trained)} rewarded members")
             V = min(t.traj_version for t in trained)
-            if V <= v and v > V + self.s.eta and not self.manager.bounded:
-                self.audit.over_eta += 1
-            elif not V <= v <= V + self.s.eta:
-                self.audit.bound_violations += 1
-                self.audit.violations.append(f"group {gid} V_traj {V} consumed in buffer {v} (eta {self.s.eta})")
+            complete = len(trained) == self.spec.group_size and all(t.reward is not None for t in trained)
+            self.audit.trained(gid, V, v, self.spec.eta, self.manager.bounded, complete, len(trained))
             stale.append(v - V)
             samples[gid], prompts[gid] = trained[0].text, g.prompt
             batch.append(
@@ -325,31 +319,15 @@ class ControllerLoop:
 
     def step_metrics(self, rec: StepRecord) -> dict:
         """The per-step numbers every front end reports (runtime metrics.jsonl, simulator tables)."""
-        rewards, stale, lens = rec.rewards, rec.staleness, self.response_lens
-        self.response_lens = []
-        hist = Counter(stale)
-        c = self.counts
-        return {
-            "reward_mean": sum(rewards) / max(len(rewards), 1),
-            "accuracy": sum(r > 0.5 for r in rewards) / max(len(rewards), 1),
-            "response_len_mean": sum(lens) / max(len(lens), 1),
-            "staleness_mean": sum(stale) / max(len(stale), 1),
-            "staleness_max": max(stale, default=0),
-            "staleness_hist": {str(k): n for k, n in sorted(hist.items())},
-            "bound_violations": self.audit.bound_violations,
-            "over_eta": self.audit.over_eta,
-            "trained_groups": len(rec.groups),
-            "trained_trajectories": len(rewards),
-            "trained_tokens": rec.response_tokens,
-            "pulls": c["pulls"],
-            "interrupts": c["interrupts"],
-            "migrations": c["migrations"],
-            "routes": c["routes"],
-            "groups_aborted": c["groups_aborted"],
-            "reward_errors": sum(self.reward_errors.values()),
-        }
+        lens, self.response_lens = self.response_lens, []
+        return step_metrics(rec, lens, self.audit, self.counts, sum(self.reward_errors.values()))
 
     # ---- the loop ------------------------------------------------------------------------------
+    @property
+    def holding(self) -> bool:
+        """A front end holds training (run(hold_training=...)): no buffer is consumed."""
+        return self._hold() if callable(self._hold) else self._hold
+
     @property
     def done(self) -> bool:
         return self.published >= self.s.steps and self.training is None
@@ -360,11 +338,14 @@ class ControllerLoop:
         for ev in self.backend.poll(now):  # immediate effects of the commands (simulated instances)
             self.handle(ev)
 
-    def turn(self, next_tick: float) -> float:
+    def turn(self, next_tick: float, dispatch: bool = True) -> float:
         """One turn of the loop; returns the time of the next coordinator tick. Once the run is
-        done nothing new is started: events are still handled (a final evaluation, a save)."""
+        done (or without ``dispatch``) nothing new is started: events are still handled (a final
+        evaluation, a save, the step that finishes while the run stops)."""
         for ev in self.backend.poll(next_tick):
             self.handle(ev)
+        if not dispatch:  # wait for events up to a tick at a time (no busy polling)
+            return max(next_tick, self.backend.now() + self.s.tick_s)
         if self.done:
             return next_tick
         self.maybe_train()
@@ -376,24 +357,41 @@ class ControllerLoop:
             next_tick = now + self.s.tick_s
         return next_tick
 
-    def run(self, until: Callable[[], bool] | None = None, timeout_s: float | None = None, what: str = "") -> None:
-        """The one driver of the loop, in the runtime and in the simulator: turn until ``until()``
-        holds (default: --steps versions published and trained).
-
-        Raises Stalled when no trajectory finished and no step ran for stall_s while work was due
-        (not once the run is done, nor while a front end holds training for a checkpoint), and
-        LoopTimeout when ``until`` did not hold within ``timeout_s`` of the backend's clock
-        (``what`` names the wait)."""
+    def run(
+        self,
+        until: Callable[[], bool] | None = None,
+        timeout_s: float | None = None,
+        what: str = "",
+        *,
+        hold_training: bool | Callable[[], bool] = False,
+        dispatch: bool = True,
+        pull: int | None = None,
+        stall_s: float | Callable[[], float] | None = None,
+    ) -> None:
+        """The one driver of the loop (runtime and simulator): turn until ``until()`` holds (default:
+        --steps versions published and trained). hold_training: no buffer is consumed while it holds
+        (a checkpoint between two steps); dispatch=False: events only, nothing new starts (a stopping
+        run lets its step finish); pull: every instance first loads this version; stall_s: this run's
+        stall limit (a callable is read every turn). Raises Stalled when nothing finished and no step
+        ran for the stall limit while work was due and training was not held, LoopTimeout when
+        ``until`` did not hold within ``timeout_s`` of the backend's clock (``what`` names the wait)."""
         stop = until or (lambda: self.done)
+        if pull is not None:
+            self._pull_all(pull)
         start = self.backend.now()
-        while not stop():
-            self._next_tick = self.turn(self._next_tick)
-            now = self.backend.now()
-            if timeout_s is not None and now - start > timeout_s:
-                raise LoopTimeout(f"{what or 'the wait'} did not happen within {timeout_s:.0f} s")
-            if not self.done and not self.hold_training and now - self.progress_at > self.s.stall_s:
-                raise Stalled(
-                    f"no trajectory finished and no step ran for {self.s.stall_s:.0f} s "
-                    f"(version {self.version}, buffer state "
-                    f"{self.manager.buffer_state(self.manager.version).value})"
-                )
+        self._hold = hold_training
+        try:
+            while not stop():
+                self._next_tick = self.turn(self._next_tick, dispatch)
+                now = self.backend.now()
+                if timeout_s is not None and now - start > timeout_s:
+                    raise LoopTimeout(f"{what or 'the wait'} did not happen within {timeout_s:.0f} s")
+                limit = stall_s() if callable(stall_s) else (self.s.stall_s if stall_s is None else stall_s)
+                if not self.done and dispatch and not self.holding and now - self.progress_at > limit:
+                    raise Stalled(
+                        f"no trajectory finished and no step ran for {limit:.0f} s "
+                        f"(version {self.version}, buffer state "
+                        f"{self.manager.buffer_state(self.manager.version).value})"
+                    )
+        finally:
+            self._hold = False

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from staleflow.controller.backend import TrainDone
+from staleflow.faults import BadInput, Stuck
 from staleflow.trajectory import TrainGroup
 
 
@@ -28,12 +29,7 @@ class Workload(Protocol):
 @dataclass(frozen=True)
 class LoopSettings:
     steps: int
-    """Stop once this many versions are published."""
-    eta: int
-    batch_size: int
-    batch_capacity: int
-    group_size: int
-    group_capacity: int
+    """Stop once this many versions are published (eta, B', N' are the protocol's: ``manager.spec``)."""
     tick_s: float
     stall_s: float = math.inf
     """No finish, reward or step for this long: the run is stalled (the loop stops and says so)."""
@@ -45,19 +41,10 @@ class LoopSettings:
 
     @classmethod
     def from_config(
-        cls, staleness, coordinator, steps: int, stall_s: float = math.inf, max_reward_failures: int = 0
+        cls, coordinator, steps: int, stall_s: float = math.inf, max_reward_failures: int = 0
     ) -> LoopSettings:
-        s = staleness
         return cls(
-            steps=steps,
-            eta=s.eta,
-            batch_size=s.batch_size,
-            batch_capacity=s.batch_capacity,
-            group_size=s.group_size,
-            group_capacity=s.group_capacity,
-            tick_s=coordinator.tick_ms / 1000.0,
-            stall_s=stall_s,
-            max_reward_failures=max_reward_failures,
+            steps=steps, tick_s=coordinator.tick_ms / 1000.0, stall_s=stall_s, max_reward_failures=max_reward_failures
         )
 
 
@@ -86,21 +73,14 @@ class StepRecord:
         return sum(sum(g.n_tokens) for g in self.groups)
 
 
-@dataclass
-class Audit:
-    violations: list[str] = field(default_factory=list)
-    bound_violations: int = 0
-    over_eta: int = 0
-    """Trained groups with staleness > eta under a protocol that does not bound it (the peers)."""
-
-
 class LoopTimeout(RuntimeError):
     """ControllerLoop.run waited longer than its timeout for its condition."""
 
 
-class Stalled(RuntimeError):
-    """The loop made no progress for its stall_s."""
+class Stalled(Stuck):
+    """The loop made no progress for its stall_s (a restart from the newest checkpoint: faults.py)."""
 
 
-class RewardsFailing(RuntimeError):
-    """Too many consecutive reward calls failed: the reward function is broken, not unlucky."""
+class RewardsFailing(BadInput, RuntimeError):
+    """Too many consecutive reward calls failed: the reward function is broken, not unlucky (fatal:
+    a restart would fail the same way, faults.py)."""

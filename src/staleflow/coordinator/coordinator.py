@@ -79,8 +79,7 @@ class Coordinator:
         self.instances: dict[int, InstanceState] = {i: InstanceState(i, cost_model.kv_capacity, version) for i in ids}
         self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first)
         self.ps_version = version
-        self.items: dict[int, TrajectoryItem] = {}  # every live trajectory (queued or in flight)
-        self.where: dict[int, int] = {}  # traj_id -> instance, while on an instance
+        self.live: dict[int, int] = {}  # traj_id -> group_id of every live trajectory (queued or in flight)
         self.reserved: set[int] = set()  # live trajectories holding a reservation (= in flight)
         self.group_tag: dict[int, int] = {}  # group_id -> V_traj fixed at its first route
         self.members: dict[int, set[int]] = {}  # group_id -> its items still scheduled here (queued or in flight)
@@ -125,14 +124,14 @@ class Coordinator:
     # ---- events --------------------------------------------------------------------------
     def submit(self, items: Iterable[TrajectoryItem]) -> None:
         for it in items:
-            if it.traj_id in self.items:
+            if it.traj_id in self.live:
                 raise ValueError(f"submit: trajectory id {it.traj_id} is already live; ids must be unique")
             if it.prompt_len < 0 or it.generated_len < 0:
                 raise ValueError(
                     f"submit: trajectory {it.traj_id} has negative lengths "
                     f"(prompt_len={it.prompt_len}, generated_len={it.generated_len})"
                 )
-            self.items[it.traj_id] = it
+            self.live[it.traj_id] = it.group_id
             self.members.setdefault(it.group_id, set()).add(it.traj_id)
             self._enqueue(it)
 
@@ -145,18 +144,18 @@ class Coordinator:
         """A trajectory finished generation. False if it was already dropped (an Abort crossed the
         finish: group-redundancy surplus, closed window, straggler): it does not count."""
         now = self.clock()
-        if traj_id not in self.items:
+        if traj_id not in self.live:
             self.counters["late_finish"] += 1
             return False
         self._detach(traj_id, now)
         self._dequeue(traj_id)
         self.pending_interrupts.discard(traj_id)
-        it = self.items.pop(traj_id)
+        gid = self.live.pop(traj_id)
         self.queue.forget(traj_id)
         self.migrated.pop(traj_id, None)
         self.moved_off.pop(traj_id, None)
         self.reserved.discard(traj_id)
-        self.members[it.group_id].discard(traj_id)
+        self.members[gid].discard(traj_id)
         for t in self.manager.complete(traj_id):  # group redundancy: the surplus is aborted
             self._drop(t, "surplus", now)
         self.counters["finished"] += 1
@@ -179,13 +178,11 @@ class Coordinator:
         now = self.clock()
         for it in items:
             self.pending_interrupts.discard(it.traj_id)
-            if it.traj_id not in self.items:  # aborted while the interrupt was in flight
+            if it.traj_id not in self.live:  # aborted while the interrupt was in flight
                 continue
             self._detach(it.traj_id, now)
             V = self.group_tag.get(it.group_id) if it.traj_version is None else it.traj_version
-            it = msgspec.structs.replace(it, traj_version=V, origin=instance)
-            self.items[it.traj_id] = it
-            self._enqueue(it)
+            self._enqueue(msgspec.structs.replace(it, traj_version=V, origin=instance))
             self.counters["loop_back"] += 1
 
     def on_pull_done(self, instance: int, version: int) -> None:
@@ -206,7 +203,7 @@ class Coordinator:
 
     def on_failed(self, instance: int, traj_id: int, reason: str = "failed") -> None:
         """A trajectory was lost (engine error): drop it; if its group can no longer reach N, the group."""
-        if traj_id not in self.items:
+        if traj_id not in self.live:
             return
         now = self.clock()
         if traj_id in self.reserved:
@@ -315,10 +312,7 @@ class Coordinator:
             self._admissible = None
         self._dequeue(t)
         self.moved_off.pop(t, None)
-        if item.traj_version != V:
-            self.items[t] = msgspec.structs.replace(item, traj_version=V)
         inst.add(t, item.tokens, now)
-        self.where[t] = inst.instance
         cmds.append(Route(t, inst.instance, V))
         self.counters["routes"] += 1
 
@@ -341,16 +335,23 @@ class Coordinator:
             if not self.queued_tagged[it.traj_version]:
                 del self.queued_tagged[it.traj_version]
 
+    def instance_of(self, traj_id: int) -> int:
+        """The instance holding the trajectory (-1: none); placement lives once, in InstanceState.trajs."""
+        for i, inst in self.instances.items():
+            if traj_id in inst.trajs:
+                return i
+        return -1
+
     def _detach(self, traj_id: int, now: float) -> int:
-        i = self.where.pop(traj_id, -1)
-        if i >= 0:
-            self.instances[i].remove(traj_id, now)
-        return i
+        for i, inst in self.instances.items():
+            if inst.remove(traj_id, now):
+                return i
+        return -1
 
     def _drop(self, traj_id: int, reason: str, now: float, out: list[Command] | None = None) -> None:
         """Forget one live trajectory and tell the runtime to stop it (manager already updated)."""
-        it = self.items.pop(traj_id, None)
-        if it is None:
+        gid = self.live.pop(traj_id, None)
+        if gid is None:
             return
         self._dequeue(traj_id)
         self.queue.forget(traj_id)
@@ -359,7 +360,7 @@ class Coordinator:
         i = self._detach(traj_id, now)
         self.reserved.discard(traj_id)
         self.pending_interrupts.discard(traj_id)
-        self.members.get(it.group_id, set()).discard(traj_id)
+        self.members.get(gid, set()).discard(traj_id)
         (self._out if out is None else out).append(Abort(i, (traj_id,), reason))
         self.counters[f"aborted_{reason}"] += 1
 

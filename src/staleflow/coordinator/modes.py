@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from staleflow.protocol import make_protocol
+from staleflow.protocol import StalenessSpec, make_protocol
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def peer_knobs(mode: str, coordinator_cfg) -> dict:
     >>> peer_knobs("verl-fully-async", CoordinatorConfig(staleness_threshold=0.0, trigger_sync_steps=3))
     {'staleness_threshold': 0.0, 'trigger_sync_steps': 3}
     """
-    from staleflow.config.sections import ConfigError
+    from staleflow.faults import ConfigError
 
     m = mode_of(mode)
     allowed = PEER_OPTIONS.get(m.protocol, ())
@@ -204,17 +204,7 @@ def peer_knobs(mode: str, coordinator_cfg) -> dict:
     return out
 
 
-def build_protocol(
-    mode: str,
-    eta: int,
-    batch_size: int,
-    capacity: int | None = None,
-    group_size: int = 1,
-    group_capacity: int | None = None,
-    version: int = 0,
-    n_instances: int = 1,
-    **peer,
-):
+def build_protocol(mode: str, spec: StalenessSpec, n_instances: int = 1, **peer):
     """The batch protocol of `mode` with the (resolved) staleness settings and the peer's knobs `peer`.
 
     verl fully-async gets staleness_threshold s = eta unless `peer` sets it: with one version per B
@@ -231,17 +221,20 @@ def build_protocol(
     if m.protocol == "staleflow":
         opts["exchange"] = m.exchange
     elif m.protocol == "verl-fully-async":
-        opts.setdefault("staleness_threshold", float(eta))
+        opts.setdefault("staleness_threshold", float(spec.eta))
         opts["n_instances"] = n_instances
-    return make_protocol(m.protocol, eta, batch_size, capacity, group_size, group_capacity, version, **opts)
+    return make_protocol(m.protocol, spec, **opts)
+
+
+def staleness_spec(staleness, version: int = 0) -> StalenessSpec:
+    """The protocol's settings from the (resolved) --staleness section: B', N' from its redundancies."""
+    s = staleness
+    return StalenessSpec(s.eta, s.batch_size, s.batch_capacity, s.group_size, s.group_capacity, version)
 
 
 def protocol_for(mode: str, staleness, version: int = 0, n_instances: int = 1, **peer):
-    """The batch protocol of ``mode`` for a (resolved) StalenessConfig: B', N' from its capacities."""
-    s = staleness
-    return build_protocol(
-        mode, s.eta, s.batch_size, s.batch_capacity, s.group_size, s.group_capacity, version, n_instances, **peer
-    )
+    """The batch protocol of ``mode`` for a (resolved) --staleness section, starting at ``version``."""
+    return build_protocol(mode, staleness_spec(staleness, version), n_instances, **peer)
 
 
 def check_protocol(mode: str, manager) -> None:
@@ -249,15 +242,13 @@ def check_protocol(mode: str, manager) -> None:
     choice): a coordinator never swaps the protocol it is given (build it with protocol_for)."""
     if mode not in MODE_TABLE and mode not in ALIASES:
         return
-    want = build_protocol(
-        mode,
-        manager.eta,
-        manager.batch_size,
-        manager.capacity,
-        manager.group_size,
-        manager.group_capacity,
-        manager.version,
-    )
+    spec = getattr(manager, "spec", None)
+    if not isinstance(spec, StalenessSpec):
+        raise ValueError(
+            f"the coordinator was given a {type(manager).__name__} without a StalenessSpec (.spec): build it with "
+            f"staleflow.coordinator.modes.protocol_for({mode!r}, staleness)"
+        )
+    want = build_protocol(mode, spec)
     if type(want) is not type(manager) or getattr(want, "exchange", None) != getattr(manager, "exchange", None):
         raise ValueError(
             f"mode {mode!r} runs protocol {type(want).__name__}"

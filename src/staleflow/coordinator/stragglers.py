@@ -28,7 +28,7 @@ def handle_stragglers(coord, now: float, cmds: list[Command]) -> None:
         live = sorted(coord.members.get(gid, ()))
         by_inst: dict[int, list[int]] = {}
         for t in live:
-            by_inst.setdefault(coord.where.get(t, -1), []).append(t)
+            by_inst.setdefault(coord.instance_of(t), []).append(t)
             if t in coord.queue:
                 coord._dequeue(t)
         for i, ids in sorted(by_inst.items()):

@@ -7,15 +7,14 @@
     topo = gather_topology(...)              # cluster/topology.py: every rank's node
     trainer_group, pull_groups = make_groups(roles, device, owners, topo.remote_pullers)
 
-Start-up data crosses ranks as JSON in tensors (``broadcast_json`` / ``all_gather_json``), never
-pickled. Node identity comes from torchrun (GROUP_RANK / LOCAL_RANK), never from the hostname. The
-trainer group is NCCL on GPUs, gloo on CPUs; so is the group of each rollout rank that pulls
+Start-up data crosses ranks as JSON in tensors (cluster/exchange.py: ``broadcast_json`` /
+``all_gather_json``), never pickled. Node identity comes from torchrun (GROUP_RANK / LOCAL_RANK),
+never from the hostname. The trainer group is NCCL on GPUs, gloo on CPUs; so is the group of each rollout rank that pulls
 weights from another node (the Parameter Server's piece owners + that rank).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -134,51 +133,6 @@ def _attempt_store(rank: int, world_size: int, timeout):
         multi_tenant=not agent,
     )
     return dist.PrefixStore(f"/staleflow/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def broadcast_json(obj, src: int = 0, group=None):
-    """``obj`` (JSON-able, given on rank ``src``) on every rank of ``group`` (default: the gloo world).
-
-    The bytes travel in uint8 tensors and are parsed as JSON: torch's ``broadcast_object_list``
-    pickles, so any host that can reach the group's sockets could run code in every rank."""
-    import torch
-    import torch.distributed as dist
-
-    mine = dist.get_rank() == src
-    data = json.dumps(obj).encode() if mine else b""
-    n = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(n, src=src, group=group)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else torch.empty(int(n), dtype=torch.uint8)
-    if int(n):
-        dist.broadcast(buf, src=src, group=group)
-    return _parse(buf, "broadcast")
-
-
-def all_gather_json(obj, group=None) -> list:
-    """Every rank's ``obj`` (JSON-able), in rank order, as bytes in tensors (never pickled)."""
-    import torch
-    import torch.distributed as dist
-
-    data = json.dumps(obj).encode()
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
-    width = max(int(x) for x in sizes)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-    got = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(got, buf, group=group)
-    return [_parse(g[: int(k)], "all-gather") for g, k in zip(got, sizes)]
-
-
-def _parse(buf, what: str):
-    try:
-        return json.loads(bytes(buf.numpy()))
-    except ValueError as e:
-        raise RuntimeError(
-            f"a start-up {what} between the ranks carried malformed JSON ({e}): is every rank "
-            f"running the same StaleFlow?"
-        ) from None
 
 
 def _shared_gpus(roles) -> bool:

@@ -24,17 +24,20 @@ import time
 import traceback
 import uuid
 
+from staleflow.cluster.exchange import broadcast_json
 from staleflow.cluster.roles import Roles
 from staleflow.cluster.topology import Topology
 from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
 from staleflow.control.messages import Failure, Goodbye, Ping, Pong, Ready, Register, Shutdown
 from staleflow.control.sockets import ControlClient, ControllerGone, control_address
+from staleflow.engines import engine_backend
+from staleflow.faults import RankOutcome, rank_outcome, start_outcome
 from staleflow.launch import dist as rankdist
-from staleflow.launch.cleanup import claim_run_folder, cleanup_stale_run_files, remove_run_folder
 from staleflow.launch.lifeline import tie_to_agent
-from staleflow.model.aliases import AliasError
-from staleflow.model.hf import ModelLoadError
 from staleflow.presets import PRESETS
+from staleflow.runfolder.elastic import elastic_pointer, is_fatal
+from staleflow.runfolder.run_dir import remove_if_empty
+from staleflow.runfolder.scratch import claim_run_folder, cleanup_stale_run_files, remove_run_folder
 from staleflow.workers.pulse import Pulse
 from staleflow.workers.rank import RankContext, RunStopped, defer_signals, install_signal_handlers, set_title
 
@@ -92,7 +95,7 @@ def _shm_refusal(cfg: RunConfig, roles: Roles, topo: Topology) -> str:
 def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology, flags: frozenset[str]):
     """Rank 0: clean up after crashed runs, pick the run folder and config (new, --resume or elastic
     restart), start the controller. Returns (what every rank needs, the controller, the run)."""
-    from staleflow.launch.resume import prepare_run, remove_if_empty
+    from staleflow.launch.resume import prepare_run
     from staleflow.plan import at_start
 
     cleanup_stale_run_files()
@@ -136,12 +139,12 @@ def _start_run(cfg: RunConfig, defaults: RunConfig, roles: Roles, topo: Topology
 
 
 def _load_model_info(ctx: RankContext) -> tuple[object, object, dict]:
-    """(model, weights, info). A rollout rank's copy of the model on its device (a vLLM rollout
-    rank loads none: vLLM does). A trainer rank's model on the meta device with a stream of its
+    """(model, weights, info). A rollout rank's copy of the model on its device (none when its engine
+    backend loads its own: rank_loads_model). A trainer rank's model on the meta device with a stream of its
     weights: the trainer shards it first and keeps only its own rows (Trainer(..., weights=...))."""
     from staleflow.model import lazy_model
 
-    if ctx.role == "rollout" and ctx.cfg.rollout.engine == "vllm" and not ctx.cfg.smoke:
+    if ctx.role == "rollout" and not engine_backend(ctx.cfg).rank_loads_model and not ctx.cfg.smoke:
         return None, None, {"model": ctx.cfg.model.path, "params": 0, "load_s": 0.0, "device": ctx.device}
     t0 = time.perf_counter()
     weights = None
@@ -213,7 +216,7 @@ def run_rank(
     rankdist.init_world(roles.world_size, rank)
     topo = _topology(roles, env)
     try:
-        topo.validate(cfg.rollout.engine)
+        topo.validate(engine_backend(cfg))
     except ConfigError as e:  # every rank sees the same topology: all stop, rank 0 says why
         if rank == 0:
             print(f"staleflow: config error: {e}", file=sys.stderr, flush=True)
@@ -227,7 +230,7 @@ def run_rank(
     shared = None
     if rank == 0:
         shared, controller, run = _start_run(cfg, defaults, roles, topo, flags)
-    shared = rankdist.broadcast_json(shared, src=0)
+    shared = broadcast_json(shared, src=0)
     if shared["error"]:
         if rank == 0:
             print(f"staleflow: config error: {shared['error']}", file=sys.stderr, flush=True)
@@ -239,7 +242,9 @@ def run_rank(
         from staleflow.cluster.netplane import NetPlane
 
         net = NetPlane.open(topo, rank, run_id, bytes.fromhex(shared["secret"]), pull_groups, device)
-    client = ControlClient(control_address(run_id), rank) if on_home else net.control_client(shared["control_endpoint"])
+    endpoint = control_address(run_id) if on_home else shared["control_endpoint"]
+    secure = None if on_home else net.secure  # a rank off the controller's node: CURVE over TCP
+    client = ControlClient(endpoint, rank, secure=secure)
     ctx = RankContext(
         cfg=cfg,
         roles=roles,
@@ -258,15 +263,9 @@ def run_rank(
     )
     client.send(Register(rank=rank, role=ctx.role, pid=os.getpid(), host=socket.gethostname(), node=env.node_rank))
     pulse = Pulse(
-        lambda: (
-            ControlClient(control_address(run_id), rank, pulse=True)
-            if on_home
-            else net.control_client(shared["control_endpoint"], pulse=True)
-        ),
-        rank,
-        lambda: ctx.progress(),
+        lambda: ControlClient(endpoint, rank, secure=secure, pulse=True), rank, lambda: ctx.progress()
     ).start()
-    ok, reason, fatal, hung = True, "", False, False
+    ok, reason, hung, failed_code = True, "", False, 1
     worker = None
     try:
         model, weights, info = _load_model_info(ctx)
@@ -286,19 +285,9 @@ def run_rank(
         # restart them only if one of their workers fails.
         ok, reason = rank != 0 and (on_home or not e.restart), f"stopped: {e}"
         hung = e.controller_hung
-    except KeyboardInterrupt as e:
-        ok, reason = False, f"interrupted ({e})" if str(e) else "interrupted"
-    except Exception as e:  # one line to the controller, the traceback to the log
-        from staleflow.launch.resume import no_restart_helps
-
-        ok, reason = False, f"{type(e).__name__}: {e}"
-        fatal = no_restart_helps(e)
-        if not fatal:  # bad input is said in one line (by the controller), a bug with its traceback
-            traceback.print_exc()
-        try:
-            client.send(Failure(rank=rank, error=reason, fatal=fatal), timeout_s=5.0)
-        except ControllerGone:
-            pass
+    except (Exception, KeyboardInterrupt) as e:  # the fault table (faults.py): one line to the controller
+        said = report_failure(e, client, rank)
+        ok, reason, failed_code = False, said.reason, said.code
     finally:
         try:
             pulse.stop()
@@ -312,10 +301,8 @@ def run_rank(
             client.close()
             if net is not None:
                 net.close()
-    code = 0 if ok or fatal else 1  # a fatal failure: no restart (the controller marks the run and says why)
+    code = 0 if ok else failed_code  # a fatal failure exits 0: no restart (the controller marks the run, says why)
     if controller is not None:
-        from staleflow.launch.resume import elastic_pointer, is_fatal, remove_if_empty
-
         code = _finish_controller(controller, run_id, code, wait_s=5.0 if hung else 60.0)  # hung: no wait
         if code != 0 and run is not None and run.created:
             remove_if_empty(run.run_dir)  # died while starting: no empty run folder is left behind
@@ -327,6 +314,20 @@ def run_rank(
     if not ok and rank == 0 and reason:
         print(f"staleflow: rank {rank}: {reason}", file=sys.stderr, flush=True)
     return code
+
+
+def report_failure(e: BaseException, client, rank: int) -> RankOutcome:
+    """A rank's answer to an exception out of its loop, as the fault table says (faults.rank_outcome):
+    a bug's traceback to the log, and Failure (fatal or not) to the controller, which names it."""
+    said = rank_outcome(e)
+    if said.traceback:  # bad input is said in one line (by the controller), a bug with its traceback
+        traceback.print_exception(e)
+    if said.report:
+        try:
+            client.send(Failure(rank=rank, error=said.reason, fatal=said.fatal), timeout_s=5.0)
+        except ControllerGone:
+            pass
+    return said
 
 
 def _finish_controller(controller, run_id: str, code: int, wait_s: float = 60.0) -> int:
@@ -361,16 +362,14 @@ def main(argv: list[str]) -> int:
         cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
         env = rankdist.read_env()
         roles = Roles(env.world_size, cfg.rollout.ranks)
-    except ConfigError as e:
-        if rank_env == "0":
-            print(f"staleflow: config error: {e}", file=sys.stderr, flush=True)
-        return 2
-    try:
         _prepare_model(cfg)
-    except (AliasError, ModelLoadError) as e:
+    except Exception as e:  # bad input (the fault table): one line from rank 0, exit 2; anything else propagates
+        said = start_outcome(e)
+        if said is None:
+            raise
         if rank_env == "0":
-            print(f"staleflow: {e}", file=sys.stderr, flush=True)
-        return 2
+            print(said[0], file=sys.stderr, flush=True)
+        return said[1]
     return run_rank(cfg, defaults, roles, env, given_flags(argv))
 
 

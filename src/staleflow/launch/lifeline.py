@@ -10,7 +10,7 @@ process group) leaves them training, writing the run folder and holding /dev/shm
   - a watcher thread on the agent: once the rank's parent is no longer the agent it sends that
     SIGTERM itself (a system without prctl), and if the rank is still alive ORPHAN_GRACE_S later
     (wedged in a collective, nobody left to SIGKILL it) it exits (os._exit): the shared memory of
-    such a rank is removed by the next start (launch/cleanup.py: its creator is dead).
+    such a rank is removed by the next start (runfolder/scratch.py: its creator is dead).
 The controller follows rank 0 (it watches its parent, control/hub.py) and reward workers follow the
 controller (PR_SET_PDEATHSIG, reward/pool.py).
 
@@ -84,6 +84,6 @@ def tie_to_agent() -> int:
 
 
 def _alive(pid: int) -> bool:
-    from staleflow.launch.cleanup import pid_alive
+    from staleflow.runfolder.scratch import pid_alive
 
     return pid_alive(pid)

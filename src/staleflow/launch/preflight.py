@@ -4,7 +4,8 @@
   asked for (a built-in or fork task: its first rows are generated); the longest of those prompts
   plus --rollout.max-new-tokens fits --rollout.max-model-len, which fits the model's own
   max_position_embeddings (config.json);
-- extras: the optional packages the flags ask for are installed (vllm, wandb, flash-attn);
+- engine and extras: --rollout.engine resolves to a backend (staleflow.engines) and the optional
+  packages the flags ask for are installed (the engine's extras, wandb, flash-attn);
 - GPUs: on CUDA, no more trainer ranks than GPUs (NCCL puts one rank on one GPU).
 Each refusal is one ConfigError line; launch.sh then exits 2 before torchrun starts a rank.
 """
@@ -72,10 +73,10 @@ def check_lengths(cfg: RunConfig, longest_prompt: int, folder: str) -> None:
 
 
 def check_extras(cfg: RunConfig) -> None:
-    """The optional packages the run's flags need are installed."""
-    wanted = []
-    if cfg.rollout.engine == "vllm":
-        wanted.append(("vllm", "--rollout.engine vllm", "pip install 'staleflow[vllm]'"))
+    """--rollout.engine resolves (ExtensionError otherwise) and the optional packages the run's flags need are installed."""
+    from staleflow.engines import engine_backend
+
+    wanted = [(module, f"--rollout.engine {cfg.rollout.engine}", fix) for module, fix in engine_backend(cfg).extras]
     if cfg.log.wandb:
         wanted.append(("wandb", "--log.wandb", "pip install 'staleflow[wandb]' (or drop --log.wandb)"))
     if cfg.rollout.decode_backend == "flash":

@@ -1,17 +1,15 @@
-"""Where a run lives and how it continues: run folders, elastic restarts, --resume.
+"""How a run starts or continues: a new run, --resume, or an elastic restart (rank 0, before the
+controller starts). The run folder itself, its lock, ids and the elastic pointer are in runfolder/.
 
     run = prepare_run(cfg, preset_cfg, given_flags(argv))   # global rank 0, before the controller starts
     run.cfg, run.run_dir, run.notes
 
 - A new run gets a fresh folder under --log.run-dir and records it in a pointer file keyed by
-  torchrun's run id, so that after an elastic restart (torchrun --max-restarts) rank 0 finds the
-  same folder and resumes from its newest intact checkpoint by itself.
+  torchrun's run id (runfolder/elastic.py), so that after an elastic restart (torchrun --max-restarts)
+  rank 0 finds the same folder and resumes from its newest intact checkpoint by itself.
 - ``--resume DIR`` (and an elastic restart) reload the run's saved config: a flag given now
   that changes the model or the dataset is refused in one line; other changes are applied with
-  a note (e.g. more --steps).
-- Rows written after the checkpoint (metrics.jsonl, trained.jsonl) are marked
-  ``"superseded": true``: they describe steps that are trained again, so every audit skips them.
-- Ids never repeat across a resume: the controller keeps their high-water marks in ``ids.json``.
+  a note (e.g. more --steps). Rows after the checkpoint are marked superseded (runfolder/run_dir.py).
 """
 
 from __future__ import annotations
@@ -19,15 +17,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
-from staleflow.durable import atomic_write_json, atomic_write_text, read_jsonl
+from staleflow.runfolder.elastic import elastic_pointer, read_pointer, restart_count
+from staleflow.runfolder.lock import check_unlocked, lock_run_dir
+from staleflow.runfolder.run_dir import make_run_dir, supersede_after
 
-IDS_FILE = "ids.json"
 FROZEN_ON_RESUME = (
     "model.path",
     "data.source",
@@ -50,87 +47,6 @@ class PreparedRun:
     notes: list[str] = field(default_factory=list)
     created: bool = False
     """The folder was created by this attempt (removed again if the run dies before any step)."""
-
-
-def elastic_pointer() -> Path | None:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if not run_id or run_id == "none":
-        return None
-    return Path(tempfile.gettempdir()) / f"staleflow-elastic-{''.join(c for c in run_id if c.isalnum())}.json"
-
-
-def _read_pointer(pointer: Path) -> dict:
-    """The pointer file's JSON object ({} if missing, unreadable or not an object)."""
-    try:
-        state = json.loads(pointer.read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return state if isinstance(state, dict) else {}
-
-
-def mark_fatal(message: str) -> None:
-    """Record that the run failed on bad input: launch.sh reports it, and no restart is attempted."""
-    pointer = elastic_pointer()
-    if pointer is None:
-        return
-    state = _read_pointer(pointer)
-    state["fatal"] = message
-    atomic_write_json(pointer, state)
-
-
-def no_restart_helps(e: BaseException) -> bool:
-    """Whether an error comes from bad input or the environment, so that an elastic restart would
-    fail the same way (the run then stops with exit 2 instead of restarting)."""
-    from staleflow.control.hub import FatalFailure
-    from staleflow.controller import RewardsFailing
-    from staleflow.data import DataError
-    from staleflow.durable import disk_problem
-    from staleflow.model.aliases import AliasError
-    from staleflow.model.hf import ModelLoadError
-    from staleflow.reward.functions import RewardError
-    from staleflow.train.checkpoint import CheckpointError
-
-    return (
-        isinstance(
-            e,
-            (
-                ConfigError,
-                RewardsFailing,
-                DataError,
-                ModelLoadError,
-                RewardError,
-                AliasError,
-                CheckpointError,
-                FatalFailure,
-            ),
-        )
-        or disk_problem(e) is not None
-    )
-
-
-def is_fatal() -> bool:
-    pointer = elastic_pointer()
-    try:
-        return bool(pointer is not None and _read_pointer(pointer).get("fatal"))
-    except OSError:
-        return False
-
-
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def make_run_dir(cfg: RunConfig) -> str:
-    """The run folder: --log.run-dir/--log.name (default: a timestamp), created empty."""
-    name = cfg.log.name or time.strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(cfg.log.run_dir, name)
-    if cfg.log.name and os.path.exists(path) and os.listdir(path):
-        raise ConfigError(f"--log.name={cfg.log.name!r}: {path} already exists; choose another name or --resume {path}")
-    n = 1
-    while os.path.exists(path):
-        path, n = os.path.join(cfg.log.run_dir, f"{name}-{n}"), n + 1
-    os.makedirs(path)
-    return path
 
 
 def _flat(cfg, prefix: str = "") -> dict:
@@ -206,8 +122,6 @@ def _resume_point(run_dir: str, required: bool):
 def check_resume(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = frozenset()) -> RunConfig:
     """Validate --resume without touching the folder: not written by a live run, an intact
     checkpoint and a compatible config."""
-    from staleflow.launch.run_lock import check_unlocked
-
     check_unlocked(cfg.resume)
     _resume_point(cfg.resume, required=True)
     if os.path.isfile(os.path.join(cfg.resume, "config.json")):
@@ -220,7 +134,7 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
     pointer = elastic_pointer()
     run_dir, notes, created = "", [], False
     if restart_count() > 0 and pointer is not None and pointer.is_file():
-        run_dir = _read_pointer(pointer).get("run_dir")
+        run_dir = read_pointer(pointer).get("run_dir")
         if not isinstance(run_dir, str) or not run_dir:
             raise ConfigError(f"{pointer}: field run_dir is not a folder; remove the file and --resume the run")
         notes.append(f"elastic restart {restart_count()}: continuing run {run_dir}")
@@ -231,8 +145,6 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
         run_dir = cfg.resume
     else:
         run_dir, created = make_run_dir(cfg), True
-    from staleflow.launch.run_lock import lock_run_dir
-
     if os.path.isdir(run_dir):  # one writer per run folder (a missing --resume folder is refused below)
         lock_run_dir(run_dir)
     if pointer is not None:
@@ -249,74 +161,3 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
         notes.append(f"resuming from {ckpt} (version {version})")
     supersede_after(run_dir, version, notes)
     return PreparedRun(cfg, run_dir, str(ckpt or ""), notes, created)
-
-
-def supersede_after(run_dir: str, version: int, notes: list[str] | None = None) -> int:
-    """Mark rows of steps >= version superseded (they will be trained again); returns how many.
-
-    A line torn by a crash (half written) is dropped, said in ``notes``, and the file rewritten
-    whole (atomically), so the resumed run appends after a clean line."""
-    n = 0
-    for name, key in (("metrics.jsonl", "step"), ("trained.jsonl", "buffer")):
-        path = Path(run_dir) / name
-        if not path.is_file():
-            continue
-        rows, torn = read_jsonl(path)
-        changed = 0
-        for row in rows:
-            at = row.get(key)
-            if type(at) is int and at >= version and not row.get("superseded"):
-                row["superseded"] = True
-                changed += 1
-        if torn and notes is not None:
-            notes.append(f"{path}: dropped {torn} unreadable line(s) (torn by a crash)")
-        if changed or torn:
-            atomic_write_text(path, "".join(json.dumps(r, sort_keys=name == "metrics.jsonl") + "\n" for r in rows))
-            n += changed
-    return n
-
-
-def read_ids(run_dir: str) -> dict:
-    """The id high-water marks of ``ids.json``: only its non-negative integer fields ({} if unreadable)."""
-    try:
-        ids = json.loads((Path(run_dir) / IDS_FILE).read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(ids, dict):
-        return {}
-    return {k: v for k, v in ids.items() if k in ("next_traj", "next_group") and type(v) is int and 0 <= v < 2**62}
-
-
-def write_ids(run_dir: str, next_traj: int, next_group: int) -> None:
-    atomic_write_json(Path(run_dir) / IDS_FILE, {"next_traj": next_traj, "next_group": next_group})
-
-
-def remove_if_empty(run_dir: str) -> bool:
-    """Remove a run folder that holds no step and no checkpoint (a run that died while starting)."""
-    p = Path(run_dir)
-    if not p.is_dir() or (p / "checkpoints").is_dir():
-        return False
-    metrics = p / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        return False
-    import shutil
-
-    shutil.rmtree(p, ignore_errors=True)
-    return True
-
-
-def finish(run_id: str) -> int:
-    """After torchrun ended (launch.sh): 2 if the run stopped on bad input (already reported), else 0.
-    Removes the run's pointer file either way."""
-    os.environ["TORCHELASTIC_RUN_ID"] = run_id
-    fatal = is_fatal()
-    pointer = elastic_pointer()
-    if pointer is not None:
-        pointer.unlink(missing_ok=True)
-    return 2 if fatal else 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(finish(sys.argv[1]))

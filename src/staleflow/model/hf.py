@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from staleflow.faults import BadInput
 from staleflow.model.args import ModelArgs, ModelConfigError
 from staleflow.model.transformer import CausalLM
 
@@ -34,7 +35,7 @@ TOKENIZER_FILES = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints carry
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(BadInput, ValueError):
     """A model folder or checkpoint that cannot be loaded; the message says why and what to do."""
 
 

@@ -2,12 +2,13 @@
 
     python -m staleflow plan --preset gpu-7b --gpu-memory-gib 80          # 8 processes, 4 rollout
     plan = build_plan(cfg, nproc=8, gpu_bytes=80 << 30)                   # RunPlan
-    plan.fits, plan.per_gpu, plan.advice(), plan.vllm_utilization[rank]
+    plan.fits, plan.per_gpu, plan.advice(), plan.gpu_share[rank]
 
 Each rank's entry (estimate.py) is built from what the rank really allocates: our CausalLM in
 the trainer's master dtype and FSDP2's shard rule, the AdamW state, the Parameter Server layout
 in the slot dtype split into the pieces placement.py places on the trainer GPUs, the built-in
-engine's KV cache, vLLM's KV budget; activations from the bytes autograd saves for one of our
+engine's KV cache (each rollout rank's rows come from its engine backend, staleflow.engines);
+activations from the bytes autograd saves for one of our
 decoder layers. A run on CUDA prints the plan at start and refuses to start when a GPU would
 overflow (launch/entry.py), naming the flag to change. docs/memory-plan.md explains every column.
 """
@@ -23,9 +24,8 @@ from staleflow.plan.estimate import (
     PEER_CONTEXT_BYTES,
     PRIMARY_CONTEXT_BYTES,
     RankPlan,
-    builtin_rollout_rank,
+    rollout_rank,
     trainer_rank,
-    vllm_rollout_rank,
 )
 
 __all__ = ["RankPlan", "RunPlan", "at_start", "build_plan"]
@@ -42,8 +42,11 @@ class RunPlan:
     per_gpu: dict[int, int] = field(default_factory=dict)
     kv_tokens: int = 0
     """--rollout.max-kv-tokens: each rollout rank's KV capacity."""
-    vllm_utilization: dict[int, float] = field(default_factory=dict)
-    """gpu_memory_utilization for each vLLM rollout rank: its engine's planned bytes / GPU bytes."""
+    engine: str = "builtin"
+    """--rollout.engine: the backend that planned the rollout ranks."""
+    gpu_share: dict[int, float] = field(default_factory=dict)
+    """On CUDA, for each rollout rank whose engine backend takes_gpu_share: the share of its GPU the
+    engine may use (its planned bytes / GPU bytes, without the rank process's own context)."""
 
     @property
     def fits(self) -> bool:
@@ -72,6 +75,7 @@ def build_plan(
     if nodes < 1 or nproc % nodes:
         raise ValueError(f"{nproc} processes do not split evenly over {nodes} nodes")
     from staleflow.cluster.roles import Roles
+    from staleflow.engines import engine_backend
     from staleflow.model.attention import _flash_available
     from staleflow.plan.architecture import meta_model, model_args
     from staleflow.servers.layout import ParamLayout
@@ -92,8 +96,7 @@ def build_plan(
         slots = 2 * pieces[r].nbytes if cuda else (2 * layout.nbytes if r == 0 else 0)
         ranks.append(trainer_rank(cfg, args, r, roles.num_trainer, device_type, slots, flash))
     for r in roles.rollout_ranks:
-        build = vllm_rollout_rank if cfg.rollout.engine == "vllm" else builtin_rollout_rank
-        ranks.append(build(cfg, args, r, device_type))
+        ranks.append(rollout_rank(cfg, args, r, device_type))
     plan = RunPlan(
         cfg.model.path,
         sum(p.numel() for p in master.parameters()),
@@ -102,6 +105,7 @@ def build_plan(
         gpus if cuda else 0,
         ranks,
         kv_tokens=cfg.rollout.max_kv_tokens,
+        engine=cfg.rollout.engine,
     )
     if not cuda:
         return plan
@@ -114,7 +118,7 @@ def build_plan(
         rp.gpu = gpu(rp.rank)
     remote = [r for r in roles.rollout_ranks if r >= per_node]
     local = [r for r in roles.rollout_ranks if r < per_node]
-    # every local puller (a rollout rank, or its vLLM engine's worker) maps every slot piece by CUDA
+    # every local puller (a rollout rank, or its engine's own worker process) maps every slot piece by CUDA
     # IPC: one more context on each trainer GPU that is not its own
     piece_gpus = sorted({gpu(t) for t in roles.trainer_ranks})
     foreign = Counter(g for r in local for g in piece_gpus if g != gpu(r))
@@ -133,11 +137,12 @@ def build_plan(
             )
     for rp in ranks:
         plan.per_gpu[rp.gpu] = plan.per_gpu.get(rp.gpu, 0) + rp.peak
-    for rp in ranks:
-        if rp.role == "rollout" and cfg.rollout.engine == "vllm":
-            engine = rp.steady - PRIMARY_CONTEXT_BYTES  # the rank process's own context is not vLLM's
-            cap = (gpu_bytes - PRIMARY_CONTEXT_BYTES) / gpu_bytes
-            plan.vllm_utilization[rp.rank] = min(round(engine / gpu_bytes + 0.005, 2), round(cap - 0.005, 2))
+    if engine_backend(cfg).takes_gpu_share:
+        for rp in ranks:
+            if rp.role == "rollout":
+                engine = rp.steady - PRIMARY_CONTEXT_BYTES  # the rank process's own context is not the engine's
+                cap = (gpu_bytes - PRIMARY_CONTEXT_BYTES) / gpu_bytes
+                plan.gpu_share[rp.rank] = min(round(engine / gpu_bytes + 0.005, 2), round(cap - 0.005, 2))
     return plan
 
 

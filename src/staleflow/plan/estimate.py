@@ -6,16 +6,16 @@ Exact counts (the same objects the runtime allocates, or the rule FSDP2 applies)
   the KL reference in the compute dtype, sharded like the policy;
 - Parameter Server: ``ParamLayout`` of the policy in ``slot_dtype`` split into the slot pieces
   (placement.py), two slots;
-- rollout weights: our CausalLM in the rollout dtype after ``fuse_projections``; KV cache: the
-  ``BuiltinEngine``'s PagedAttention tensors from --rollout.max-kv-tokens / block size; vLLM: the
-  ``kv_cache_memory_bytes`` that VllmEngine passes.
+- rollout ranks: what their engine backend counts (staleflow.engines, ``plan_rank``) with the
+  estimates ``RolloutSite`` shares: e.g. the built-in engine's CausalLM in the rollout dtype after
+  ``fuse_projections`` and its PagedAttention tensors from --rollout.max-kv-tokens / block size.
 Estimates (stated as such in docs/memory-plan.md):
 - activations: the bytes autograd saves for one of our decoder layers (counted with
   saved-tensor hooks on meta tensors; attention keeps q, k, v, output and an fp32 log-sum-exp, as
   flash kernels do), x layers, or with activation checkpointing the layer inputs plus one
   layer's set twice (its recompute and its backward);
 - FSDP2 buffers in flight, the log-prob op, the engine's step workspace and sampler;
-- CUDA contexts, NCCL, vLLM's CUDA graphs and the caching allocator's slack: constants below.
+- CUDA contexts, NCCL and the caching allocator's slack: constants below (an engine's own, in its backend).
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ NCCL_PULL_BYTES = 128 * MiB
 """One remote puller's NCCL group (launch/dist.make_groups: the slot piece owners + that rollout rank),
 on each member: the communicator's device state and the point-to-point buffers of its one peer
 connection (NCCL_BUFFSIZE 4 MiB x channels, both directions). An estimate: one GPU cannot measure it."""
-VLLM_GRAPH_BYTES = 1 * GiB
-"""vLLM's CUDA graphs when enforce_eager is off (it logs 0.5-1.5 GiB for 7-8B models)."""
 ALLOCATOR_SLACK = 0.05
 """The caching allocator's rounding and fragmentation on top of live tensors."""
 CATEGORIES = (
@@ -267,69 +265,56 @@ def engine_workspace(args, rollout_cfg, itemsize: int) -> int:
     return t * per_token * itemsize + mask + sampler
 
 
-def builtin_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
-    """A rollout rank running the built-in engine, built on the meta device as from_config builds it."""
+@dataclass
+class RolloutSite:
+    """One rollout rank as the memory plan sees it, handed to its engine backend's ``plan_rank``
+    (staleflow.engines): the run's config, the model's shape, the rank, the device type, the rollout
+    dtype (the slots' dtype), and the estimates that engines share."""
+
+    cfg: object
+    args: object
+    rank: int
+    device_type: str
+    dtype: torch.dtype
+    context_bytes: int = PRIMARY_CONTEXT_BYTES
+    """The rank process's own CUDA context."""
+
+    def new_plan(self) -> RankPlan:
+        return RankPlan(self.rank, "rollout", None)
+
+    def meta_model(self):
+        """Our CausalLM on the meta device in the rollout dtype (projections not yet fused)."""
+        return meta_model(self.args, self.dtype)
+
+    @staticmethod
+    def unique_bytes(params) -> int:
+        return unique_bytes(params)
+
+    def weights_bytes(self) -> int:
+        """The policy's parameters in the rollout dtype (tied embeddings counted once)."""
+        return unique_bytes(self.meta_model().parameters())
+
+    def workspace_bytes(self) -> int:
+        return engine_workspace(self.args, self.cfg.rollout, self.dtype.itemsize)
+
+    def prefill_mask_bytes(self) -> int:
+        rc = self.cfg.rollout
+        return prefill_mask_bytes(self.args, rc.prefill_chunk_tokens, rc.max_model_len, self.dtype.itemsize)
+
+    def graph_pool_bytes(self) -> int:
+        return cuda_graph_pool_bytes(self.args, self.cfg.rollout, self.dtype.itemsize)
+
+    def load_bytes(self, model=None) -> int:
+        """A rank loading ``model`` (default: the meta model) in the rollout dtype, one tensor at a
+        time read as fp32 at most: its parameters plus the largest tensor in fp32."""
+        params = list((model or self.meta_model()).parameters())
+        return sum(p.numel() for p in params) * self.dtype.itemsize + max(p.numel() for p in params) * 4
+
+
+def rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
+    """A rollout rank's plan, as its engine backend (--rollout.engine) describes it."""
     from staleflow.cluster.placement import slot_dtype
-    from staleflow.rollout.builtin_engine import BuiltinEngine
+    from staleflow.engines import engine_backend
 
-    plan = RankPlan(rank, "rollout", None)
-    dtype = slot_dtype(cfg, device_type)
-    rc = cfg.rollout
-    engine = BuiltinEngine(
-        meta_model(args, dtype),
-        max_running=rc.max_running,
-        max_kv_tokens=rc.max_kv_tokens,
-        block_size=rc.block_size,
-        prefill_chunk_tokens=rc.prefill_chunk_tokens,
-        max_model_len=rc.max_model_len,
-        decode_backend="gather",
-        prefix_sharing=rc.prefix_sharing,
-    )
-    plan.add("weights", unique_bytes(engine.model.parameters()), f"built-in engine in {dtype}")
-    attn = engine.runner.attn
-    kv_tokens = engine.block_manager.capacity_tokens
-    plan.add("kv_cache", attn.k_cache.nbytes + attn.v_cache.nbytes, f"{kv_tokens} tokens (paged, K and V)")
-    head = args.vocab_size * args.hidden_size
-    if dtype.itemsize < 4 and device_type != "cuda":  # SampledLogits keeps an fp32 LM head off CUDA
-        plan.add("workspace", head * 4, "the sampler's fp32 copy of the LM head")
-    plan.add("workspace", engine_workspace(args, rc, dtype.itemsize), "step activations and sampler")
-    if device_type == "cuda":
-        n, ctx = rc.prefill_chunk_tokens, rc.max_model_len
-        plan.add(
-            "prefill_mask",
-            prefill_mask_bytes(args, n, ctx, dtype.itemsize),
-            f"masked prefill: [{n} x {ctx}] bool mask + SDPA's additive copy (broadcast over heads)",
-        )
-        plan.add("contexts", PRIMARY_CONTEXT_BYTES)
-        pool = cuda_graph_pool_bytes(args, rc, dtype.itemsize)
-        if rc.cuda_graphs:
-            plan.add("graphs", pool, f"captured decode steps of {rc.max_running} sequences at most (one pool)")
-        else:
-            plan.notes.append(f"graphs: --rollout.cuda-graphs off (on, its pool adds {pool / MiB:.0f} MiB)")
-    else:
-        plan.notes.append("kv_cache: on CPU the decode mirror adds up to the KV cache again, as used")
-    total = sum(p.numel() for p in engine.model.parameters())
-    largest = max(p.numel() for p in engine.model.parameters())
-    layer = sum(p.numel() for p in engine.model.model.layers[0].parameters())
-    # launch/entry.py loads in the engine's dtype, casting one tensor at a time (read as fp32 at most),
-    # and fuse_projections then builds one layer's fused matrices beside the loaded ones
-    plan.load_peak = total * dtype.itemsize + largest * 4 + layer * dtype.itemsize
-    return plan.finish()
-
-
-def vllm_rollout_rank(cfg, args, rank: int, device_type: str) -> RankPlan:
-    """A rollout rank whose vLLM engine (another process) holds weights, KV cache and graphs."""
-    from staleflow.cluster.placement import slot_dtype
-    from staleflow.rollout.vllm_support import vllm_kv_cache_bytes
-
-    plan = RankPlan(rank, "rollout", None)
-    dtype = slot_dtype(cfg, device_type)
-    rc = cfg.rollout
-    plan.add("weights", unique_bytes(meta_model(args, dtype).parameters()), f"vLLM engine in {dtype}")
-    kv, tokens = vllm_kv_cache_bytes(args, dtype, rc.max_kv_tokens, rc.block_size, cuda=device_type == "cuda")
-    plan.add("kv_cache", kv, f"{tokens} tokens (kv_cache_memory_bytes)")
-    plan.add("workspace", engine_workspace(args, rc, dtype.itemsize), "vLLM's profiled step activations (estimate)")
-    if device_type == "cuda":
-        plan.add("workspace", VLLM_GRAPH_BYTES, "CUDA graphs")
-        plan.add("contexts", 2 * PRIMARY_CONTEXT_BYTES, "the rank's and the engine process's")
-    return plan.finish()
+    site = RolloutSite(cfg, args, rank, device_type, slot_dtype(cfg, device_type))
+    return engine_backend(cfg).plan_rank(site)

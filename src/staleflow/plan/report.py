@@ -56,8 +56,8 @@ def table(plan) -> str:
     ] + [fmt.format(*r) for r in rows]
     for g, n in sorted(plan.per_gpu.items()):
         lines.append(f"GPU {g}: {_g(n)} GiB{'' if n <= plan.gpu_bytes else '  OVER'}")
-    for r, u in sorted(plan.vllm_utilization.items()):
-        lines.append(f"rank {r}: vLLM gpu_memory_utilization {u:.2f}")
+    for r, u in sorted(plan.gpu_share.items()):
+        lines.append(f"rank {r}: engine GPU share {u:.2f} (--rollout.engine {plan.engine})")
     return "\n".join(lines)
 
 
@@ -87,7 +87,8 @@ def summary(plan) -> dict:
         "per_gpu_gib": {str(g): round(n / GiB, 2) for g, n in sorted(plan.per_gpu.items())},
         "kv_cache_gib": round(max(kv.values(), default=0) / GiB, 2),
         "kv_tokens": plan.kv_tokens,
-        "vllm_gpu_memory_utilization": {str(r): u for r, u in plan.vllm_utilization.items()},
+        "engine": plan.engine,
+        "engine_gpu_share": {str(r): u for r, u in plan.gpu_share.items()},
         "advice": "" if plan.fits else advice(plan),
     }
 

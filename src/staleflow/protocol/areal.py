@@ -17,24 +17,15 @@ trajectory: ``over_eta()`` counts the trained groups that exceeded eta.
 from __future__ import annotations
 
 from staleflow.protocol.counted import CountedBuffer
-from staleflow.protocol.types import ProtocolError
+from staleflow.protocol.types import ProtocolError, StalenessSpec
 
 
 class AReaLBuffer(CountedBuffer):
-    """m = AReaLBuffer(eta=1, batch_size=2); m.can_admit(0)  # True until 2 * 2 groups are started"""
+    """m = AReaLBuffer(StalenessSpec(eta=1, batch_size=2)); m.can_admit(0)  # True until 2 * 2 groups are started"""
 
-    def __init__(
-        self,
-        eta: int,
-        batch_size: int,
-        capacity: int | None = None,
-        group_size: int = 1,
-        group_capacity: int | None = None,
-        version: int = 0,
-        max_concurrent: int | None = None,
-        strict: bool = False,
-    ):
-        super().__init__(eta, batch_size, capacity, group_size, group_capacity, version, strict)
+    def __init__(self, spec: StalenessSpec, max_concurrent: int | None = None, strict: bool = False):
+        super().__init__(spec, strict)
+        eta, batch_size, version = spec.eta, spec.batch_size, spec.version
         # AReaL's default (None) is consumer_batch_size; its long-CoT example (boba) uses 2 B. We default to
         # (eta + 1) B, which never binds below the staleness formula; the grid searches B, 2 B and (eta + 1) B.
         self.max_concurrent = (eta + 1) * batch_size if max_concurrent is None else max_concurrent

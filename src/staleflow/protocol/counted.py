@@ -17,7 +17,7 @@ variant is then bounded like StaleFlow, but it trains what finishes in time (sho
 
 from __future__ import annotations
 
-from staleflow.protocol.types import BufferState, ProtocolError, _check_id, _Group
+from staleflow.protocol.types import BufferState, ProtocolError, StalenessSpec, _check_id, _Group
 
 
 class CountedBuffer:
@@ -25,28 +25,12 @@ class CountedBuffer:
     retry_closed = False
     """Groups reported by closed_windows are regenerated (the strict variant), not just dropped."""
 
-    def __init__(
-        self,
-        eta: int,
-        batch_size: int,
-        capacity: int | None = None,
-        group_size: int = 1,
-        group_capacity: int | None = None,
-        version: int = 0,
-        strict: bool = False,
-    ):
-        capacity = batch_size if capacity is None else capacity
-        group_capacity = group_size if group_capacity is None else group_capacity
+    def __init__(self, spec: StalenessSpec, strict: bool = False):
         name = type(self).__name__
-        for key, val, low in (
-            ("eta", eta, 0),
-            ("batch_size", batch_size, 1),
-            ("group_size", group_size, 1),
-            ("group_capacity", group_capacity, group_size),
-            ("version", version, 0),
-        ):
-            if type(val) is not int or val < low:
-                raise ProtocolError(f"{name} {key}={val!r} is invalid: must be an int >= {low!r}")
+        if not isinstance(spec, StalenessSpec):
+            raise ProtocolError(f"{name} takes a StalenessSpec, got {type(spec).__name__}")
+        self.spec = spec
+        eta, batch_size, capacity, version = spec.eta, spec.batch_size, spec.capacity, spec.version
         if capacity != batch_size:
             raise ProtocolError(
                 f"{name} capacity={capacity!r}: batch redundancy (B' > B) is StaleFlow's; "
@@ -56,7 +40,7 @@ class CountedBuffer:
             raise ProtocolError(f"{name} strict={strict!r} must be a bool")
         self.strict = self.bounded = self.retry_closed = strict
         self.eta, self.batch_size, self.capacity = eta, batch_size, batch_size
-        self.group_size, self.group_capacity = group_size, group_capacity
+        self.group_size, self.group_capacity = spec.group_size, spec.group_capacity
         self.version = version
         self.rollout_version = version
         """Version every rollout instance runs (set when a global weight update finishes)."""
@@ -175,7 +159,7 @@ class CountedBuffer:
         if g is not None:
             if not self._joinable(g):
                 raise ProtocolError(f"group {group_id!r} takes no new member {traj_id!r} (complete, full or queued)")
-            g.live[traj_id] = V
+            g.live[traj_id] = None
             g.traj_version = min(g.traj_version, V)
         else:
             if group_id in self._finished:
@@ -185,7 +169,7 @@ class CountedBuffer:
                     f"group {group_id!r} at version {V} is not admissible now (check can_admit "
                     f"first; it waits in the Trajectory Server)"
                 )
-            g = self._groups[group_id] = _Group(group_id, V, None, {traj_id: V})
+            g = self._groups[group_id] = _Group(group_id, V, None, traj_id)
             self._seq[group_id] = self._next_seq
             self._next_seq += 1
             self._admitted(g)
@@ -196,7 +180,8 @@ class CountedBuffer:
         g = self._trajs.get(traj_id)
         if g is None or traj_id not in g.live:
             raise ProtocolError(f"complete: traj_id {traj_id!r} is {'already complete' if g else 'unknown or aborted'}")
-        g.done[traj_id] = g.live.pop(traj_id)
+        del g.live[traj_id]
+        g.done[traj_id] = None
         if len(g.done) == self.group_size and g.live:
             surplus = list(g.live)
             for t in surplus:

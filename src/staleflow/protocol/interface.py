@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from staleflow.protocol.types import StalenessSpec
+
 
 class BatchProtocol(Protocol):
+    spec: StalenessSpec
+    """What it was built from (eta, B, B', N, N', the start version); the fields below copy it."""
     eta: int
     batch_size: int
     capacity: int

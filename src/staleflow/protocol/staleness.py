@@ -6,9 +6,10 @@ bound. Every consumed group satisfies ``traj_version <= buffer_version <= traj_v
 (docs/protocol.md has the argument).
 
 Model. Versions are ints; training on buffer v produces model v+1; ``manager.version`` is the
-next buffer to consume (= the newest model that can exist). One staleness buffer per version
-(created lazily), ``capacity`` entries (B' >= B), Ready once ``batch_size`` (B) entries are
-OCCUPIED. An entry is one prompt GROUP (GRPO); its members are single trajectories. A group's
+next buffer to consume (= the newest model that can exist). The staleness buffers are a
+``BufferBook`` (protocol/buffers.py: one per version, ``capacity`` entries (B' >= B), Ready once
+``batch_size`` (B) entries are OCCUPIED); this file holds the rules over them: which buffer of a
+group's window it reserves, occupies and is consumed from. An entry is one prompt GROUP (GRPO); its members are single trajectories. A group's
 ``traj_version`` is the min V_traj over its members. ``group_capacity`` (N') members may be in
 flight; the group is complete when ``group_size`` (N) have finished, and the rest are aborted.
 Ids are ints or strs; misuse raises ``ProtocolError`` naming the bad value and changes nothing.
@@ -28,54 +29,36 @@ surplus (B' > B) is moved to the latest other buffer of its window with room, or
 
 from __future__ import annotations
 
-from staleflow.protocol.state import ManagerState
-from staleflow.protocol.types import _FAST_ID, BufferState, EntryState, ProtocolError, _Buffer, _check_id, _Group
+from staleflow.protocol.buffers import BufferBook
+from staleflow.protocol.checkpoint import manager_from_state_dict, manager_state_dict, manager_stats, validate_manager
+from staleflow.protocol.types import _FAST_ID, BufferState, EntryState, ProtocolError, StalenessSpec, _check_id, _Group
 
 
-class StalenessManager(ManagerState):
+class StalenessManager:
     """Staleness buffers + group tracker (the StaleFlow protocol); see the module docstring.
 
-    m = StalenessManager(eta=1, batch_size=2)
+    m = StalenessManager(StalenessSpec(eta=1, batch_size=2))
     m.reserve("t0", "g0", 0); m.complete("t0"); m.occupy("g0"); m.ready_version()
     """
 
     bounded = True
     """Every consumed group is within eta of its V_traj (the loop audits it as a hard invariant)."""
 
-    def __init__(
-        self,
-        eta: int,
-        batch_size: int,
-        capacity: int | None = None,
-        group_size: int = 1,
-        group_capacity: int | None = None,
-        version: int = 0,
-        exchange: bool = True,
-    ):
-        capacity = batch_size if capacity is None else capacity
-        group_capacity = group_size if group_capacity is None else group_capacity
-        for name, val, low in (
-            ("eta", eta, 0),
-            ("batch_size", batch_size, 1),
-            ("capacity", capacity, batch_size),
-            ("group_size", group_size, 1),
-            ("group_capacity", group_capacity, group_size),
-            ("version", version, 0),
-        ):
-            if type(val) is not int or val < low:
-                raise ProtocolError(f"StalenessManager {name}={val!r} is invalid: must be an int >= {low!r}")
-        self.eta, self.batch_size, self.capacity = eta, batch_size, capacity
-        self.group_size, self.group_capacity = group_size, group_capacity
+    def __init__(self, spec: StalenessSpec, exchange: bool = True):
+        if not isinstance(spec, StalenessSpec):
+            raise ProtocolError(f"StalenessManager takes a StalenessSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.eta, self.batch_size, self.capacity = spec.eta, spec.batch_size, spec.capacity
+        self.group_size, self.group_capacity = spec.group_size, spec.group_capacity
         if not isinstance(exchange, bool):
             raise ProtocolError(f"StalenessManager exchange={exchange!r} is invalid: must be a bool")
         self.exchange = exchange
         self.exchanges = 0  # reservations moved by the occupy exchange (metrics)
-        self.version = version  # a fresh manager for a run resumed at model `version` has nothing older
-        self.closed_version = version - 1  # no V_traj <= this is admitted (its window is Ready/consumed)
-        self._buffers: dict[int, _Buffer] = {}
-        self._full: set[int] = set()  # buffers with no room: Ready, or no EMPTY entry left
+        self.version = spec.version  # a fresh manager for a run resumed at model `version` has nothing older
+        self.closed_version = spec.version - 1  # no V_traj <= this is admitted (its window is Ready/consumed)
+        self.book = BufferBook(spec.batch_size, spec.capacity)
         self._groups: dict = {}  # in-flight or occupied (not yet consumed) groups
-        self._trajs: dict = {}  # traj_id -> _Group, for members not aborted
+        self._trajs: dict = {}  # member id -> its _Group (which reservation a member holds)
         self._closed: dict = {}  # group_id -> None: in flight but unplaceable
         self._finished: dict = {}  # group_id -> "consumed" | "aborted: <reason>"
         self._log: list[tuple] = []  # (group_id, traj_version, buffer_version)
@@ -84,20 +67,6 @@ class StalenessManager(ManagerState):
         self._member_abort_counts: dict[str, int] = {}  # reason -> members aborted
 
     # ---- queries -------------------------------------------------------------------------
-    def _buf(self, v: int) -> _Buffer:
-        b = self._buffers.get(v)
-        if b is None:
-            b = self._buffers[v] = _Buffer()
-        return b
-
-    def _refresh(self, v: int) -> None:
-        """Recompute whether buffer v has room (a free required slot and an EMPTY entry)."""
-        b = self._buffers.get(v)
-        if b is None or (len(b.occupied) < self.batch_size and len(b.occupied) + len(b.reserved) < self.capacity):
-            self._full.discard(v)
-        else:
-            self._full.add(v)
-
     def _check_version(self, traj_version) -> int:
         if type(traj_version) is int and 0 <= traj_version <= self.version:
             return traj_version
@@ -110,11 +79,14 @@ class StalenessManager(ManagerState):
             )
         return traj_version
 
-    def _latest_room(self, lo: int, hi: int, skip: int | None = None) -> int | None:
-        full = self._full
-        for v in range(hi, lo - 1, -1):
-            if v not in full and v != skip:
-                return v
+    def _window_room(self, V: int) -> int | None:
+        """Worst case: the latest buffer of V's window [max(V, version), V + eta] with room."""
+        if V <= self.closed_version:
+            return None
+        full = self.book.full
+        for u in range(V + self.eta, (V if V > self.version else self.version) - 1, -1):
+            if u not in full:
+                return u
         return None
 
     def can_admit(self, traj_version: int, group_id=None) -> bool:
@@ -135,13 +107,7 @@ class StalenessManager(ManagerState):
                 )
             if group_id in self._finished:
                 return False
-        if V <= self.closed_version:
-            return False
-        full = self._full
-        for u in range(V + self.eta, (V if V > self.version else self.version) - 1, -1):
-            if u not in full:
-                return True
-        return False
+        return self._window_room(V) is not None
 
     def on_rollout_version(self, version: int) -> None:
         """Every instance now runs `version` (a global weight update finished). The per-trajectory
@@ -149,18 +115,17 @@ class StalenessManager(ManagerState):
 
     def ready_version(self) -> int | None:
         """``version`` when buffer ``version`` is Ready (the trainer may consume it), else None."""
-        b = self._buffers.get(self.version)
+        b = self.book.buffers.get(self.version)  # (inlined BufferBook.is_ready: the trainer asks every turn)
         return self.version if b is not None and len(b.occupied) >= self.batch_size else None
 
     def buffer_state(self, v: int) -> BufferState:
         if v < self.version:
             raise ProtocolError(f"buffer {v} was already consumed (next is {self.version})")
-        b = self._buffers.get(v)
-        if b is None:
-            return BufferState.WAITING
-        if len(b.occupied) >= self.batch_size:
-            return BufferState.READY
-        return BufferState.STUCK if len(b.occupied) + len(b.reserved) >= self.capacity else BufferState.WAITING
+        return self.book.state(v)
+
+    def buffer_entries(self, v: int) -> dict:
+        self.buffer_state(v)
+        return self.book.entries(v)
 
     def _group(self, group_id) -> _Group:
         g = self._groups.get(group_id)
@@ -170,6 +135,23 @@ class StalenessManager(ManagerState):
             raise ProtocolError(f"unknown group id {group_id!r}: reserve one of its members first")
         return g
 
+    def group_info(self, group_id) -> dict:
+        g = self._group(group_id)
+        state = "occupied" if g.occupied else ("closed" if g.buffer is None else "reserved")
+        return {
+            "group_id": group_id,
+            "traj_version": g.traj_version,
+            "buffer_version": g.buffer,
+            "state": state,
+            "live": list(g.live),
+            "done": list(g.done),
+        }
+
+    def closed_windows(self) -> list:
+        """In-flight groups that can no longer be placed (every buffer of their window became
+        Ready); the runtime aborts them."""
+        return list(self._closed)
+
     def stuck_stragglers(self, threshold: int) -> list:
         """If the next buffer is Stuck with <= threshold RESERVED entries, the groups holding them
         (the runtime aborts them, or truncates them: complete the members, then occupy)."""
@@ -177,8 +159,14 @@ class StalenessManager(ManagerState):
             raise ProtocolError(f"stuck_stragglers threshold {threshold!r} must be an int >= 1")
         if self.buffer_state(self.version) is not BufferState.STUCK:
             return []
-        b = self._buffers[self.version]
+        b = self.book.get(self.version)
         return list(b.reserved) if len(b.reserved) <= threshold else []
+
+    def consumption_log(self) -> list[tuple]:
+        return list(self._log)
+
+    def aborted_groups(self) -> dict:
+        return dict(self._aborted)
 
     # ---- operations ----------------------------------------------------------------------
     def reserve(self, traj_id, group_id, traj_version: int) -> int:
@@ -206,7 +194,7 @@ class StalenessManager(ManagerState):
                     f"member {traj_id!r} at traj_version {V} cannot join group {group_id!r} "
                     f"reserved in buffer {g.buffer} > {V} + eta {self.eta}"
                 )
-            g.live[traj_id] = V
+            g.live[traj_id] = None
             if V < g.traj_version:
                 g.traj_version = V
             self._trajs[traj_id] = g
@@ -214,8 +202,8 @@ class StalenessManager(ManagerState):
         if group_id in self._finished:
             raise ProtocolError(f"group {group_id!r} is already {self._finished[group_id]}; use a new group id")
         v = None
-        if V > self.closed_version:  # worst case: the latest buffer of the window with room
-            full = self._full
+        if V > self.closed_version:  # (inlined _window_room: the hot path of every dispatch)
+            full = self.book.full
             for u in range(V + self.eta, (V if V > self.version else self.version) - 1, -1):
                 if u not in full:
                     v = u
@@ -225,13 +213,8 @@ class StalenessManager(ManagerState):
                 f"traj_version {V} is not admissible: no buffer in [{V}, {V + self.eta}] has "
                 f"an EMPTY entry (check can_admit first; the trajectory waits)"
             )
-        g = self._groups[group_id] = self._trajs[traj_id] = _Group(group_id, V, v, {traj_id: V})
-        b = self._buffers.get(v)
-        if b is None:
-            b = self._buffers[v] = _Buffer()
-        b.reserved[group_id] = None
-        if len(b.reserved) + len(b.occupied) >= self.capacity:
-            self._full.add(v)
+        self._groups[group_id] = self._trajs[traj_id] = _Group(group_id, V, v, traj_id)
+        self.book.reserve(group_id, v)
         return v
 
     def complete(self, traj_id) -> list:
@@ -241,7 +224,8 @@ class StalenessManager(ManagerState):
         if g is None or traj_id not in g.live:
             state = "already complete" if g is not None else "unknown or aborted"
             raise ProtocolError(f"complete: traj_id {traj_id!r} is {state}")
-        g.done[traj_id] = g.live.pop(traj_id)
+        del g.live[traj_id]
+        g.done[traj_id] = None
         if len(g.done) == self.group_size and g.live:
             surplus = list(g.live)
             for t in surplus:
@@ -263,64 +247,52 @@ class StalenessManager(ManagerState):
                 f"group {group_id!r} has {len(g.done)} of group_size={self.group_size} "
                 f"members complete: occupy after generation and reward of the group"
             )
-        v = v0 = g.buffer
-        full = self._full
+        v0 = g.buffer
         lo = g.traj_version if g.traj_version > self.version else self.version
         if self.exchange and lo < v0:
-            self._exchange(g, lo, v0)
+            self._exchange(lo, v0)
+        v, full = v0, self.book.full
         for cand in range(lo, v0):  # greedy: the earliest buffer with a free required slot
             if cand not in full:
                 v = cand
                 break
         assert self.version <= v <= v0 <= g.traj_version + self.eta, (group_id, v, v0)
-        del self._buffers[v0].reserved[group_id]
-        self._refresh(v0)  # not Ready (no reservation survives in a Ready buffer); may hold the exchanged Y
-        b = self._buffers.get(v)
-        if b is None:
-            b = self._buffers[v] = _Buffer()
-        b.occupied.append(group_id)
+        self.book.release(group_id, v0)  # not Ready (no reservation survives in a Ready buffer)
         g.buffer, g.occupied = v, True
-        if len(b.occupied) == self.batch_size:
-            full.add(v)
-            self._on_ready(v, b)
-        elif len(b.occupied) + len(b.reserved) >= self.capacity:
-            full.add(v)
+        if self.book.occupy(group_id, v):
+            self._on_ready(v)
         return v
 
-    def _exchange(self, g: _Group, lo: int, b: int) -> None:
+    def _exchange(self, lo: int, b: int) -> None:
         """PSRL's occupy exchange: move the newest reservation Y of the earliest buffer in
-        [lo, b) that may legally live in b (b - eta <= V_Y) into b, freeing its slot for g."""
+        [lo, b) that may legally live in b (b - eta <= V_Y) into b, freeing its slot."""
         need = b - self.eta
         for bid in range(lo, b):
-            buf = self._buffers.get(bid)
+            buf = self.book.get(bid)
             if buf is None or not buf.reserved:
                 continue
             for yid in reversed(buf.reserved):  # PSRL fills reservations from the back: newest first
                 y = self._groups[yid]
                 if y.traj_version >= need:
-                    del buf.reserved[yid]
-                    self._buffers[b].reserved[yid] = None
+                    self.book.move(yid, bid, b)
                     y.buffer = b
                     self.exchanges += 1
-                    self._refresh(bid)
                     return
 
-    def _on_ready(self, v: int, b: _Buffer) -> None:
+    def _on_ready(self, v: int) -> None:
         """Buffer v just became Ready: move its surplus reservations (B' > B) or close them."""
-        for gid in list(b.reserved):
+        for gid in self.book.take_reserved(v):
             g = self._groups[gid]
-            del b.reserved[gid]
-            dest = self._latest_room(max(g.traj_version, self.version), g.traj_version + self.eta, skip=v)
+            dest = self.book.latest_room(max(g.traj_version, self.version), g.traj_version + self.eta, skip=v)
             if dest is None:
                 g.buffer = None
                 self._closed[gid] = None
             else:
                 g.buffer = dest
-                self._buf(dest).reserved[gid] = None
-                self._refresh(dest)
+                self.book.reserve(gid, dest)
         # closed_version: the largest V whose whole window [V, V+eta] (from version on) is Ready
         for V in range(v, max(v - self.eta, self.closed_version + 1) - 1, -1):
-            if all(self.buffer_state(u) is BufferState.READY for u in range(max(V, self.version), V + self.eta + 1)):
+            if all(self.book.is_ready(u) for u in range(max(V, self.version), V + self.eta + 1)):
                 self.closed_version = V
                 break
 
@@ -333,10 +305,8 @@ class StalenessManager(ManagerState):
                 f"buffer {v} is not Ready ({self.buffer_state(v).value}, "
                 f"{self.buffer_entries(v)[EntryState.OCCUPIED]}/{self.batch_size} occupied)"
             )
-        b = self._buffers.pop(v)
-        self._full.discard(v)
-        assert not b.reserved, "a Ready buffer holds no reservations"
-        for gid in b.occupied:
+        occupied = self.book.pop(v)
+        for gid in occupied:
             g = self._groups.pop(gid)
             assert g.traj_version <= v <= g.traj_version + self.eta, (gid, g.traj_version, v)
             for t in g.done:
@@ -344,7 +314,7 @@ class StalenessManager(ManagerState):
             self._log.append((gid, g.traj_version, v))
             self._finished[gid] = "consumed"
         self.version += 1
-        return list(b.occupied)
+        return occupied
 
     def _drop_member(self, g: _Group, traj_id, reason: str) -> None:
         if traj_id in g.live:
@@ -383,8 +353,7 @@ class StalenessManager(ManagerState):
         if g.buffer is None:
             del self._closed[group_id]
         else:
-            del self._buffers[g.buffer].reserved[group_id]
-            self._full.discard(g.buffer)  # not Ready: reservations never survive in a Ready buffer
+            self.book.release(group_id, g.buffer)
         live = list(g.live)
         for t in live + list(g.done):
             del self._trajs[t]
@@ -393,3 +362,20 @@ class StalenessManager(ManagerState):
         self._finished[group_id] = f"aborted: {reason}"
         self._abort_counts[reason] = self._abort_counts.get(reason, 0) + 1
         return live
+
+    # ---- metrics, checkpoint, self-check (protocol/checkpoint.py) -------------------------------
+    def stats(self) -> dict:
+        """JSON-able metrics (per-buffer counts, in flight, aborts, occupy exchanges)."""
+        return manager_stats(self)
+
+    def state_dict(self) -> dict:
+        """JSON-able checkpoint; ``from_state_dict`` rebuilds an identical manager."""
+        return manager_state_dict(self)
+
+    @classmethod
+    def from_state_dict(cls, d: dict):
+        return manager_from_state_dict(cls, d)
+
+    def validate(self) -> None:
+        """Recompute every derived structure from the group table; raise on any mismatch (tests)."""
+        validate_manager(self)

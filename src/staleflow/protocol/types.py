@@ -1,13 +1,50 @@
-"""Plain data of the staleness protocol: entry and buffer states, the per-buffer and per-group
-records the manager keeps, and its error type (shared by staleness.py and state.py)."""
+"""Plain data of the batch protocols: the staleness settings (``StalenessSpec``), entry and buffer
+states, the per-group record every protocol keeps, and the error type."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class ProtocolError(ValueError):
     """Misuse of the staleness protocol (unknown id, inadmissible version, out-of-order consume)."""
+
+
+@dataclass(frozen=True)
+class StalenessSpec:
+    """What every batch protocol is built from: the bound eta, B and B' (``capacity``), N and N'
+    (``group_capacity``) and the version a run starts at (> 0 on resume). Validated here once.
+
+    >>> StalenessSpec(eta=1, batch_size=4, group_size=2).group_capacity
+    2
+    """
+
+    eta: int
+    batch_size: int
+    capacity: int | None = None
+    """B' >= B: groups admitted per buffer (None: B)."""
+    group_size: int = 1
+    group_capacity: int | None = None
+    """N' >= N: members generated per group (None: N)."""
+    version: int = 0
+
+    def __post_init__(self):
+        if self.capacity is None:
+            object.__setattr__(self, "capacity", self.batch_size)
+        if self.group_capacity is None:
+            object.__setattr__(self, "group_capacity", self.group_size)
+        for name, low in (
+            ("eta", 0),
+            ("batch_size", 1),
+            ("capacity", self.batch_size),
+            ("group_size", 1),
+            ("group_capacity", self.group_size),
+            ("version", 0),
+        ):
+            val = getattr(self, name)
+            if type(val) is not int or val < low:
+                raise ProtocolError(f"staleness {name}={val!r} is invalid: must be an int >= {low!r}")
 
 
 class EntryState(str, enum.Enum):
@@ -22,24 +59,20 @@ class BufferState(str, enum.Enum):
     STUCK = "stuck"  # no EMPTY entry, not Ready: waits on in-flight reservations
 
 
-class _Buffer:
-    __slots__ = ("reserved", "occupied")
-
-    def __init__(self):
-        self.reserved: dict = {}  # group_id -> None (ordered set of RESERVED entries)
-        self.occupied: list = []  # group ids of OCCUPIED entries, in occupation order
-
-
 class _Group:
+    """One prompt group's reservation: its window (min V_traj over members), where it sits, and which
+    member ids hold it. Facts about the trajectories themselves (tokens, rewards, each member's own
+    V_traj, fate) are the controller ledger's; the protocol names members by id only."""
+
     __slots__ = ("group_id", "traj_version", "buffer", "occupied", "live", "done")
 
-    def __init__(self, group_id, traj_version: int, buffer: int | None = None, live: dict | None = None):
+    def __init__(self, group_id, traj_version: int, buffer: int | None = None, first=None):
         self.group_id = group_id
-        self.traj_version = traj_version  # min V_traj over members
+        self.traj_version = traj_version  # min V_traj over members: the group's window starts here
         self.buffer = buffer  # reserved (or occupied) buffer version; None = closed
         self.occupied = False
-        self.live: dict = {} if live is None else live  # traj_id -> V_traj, still generating
-        self.done: dict = {}  # traj_id -> V_traj, finished generation
+        self.live: dict = {} if first is None else {first: None}  # ids still generating (ordered set)
+        self.done: dict = {}  # ids that finished generation (ordered set)
 
 
 _FAST_ID = (int, str)

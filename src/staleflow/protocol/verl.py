@@ -22,26 +22,22 @@ trained groups beyond eta.
 from __future__ import annotations
 
 from staleflow.protocol.counted import CountedBuffer
-from staleflow.protocol.types import ProtocolError
+from staleflow.protocol.types import ProtocolError, StalenessSpec
 
 
 class VerlAsyncBuffer(CountedBuffer):
-    """m = VerlAsyncBuffer(eta=1, batch_size=4, staleness_threshold=0.5)  # 6 groups per version window"""
+    """m = VerlAsyncBuffer(StalenessSpec(eta=1, batch_size=4), staleness_threshold=0.5)  # 6 groups per version window"""
 
     def __init__(
         self,
-        eta: int,
-        batch_size: int,
-        capacity: int | None = None,
-        group_size: int = 1,
-        group_capacity: int | None = None,
-        version: int = 0,
+        spec: StalenessSpec,
         staleness_threshold: float | None = None,
         n_instances: int = 1,
         trigger_sync_steps: int = 1,
         strict: bool = False,
     ):
-        super().__init__(eta, batch_size, capacity, group_size, group_capacity, version, strict)
+        super().__init__(spec, strict)
+        eta, batch_size = spec.eta, spec.batch_size
         s = float(eta) if staleness_threshold is None else staleness_threshold
         if not isinstance(s, (int, float)) or s < 0:
             raise ProtocolError(f"VerlAsyncBuffer staleness_threshold={staleness_threshold!r} must be >= 0")

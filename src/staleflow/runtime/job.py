@@ -18,14 +18,14 @@ import sys
 import time
 
 from staleflow.control.hub import RankDied
-from staleflow.control.messages import Evaluated, Saved, SaveState, StepDone
+from staleflow.control.messages import Evaluated, Saved, SaveState
 from staleflow.controller import Ledger, LoopTimeout, StepRecord
 from staleflow.controller.build import build_loop
 from staleflow.coordinator import load_cost_model
 from staleflow.durable import DiskError
-from staleflow.launch.resume import read_ids, write_ids
 from staleflow.metrics.progress import ProgressDisplay
 from staleflow.metrics.writer import MetricsWriter, save_config
+from staleflow.runfolder.run_dir import read_ids, write_ids
 from staleflow.runtime.backend import RuntimeBackend, RuntimeWorkload
 from staleflow.runtime.evaluation import eval_line, gain_line
 
@@ -90,18 +90,20 @@ class TrainingJob:
             refill_groups=cfg.train.dynamic_sampling_refill,
             on_step=self.log_step,
             listeners={Saved: self._on_saved, Evaluated: self._on_evaluated},
+            counts=extra.get("counts", {}),
+            requeue=[Prompt(**p) for p in extra.get("requeue", [])],  # in flight at the checkpoint: generated again
         )
+        self.view = self.loop.view
+        """All the job reads of the loop; it drives the loop with ``self.loop.run`` only."""
         self.progress = ProgressDisplay(cfg.steps, enabled=cfg.log.progress, start=version)
         self.longest_step_s = 0.0
+        self.stall_limit_s = 0.0
         self._size_stall_limit()
         self._last_log = (time.monotonic(), 0, 0)  # time, tokens generated, samples at the previous step
         self.samples = 0
         self.save_due = False
         if extra:
             self.source.load_state_dict(extra["data"])
-            self.loop.counts.update(extra.get("counts", {}))
-            for p in extra.get("requeue", []):  # in flight at the checkpoint: generated again from scratch
-                self.loop.submit_group(Prompt(**p))
 
     # ---- steps -------------------------------------------------------------------------------
     def log_step(self, rec: StepRecord, metrics: dict) -> None:
@@ -124,7 +126,7 @@ class TrainingJob:
                 **self._submitted(p.prompt_id),
             )
         now = time.monotonic()
-        tokens = sum(self.loop.tokens_generated.values())
+        tokens = self.view.tokens_generated
         t_prev, tok_prev, n_prev = self._last_log
         self.samples += metrics["trained_trajectories"]
         dt = max(now - t_prev, 1e-6)
@@ -138,21 +140,19 @@ class TrainingJob:
             "train": ev.metrics,
             **self.backend.traffic_row(),
         }
-        if self.loop.first_reward_error:
-            row["reward_first_error"] = self.loop.first_reward_error
+        if self.view.first_reward_error:
+            row["reward_first_error"] = self.view.first_reward_error
         self._last_log = (now, tokens, self.samples)
         self.longest_step_s = max(self.longest_step_s, rec.t_done - rec.t_start)
         self._size_stall_limit()
         self.writer.log_step(rec.version, row)
-        led = self.loop.ledger
-        write_ids(self.run_dir, led.next_traj, led.next_group)
+        write_ids(self.run_dir, *self.view.ids())
         self.progress.update(ev.version, row)
         k = self.cfg.eval.every
         if self.held_out is not None and k and ev.version % k == 0 and ev.version < self.cfg.steps:
             self.start_eval(ev.version)
         every = self.cfg.checkpoint.every
-        self.save_due = bool(every) and ev.version % every == 0 and ev.version < self.cfg.steps
-        self.loop.hold_training = self.save_due  # the checkpoint holds exactly this version
+        self.save_due = bool(every) and ev.version % every == 0 and ev.version < self.cfg.steps  # holds training
 
     def _submitted(self, prompt_id: int) -> dict:
         """trained.jsonl's submitted_s: when the loop drew the prompt, in the run's seconds (absent
@@ -163,9 +163,7 @@ class TrainingJob:
     def _size_stall_limit(self) -> None:
         """The hub's stuck-rank limit (--fault.stall-s, or 4 x the longest step with a floor) and,
         three times that, the loop's own stall check (no finish and no step anywhere)."""
-        limit = self.cfg.fault.limit(self.longest_step_s)
-        self.ctl.stall_s = limit
-        self.loop.s = dataclasses.replace(self.loop.s, stall_s=3 * limit)
+        self.stall_limit_s = self.ctl.stall_s = self.cfg.fault.limit(self.longest_step_s)
 
     # ---- held-out evaluation -----------------------------------------------------------------
     def start_eval(self, step: int) -> None:
@@ -181,11 +179,12 @@ class TrainingJob:
 
     def final_eval(self, timeout_s: float = 900.0) -> None:
         """Every instance loads the final weights, then answers the held-out set once more."""
-        loop = self.loop
-        loop.pull_all(loop.version)
+        loop, view = self.loop, self.view
         try:
-            loop.run(until=lambda: not loop.syncing, timeout_s=timeout_s, what="the final weight load")
-            self.start_eval(loop.version)
+            loop.run(
+                until=lambda: not view.syncing, timeout_s=timeout_s, what="the final weight load", pull=view.version
+            )
+            self.start_eval(view.version)
             loop.run(until=lambda: not self.held_out.running, timeout_s=timeout_s, what="the final evaluation")
         except LoopTimeout as e:
             print(f"staleflow: warning: {e}", file=sys.stderr, flush=True)
@@ -198,14 +197,14 @@ class TrainingJob:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def resume_state(self) -> dict:
-        led = self.loop.ledger.state_dict()
+        next_traj, next_group = self.view.ids()
         return {
-            "version": self.loop.version,
+            "version": self.view.version,
             "data": self.source.state_dict(),
-            "requeue": [dataclasses.asdict(p) for p in led["live_prompts"]],
-            "counts": dict(self.loop.counts),
-            "next_group": led["next_group"],
-            "next_traj": led["next_traj"],
+            "requeue": [dataclasses.asdict(p) for p in self.view.live_prompts()],
+            "counts": self.view.counts(),
+            "next_group": next_group,
+            "next_traj": next_traj,
         }
 
     def save(
@@ -226,17 +225,16 @@ class TrainingJob:
         previous checkpoint is untouched. A failed final save fails the run."""
         t0 = time.time()
         self.save_due = False
-        assert self.loop.training is None, "a checkpoint is taken between two steps"
+        assert not self.view.training, "a checkpoint is taken between two steps"
         if durable is None:
             durable = final or export or not self.cfg.checkpoint.async_save
         export_dir = os.path.join(self.run_dir, "hf") if export else ""
         self.saved = None
         self.ticket += 1
         self.waiting_ticket = self.ticket
-        self.loop.hold_training = True  # the checkpoint holds exactly this version
         self.ctl.broadcast(
             SaveState(
-                step=self.loop.version,
+                step=self.view.version,
                 extra=self.resume_state(),
                 export_dir=export_dir,
                 durable=durable,
@@ -254,21 +252,25 @@ class TrainingJob:
         finally:
             self.waiting_ticket = None
         saved = self.saved
-        self.loop.hold_training = False
         if saved.pending:
             self.writer.log_span(0, "checkpoint_snapshot", t0, time.time())
             self.writing = (saved.ticket, saved.step, t0)
             return True
         self.writer.log_span(0, "checkpoint", t0, time.time())
-        if saved.step != self.loop.version and not saved.error:
+        if saved.step != self.view.version and not saved.error:
             raise RuntimeError(
-                f"the trainer saved version {saved.step}, the controller's resume state is for {self.loop.version}"
+                f"the trainer saved version {saved.step}, the controller's resume state is for {self.view.version}"
             )
         return self._outcome(saved, final)
 
     def _wait_saved(self, timeout_s: float) -> None:
         try:
-            self.loop.run(until=lambda: self.saved is not None, timeout_s=timeout_s, what="the trainer's checkpoint")
+            self.loop.run(  # the checkpoint holds exactly this version: no buffer is consumed meanwhile
+                until=lambda: self.saved is not None,
+                timeout_s=timeout_s,
+                what="the trainer's checkpoint",
+                hold_training=True,
+            )
         except LoopTimeout as e:
             raise RuntimeError(str(e)) from None
 
@@ -314,12 +316,11 @@ class TrainingJob:
         deadline = time.monotonic() + grace_s
         print(f"staleflow: {why}; saving a checkpoint before stopping", file=sys.stderr, flush=True)
         try:
-            while self.loop.training is not None and time.monotonic() < deadline:
-                got = self.ctl.recv(0.5)
-                if got is not None and isinstance(got[1], StepDone):
-                    for ev in self.backend.events_of(*got):
-                        self.loop.handle(ev)
-            if self.loop.training is not None:
+            try:  # the running step finishes; nothing new starts
+                self.loop.run(
+                    until=lambda: not self.view.training, timeout_s=grace_s, hold_training=True, dispatch=False
+                )
+            except LoopTimeout:
                 print(
                     "staleflow: the training step did not finish in time; the last checkpoint stays the resume point",
                     file=sys.stderr,
@@ -328,7 +329,7 @@ class TrainingJob:
                 return
             if self.save(export=False, timeout_s=max(1.0, deadline - time.monotonic()), durable=True, stopping=True):
                 print(
-                    f"staleflow: saved version {self.loop.version}; resume with --resume {self.run_dir} "
+                    f"staleflow: saved version {self.view.version}; resume with --resume {self.run_dir} "
                     f"(launch.sh restarts resume by themselves)",
                     file=sys.stderr,
                     flush=True,
@@ -359,13 +360,18 @@ class TrainingJob:
             self.backend.close()
 
     def _run(self) -> None:
-        loop = self.loop
-        if loop.version > 0:  # resumed: every instance loads the trainer's weights first
-            loop.pull_all(loop.version)
-        if self.held_out is not None and loop.version == 0:
+        loop, view = self.loop, self.view
+        pull = view.version if view.version > 0 else None  # resumed: every instance loads the trainer's weights first
+        if self.held_out is not None and view.version == 0:
             self.start_eval(0)
-        while not loop.done:
-            loop.run(until=lambda: loop.done or self.save_due or self.failure is not None)
+        while not view.done:
+            loop.run(
+                until=lambda: view.done or self.save_due or self.failure is not None,
+                hold_training=lambda: self.save_due,  # a due checkpoint holds exactly this version
+                stall_s=lambda: 3 * self.stall_limit_s,  # three times the hub's stuck-rank limit
+                pull=pull,
+            )
+            pull = None
             if self.failure is not None:
                 raise self.failure
             if self.save_due:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from staleflow.cluster.roles import Roles
 from staleflow.control.hub import Hub, RankDied
 from staleflow.control.messages import Ping, Pong
+from staleflow.faults import controller_outcome
+from staleflow.runfolder.elastic import mark_fatal
 
 
 def smoke_job(ctl: Hub, cfg) -> None:
@@ -104,26 +106,13 @@ def controller_main(
             job = smoke_job if cfg.smoke else _training_job()
         job(ctl, cfg)
         ctl.shutdown("run finished", ok=True)
-    except RankDied as e:
-        print(f"staleflow: {e}; stopping the run", file=sys.stderr, flush=True)
-        ctl.shutdown(str(e), ok=False, wait_s=3, restart=True)
-        code = 1
-    except KeyboardInterrupt as e:
-        print(f"staleflow: {e or 'interrupted'}; stopping the run", file=sys.stderr, flush=True)
-        ctl.shutdown("interrupted", ok=False, wait_s=3)
-        code = 128 + int(stop_signal["num"])  # 130 for SIGINT, 143 for SIGTERM
-    except Exception as e:  # a bug or bad input inside the job: report it in one line, stop everyone
-        from staleflow.launch.resume import no_restart_helps
-
-        fatal = no_restart_helps(e)
-        print(f"staleflow: {'' if fatal else 'controller error: '}{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        ctl.shutdown(f"controller error: {e}", ok=False, wait_s=3, restart=not fatal)
-        code = 1
-        if fatal:  # bad input: restarting the run would fail the same way
-            from staleflow.launch.resume import mark_fatal
-
+    except (Exception, KeyboardInterrupt) as e:  # a dead rank, a signal, bad input or a bug: the fault table
+        said = controller_outcome(e, stop_signal["num"])  # (faults.py) says the line, the restart, the code
+        print(said.line, file=sys.stderr, flush=True)
+        ctl.shutdown(said.reason, ok=False, wait_s=3, restart=said.restart)
+        code = said.code
+        if said.fatal:  # bad input: restarting the run would fail the same way
             mark_fatal(f"{type(e).__name__}: {e}")
-            code = 2
     finally:
         ctl.close()
         if secure is not None:

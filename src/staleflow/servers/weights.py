@@ -1,6 +1,6 @@
 """Where a rollout instance gets its weights: one WeightSource, chosen once at start-up.
 
-    source = open_weight_source(run_id, "builtin", reader=2, worker_reader=5, remote=None)
+    source = open_weight_source(run_id, backend, reader=2, worker_reader=5, remote=None)   # engines.EngineBackend
     version, nbytes, cross_node = source.load(engine, keep_kv=False)    # a Pull
     source.close()
 
@@ -13,9 +13,11 @@ Three transports sit behind the one interface; the rollout worker never asks whi
   contiguous copy (servers/copy_plan.py), issued on the engine GPU's stream;
 - ``RemoteSource``: the Parameter Server on another node; its piece owners send the bytes
   (servers/remote_weights.py) into the engine's parameters, or into staging tensors for an engine
-  that has none to offer (vLLM), which then loads them with ``engine.load_weights``;
-- ``EngineLoadsItself``: a vLLM engine, whose worker process maps the Parameter Server itself
-  (its own reader index) and reloads from the slot's views (``engine.load_from_server``).
+  that has none to offer (one running in another process), which then loads them with
+  ``engine.load_weights``;
+- ``EngineLoadsItself``: an engine whose own worker process maps the Parameter Server (its own
+  reader index) and reloads from the slot's views (``engine.load_from_server``).
+On the Parameter Server's node the engine's backend (staleflow.engines) chooses between the last two.
 
 Each reads a version clean or not at all: every transport goes through the one torn-read retry
 loop (``slot.read_clean``). ``load`` returns (version, bytes moved, crossed nodes).
@@ -72,7 +74,7 @@ class RemoteSource:
 
     def load(self, engine, keep_kv: bool) -> tuple[int, int, bool]:
         targets = engine.weight_targets()
-        if targets is None:  # the engine holds its weights elsewhere (vLLM): receive, then hand over
+        if targets is None:  # the engine holds its weights in another process: receive, then hand over
             if self.remote.layout is None:
                 self.remote.latest_version()  # learns the layout
             if self._staging is None:
@@ -87,7 +89,7 @@ class RemoteSource:
 
 
 class EngineLoadsItself:
-    """A vLLM engine: its worker maps this node's Parameter Server with its own reader index."""
+    """An engine whose worker process maps this node's Parameter Server with its own reader index."""
 
     def __init__(self, run_id: str, worker_reader: int):
         self.run_id, self.worker_reader = run_id, worker_reader
@@ -105,12 +107,11 @@ class EngineLoadsItself:
         pass
 
 
-def open_weight_source(run_id: str, engine_kind: str, reader: int, worker_reader: int, remote=None) -> WeightSource:
+def open_weight_source(run_id: str, backend, reader: int, worker_reader: int, remote=None) -> WeightSource:
     """The one weight source of a rollout rank: remote when the Parameter Server is on another node
-    (``remote``: its RemoteWeights), else the engine's own loader (vLLM, whose worker process reads
-    as ``worker_reader``) or a local reader (``reader``: cluster.placement.reader_index)."""
+    (``remote``: its RemoteWeights), else the one the engine's backend chooses (staleflow.engines:
+    ``backend.weight_source``; by default a local reader, ``reader``: cluster.placement.reader_index,
+    or the engine's own loader, whose worker process reads as ``worker_reader``)."""
     if remote is not None:
         return RemoteSource(remote)
-    if engine_kind == "vllm":
-        return EngineLoadsItself(run_id, worker_reader)
-    return LocalWeights(run_id, reader)
+    return backend.weight_source(run_id, reader, worker_reader)

@@ -25,7 +25,7 @@ from staleflow.controller.backend import Published, PullDone, Rewarded, TrainDon
 from staleflow.coordinator.cost_model import CostModel
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.sim.config import SimConfig
-from staleflow.sim.engine import SimInstance, SimTraj
+from staleflow.sim.engine import SimInstance, SimSequence
 from staleflow.sim.hardware import Derived
 from staleflow.trajectory import Finished, RecordHandle, Route, TrainGroup
 
@@ -139,7 +139,7 @@ class SimBackend:
         generated = cmd.partial.length if cmd.partial is not None else 0
         moved, version = self.kv_moved.pop(cmd.traj_id, (0, -1))
         self.insts[cmd.instance].add(
-            SimTraj(cmd.traj_id, -1, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens, generated, moved, version)
+            SimSequence(cmd.traj_id, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens, generated, moved, version)
         )
 
     def interrupt(self, cmd: Interrupt) -> None:

@@ -30,10 +30,15 @@ from collections import deque
 from staleflow.coordinator.cost_model import CostModel
 
 
-class SimTraj:
+class SimSequence:
+    """The simulated engine's own state of one sequence it holds (as rollout/sequence.py's Sequence is
+    the real engine's): what it was routed with (V_traj, to check the instance's version; prompt and
+    generated lengths; the length it will reach) and where its decoding stands (KV start, finish
+    step, moved KV). Created from a Route, gone when it finishes or is taken off; the trajectory's
+    record (reward, fate, handle) is the controller ledger's."""
+
     __slots__ = (
         "traj_id",
-        "group_id",
         "traj_version",
         "prompt_len",
         "target_len",
@@ -48,7 +53,6 @@ class SimTraj:
     def __init__(
         self,
         traj_id: int,
-        group_id: int,
         traj_version: int,
         prompt_len: int,
         target_len: int,
@@ -56,7 +60,7 @@ class SimTraj:
         kv_moved: int = 0,
         kv_version: int = -1,
     ):
-        self.traj_id, self.group_id, self.traj_version = traj_id, group_id, traj_version
+        self.traj_id, self.traj_version = traj_id, traj_version
         self.prompt_len, self.target_len, self.generated = prompt_len, target_len, generated
         self.tok0 = 0  # KV tokens minus the instance step counter at admission
         self.finish_step = 0
@@ -93,9 +97,9 @@ class SimInstance:
         self.version = 0
         self.t = 0.0
         self.step = 0  # decode steps done since start
-        self.running: dict[int, SimTraj] = {}
+        self.running: dict[int, SimSequence] = {}
         self.heap: list[tuple[int, int]] = []  # (finish_step, traj_id), lazy deletion
-        self.waiting: deque[SimTraj] = deque()
+        self.waiting: deque[SimSequence] = deque()
         self.kv_const = 0  # sum of tok0 over running: KV = kv_const + n * step
         self.sync_until: float | None = None
         self.sync_version = 0
@@ -124,7 +128,7 @@ class SimInstance:
         return len(self.running) + len(self.waiting)
 
     # ---- commands ------------------------------------------------------------------------------
-    def add(self, traj: SimTraj) -> None:
+    def add(self, traj: SimSequence) -> None:
         self.waiting.append(traj)
 
     def pull(self, version: int, now: float, pull_s: float) -> None:
@@ -136,7 +140,7 @@ class SimInstance:
         self.t = max(self.t, now) + seconds
         self.busy_s += seconds
 
-    def take(self, traj_ids) -> list[SimTraj]:
+    def take(self, traj_ids) -> list[SimSequence]:
         """Remove trajectories (interrupt or abort); returns them with their generated count updated."""
         out = []
         want = set(traj_ids)
@@ -187,9 +191,9 @@ class SimInstance:
             heapq.heappop(h)
         return h[0][0] if h else -1
 
-    def advance(self, t_end: float) -> tuple[list[SimTraj], list[int]]:
+    def advance(self, t_end: float) -> tuple[list[SimSequence], list[int]]:
         """Run until t_end; returns (finished trajectories, versions whose pull completed)."""
-        finished: list[SimTraj] = []
+        finished: list[SimSequence] = []
         pulled: list[int] = []
         while self.t < t_end:
             if self.sync_until is not None:

@@ -8,7 +8,7 @@ config.json values of the Qwen2.5 / Qwen3 models the PSRL coefficients were fitt
                   per GPU of the tensor-parallel group (KV heads split across TP, replicated when
                   fewer than TP);
   prefill rate    TP x peak FLOP/s x prefill MFU / (2 x params) tokens/s (KV recompute after an
-                  interrupt costs the same);
+                  interrupt costs the same), or the rate a refit measured on that GPU (fitted_prefill);
 and per trainer GPU the training rate peak x train MFU / (8 x params) tokens/s (forward, backward
 and the log-prob recompute), the weight-transfer times from the bf16 weight bytes, and the rate at
 which a migrated trajectory's KV moves (its KV bytes per token at the KV-transfer bandwidth).
@@ -75,6 +75,58 @@ FIT_PROFILE = "h20"
 """Where the shipped decode coefficients were fitted (PSRL's cost_model files: presumably its 128-H20 cluster)."""
 
 
+CPU_PROFILE = "cpu"
+"""The CPU presets (``cpu-*``): fitted on the machine that runs the CPU jobs; a refit overwrites the preset."""
+REFIT_PROFILES = (*PROFILES, CPU_PROFILE)
+"""Every profile scripts/fit_cost_model.py --profile refits from a device run's cost samples (sim/cost_samples.py)."""
+
+# the coordinator preset of a profiled model: (model family as in MODEL_SPECS / the cpu presets, TP) -> preset
+_GPU_PRESETS = {("qwen2.5-7b", 1): "qwen2.5-7b-tp1", ("qwen2.5-7b", 2): "qwen2.5-7b-tp2", ("qwen2.5-14b", 1):
+                "qwen2.5-14b", ("qwen2.5-32b", 2): "qwen2.5-32b-tp2", ("qwen2.5-32b", 4): "qwen2.5-32b-tp4",
+                ("qwen3-30b-a3b", 1): "qwen3-30b-a3b"}  # fmt: skip
+_CPU_PRESETS = {"smollm2-135m": "cpu-smollm2", "tiny-llama": "cpu-tiny-llama"}
+
+
+def profile_of_device(device: str, gpu: str | None) -> str | None:
+    """The profile a device run measured: 'cpu', or the GPU's name matched to h20 / h100 / h200 (None: unknown)."""
+    import re
+
+    if device == "cpu":
+        return CPU_PROFILE
+    for name in sorted(PROFILES, key=len, reverse=True):  # h200 before h20
+        if re.search(rf"\b{name}\b", gpu or "", re.IGNORECASE):
+            return name
+    return None
+
+
+def preset_of_model(model: str, tp: int, profile: str) -> str | None:
+    """The coordinator preset a run of ``model`` (a bundled name, hub id or folder) at ``tp`` refits, or None."""
+    base = model.rstrip("/").rsplit("/", 1)[-1].lower().removesuffix("-instruct")
+    if profile == CPU_PROFILE:
+        return _CPU_PRESETS.get(base) if tp == 1 else None
+    return _GPU_PRESETS.get((base, tp))
+
+
+def refit_name(preset: str, profile: str) -> str:
+    """The preset file (presets/<name>.json) a refit of ``preset`` on ``profile`` writes: the preset itself where
+    it is that profile's own fit (PSRL's presets are h20's; cpu-* are the CPU's; a name ending in -<profile>, e.g.
+    gpu-7b-h100), else <preset>-<profile>, which profile_cost then prefers to rescaling the h20 fit. ValueError
+    for a CPU preset on a GPU profile or the reverse (a one-line reason)."""
+    if profile not in REFIT_PROFILES:
+        raise ValueError(f"profile {profile!r} is unknown: use one of {', '.join(REFIT_PROFILES)}")
+    cpu_preset = preset.startswith("cpu-")
+    if cpu_preset != (profile == CPU_PROFILE):
+        raise ValueError(
+            f"preset {preset!r} is a {'CPU' if cpu_preset else 'GPU'} preset and profile {profile!r} is not: refit "
+            f"cpu-* presets with --profile cpu and the GPU presets with --profile {', '.join(PROFILES)}"
+        )
+    other = [p for p in PROFILES if p != profile and preset.endswith(f"-{p}")]
+    if other:
+        raise ValueError(f"preset {preset!r} is fitted on {other[0]}: refit it with --profile {other[0]}")
+    own = cpu_preset or preset.endswith(f"-{profile}") or (profile == FIT_PROFILE and not preset.startswith("gpu-"))
+    return preset if own else f"{preset}-{profile}"
+
+
 def profile_cost(cost, hardware: str):
     """The decode cost model of `cost` on `hardware`: a preset fitted there ('<name>-<hardware>.json', written by
     scripts/fit_cost_model.py --profile) if one exists, else the H20 fit rescaled from the spec sheets: the
@@ -102,6 +154,25 @@ def profile_cost(cost, hardware: str):
         b3=cost.b3 * flop,
         source=f"{cost.name} ({FIT_PROFILE} fit) rescaled to {hardware}: k1, k2 x {mem:.3f}, k3, b3 x {flop:.3f}",
     )
+
+
+def fitted_prefill(cost_name: str, hardware: str) -> float | None:
+    """Prefill tokens/s measured on ``hardware`` by the run a refitted preset came from (its fit's
+    prefill_tokens_per_s, written by scripts/fit_cost_model.py --profile), or None: no refit, or one without
+    prefill steps. The simulator uses it instead of the spec-sheet FLOP/s x prefill MFU."""
+    import json
+
+    from staleflow.coordinator.cost_model import PRESET_DIR
+
+    try:
+        raw = json.loads((PRESET_DIR / f"{refit_name(cost_name, hardware)}.json").read_text())
+    except (ValueError, OSError):  # no such refit (or a CPU preset on a GPU profile)
+        return None
+    fit = raw.get("fit") if isinstance(raw, dict) else None
+    if not isinstance(fit, dict) or fit.get("profile") != hardware:
+        return None
+    rate = fit.get("prefill_tokens_per_s")
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0 else None
 
 
 @dataclass(frozen=True)
@@ -196,7 +267,9 @@ def derive(cfg, cost) -> Derived:
     return Derived(
         kv_capacity=cfg.kv_capacity or (kv_capacity(spec, gpu) if spec else cost.kv_capacity),
         prefill_tokens_per_s=pick(
-            cfg.prefill_tokens_per_s, lambda: prefill_tokens_per_s(spec, gpu), "prefill-tokens-per-s"
+            cfg.prefill_tokens_per_s,
+            lambda: fitted_prefill(cost.name, cfg.hardware) or prefill_tokens_per_s(spec, gpu),
+            "prefill-tokens-per-s",
         ),
         train_tokens_per_gpu_s=pick(
             cfg.train_tokens_per_gpu_s, lambda: train_tokens_per_gpu_s(spec, gpu), "train-tokens-per-gpu-s"

@@ -21,6 +21,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from staleflow.faults import BadInput
+
 MAX_VERSION = 2**62
 """Far beyond any run; a version past it would overflow the int64 fields it is pushed in."""
 MAX_WORLD = 1 << 20
@@ -29,7 +31,7 @@ MAX_JSON_BYTES = 256 << 20
 _HEX = frozenset("0123456789abcdef")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(BadInput, RuntimeError):
     """A checkpoint that is missing, partial, corrupted or crafted."""
 
 

@@ -23,7 +23,7 @@ from staleflow.cluster.roles import Roles
 from staleflow.config import RunConfig
 from staleflow.control.messages import Heartbeat, Shutdown
 from staleflow.control.sockets import ControlClient
-from staleflow.launch.cleanup import pid_alive
+from staleflow.runfolder.scratch import pid_alive
 
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("STALEFLOW_HEARTBEAT_TIMEOUT_S", "60"))
 TERM_GRACE_S = 20.0  # torchrun SIGKILLs 30 s after its SIGTERM

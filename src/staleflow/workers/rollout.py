@@ -38,6 +38,7 @@ from staleflow.control.messages import (
     split_eval_id,
 )
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
+from staleflow.engines import engine_backend
 from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.servers import RingFull, StaleHandle, TrajectoryRing
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES
@@ -47,38 +48,24 @@ from staleflow.trajectory import Finished, Route, TrajectoryTokens
 RING_BYTES = DEFAULT_RING_BYTES
 
 
-def build_engine(ctx, model):
-    rc = ctx.cfg.rollout
-    if rc.engine == "vllm":
-        from staleflow.rollout.vllm_engine import VllmEngine  # optional extra; clear error when missing
-
-        return VllmEngine.from_config(ctx.cfg.model, rc, model_path=ctx.cfg.model.path, **vllm_cuda_settings(ctx))
-    from staleflow.rollout.builtin_engine import BuiltinEngine
-
-    return BuiltinEngine.from_config(ctx.cfg.model, rc, model=model, seed=ctx.cfg.seed * 1000 + ctx.rank)
+def build_engine(ctx, model, backend=None):
+    """The rank's engine, built by the backend --rollout.engine names (staleflow.engines)."""
+    backend = backend or engine_backend(ctx.cfg)
+    share = planned_gpu_share(ctx) if backend.takes_gpu_share and str(ctx.device).startswith("cuda") else None
+    return backend.build(ctx, model, share)
 
 
-def vllm_cuda_settings(ctx) -> dict:
-    """A vLLM rank on a GPU: its engine starts with its own GPU first and no other rollout rank's
-    visible, and asks for the GPU share the memory plan gives it."""
-    if not str(ctx.device).startswith("cuda"):
-        return {}
-    import os
-
-    from staleflow.cluster.placement import engine_visible_devices, gpu_of
+def planned_gpu_share(ctx) -> float:
+    """The share of its GPU the memory plan gives this rank's engine (a backend that takes_gpu_share)."""
     from staleflow.plan import build_plan
 
-    gpus = torch.cuda.device_count()
     plan = build_plan(
-        ctx.cfg, ctx.roles.world_size, torch.cuda.get_device_properties(ctx.device).total_memory, num_gpus=gpus
+        ctx.cfg,
+        ctx.roles.world_size,
+        torch.cuda.get_device_properties(ctx.device).total_memory,
+        num_gpus=torch.cuda.device_count(),
     )
-    pieces = [gpu_of(t, gpus) for t in ctx.roles.trainer_ranks]
-    return {
-        "gpu_memory_utilization": plan.vllm_utilization[ctx.rank],
-        "visible_devices": engine_visible_devices(
-            torch.device(ctx.device).index, pieces, gpus, os.environ.get("CUDA_VISIBLE_DEVICES")
-        ),
-    }
+    return plan.gpu_share[ctx.rank]
 
 
 def keeps_kv_on_pull(coordinator_cfg) -> bool:
@@ -91,7 +78,8 @@ class RolloutWorker:
     def __init__(self, ctx, model):
         self.ctx = ctx
         self.instance = ctx.roles.instance_id(ctx.rank)
-        self.engine = build_engine(ctx, model)
+        backend = engine_backend(ctx.cfg)
+        self.engine = build_engine(ctx, model, backend)
         self.ring = TrajectoryRing.create(ctx.run_id, ctx.rank, RING_BYTES)
         self.readers: dict[int, TrajectoryRing] = {ctx.rank: self.ring}
         rc = ctx.cfg.rollout
@@ -105,7 +93,7 @@ class RolloutWorker:
         world = ctx.roles.world_size
         self.weights = open_weight_source(
             ctx.run_id,
-            rc.engine,
+            backend,
             reader=reader_index(ctx.rank, world),
             worker_reader=reader_index(ctx.rank, world, engine_worker=True),
             remote=self.net.remote_weights() if self.net is not None else None,
@@ -321,7 +309,7 @@ class RolloutWorker:
                 self.send_stats(now)
 
     def close(self) -> None:
-        self.engine.close()  # vLLM: stop its engine processes
+        self.engine.close()  # an engine with processes of its own stops them
         for r in self.readers.values():
             if r is not self.ring:
                 r.close()

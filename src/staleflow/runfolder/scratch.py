@@ -1,4 +1,4 @@
-"""Run-file hygiene: per-run folders (control sockets) and shared-memory segments of crashed runs.
+"""Per-run scratch folders (control sockets), their owner pid, and the leftovers of crashed runs.
 
 Each run owns /tmp/staleflow-run-<run_id>/ with a pid file of the process that created it. At
 the next start, such folders whose creator is dead are removed (a folder without our pid file

@@ -1,87 +1,35 @@
-"""Read-only views, checkpoint format, metrics and self-check of the staleness manager (pure Python, JSON-able dicts).
+"""The staleness manager's checkpoint format, metrics and self-check (pure Python, JSON-able dicts).
 
-``StalenessManager.state_dict()`` / ``from_state_dict(d)``, ``stats()`` and ``validate()`` delegate here so
-that staleness.py keeps only the protocol. The dict survives ``json.dumps``/``json.loads``
-unchanged (ids are ints or strs; tuples become lists). ``validate_manager`` recomputes every
-derived structure from the group table and raises ProtocolError on any inconsistency.
+``StalenessManager.state_dict()`` / ``from_state_dict(d)``, ``stats()`` and ``validate()`` call these.
+The dict survives ``json.dumps``/``json.loads`` unchanged (ids are ints or strs; tuples become
+lists). ``validate_manager`` recomputes every derived structure from the group table and raises
+ProtocolError on any inconsistency.
 """
 
 from __future__ import annotations
 
-from staleflow.protocol.types import EntryState, ProtocolError, _Buffer, _Group
+from staleflow.protocol.types import ProtocolError, StalenessSpec, _Group
 
-FORMAT = "staleflow.staleness/1"
-_PARAMS = ("eta", "batch_size", "capacity", "group_size", "group_capacity", "exchange")
-
-
-class ManagerState:
-    """Read-only views, metrics, checkpoints and the self-check of StalenessManager (kept out of the
-    protocol file)."""
-
-    def buffer_entries(self, v: int) -> dict:
-        self.buffer_state(v)
-        b = self._buffers.get(v) or _Buffer()
-        n_res, n_occ = len(b.reserved), len(b.occupied)
-        return {EntryState.EMPTY: self.capacity - n_res - n_occ, EntryState.RESERVED: n_res, EntryState.OCCUPIED: n_occ}
-
-    def group_info(self, group_id) -> dict:
-        g = self._group(group_id)
-        state = "occupied" if g.occupied else ("closed" if g.buffer is None else "reserved")
-        return {
-            "group_id": group_id,
-            "traj_version": g.traj_version,
-            "buffer_version": g.buffer,
-            "state": state,
-            "live": list(g.live),
-            "done": list(g.done),
-        }
-
-    def consumption_log(self) -> list[tuple]:
-        return list(self._log)
-
-    def aborted_groups(self) -> dict:
-        return dict(self._aborted)
-
-    def closed_windows(self) -> list:
-        """In-flight groups that can no longer be placed (every buffer of their window became
-        Ready); the runtime aborts them."""
-        return list(self._closed)
-
-    def stats(self) -> dict:
-        """JSON-able metrics (per-buffer counts, in flight, aborts, occupy exchanges)."""
-        return manager_stats(self)
-
-    def state_dict(self) -> dict:
-        """JSON-able checkpoint; ``from_state_dict`` rebuilds an identical manager."""
-        return manager_state_dict(self)
-
-    @classmethod
-    def from_state_dict(cls, d: dict):
-        return manager_from_state_dict(cls, _Group, d)
-
-    def validate(self) -> None:
-        """Recompute every derived structure from the group table; raise on any mismatch (tests)."""
-        validate_manager(self)
+FORMAT = "staleflow.staleness/2"  # /2: members are ids only (each member's own V_traj is the ledger's)
+_PARAMS = ("eta", "batch_size", "capacity", "group_size", "group_capacity")
 
 
 def manager_state_dict(m) -> dict:
     return {
         "format": FORMAT,
         **{k: getattr(m, k) for k in _PARAMS},
+        "exchange": m.exchange,
         "version": m.version,
         "closed_version": m.closed_version,
-        "buffers": [
-            {"version": v, "reserved": list(b.reserved), "occupied": list(b.occupied)}
-            for v, b in sorted(m._buffers.items())
-        ],
+        "buffers": m.book.state_list(),
         "groups": [
             {
                 "group_id": g.group_id,
                 "traj_version": g.traj_version,
                 "buffer": g.buffer,
                 "occupied": g.occupied,
-                "live": [[t, V] for t, V in g.live.items()],
-                "done": [[t, V] for t, V in g.done.items()],
+                "live": list(g.live),
+                "done": list(g.done),
             }
             for g in m._groups.values()
         ],
@@ -96,7 +44,7 @@ def manager_state_dict(m) -> dict:
 def manager_stats(m) -> dict:
     """JSON-able metrics: per-buffer entry counts and state, groups by state, aborts by reason."""
     buffers = {}
-    for v in sorted(m._buffers):
+    for v in sorted(m.book.buffers):
         buffers[str(v)] = {"state": m.buffer_state(v).value, **{k.value: n for k, n in m.buffer_entries(v).items()}}
     in_flight = sum(1 for g in m._groups.values() if not g.occupied)
     return {
@@ -114,13 +62,12 @@ def manager_stats(m) -> dict:
     }
 
 
-def manager_from_state_dict(cls, group_cls, d: dict):
-
+def manager_from_state_dict(cls, d: dict):
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         got = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise ProtocolError(f"not a staleness-manager state dict (format {got!r}, expected {FORMAT!r})")
     try:
-        m = _rebuild(cls, group_cls, d)
+        m = _rebuild(cls, d)
         validate_manager(m)
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ProtocolError):
@@ -131,21 +78,15 @@ def manager_from_state_dict(cls, group_cls, d: dict):
     return m
 
 
-def _rebuild(cls, group_cls, d: dict):
-
-    # "exchange" is absent from checkpoints written before the occupy exchange existed: they ran without it
-    m = cls(**{k: d[k] for k in _PARAMS if k != "exchange"}, exchange=d.get("exchange", False), version=d["version"])
+def _rebuild(cls, d: dict):
+    m = cls(StalenessSpec(**{k: d[k] for k in _PARAMS}, version=d["version"]), exchange=d["exchange"])
     m.closed_version = d["closed_version"]
-    for rec in d["buffers"]:
-        b = m._buffers[rec["version"]] = _Buffer()
-        b.reserved = dict.fromkeys(rec["reserved"])
-        b.occupied = list(rec["occupied"])
-        m._refresh(rec["version"])
+    m.book.load(d["buffers"])
     for rec in d["groups"]:
-        g = group_cls(rec["group_id"], rec["traj_version"], rec["buffer"])
+        g = _Group(rec["group_id"], rec["traj_version"], rec["buffer"])
         g.occupied = rec["occupied"]
-        g.live = {t: V for t, V in rec["live"]}
-        g.done = {t: V for t, V in rec["done"]}
+        g.live = dict.fromkeys(rec["live"])
+        g.done = dict.fromkeys(rec["done"])
         m._groups[g.group_id] = g
         for t in list(g.live) + list(g.done):
             m._trajs[t] = g
@@ -178,10 +119,8 @@ def validate_manager(m) -> None:
         n_members += len(g.live) + len(g.done)
         if set(g.live) & set(g.done):
             fail(f"group {gid!r} has a member both live and done")
-        if members and g.traj_version > min(members.values()):
-            fail(f"group {gid!r} traj_version {g.traj_version} > min member version {min(members.values())}")
-        if any(V > m.version for V in members.values()):
-            fail(f"group {gid!r} has a member newer than version {m.version}")
+        if g.traj_version > m.version:
+            fail(f"group {gid!r} has V_traj {g.traj_version}, newer than version {m.version}")
         if len(g.done) > m.group_size or (len(g.done) == m.group_size and g.live):
             fail(f"group {gid!r} has {len(g.done)} done and {len(g.live)} live members (N={m.group_size})")
         if len(g.live) + len(g.done) > m.group_capacity:
@@ -204,22 +143,12 @@ def validate_manager(m) -> None:
         fail(f"{len(m._trajs)} indexed trajectories but {n_members} group members")
     if set(m._closed) - set(m._groups):
         fail("closed set names groups that are not live")
-    for v, b in m._buffers.items():
+    for v, b in m.book.buffers.items():
         if v < m.version:
             fail(f"buffer {v} below version {m.version} still exists")
         if set(b.reserved) != reserved.pop(v, set()) or set(b.occupied) != occupied.pop(v, set()):
             fail(f"buffer {v} entries do not match the groups placed in it")
-        if len(b.occupied) != len(set(b.occupied)):
-            fail(f"buffer {v} lists a group twice")
-        if len(b.occupied) > m.batch_size or len(b.occupied) + len(b.reserved) > m.capacity:
-            fail(f"buffer {v} over capacity ({len(b.occupied)} occupied, {len(b.reserved)} reserved)")
-        if len(b.occupied) == m.batch_size and b.reserved:
-            fail(f"Ready buffer {v} still holds reservations")
-    for v in set(m._buffers) | m._full:
-        b = m._buffers.get(v)
-        full = b is not None and (len(b.occupied) >= m.batch_size or len(b.occupied) + len(b.reserved) >= m.capacity)
-        if full != (v in m._full):
-            fail(f"buffer {v} room index is stale ({'full' if full else 'has room'})")
+    m.book.check(fail)
     if reserved or occupied:
         fail(f"groups placed in missing buffers {sorted(set(reserved) | set(occupied))}")
     if m.closed_version > m.version:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from staleflow.config import ConfigError
+from staleflow.faults import ConfigError
 
 LOCK_FILE = "run.lock"
 _HELD: dict[str, int] = {}

@@ -1,0 +1,35 @@
+"""The numbers of one trained step, as every front end reports them (the runtime's metrics.jsonl,
+the simulator's tables), from the loop's step record and its counters."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from staleflow.controller.audit import Audit
+from staleflow.controller.types import StepRecord
+
+
+def step_metrics(rec: StepRecord, lens: list[int], audit: Audit, counts: Counter, reward_errors: int) -> dict:
+    """lens: the response lengths finished since the previous step."""
+    rewards, stale = rec.rewards, rec.staleness
+    hist = Counter(stale)
+    c = counts
+    return {
+        "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "accuracy": sum(r > 0.5 for r in rewards) / max(len(rewards), 1),
+        "response_len_mean": sum(lens) / max(len(lens), 1),
+        "staleness_mean": sum(stale) / max(len(stale), 1),
+        "staleness_max": max(stale, default=0),
+        "staleness_hist": {str(k): n for k, n in sorted(hist.items())},
+        "bound_violations": audit.bound_violations,
+        "over_eta": audit.over_eta,
+        "trained_groups": len(rec.groups),
+        "trained_trajectories": len(rewards),
+        "trained_tokens": rec.response_tokens,
+        "pulls": c["pulls"],
+        "interrupts": c["interrupts"],
+        "migrations": c["migrations"],
+        "routes": c["routes"],
+        "groups_aborted": c["groups_aborted"],
+        "reward_errors": reward_errors,
+    }
