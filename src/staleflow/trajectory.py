@@ -143,7 +143,7 @@ ENV_VERSION = -1
 
 
 def _values(x) -> list:
-    """A field's values as a Python list (lists as they are; tensors via tolist, without importing torch)."""
+    """A field's values as a new Python list (tensors via tolist, without importing torch)."""
     return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
@@ -206,14 +206,13 @@ class TrajectoryTokens:
         self.loss_mask.extend([0] * n)
 
     def copy(self) -> TrajectoryTokens:
-        """A copy with list fields (what an engine keeps and extends)."""
-        mask = None if self.loss_mask is None else [int(m) for m in _values(self.loss_mask)]
+        """A copy with list fields (what an engine keeps and extends; tensors become Python lists)."""
         return TrajectoryTokens(
-            [int(t) for t in _values(self.prompt_ids)],
-            [int(t) for t in _values(self.response_ids)],
-            [float(x) for x in _values(self.behaviour_logprobs)],
-            [int(v) for v in _values(self.versions)],
-            mask,
+            _values(self.prompt_ids),
+            _values(self.response_ids),
+            _values(self.behaviour_logprobs),
+            _values(self.versions),
+            None if self.loss_mask is None else _values(self.loss_mask),
         )
 
     def validate(self, what: str = "trajectory") -> None:
