@@ -103,10 +103,11 @@ def _probe(path: str, uid: int) -> str | None:
     if result.ok and result.stdout == "ok\n":
         return None
     first = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}, reason {result.reason}"])[0]
+    first = first.removeprefix("sandbox: ")[:200]
     return (
-        f"sandbox: bubblewrap ({path}) cannot start a sandbox here ({first[:200]}): it needs unprivileged "
-        f"user namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; "
-        f"in a container, allow them); untrusted code is not run unsandboxed"
+        f"sandbox: bubblewrap ({path}) cannot start a sandbox here ({first}): it needs unprivileged user "
+        f"namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in a container, "
+        f"allow them) and, as root, a bwrap that uid {NOBODY} can run; untrusted code is not run unsandboxed"
     )
 
 

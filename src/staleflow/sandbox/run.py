@@ -84,6 +84,7 @@ def run_python(code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResu
             pass_fds=(code_fd, runner_fd, status_w, reason_w),
             start_new_session=True,
             close_fds=True,
+            env={"PATH": "/usr/bin:/bin"},  # bwrap's own pid 1 in the sandbox shows its environ: none of ours
             **user,
         )
     except OSError as e:
