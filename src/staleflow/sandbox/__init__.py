@@ -13,8 +13,7 @@ process-count, file-size and output limits and a wall-clock timeout. docs/sandbo
 choice of bubblewrap, the limits and what the sandbox does NOT protect against.
 """
 
-from staleflow.sandbox.bwrap import sandbox_unavailable
 from staleflow.sandbox.limits import REASONS, SandboxLimits, SandboxResult
-from staleflow.sandbox.run import run_python
+from staleflow.sandbox.run import run_python, sandbox_unavailable
 
 __all__ = ["REASONS", "SandboxLimits", "SandboxResult", "run_python", "sandbox_unavailable"]

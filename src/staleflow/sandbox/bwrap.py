@@ -6,12 +6,11 @@ new user, mount, PID, network, IPC, UTS and cgroup namespaces; a root holding on
 /sandbox. Nothing else of the host exists inside: not /work, /home, /root, /tmp, /etc or the run
 folder. The environment is cleared. See docs/sandbox.md for the choice and what it does not cover.
 
-    problem = sandbox_unavailable()     # None, or one line: why not and how to fix it
+    argv = command(limits, code_fd, runner_fd, status_fd, reason_fd, runner_args)
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import sys
@@ -95,25 +94,8 @@ def command(
     ]  # fmt: skip
 
 
-@functools.cache
-def _probe(path: str, uid: int) -> str | None:
-    from staleflow.sandbox.run import run_python
-
-    result = run_python("print('ok')", SandboxLimits(wall_s=30, cpu_s=10))
-    if result.ok and result.stdout == "ok\n":
-        return None
-    first = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}, reason {result.reason}"])[0]
-    first = first.removeprefix("sandbox: ")[:200]
-    return (
-        f"sandbox: bubblewrap ({path}) cannot start a sandbox here ({first}): it needs unprivileged user "
-        f"namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in a container, "
-        f"allow them) and, as root, a bwrap that uid {NOBODY} can run; untrusted code is not run unsandboxed"
-    )
-
-
-def sandbox_unavailable() -> str | None:
-    """None when the sandbox can start here; else one line: why not and the fix. Untrusted code is
-    never run without it: run_python then returns reason "unavailable" and runs nothing."""
+def missing_bwrap() -> str | None:
+    """One line when there is no bwrap to run here (missing binary, not Linux), else None."""
     path = bwrap_path()
     if path is None:
         chosen = os.environ.get(BWRAP_ENV)
@@ -121,4 +103,4 @@ def sandbox_unavailable() -> str | None:
         return f"sandbox: bubblewrap not found: {where}: {INSTALL_HINT}; untrusted code is not run unsandboxed"
     if sys.platform != "linux":
         return f"sandbox: bubblewrap needs Linux namespaces; this is {sys.platform}: run untrusted code on Linux"
-    return _probe(path, os.geteuid())
+    return None

@@ -16,6 +16,7 @@ PID namespace takes every process of the sandbox with it).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from staleflow.sandbox.bwrap import NOBODY, bwrap_path, command, drop_to_nobody, python_home, sandbox_unavailable
+from staleflow.sandbox.bwrap import NOBODY, bwrap_path, command, drop_to_nobody, missing_bwrap, python_home
 from staleflow.sandbox.limits import SandboxLimits, SandboxResult
 
 RUNNER = Path(__file__).with_name("runner.py")
@@ -65,8 +66,9 @@ class _Output:
 def run_python(code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResult:
     """Run `code` as /sandbox/main.py inside the sandbox; see the module docstring."""
     t0 = time.monotonic()
-    if bwrap_path() is None:
-        return SandboxResult("", sandbox_unavailable() or "sandbox: bwrap is missing", None, "unavailable", 0.0)
+    missing = missing_bwrap()
+    if missing:
+        return SandboxResult("", missing, None, "unavailable", 0.0)
     code_fd = _memfd("main.py", code.encode("utf-8", errors="surrogateescape"))
     runner_fd = _memfd("runner.py", RUNNER.read_bytes())
     status_r, status_w = os.pipe()
@@ -135,6 +137,27 @@ def run_python(code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResu
     if reason is None and first_reason:
         reason = first_reason
     return SandboxResult(out.text("stdout"), out.text("stderr"), exit_code, reason, wall)
+
+
+def sandbox_unavailable() -> str | None:
+    """None when the sandbox can start here; else one line: why not and the fix. Untrusted code is
+    never run without it: run_python then returns reason "unavailable" and runs nothing. The first
+    call per bwrap binary starts one sandbox (~0.1 s) to find out."""
+    return missing_bwrap() or _probe(bwrap_path() or "", os.geteuid())
+
+
+@functools.cache
+def _probe(path: str, uid: int) -> str | None:
+    result = run_python("print('ok')", SandboxLimits(wall_s=30, cpu_s=10))
+    if result.ok and result.stdout == "ok\n":
+        return None
+    first = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}, reason {result.reason}"])[0]
+    first = first.removeprefix("sandbox: ")[:200]
+    return (
+        f"sandbox: bubblewrap ({path}) cannot start a sandbox here ({first}): it needs unprivileged user "
+        f"namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in a container, "
+        f"allow them) and, as root, a bwrap that uid {NOBODY} can run; untrusted code is not run unsandboxed"
+    )
 
 
 def _feed(pipe, text: str) -> None:
