@@ -40,7 +40,7 @@ def test_sandbox_reward_scores_tests_in_the_sandbox(sandbox, monkeypatch):
     humaneval = {"tests": "def check(candidate):\n    assert candidate(2, 3) == 5", "entry_point": "add"}
     assert score(fn, right, "", humaneval)[0] == 1.0 and score(fn, wrong, "", humaneval)[0] == 0.0
     reward, info = score(fn, "I would write add(a, b) = a + b", "", ADD_TESTS)
-    assert (reward, info["reason"], info["error"]) == (0.0, "no ```python block", None)
+    assert (reward, info["reason"], info["error"]) == (0.0, "no python code block", None)
 
     sneaky = _block("import os\nprint(open('/etc/passwd').read())\ndef add(a, b):\n    return a + b")
     reward, info = score(fn, sneaky, "", ADD_TESTS)
@@ -73,4 +73,16 @@ def test_sandbox_reward_in_the_reward_pool(sandbox):
         pool.submit("right", right, "", ADD_TESTS)
         pool.submit("nothing", "no code", "", ADD_TESTS)
         got = {key: (reward, info.get("reason"), info["error"]) for key, reward, info in pool.drain(60.0)}
-    assert got == {"right": (1.0, None, None), "nothing": (0.0, "no ```python block", None)}
+    assert got == {"right": (1.0, None, None), "nothing": (0.0, "no python code block", None)}
+
+
+def test_sandbox_check_refuses_code_tests_without_the_sandbox(monkeypatch, tmp_path):
+    from staleflow.config import ConfigError, RunConfig
+    from staleflow.launch.check import check_extensions
+
+    cfg = RunConfig(reward=RewardConfig(fn="code_tests"))
+    check_extensions(cfg)  # here the sandbox starts
+    monkeypatch.setenv("STALEFLOW_BWRAP", str(tmp_path / "missing-bwrap"))
+    with pytest.raises(ConfigError, match=r"^--reward.fn=code_tests needs the sandbox: sandbox: bubblewrap not found"):
+        check_extensions(cfg)
+    check_extensions(RunConfig())  # the other rewards never need it

@@ -58,7 +58,7 @@ def code_tests_reward(completion: str, answer: str, meta: dict) -> float:
     code = last_python_block(completion)
     program = tests_program(code or "", meta)
     if code is None:
-        raise NoCredit("no ```python block")
+        raise NoCredit("no python code block")
     result = run_python(program, CODE_TESTS_LIMITS)
     if result.reason == "unavailable":
         raise RuntimeError(sandbox_unavailable() or result.stderr)
