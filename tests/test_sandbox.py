@@ -163,6 +163,17 @@ def test_sandbox_unavailable_is_one_line_and_runs_nothing(monkeypatch, tmp_path,
     assert not marker.exists()
 
 
+def test_sandbox_runs_concurrent_programs_from_threads(sandbox):
+    """Callers run it in threads (the Python tool, the reward pool): each run gets its own output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: run_python(f"print({i} * {i})", SMALL), range(8)))
+    assert [(r.stdout, r.reason) for r in results] == [(f"{i * i}\n", None) for i in range(8)]
+    r = run_python("print(1)", SandboxLimits(python="/usr/bin/no-such-python"))
+    assert r.reason == "unavailable" and "check SandboxLimits.python" in r.stderr and "\n" not in r.stderr, r
+
+
 def test_sandbox_limits_are_checked():
     with pytest.raises(ValueError, match=r"SandboxLimits.memory_mb=8: must be a number > 32"):
         SandboxLimits(memory_mb=8)

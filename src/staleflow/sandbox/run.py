@@ -124,6 +124,11 @@ def run_python(code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResu
     if '"child-pid"' not in status:  # bwrap itself failed: nothing of the code ran
         line = (out.text("stderr").strip().splitlines() or [f"bwrap exited {proc.returncode}"])[0]
         return SandboxResult("", f"sandbox: bwrap could not start: {line}", None, "unavailable", wall)
+    if proc.returncode == 1 and out.text("stderr").startswith("bwrap: execvp"):  # no such interpreter inside
+        line = out.text("stderr").strip().splitlines()[0]
+        return SandboxResult(
+            "", f"sandbox: cannot start the interpreter: {line}: check SandboxLimits.python", None, "unavailable", wall
+        )
     exit_code: int | None = proc.returncode
     reason: str | None = None
     if timed_out:
