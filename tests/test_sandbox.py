@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -63,6 +64,20 @@ def test_sandbox_refuses_network(sandbox):
     caught = "import socket\ntry:\n    socket.create_connection(('8.8.8.8', 53), timeout=3)\nexcept OSError:\n    print('no')"
     r = run_python(caught, SMALL)
     assert (r.stdout, r.exit_code, r.reason) == ("no\n", 0, "network")  # refused even when the code carries on
+    # the run's own sockets (the control plane listens on the host's loopback) are out of reach too
+    with socket.create_server(("127.0.0.1", 0)) as tcp, socket.socket(socket.AF_UNIX) as unix:
+        unix.bind(f"\0staleflow-sandbox-test-{uuid.uuid4().hex}")
+        unix.listen()
+        tcp.settimeout(0.2)
+        unix.settimeout(0.2)
+        port, name = tcp.getsockname()[1], unix.getsockname()
+        r = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)", SMALL)
+        assert r.exit_code == 1 and "ConnectionRefusedError" in r.stderr, r
+        r = run_python(f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({name!r})", SMALL)
+        assert (r.exit_code, r.reason) == (1, "network") and "ConnectionRefusedError" in r.stderr, r
+        for server in (tcp, unix):
+            with pytest.raises(TimeoutError):
+                server.accept()  # nothing ever reached the host
     _still_fine()
 
 

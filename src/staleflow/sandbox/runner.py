@@ -86,6 +86,8 @@ def audit(event: str, args: tuple) -> None:
         address = args[1]
         if isinstance(address, tuple) and address and address[0] not in LOCAL_HOSTS:
             note("network")
+        elif isinstance(address, (str, bytes)) and address[:1] in ("\0", b"\0"):
+            note("network")  # an abstract unix socket: the host's live in another network namespace
     elif event == "socket.getaddrinfo" and args[0] not in LOCAL_HOSTS:
         note("network")
 
