@@ -185,6 +185,11 @@ def test_sandbox_runs_concurrent_programs_from_threads(sandbox):
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda i: run_python(f"print({i} * {i})", SMALL), range(8)))
     assert [(r.stdout, r.reason) for r in results] == [(f"{i * i}\n", None) for i in range(8)]
+    eight = "import os, time\nkids = []\nfor _ in range(8):\n    kids.append(os.fork())\n    if kids[-1] == 0:\n"
+    eight += "        time.sleep(1.0)\n        os._exit(0)\nfor k in kids:\n    os.waitpid(k, 0)\nprint('ok')"
+    with ThreadPoolExecutor(3) as pool:  # 3 x 9 processes, as the same uid: the limit is per sandbox
+        results = list(pool.map(lambda _: run_python(eight, SMALL), range(3)))
+    assert [(r.stdout, r.reason) for r in results] == [("ok\n", None)] * 3, results
     r = run_python("print(1)", SandboxLimits(python="/usr/bin/no-such-python"))
     assert r.reason == "unavailable" and "check SandboxLimits.python" in r.stderr and "\n" not in r.stderr, r
 
