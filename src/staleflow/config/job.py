@@ -16,7 +16,7 @@ class RewardConfig:
     """Reward function and its worker pool (in the controller)."""
 
     fn: str = "arithmetic"
-    """Registered name (arithmetic, math, countdown) or a user function 'module:function'."""
+    """Registered name (arithmetic, math, countdown, code_tests: docs/sandbox.md) or a user function 'module:function'."""
     workers: int = 2
     """Reward worker processes in the controller (rewards are computed asynchronously)."""
     format_weight: float = 0.0

@@ -95,6 +95,11 @@ def check_extensions(cfg: RunConfig) -> None:
         load_cost_model(cfg.coordinator.cost_model)
     except CostModelError as e:
         raise ConfigError(f"--coordinator.cost-model={cfg.coordinator.cost_model!r}: {e}") from None
+    if cfg.reward.fn == "code_tests":  # it runs the policy's code: refuse up front where the sandbox cannot start
+        from staleflow.sandbox import sandbox_unavailable
+
+        if problem := sandbox_unavailable():
+            raise ConfigError(f"--reward.fn=code_tests needs the sandbox: {problem}")
 
 
 def check_writable(folder: str, flag: str) -> None:

@@ -2,7 +2,7 @@
 
     from staleflow.reward import RewardPool, resolve_reward_fn, score
 
-    fn = resolve_reward_fn("math")            # arithmetic | math | countdown | "pkg.mod:function"
+    fn = resolve_reward_fn("math")            # arithmetic | math | countdown | code_tests | "pkg.mod:function"
     reward, info = score(fn, completion, answer, meta, format_weight=0.1)
 
     pool = RewardPool(cfg.reward)             # worker processes (spawn); bad fn fails here
@@ -14,11 +14,13 @@ adds ``format_weight`` only to a correct answer (>= FULL_CREDIT) given in a \\bo
 docs/data-and-rewards.md.
 """
 
+from staleflow.reward.code_tests import code_tests_reward, last_python_block
 from staleflow.reward.countdown import check_countdown, completion_expression, last_plain_expression
 from staleflow.reward.extract import all_boxed, final_number, last_boxed, parse_int
 from staleflow.reward.functions import (
     FULL_CREDIT,
     REWARDS,
+    NoCredit,
     RewardError,
     RewardFn,
     arithmetic_reward,
@@ -33,6 +35,7 @@ from staleflow.reward.pool import RewardPool
 
 __all__ = [
     "FULL_CREDIT",
+    "NoCredit",
     "REWARDS",
     "RewardError",
     "RewardFn",
@@ -40,12 +43,14 @@ __all__ = [
     "all_boxed",
     "arithmetic_reward",
     "check_countdown",
+    "code_tests_reward",
     "completion_expression",
     "countdown_reward",
     "final_number",
     "format_reward",
     "last_boxed",
     "last_plain_expression",
+    "last_python_block",
     "math_reward",
     "parse_int",
     "register_reward",

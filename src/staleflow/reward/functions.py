@@ -41,6 +41,11 @@ class RewardError(ExtensionError):
     """A reward function cannot be resolved (unknown name, bad import path, not callable)."""
 
 
+class NoCredit(Exception):
+    """Raised by a reward function for a zero that is the completion's fault, not the function's:
+    ``score`` gives 0 with the message in info["reason"] (not counted as a reward error)."""
+
+
 REWARDS: Registry[RewardFn] = Registry(
     "reward", "--reward.fn", Shape.function(3, "fn(completion, answer, meta) -> float"), error=RewardError
 )
@@ -177,7 +182,8 @@ def score(fn: RewardFn, completion: str, answer: str, meta: dict, format_weight:
     """(answer_reward + format_weight * format_reward, info). Never raises: errors give reward 0 and info['error'].
 
     info: answer_reward, format_reward (1 only for a correct boxed answer), boxed (1 if the
-    completion has a non-empty box, right or wrong: the rate the policy boxes at), error, elapsed_s.
+    completion has a non-empty box, right or wrong: the rate the policy boxes at), error, elapsed_s,
+    and reason when the function raised NoCredit (a zero with its cause, e.g. "sandbox: timeout").
     """
     t0 = time.perf_counter()
     info: dict = {
@@ -195,6 +201,9 @@ def score(fn: RewardFn, completion: str, answer: str, meta: dict, format_weight:
                 f"reward function returned {value!r}, beyond +-{MAX_ABS_REWARD:g}: advantages of rewards "
                 f"that large overflow; scale the reward down"
             )
+    except NoCredit as e:
+        info["reason"] = str(e)
+        return 0.0, _done(info, t0)
     except Exception as e:  # a user function may raise anything; the run must go on
         info["error"] = f"{type(e).__name__}: {e}"
         return 0.0, _done(info, t0)
