@@ -351,8 +351,9 @@ class EnvConfig:
     'package.module:Class', a class (EnvConfig) with async reset(prompt) and step(message) (docs/multi-turn.md)."""
     max_turns: int = 4
     """Most model turns per trajectory; the trajectory ends after the last one whatever the model said."""
-    max_total_tokens: int = 1024
-    """Most response tokens per trajectory, model and environment tokens together (the prompt excluded)."""
+    max_total_tokens: int = 0
+    """Most response tokens per trajectory, model and environment tokens together, the prompt excluded
+    (0: as many as --rollout.max-model-len leaves after the prompt)."""
     max_turn_tokens: int = 0
     """Most new tokens the model generates in one turn (0: --rollout.max-new-tokens)."""
     max_observation_tokens: int = 256
@@ -365,7 +366,7 @@ class EnvConfig:
 
     def __post_init__(self):
         _check(self.max_turns >= 1, "env.max-turns", self.max_turns, "must be >= 1")
-        _check(self.max_total_tokens >= 1, "env.max-total-tokens", self.max_total_tokens, "must be >= 1")
+        _check(self.max_total_tokens >= 0, "env.max-total-tokens", self.max_total_tokens, "must be >= 0 (0: no cap)")
         _check(self.max_turn_tokens >= 0, "env.max-turn-tokens", self.max_turn_tokens, "must be >= 0 (0: rollout's)")
         _check(
             self.max_observation_tokens >= 32,

@@ -16,7 +16,7 @@ from staleflow.env.template import (
     tool_messages,
     tool_prompt_ids,
 )
-from staleflow.env.tools import BadCall, Tool, ToolCall, format_tool_call, parse_tool_calls
+from staleflow.env.tools import BadCall, Tool, ToolCall, ToolError, format_tool_call, parse_tool_calls
 
 __all__ = [
     "ENVS",
@@ -25,6 +25,7 @@ __all__ = [
     "Environment",
     "Tool",
     "ToolCall",
+    "ToolError",
     "end_of_turn_ids",
     "env_class",
     "format_tool_call",

@@ -15,7 +15,7 @@ import operator
 
 from staleflow.env.protocol import register_env
 from staleflow.env.tool_env import ToolEnv
-from staleflow.env.tools import Tool
+from staleflow.env.tools import Tool, ToolError
 
 MAX_CHARS = 256
 MAX_NODES = 64
@@ -31,7 +31,7 @@ _OPS = {
 }
 
 
-class CalcError(ValueError):
+class CalcError(ToolError):
     """An expression the calculator refuses or cannot compute (the message is what the model reads)."""
 
 

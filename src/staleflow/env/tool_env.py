@@ -14,7 +14,7 @@ import asyncio
 import time
 
 from staleflow.env.protocol import EnvStep
-from staleflow.env.tools import FORMATS, BadCall, Tool, ToolCall, parse_tool_calls
+from staleflow.env.tools import FORMATS, BadCall, Tool, ToolCall, ToolError, parse_tool_calls
 
 MAX_CALLS_PER_STEP = 8
 """Calls past this many in one message are not run; the model reads that they were dropped."""
@@ -87,5 +87,6 @@ class ToolEnv:
         try:
             return str(await asyncio.to_thread(tool.fn, **call.arguments)), None
         except Exception as e:  # a tool's failure is the model's observation, not the run's
-            error = f"{call.name}: {type(e).__name__}: {' '.join(str(e).split())}"
+            what = " ".join(str(e).split())
+            error = what if isinstance(e, ToolError) else f"{call.name} raised {type(e).__name__}: {what}"
             return f"Error: {error}", error

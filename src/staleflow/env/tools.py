@@ -30,6 +30,10 @@ _QWEN_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
 
 
+class ToolError(ValueError):
+    """What a tool raises for bad input: its message is what the model reads, as is."""
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One call the model made: the tool's name and its arguments."""
@@ -51,7 +55,7 @@ class Tool:
     """A tool: a name, a description, a JSON schema of its parameters, and the function it runs.
 
     ``fn(**arguments) -> str`` is synchronous (the environment runs it in a thread); what it raises
-    becomes the observation ``Error: ...``.
+    becomes the observation ``Error: ...`` (a ToolError's message as is, else with the exception's type).
     """
 
     name: str
@@ -80,7 +84,7 @@ class Tool:
             want = props[k].get("type")
             kind = _JSON_TYPES.get(want)
             if kind and (not isinstance(v, kind) or (isinstance(v, bool) and want != "boolean")):
-                return f"tool {self.name!r}: argument {k!r} must be a {want}, got {type(v).__name__}"
+                return f"tool {self.name!r}: argument {k!r} must be of JSON type {want}, got {type(v).__name__}"
         return None
 
 
