@@ -413,3 +413,21 @@ def test_env_protocol_doc_examples_run():
     assert run(tries.step("Sorry: 7.")) == EnvStep("", done=True, reward=0.0)
     run(tries.reset(Prompt(1, "What is 2 + 3?", "5", [1])))
     assert run(tries.step("It is 5.")).reward == 1.0
+
+
+def test_env_protocol_python_env_sandbox_stops_before_the_step_timeout(monkeypatch):
+    import staleflow.env.python_env as python_env
+
+    @dataclass(frozen=True)
+    class Limits:
+        wall_s: float = 10.0
+        memory_mb: int = 512
+
+    seen = []
+    fake = lambda code, limits, stdin="": seen.append(limits) or FakeResult("ok")  # noqa: E731
+    monkeypatch.setattr(python_env, "sandbox_runner", lambda: (fake, Limits()))
+    env = make_env(EnvConfig(name="python", step_timeout_s=4.0))
+    assert run(env.step(format_tool_call(ToolCall("python", {"code": "print(1)"}), "qwen"))).observation == "ok"
+    assert seen == [Limits(wall_s=0.9 * 4.0)]
+    make_env(EnvConfig(name="python", step_timeout_s=60.0)).run("x")
+    assert seen[-1] == Limits()  # the sandbox's own limit when it is the shorter one
