@@ -181,3 +181,15 @@ def test_tool_call_prompt_renderer_shows_the_env_tools():
     assert len(shown) > len(plain) and "calculator" not in tok.decode(plain)
     raw = PromptRenderer(dataclasses.replace(data, chat_template=False), tok, schemas).encode(["What is 2 + 3?"])[0]
     assert "<tool_call>" in tok.decode(raw) and tok.decode(raw).rstrip().endswith("What is 2 + 3?")
+
+
+@pytest.mark.parametrize("fmt", ["qwen", "llama3"])
+def test_tool_call_fallback_example_is_a_valid_call(fmt):
+    """The example call the fallback prompt shows parses, in its format, to a call the tool accepts."""
+    from staleflow.env.template import fallback_system_prompt
+
+    text = fallback_system_prompt([CALCULATOR.schema()], fmt)
+    example = text.split("\n\n", 1)[1].split("\n", 1)[1].rsplit("\n", 1)[0]  # between the how-to and the last line
+    (call,) = parse_tool_calls(example, fmt)
+    assert call.name == "calculator" and CALCULATOR.check(call.arguments) is None
+    assert CALCULATOR.fn(**call.arguments) == "84"
