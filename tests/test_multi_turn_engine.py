@@ -68,6 +68,8 @@ def test_multi_turn_extend_prefills_only_the_observation_and_equals_a_one_shot_p
         n_before = len(history)
         eng.extend("t", OBS[turn - 1], max_new_tokens=TURN[turn])
         out, prefilled = run_turn(eng, "t")
+        if sharing:  # reference counts equal the block tables, parked sequence included
+            eng.block_manager.check(eng.seqs.values())
         # only the turn's last sampled token (no K/V yet) and the observation are prefilled
         assert prefilled == 1 + len(OBS[turn - 1]), (turn, prefilled)
         history = history + OBS[turn - 1]
