@@ -53,8 +53,8 @@ def run_engine(model, prompts, new_tokens, args) -> float:
     outs = engine.generate([Request(i, p, params) for i, p in enumerate(prompts)])
     _sync(model)
     dt = time.perf_counter() - t0
-    assert all(len(o.output_ids) == new_tokens for o in outs)
-    return sum(len(o.output_ids) for o in outs) / dt
+    assert all(len(o.tokens.response_ids) == new_tokens for o in outs)
+    return sum(len(o.tokens.response_ids) for o in outs) / dt
 
 
 def run_engine_lengths(model, prompts, lengths, args) -> float:
@@ -80,7 +80,7 @@ def run_engine_lengths(model, prompts, lengths, args) -> float:
         ]
     )
     _sync(model)
-    return sum(len(o.output_ids) for o in outs) / (time.perf_counter() - t0)
+    return sum(len(o.tokens.response_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def run_hf_lengths(hf_model, prompts, lengths, batch) -> float:

@@ -154,7 +154,7 @@ def run_config(model, args, rc, prompts, new_tokens: int, backend: str, graphs: 
         t0 = time.perf_counter()
         before = engine.tokens_generated
         for o in engine.step():
-            outs[o.request_id] = o.output_ids
+            outs[o.request_id] = o.tokens.response_ids
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -49,7 +49,11 @@ def run(model, reqs, sharing: bool, args) -> tuple[float, int, list[list[int]]]:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
-    return dt, sum(s.prefill_tokens for s in eng.profile_samples), [(o.output_ids, o.logprobs) for o in outs]
+    return (
+        dt,
+        sum(s.prefill_tokens for s in eng.profile_samples),
+        [(o.tokens.response_ids, o.tokens.behaviour_logprobs) for o in outs],
+    )
 
 
 def agreement(a, b) -> tuple[int, float]:

@@ -7,8 +7,8 @@ Run: python scripts/bench_servers.py [--param-mb 128] [--prompt 512 --response 4
   place out of the shared slot, under the slot lock and seqlock checks), against one plain
   ``copy_`` of a flat tensor of the same bytes (the baseline; a per-tensor copy between
   ordinary tensors is printed too).
-- ring: ``write`` + ``read`` + ``free`` of records (prompt, response, log-probs, versions,
-  metadata; rewards live in the controller's ledger, not in the ring), against the same tensors copied into a preallocated buffer and cloned back
+- ring: ``write`` + ``read`` + ``free`` of records (a TrajectoryTokens payload: prompt, response, log-probs,
+  versions; rewards live in the controller's ledger, not in the ring), against the same tensors copied into a preallocated buffer and cloned back
   out, record by record (the baseline). A flat copy of all the bytes is printed for reference.
 - manager: staleness-manager reserve+occupy pairs/s from scripts/bench_protocol.py, if present.
 
@@ -30,7 +30,8 @@ import uuid
 
 import torch
 
-from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRecord, TrajectoryRing
+from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
+from staleflow.trajectory import TrajectoryTokens
 
 
 def hardware(device: torch.device) -> str:
@@ -114,19 +115,18 @@ def bench_pull(args, device: torch.device, sync) -> dict:
 def bench_ring(args) -> dict:
     g = torch.Generator().manual_seed(0)
     recs = [
-        TrajectoryRecord(
+        TrajectoryTokens(
             torch.randint(0, 50000, (args.prompt,), generator=g, dtype=torch.int32),
             torch.randint(0, 50000, (args.response,), generator=g, dtype=torch.int32),
             -torch.rand(args.response, generator=g),
             torch.full((args.response,), 3, dtype=torch.int32),
-            {"traj_id": i, "group_id": i // 8, "traj_version": 3, "finish_reason": "stop"},
         )
         for i in range(args.records)
     ]
     payload = sum(4 * (r.prompt_ids.numel() + 3 * r.response_ids.numel()) for r in recs)
     ring = TrajectoryRing.create("b" + uuid.uuid4().hex[:10], 0, 2 * payload + (1 << 20))
     reader = TrajectoryRing.attach(ring.name.split("-")[1], 0)
-    fields = ("prompt_ids", "response_ids", "logprobs", "versions")
+    fields = ("prompt_ids", "response_ids", "behaviour_logprobs", "versions")
     bufs = [[torch.empty_like(getattr(r, f)) for f in fields] for r in recs]
     flat_src, flat_dst = torch.randn(payload // 4), torch.empty(payload // 4)
 

@@ -30,11 +30,11 @@ from staleflow.servers import (
     ParamLayout,
     RecordHandle,
     RingFull,
-    TrajectoryRecord,
     TrajectoryRing,
     VersionNotFound,
     broadcast_pull,
 )
+from staleflow.trajectory import TrajectoryTokens
 
 SHAPES = {
     "embed.weight": ((96, 64), torch.float32),
@@ -126,16 +126,17 @@ def run_param(args, rank: int, world: int) -> dict:
     return stats
 
 
-def make_record(seed: int, i: int) -> TrajectoryRecord:
+def make_record(seed: int, i: int) -> TrajectoryTokens:
+    """Random tokens; every third record has a loss mask (environment tokens: 0)."""
     rng = random.Random(seed * 1_000_003 + i)
     n_p, n_r = rng.randint(1, 300), rng.randint(0, 1500)
     g = torch.Generator().manual_seed(seed * 7919 + i)
-    return TrajectoryRecord(
+    return TrajectoryTokens(
         prompt_ids=torch.randint(0, 50_000, (n_p,), generator=g, dtype=torch.int32),
         response_ids=torch.randint(0, 50_000, (n_r,), generator=g, dtype=torch.int32),
-        logprobs=-torch.rand(n_r, generator=g) * 10,
+        behaviour_logprobs=-torch.rand(n_r, generator=g) * 10,
         versions=torch.randint(0, 9, (n_r,), generator=g, dtype=torch.int32),
-        meta={"traj_id": i, "group_id": i // 4, "traj_version": i % 5, "finish_reason": rng.choice(["stop", "length"])},
+        loss_mask=torch.randint(0, 2, (n_r,), generator=g, dtype=torch.int32) if i % 3 == 0 else None,
     )
 
 
@@ -219,11 +220,11 @@ def run_ring(args, rank: int, world: int) -> dict:
             if i < 0:
                 break
             got, want = ring.read(h), make_record(args.seed, i)
-            for f in ("prompt_ids", "response_ids", "logprobs", "versions"):
+            for f in ("prompt_ids", "response_ids", "behaviour_logprobs", "versions"):
                 if not torch.equal(getattr(got, f), getattr(want, f)):
                     raise AssertionError(f"rank {rank}: record {i} field {f} differs from what was written")
-            if got.meta != want.meta:
-                raise AssertionError(f"rank {rank}: record {i} meta differs: {got.meta}")
+            if got.mask_values() != want.mask_values():
+                raise AssertionError(f"rank {rank}: record {i} loss_mask differs from what was written")
             ack.send(enc.encode((i, h)))
             n += 1
         ring.close()

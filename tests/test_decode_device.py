@@ -126,8 +126,10 @@ def test_decode_device_static_buffer_step_matches_the_eager_step():
     a, b = eager.generate(_requests()), staged.generate(_requests())
     assert used and 3 in used  # three sequences decoded together, padded to bucket 4
     for x, y in zip(a, b):
-        assert x.output_ids == y.output_ids
-        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        assert x.tokens.response_ids == y.tokens.response_ids
+        torch.testing.assert_close(
+            torch.tensor(x.tokens.behaviour_logprobs), torch.tensor(y.tokens.behaviour_logprobs), atol=1e-5, rtol=0
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -149,8 +151,10 @@ def test_decode_device_cuda_graph_replay_matches_the_eager_engine_on_gpu():
         outs[eng] = first + eng.generate(_requests(temperature=0.0))
     assert graphed.runner.graphs.captured and sorted(graphed.runner.graphs.graphs) == [1, 2, 4]
     for x, y in zip(outs[eager], outs[graphed]):
-        assert x.output_ids == y.output_ids and x.versions == y.versions
-        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+        assert x.tokens.response_ids == y.tokens.response_ids and x.tokens.versions == y.tokens.versions
+        torch.testing.assert_close(
+            torch.tensor(x.tokens.behaviour_logprobs), torch.tensor(y.tokens.behaviour_logprobs), atol=1e-4, rtol=0
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -177,7 +177,10 @@ def test_pinned_staging_outputs_match_an_engine_without_it(monkeypatch):
     monkeypatch.setattr("staleflow.rollout.sampler.HostStaging", Plain)
     b = BuiltinEngine(_model(), decode_backend="gather", **OPTS).generate(_requests(top_p=0.8))
     for x, y in zip(a, b):
-        assert x.output_ids == y.output_ids and x.logprobs == y.logprobs
+        assert (
+            x.tokens.response_ids == y.tokens.response_ids
+            and x.tokens.behaviour_logprobs == y.tokens.behaviour_logprobs
+        )
 
 
 # ---- CUDA graphs: the fp32 LM head after a pull, no reference cycle ------------------------------
@@ -203,7 +206,7 @@ def test_cuda_graphs_replay_refreshes_the_fp32_lm_head_after_a_pull():
     runner.sampled_logits(hidden)  # the warm-up before capture made the fp32 copy
     graphs.logits[4] = torch.empty(4, ARGS["vocab_size"])
     graphs.graphs[4] = _Recorded(graphs.logits[4], hidden, runner.sampled_logits)
-    seqs = [SimpleNamespace(num_computed=2, token_ids=[5, 6, 7], block_table=[0]) for _ in range(3)]
+    seqs = [SimpleNamespace(num_computed=2, token_at=[5, 6, 7].__getitem__, block_table=[0]) for _ in range(3)]
     before = graphs.run(seqs, lambda s, p: p).clone()
     new = _model(seed=9, dtype=torch.bfloat16)
     eng.load_weights(dict(new.named_parameters()), version=1, keep_kv=False)  # a pull: in place

@@ -104,8 +104,8 @@ def test_greedy_matches_transformers_generate(models, kind):
                 eos_token_id=2,
                 pad_token_id=0,
             )
-        assert out.output_ids == ref[0, len(p) :].tolist()
-        assert out.finish_reason == ("stop" if out.output_ids[-1] == 2 else "length")
+        assert out.tokens.response_ids == ref[0, len(p) :].tolist()
+        assert out.finish_reason == ("stop" if out.tokens.response_ids[-1] == 2 else "length")
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20)])
@@ -117,12 +117,12 @@ def test_logprobs_equal_full_forward(models, temperature, top_p, top_k):
     outs = eng.generate([Request(i, p, params) for i, p in enumerate(ps)])
     model = load_model(folder)
     for p, out in zip(ps, outs):
-        ref32 = reference_logprobs(model, p, out.output_ids, temperature)
-        ref64 = reference_logprobs(model, p, out.output_ids, temperature, torch.float64)
-        got = torch.tensor(out.logprobs, dtype=torch.float64)
+        ref32 = reference_logprobs(model, p, out.tokens.response_ids, temperature)
+        ref64 = reference_logprobs(model, p, out.tokens.response_ids, temperature, torch.float64)
+        got = torch.tensor(out.tokens.behaviour_logprobs, dtype=torch.float64)
         assert (got - ref32.double()).abs().max() <= 1e-4
         assert (got - ref64).abs().max() <= 1e-4
-        assert out.versions == [0] * len(out.output_ids)
+        assert out.tokens.versions == [0] * len(out.tokens.response_ids)
 
 
 def test_truncated_sampling_stays_inside_the_kept_set(models):
@@ -135,13 +135,13 @@ def test_truncated_sampling_stays_inside_the_kept_set(models):
     ):
         p = prompts(1, seed=3)[0]
         out = engine(folder).generate([Request("r", p, params)])[0]
-        ids = torch.tensor(p + out.output_ids)
+        ids = torch.tensor(p + out.tokens.response_ids)
         cu = cu_seqlens_from_lengths([len(ids)])
         with torch.no_grad():
             probs = model.compute_logits(model(ids, packed_positions(cu), PackedAttention(cu)))[
                 len(p) - 1 : -1
             ].softmax(-1)
-        for step, tok in enumerate(out.output_ids):
+        for step, tok in enumerate(out.tokens.response_ids):
             order = probs[step].argsort(descending=True).tolist()
             if params.top_k:
                 assert tok in order[: params.top_k]
@@ -163,14 +163,14 @@ def test_abort_then_resume_equals_uninterrupted(models, sampled):
     for _ in range(6):
         eng.step()
     partial = eng.abort([0, 1, 2])
-    assert all(0 < len(o.output_ids) < 14 and o.finish_reason == "abort" for o in partial)
+    assert all(0 < len(o.tokens.response_ids) < 14 and o.finish_reason == "abort" for o in partial)
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
-    resumed = eng.generate(
-        [Request(o.request_id, o.prompt_ids, params, o.output_ids, o.logprobs, o.versions) for o in partial]
-    )
+    resumed = eng.generate([Request(o.request_id, o.tokens, params) for o in partial])
     for a, b in zip(full, resumed):
-        assert a.output_ids == b.output_ids
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+        assert a.tokens.response_ids == b.tokens.response_ids
+        assert torch.allclose(
+            torch.tensor(a.tokens.behaviour_logprobs), torch.tensor(b.tokens.behaviour_logprobs), atol=1e-5
+        )
 
 
 def test_kv_blocks_return_and_preemption_keeps_outputs(models):
@@ -183,7 +183,7 @@ def test_kv_blocks_return_and_preemption_keeps_outputs(models):
     before = small.block_manager.num_free
     got = small.generate([Request(i, p, params) for i, p in enumerate(ps)])
     assert small.scheduler.num_preemptions > 0
-    assert [o.output_ids for o in got] == [o.output_ids for o in big]
+    assert [o.tokens.response_ids for o in got] == [o.tokens.response_ids for o in big]
     assert small.block_manager.num_free == before == small.block_manager.num_blocks
     assert small.stats().kv_tokens == 0
 
@@ -200,8 +200,8 @@ def test_batch_invariance_seeded_request(models):
     for r in others[:15]:
         eng.add(r)
     eng.step()  # the target joins a batch already in flight
-    crowd = {o.request_id: o for o in eng.generate([Request("t", target.prompt_ids, target.params)] + others[15:])}
-    assert crowd["t"].output_ids == alone.output_ids
+    crowd = {o.request_id: o for o in eng.generate([Request("t", target.tokens, target.params)] + others[15:])}
+    assert crowd["t"].tokens.response_ids == alone.tokens.response_ids
 
 
 def greedy_tokens(model, prefix, n):
@@ -219,15 +219,15 @@ def test_stop_ids_and_length_limits(models):
     eng = engine(folder, max_model_len=20)
     p = prompts(1, lo=10, hi=11, seed=12)[0]
     free_run = eng.generate([Request("a", p, SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True))])[0]
-    assert free_run.finish_reason == "length" and len(p) + len(free_run.output_ids) == 19
-    stop = free_run.output_ids[3]
-    first = free_run.output_ids.index(stop)
+    assert free_run.finish_reason == "length" and len(p) + len(free_run.tokens.response_ids) == 19
+    stop = free_run.tokens.response_ids[3]
+    first = free_run.tokens.response_ids.index(stop)
     o = eng.generate(
         [Request("b", p, SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True, stop_ids=(stop,)))]
     )[0]
-    assert o.finish_reason == "stop" and o.output_ids == free_run.output_ids[: first + 1]
+    assert o.finish_reason == "stop" and o.tokens.response_ids == free_run.tokens.response_ids[: first + 1]
     capped = eng.generate([Request("c", p, SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True))])[0]
-    assert capped.finish_reason == "length" and len(p) + len(capped.output_ids) == 20
+    assert capped.finish_reason == "length" and len(p) + len(capped.tokens.response_ids) == 20
 
 
 def test_bad_input_leaves_engine_unharmed(models):
@@ -271,7 +271,7 @@ def test_bad_input_leaves_engine_unharmed(models):
     while eng.has_unfinished():
         rest += eng.step()
     fresh = engine(folder, max_model_len=32).generate([Request("ok", p, params)])[0]
-    assert rest[0].output_ids == fresh.output_ids
+    assert rest[0].tokens.response_ids == fresh.tokens.response_ids
 
 
 def test_stats_track_running_waiting_and_kv(models):
@@ -303,7 +303,7 @@ def test_from_config_builds_from_the_run_config():
         version=4,
     )
     out = eng.generate([Request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))])[0]
-    assert out.versions == [4, 4, 4] and eng.stats().kv_capacity == 512 and eng.profile_samples
+    assert out.tokens.versions == [4, 4, 4] and eng.stats().kv_capacity == 512 and eng.profile_samples
     assert eng.model.args.architecture == "qwen2"
     # a bf16 rollout engine next to an fp32 trainer: fp32 weights load into it (cast in place)
     bf = BuiltinEngine.from_config(
@@ -314,7 +314,7 @@ def test_from_config_builds_from_the_run_config():
     assert next(bf.model.parameters()).dtype == torch.bfloat16
     bf.load_weights({n: p.float() for n, p in eng.model.named_parameters()}, version=5)
     out = bf.generate([Request("r", [5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=3, seed=1))])[0]
-    assert out.versions == [5, 5, 5] and all(lp <= 0 for lp in out.logprobs)
+    assert out.tokens.versions == [5, 5, 5] and all(lp <= 0 for lp in out.tokens.behaviour_logprobs)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -350,11 +350,7 @@ def test_decode_mirror_equals_paged_gather_under_churn(models, kind, tmp_path):
             step += 1
             if step == 6:  # interrupt two running requests and resume them at the back
                 for o in e.abort([s.request_id for s in e.scheduler.running[:2]]):
-                    e.add(
-                        Request(
-                            o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids, o.logprobs, o.versions
-                        )
-                    )
+                    e.add(Request(o.request_id, o.tokens, reqs[o.request_id].params))
             if step == 12:
                 e.load_weights(new_state, version=1)
             m = e.runner.mirror
@@ -372,5 +368,5 @@ def test_decode_mirror_equals_paged_gather_under_churn(models, kind, tmp_path):
     assert outs[0].keys() == outs[1].keys() == set(range(14))
     for i in range(14):
         a, b = outs[0][i], outs[1][i]
-        assert a.output_ids == b.output_ids and a.versions == b.versions
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+        assert a.tokens.response_ids == b.tokens.response_ids and a.tokens.versions == b.tokens.versions
+        assert max(abs(x - y) for x, y in zip(a.tokens.behaviour_logprobs, b.tokens.behaviour_logprobs)) <= 1e-5

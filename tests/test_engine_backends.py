@@ -53,9 +53,7 @@ def run_with_churn(eng, reqs, new_state, check=None):
         step += 1
         if step == 4:
             for o in eng.abort([s.request_id for s in eng.scheduler.running[:2]]):
-                eng.add(
-                    Request(o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids, o.logprobs, o.versions)
-                )
+                eng.add(Request(o.request_id, o.tokens, reqs[o.request_id].params))
         if step == 9:
             eng.load_weights(new_state, version=1)
         if check is not None:
@@ -79,8 +77,8 @@ def churn_requests(n=8):
 def assert_same_outputs(a, b, n):
     assert a.keys() == b.keys() == set(range(n))
     for i in range(n):
-        assert a[i].output_ids == b[i].output_ids and a[i].versions == b[i].versions
-        assert max(abs(x - y) for x, y in zip(a[i].logprobs, b[i].logprobs)) <= 1e-5
+        assert a[i].tokens.response_ids == b[i].tokens.response_ids and a[i].tokens.versions == b[i].tokens.versions
+        assert max(abs(x - y) for x, y in zip(a[i].tokens.behaviour_logprobs, b[i].tokens.behaviour_logprobs)) <= 1e-5
 
 
 @triton_here

@@ -42,13 +42,13 @@ def test_cuda_greedy_matches_transformers_and_logprobs_match_forward(folder):
                 eos_token_id=2,
                 pad_token_id=0,
             )
-        assert o.output_ids == ref[0, len(p) :].tolist()
-        ids = torch.tensor(p + o.output_ids, device=dev)
+        assert o.tokens.response_ids == ref[0, len(p) :].tolist()
+        ids = torch.tensor(p + o.tokens.response_ids, device=dev)
         cu = cu_seqlens_from_lengths([len(ids)], device=dev)
         with torch.no_grad():
             lg = model.compute_logits(model(ids, packed_positions(cu), PackedAttention(cu, backend="sdpa")))
         lp = torch.log_softmax(lg[len(p) - 1 : -1].float(), -1).gather(1, ids[len(p) :, None])[:, 0].cpu()
-        assert (torch.tensor(o.logprobs) - lp).abs().max() <= 1e-4
+        assert (torch.tensor(o.tokens.behaviour_logprobs) - lp).abs().max() <= 1e-4
 
 
 def test_cuda_bf16_sampled_run_frees_the_cache(folder):
@@ -59,7 +59,9 @@ def test_cuda_bf16_sampled_run_frees_the_cache(folder):
         for i in range(16)
     ]
     outs = eng.generate(reqs)
-    assert all(1 <= len(o.output_ids) <= 24 and all(lp <= 0 for lp in o.logprobs) for o in outs)
+    assert all(
+        1 <= len(o.tokens.response_ids) <= 24 and all(lp <= 0 for lp in o.tokens.behaviour_logprobs) for o in outs
+    )
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
 
 

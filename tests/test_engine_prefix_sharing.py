@@ -66,11 +66,11 @@ def drive(num_blocks, block_size, max_running, budget, groups, aborts, loads):
         assert batch.prefill_tokens <= budget
         for seq, k in zip(batch.seqs, batch.num_tokens):  # the step's K/V writes
             for pos in range(seq.num_computed, seq.num_computed + k):
-                slots[bm.slot(seq, pos)] = (version, tuple(seq.token_ids[: pos + 1]))
+                slots[bm.slot(seq, pos)] = (version, tuple(seq.token_slice(0, pos + 1)))
         for seq, k in zip(batch.seqs, batch.num_tokens):  # then every fed sequence reads its context
             for pos in range(seq.num_computed + k):
                 ver, prefix = slots.get(bm.slot(seq, pos), (-1, None))
-                assert prefix == tuple(seq.token_ids[: pos + 1]) and ver >= admitted[seq.request_id], (
+                assert prefix == tuple(seq.token_slice(0, pos + 1)) and ver >= admitted[seq.request_id], (
                     f"request {seq.request_id} position {pos} reads K/V it does not own"
                 )
         for seq, k in zip(batch.seqs, batch.num_tokens):
@@ -130,9 +130,7 @@ def run(eng, reqs, new_state=None, load_at=11):
         step += 1
         if step == 5:
             for o in eng.abort([s.request_id for s in eng.scheduler.running[:2]]):
-                eng.add(
-                    Request(o.request_id, o.prompt_ids, reqs[o.request_id].params, o.output_ids, o.logprobs, o.versions)
-                )
+                eng.add(Request(o.request_id, o.tokens, reqs[o.request_id].params))
         if step == load_at and new_state is not None:
             eng.load_weights(new_state, version=1)
             assert not eng.block_manager.prefix_blocks
@@ -167,8 +165,8 @@ def test_shared_engine_equals_unshared_under_churn(models):
     assert outs[0].keys() == outs[1].keys() == set(range(len(reqs)))
     for i in range(len(reqs)):
         a, b = outs[0][i], outs[1][i]
-        assert a.output_ids == b.output_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+        assert a.tokens.response_ids == b.tokens.response_ids
+        assert max(abs(x - y) for x, y in zip(a.tokens.behaviour_logprobs, b.tokens.behaviour_logprobs)) <= 1e-5
     prefill = [sum(s.prefill_tokens for s in e.profile_samples) for e in (shared, plain)]
     assert prefill[0] < prefill[1]
 
@@ -188,12 +186,15 @@ def test_weight_load_mid_flight_never_reuses_old_prompt_blocks(models, tmp_path)
     for i, r in enumerate(reqs):
         o = outs[i]
         for version, model in ((0, old_model), (1, new_model)):
-            idx = [t for t, v in enumerate(o.versions) if v == version]
+            idx = [t for t, v in enumerate(o.tokens.versions) if v == version]
             for t in idx:  # each token under its own version's weights, given everything before it
                 ref = reference_logprobs(
-                    model, r.prompt_ids + o.output_ids[:t], [o.output_ids[t]], r.params.temperature or 1.0
+                    model,
+                    r.tokens.prompt_ids + o.tokens.response_ids[:t],
+                    [o.tokens.response_ids[t]],
+                    r.params.temperature or 1.0,
                 )
-                assert abs(o.logprobs[t] - float(ref[0])) <= 1e-4, (i, t, version)
+                assert abs(o.tokens.behaviour_logprobs[t] - float(ref[0])) <= 1e-4, (i, t, version)
             new_tokens += len(idx) if version else 0
     assert new_tokens > 0
 
@@ -210,8 +211,8 @@ def test_group_prefill_count_and_outputs(models):
         got.append(eng.generate(reqs))
         assert eng.profile_samples[0].prefill_tokens == (17 + 3 * 1 if sharing else 4 * 17)
     for a, b in zip(*got):
-        assert a.output_ids == b.output_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+        assert a.tokens.response_ids == b.tokens.response_ids
+        assert max(abs(x - y) for x, y in zip(a.tokens.behaviour_logprobs, b.tokens.behaviour_logprobs)) <= 1e-5
 
 
 def test_different_prompts_share_their_common_full_blocks():
@@ -238,7 +239,7 @@ def test_different_prompts_share_their_common_full_blocks():
             )
         )
         assert eng.profile_samples[0].prefill_tokens == (13 if sharing else 16)
-    assert [o.output_ids for o in outs[0]] == [o.output_ids for o in outs[1]]
+    assert [o.tokens.response_ids for o in outs[0]] == [o.tokens.response_ids for o in outs[1]]
 
 
 def test_request_admitted_after_a_keep_kv_load_computes_its_prompt_afresh(models, tmp_path):
@@ -260,6 +261,6 @@ def test_request_admitted_after_a_keep_kv_load_computes_its_prompt_afresh(models
         eng.block_manager.check(list(eng.seqs.values()))
     assert eng.block_manager.shared_tokens == 16  # member 2 matched nothing
     late = outs[2]
-    assert late.versions == [1] * 4
-    ref = reference_logprobs(new_model, p, late.output_ids)
-    assert (torch.tensor(late.logprobs) - ref).abs().max() <= 1e-4
+    assert late.tokens.versions == [1] * 4
+    ref = reference_logprobs(new_model, p, late.tokens.response_ids)
+    assert (torch.tensor(late.tokens.behaviour_logprobs) - ref).abs().max() <= 1e-4

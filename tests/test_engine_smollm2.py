@@ -40,5 +40,5 @@ def test_smollm2_greedy_matches_transformers_generate():
                 eos_token_id=eos,
                 pad_token_id=0,
             )
-        assert out.output_ids == ref[0, len(p) :].tolist()
+        assert out.tokens.response_ids == ref[0, len(p) :].tolist()
     assert engine.block_manager.num_free == engine.block_manager.num_blocks

@@ -30,8 +30,8 @@ def test_load_weights_matches_fresh_engine(models, tmp_path):
     eng.load_weights(state.items(), version=3)  # an iterable of (name, tensor) pairs
     got = eng.generate([Request(i, p, params) for i, p in enumerate(ps)])
     want = engine(str(tmp_path)).generate([Request(i, p, params) for i, p in enumerate(ps)])
-    assert [o.output_ids for o in got] == [o.output_ids for o in want]
-    assert all(o.versions == [3] * len(o.output_ids) for o in got)
+    assert [o.tokens.response_ids for o in got] == [o.tokens.response_ids for o in want]
+    assert all(o.tokens.versions == [3] * len(o.tokens.response_ids) for o in got)
     assert eng.stats().version == 3
 
 
@@ -45,16 +45,18 @@ def test_load_weights_mid_flight_restamps_and_recomputes(models, tmp_path):
     eng.add(Request("r", p, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)))
     for _ in range(5):
         eng.step()
-    n_old = len(eng.seqs["r"].token_ids) - len(p)
+    n_old = eng.seqs["r"].num_output
     eng.load_weights(dict(new_model.state_dict()), version=1)
     out = []
     while eng.has_unfinished():
         out += eng.step()
     (o,) = out
-    assert o.versions == [0] * n_old + [1] * (10 - n_old)
-    ref = reference_logprobs(new_model, p + o.output_ids[:n_old], o.output_ids[n_old:])
-    assert (torch.tensor(o.logprobs[n_old:]) - ref).abs().max() <= 1e-4
-    assert o.output_ids[n_old:] == [int(x) for x in greedy_tokens(new_model, p + o.output_ids[:n_old], 10 - n_old)]
+    assert o.tokens.versions == [0] * n_old + [1] * (10 - n_old)
+    ref = reference_logprobs(new_model, p + o.tokens.response_ids[:n_old], o.tokens.response_ids[n_old:])
+    assert (torch.tensor(o.tokens.behaviour_logprobs[n_old:]) - ref).abs().max() <= 1e-4
+    assert o.tokens.response_ids[n_old:] == [
+        int(x) for x in greedy_tokens(new_model, p + o.tokens.response_ids[:n_old], 10 - n_old)
+    ]
 
 
 def test_resume_on_another_instance_mixes_versions(models):
@@ -68,12 +70,15 @@ def test_resume_on_another_instance_mixes_versions(models):
         a.step()
     (part,) = a.abort(["m"])
     b = engine(folder, version=2)
-    (out,) = b.generate([Request("m", p, params, part.output_ids, part.logprobs, part.versions)])
-    k = len(part.output_ids)
-    assert out.output_ids[:k] == part.output_ids and out.logprobs[:k] == part.logprobs
-    assert out.versions == [0] * k + [2] * (10 - k)
+    (out,) = b.generate([Request("m", part.tokens, params)])
+    k = len(part.tokens.response_ids)
+    assert (
+        out.tokens.response_ids[:k] == part.tokens.response_ids
+        and out.tokens.behaviour_logprobs[:k] == part.tokens.behaviour_logprobs
+    )
+    assert out.tokens.versions == [0] * k + [2] * (10 - k)
     full = engine(folder).generate([Request("m", p, params)])[0]
-    assert out.output_ids == full.output_ids  # same weights: the seeded stream continues exactly
+    assert out.tokens.response_ids == full.tokens.response_ids  # same weights: the seeded stream continues exactly
 
 
 def test_rollout_rank_engine_runs_in_the_rollout_dtype():
@@ -91,7 +96,7 @@ def test_rollout_rank_engine_runs_in_the_rollout_dtype():
         )
         eng = build_engine(SimpleNamespace(cfg=cfg, rank=1), load_model("tiny-qwen2"))
         out = eng.generate([Request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))])
-        assert len(out[0].output_ids) == 2
+        assert len(out[0].tokens.response_ids) == 2
         return next(eng.model.parameters()).dtype
 
     assert dtype_of(dtype="bfloat16") == torch.bfloat16

@@ -98,9 +98,9 @@ def test_keep_kv_pull_continues_sequences_with_new_weights_and_per_token_logprob
     for rid, p in prompts.items():
         o = outs[rid]
         k = n_old[rid]
-        assert o.versions == [0] * k + [1] * (12 - k), "tokens before the pull keep version 0, the rest carry 1"
-        tokens = p + o.output_ids
-        got = torch.tensor(o.logprobs, dtype=torch.float64)
+        assert o.tokens.versions == [0] * k + [1] * (12 - k), "tokens before the pull keep version 0, the rest carry 1"
+        tokens = p + o.tokens.response_ids
+        got = torch.tensor(o.tokens.behaviour_logprobs, dtype=torch.float64)
         want_old = _logprobs(old, tokens, Recording())[len(p) - 1 :]
         rec = Recording()
         _logprobs(old, tokens, rec)
@@ -130,10 +130,10 @@ def test_keep_kv_pull_without_keep_recomputes_kv_with_new_weights():
     k = eng.seqs[0].num_output
     eng.load_weights(dict(new.named_parameters()), version=1, keep_kv=False)
     (o,) = [o for _ in range(40) for o in eng.step()][:1]
-    got = torch.tensor(o.logprobs, dtype=torch.float64)
-    want_new = _logprobs(new, p + o.output_ids, Recording())[len(p) - 1 :]
+    got = torch.tensor(o.tokens.behaviour_logprobs, dtype=torch.float64)
+    want_new = _logprobs(new, p + o.tokens.response_ids, Recording())[len(p) - 1 :]
     torch.testing.assert_close(got[k:], want_new[k:], atol=2e-5, rtol=0)
-    assert o.versions == [0] * k + [1] * (10 - k)
+    assert o.tokens.versions == [0] * k + [1] * (10 - k)
 
 
 @pytest.mark.parametrize(
@@ -190,4 +190,4 @@ def test_keep_kv_rank_pull_with_keep_kv_on_pull_interrupts_nothing():
     assert [type(m).__name__ for m in sent] == ["Pulled"]  # no Finished(partial): nothing was interrupted
     assert eng.stats().running_ids == [5]
     outs = [o for _ in range(20) for o in eng.step()]
-    assert outs and set(outs[0].versions) == {0, 1}
+    assert outs and set(outs[0].tokens.versions) == {0, 1}

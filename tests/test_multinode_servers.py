@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from staleflow.net.curve import RunKeys, SecureContext, new_secret
-from staleflow.servers import StaleHandle, TrajectoryRecord, TrajectoryRing
+from staleflow.servers import StaleHandle, TrajectoryRing
 from staleflow.servers.mirror import attach_mirror, mirror_name, read_arrived
 from staleflow.servers.segment import list_segments
 from staleflow.servers.shipping import (
@@ -28,33 +28,34 @@ from staleflow.servers.shipping import (
     ZeroCopySends,
     _encode,
 )
+from staleflow.trajectory import TrajectoryTokens
 
 PRODUCER, OTHER, NODE = 2, 3, 0
 
 
-def record(rng: random.Random, n_resp: int | None = None) -> TrajectoryRecord:
+def record(rng: random.Random, n_resp: int | None = None) -> TrajectoryTokens:
     p, r = rng.randint(1, 20), rng.randint(1, 60) if n_resp is None else n_resp
-    return TrajectoryRecord(
+    return TrajectoryTokens(
         torch.randint(0, 1000, (p,), dtype=torch.int32),
         torch.randint(0, 1000, (r,), dtype=torch.int32),
         torch.randn(r),
         torch.randint(0, 9, (r,), dtype=torch.int32),
-        meta={"traj_id": rng.randint(0, 10**6)},
+        torch.randint(0, 2, (r,), dtype=torch.int32) if rng.random() < 0.5 else None,
     )
 
 
-def same(a: TrajectoryRecord, b: TrajectoryRecord) -> bool:
+def same(a: TrajectoryTokens, b: TrajectoryTokens) -> bool:
     return (
         all(
             torch.equal(x, y)
             for x, y in (
                 (a.prompt_ids, b.prompt_ids),
                 (a.response_ids, b.response_ids),
-                (a.logprobs, b.logprobs),
+                (a.behaviour_logprobs, b.behaviour_logprobs),
                 (a.versions, b.versions),
             )
         )
-        and a.meta == b.meta
+        and a.mask_values() == b.mask_values()
     )
 
 
@@ -143,7 +144,7 @@ def test_multinode_forged_and_malformed_shipments_are_dropped_and_the_receiver_l
     with pytest.raises(StaleHandle):
         mirror.read(h)  # the forged copy was not written
     shipper.ship(ring, h)  # the producer's own shipment is
-    assert read_arrived(mirror, h, timeout=10).meta == ring.read(h).meta
+    assert same(read_arrived(mirror, h, timeout=10), ring.read(h))
     forger.close(linger=0)
     other.close()
 

@@ -17,41 +17,38 @@ from staleflow.servers import (
     SegmentError,
     ServerError,
     StaleHandle,
-    TrajectoryRecord,
     TrajectoryRing,
     cleanup_stale_segments,
     list_segments,
     record_nbytes,
 )
 from staleflow.servers.ring import RingAllocator, align_up
-
-
-def msgspec_meta(rec):
-    import msgspec
-
-    return msgspec.msgpack.encode(rec.meta)
+from staleflow.trajectory import ENV_LOGPROB, ENV_VERSION, TrajectoryTokens
 
 
 def _run_id() -> str:
     return "t" + uuid.uuid4().hex[:10]
 
 
-def _record(n_prompt: int, n_resp: int, seed: int = 0, meta=None) -> TrajectoryRecord:
+def _record(n_prompt: int, n_resp: int, seed: int = 0, masked: bool = False) -> TrajectoryTokens:
+    """Random tokens; masked: a random loss mask whose environment tokens carry the sentinels."""
     g = torch.Generator().manual_seed(seed)
-    return TrajectoryRecord(
+    t = TrajectoryTokens(
         torch.randint(0, 1000, (n_prompt,), generator=g, dtype=torch.int32),
         torch.randint(0, 1000, (n_resp,), generator=g, dtype=torch.int32),
-        torch.randn(n_resp, generator=g),
+        -torch.rand(n_resp, generator=g),
         torch.randint(0, 5, (n_resp,), generator=g, dtype=torch.int32),
-        meta if meta is not None else {"traj_id": seed, "traj_version": 3, "finish_reason": "stop"},
     )
+    if masked:
+        t.loss_mask = torch.randint(0, 2, (n_resp,), generator=g, dtype=torch.int32)
+        t.behaviour_logprobs[t.loss_mask == 0] = ENV_LOGPROB
+        t.versions[t.loss_mask == 0] = ENV_VERSION
+    return t
 
 
-def _same(a: TrajectoryRecord, b: TrajectoryRecord) -> bool:
-    return (
-        all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("prompt_ids", "response_ids", "logprobs", "versions"))
-        and a.meta == b.meta
-    )
+def _same(a: TrajectoryTokens, b: TrajectoryTokens) -> bool:
+    fields = ("prompt_ids", "response_ids", "behaviour_logprobs", "versions")
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields) and a.mask_values() == b.mask_values()
 
 
 @pytest.fixture
@@ -126,14 +123,14 @@ def test_ring_reads_back_every_live_record_and_rejects_freed_ones(ops):
         live, dead = {}, []
         for is_write, n_p, n_r, seed in ops:
             if is_write or not live:
-                rec = _record(n_p, n_r, seed)
+                rec = _record(n_p, n_r, seed, masked=seed % 2 == 1)
                 try:
                     h = ring.write(rec)
                 except RingFull:
                     assert live  # only a ring holding unconsumed records may refuse
                     continue
                 except RecordTooLarge:
-                    assert record_nbytes(n_p, n_r, len(msgspec_meta(rec))) > 2048
+                    assert record_nbytes(n_p, n_r, rec.loss_mask is not None and 0 in rec.mask_values()) > 2048
                     continue
                 live[h] = rec
             else:
@@ -153,7 +150,7 @@ def test_ring_reads_back_every_live_record_and_rejects_freed_ones(ops):
 
 # -- ring: round trips through shared memory ---------------------------------------------------------------
 def test_write_read_round_trip_in_another_attachment(ring):
-    recs = [_record(5, 7, 1), _record(1, 0, 2), _record(33, 100, 3, meta={"nested": {"a": [1, 2]}})]
+    recs = [_record(5, 7, 1), _record(1, 0, 2), _record(33, 100, 3, masked=True)]
     handles = [ring.write(r) for r in recs]
     reader = TrajectoryRing.attach(ring.name.split("-")[1], 0)
     try:
@@ -167,6 +164,25 @@ def test_write_read_round_trip_in_another_attachment(ring):
     finally:
         reader.close()
     assert all(h.offset % 64 == 0 for h in handles)
+
+
+def test_masked_payload_round_trips_and_an_all_ones_mask_costs_nothing(ring):
+    """A multi-turn payload's loss mask (environment tokens 0, with their sentinels) is a fourth
+    response section (flag MASKED), read back and decoded from shipped bytes as written; an all-ones
+    mask is stored as none: the record is the size of a single-turn one and reads back None."""
+    t = TrajectoryTokens([1, 2, 3], [5, 6, 7, 8], [-0.5, ENV_LOGPROB, ENV_LOGPROB, -0.25], [4, -1, -1, 5], [1, 0, 0, 1])
+    t.validate()
+    h = ring.write(t)
+    assert h.length == 64 + 4 * (3 + 4 * 4)
+    got = ring.read(h)
+    assert got.loss_mask.tolist() == [1, 0, 0, 1] and got.versions.tolist() == [4, -1, -1, 5]
+    assert got.behaviour_logprobs.tolist() == [-0.5, 0.0, 0.0, -0.25] and got.response_ids.tolist() == [5, 6, 7, 8]
+    got.validate()
+    shipped = TrajectoryRing.decode(bytes(ring.record_view(h)), h)
+    assert _same(shipped, got) and shipped.loss_mask is not None
+    ones = ring.write(TrajectoryTokens([1, 2, 3], [5, 6], [-0.5, -0.25], [4, 5], [1, 1]))
+    plain = ring.write(TrajectoryTokens([1, 2, 3], [5, 6], [-0.5, -0.25], [4, 5]))
+    assert ones.length == plain.length == 64 + 4 * (3 + 3 * 2) and ring.read(ones).loss_mask is None
 
 
 def test_read_returns_copies_not_views(ring):
@@ -191,7 +207,7 @@ def test_back_pressure_then_resolves(ring):
     with pytest.raises(RingFull, match="free some and retry"):
         while True:
             handles.append(ring.write(rec))
-    assert len(handles) == 8192 // align_up(handles[0].length) == 8192 // record_nbytes(10, 50, len(msgspec_meta(rec)))
+    assert len(handles) == 8192 // align_up(handles[0].length) == 8192 // record_nbytes(10, 50)
     before = [ring.read(h) for h in handles]
     ring.free(handles[1])  # not the oldest: nothing reclaimed, still full
     with pytest.raises(RingFull):
@@ -228,16 +244,16 @@ def test_stale_handle_and_double_free(ring):
         ring.read(RecordHandle(5, h2.offset, h2.length, h2.generation))
     with pytest.raises(StaleHandle, match="out of bounds"):
         ring.read(RecordHandle(0, 1 << 20, h2.length, h2.generation))
-    assert ring.read(h2).meta["traj_id"] == 11
+    assert _same(ring.read(h2), _record(3, 3, 11))
 
 
 @pytest.mark.parametrize(
     "bad, match",
     [
-        (dict(logprobs=torch.zeros(2)), "one of each per response token"),
+        (dict(behaviour_logprobs=torch.zeros(2)), "one of each per response token"),
+        (dict(loss_mask=torch.ones(2, dtype=torch.int32)), "2 loss_mask entries"),
         (dict(prompt_ids=torch.zeros(2, 2, dtype=torch.int32)), "must be 1-D"),
         (dict(response_ids=torch.zeros(3)), "need torch.int32"),
-        (dict(meta={"x": object()}), "cannot be encoded"),
     ],
 )
 def test_bad_records_rejected(ring, bad, match):

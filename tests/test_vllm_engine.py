@@ -17,6 +17,7 @@ import torch
 from staleflow.config import ModelConfig, RolloutConfig
 from staleflow.rollout.engine import EngineError, Request, SamplingParams
 from staleflow.rollout.vllm_engine import MISSING_VLLM, VllmEngine, VllmMissing
+from staleflow.trajectory import TrajectoryTokens
 
 LOGPROB_TOL = 1e-4
 NEW = 16
@@ -106,13 +107,15 @@ def teacher_forced_logprobs(model, prompt, output, temperature=1.0):
 def test_greedy_equals_builtin_engine(engine, smol, reference):
     outs = engine.generate([Request(f"g{i}", p, greedy()) for i, p in enumerate(smol["prompts"])])
     for out, ref in zip(outs, reference):
-        assert out.output_ids == ref.output_ids
+        assert out.tokens.response_ids == ref.tokens.response_ids
         assert out.finish_reason == ref.finish_reason
-        assert out.versions == [0] * len(out.output_ids)
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < LOGPROB_TOL
+        assert out.tokens.versions == [0] * len(out.tokens.response_ids)
+        assert (
+            max(abs(a - b) for a, b in zip(out.tokens.behaviour_logprobs, ref.tokens.behaviour_logprobs)) < LOGPROB_TOL
+        )
     st = engine.stats()
     assert (st.num_running, st.num_waiting, st.running_ids, st.waiting_ids) == (0, 0, [], [])
-    assert st.tokens_generated >= sum(len(o.output_ids) for o in outs)
+    assert st.tokens_generated >= sum(len(o.tokens.response_ids) for o in outs)
 
 
 def test_sampled_logprobs_are_untruncated_and_seeded(engine, smol):
@@ -120,10 +123,10 @@ def test_sampled_logprobs_are_untruncated_and_seeded(engine, smol):
     params = SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=NEW, seed=1234)
     p = smol["prompts"][1]
     a, b = engine.generate([Request("s0", p, params), Request("s1", p, params)])
-    assert a.output_ids == b.output_ids and a.seed == 1234
-    ref = teacher_forced_logprobs(smol["model64"], p, a.output_ids)
-    assert max(abs(x - y) for x, y in zip(a.logprobs, ref)) < LOGPROB_TOL
-    assert all(lp <= 0 for lp in a.logprobs)
+    assert a.tokens.response_ids == b.tokens.response_ids and a.seed == 1234
+    ref = teacher_forced_logprobs(smol["model64"], p, a.tokens.response_ids)
+    assert max(abs(x - y) for x, y in zip(a.tokens.behaviour_logprobs, ref)) < LOGPROB_TOL
+    assert all(lp <= 0 for lp in a.tokens.behaviour_logprobs)
     with pytest.raises(EngineError, match="temperature=0.5"):  # this engine cannot report T=0.5 log-probs exactly
         engine.add(Request("bad", p, SamplingParams(temperature=0.5, top_k=20)))
     assert not engine.has_unfinished()
@@ -133,31 +136,20 @@ def test_abort_returns_partial_output_that_resumes(engine, smol, reference):
     p, ref = smol["prompts"][0], reference[0]
     engine.add(Request("r", p, greedy()))
     assert engine.stats().running_ids + engine.stats().waiting_ids == ["r"]
-    while engine.step() == [] and len(engine._live["r"].output_ids) < 5:
+    while engine.step() == [] and len(engine._live["r"].tokens.response_ids) < 5:
         pass
     (part,) = engine.abort(["r"])
-    k = len(part.output_ids)
+    k = len(part.tokens.response_ids)
     assert part.finish_reason == "abort" and 5 <= k < NEW
-    assert part.output_ids == ref.output_ids[:k] and part.versions == [0] * k
+    assert part.tokens.response_ids == ref.tokens.response_ids[:k] and part.tokens.versions == [0] * k
     assert not engine.has_unfinished() and engine.stats().running_ids == []
     with pytest.raises(EngineError, match="unknown request_id 'r'"):
         engine.abort(["r"])
     assert engine.abort(["r"], missing_ok=True) == []
-    (done,) = engine.generate(
-        [
-            Request(
-                "r",
-                p,
-                greedy(),
-                output_ids=part.output_ids,
-                output_logprobs=part.logprobs,
-                output_versions=part.versions,
-            )
-        ]
-    )
-    assert done.output_ids == ref.output_ids and done.finish_reason == ref.finish_reason
-    assert done.logprobs[:k] == part.logprobs and done.prompt_ids == p
-    assert max(abs(a - b) for a, b in zip(done.logprobs, ref.logprobs)) < LOGPROB_TOL
+    (done,) = engine.generate([Request("r", part.tokens, greedy())])
+    assert done.tokens.response_ids == ref.tokens.response_ids and done.finish_reason == ref.finish_reason
+    assert done.tokens.behaviour_logprobs[:k] == part.tokens.behaviour_logprobs and done.tokens.prompt_ids == p
+    assert max(abs(a - b) for a, b in zip(done.tokens.behaviour_logprobs, ref.tokens.behaviour_logprobs)) < LOGPROB_TOL
 
 
 def test_head_dim_below_32_is_refused_on_cpu():
@@ -188,7 +180,7 @@ def test_weight_load_matches_fresh_engine_with_those_weights(engine, smol, refer
 
     # In flight across the load: its first tokens come from version 0, the rest from version 1.
     engine.add(Request("flight", p0, greedy()))
-    while engine.step() == [] and len(engine._live["flight"].output_ids) < 4:
+    while engine.step() == [] and len(engine._live["flight"].tokens.response_ids) < 4:
         pass
     engine.load_weights(new, version=1)
     with pytest.raises(EngineError, match="older"):
@@ -205,29 +197,37 @@ def test_weight_load_matches_fresh_engine_with_those_weights(engine, smol, refer
     ref_engine = builtin(fresh_model)
     ref_engine.load_weights(new, version=1)
     ref_fresh, ref_fresh2 = ref_engine.generate([Request("a", p0, greedy()), Request("b", p1, greedy())])
-    assert ref_fresh.output_ids != reference[0].output_ids  # the perturbation changes the greedy output
+    assert (
+        ref_fresh.tokens.response_ids != reference[0].tokens.response_ids
+    )  # the perturbation changes the greedy output
     for name, ref in (("fresh", ref_fresh), ("fresh2", ref_fresh2)):
-        assert done[name].output_ids == ref.output_ids and done[name].versions == [1] * len(ref.output_ids)
-        assert max(abs(a - b) for a, b in zip(done[name].logprobs, ref.logprobs)) < LOGPROB_TOL
+        assert done[name].tokens.response_ids == ref.tokens.response_ids and done[name].tokens.versions == [1] * len(
+            ref.tokens.response_ids
+        )
+        assert (
+            max(abs(a - b) for a, b in zip(done[name].tokens.behaviour_logprobs, ref.tokens.behaviour_logprobs))
+            < LOGPROB_TOL
+        )
 
     flight = done["flight"]
-    k = flight.versions.count(0)
-    assert k >= 4 and flight.versions == [0] * k + [1] * (len(flight.versions) - k)
-    assert flight.output_ids[:k] == reference[0].output_ids[:k]
+    k = flight.tokens.versions.count(0)
+    assert k >= 4 and flight.tokens.versions == [0] * k + [1] * (len(flight.tokens.versions) - k)
+    assert flight.tokens.response_ids[:k] == reference[0].tokens.response_ids[:k]
     (cont,) = ref_engine.generate(
         [
             Request(
                 "c",
-                p0,
+                TrajectoryTokens(
+                    p0, flight.tokens.response_ids[:k], flight.tokens.behaviour_logprobs[:k], flight.tokens.versions[:k]
+                ),
                 greedy(),
-                output_ids=flight.output_ids[:k],
-                output_logprobs=flight.logprobs[:k],
-                output_versions=flight.versions[:k],
             )
         ]
     )
-    assert flight.output_ids == cont.output_ids
-    assert max(abs(a - b) for a, b in zip(flight.logprobs, cont.logprobs)) < LOGPROB_TOL
+    assert flight.tokens.response_ids == cont.tokens.response_ids
+    assert (
+        max(abs(a - b) for a, b in zip(flight.tokens.behaviour_logprobs, cont.tokens.behaviour_logprobs)) < LOGPROB_TOL
+    )
     assert math.isclose(engine.stats().version, 1)
 
 
@@ -253,8 +253,12 @@ def test_pull_from_the_parameter_server_through_the_worker(engine, smol):
         ref_engine = builtin(load_model(smol["folder"], dtype=torch.float32))
         ref_engine.load_weights(new, version=2)
         (ref,) = ref_engine.generate([Request("r", smol["prompts"][0], greedy())])
-        assert out.output_ids == ref.output_ids and out.versions == [2] * len(ref.output_ids)
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) < LOGPROB_TOL
+        assert out.tokens.response_ids == ref.tokens.response_ids and out.tokens.versions == [2] * len(
+            ref.tokens.response_ids
+        )
+        assert (
+            max(abs(a - b) for a, b in zip(out.tokens.behaviour_logprobs, ref.tokens.behaviour_logprobs)) < LOGPROB_TOL
+        )
     finally:
         engine.llm.collective_rpc("staleflow_detach")
         leader.close()

@@ -212,11 +212,12 @@ class Evaluate(msgspec.Struct, tag=True):
 
 
 class Evaluated(msgspec.Struct, tag=True):
-    """Rollout rank -> controller: one held-out answer (token ids) and the weight versions it used."""
+    """Rollout rank -> controller: one held-out answer, written to the rank's ring like a trajectory
+    (the controller reads it, scores it and frees it with FreeRecords), and the weight versions it used."""
 
     eval_id: int
     index: int
-    response_ids: list[int]
+    handle: RecordHandle
     min_version: int
     max_version: int
 

@@ -40,7 +40,7 @@ def generate(
     while engine.has_unfinished():
         for res in engine.step():
             i, j = divmod(int(res.request_id), k)
-            out[i][j] = list(res.output_ids)
+            out[i][j] = list(res.tokens.response_ids)
             done += 1
             if on_finished is not None:
                 on_finished(done)

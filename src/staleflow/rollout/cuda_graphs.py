@@ -164,7 +164,7 @@ class DecodeGraphs:
         h32[:b], tables[:b] = 1, 0
         for i, s in enumerate(seqs):
             pos = s.num_computed
-            h64[i], h64[bm + i], h64[2 * bm + i] = s.token_ids[pos], pos, slot_of(s, pos)
+            h64[i], h64[bm + i], h64[2 * bm + i] = s.token_at(pos), pos, slot_of(s, pos)
             h32[i] = pos + 1
             tables[i, : len(s.block_table)] = s.block_table
         # The previous step's copies are done: its tokens reached the host after them (one sync).

@@ -10,10 +10,11 @@ A rollout rank drives one engine in a loop:
         engine.load_weights(named_tensors, version=5)   # Pull
         report(engine.stats())              # Snapshot for the coordinator
 
-A resumed partial trajectory is added again with its already generated tokens, their
-log-probs and their per-token weight versions; the engine re-prefills prompt + generated
-tokens and continues. Every field here is plain data (no torch), so it crosses processes
-with msgspec unchanged.
+A request and an output carry the trajectory's token payload (``TrajectoryTokens``,
+staleflow/trajectory.py: prompt, response, behaviour log-probs, per-token weight versions, loss
+mask), the object the ring stores and the trainer reads. A resumed partial trajectory is added
+again with the payload it was interrupted with; the engine re-prefills prompt + response tokens
+and continues. Every field here is plain data (no torch).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+from staleflow.trajectory import TrajectoryTokens
 
 FinishReason = Literal["stop", "length", "abort"]
 """stop: an eos / stop id was sampled (it is the last output token); length: max_new_tokens or
@@ -69,29 +72,32 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Request:
-    """A trajectory to generate: a new prompt, or a partial trajectory resumed after an interrupt."""
+    """A trajectory to generate: a new prompt, or a partial trajectory resumed after an interrupt.
+
+    ``tokens`` is the payload (its response tokens, if any, are re-prefilled, not re-sampled); a
+    plain list of token ids is taken as the prompt of a new trajectory.
+
+    >>> Request("r0", [1, 2, 3]).tokens.response_ids
+    []
+    """
 
     request_id: str | int
-    prompt_ids: list[int]
+    tokens: TrajectoryTokens | list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    output_ids: list[int] = field(default_factory=list)
-    """Tokens already generated (resume); they are re-prefilled, not re-sampled."""
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
-    """Weight version that generated each token of output_ids."""
+
+    def __post_init__(self):
+        if not isinstance(self.tokens, TrajectoryTokens):
+            self.tokens = TrajectoryTokens([int(t) for t in self.tokens])
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A finished or aborted request. Lists cover every generated token, resumed ones included."""
+    """A finished or aborted request: its payload covers every response token, resumed ones included.
+    Behaviour log-probs are log_softmax(logits / temperature)[token] in fp32 (untruncated by
+    top-p/top-k); versions are the engine's weight version when each token was sampled."""
 
     request_id: str | int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    """log_softmax(logits / temperature)[token] in fp32 (untruncated by top-p/top-k)."""
-    versions: list[int]
-    """Weight version of the engine when each token was sampled."""
+    tokens: TrajectoryTokens
     finish_reason: FinishReason
     seed: int
     """The seed the request sampled with (pass it back on resume)."""
@@ -199,8 +205,8 @@ def abort_ids(request_ids: Iterable, live, missing_ok: bool) -> list:
 
 def check_request(request: Request, max_model_len: int, vocab_size: int) -> None:
     """Raise EngineError (naming the request and the fix) for a request no engine can run."""
-    rid = request.request_id
-    n_prompt, n_out = len(request.prompt_ids), len(request.output_ids)
+    rid, t = request.request_id, request.tokens
+    n_prompt, n_out = len(t.prompt_ids), len(t.response_ids)
     if n_prompt == 0:
         raise EngineError(f"request {rid!r} has an empty prompt: give at least one prompt token")
     if n_prompt + n_out >= max_model_len:
@@ -209,16 +215,15 @@ def check_request(request: Request, max_model_len: int, vocab_size: int) -> None
             f"max_model_len={max_model_len} (need room for one new token): shorten the "
             f"prompt or raise --rollout.max-model-len"
         )
-    if not (len(request.output_logprobs) == len(request.output_versions) == n_out):
-        raise EngineError(
-            f"request {rid!r}: output_ids/output_logprobs/output_versions lengths differ "
-            f"({n_out}, {len(request.output_logprobs)}, {len(request.output_versions)})"
-        )
+    try:
+        t.validate(f"request {rid!r}")
+    except ValueError as e:
+        raise EngineError(str(e)) from None
     if n_out >= request.params.max_new_tokens:
         raise EngineError(
             f"request {rid!r} already has {n_out} generated tokens >= max_new_tokens="
             f"{request.params.max_new_tokens}: it is finished, do not resume it"
         )
-    bad = [t for t in list(request.prompt_ids) + list(request.output_ids) if not 0 <= int(t) < vocab_size]
+    bad = [x for x in list(t.prompt_ids) + list(t.response_ids) if not 0 <= int(x) < vocab_size]
     if bad:
         raise EngineError(f"request {rid!r} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")

@@ -139,7 +139,7 @@ class ModelRunner:
             ctx.decode_len = max_len
         if nd:  # decodes feed their last token; row i of the logits is decode i
             for s in batch.seqs[:nd]:
-                ids.append(s.token_ids[s.num_computed])
+                ids.append(s.token_at(s.num_computed))
                 positions.append(s.num_computed)
             sample_rows.extend(range(nd))
         offset = nd
@@ -147,7 +147,7 @@ class ModelRunner:
         for i in range(nd, len(batch)):
             seq, n = batch.seqs[i], batch.num_tokens[i]
             c = seq.num_computed
-            ids.extend(seq.token_ids[c : c + n])
+            ids.extend(seq.token_slice(c, c + n))
             positions.extend(range(c, c + n))
             ctx_slots = self._slots(seq.block_table, 0, c + n)
             slot_parts.append(ctx_slots[c:])

@@ -52,7 +52,7 @@ class SharingBlockManager(BlockManager):
 
     def _key(self, seq: Sequence, j: int, parent: int) -> tuple[int, tuple[int, ...]]:
         bs = self.block_size
-        return parent, tuple(seq.token_ids[j * bs : (j + 1) * bs])
+        return parent, tuple(seq.token_slice(j * bs, (j + 1) * bs))
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """The registered blocks holding seq's leading shareable prompt blocks (may be empty)."""

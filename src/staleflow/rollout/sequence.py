@@ -1,9 +1,11 @@
-"""Sequence: the engine-side state of one request (tokens, KV progress, block table).
+"""Sequence: the engine-side state of one request (its token payload, KV progress, block table).
 
-A sequence holds prompt + generated tokens in `token_ids`. `num_computed` counts the leading
-tokens whose K/V are in the paged cache; the scheduler feeds the tokens after it (a prefill
-chunk, or the single last token when decoding). When num_computed reaches len(token_ids) the
-step's logits at the last position are sampled and the new token is appended.
+A sequence holds its trajectory's payload (`tokens`, a TrajectoryTokens with list fields: the
+prompt, then every response token with its log-prob and version), the same object its output
+returns. `num_computed` counts the leading tokens (prompt then response) whose K/V are in the
+paged cache; the scheduler feeds the tokens after it (a prefill chunk, or the single last token
+when decoding). When num_computed reaches len(seq) the step's logits at the last position are
+sampled and the new token is appended.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import enum
 
 from staleflow.rollout.engine import FinishReason, Request, RequestOutput, SamplingParams
+from staleflow.trajectory import TrajectoryTokens
 
 
 class SequenceStatus(enum.Enum):
@@ -24,10 +27,8 @@ class Sequence:
         "request_id",
         "params",
         "seed",
-        "token_ids",
+        "tokens",
         "num_prompt",
-        "logprobs",
-        "versions",
         "num_computed",
         "block_table",
         "status",
@@ -40,10 +41,8 @@ class Sequence:
         self.request_id = request.request_id
         self.params: SamplingParams = request.params
         self.seed = seed
-        self.num_prompt = len(request.prompt_ids)
-        self.token_ids: list[int] = list(request.prompt_ids) + list(request.output_ids)
-        self.logprobs: list[float] = [float(x) for x in request.output_logprobs]
-        self.versions: list[int] = [int(x) for x in request.output_versions]
+        self.tokens: TrajectoryTokens = request.tokens.copy()  # lists the engine extends
+        self.num_prompt = len(self.tokens.prompt_ids)
         self.num_computed = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
@@ -53,34 +52,38 @@ class Sequence:
         """Bumped each time the sequence's cached K/V is dropped (copies of it are then stale)."""
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return self.num_prompt + len(self.tokens.response_ids)
+
+    def token_at(self, pos: int) -> int:
+        """The token at position ``pos`` of prompt + response."""
+        n = self.num_prompt
+        return self.tokens.prompt_ids[pos] if pos < n else self.tokens.response_ids[pos - n]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + response."""
+        n, t = self.num_prompt, self.tokens
+        if stop <= n:
+            return t.prompt_ids[start:stop]
+        if start >= n:
+            return t.response_ids[start - n : stop - n]
+        return t.prompt_ids[start:] + t.response_ids[: stop - n]
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
+        return len(self.tokens.response_ids)
 
     @property
     def num_uncomputed(self) -> int:
         """Tokens still to feed before the next sample (1 when decoding)."""
-        return len(self.token_ids) - self.num_computed
+        return len(self) - self.num_computed
 
     @property
     def in_prefill(self) -> bool:
         return self.num_uncomputed > 1
 
     def append(self, token: int, logprob: float, version: int) -> None:
-        self.token_ids.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
+        self.tokens.append(token, logprob, version)
 
     def output(self) -> RequestOutput:
         assert self.finish_reason is not None
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt_ids=self.token_ids[: self.num_prompt],
-            output_ids=self.token_ids[self.num_prompt :],
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
-            finish_reason=self.finish_reason,
-            seed=self.seed,
-        )
+        return RequestOutput(self.request_id, self.tokens.copy(), self.finish_reason, self.seed)

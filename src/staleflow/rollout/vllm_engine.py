@@ -205,7 +205,7 @@ class VllmEngine:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        p, n_out = live.params, len(live.output_ids)
+        p, n_out = live.params, len(live.tokens.response_ids)
         stops = set(p.stop_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         vp = VllmSamplingParams(
             n=1,
@@ -223,7 +223,7 @@ class VllmEngine:
         )
         live.vid = str(self._next_vid)
         self._next_vid += 1
-        self.llm.add_request(live.vid, {"prompt_token_ids": live.prompt_ids + live.output_ids}, vp)
+        self.llm.add_request(live.vid, {"prompt_token_ids": live.tokens.prompt_ids + live.tokens.response_ids}, vp)
         self._by_vid[live.vid] = live
 
     def has_unfinished(self) -> bool:
@@ -264,9 +264,7 @@ class VllmEngine:
                     f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs for request {live.request_id!r}"
                 )
             for tok, lp in zip(ids, lps):
-                live.output_ids.append(int(tok))
-                live.logprobs.append(float(lp[tok].logprob))
-                live.versions.append(self.version)
+                live.tokens.append(int(tok), float(lp[tok].logprob), self.version)
             n_new += len(ids)
             if out.finished:
                 reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"

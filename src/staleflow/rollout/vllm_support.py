@@ -99,30 +99,20 @@ class _StatsTap:
 
 
 class _Live:
-    """One request inside the engine: its prompt, what it generated so far, its vLLM id."""
+    """One request inside the engine: its token payload (the same object its output returns), its
+    sampling params and seed, its vLLM id."""
 
-    __slots__ = ("request_id", "prompt_ids", "params", "seed", "output_ids", "logprobs", "versions", "vid")
+    __slots__ = ("request_id", "tokens", "params", "seed", "vid")
 
     def __init__(self, request: Request, seed: int):
         self.request_id = request.request_id
-        self.prompt_ids = [int(t) for t in request.prompt_ids]
+        self.tokens = request.tokens.copy()  # lists the step extends
         self.params = request.params
         self.seed = seed
-        self.output_ids = [int(t) for t in request.output_ids]
-        self.logprobs = [float(x) for x in request.output_logprobs]
-        self.versions = [int(v) for v in request.output_versions]
         self.vid = ""
 
     def output(self, reason) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt_ids=list(self.prompt_ids),
-            output_ids=list(self.output_ids),
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
-            finish_reason=reason,
-            seed=self.seed,
-        )
+        return RequestOutput(self.request_id, self.tokens.copy(), reason, self.seed)
 
 
 def _segment_seed(seed: int, n_out: int) -> int:

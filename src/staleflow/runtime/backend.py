@@ -25,7 +25,7 @@ from staleflow.control.messages import Evaluated, FreeRecords, Pulled, Saved, St
 from staleflow.controller.backend import Published, PullDone, Rewarded, TrainDone
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.servers import StaleHandle, TrajectoryRing
-from staleflow.servers.mirror import RecordLate, arrived, attach_mirror
+from staleflow.servers.mirror import RecordLate, arrived, attach_mirror, read_arrived
 from staleflow.trajectory import Finished, RecordHandle, Route, TrainGroup
 
 RECORD_WAIT_S = 120.0
@@ -80,6 +80,11 @@ class RuntimeBackend:
             by_rank[h.rank].append(h)
         for rank, hs in by_rank.items():
             self.ctl.send(rank, FreeRecords(handles=hs))
+
+    def read(self, handle: RecordHandle):
+        """A record's payload (TrajectoryTokens); a mirrored rank's once it reached this node (held-out answers)."""
+        ring = self.rings[handle.rank]
+        return read_arrived(ring, handle, RECORD_WAIT_S) if handle.rank in self.mirrored else ring.read(handle)
 
     def score(self, traj_id: int, handle: RecordHandle, prompt) -> None:
         if handle.rank in self.mirrored and not arrived(self.rings[handle.rank], handle):

@@ -1,7 +1,9 @@
 """Held-out evaluation on the rollout ranks: greedy answers decoded alongside the rollout.
 
 Controller side (``HeldOutEval``, used by runtime/job.py): the held-out prompts are split
-across the instances (``Evaluate``); answers come back one by one (``Evaluated``), are decoded
+across the instances (``Evaluate``); answers come back one by one through the rings like
+training's trajectories (``Evaluated`` names the rank's record: it is read, then freed with
+FreeRecords as a consumed trajectory is), are decoded
 and scored with the run's reward function in the controller (correct = answer reward >= 1, as in
 ``staleflow eval``: eval/scoring.py), and an evaluation row goes to metrics.jsonl once all of them
 are in, with its 95% Wilson interval (``eval_ci95_low``, ``eval_ci95_high``); with --data.mix
@@ -47,17 +49,25 @@ class HeldOutEval:
                 )
         return eval_id
 
-    def on_answer(self, msg: Evaluated) -> dict | None:
-        """Record one answer; returns the finished evaluation row once all answers are in."""
+    def on_answer(self, msg: Evaluated, records) -> dict | None:
+        """Record one answer; returns the finished evaluation row once all answers are in.
+
+        ``records`` reads and frees ring records (runtime/backend.py's RuntimeBackend: ``read(handle)``
+        -> TrajectoryTokens, ``free(handles)``); the answer's record is freed once read."""
         from staleflow.eval.scoring import is_correct, summarize
 
+        try:
+            tokens = records.read(msg.handle)
+        finally:
+            records.free([msg.handle])
         run = self.running.get(msg.eval_id)
         if run is None:
             return None
         p = self.prompts[msg.index]
-        text = self.tokenizer.decode(msg.response_ids, skip_special_tokens=True)
+        response = tokens.response_ids.tolist()  # decoded whole, as a training trajectory's reward is
+        text = self.tokenizer.decode(response, skip_special_tokens=True)
         ok, info = is_correct(self.fn, text, p.answer, p.meta)
-        run["answers"][msg.index] = (ok, len(msg.response_ids), info["boxed"], text)
+        run["answers"][msg.index] = (ok, len(response), info["boxed"], text)
         run["versions"] += [msg.min_version, msg.max_version]
         if len(run["answers"]) < len(self.prompts):
             return None

@@ -171,7 +171,7 @@ class TrainingJob:
 
     def _on_evaluated(self, msg: Evaluated) -> None:
         """A held-out answer (a loop event); the evaluation is logged once all of its answers are in."""
-        row = self.held_out.on_answer(msg) if self.held_out is not None else None
+        row = self.held_out.on_answer(msg, self.backend) if self.held_out is not None else None
         if row is not None:
             step = row.pop("step")
             self.writer.log_eval(step, row)

@@ -16,7 +16,7 @@ from staleflow.servers.errors import (
 from staleflow.servers.layout import ParamEntry, ParamLayout
 from staleflow.servers.parameter import ParameterServer
 from staleflow.servers.segment import cleanup_stale_segments, list_segments
-from staleflow.servers.trajectory import TrajectoryRecord, TrajectoryRing, record_nbytes
+from staleflow.servers.trajectory import TrajectoryRing, record_nbytes
 from staleflow.servers.transport import broadcast_pull
 from staleflow.trajectory import RecordHandle
 
@@ -31,7 +31,6 @@ __all__ = [
     "ServerError",
     "StaleHandle",
     "TornRead",
-    "TrajectoryRecord",
     "TrajectoryRing",
     "VersionNotFound",
     "broadcast_pull",

@@ -37,10 +37,9 @@ from staleflow.servers.trajectory import (
     RING_HEADER,
     RING_HEADER_BYTES,
     RING_MAGIC,
-    TrajectoryRecord,
     TrajectoryRing,
 )
-from staleflow.trajectory import RecordHandle
+from staleflow.trajectory import RecordHandle, TrajectoryTokens
 
 
 class RecordLate(ServerError, TimeoutError):
@@ -126,7 +125,7 @@ def arrived(ring: TrajectoryRing, handle: RecordHandle) -> bool:
     return ring.generations_written >= handle.generation
 
 
-def read_arrived(ring: TrajectoryRing, handle: RecordHandle, timeout: float = 60.0) -> TrajectoryRecord:
+def read_arrived(ring: TrajectoryRing, handle: RecordHandle, timeout: float = 60.0) -> TrajectoryTokens:
     """Read a record from a mirror once it has arrived (StaleHandle if it was freed meanwhile)."""
     deadline = time.monotonic() + timeout
     pause = 0.0002

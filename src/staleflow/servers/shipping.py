@@ -31,8 +31,8 @@ import zmq
 from staleflow.net.curve import incoming, user_rank
 from staleflow.servers.errors import ServerError, StaleHandle
 from staleflow.servers.mirror import MirrorRing
-from staleflow.servers.trajectory import TrajectoryRecord, TrajectoryRing
-from staleflow.trajectory import RecordHandle
+from staleflow.servers.trajectory import TrajectoryRing
+from staleflow.trajectory import RecordHandle, TrajectoryTokens
 
 
 class Shipped(msgspec.Struct, tag=True, array_like=True):
@@ -233,14 +233,14 @@ class RecordFetcher:
 
     def fetch(
         self, handles: list[RecordHandle], serve: Callable[[], None] = lambda: None, timeout: float = 60.0
-    ) -> dict[RecordHandle, TrajectoryRecord | None]:
+    ) -> dict[RecordHandle, TrajectoryTokens | None]:
         """Records of ``handles`` (None: freed by their producer meanwhile). ``serve`` runs while
         waiting, so two ranks fetching from each other never wait on each other."""
         for h in handles:
             if h.rank not in self._socks:
                 self._socks[h.rank] = self._connect(h.rank)
             self._socks[h.rank].send(_encode(Fetch(h)))
-        out: dict[RecordHandle, TrajectoryRecord | None] = {}
+        out: dict[RecordHandle, TrajectoryTokens | None] = {}
         poller = zmq.Poller()
         for r in {h.rank for h in handles}:
             poller.register(self._socks[r], zmq.POLLIN)

@@ -9,15 +9,17 @@ sends "free" back to the producer, which alone owns the free-space bookkeeping
 ever overwritten.
 
 Segment ``staleflow-<run_id>-ts-<rank>``: a 64-byte ring header, then the data region.
-A record at a 64-aligned offset of the data region:
+A record is one trajectory's token payload (``TrajectoryTokens``, staleflow/trajectory.py), at a
+64-aligned offset of the data region:
 
-    header (64 B): state u32 (LIVE / FREED), flags u32, generation u64, length u64,
-                   n_prompt u32, n_response u32, n_meta u32
-    prompt_ids   int32   [n_prompt]      the four token sections are packed 4-byte words,
-    response_ids int32   [n_response]    so a write is one torch.cat into the ring and a
-    logprobs     float32 [n_response]    read one clone out of it (behaviour log-probs)
-    versions     int32   [n_response]    weight version that generated each token
-    meta         msgpack [n_meta]        optional (the runtime writes none: the ledger knows the rest)
+    header (64 B): state u32 (LIVE / FREED), flags u32 (bit 0: MASKED), generation u64,
+                   length u64, n_prompt u32, n_response u32, reserved u32 (0)
+    prompt_ids         int32   [n_prompt]     the sections are packed 4-byte words, so a write
+    response_ids       int32   [n_response]   is one torch.cat into the ring and a read one
+    behaviour_logprobs float32 [n_response]   clone out of it
+    versions           int32   [n_response]   weight version that sampled each token
+    loss_mask          int32   [n_response]   only when MASKED (environment tokens, 0); absent for
+                                              an all-ones mask, which reads back as None
 
 Readers check state, generation and length before and after copying, so a stale handle
 (freed or overwritten record) is an error, never garbage.
@@ -25,50 +27,33 @@ Readers check state, generation and length before and after copying, so a stale 
 Usage::
 
     ring = TrajectoryRing.create(run_id, rank, nbytes=64 << 20)     # rollout rank
-    handle = ring.write(TrajectoryRecord(prompt, response, logprobs, versions, meta))
+    handle = ring.write(TrajectoryTokens(prompt, response, logprobs, versions))
     ring.free(handle)                                                # on the controller's word
     reader = TrajectoryRing.attach(run_id, rank)                     # trainer rank
-    record = reader.read(handle)
+    tokens = reader.read(handle)                                     # TrajectoryTokens of tensors
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-import msgspec
 import torch
 
 from staleflow.servers.errors import RingFull, ServerError, StaleHandle
 from staleflow.servers.ring import RECORD_ALIGN, RingAllocator, align_up
 from staleflow.servers.segment import KIND_RING, Segment, check_run_id
-from staleflow.trajectory import RecordHandle
+from staleflow.trajectory import RecordHandle, TrajectoryTokens
 
 RING_HEADER = struct.Struct("<8sIIQQ")  # magic, rank, reserved, capacity, generations written
 RING_MAGIC = b"STLFRING"
 RING_HEADER_BYTES = 64
-REC_HEADER = struct.Struct("<IIQQIII")  # state, flags (0; reserved), generation, length, n_prompt, n_response, n_meta
+REC_HEADER = struct.Struct("<IIQQIII")  # state, flags, generation, length, n_prompt, n_response, reserved (0)
 REC_HEADER_BYTES = 64
 LIVE, FREED = 0x4556494C, 0x44455246  # b"LIVE", b"FRED" little-endian
+MASKED = 1
+"""Record flag: a loss_mask section follows the versions (a trajectory with environment tokens)."""
 DEFAULT_RING_BYTES = 256 << 20
 GENERATIONS_AT = 24  # ring header: generations written (a mirror: the newest generation received)
-
-
-@dataclass
-class TrajectoryRecord:
-    """One trajectory (or the partial output of an interrupted one) with its behaviour data.
-
-    ``logprobs`` and ``versions`` align with ``response_ids`` (one entry per generated token).
-    Rewards are not stored here: the controller's ledger holds them.
-    """
-
-    prompt_ids: torch.Tensor | Sequence[int]  # [P] int32 (written from the engine's lists; read back as tensors)
-    response_ids: torch.Tensor | Sequence[int]  # [R] int32
-    logprobs: torch.Tensor | Sequence[float]  # [R] float32
-    versions: torch.Tensor | Sequence[int]  # [R] int32
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def ring_name(run_id: str, rank: int) -> str:
@@ -80,20 +65,32 @@ def _as_1d(x, dtype: torch.dtype, what: str) -> torch.Tensor:
     if t.dtype == dtype and t.dim() == 1 and t.is_cpu:
         return t
     if t.dim() != 1:
-        raise ValueError(f"TrajectoryRecord.{what} has shape {tuple(t.shape)}: must be 1-D")
+        raise ValueError(f"TrajectoryTokens.{what} has shape {tuple(t.shape)}: must be 1-D")
     if t.dtype != dtype and (t.is_floating_point() != dtype.is_floating_point or t.is_complex()):
-        raise ValueError(f"TrajectoryRecord.{what} has dtype {t.dtype}: need {dtype}")
+        raise ValueError(f"TrajectoryTokens.{what} has dtype {t.dtype}: need {dtype}")
     return t.to(device="cpu", dtype=dtype)
 
 
-def _record_length(n_prompt: int, n_response: int, n_meta: int) -> int:
-    """Bytes of a record: header, the token words, the metadata."""
-    return REC_HEADER_BYTES + 4 * (n_prompt + 3 * n_response) + n_meta
+def _sections(n_prompt: int, n_response: int, flags: int) -> int:
+    """4-byte words of a record's token sections."""
+    return n_prompt + (4 if flags & MASKED else 3) * n_response
 
 
-def record_nbytes(n_prompt: int, n_response: int, meta_bytes: int = 64) -> int:
-    """Bytes a record takes in a ring (for sizing rings): header + aligned sections, rounded to 64."""
-    return align_up(_record_length(n_prompt, n_response, meta_bytes), RECORD_ALIGN)
+def _record_length(n_prompt: int, n_response: int, flags: int) -> int:
+    """Bytes of a record: header and the token words."""
+    return REC_HEADER_BYTES + 4 * _sections(n_prompt, n_response, flags)
+
+
+def record_nbytes(n_prompt: int, n_response: int, masked: bool = False) -> int:
+    """Bytes a record takes in a ring (for sizing rings): header + sections, rounded to 64."""
+    return align_up(_record_length(n_prompt, n_response, MASKED if masked else 0), RECORD_ALIGN)
+
+
+def _tokens_of(words: torch.Tensor, n_p: int, n_r: int, flags: int) -> TrajectoryTokens:
+    """The payload whose sections are views of ``words`` (one fresh buffer)."""
+    a, b, c, d = n_p, n_p + n_r, n_p + 2 * n_r, n_p + 3 * n_r
+    mask = words[d : d + n_r] if flags & MASKED else None
+    return TrajectoryTokens(words[:a], words[a:b], words[b:c].view(torch.float32), words[c:d], mask)
 
 
 class TrajectoryRing:
@@ -109,8 +106,6 @@ class TrajectoryRing:
         self._buf = seg.buf[RING_HEADER_BYTES : RING_HEADER_BYTES + capacity]
         self._alloc = RingAllocator(capacity) if producer else None
         self._generation = 0
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder()
 
     # -- lifecycle ----------------------------------------------------------------------------
     @classmethod
@@ -176,27 +171,27 @@ class TrajectoryRing:
         """Records not yet reclaimed (freed ones behind an older live record still count)."""
         return len(self._producer_only("live_records"))
 
-    def write(self, record: TrajectoryRecord) -> RecordHandle:
-        """Copy ``record`` into the ring. RingFull: no room now (free, retry); RecordTooLarge: never fits."""
+    def write(self, tokens: TrajectoryTokens) -> RecordHandle:
+        """Copy ``tokens`` into the ring. RingFull: no room now (free, retry); RecordTooLarge: never fits.
+        An all-ones loss mask is stored as none (it reads back as None)."""
         alloc = self._producer_only("write")
-        prompt = _as_1d(record.prompt_ids, torch.int32, "prompt_ids")
-        response = _as_1d(record.response_ids, torch.int32, "response_ids")
-        logprobs = _as_1d(record.logprobs, torch.float32, "logprobs")
-        versions = _as_1d(record.versions, torch.int32, "versions")
+        prompt = _as_1d(tokens.prompt_ids, torch.int32, "prompt_ids")
+        response = _as_1d(tokens.response_ids, torch.int32, "response_ids")
+        logprobs = _as_1d(tokens.behaviour_logprobs, torch.float32, "behaviour_logprobs")
+        versions = _as_1d(tokens.versions, torch.int32, "versions")
+        mask = None if tokens.loss_mask is None else _as_1d(tokens.loss_mask, torch.int32, "loss_mask")
         n_resp = response.numel()
-        if logprobs.numel() != n_resp or versions.numel() != n_resp:
+        if logprobs.numel() != n_resp or versions.numel() != n_resp or (mask is not None and mask.numel() != n_resp):
             raise ValueError(
-                f"TrajectoryRecord has {n_resp} response tokens but {logprobs.numel()} logprobs "
-                f"and {versions.numel()} versions: need one of each per response token"
+                f"TrajectoryTokens has {n_resp} response tokens but {logprobs.numel()} behaviour_logprobs, "
+                f"{versions.numel()} versions and {'no' if mask is None else mask.numel()} loss_mask entries: "
+                "need one of each per response token"
             )
-        try:
-            meta = self._encoder.encode(record.meta)
-        except (TypeError, msgspec.EncodeError) as e:
-            raise ValueError(
-                f"TrajectoryRecord.meta cannot be encoded ({e}): use str/int/float/bool/list/dict values"
-            ) from None
-        n_words = prompt.numel() + 3 * n_resp
-        length = _record_length(prompt.numel(), n_resp, len(meta))
+        if mask is not None and bool((mask == 1).all()):
+            mask = None
+        flags = 0 if mask is None else MASKED
+        n_words = _sections(prompt.numel(), n_resp, flags)
+        length = _record_length(prompt.numel(), n_resp, flags)
         generation = self._generation + 1
         off = alloc.alloc(length, generation)
         if off is None:
@@ -206,11 +201,10 @@ class TrajectoryRing:
             )
         self._generation = generation
         w0 = (off + REC_HEADER_BYTES) // 4
-        torch.cat([prompt, response, logprobs.view(torch.int32), versions], out=self._words[w0 : w0 + n_words])
-        m0 = off + REC_HEADER_BYTES + 4 * n_words
-        self._buf[m0 : m0 + len(meta)] = meta
+        parts = [prompt, response, logprobs.view(torch.int32), versions] + ([] if mask is None else [mask])
+        torch.cat(parts, out=self._words[w0 : w0 + n_words])
         # Header last; the state word is the last field written, so a reader never sees LIVE early.
-        REC_HEADER.pack_into(self._buf, off, FREED, 0, generation, length, prompt.numel(), n_resp, len(meta))
+        REC_HEADER.pack_into(self._buf, off, FREED, flags, generation, length, prompt.numel(), n_resp, 0)
         struct.pack_into("<I", self._buf, off, LIVE)
         struct.pack_into("<Q", self._seg.buf, 24, generation)  # ring header: generations written
         return RecordHandle(self.rank, off, length, generation)
@@ -227,56 +221,48 @@ class TrajectoryRing:
         struct.pack_into("<I", self._buf, handle.offset, FREED)  # stale handles now fail to read
 
     # -- readers ------------------------------------------------------------------------------
-    def read(self, handle: RecordHandle) -> TrajectoryRecord:
-        """Copy the record of ``handle`` out of shared memory (one fresh CPU buffer; the four
-        tensors of the returned record are views of it)."""
+    def read(self, handle: RecordHandle) -> TrajectoryTokens:
+        """Copy the record of ``handle`` out of shared memory (one fresh CPU buffer; the tensors of
+        the returned payload are views of it)."""
         self._check_handle(handle)
         off = handle.offset
-        state, _flags, gen, length, n_p, n_r, n_m = REC_HEADER.unpack_from(self._buf, off)
+        state, flags, gen, length, n_p, n_r, _ = REC_HEADER.unpack_from(self._buf, off)
         self._check_header(handle, state, gen, length)
-        if _record_length(n_p, n_r, n_m) != length:
+        if _record_length(n_p, n_r, flags) != length:
             raise StaleHandle(f"record {handle} has an inconsistent header (length {length})")
         w0 = (off + REC_HEADER_BYTES) // 4
-        words = self._words[w0 : w0 + n_p + 3 * n_r].clone()  # one copy; the sections are views of it
-        a, b, c = n_p, n_p + n_r, n_p + 2 * n_r
-        prompt, response, logprobs, versions = words[:a], words[a:b], words[b:c], words[c:]
-        m0 = off + REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)
-        meta = self._decoder.decode(self._buf[m0 : m0 + n_m]) if n_m else {}
+        words = self._words[w0 : w0 + _sections(n_p, n_r, flags)].clone()  # one copy; the sections are views of it
         state2, _, gen2, length2 = REC_HEADER.unpack_from(self._buf, off)[:4]
         if (state2, gen2, length2) != (state, gen, length):
             raise StaleHandle(
                 f"record {handle} was freed or overwritten while being read: the controller freed it "
                 f"before this reader finished (read before sending 'consumed')"
             )
-        return TrajectoryRecord(prompt, response, logprobs.view(torch.float32), versions, meta=meta)
+        return _tokens_of(words, n_p, n_r, flags)
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
-    def decode(data, handle: RecordHandle) -> TrajectoryRecord:
+    def decode(data, handle: RecordHandle) -> TrajectoryTokens:
         """A record from its bytes (``record_view`` of the producer, received over the network):
         the header must be LIVE and match ``handle``; the tensors share one fresh buffer."""
         buf = memoryview(data)
         if len(buf) != handle.length or handle.length < REC_HEADER_BYTES:
             raise StaleHandle(f"record {handle}: got {len(buf)} bytes")
-        state, _flags, gen, length, n_p, n_r, n_m = REC_HEADER.unpack_from(buf, 0)
+        state, flags, gen, length, n_p, n_r, _ = REC_HEADER.unpack_from(buf, 0)
         if (
             state != LIVE
             or gen != handle.generation
             or length != handle.length
-            or _record_length(n_p, n_r, n_m) != length
+            or _record_length(n_p, n_r, flags) != length
         ):
             raise StaleHandle(f"record {handle}: the bytes received are not that record (generation {gen})")
+        n_words = _sections(n_p, n_r, flags)
         words = (
-            torch.frombuffer(
-                bytearray(buf[REC_HEADER_BYTES : REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)]), dtype=torch.int32
-            )
-            if n_p + n_r
+            torch.frombuffer(bytearray(buf[REC_HEADER_BYTES : REC_HEADER_BYTES + 4 * n_words]), dtype=torch.int32)
+            if n_words
             else torch.zeros(0, dtype=torch.int32)
         )
-        a, b, c = n_p, n_p + n_r, n_p + 2 * n_r
-        m0 = REC_HEADER_BYTES + 4 * (n_p + 3 * n_r)
-        meta = msgspec.msgpack.decode(buf[m0 : m0 + n_m]) if n_m else {}
-        return TrajectoryRecord(words[:a], words[a:b], words[b:c].view(torch.float32), words[c:], meta=meta)
+        return _tokens_of(words, n_p, n_r, flags)
 
     def _producer_only(self, what: str) -> RingAllocator:
         if not self.producer:

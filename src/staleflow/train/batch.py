@@ -6,12 +6,14 @@ each micro-batch's sequences (prompt + response, end to end, no padding) into a 
     input_ids, positions  [T]       the packed token stream and per-sequence positions
     cu_seqlens            [B + 1]   sequence boundaries (for PackedAttention)
     rows                  [N]       indices into [T] of the hidden states that predict a
-                                    response token (the last prompt token .. the second-to-last
-                                    response token of each sequence)
+                                    model-sampled response token (the last prompt token .. the
+                                    second-to-last response token of each sequence, less those
+                                    predicting an environment token: loss_mask 0)
     targets               [N]       the response tokens those rows predict
     behaviour_logp, advantages, token_weight, versions, seq_index   [N]
 
-Only the N response rows go through the LM head, so prompt tokens cost no vocab projection.
+Only the N rows go through the LM head, so prompt and environment tokens cost no vocab projection
+and are outside the loss and the off-policy ratios; they stay in input_ids as context.
 """
 
 from __future__ import annotations
@@ -90,21 +92,30 @@ def build_micro_batch(
     vers: list[int] = []
     seg: list[int] = []
     for j, i in enumerate(ids):
-        s = samples[i]
-        p, r = list(s.prompt_ids), list(s.response_ids)
+        t = samples[i].tokens
+        p, r = list(t.prompt_ids), list(t.response_ids)
         if not r:
             raise ValueError(f"sample {i} has no response tokens: zero-length responses are not packed")
         start = cu[-1]
         tokens += p + r
         positions += range(len(p) + len(r))
         cu.append(start + len(p) + len(r))
-        rows += range(start + len(p) - 1, start + len(p) + len(r) - 1)
-        targets += r
-        beh += [float(x) for x in s.behaviour_logprobs]
-        adv += [float(advantages[i])] * len(r)
-        wts += [float(seq_weights[i])] * len(r)
-        vers += [int(v) for v in s.versions]
-        seg += [j] * len(r)
+        if t.loss_mask is None:  # every response token is the model's
+            rows += range(start + len(p) - 1, start + len(p) + len(r) - 1)
+            targets += r
+            beh += [float(x) for x in t.behaviour_logprobs]
+            vers += [int(v) for v in t.versions]
+            n = len(r)
+        else:  # only the model's tokens become rows
+            keep = [k for k, m in enumerate(t.mask_values()) if m]
+            rows += [start + len(p) - 1 + k for k in keep]
+            targets += [r[k] for k in keep]
+            beh += [float(t.behaviour_logprobs[k]) for k in keep]
+            vers += [int(t.versions[k]) for k in keep]
+            n = len(keep)
+        adv += [float(advantages[i])] * n
+        wts += [float(seq_weights[i])] * n
+        seg += [j] * n
     return MicroBatch(
         input_ids=torch.tensor(tokens, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),

@@ -7,6 +7,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from staleflow.trajectory import model_versions
+
 
 def step_metrics(self, samples, rewards, adv, keep, sums, loss_total, grad_norms, t0) -> dict[str, float]:
     """The step's metrics: per-token sums reduced over the trainer ranks (max/min for the
@@ -35,7 +37,7 @@ def step_metrics(self, samples, rewards, adv, keep, sums, loss_total, grad_norms
     adds = dict(zip(keys, vec.cpu().tolist()))
     extremes = dict(zip(ext_keys, ext.cpu().tolist())) if ext is not None else {}
     kept = [s for s, k in zip(samples, keep) if k]
-    n_tok = sum(len(s.response_ids) for s in kept)
+    n_tok = sum(s.tokens.num_trained for s in kept)  # the rows the loss trained (environment tokens are none)
     out: dict[str, float] = {
         "version": float(self.version),
         "loss": float(adds.pop("loss")),
@@ -49,19 +51,20 @@ def step_metrics(self, samples, rewards, adv, keep, sums, loss_total, grad_norms
         "reward_mean": sum(float(s.reward) for s in samples) / max(len(samples), 1),
         "reward_shaped_mean": sum(rewards) / max(len(rewards), 1),
         "advantage_abs_mean": sum(abs(a) for a in adv) / max(len(adv), 1),
-        "response_len_mean": sum(len(s.response_ids) for s in samples) / max(len(samples), 1),
-        "response_len_max": float(max((len(s.response_ids) for s in samples), default=0)),
+        "response_len_mean": sum(len(s.tokens.response_ids) for s in samples) / max(len(samples), 1),
+        "response_len_max": float(max((len(s.tokens.response_ids) for s in samples), default=0)),
         "traj_staleness_mean": sum(self.version - 1 - s.traj_version for s in samples) / max(len(samples), 1),
         "traj_staleness_max": float(max((self.version - 1 - s.traj_version for s in samples), default=0)),
         "step_time_s": time.perf_counter() - t0,
     }
-    token_versions = [v for s in kept for v in s.versions]
+    versions = [model_versions(s.tokens) for s in kept]  # of the model's tokens
+    token_versions = [v for vs in versions for v in vs]
     if token_versions:
         out["token_staleness_mean"] = sum(self.version - 1 - v for v in token_versions) / len(token_versions)
         # mixed-version responses (a pull that kept the KV, or a migration, mid-response): the share of
         # tokens sampled by a later version than their response's first token, and of such responses
-        out["mixed_token_frac"] = sum(v != s.versions[0] for s in kept for v in s.versions) / len(token_versions)
-        out["mixed_traj_frac"] = sum(len(set(s.versions)) > 1 for s in kept) / len(kept)
+        out["mixed_token_frac"] = sum(v != vs[0] for vs in versions for v in vs) / len(token_versions)
+        out["mixed_traj_frac"] = sum(len(set(vs)) > 1 for vs in versions) / len(kept)
     for k, v in adds.items():
         out[f"{k}_mean"] = float(v) / max(n_tok, 1)
     out.update(extremes)

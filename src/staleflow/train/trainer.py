@@ -233,7 +233,8 @@ class Trainer:
             s.validate(i)
         cfg = self.cfg
         rewards = [
-            float(s.reward) + overlong_penalty(len(s.response_ids), cfg.overlong_max_tokens, cfg.overlong_cache_tokens)
+            float(s.reward)
+            + overlong_penalty(len(s.tokens.response_ids), cfg.overlong_max_tokens, cfg.overlong_cache_tokens)
             for s in samples
         ]
         groups = [s.group_id for s in samples]
@@ -258,12 +259,12 @@ class Trainer:
 
     def _plan(self, samples, ids: list[int], adv: list[float]) -> list[MicroBatch]:
         """This rank's micro-batches for mini-batch `ids` (same count on every rank)."""
-        resp = [len(samples[i].response_ids) for i in ids]
+        resp = [samples[i].tokens.num_trained for i in ids]  # the model's tokens: the loss's rows
         weights = token_weights(self.loss_agg, resp, self.max_response_tokens)
         seq_w = [0.0] * len(samples)
         for i, w in zip(ids, weights):
             seq_w[i] = w
-        lengths = [samples[i].seq_len if r > 0 else 0 for i, r in zip(ids, resp)]
+        lengths = [samples[i].tokens.seq_len if r > 0 else 0 for i, r in zip(ids, resp)]
         plan = plan_step(lengths, self.world, self.cfg.micro_batch_tokens)
         self._oversize += len(plan.oversize)
         return [

@@ -40,10 +40,10 @@ from staleflow.control.messages import (
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.engines import engine_backend
 from staleflow.rollout.engine import Request, SamplingParams
-from staleflow.servers import RingFull, StaleHandle, TrajectoryRecord, TrajectoryRing
+from staleflow.servers import RingFull, StaleHandle, TrajectoryRing
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES
 from staleflow.servers.weights import open_weight_source
-from staleflow.trajectory import Finished, Route
+from staleflow.trajectory import Finished, Route, TrajectoryTokens
 
 RING_BYTES = DEFAULT_RING_BYTES
 
@@ -107,8 +107,7 @@ class RolloutWorker:
             self.readers[rank] = TrajectoryRing.attach(self.ctx.run_id, rank, timeout=30)
         return self.readers[rank]
 
-    def route(self, msg: Route, rec: TrajectoryRecord | None = None) -> None:
-        out_ids, out_lp, out_v = [], [], []
+    def route(self, msg: Route, rec: TrajectoryTokens | None = None) -> None:
         if msg.partial is not None and rec is None:
             if self.net is not None and self.net.fetches_from(msg.partial.rank):
                 self.waiting_fetch.append(msg)  # fetched with its neighbours before anything else runs
@@ -119,21 +118,12 @@ class RolloutWorker:
                 # The controller only frees a partial record that is being resumed when it has
                 # dropped the trajectory (an Abort that crossed this Route): nothing to resume.
                 return
-        if rec is not None:
-            out_ids, out_lp, out_v = rec.response_ids.tolist(), rec.logprobs.tolist(), rec.versions.tolist()
+        # A resumed trajectory continues from its partial payload (read from the ring), a new one from the prompt.
+        tokens = rec if rec is not None else TrajectoryTokens(list(msg.prompt_ids))
         params = dict(self.params)
         if msg.max_new_tokens:
             params.update(max_new_tokens=msg.max_new_tokens, ignore_eos=True)
-        self.engine.add(
-            Request(
-                msg.traj_id,
-                list(msg.prompt_ids),
-                SamplingParams(seed=msg.seed, **params),
-                output_ids=out_ids,
-                output_logprobs=out_lp,
-                output_versions=out_v,
-            )
-        )
+        self.engine.add(Request(msg.traj_id, tokens, SamplingParams(seed=msg.seed, **params)))
 
     def fetch_waiting(self) -> None:
         """Fetch the partial records of the routes waiting for them (one round trip for all of them,
@@ -184,10 +174,9 @@ class RolloutWorker:
 
     # ---- outputs -------------------------------------------------------------------------
     def emit(self, out, partial: bool) -> None:
-        rec = TrajectoryRecord(
-            prompt_ids=out.prompt_ids, response_ids=out.output_ids, logprobs=out.logprobs, versions=out.versions
-        )  # the engine's lists, written as bytes by the ring
-        self.unsent.append((out.request_id, rec, out.finish_reason, partial))
+        """Write a finished or interrupted trajectory (or a held-out answer: negative id) to the ring
+        and announce it: the engine's payload, the same path for training and evaluation."""
+        self.unsent.append((out.request_id, out.tokens, out.finish_reason, partial))
         self.flush()
 
     def flush(self) -> None:
@@ -198,6 +187,9 @@ class RolloutWorker:
             except RingFull:
                 return  # back-pressure: retry after the controller frees records
             self.unsent.pop(0)
+            if is_eval(traj_id):
+                self._answered(traj_id, rec, h)
+                continue
             fetched, nbytes = self.crossed.pop(traj_id, (0, 0))
             copies = fetched
             if not partial and self.net is not None and self.net.shipper is not None:
@@ -258,17 +250,14 @@ class RolloutWorker:
                 )
             )
 
-    def answered(self, out) -> None:
-        eval_id, index = split_eval_id(out.request_id)
-        versions = list(out.versions) or [self.engine.stats().version]
+    def _answered(self, request_id: int, tokens: TrajectoryTokens, h) -> None:
+        """A held-out answer is in the ring: announce its record (the controller reads, scores, frees it)."""
+        if self.net is not None and self.net.shipper is not None:
+            self.net.shipper.ship(self.ring, h)  # to the controller's node, before the news
+        eval_id, index = split_eval_id(request_id)
+        versions = [v for v in tokens.versions if v >= 0] or [self.engine.stats().version]
         self.ctx.client.send(
-            Evaluated(
-                eval_id=eval_id,
-                index=index,
-                response_ids=list(out.output_ids),
-                min_version=min(versions),
-                max_version=max(versions),
-            )
+            Evaluated(eval_id=eval_id, index=index, handle=h, min_version=min(versions), max_version=max(versions))
         )
 
     def free(self, handles) -> None:
@@ -315,10 +304,7 @@ class RolloutWorker:
             now = time.monotonic()
             if self.engine.has_unfinished():
                 for out in self.engine.step():
-                    if is_eval(out.request_id):
-                        self.answered(out)
-                    else:
-                        self.emit(out, partial=False)
+                    self.emit(out, partial=False)
             if now - self._last_stats >= self.stats_every:
                 self.send_stats(now)
 

@@ -40,7 +40,7 @@ from staleflow.train.checkpoint import (
 )
 from staleflow.train.checkpoint_writer import DISK, OK, CheckpointWriter, settle
 from staleflow.train.trainer import Trainer
-from staleflow.trajectory import TrajectorySample
+from staleflow.trajectory import TrajectorySample, model_versions
 
 
 class TrainerWorker:
@@ -137,18 +137,8 @@ class TrainerWorker:
         out = []
         for g in msg.groups:
             for handle, reward in zip(g.handles, g.rewards):
-                rec = self._read(handle)
-                out.append(
-                    TrajectorySample(
-                        prompt_ids=rec.prompt_ids.tolist(),
-                        response_ids=rec.response_ids.tolist(),
-                        behaviour_logprobs=rec.logprobs.tolist(),
-                        versions=rec.versions.tolist(),
-                        reward=reward,
-                        group_id=g.group_id,
-                        traj_version=g.traj_version,
-                    )
-                )
+                tokens = self._read(handle).copy()  # the ring's payload, as lists
+                out.append(TrajectorySample(tokens, reward=reward, group_id=g.group_id, traj_version=g.traj_version))
         return out
 
     def progress(self) -> tuple[int, bool]:
@@ -178,8 +168,9 @@ class TrainerWorker:
             content: dict[int, list[str]] = {}
             versions: dict[int, list[list[list[int]]]] = {}
             for s in samples:  # what was trained, by content: the audit finds a group trained twice by it
-                content.setdefault(s.group_id, []).append(content_digest(s.prompt_ids, s.response_ids))
-                versions.setdefault(s.group_id, []).append(version_counts(s.versions))
+                t = s.tokens
+                content.setdefault(s.group_id, []).append(content_digest(t.prompt_ids, t.response_ids))
+                versions.setdefault(s.group_id, []).append(version_counts(model_versions(t)))
             self.ctx.client.send(
                 StepDone(
                     version=self.trainer.version,
