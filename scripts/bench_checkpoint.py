@@ -29,15 +29,17 @@ from staleflow.metrics.hardware import cpu_name
 
 
 def _samples(vocab: int, n: int, length: int, seed: int):
-    from staleflow.trajectory import TrajectorySample
+    from staleflow.trajectory import TrajectorySample, TrajectoryTokens
 
     rng = random.Random(seed)
     return [
         TrajectorySample(
-            [rng.randrange(vocab) for _ in range(length)],
-            [rng.randrange(vocab) for _ in range(length)],
-            [-rng.uniform(8.0, 11.0)] * length,
-            [0] * length,
+            TrajectoryTokens(
+                [rng.randrange(vocab) for _ in range(length)],
+                [rng.randrange(vocab) for _ in range(length)],
+                [-rng.uniform(8.0, 11.0)] * length,
+                [0] * length,
+            ),
             float(i % 2),
             i // 2,
             0,

@@ -24,7 +24,7 @@ from staleflow.metrics.hardware import cpu_flags, cpu_name
 
 
 def samples(n_groups: int, group_size: int, resp_len: int, vocab: int, seed: int):
-    from staleflow.trajectory import TrajectorySample
+    from staleflow.trajectory import TrajectorySample, TrajectoryTokens
 
     rng = random.Random(seed)
     out = []
@@ -34,10 +34,12 @@ def samples(n_groups: int, group_size: int, resp_len: int, vocab: int, seed: int
             n = max(4, int(rng.gauss(resp_len, resp_len / 4)))
             out.append(
                 TrajectorySample(
-                    prompt_ids=prompt,
-                    response_ids=[rng.randrange(100, vocab) for _ in range(n)],
-                    behaviour_logprobs=[-1.0] * n,
-                    versions=[0] * n,
+                    TrajectoryTokens(
+                        prompt_ids=prompt,
+                        response_ids=[rng.randrange(100, vocab) for _ in range(n)],
+                        behaviour_logprobs=[-1.0] * n,
+                        versions=[0] * n,
+                    ),
                     reward=float(k % 2),
                     group_id=g,
                     traj_version=0,
@@ -62,7 +64,7 @@ def main() -> None:
 
     base = load_model(args.model)
     batch = samples(args.groups, args.group_size, args.len, base.args.vocab_size, seed=0)
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
+    tokens = sum(s.tokens.seq_len for s in batch)
     print(
         f"hardware: {cpu_name()} ({cpu_flags()}), {os.cpu_count()} cpus, {args.threads} torch threads, "
         f"torch {torch.__version__}; {args.model}, {len(batch)} samples, {tokens} tokens per step",

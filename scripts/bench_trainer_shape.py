@@ -31,7 +31,7 @@ GiB = 2**30
 
 
 def samples(vocab: int, n: int, length: int, seed: int = 0) -> list:
-    from staleflow.trajectory import TrajectorySample
+    from staleflow.trajectory import TrajectorySample, TrajectoryTokens
 
     rng = random.Random(seed)
     out = []
@@ -39,7 +39,7 @@ def samples(vocab: int, n: int, length: int, seed: int = 0) -> list:
         prompt = [rng.randrange(vocab) for _ in range(length)]
         response = [rng.randrange(vocab) for _ in range(length)]
         logps = [-rng.uniform(8.0, 11.0) for _ in range(length)]
-        out.append(TrajectorySample(prompt, response, logps, [0] * length, float(i % 2), i // 4, 0))
+        out.append(TrajectorySample(TrajectoryTokens(prompt, response, logps, [0] * length), float(i % 2), i // 4, 0))
     return out
 
 
@@ -81,7 +81,7 @@ def main() -> int:
     trainer = Trainer(model, cfg, args.device, max_response_tokens=args.len)
     build_s = time.perf_counter() - t0
     batch = samples(margs.vocab_size, args.samples, args.len)
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch)
+    tokens = sum(s.tokens.seq_len for s in batch)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, metrics = [], {}

@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def _samples(vocab: int, groups: int, group_size: int, prompt: int, response: int, seed: int = 0):
-    from staleflow.trajectory import TrajectorySample
+    from staleflow.trajectory import TrajectorySample, TrajectoryTokens
 
     rng = random.Random(seed)
     out = []
@@ -46,10 +46,12 @@ def _samples(vocab: int, groups: int, group_size: int, prompt: int, response: in
             n = rng.randint(response // 2, response)
             out.append(
                 TrajectorySample(
-                    p,
-                    [rng.randrange(vocab) for _ in range(n)],
-                    [-rng.uniform(8.0, 11.0) for _ in range(n)],
-                    [0] * n,
+                    TrajectoryTokens(
+                        p,
+                        [rng.randrange(vocab) for _ in range(n)],
+                        [-rng.uniform(8.0, 11.0) for _ in range(n)],
+                        [0] * n,
+                    ),
                     float(rng.randint(0, 1)),
                     g,
                     0,

@@ -225,11 +225,11 @@ def test_compare_runs_trainer_reports_the_mixed_version_share():
     from staleflow.train.trainer import Trainer
 
     samples = random_samples(seed=3, groups=2, min_response=4)
-    n_tok = sum(len(s.response_ids) for s in samples)
+    n_tok = sum(len(s.tokens.response_ids) for s in samples)
     for s in samples[::2]:  # every other response: its last 2 tokens sampled one version later (a keep-KV pull)
-        s.versions = [2] * (len(s.response_ids) - 2) + [3, 3]
+        s.tokens.versions = [2] * (len(s.tokens.response_ids) - 2) + [3, 3]
     for s in samples[1::2]:
-        s.versions = [2] * len(s.response_ids)
+        s.tokens.versions = [2] * len(s.tokens.response_ids)
     m = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-3)).step(samples)
     assert m["mixed_token_frac"] == pytest.approx(2 * len(samples[::2]) / n_tok)
     assert m["mixed_traj_frac"] == pytest.approx(0.5)

@@ -374,7 +374,8 @@ def test_datasets_save_to_disk_folder_trains_two_steps_of_the_tiny_preset(tmp_pa
 
 def test_data_mix_held_out_evaluation_is_reported_per_source(tmp_path, tok):
     """Each source's held-out accuracy lands in the evaluation row (eval_accuracy@SOURCE)."""
-    from staleflow.control.messages import Evaluated
+    from test_eval import RingRecords
+
     from staleflow.runtime.evaluation import HeldOutEval
 
     a = write_verl_parquet(tmp_path / "a.parquet", n=20, source="a")
@@ -384,11 +385,13 @@ def test_data_mix_held_out_evaluation_is_reported_per_source(tmp_path, tok):
     held = source.hold_out(8)
     ev = HeldOutEval(held, "arithmetic", tok, 8)
     ev.start(0, [1], lambda rank, msg: None)
-    row = None
+    row, records = None, RingRecords()
     for i, p in enumerate(held):  # every a-prompt answered right, every b-prompt wrong
         right = p.meta["mix_source"] == a
         text = f"\\boxed{{{p.answer if right else 'x'}}}"
-        row = ev.on_answer(Evaluated(0, i, tok(text, add_special_tokens=False)["input_ids"], 0, 0)) or row
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        row = ev.on_answer(records.answer(0, i, ids, 0, 0), records) or row
+    records.close()
     assert row[f"eval_accuracy@{a}"] == 1.0 and row[f"eval_accuracy@{b}"] == 0.0
     assert row[f"eval_n@{a}"] == row[f"eval_n@{b}"] == 4 and row["eval_accuracy"] == 0.5
 

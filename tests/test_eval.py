@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -16,6 +17,37 @@ from staleflow.data import PromptSource
 from staleflow.model import load_tokenizer
 from staleflow.model.aliases import ensure_tokenizer
 from staleflow.runtime.evaluation import HeldOutEval
+from staleflow.servers import TrajectoryRing
+from staleflow.trajectory import TrajectoryTokens
+
+
+class RingRecords:
+    """A rollout rank's ring as the controller's backend sees it (read, free), and the producer that
+    writes held-out answers into it as the rank does."""
+
+    def __init__(self):
+        self.ring = TrajectoryRing.create("e" + uuid.uuid4().hex[:10], 1, 1 << 16)
+        self.read, self.freed = self.ring.read, []
+
+    def free(self, handles):
+        self.freed += handles
+        for h in handles:
+            self.ring.free(h)
+
+    def answer(self, eval_id: int, index: int, ids: list[int], lo: int, hi: int) -> Evaluated:
+        t = TrajectoryTokens([1], list(ids), [-0.5] * len(ids), [hi] * len(ids))
+        return Evaluated(eval_id, index, self.ring.write(t), lo, hi)
+
+    def close(self):
+        self.ring.close()
+        self.ring.unlink()
+
+
+@pytest.fixture
+def records():
+    r = RingRecords()
+    yield r
+    r.close()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +81,7 @@ def test_eval_held_out_file_rows_leave_the_training_set(tmp_path, tok):
         PromptSource(DataConfig(source=str(path)), tok).hold_out(25)
 
 
-def test_eval_answers_are_scored_with_the_reward_and_logged_once_complete(tok):
+def test_eval_answers_are_scored_with_the_reward_and_logged_once_complete(tok, records):
     src = PromptSource(DataConfig(source="arithmetic"), tok)
     prompts = src.hold_out(3)
     ev = HeldOutEval(prompts, "arithmetic", tok, max_new_tokens=32)
@@ -57,7 +89,8 @@ def test_eval_answers_are_scored_with_the_reward_and_logged_once_complete(tok):
     eval_id = ev.start(5, [1, 2], lambda rank, msg: sent.append((rank, msg)))
     assert sorted(i for _, m in sent for i in m.indices) == [0, 1, 2]
     answers = [f"The answer is \\boxed{{{prompts[0].answer}}}", prompts[1].answer, "\\boxed{-999}"]
-    rows = [ev.on_answer(Evaluated(eval_id, i, tok.encode(a), 4, 5)) for i, a in enumerate(answers)]
+    rows = [ev.on_answer(records.answer(eval_id, i, tok.encode(a), 4, 5), records) for i, a in enumerate(answers)]
+    assert len(records.freed) == 3 and records.ring.live_records == 0  # read back from the ring, then freed
     assert rows[:2] == [None, None]
     row = rows[2]
     assert row["step"] == 5 and row["eval_n"] == 3 and row["eval_accuracy"] == pytest.approx(2 / 3)
@@ -65,7 +98,7 @@ def test_eval_answers_are_scored_with_the_reward_and_logged_once_complete(tok):
     assert row["eval_correct"] == "110"  # per prompt, held-out order (bench_convergence's evaluation noise)
 
 
-def test_ci95_in_held_out_rows_console_lines_and_report_plot(tok, tmp_path):
+def test_ci95_in_held_out_rows_console_lines_and_report_plot(tok, tmp_path, records):
     """The main job's evaluation row carries its Wilson interval; the console line and the report
     plot show it."""
     from staleflow.metrics.report import _held_out, make_report
@@ -77,7 +110,7 @@ def test_ci95_in_held_out_rows_console_lines_and_report_plot(tok, tmp_path):
     ev = HeldOutEval(prompts, "arithmetic", tok, max_new_tokens=16)
     eval_id = ev.start(0, [1], lambda rank, msg: None)
     for i, p in enumerate(prompts):  # 7 of 10 right
-        row = ev.on_answer(Evaluated(eval_id, i, tok.encode(p.answer if i < 7 else "-5"), 0, 0))
+        row = ev.on_answer(records.answer(eval_id, i, tok.encode(p.answer if i < 7 else "-5"), 0, 0), records)
     assert row["eval_accuracy"] == pytest.approx(0.7)
     assert (row["eval_ci95_low"], row["eval_ci95_high"]) == wilson(7, 10)
     assert f"0.700 (95% CI {row['eval_ci95_low']:.3f}-{row['eval_ci95_high']:.3f})" in eval_line(0, row)

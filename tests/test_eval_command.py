@@ -93,10 +93,13 @@ class ScriptedEngine:
 
     def step(self):
         from staleflow.rollout.engine import RequestOutput
+        from staleflow.trajectory import TrajectoryTokens
 
         r = self.queue.pop(0)
-        ids = self.tok.encode(self.script(tuple(r.prompt_ids), r.params.seed), add_special_tokens=False)
-        return [RequestOutput(r.request_id, r.prompt_ids, ids, [0.0] * len(ids), [0] * len(ids), "stop", 0)]
+        prompt = r.tokens.prompt_ids
+        ids = self.tok.encode(self.script(tuple(prompt), r.params.seed), add_special_tokens=False)
+        tokens = TrajectoryTokens(prompt, ids, [0.0] * len(ids), [0] * len(ids))
+        return [RequestOutput(r.request_id, tokens, "stop", 0)]
 
 
 @pytest.fixture(scope="module")

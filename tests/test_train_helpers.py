@@ -10,7 +10,7 @@ import random
 import torch
 
 from staleflow.model import CausalLM, ModelArgs, PackedAttention, cu_seqlens_from_lengths, packed_positions
-from staleflow.trajectory import TrajectorySample
+from staleflow.trajectory import TrajectorySample, TrajectoryTokens
 
 VOCAB = 32
 
@@ -51,7 +51,12 @@ def random_samples(
             resp = [rng.randrange(vocab) for _ in range(n)]
             beh = [-rng.uniform(2.5, 4.5) for _ in range(n)]
             out.append(
-                TrajectorySample(prompt, resp, beh, [3 - stale * rng.randint(0, 1)] * n, float(rng.randint(0, 3)), g, 2)
+                TrajectorySample(
+                    TrajectoryTokens(prompt, resp, beh, [3 - stale * rng.randint(0, 1)] * n),
+                    float(rng.randint(0, 3)),
+                    g,
+                    2,
+                )
             )
     return out
 

@@ -17,7 +17,7 @@ from test_train_helpers import assert_same, capture_grads, lipschitz_adam, rando
 from staleflow.config import TrainConfig  # noqa: E402
 from staleflow.train.batch import build_micro_batch  # noqa: E402
 from staleflow.train.trainer import PolicyHead, Trainer, lr_factor  # noqa: E402
-from staleflow.trajectory import TrajectorySample
+from staleflow.trajectory import TrajectorySample, TrajectoryTokens
 
 
 def test_packed_micro_batch_equals_each_sequence_alone():
@@ -32,7 +32,7 @@ def test_packed_micro_batch_equals_each_sequence_alone():
         naive, _ = head(build_micro_batch(samples, ids, zeros, zeros), 1.0, "naive")
     torch.testing.assert_close(packed, alone, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(packed, naive, atol=2e-6, rtol=1e-5)
-    assert packed.shape[0] == sum(len(s.response_ids) for s in samples) and (ent > 0).all()
+    assert packed.shape[0] == sum(len(s.tokens.response_ids) for s in samples) and (ent > 0).all()
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
 
 def test_loss_aggregation_reaches_the_micro_batches_with_empty_completions_counted():
     samples = random_samples(seed=14, groups=3)  # some zero-length responses
-    n_empty = sum(1 for s in samples if not s.response_ids)
+    n_empty = sum(1 for s in samples if not s.tokens.response_ids)
     assert n_empty > 0
     with pytest.raises(ValueError, match="max_response_tokens=None.*--rollout.max-new-tokens"):
         Trainer(tiny_model(), TrainConfig(advantage="dr-grpo", loss_agg="auto"))
@@ -176,7 +176,7 @@ def test_dynamic_sampling_and_all_filtered_step():
     t = Trainer(tiny_model(seed=2), TrainConfig(lr=1e-2, dynamic_sampling=True))
     m = t.step(samples)
     assert m["groups_dropped"] == 1 and m["samples_trained"] == len(samples) - 4
-    empty = [TrajectorySample([1], [], [], [], float(i), 7, 0) for i in range(3)]  # only zero-length responses
+    empty = [TrajectorySample(TrajectoryTokens([1]), float(i), 7, 0) for i in range(3)]  # only zero-length responses
     m = t.step(empty)
     assert m["samples_trained"] == 3 and m["response_tokens"] == 0 and t.optimizer_steps == 1
     flat = [s for s in samples if s.group_id == 0]
@@ -188,11 +188,11 @@ def test_dynamic_sampling_and_all_filtered_step():
 
 def test_bad_samples_and_config_are_rejected_with_clear_errors():
     t = Trainer(tiny_model(), TrainConfig())
-    bad = TrajectorySample([1, 2], [3, 4], [-0.1], [0, 0], 1.0, 0, 0)
+    bad = TrajectorySample(TrajectoryTokens([1, 2], [3, 4], [-0.1], [0, 0]), 1.0, 0, 0)
     with pytest.raises(ValueError, match="sample 0: 1 behaviour_logprobs for 2 response tokens"):
         t.step([bad])
     with pytest.raises(ValueError, match="prompt_ids is empty"):
-        t.step([TrajectorySample([], [3], [-0.1], [0], 1.0, 0, 0)])
+        t.step([TrajectorySample(TrajectoryTokens([], [3], [-0.1], [0]), 1.0, 0, 0)])
     with pytest.raises(ValueError, match="advantage='gae'"):
         Trainer(tiny_model(), TrainConfig(advantage="gae"))
     with pytest.raises(ValueError, match="total_steps"):
@@ -261,7 +261,7 @@ def test_grpo_learns_a_toy_reward():
         group_prompts = [p for p in prompts for _ in range(6)]
         resp, logps = sample_responses(model, group_prompts, 4, gen)
         samples = [
-            TrajectorySample(p, r, lp, [t.version] * len(r), _target_reward(r, 5), gi // 6, t.version)
+            TrajectorySample(TrajectoryTokens(p, r, lp, [t.version] * len(r)), _target_reward(r, 5), gi // 6, t.version)
             for gi, (p, r, lp) in enumerate(zip(group_prompts, resp, logps))
         ]
         m = t.step(samples)

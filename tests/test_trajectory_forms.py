@@ -86,6 +86,33 @@ def test_trajectory_forms_are_six_plain_classes_in_path_order():
     assert "torch" not in trajectory.__dict__  # the pure core imports these
 
 
+def test_trajectory_forms_one_token_payload_from_engine_to_sample():
+    """Response tokens, behaviour log-probs, per-token versions and the loss mask are declared once
+    (TrajectoryTokens); the engine's request and output, the running sequences, the ring and the
+    trainer's sample hold that class, and no other module declares those fields or the old names."""
+    import dataclasses
+    import re
+
+    from staleflow.rollout.engine import Request, RequestOutput
+    from staleflow.servers.trajectory import TrajectoryRing
+
+    payload = {"prompt_ids", "response_ids", "behaviour_logprobs", "versions", "loss_mask"}
+    assert {f.name for f in dataclasses.fields(trajectory.TrajectoryTokens)} == payload
+    for holder in (Request, RequestOutput, trajectory.TrajectorySample):
+        fields = {f.name: f.type for f in dataclasses.fields(holder)}
+        assert "TrajectoryTokens" in str(fields["tokens"]) and not payload & set(fields), holder.__name__
+    assert "TrajectoryTokens" in str(TrajectoryRing.read.__annotations__["return"])
+    declared = re.compile(
+        r"^\s+(response_ids|behaviour_logprobs|loss_mask|output_ids|output_logprobs|output_versions)\s*[:=]"
+    )
+    for path in (ROOT / "src" / "staleflow").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"\boutput_(ids|logprobs|versions)\b", text), f"{path}: an old name of a payload field"
+        if path.name != "trajectory.py" or path.parent.name != "staleflow":
+            hits = [ln for ln in text.splitlines() if declared.match(ln)]
+            assert not hits, f"{path} declares payload fields outside TrajectoryTokens: {hits[:2]}"
+
+
 def test_trajectory_forms_round_trip_on_the_wire_as_themselves():
     h = RecordHandle(1, 128, 512, 7)
     route = Route(12, 1, 4, prompt_ids=[1, 2, 3], prompt_len=3, seed=99, partial=h, max_new_tokens=16)

@@ -119,7 +119,7 @@ class RolloutWorker:
                 # dropped the trajectory (an Abort that crossed this Route): nothing to resume.
                 return
         # A resumed trajectory continues from its partial payload (read from the ring), a new one from the prompt.
-        tokens = rec if rec is not None else TrajectoryTokens(list(msg.prompt_ids))
+        tokens = rec.copy() if rec is not None else TrajectoryTokens(list(msg.prompt_ids))
         params = dict(self.params)
         if msg.max_new_tokens:
             params.update(max_new_tokens=msg.max_new_tokens, ignore_eos=True)
