@@ -14,10 +14,13 @@ finished sequences. Every sampled token is stamped with the engine's weight vers
 load_weights() copies new tensors into the parameters in place (after validating all of them);
 in-flight sequences keep their tokens and re-prefill under the new weights, or with keep_kv keep
 their K/V and continue at once (each token keeps the log-prob and version that sampled it).
+Turns: a ``hold=True`` request is parked (KV kept) when its turn stops; extend() appends the
+observation and prefills only it, release() frees it (docs/engine.md, "Turns").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Iterable, Mapping
@@ -33,6 +36,7 @@ from staleflow.rollout.engine import (
     Request,
     RequestOutput,
     abort_ids,
+    check_extend,
     check_request,
     generate_all,
 )
@@ -180,6 +184,42 @@ class BuiltinEngine:
     def abort_all(self) -> list[RequestOutput]:
         return self.abort(list(self.seqs))
 
+    # ---- turns (hold / extend / release) -------------------------------------------------
+    def extend(self, request_id, observation_ids: list[int], max_new_tokens: int) -> None:
+        """Next turn of a parked request: append the observation (environment tokens: loss_mask 0,
+        ENV_LOGPROB, ENV_VERSION) and schedule it first in the waiting queue. Only the turn's last
+        sampled token and the observation are prefilled, after the cached history (all of it if
+        its K/V was freed meanwhile: a weight load without keep_kv, or reclaimed for others). The
+        turn generates up to ``max_new_tokens`` tokens: SamplingParams.max_new_tokens becomes the
+        response length after the observation plus that. EngineError before anything changes."""
+        seq = self.seqs.get(request_id)
+        parked = None if seq is None or not seq.hold else seq.status is SequenceStatus.PARKED
+        obs = check_extend(
+            request_id,
+            parked,
+            len(seq) if seq else 0,
+            observation_ids,
+            max_new_tokens,
+            self.max_model_len,
+            self.vocab_size,
+        )
+        seq.tokens.append_observation(obs)
+        seq.params = dataclasses.replace(seq.params, max_new_tokens=seq.num_output + max_new_tokens)
+        seq.finish_reason = None
+        self.scheduler.resume(seq)
+
+    def release(self, request_id, missing_ok: bool = False) -> None:
+        """Free a parked request's KV and forget it (its trajectory ended). An EngineError for an id
+        that is not parked here (a running one: abort it), unless missing_ok and it is unknown."""
+        seq = self.seqs.get(request_id)
+        if seq is None and missing_ok:
+            return
+        if seq is None or seq.status is not SequenceStatus.PARKED:
+            where = "unknown here" if seq is None else f"{seq.status.value}, not parked: abort it instead"
+            raise EngineError(f"release: request {request_id!r} is {where}")
+        self.scheduler.remove(seq)
+        del self.seqs[request_id]
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every running request by one token (prefill chunks as the budget allows)."""
@@ -202,8 +242,11 @@ class BuiltinEngine:
                 reason = self._finish_reason(seq, tok)
                 if reason is not None:
                     seq.finish_reason = reason
-                    self.scheduler.remove(seq)
-                    del self.seqs[seq.request_id]
+                    if seq.hold:  # a turn of a multi-turn request: keep its KV until extend / release
+                        self.scheduler.park(seq)
+                    else:
+                        self.scheduler.remove(seq)
+                        del self.seqs[seq.request_id]
                     finished.append(seq.output())
             self.tokens_generated += len(rows)
         self.steps += 1
@@ -296,7 +339,9 @@ class BuiltinEngine:
 
     # ---- stats ---------------------------------------------------------------------------
     def kv_tokens(self) -> int:
-        return sum(s.num_computed for s in self.scheduler.running)
+        """Tokens whose K/V is resident: running sequences' and idle held ones' (parked, or
+        extended and not yet admitted)."""
+        return sum(s.num_computed for s in self.seqs.values())
 
     def stats(self) -> EngineStats:
         sch = self.scheduler
@@ -312,6 +357,8 @@ class BuiltinEngine:
             waiting_ids=[s.request_id for s in sch.waiting],
             steps=self.steps,
             throughput_tok_s=self.throughput_tok_s,
+            num_parked=len(sch.parked),
+            parked_ids=[s.request_id for s in sch.parked.values()],
         )
 
 

@@ -7,6 +7,8 @@ A rollout rank drives one engine in a loop:
         for out in engine.step():          # finished requests (tokens, log-probs, versions)
             send_to_trajectory_server(out)
         partial = engine.abort(["traj-3"])  # Interrupt: partial outputs loop back to the TS
+        engine.extend("traj-9", observation_ids, max_new_tokens=64)  # a held turn continues (hold=True)
+        engine.release("traj-9")            # its trajectory ended: free the held KV
         engine.load_weights(named_tensors, version=5)   # Pull
         report(engine.stats())              # Snapshot for the coordinator
 
@@ -15,6 +17,13 @@ staleflow/trajectory.py: prompt, response, behaviour log-probs, per-token weight
 mask), the object the ring stores and the trainer reads. A resumed partial trajectory is added
 again with the payload it was interrupted with; the engine re-prefills prompt + response tokens
 and continues. Every field here is plain data (no torch).
+
+Turns (multi-turn, tool-using trajectories): a request added with ``hold=True`` returns its output
+when its turn stops (eos / stop id / the turn's max_new_tokens) like any request, but the engine
+keeps the sequence and its KV (*parked*: not scheduled). ``extend`` appends the environment's
+observation (loss_mask 0) and schedules the next turn: the built-in engine prefills only the new
+tokens; ``release`` frees it; ``abort`` of a parked request returns its payload. docs/engine.md,
+"Turns: hold, extend, release".
 """
 
 from __future__ import annotations
@@ -84,6 +93,9 @@ class Request:
     request_id: str | int
     tokens: TrajectoryTokens | list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    hold: bool = False
+    """Multi-turn: when a turn stops, return the output but keep the sequence and its KV (parked)
+    until ``extend`` (next turn), ``release`` or ``abort``."""
 
     def __post_init__(self):
         if not isinstance(self.tokens, TrajectoryTokens):
@@ -135,6 +147,9 @@ class EngineStats:
     steps: int = 0
     throughput_tok_s: float = 0.0
     """Tokens sampled per second, exponential moving average over recent steps (weight 0.2 per step)."""
+    num_parked: int = 0
+    """Held requests between turns (not scheduled; their K/V, if still resident, is in kv_tokens)."""
+    parked_ids: list = field(default_factory=list)
 
 
 class RolloutEngine(Protocol):
@@ -153,6 +168,13 @@ class RolloutEngine(Protocol):
     def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]: ...
 
     def stats(self) -> EngineStats: ...
+
+    def extend(self, request_id, observation_ids: list[int], max_new_tokens: int) -> None:
+        """Next turn of a parked (``hold=True``) request: append ``observation_ids`` as environment
+        tokens (loss_mask 0, ENV_LOGPROB, ENV_VERSION) and generate up to ``max_new_tokens`` more."""
+
+    def release(self, request_id) -> None:
+        """Free a parked request (its trajectory ended); an EngineError if it is not parked here."""
 
     def has_unfinished(self) -> bool: ...
 
@@ -201,6 +223,37 @@ def abort_ids(request_ids: Iterable, live, missing_ok: bool) -> list:
             f"abort: unknown request_id {unknown[0]!r} (not waiting or running here); nothing was aborted"
         )
     return [r for r in ids if r in live]
+
+
+def check_extend(
+    request_id, parked, seq_len: int, observation_ids, max_new_tokens: int, max_model_len: int, vocab_size: int
+):
+    """The observation as a list of ints, after checking an ``extend`` call (EngineError naming the
+    request and the fix; nothing has changed). ``parked``: whether request_id is parked here (None:
+    unknown)."""
+    if parked is None:
+        raise EngineError(f"extend: unknown request_id {request_id!r} (not held here): add it with hold=True first")
+    if not parked:
+        raise EngineError(
+            f"extend: request {request_id!r} is still generating its turn: extend it after step() returned its output"
+        )
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise EngineError(
+            f"extend: max_new_tokens={max_new_tokens!r} for request {request_id!r} is invalid: must be >= 1"
+        )
+    obs = [int(t) for t in observation_ids]
+    bad = [t for t in obs if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineError(
+            f"extend: request {request_id!r}: observation token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+        )
+    if seq_len + len(obs) >= max_model_len:
+        raise EngineError(
+            f"extend: request {request_id!r}: {seq_len} tokens + an observation of {len(obs)} do not fit "
+            f"max_model_len={max_model_len} (need room for one new token): end the trajectory (release) or "
+            f"truncate the observation"
+        )
+    return obs
 
 
 def check_request(request: Request, max_model_len: int, vocab_size: int) -> None:

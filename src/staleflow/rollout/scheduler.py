@@ -13,6 +13,15 @@ Each step (`schedule()`):
 4. if nothing at all could be scheduled while sequences run (prefills blocking each other),
    the newest running sequence is preempted and scheduling retried.
 The result is a ScheduledBatch: decodes first, then prefill chunks, each with its token count.
+
+Held sequences (multi-turn, Request.hold) are PARKED between turns: in `parked`, out of both
+queues, keeping their blocks; `resume` (engine.extend) puts one at the front of the waiting queue
+still holding its blocks, and its admission feeds only the tokens after its cached K/V. Blocks
+that sit idle (parked sequences, and resumed ones not yet admitted) are reclaimed before any
+running sequence is preempted: a decode or a running prefill short of blocks, or a step that
+could schedule nothing, frees the K/V of the least recently parked one first (`reclaim_idle`;
+that sequence is re-prefilled whole when it runs again). A new request is not admitted by
+evicting parked K/V while others run.
 """
 
 from __future__ import annotations
@@ -52,6 +61,10 @@ class Scheduler:
         self.watermark = max(1, block_manager.num_blocks // 100)
         self.num_preemptions = 0
         self.sharing = block_manager if isinstance(block_manager, SharingBlockManager) else None
+        self.parked: dict[int, Sequence] = {}
+        """id(seq) -> parked sequence, least recently parked first."""
+        self.num_reclaimed = 0
+        """Idle (parked or resumed-not-admitted) sequences whose K/V was freed for others."""
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -61,17 +74,50 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
+        """Drop a finished, aborted or released sequence and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.PARKED:
+            del self.parked[id(seq)]
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def park(self, seq: Sequence) -> None:
+        """A held sequence's turn stopped: out of the running set, its blocks kept."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
+        self.parked[id(seq)] = seq
+
+    def resume(self, seq: Sequence) -> None:
+        """A parked sequence got its next turn (engine.extend): first in the waiting queue, with its blocks."""
+        del self.parked[id(seq)]
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _holders(self):
+        """Sequences that hold blocks, running or not."""
+        yield from self.running
+        yield from (s for s in self.parked.values() if s.block_table)
+        yield from (s for s in self.waiting if s.block_table)
+
+    def reclaim_idle(self) -> bool:
+        """Free the K/V of one idle sequence (least recently parked first, then resumed ones not yet
+        admitted, newest first); False when none holds blocks."""
+        idle = [s for s in self.parked.values() if s.block_table] or [
+            s for s in reversed(self.waiting) if s.block_table
+        ]
+        if not idle:
+            return False
+        self.block_manager.free(idle[0])
+        self.num_reclaimed += 1
+        return True
+
     def evict_all_kv(self) -> None:
-        """Forget every cached K/V (after a weight load); sequences keep their tokens and re-prefill."""
-        for seq in self.running:
+        """Forget every cached K/V (after a weight load); sequences keep their tokens and re-prefill
+        (parked ones when they are extended)."""
+        for seq in list(self._holders()):
             self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -85,9 +131,14 @@ class Scheduler:
         # Nothing runnable while sequences are running means every one of them is a prefill
         # stuck on blocks held by the others: preempt the newest until the oldest can proceed
         # (a sequence alone always fits, the engine checks max_model_len <= capacity).
+        # Idle (parked) K/V goes first: also when nothing runs and a waiting sequence cannot fit.
         while True:
             batch = self._schedule_once()
-            if len(batch) or not self.running:
+            if len(batch) or not (self.running or self.waiting):
+                return batch
+            if self.reclaim_idle():
+                continue
+            if not self.running:
                 return batch
             self._preempt(self.running[-1])
 
@@ -99,6 +150,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.in_prefill:
                 continue
             while not bm.can_grow(seq, len(seq)):
+                if self.reclaim_idle():
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -119,6 +172,8 @@ class Scheduler:
             if not seq.in_prefill:
                 continue
             n = min(seq.num_uncomputed, budget)
+            while not bm.can_grow(seq, seq.num_computed + n) and self.reclaim_idle():
+                pass
             if not bm.can_grow(seq, seq.num_computed + n):
                 continue
             bm.grow(seq, seq.num_computed + n)
@@ -130,11 +185,13 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            shared = self.sharing.match_prefix(seq) if self.sharing else []
-            cached = len(shared) * bm.block_size  # < len(seq): at least the last prompt token is fed
+            held = bool(seq.block_table)  # a resumed parked sequence: its K/V up to num_computed is cached
+            shared = self.sharing.match_prefix(seq) if self.sharing and not held else []
+            # < len(seq): at least the last prompt token (held: the last sampled one) is fed
+            cached = seq.num_computed if held else len(shared) * bm.block_size
             n = min(len(seq) - cached, budget)
             reserve = self.watermark if self.running else 0
-            if -(-(cached + n) // bm.block_size) - len(shared) + reserve > bm.num_free:
+            if bm.blocks_needed(seq, cached + n) - len(shared) + reserve > bm.num_free:
                 break
             self.waiting.popleft()
             if shared:

@@ -6,6 +6,11 @@ returns. `num_computed` counts the leading tokens (prompt then response) whose K
 paged cache; the scheduler feeds the tokens after it (a prefill chunk, or the single last token
 when decoding). When num_computed reaches len(seq) the step's logits at the last position are
 sampled and the new token is appended.
+
+A held sequence (``Request.hold``, a multi-turn trajectory) is PARKED when its turn stops: out of
+the scheduler's queues, its blocks kept. The turn's last sampled token has no K/V yet, so
+``num_computed`` is len(seq) - 1; ``extend`` appends the observation and the next feed is that
+token plus the observation (a prefill chunk after the cached history).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from staleflow.trajectory import TrajectoryTokens
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"
+    """A held request between turns: not scheduled, blocks kept (see Request.hold)."""
     FINISHED = "finished"
 
 
@@ -35,6 +42,7 @@ class Sequence:
         "finish_reason",
         "arrival",
         "kv_epoch",
+        "hold",
     )
 
     def __init__(self, request: Request, seed: int, arrival: int):
@@ -49,6 +57,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.arrival = arrival
         self.kv_epoch = 0
+        self.hold = request.hold
         """Bumped each time the sequence's cached K/V is dropped (copies of it are then stale)."""
 
     def __len__(self) -> int:
