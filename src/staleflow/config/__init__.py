@@ -12,6 +12,7 @@ from staleflow.config.run import RunConfig, config_from_dict, resolve
 from staleflow.config.sections import (
     ConfigError,
     CoordinatorConfig,
+    EnvConfig,
     ModelConfig,
     RolloutConfig,
     StalenessConfig,
@@ -25,6 +26,7 @@ __all__ = [
     "ConfigError",
     "CoordinatorConfig",
     "DataConfig",
+    "EnvConfig",
     "EvalConfig",
     "FaultConfig",
     "LogConfig",

@@ -11,6 +11,7 @@ from typing import Literal
 from staleflow.config.job import CheckpointConfig, DataConfig, EvalConfig, FaultConfig, LogConfig, RewardConfig
 from staleflow.config.sections import (
     CoordinatorConfig,
+    EnvConfig,
     ModelConfig,
     RolloutConfig,
     StalenessConfig,
@@ -47,6 +48,7 @@ class RunConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     mode: Literal[
         "staleflow",
         "verl-sync",
@@ -78,6 +80,12 @@ class RunConfig:
             self.staleness.group_size,
             f"--train.advantage {self.train.advantage} compares responses within a "
             f"group: with 1 response per prompt every advantage is 0 and nothing is learnt; use >= 2",
+        )
+        _check(
+            not self.env.name or self.env.max_total_tokens < self.rollout.max_model_len,
+            "env.max-total-tokens",
+            self.env.max_total_tokens,
+            f"must be < --rollout.max-model-len ({self.rollout.max_model_len}): the prompt and every turn share it",
         )
 
 

@@ -340,3 +340,41 @@ class CoordinatorConfig:
             self.max_concurrent_rollouts,
             "must be >= 0 (0: (eta + 1) x B)",
         )
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn rollouts: the environment a trajectory talks to and its limits (docs/multi-turn.md)."""
+
+    name: str = ""
+    """Environment: '' (single-turn: one prompt, one response), a built-in (calculator, python) or
+    'package.module:Class', a class (EnvConfig) with async reset(prompt) and step(message) (docs/multi-turn.md)."""
+    max_turns: int = 4
+    """Most model turns per trajectory; the trajectory ends after the last one whatever the model said."""
+    max_total_tokens: int = 0
+    """Most response tokens per trajectory, model and environment tokens together, the prompt excluded
+    (0: as many as --rollout.max-model-len leaves after the prompt)."""
+    max_turn_tokens: int = 0
+    """Most new tokens the model generates in one turn (0: --rollout.max-new-tokens)."""
+    max_observation_tokens: int = 256
+    """Most tokens of one observation (tool turn and next assistant header); longer ones are cut with a marker."""
+    step_timeout_s: float = 30.0
+    """Seconds one environment step (its tool calls) may take; past it the model reads a timeout message."""
+    tool_format: Literal["auto", "qwen", "llama3"] = "auto"
+    """Tool-call syntax: qwen (<tool_call>{json}</tool_call>), llama3 ({"name", "parameters"} JSON or
+    <|python_tag|>), auto: the one the chat template uses (qwen for templates without tool support)."""
+
+    def __post_init__(self):
+        _check(self.max_turns >= 1, "env.max-turns", self.max_turns, "must be >= 1")
+        _check(self.max_total_tokens >= 0, "env.max-total-tokens", self.max_total_tokens, "must be >= 0 (0: no cap)")
+        _check(self.max_turn_tokens >= 0, "env.max-turn-tokens", self.max_turn_tokens, "must be >= 0 (0: rollout's)")
+        _check(
+            self.max_observation_tokens >= 32,
+            "env.max-observation-tokens",
+            self.max_observation_tokens,
+            "must be >= 32 (the tool turn's framing and the truncation marker need room)",
+        )
+        _check(self.step_timeout_s > 0, "env.step-timeout-s", self.step_timeout_s, "must be > 0 seconds")
+        _check(
+            self.tool_format in ("auto", "qwen", "llama3"), "env.tool-format", self.tool_format, "auto, qwen or llama3"
+        )

@@ -1,7 +1,7 @@
 """``python -m staleflow check [train flags]``: everything about a run that can be checked before
 any process starts. launch.sh runs it first, so a bad flag, a missing model folder or package,
 an extension that does not resolve (--reward.fn, --train.loss / advantage / off-policy,
---coordinator.routing / pull, --data.source: a bad import path or an object of the wrong shape), an
+--coordinator.routing / pull, --env.name, --data.source: a bad import path or an object of the wrong shape), an
 unknown --coordinator.cost-model, a data source that cannot be read or whose first rows lack the
 fields asked for, a prompt + --rollout.max-new-tokens over --rollout.max-model-len (or that over
 the model's max_position_embeddings), an optional package the flags need (vllm, wandb,
@@ -89,6 +89,10 @@ def check_extensions(cfg: RunConfig) -> None:
         (PULL, cfg.coordinator.pull),
     ):
         registry.resolve(spec)
+    if cfg.env.name:
+        from staleflow.env import make_env
+
+        make_env(cfg.env)  # resolves --env.name and builds one (the python env checks its sandbox)
     for name, _ in cfg.data.sources:
         task_for(name)  # a task name or import path resolves; data sources are read by check_data
     try:
