@@ -1,6 +1,7 @@
 """Run presets (``--preset NAME``): plain functions returning a RunConfig, registered in PRESETS.
 
 smollm2-cpu   the embedded default: SmolLM2-135M-Instruct, arithmetic, 1 trainer + 2 rollout on CPU
+smollm2-cpu-calc   the same task with a calculator tool: multi-turn, tool-using trajectories (--env.name)
 tiny          a tiny random Llama for tests and quick checks (seconds per step on CPU)
 gpu-7b        Qwen2.5-7B-Instruct on one 8-GPU node (80 GB each): 4 trainer + 4 rollout ranks
 
@@ -12,11 +13,13 @@ docs/recipes.md).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from staleflow.config import (
     CheckpointConfig,
     CoordinatorConfig,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     ModelConfig,
     RewardConfig,
@@ -51,6 +54,26 @@ def preset_smollm2_cpu() -> RunConfig:
         data=DataConfig(source="arithmetic-easy"),
         eval=EvalConfig(n=128, every=10),
         steps=20,
+    )
+
+
+def preset_smollm2_cpu_calc() -> RunConfig:
+    """smollm2-cpu with the calculator tool (issue 40's CPU example): each trajectory is up to 3 turns;
+    a turn with a ``<tool_call>{"name": "calculator", "arguments": {"expression": ...}}</tool_call>``
+    gets the result back as a tool turn (an observation, masked out of the loss), a turn without one
+    ends it and is scored. SmolLM2's chat template has no tool support, so the schema goes in the
+    system prompt (the documented fallback, staleflow.env.template.fallback_system_prompt). Up to 64
+    tokens per turn, 256 per trajectory; tool steps time out after 10 s. Same data, reward, steps and
+    held-out set as smollm2-cpu, so the two runs compare (held-out answers use the tool too).
+    """
+    from staleflow.env.calculator import CALCULATOR
+    from staleflow.env.template import fallback_system_prompt
+
+    cfg = preset_smollm2_cpu()
+    return replace(
+        cfg,
+        env=EnvConfig(name="calculator", max_turns=3, max_turn_tokens=64, max_total_tokens=256, step_timeout_s=10.0),
+        data=replace(cfg.data, system_prompt=fallback_system_prompt([CALCULATOR.schema()], "qwen")),
     )
 
 
@@ -106,6 +129,7 @@ def preset_gpu_7b() -> RunConfig:
 
 MACHINES: dict[str, Callable[[], RunConfig]] = {
     "smollm2-cpu": preset_smollm2_cpu,
+    "smollm2-cpu-calc": preset_smollm2_cpu_calc,
     "tiny": preset_tiny,
     "gpu-7b": preset_gpu_7b,
 }
