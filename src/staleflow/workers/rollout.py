@@ -80,6 +80,9 @@ def keeps_kv_on_pull(coordinator_cfg) -> bool:
 
 
 class RolloutWorker:
+    turns: TurnDriver | None = None
+    """The turn driver of a multi-turn run (--env.name); None: single-turn trajectories."""
+
     def __init__(self, ctx, model):
         self.ctx = ctx
         self.instance = ctx.roles.instance_id(ctx.rank)
@@ -155,7 +158,7 @@ class RolloutWorker:
 
     def interrupt(self, ids, drop: bool) -> None:
         st = self.engine.stats()
-        held = set(st.running_ids) | set(st.waiting_ids) | set(st.parked_ids)
+        held = set(st.running_ids) | set(st.waiting_ids) | set(getattr(st, "parked_ids", ()))  # engines without turns
         live = [t for t in ids if t in held]  # the others finished meanwhile: their Finished is on its way
         for out in self.engine.abort(live):
             ep = self.turns.forget(out.request_id) if self.turns is not None else None
@@ -326,8 +329,8 @@ class RolloutWorker:
 
     def run(self) -> None:
         while True:
-            busy = self.engine.has_unfinished() or (self.turns is not None and self.turns.busy)
-            msg = self.ctx.recv(0.0 if busy else 0.005)
+            tools = self.turns is not None and self.turns.busy  # env steps running: poll them often, without spinning
+            msg = self.ctx.recv(0.0 if self.engine.has_unfinished() else 0.001 if tools else 0.005)
             while msg is not None:
                 if not self.handle(msg):
                     return
