@@ -202,8 +202,11 @@ def test_engine_registry_lockstep_admits_a_batch_only_when_the_last_one_finished
     batches = [b for i, b in enumerate(running_sets) if b and (i == 0 or not running_sets[i - 1] >= b)]
     assert [sorted(b) for b in batches] == [[0, 1], [2, 3], [4]]  # never topped up mid-batch
     assert sorted(o.request_id for o in outs) == [0, 1, 2, 3, 4]
-    assert all(len(o.output_ids) == len(o.logprobs) == len(o.versions) == 6 for o in outs)
-    assert all(lp <= 0 for o in outs for lp in o.logprobs) and {v for o in outs for v in o.versions} == {0}
+    assert all(
+        len(o.tokens.response_ids) == len(o.tokens.behaviour_logprobs) == len(o.tokens.versions) == 6 for o in outs
+    )
+    assert all(lp <= 0 for o in outs for lp in o.tokens.behaviour_logprobs)
+    assert {v for o in outs for v in o.tokens.versions} == {0}
 
 
 def test_engine_registry_lockstep_samples_what_the_builtin_engine_samples():
@@ -212,14 +215,17 @@ def test_engine_registry_lockstep_samples_what_the_builtin_engine_samples():
     lock, plain = _engines(batch=3)
     want = generate_all(plain, _requests(5))
     got = {o.request_id: o for o in generate_all(lock, _requests(5))}
-    assert [got[w.request_id].output_ids for w in want] == [w.output_ids for w in want]  # greedy: same tokens
-    assert all(got[w.request_id].logprobs == pytest.approx(w.logprobs, abs=1e-4) for w in want)
+    assert [got[w.request_id].tokens.response_ids for w in want] == [w.tokens.response_ids for w in want]  # greedy
+    assert all(
+        got[w.request_id].tokens.behaviour_logprobs == pytest.approx(w.tokens.behaviour_logprobs, abs=1e-4)
+        for w in want
+    )
     first = _requests(1)[0]
     lock.add(first)
     with pytest.raises(EngineError, match="already in the engine"):
         lock.add(first)
     (aborted,) = lock.abort([first.request_id])  # held, never stepped: comes back as it went in
-    assert aborted.finish_reason == "abort" and aborted.output_ids == [] and not lock.has_unfinished()
+    assert aborted.finish_reason == "abort" and aborted.tokens.response_ids == [] and not lock.has_unfinished()
 
 
 def test_engine_registry_lockstep_command_is_the_documented_one():

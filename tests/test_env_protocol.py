@@ -373,3 +373,61 @@ def test_env_protocol_config_every_flag_has_help():
         f for f in EnvConfig.__dataclass_fields__ if not (docs.get_field_docstring(EnvConfig, f, ()) or "").strip()
     ]
     assert missing == []
+
+
+# ---- docs/multi-turn.md's worked examples -----------------------------------------------------------
+
+
+def _doc_example(marker: str) -> dict:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "multi-turn.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if marker in b]
+    namespace: dict = {}
+    exec(compile(block, f"docs/multi-turn.md ({marker})", "exec"), namespace)  # our own doc's code
+    return namespace
+
+
+def test_env_protocol_doc_examples_run():
+    from staleflow.trajectory import Prompt
+
+    units = _doc_example("class UnitsEnv")
+    try:
+        env = make_env(EnvConfig(name="units"))
+        call = format_tool_call(ToolCall("convert", {"value": 5, "source": "km", "target": "m"}), "qwen")
+        assert run(env.step(call)).observation == "5000 m"
+        back = format_tool_call(ToolCall("convert", {"value": 250, "source": "cm", "target": "m"}), "llama3")
+        assert run(env.step(back)).observation == "2.5 m"
+        bad = run(env.step(format_tool_call(ToolCall("convert", {"value": 1, "source": "kg", "target": "m"}), "qwen")))
+        assert bad.observation == "Error: cannot convert kg to m" and bad.error == "cannot convert kg to m"
+        assert run(env.step("5 km is 5000 m.")).done
+    finally:
+        del ENVS["units"]
+    assert units["UnitsEnv"].tools[0].name == "convert"
+
+    tries = _doc_example("class TwoTries")["TwoTries"](EnvConfig())
+    run(tries.reset(Prompt(1, "What is 2 + 3?", "5", [1])))
+    first = run(tries.step("It is 6."))
+    assert not first.done and "again" in first.observation
+    assert run(tries.step("Sorry: 7.")) == EnvStep("", done=True, reward=0.0)
+    run(tries.reset(Prompt(1, "What is 2 + 3?", "5", [1])))
+    assert run(tries.step("It is 5.")).reward == 1.0
+
+
+def test_env_protocol_python_env_sandbox_stops_before_the_step_timeout(monkeypatch):
+    import staleflow.env.python_env as python_env
+
+    @dataclass(frozen=True)
+    class Limits:
+        wall_s: float = 10.0
+        memory_mb: int = 512
+
+    seen = []
+    fake = lambda code, limits, stdin="": seen.append(limits) or FakeResult("ok")  # noqa: E731
+    monkeypatch.setattr(python_env, "sandbox_runner", lambda: (fake, Limits()))
+    env = make_env(EnvConfig(name="python", step_timeout_s=4.0))
+    assert run(env.step(format_tool_call(ToolCall("python", {"code": "print(1)"}), "qwen"))).observation == "ok"
+    assert seen == [Limits(wall_s=0.9 * 4.0)]
+    make_env(EnvConfig(name="python", step_timeout_s=60.0)).run("x")
+    assert seen[-1] == Limits()  # the sandbox's own limit when it is the shorter one

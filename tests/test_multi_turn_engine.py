@@ -7,6 +7,9 @@ the cached history. Checked here on the built-in engine (tiny CausalLM, CPU, gre
   history, and the model tokens' log-probs equal an independent fp64 full-sequence forward;
 - the prefilled token counts (CostSample.prefill_tokens) prove the history is not re-prefilled;
 - the observation tokens carry loss_mask 0, ENV_LOGPROB and ENV_VERSION;
+- without a model, a hypothesis driver plays the engine with turns, tool waits, releases, aborts
+  and weight loads over a small cache: every fed sequence reads back its own context (parked K/V
+  is never handed to another sequence, reclaimed K/V is recomputed), nothing starves;
 - release frees the blocks, abort of a parked request returns its payload, a pull with keep_kv keeps
   a parked sequence's old-weight K/V (mixed-cache reference from test_keep_kv), a pull without it
   and a reclaim of idle K/V (the preemption path) re-prefill the history on extend, and a parked
@@ -15,12 +18,20 @@ the cached history. Checked here on the built-in engine (tiny CausalLM, CPU, gre
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_keep_kv import ARGS, Mixed, Recording, _logprobs, _models
 
 from staleflow.model import CausalLM, ModelArgs
 from staleflow.rollout import BuiltinEngine, EngineError, Request, SamplingParams
+from staleflow.rollout.block_manager import BlockManager
+from staleflow.rollout.prefix_sharing import SharingBlockManager
+from staleflow.rollout.scheduler import Scheduler
+from staleflow.rollout.sequence import Sequence, SequenceStatus
 from staleflow.trajectory import ENV_LOGPROB, ENV_VERSION
 
 PROMPT = [5, 17, 33, 8, 41, 9, 60, 12, 3, 77, 25]  # 11 tokens: crosses blocks of 4 and chunks of 8
@@ -68,6 +79,8 @@ def test_multi_turn_extend_prefills_only_the_observation_and_equals_a_one_shot_p
         n_before = len(history)
         eng.extend("t", OBS[turn - 1], max_new_tokens=TURN[turn])
         out, prefilled = run_turn(eng, "t")
+        if sharing:  # reference counts equal the block tables, parked sequence included
+            eng.block_manager.check(eng.seqs.values())
         # only the turn's last sampled token (no K/V yet) and the observation are prefilled
         assert prefilled == 1 + len(OBS[turn - 1]), (turn, prefilled)
         history = history + OBS[turn - 1]
@@ -240,3 +253,105 @@ def test_multi_turn_idle_kv_is_reclaimed_before_running_sequences_are_preempted(
     ref, _ = one_shot(history, TURN[1])
     assert out.tokens.response_ids[-TURN[1] :] == ref.tokens.response_ids
     assert big.tokens.response_ids == one_shot(list(range(2, 52)), 9)[0].tokens.response_ids
+
+
+def drive_turns(num_blocks, block_size, max_running, budget, sharing, trajs, loads, aborts):
+    """Play the engine's loop on the Scheduler alone (the cache modelled slot by slot, as in
+    test_engine_prefix_sharing.drive): each trajectory runs turns of `new` tokens, waits `wait`
+    steps for its tool while parked, and is extended with `obs` tokens; its last turn is released."""
+    bm = (SharingBlockManager if sharing else BlockManager)(num_blocks, block_size)
+    sch = Scheduler(bm, max_running, budget)
+    max_len = num_blocks * block_size
+    live, turns_left, wake = {}, {}, {}
+    for i, (plen, turns, new, _obs, _wait) in enumerate(trajs):
+        prompt = [3 + i % 2] + [5 + (i * 7 + j) % 11 for j in range(min(plen, max_len - 2) - 1)]
+        seq = Sequence(Request(i, prompt, SamplingParams(max_new_tokens=new), hold=True), seed=i, arrival=i)
+        sch.add(seq)
+        live[i], turns_left[i] = seq, turns - 1
+    slots: dict[int, tuple] = {}
+    floor = dict.fromkeys(live, 0)  # the oldest weight version a sequence may read
+    version = 0
+    for step in range(4000):
+        if not live:
+            break
+        for i in aborts.get(step, []):
+            if i in live:
+                sch.remove(live.pop(i))
+                wake.pop(i, None)
+        for i, (t, obs, new) in list(wake.items()):  # tools answered: the next turn
+            if step >= t:
+                seq = live[i]
+                seq.tokens.append_observation([90 + (i + k) % 5 for k in range(obs)])
+                seq.params = dataclasses.replace(seq.params, max_new_tokens=seq.num_output + new)
+                sch.resume(seq)
+                del wake[i]
+        if step in loads:
+            if loads[step] and sharing:
+                bm.retire_prefixes()
+            elif not loads[step]:
+                sch.evict_all_kv()
+                floor = dict.fromkeys(floor, version + 1)
+            version += 1
+        fresh = {s.request_id for s in sch.waiting if not s.block_table}
+        batch = sch.schedule()
+        floor.update({s.request_id: version for s in batch.seqs if s.request_id in fresh})
+        assert len(batch) or not sch.has_unfinished(), "nothing scheduled while sequences wait"
+        assert batch.prefill_tokens <= budget
+        for seq, k in zip(batch.seqs, batch.num_tokens):
+            for pos in range(seq.num_computed, seq.num_computed + k):
+                slots[bm.slot(seq, pos)] = (version, tuple(seq.token_slice(0, pos + 1)))
+        for seq, k in zip(batch.seqs, batch.num_tokens):
+            for pos in range(seq.num_computed + k):
+                ver, prefix = slots.get(bm.slot(seq, pos), (-1, None))
+                assert prefix == tuple(seq.token_slice(0, pos + 1)) and ver >= floor[seq.request_id], (
+                    f"request {seq.request_id} position {pos} reads K/V it does not own"
+                )
+        for seq, k in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += k
+        for seq in batch.seqs:
+            if seq.num_computed == len(seq):
+                seq.append(40 + (seq.request_id * 13 + seq.num_output) % 37, -1.0, version)
+                if seq.num_output >= seq.params.max_new_tokens or len(seq) >= max_len:
+                    i = seq.request_id
+                    _, _, new, obs, wait = trajs[i]
+                    if turns_left[i] and len(seq) + obs < max_len:
+                        sch.park(seq)  # the turn stopped: K/V kept while the tool runs
+                        assert seq.status is SequenceStatus.PARKED and seq.num_computed == len(seq) - 1
+                        turns_left[i] -= 1
+                        wake[i] = (step + 1 + wait, obs, new)
+                    else:
+                        sch.remove(seq)  # the trajectory ended: release
+                        del live[i]
+        if sharing:
+            bm.check(live.values())
+        for s in live.values():
+            assert len(s.block_table) * block_size >= s.num_computed
+    assert not live, "trajectories starved"
+    assert bm.num_free == num_blocks
+    return sch
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    num_blocks=st.integers(6, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_running=st.integers(1, 6),
+    budget=st.integers(1, 16),
+    sharing=st.booleans(),
+    trajs=st.lists(
+        st.tuples(st.integers(1, 12), st.integers(1, 4), st.integers(1, 5), st.integers(0, 6), st.integers(0, 4)),
+        min_size=1,
+        max_size=6,
+    ),
+    loads=st.dictionaries(st.integers(1, 40), st.booleans(), max_size=2),
+    aborts=st.dictionaries(st.integers(0, 40), st.lists(st.integers(0, 5), max_size=2), max_size=2),
+)
+def test_multi_turn_scheduler_never_hands_parked_kv_to_another_sequence(
+    num_blocks, block_size, max_running, budget, sharing, trajs, loads, aborts
+):
+    drive_turns(num_blocks, block_size, max_running, budget, sharing, trajs, loads, aborts)
+
+
+def test_multi_turn_scheduler_reclaims_idle_kv_under_pressure():
+    sch = drive_turns(8, 2, 4, 8, True, [(6, 3, 3, 2, 3)] * 5, {}, {})
+    assert sch.num_reclaimed > 0

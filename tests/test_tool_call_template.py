@@ -6,6 +6,9 @@ is downloaded: the SmolLM2 tokenizer with the Llama header tokens added)."""
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 
 from staleflow.env import (
@@ -54,10 +57,18 @@ LLAMA_STYLE = (
 LLAMA_SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
 
 
-def _tokenizer(style: str):
+@functools.cache
+def _smollm2():
     from staleflow.model.tokenizer import load_tokenizer
 
-    tok = load_tokenizer("smollm2-135m")
+    return load_tokenizer("smollm2-135m")
+
+
+def _tokenizer(style: str):
+    """SmolLM2's tokenizer (shared, never changed) or a copy with the Qwen- or Llama-style template."""
+    if style == "smollm2":
+        return _smollm2()
+    tok = copy.deepcopy(_smollm2())
     if style == "qwen":
         tok.chat_template = QWEN_STYLE
     elif style == "llama":
@@ -149,3 +160,36 @@ def test_tool_call_observation_cap_too_small_is_one_line():
     tok = _tokenizer("smollm2")
     with pytest.raises(ValueError, match="raise --env.max-observation-tokens"):
         observation_tokens(tok, "qwen", "x " * 200, 8)
+
+
+def test_tool_call_prompt_renderer_shows_the_env_tools():
+    """data/render.py: a multi-turn run's prompts carry the tool schemas (env_schemas), rendered as
+    tool_prompt_ids renders them; a single-turn run's prompts are unchanged."""
+    import dataclasses
+
+    from staleflow.config import DataConfig, EnvConfig
+    from staleflow.data.render import PromptRenderer
+    from staleflow.env import env_schemas
+
+    tok = _tokenizer("smollm2")
+    schemas = env_schemas(EnvConfig(name="calculator"))
+    assert schemas == [CALCULATOR.schema()] and env_schemas(EnvConfig()) == []
+    data = DataConfig()
+    plain = PromptRenderer(data, tok).encode(["What is 2 + 3?"])[0]
+    shown = PromptRenderer(data, tok, schemas, "auto").encode(["What is 2 + 3?"])[0]
+    assert shown == tool_prompt_ids(tok, PromptRenderer(data, tok).messages("What is 2 + 3?"), schemas, "qwen")
+    assert len(shown) > len(plain) and "calculator" not in tok.decode(plain)
+    raw = PromptRenderer(dataclasses.replace(data, chat_template=False), tok, schemas).encode(["What is 2 + 3?"])[0]
+    assert "<tool_call>" in tok.decode(raw) and tok.decode(raw).rstrip().endswith("What is 2 + 3?")
+
+
+@pytest.mark.parametrize("fmt", ["qwen", "llama3"])
+def test_tool_call_fallback_example_is_a_valid_call(fmt):
+    """The example call the fallback prompt shows parses, in its format, to a call the tool accepts."""
+    from staleflow.env.template import fallback_system_prompt
+
+    text = fallback_system_prompt([CALCULATOR.schema()], fmt)
+    example = text.split("\n\n", 1)[1].split("\n", 1)[1].rsplit("\n", 1)[0]  # between the how-to and the last line
+    (call,) = parse_tool_calls(example, fmt)
+    assert call.name == "calculator" and CALCULATOR.check(call.arguments) is None
+    assert CALCULATOR.fn(**call.arguments) == "84"

@@ -152,6 +152,45 @@ def test_abort_returns_partial_output_that_resumes(engine, smol, reference):
     assert max(abs(a - b) for a, b in zip(done.tokens.behaviour_logprobs, ref.tokens.behaviour_logprobs)) < LOGPROB_TOL
 
 
+def _turn(eng, rid):
+    """Step until `rid`'s turn stops; its output."""
+    for _ in range(500):
+        for out in eng.step():
+            if out.request_id == rid:
+                return out
+    raise AssertionError(f"{rid!r} did not stop")
+
+
+def test_multi_turn_extend_resubmits_the_history_through_the_prefix_cache(engine, smol):
+    p, obs = smol["prompts"][1], smol["prompts"][2][-12:]  # real tokens as the observation
+    ref = builtin(smol["model"])
+    outs = []
+    for eng in (engine, ref):
+        eng.add(Request("mt", p, greedy(8), hold=True))
+        first = _turn(eng, "mt")
+        st = eng.stats()
+        assert (st.num_parked, st.parked_ids, eng.has_unfinished()) == (1, ["mt"], False)
+        eng.extend("mt", obs, 8)
+        outs.append(_turn(eng, "mt"))
+        if eng is engine:  # the history's full blocks came from vLLM's prefix cache, not a re-prefill
+            computed = len(p) + len(first.tokens.response_ids) - 1
+            assert engine._parked["mt"].cached_tokens == computed // engine.block_size * engine.block_size > 0
+        eng.release("mt")
+        assert eng.stats().num_parked == 0
+    got, want = (o.tokens for o in outs)
+    assert got.response_ids == want.response_ids and got.loss_mask == want.loss_mask
+    assert got.num_trained == len(got.response_ids) - len(obs) and got.loss_mask.count(0) == len(obs)
+    got.validate()
+    assert max(abs(a - b) for a, b in zip(got.behaviour_logprobs, want.behaviour_logprobs)) < LOGPROB_TOL
+    with pytest.raises(EngineError, match="unknown here"):
+        engine.release("mt")
+    engine.add(Request("mt2", p, greedy(4), hold=True))
+    parked = _turn(engine, "mt2")
+    (aborted,) = engine.abort(["mt2"])
+    assert aborted.finish_reason == "abort" and aborted.tokens == parked.tokens
+    assert engine.stats().num_parked == 0 and not engine.has_unfinished()
+
+
 def test_head_dim_below_32_is_refused_on_cpu():
     pytest.importorskip("vllm")
     if torch.cuda.is_available():

@@ -8,6 +8,8 @@ A string prompt becomes [system message (--data.system-prompt)] + the user messa
 ((role, content), ...) is used as is. Then the tokenizer's own chat template with the generation
 prompt (--data.chat-template, the default), else the contents joined by blank lines, tokenised with
 the tokenizer's special tokens (a chat-message prompt then is an error: it needs the template).
+With ``tools`` (a multi-turn run's tool schemas, staleflow.env.env_schemas) the template shows them
+(its own ``tools=``, else the system-prompt fallback of env/template.py; docs/multi-turn.md).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from staleflow.data.files import DataError
 
 
 class PromptRenderer:
-    def __init__(self, cfg: DataConfig, tokenizer):
+    def __init__(self, cfg: DataConfig, tokenizer, tools: list[dict] = (), tool_format: str = "auto"):
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 "--data.chat-template is on but the tokenizer has no chat template: "
                 "use an instruct model folder or pass --data.no-chat-template"
             )
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.tools, self.tool_format = list(tools), tool_format
 
     def messages(self, prompt) -> list[dict]:
         """The chat messages of one prompt (a string or ((role, content), ...))."""
@@ -37,10 +40,14 @@ class PromptRenderer:
     def encode(self, prompts: list) -> list[list[int]]:
         """Token ids of prompts (strings or chat-message tuples) as the policy sees them."""
         if self.cfg.chat_template:
-            rendered = [
-                self.tokenizer.apply_chat_template(self.messages(p), tokenize=False, add_generation_prompt=True)
-                for p in prompts
-            ]
+            from staleflow.env.template import tool_messages
+
+            rendered = []
+            for p in prompts:
+                msgs, extra = tool_messages(self.tokenizer, self.messages(p), self.tools, self.tool_format)
+                rendered.append(
+                    self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **extra)
+                )
             return [list(x) for x in self.tokenizer(rendered, add_special_tokens=False)["input_ids"]]
         texts = []
         for p in prompts:
@@ -48,5 +55,13 @@ class PromptRenderer:
                 raise DataError(
                     "a prompt given as chat messages needs the tokenizer's chat template: drop --data.no-chat-template"
                 )
-            texts.append("\n\n".join(m["content"] for m in self.messages(p)))
+            texts.append("\n\n".join([*self._tool_text(), *(m["content"] for m in self.messages(p))]))
         return [list(x) for x in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+
+    def _tool_text(self) -> list[str]:
+        """Without a chat template: the tools' description as the first paragraph."""
+        if not self.tools:
+            return []
+        from staleflow.env.template import fallback_system_prompt, resolve_tool_format
+
+        return [fallback_system_prompt(self.tools, resolve_tool_format(self.tokenizer, self.tool_format))]

@@ -39,12 +39,13 @@ __all__ = ["MAX_HELD_OUT_SKIPS", "PromptSource"]
 class PromptSource:
     """Endless iterator of Prompt; see the module docstring."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, answer_check=None):
+    def __init__(self, cfg: DataConfig, tokenizer, answer_check=None, tools: list[dict] = (), tool_format="auto"):
         """answer_check(answer) -> why the run's reward cannot score it, or None (a file row whose
-        answer fails it is a bad row, reported with its row number like any other)."""
+        answer fails it is a bad row, reported with its row number like any other); tools: the tool
+        schemas every prompt shows (a multi-turn run: staleflow.env.env_schemas(cfg.env))."""
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.renderer = PromptRenderer(cfg, tokenizer)
+        self.renderer = PromptRenderer(cfg, tokenizer, tools, tool_format)
         specs = cfg.sources
         self.mixed = len(specs) > 1 or bool(cfg.mix)
         self.streams = [Stream(name, cfg, self.encode, answer_check, self.mixed) for name, _ in specs]

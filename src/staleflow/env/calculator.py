@@ -115,7 +115,9 @@ CALCULATOR = Tool(
     description="Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
     parameters={
         "type": "object",
-        "properties": {"expression": {"type": "string", "description": "for example (12 + 30) * 2"}},
+        "properties": {
+            "expression": {"type": "string", "description": "the arithmetic", "examples": ["(12 + 30) * 2"]}
+        },
         "required": ["expression"],
     },
     fn=calculator,

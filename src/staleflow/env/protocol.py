@@ -1,12 +1,14 @@
 """The environment protocol: what a multi-turn trajectory talks to between the model's turns.
 
     env = make_env(cfg.env)                          # --env.name: calculator | python | pkg.module:Class
+    env_schemas(cfg.env)                             # the tool schemas the prompt shows (data/render.py)
     await env.reset(prompt)                          # a fresh episode from the prompt's data row
     step = await run_step(env, message, timeout_s)   # the model's finished turn -> EnvStep
     step.observation, step.done, step.reward, step.tool_calls, step.tool_s, step.error
 
 An environment is a class built as ``cls(cfg)`` (cfg: the run's EnvConfig), one instance per
-trajectory, with two coroutines: ``reset(prompt)`` and ``step(message) -> EnvStep``. ``ENVS`` is its
+trajectory, with two coroutines: ``reset(prompt)`` and ``step(message) -> EnvStep``, and optionally
+``schemas``, the tools' JSON schemas the prompt shows. ``ENVS`` is its
 registry (staleflow.extensions): the built-ins register themselves (env/calculator.py,
 env/python_env.py) with the interface a fork implements, and ``--env.name my_pkg.envs:MyEnv`` loads a
 fork's through the same path as ``--train.loss``. An environment's state must be recreatable from the
@@ -102,6 +104,18 @@ def make_env(cfg) -> Environment:
                 f"an environment is {ENVS.shape.text}"
             )
     return env
+
+
+def env_schemas(cfg) -> list[dict]:
+    """The tool schemas the prompt shows for the run's EnvConfig: the environment's optional ``schemas``
+    attribute (OpenAI-style function schemas, what a chat template's ``tools=`` takes); [] for a
+    single-turn run (--env.name '') or an environment without one."""
+    if not cfg.name:
+        return []
+    schemas = getattr(make_env(cfg), "schemas", None) or []
+    if not isinstance(schemas, list) or not all(isinstance(s, dict) for s in schemas):
+        raise ExtensionError(f"--env.name={cfg.name!r}: its schemas must be a list of dicts (tool JSON schemas)")
+    return schemas
 
 
 async def run_step(env: Environment, message: str, timeout_s: float) -> EnvStep:

@@ -9,6 +9,9 @@ The model reads the program's stdout, its stderr and, when the sandbox stopped i
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from staleflow.env.protocol import register_env
 from staleflow.env.tool_env import ToolEnv
 from staleflow.env.tools import Tool
@@ -17,6 +20,7 @@ MAX_STREAM_CHARS = 4000
 """Each of stdout / stderr is cut to this many characters here (the observation cap cuts tokens later)."""
 
 
+@functools.cache  # the sandbox's probe starts a process: once per rank (a failure raises, so is not cached)
 def sandbox_runner():
     """(run_python, SandboxLimits()) from staleflow.sandbox; RuntimeError (one line) where it cannot run."""
     try:
@@ -61,6 +65,9 @@ class PythonEnv(ToolEnv):
         if run_python is None:
             run_python, default_limits = sandbox_runner()
             limits = default_limits if limits is None else limits
+            if dataclasses.is_dataclass(limits) and getattr(limits, "wall_s", 0) > cfg.step_timeout_s:
+                # the sandbox stops the program before the step's timeout: the model reads why
+                limits = dataclasses.replace(limits, wall_s=0.9 * cfg.step_timeout_s)
         self._run_python, self._limits = run_python, limits
         tool = Tool(
             name="python",

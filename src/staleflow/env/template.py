@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 
-from staleflow.env.tools import FORMATS
+from staleflow.env.tools import FORMATS, ToolCall, format_tool_call
 
 SENTINEL = "staleflow-model-turn-7c1f"
 TRUNCATED = "\n[observation truncated: {n} of {total} tokens shown]"
@@ -54,17 +54,24 @@ def resolve_tool_format(tokenizer, tool_format: str) -> str:
 
 
 def fallback_system_prompt(tools: list[dict], tool_format: str) -> str:
-    """The system prompt describing ``tools`` (OpenAI-style schemas) for a template without tool support."""
-    if tool_format == "qwen":
-        how = (
-            "To call a tool, write:\n<tool_call>\n"
-            '{"name": "<tool name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
-        )
-    else:
-        how = 'To call a tool, answer with only this JSON: {"name": "<tool name>", "parameters": {<arguments as JSON>}}'
+    """The system prompt describing ``tools`` (OpenAI-style schemas) for a template without tool
+    support: the schemas, then one example call of the first tool in ``tool_format``'s syntax (its
+    required arguments, each the first of its schema's ``examples`` or a placeholder)."""
+    fn = tools[0].get("function", tools[0])
+    params = fn.get("parameters", {})
+    example = {
+        k: (params.get("properties", {}).get(k, {}).get("examples") or [f"<{k}>"])[0]
+        for k in params.get("required", [])
+    }
+    call = format_tool_call(ToolCall(fn.get("name", "<tool name>"), example), tool_format)
+    how = (
+        "To call a tool, write for example:"
+        if tool_format == "qwen"
+        else "To call a tool, answer with only JSON, e.g.:"
+    )
     schemas = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
     return (
-        f"You can use these tools:\n{schemas}\n\n{how}\n"
+        f"You can use these tools:\n{schemas}\n\n{how}\n{call}\n"
         "The tool's result comes back in the next message. When you know the answer, give it without a tool call."
     )
 

@@ -42,7 +42,10 @@ def check_data(cfg: RunConfig, folder: str) -> None:
                 why = f"; row {bad[0].location}: {bad[0].reason}" if bad else " (it is empty)"
                 raise ConfigError(f"--data.source={name!r}: none of its first {PROBE_ROWS} rows is usable{why}")
             prompts += [r.messages or r.text for r in rows]
-        ids = PromptRenderer(cfg.data, load_tokenizer(folder)).encode(prompts)
+        from staleflow.env import env_schemas
+
+        tools = env_schemas(cfg.env)  # the prompts of a multi-turn run show its tools: longer
+        ids = PromptRenderer(cfg.data, load_tokenizer(folder), tools, cfg.env.tool_format).encode(prompts)
     except DataError as e:
         raise ConfigError(str(e)) from None
     check_lengths(cfg, max(len(x) for x in ids), folder)

@@ -28,6 +28,8 @@ How the interface maps onto vLLM (token-id prompts, `skip_tokenizer_init=True`, 
   interrupted requests are re-added, so no KV computed with old weights survives.
 - On CUDA: CUDA graphs, the plan's gpu_memory_utilization, the rank's GPU first (docs/vllm.md).
 - stats(): vLLM's scheduler stats (a stat tap); running_ids are the oldest live ids (FCFS).
+- Turns (Request.hold; vllm_support.HeldTurns): extend() resubmits prompt + history + observation
+  and vLLM's prefix cache (enabled at start) skips the history's cached blocks (docs/engine.md).
 
 vLLM is imported lazily: this module imports without it. In-process mode (env
 VLLM_ENABLE_V1_MULTIPROCESSING=0) starts in seconds but runs vLLM's distributed setup in the
@@ -45,16 +47,9 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from staleflow.rollout.engine import (
-    EngineError,
-    EngineStats,
-    Request,
-    RequestOutput,
-    abort_ids,
-    check_request,
-    generate_all,
-)
+from staleflow.rollout.engine import EngineError, EngineStats, Request, RequestOutput, check_request, generate_all
 from staleflow.rollout.vllm_support import (
+    HeldTurns,
     WeightReloadExtension,
     _checkpoint_shapes,
     _Live,
@@ -84,7 +79,7 @@ def _import_vllm():
     return vllm
 
 
-class VllmEngine:
+class VllmEngine(HeldTurns):
     def __init__(
         self,
         model_path: str,
@@ -157,6 +152,7 @@ class VllmEngine:
         )
         self.multiprocess = multiprocess
         self._live: dict = {}  # request_id -> _Live, in arrival order
+        self._parked: dict = {}  # request_id -> _Live of a held request between turns
         self._by_vid: dict[str, _Live] = {}
         self._next_vid = 0
         self._rng = random.Random(seed)
@@ -191,7 +187,7 @@ class VllmEngine:
     # ---- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         rid, p = request.request_id, request.params
-        if rid in self._live:
+        if rid in self._live or rid in self._parked:
             raise EngineError(f"request_id={rid!r} is already in the engine: use a fresh id or abort it first")
         check_request(request, self.max_model_len, self.vocab_size)
         check_logprob_kind(rid, p, self.logprobs_mode, self.temperature)
@@ -222,27 +218,13 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
         live.vid = str(self._next_vid)
+        live.cached_tokens = 0
         self._next_vid += 1
         self.llm.add_request(live.vid, {"prompt_token_ids": live.tokens.prompt_ids + live.tokens.response_ids}, vp)
         self._by_vid[live.vid] = live
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
-
-    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]:
-        """Interrupt requests; returns their partial outputs (finish_reason 'abort').
-
-        Unknown ids: see `abort_ids` (an error unless missing_ok).
-        """
-        lives = [self._live.pop(r) for r in abort_ids(request_ids, self._live, missing_ok)]
-        if lives:
-            self.llm.abort_request([lv.vid for lv in lives])
-        for lv in lives:
-            self._by_vid.pop(lv.vid, None)
-        return [lv.output("abort") for lv in lives]
-
-    def abort_all(self) -> list[RequestOutput]:
-        return self.abort(list(self._live))
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -266,10 +248,13 @@ class VllmEngine:
             for tok, lp in zip(ids, lps):
                 live.tokens.append(int(tok), float(lp[tok].logprob), self.version)
             n_new += len(ids)
+            live.cached_tokens = max(live.cached_tokens, int(getattr(out, "num_cached_tokens", 0) or 0))
             if out.finished:
                 reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
                 del self._by_vid[live.vid]
                 del self._live[live.request_id]
+                if live.hold and reason != "abort":  # a turn of a multi-turn request: wait for extend
+                    self._parked[live.request_id] = live
                 finished.append(live.output(reason))
         self.steps += 1
         self.tokens_generated += n_new
@@ -367,6 +352,8 @@ class VllmEngine:
             waiting_ids=ids[n_run:],
             steps=self.steps,
             throughput_tok_s=self.throughput_tok_s,
+            num_parked=len(self._parked),
+            parked_ids=list(self._parked),
         )
 
     def close(self) -> None:

@@ -1,15 +1,18 @@
 """Pieces of the vLLM engine that live apart from it: the worker extension vLLM loads by name
-in its own processes, its stat-logger tap, the per-request record and small helpers."""
+in its own processes, its stat-logger tap, the per-request record, the turns (hold / extend /
+release) and small helpers."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
 
-from staleflow.rollout.engine import EngineError, Request, RequestOutput
+from staleflow.rollout.engine import EngineError, Request, RequestOutput, abort_ids, check_extend
 
 _MASK63 = (1 << 63) - 1
 _SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
@@ -102,7 +105,7 @@ class _Live:
     """One request inside the engine: its token payload (the same object its output returns), its
     sampling params and seed, its vLLM id."""
 
-    __slots__ = ("request_id", "tokens", "params", "seed", "vid")
+    __slots__ = ("request_id", "tokens", "params", "seed", "vid", "hold", "cached_tokens")
 
     def __init__(self, request: Request, seed: int):
         self.request_id = request.request_id
@@ -110,9 +113,60 @@ class _Live:
         self.params = request.params
         self.seed = seed
         self.vid = ""
+        self.hold = request.hold
+        self.cached_tokens = 0
+        """Prefix-cache hits vLLM reported for the latest submission (num_cached_tokens)."""
 
     def output(self, reason) -> RequestOutput:
         return RequestOutput(self.request_id, self.tokens.copy(), reason, self.seed)
+
+
+class HeldTurns:
+    """VllmEngine's turns (Request.hold): a held request between turns is in ``self._parked``
+    (request_id -> _Live); extend resubmits its whole history through ``self._submit``; abort
+    covers parked requests too."""
+
+    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]:
+        """Interrupt requests; returns their partial outputs (finish_reason 'abort').
+
+        Unknown ids: see `abort_ids` (an error unless missing_ok).
+        """
+        ids = abort_ids(request_ids, self._live.keys() | self._parked.keys(), missing_ok)
+        parked = {r: self._parked.pop(r) for r in ids if r in self._parked}
+        lives = [self._live.pop(r) for r in ids if r not in parked]
+        if lives:
+            self.llm.abort_request([lv.vid for lv in lives])
+        for lv in lives:
+            self._by_vid.pop(lv.vid, None)
+        lives = {lv.request_id: lv for lv in lives} | parked
+        return [lives[r].output("abort") for r in ids]
+
+    def abort_all(self) -> list[RequestOutput]:
+        return self.abort(list(self._live) + list(self._parked))
+
+    def extend(self, request_id, observation_ids: list[int], max_new_tokens: int) -> None:
+        """Next turn of a parked request: the observation is appended (environment tokens) and prompt +
+        history + observation resubmitted; vLLM's prefix cache skips the cached full blocks of the
+        history. SamplingParams.max_new_tokens becomes the response length after the observation
+        plus ``max_new_tokens``. EngineError before anything changes."""
+        live = self._parked.get(request_id)
+        parked = (
+            True if live is not None else (False if request_id in self._live and self._live[request_id].hold else None)
+        )
+        n = len(live.tokens.prompt_ids) + len(live.tokens.response_ids) if live else 0
+        obs = check_extend(request_id, parked, n, observation_ids, max_new_tokens, self.max_model_len, self.vocab_size)
+        del self._parked[request_id]
+        live.tokens.append_observation(obs)
+        live.params = dataclasses.replace(live.params, max_new_tokens=len(live.tokens.response_ids) + max_new_tokens)
+        self._submit(live)
+        self._live[request_id] = live
+
+    def release(self, request_id, missing_ok: bool = False) -> None:
+        """Forget a parked request (vLLM holds nothing of it but evictable prefix-cache blocks)."""
+        if self._parked.pop(request_id, None) is not None or (missing_ok and request_id not in self._live):
+            return
+        where = "unknown here" if request_id not in self._live else "running, not parked: abort it instead"
+        raise EngineError(f"release: request {request_id!r} is {where}")
 
 
 def _segment_seed(seed: int, n_out: int) -> int:
@@ -228,6 +282,7 @@ def start_llm_engine(
         max_num_seqs=int(max_running),
         max_num_batched_tokens=max(int(prefill_chunk_tokens), int(max_running)),
         enable_chunked_prefill=True,
+        enable_prefix_caching=True,  # a held request's next turn (extend) resubmits its history
         block_size=block_size,
         kv_cache_memory_bytes=kv_bytes,
         logprobs_mode=logprobs_mode,

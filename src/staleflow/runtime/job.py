@@ -40,7 +40,10 @@ class TrainingJob:
         self.ctl, self.cfg, self.run_dir = ctl, cfg, ctl.run_dir
         s = cfg.staleness
         tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
-        self.source = PromptSource(cfg.data, tokenizer, answer_check=lambda a: answer_problem(cfg.reward.fn, a))
+        from staleflow.env import env_schemas  # a multi-turn run's prompts show its tools (docs/multi-turn.md)
+
+        check = lambda a: answer_problem(cfg.reward.fn, a)  # noqa: E731
+        self.source = PromptSource(cfg.data, tokenizer, check, env_schemas(cfg.env), cfg.env.tool_format)
         self.held_out = None
         if cfg.eval.n:  # set aside before any training prompt is drawn
             from staleflow.runtime.evaluation import HeldOutEval
