@@ -61,20 +61,13 @@ def preset_smollm2_cpu_calc() -> RunConfig:
     """smollm2-cpu with the calculator tool (issue 40's CPU example): each trajectory is up to 3 turns;
     a turn with a ``<tool_call>{"name": "calculator", "arguments": {"expression": ...}}</tool_call>``
     gets the result back as a tool turn (an observation, masked out of the loss), a turn without one
-    ends it and is scored. SmolLM2's chat template has no tool support, so the schema goes in the
-    system prompt (the documented fallback, staleflow.env.template.fallback_system_prompt). Up to 64
-    tokens per turn, 256 per trajectory; tool steps time out after 10 s. Same data, reward, steps and
-    held-out set as smollm2-cpu, so the two runs compare (held-out answers use the tool too).
+    ends it and is scored. The prompts show the tool's schema (SmolLM2's chat template has no tool
+    support: the documented system-prompt fallback, docs/multi-turn.md). Up to 64 tokens per turn, 256
+    per trajectory; tool steps time out after 10 s. Same data, reward, steps and held-out set as
+    smollm2-cpu, so the two runs compare (held-out answers use the tool too).
     """
-    from staleflow.env.calculator import CALCULATOR
-    from staleflow.env.template import fallback_system_prompt
-
-    cfg = preset_smollm2_cpu()
-    return replace(
-        cfg,
-        env=EnvConfig(name="calculator", max_turns=3, max_turn_tokens=64, max_total_tokens=256, step_timeout_s=10.0),
-        data=replace(cfg.data, system_prompt=fallback_system_prompt([CALCULATOR.schema()], "qwen")),
-    )
+    env = EnvConfig(name="calculator", max_turns=3, max_turn_tokens=64, max_total_tokens=256, step_timeout_s=10.0)
+    return replace(preset_smollm2_cpu(), env=env)
 
 
 def preset_tiny() -> RunConfig:

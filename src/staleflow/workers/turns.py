@@ -131,7 +131,9 @@ class TemplateCodec:
         """Tokens that end a model turn."""
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        """A turn as the environment reads it: special tokens kept (``<|python_tag|>`` is one; the
+        tool-call parser drops a trailing stop token itself, docs/multi-turn.md)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def observation(self, text: str, max_tokens: int) -> list[int]:
         """The tool turn holding ``text`` and the next assistant header, at most ``max_tokens``."""
