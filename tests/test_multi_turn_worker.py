@@ -268,3 +268,26 @@ def test_multi_turn_resume_mid_turn_continues_the_turn():
     assert tokens.response_ids[:2] == list(out.tokens.response_ids)
     assert stats.turns == 2 == len(model_turns(tokens))
     assert [m for k, m in log if k == "step"][0] == ToyCodec().decode(model_turns(tokens)[0])
+
+
+def test_multi_turn_template_codec_feeds_the_calculator_env():
+    """The codec the ranks use (SmolLM2's tokenizer and template): a turn ending in its stop token is
+    decoded with special tokens kept, the calculator env parses and runs the call, and the observation
+    is the template's tool turn plus the next assistant header."""
+    from staleflow.env import make_env, observation_tokens
+    from staleflow.model.tokenizer import load_tokenizer
+    from staleflow.workers.turns import TemplateCodec
+
+    tok = load_tokenizer("smollm2-135m")
+    codec = TemplateCodec(tok, "auto")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in codec.stop_ids and codec.tool_format == "qwen"
+    turn = tok('<tool_call>\n{"name": "calculator", "arguments": {"expression": "19 + 24"}}\n</tool_call>')["input_ids"]
+    text = codec.decode(list(turn) + [im_end])
+    assert text.endswith("<|im_end|>")
+    env = make_env(EnvConfig(name="calculator"))
+    asyncio.run(env.reset(row()))
+    step = asyncio.run(env.step(text))
+    assert (step.observation, step.done, step.tool_calls, step.error) == ("43", False, 1, None)
+    assert codec.observation("43", 256) == observation_tokens(tok, "qwen", "43", 256)
+    assert "43" in tok.decode(codec.observation("43", 256))
