@@ -4,7 +4,7 @@ the tiny preset and a test environment whose tool sleeps (tests/e2e_envs.py:Slee
 Checks: every trained trajectory within eta (the run's audit trail), none trained twice; each one
 holds model and environment tokens (fewer model tokens than response tokens, the model's with
 versions); metrics.jsonl carries turns, tool calls and tool seconds per trajectory; report.png is
-written with them.
+written with them; held-out answers talk to the environment too (3 turns each).
 """
 
 import os
@@ -39,6 +39,10 @@ def test_multi_turn_tiny_run_end_to_end(tmp_path):
         "2",
         "--staleness.eta",
         str(eta),
+        "--eval.n",
+        "4",
+        "--eval.every",
+        "2",
     ]
     proc = subprocess.Popen(
         cmd,
@@ -54,8 +58,11 @@ def test_multi_turn_tiny_run_end_to_end(tmp_path):
         _kill_group(proc)
     assert proc.returncode == 0, out
     run = os.path.join(tmp_path, "mt")
-    steps = [r for r in _rows(os.path.join(run, "metrics.jsonl")) if "eval_n" not in r]
+    rows = _rows(os.path.join(run, "metrics.jsonl"))
+    steps = [r for r in rows if "eval_n" not in r]
     assert len(steps) == 2
+    evals = [r for r in rows if "eval_n" in r]
+    assert [e["step"] for e in evals] == [0, 2] and all(e["eval_turns_mean"] == 3.0 for e in evals)  # env too
     for s in steps:
         assert s["turns_mean"] == 3.0 and s["tool_calls_per_traj"] == 2.0, s  # SleepyEnv: 3 turns, 2 tool calls
         assert s["tool_s_per_traj"] >= 0.099 and s["bound_violations"] == 0
