@@ -4,6 +4,7 @@ smollm2-cpu   the embedded default: SmolLM2-135M-Instruct, arithmetic, 1 trainer
 smollm2-cpu-calc   the same task with a calculator tool: multi-turn, tool-using trajectories (--env.name)
 tiny          a tiny random Llama for tests and quick checks (seconds per step on CPU)
 gpu-7b        Qwen2.5-7B-Instruct on one 8-GPU node (80 GB each): 4 trainer + 4 rollout ranks
+gpu-7b-python the same node, math with a sandboxed Python tool (multi-turn; documented, not run on CPU)
 
 Recipes (``--preset dapo``, ``--preset gpu-7b+dapo``): an algorithm's flags from its paper put over
 a machine preset (smollm2-cpu when none is named): dapo, grpo, dr-grpo, gspo (presets_recipes.py,
@@ -120,11 +121,32 @@ def preset_gpu_7b() -> RunConfig:
     )
 
 
+def preset_gpu_7b_python() -> RunConfig:
+    """gpu-7b with the ``python`` tool (issue 40's GPU recipe, not run on the CPU machines): the model
+    may run Python in the sandbox (staleflow.sandbox: no network, CPU/memory/process/output limits)
+    between its turns, up to 4 turns of at most 2048 tokens, 7168 response tokens in all (tool output
+    included, each observation at most 1024 tokens), 30 s per tool step. Qwen2.5's chat template
+    renders the tool schema itself and its ``<tool_call>`` format is parsed (--env.tool-format auto).
+    Launch as gpu-7b, with ``--preset gpu-7b-python``; ``staleflow check`` refuses in one line when
+    the sandbox cannot start on the node.
+    """
+    env = EnvConfig(
+        name="python",
+        max_turns=4,
+        max_turn_tokens=2048,
+        max_total_tokens=7168,
+        max_observation_tokens=1024,
+        step_timeout_s=30.0,
+    )
+    return replace(preset_gpu_7b(), env=env)
+
+
 MACHINES: dict[str, Callable[[], RunConfig]] = {
     "smollm2-cpu": preset_smollm2_cpu,
     "smollm2-cpu-calc": preset_smollm2_cpu_calc,
     "tiny": preset_tiny,
     "gpu-7b": preset_gpu_7b,
+    "gpu-7b-python": preset_gpu_7b_python,
 }
 """The machine presets: model, ranks, lengths and sizes (a recipe is put over one of them)."""
 
