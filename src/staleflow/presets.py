@@ -1,8 +1,10 @@
 """Run presets (``--preset NAME``): plain functions returning a RunConfig, registered in PRESETS.
 
 smollm2-cpu   the embedded default: SmolLM2-135M-Instruct, arithmetic, 1 trainer + 2 rollout on CPU
+smollm2-cpu-calc   the same task with a calculator tool: multi-turn, tool-using trajectories (--env.name)
 tiny          a tiny random Llama for tests and quick checks (seconds per step on CPU)
 gpu-7b        Qwen2.5-7B-Instruct on one 8-GPU node (80 GB each): 4 trainer + 4 rollout ranks
+gpu-7b-python the same node, math with a sandboxed Python tool (multi-turn; documented, not run on CPU)
 
 Recipes (``--preset dapo``, ``--preset gpu-7b+dapo``): an algorithm's flags from its paper put over
 a machine preset (smollm2-cpu when none is named): dapo, grpo, dr-grpo, gspo (presets_recipes.py,
@@ -12,11 +14,13 @@ docs/recipes.md).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from staleflow.config import (
     CheckpointConfig,
     CoordinatorConfig,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     ModelConfig,
     RewardConfig,
@@ -52,6 +56,19 @@ def preset_smollm2_cpu() -> RunConfig:
         eval=EvalConfig(n=128, every=10),
         steps=20,
     )
+
+
+def preset_smollm2_cpu_calc() -> RunConfig:
+    """smollm2-cpu with the calculator tool (issue 40's CPU example): each trajectory is up to 3 turns;
+    a turn with a ``<tool_call>{"name": "calculator", "arguments": {"expression": ...}}</tool_call>``
+    gets the result back as a tool turn (an observation, masked out of the loss), a turn without one
+    ends it and is scored. The prompts show the tool's schema (SmolLM2's chat template has no tool
+    support: the documented system-prompt fallback, docs/multi-turn.md). Up to 64 tokens per turn, 256
+    per trajectory; tool steps time out after 10 s. Same data, reward, steps and held-out set as
+    smollm2-cpu, so the two runs compare (held-out answers use the tool too).
+    """
+    env = EnvConfig(name="calculator", max_turns=3, max_turn_tokens=64, max_total_tokens=256, step_timeout_s=10.0)
+    return replace(preset_smollm2_cpu(), env=env)
 
 
 def preset_tiny() -> RunConfig:
@@ -104,10 +121,32 @@ def preset_gpu_7b() -> RunConfig:
     )
 
 
+def preset_gpu_7b_python() -> RunConfig:
+    """gpu-7b with the ``python`` tool (issue 40's GPU recipe, not run on the CPU machines): the model
+    may run Python in the sandbox (staleflow.sandbox: no network, CPU/memory/process/output limits)
+    between its turns, up to 4 turns of at most 2048 tokens, 7168 response tokens in all (tool output
+    included, each observation at most 1024 tokens), 30 s per tool step. Qwen2.5's chat template
+    renders the tool schema itself and its ``<tool_call>`` format is parsed (--env.tool-format auto).
+    Launch as gpu-7b, with ``--preset gpu-7b-python``; ``staleflow check`` refuses in one line when
+    the sandbox cannot start on the node.
+    """
+    env = EnvConfig(
+        name="python",
+        max_turns=4,
+        max_turn_tokens=2048,
+        max_total_tokens=7168,
+        max_observation_tokens=1024,
+        step_timeout_s=30.0,
+    )
+    return replace(preset_gpu_7b(), env=env)
+
+
 MACHINES: dict[str, Callable[[], RunConfig]] = {
     "smollm2-cpu": preset_smollm2_cpu,
+    "smollm2-cpu-calc": preset_smollm2_cpu_calc,
     "tiny": preset_tiny,
     "gpu-7b": preset_gpu_7b,
+    "gpu-7b-python": preset_gpu_7b_python,
 }
 """The machine presets: model, ranks, lengths and sizes (a recipe is put over one of them)."""
 

@@ -117,6 +117,15 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
     cross_node_bytes: int = 0
     fetched: int = 0
     """Of those copies, partial records fetched from another node to resume the trajectory."""
+    turns: int = 0
+    """Multi-turn (--env.name): model turns in the trajectory so far (0: a single-turn trajectory)."""
+    tool_calls: int = 0
+    """Multi-turn: tool calls answered in its turns (a replay on resume counts them again only once)."""
+    tool_s: float = 0.0
+    """Multi-turn: seconds its environment steps took on this instance since its last Finished
+    (replays and re-run calls included: the time they cost)."""
+    env_reward: float | None = None
+    """Multi-turn: the reward its environment gave at the end (None: the task's reward fn scores it)."""
 
 
 class TrainGroup(msgspec.Struct, frozen=True, array_like=True):

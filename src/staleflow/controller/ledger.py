@@ -44,6 +44,11 @@ class Traj:
     reward: float | None = None
     reward_error: str = ""
     text: str = ""
+    turns: int = 0
+    """Multi-turn: model turns (0: single-turn)."""
+    tool_calls: int = 0
+    tool_s: float = 0.0
+    """Multi-turn: seconds of environment steps, summed over every instance it ran on."""
 
 
 @dataclass

@@ -74,6 +74,7 @@ class ControllerLoop:
         self.audit = Audit()
         self.unrouted: set[int] = set()  # live groups none of whose members was routed yet
         self.response_lens: list[int] = []
+        self.turn_stats: list[tuple[int, int, float]] = []  # multi-turn: (turns, tool calls, tool s) per finish
         self.progress_at = backend.now()
         self.listeners = dict(listeners or {})
         self.tokens_generated: dict[int, int] = {}
@@ -129,33 +130,30 @@ class ControllerLoop:
             self._free([ev.handle])
             return
         self._free([self.ledger.set_handle(t.traj_id, ev.handle)])
+        t.turns, t.tool_calls, t.tool_s = ev.turns, ev.tool_calls, t.tool_s + ev.tool_s
         if ev.partial and not t.truncate:  # the loop-back: queued again, same V_traj, same reservation
             t.n_tokens = ev.n_tokens
             g = self.ledger.groups[t.group_id]
-            self.coord.on_interrupted(
-                ev.instance,
-                [
-                    TrajectoryItem(
-                        t.traj_id,
-                        t.group_id,
-                        t.traj_version,
-                        self.workload.prompt_len(g.prompt),
-                        ev.n_tokens,
-                        origin=ev.instance,
-                    )
-                ],
-            )
+            plen = self.workload.prompt_len(g.prompt)
+            item = TrajectoryItem(t.traj_id, t.group_id, t.traj_version, plen, ev.n_tokens, origin=ev.instance)
+            self.coord.on_interrupted(ev.instance, [item])
             return
-        self.finish(t, ev.instance, ev.n_tokens)
+        self.finish(t, ev.instance, ev.n_tokens, ev.env_reward)
 
-    def finish(self, t: Traj, instance: int, n_tokens: int) -> None:
-        """Generation of `t` is over: the coordinator counts it (or has already dropped it), then score it."""
+    def finish(self, t: Traj, instance: int, n_tokens: int, env_reward: float | None = None) -> None:
+        """Generation of `t` is over: the coordinator counts it (or has already dropped it), then score
+        it (a multi-turn trajectory's environment may have given its reward already)."""
         if not self.coord.on_finished(instance, t.traj_id):
             self._drop(t.traj_id, "late-finish")  # surplus or closed window: its Abort is on its way
             return
         self.ledger.accept_finish(t.traj_id, n_tokens)
         self.response_lens.append(n_tokens)
+        if t.turns:
+            self.turn_stats.append((t.turns, t.tool_calls, t.tool_s))
         self.progress_at = self.backend.now()
+        if env_reward is not None:
+            self.on_rewarded(Rewarded(t.traj_id, float(env_reward)))
+            return
         g = self.ledger.groups[t.group_id]
         self.backend.score(t.traj_id, t.handle, g.prompt)
 
@@ -320,7 +318,8 @@ class ControllerLoop:
     def step_metrics(self, rec: StepRecord) -> dict:
         """The per-step numbers every front end reports (runtime metrics.jsonl, simulator tables)."""
         lens, self.response_lens = self.response_lens, []
-        return step_metrics(rec, lens, self.audit, self.counts, sum(self.reward_errors.values()))
+        turns, self.turn_stats = self.turn_stats, []
+        return step_metrics(rec, lens, self.audit, self.counts, sum(self.reward_errors.values()), turns)
 
     # ---- the loop ------------------------------------------------------------------------------
     @property

@@ -9,12 +9,16 @@ from staleflow.controller.audit import Audit
 from staleflow.controller.types import StepRecord
 
 
-def step_metrics(rec: StepRecord, lens: list[int], audit: Audit, counts: Counter, reward_errors: int) -> dict:
-    """lens: the response lengths finished since the previous step."""
+def step_metrics(
+    rec: StepRecord, lens: list[int], audit: Audit, counts: Counter, reward_errors: int, turns: list | None = None
+) -> dict:
+    """lens: the response lengths finished since the previous step; turns: (turns, tool calls, tool
+    seconds) of the multi-turn trajectories finished since then (their keys appear only in a run
+    with an environment, --env.name)."""
     rewards, stale = rec.rewards, rec.staleness
     hist = Counter(stale)
     c = counts
-    return {
+    row = {
         "reward_mean": sum(rewards) / max(len(rewards), 1),
         "accuracy": sum(r > 0.5 for r in rewards) / max(len(rewards), 1),
         "response_len_mean": sum(lens) / max(len(lens), 1),
@@ -33,3 +37,10 @@ def step_metrics(rec: StepRecord, lens: list[int], audit: Audit, counts: Counter
         "groups_aborted": c["groups_aborted"],
         "reward_errors": reward_errors,
     }
+    if turns:
+        n = len(turns)
+        row["turns_mean"] = sum(t[0] for t in turns) / n
+        row["tool_calls_per_traj"] = sum(t[1] for t in turns) / n
+        row["tool_s_per_traj"] = sum(t[2] for t in turns) / n
+        row["tool_s_total"] = sum(t[2] for t in turns)
+    return row

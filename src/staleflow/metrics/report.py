@@ -1,6 +1,7 @@
 """The PNG report of a run folder: reward and held-out accuracy (with its 95% interval),
-throughput, staleness histogram, per-rank timeline, each instance's pull time, and the traffic
-between nodes (multi-node runs).
+throughput, staleness histogram, per-rank timeline, each instance's pull time, the traffic
+between nodes (multi-node runs), and with an environment (--env.name) the turns, tool calls and
+tool seconds per trajectory.
 
     python -m staleflow.metrics.report RUN_DIR      (written at the end of every run as RUN_DIR/report.png)
 """
@@ -36,7 +37,8 @@ def make_report(run_dir: str, out: str | None = None) -> str:
     spans = read_jsonl(os.path.join(run_dir, "timeline.jsonl"))
     if not steps:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl has no steps: nothing to report (did the run train?)")
-    fig, axes = plt.subplots(3, 2, figsize=(13, 12.5))
+    turns = any("turns_mean" in s for s in steps)
+    fig, axes = plt.subplots(4 if turns else 3, 2, figsize=(13, 16.5 if turns else 12.5))
     x = [s["step"] for s in steps]
 
     ax = axes[0][0]
@@ -89,6 +91,8 @@ def make_report(run_dir: str, out: str | None = None) -> str:
         ax.legend(loc="upper right", fontsize=8)
 
     _pull_panels(axes[2], steps, x)
+    if turns:
+        _turn_panels(axes[3], steps)
     fig.suptitle(f"StaleFlow run {os.path.basename(os.path.abspath(run_dir))}")
     fig.tight_layout()
     out = out or os.path.join(run_dir, "report.png")
@@ -110,6 +114,26 @@ def _held_out(ax, evals: list[dict]) -> None:
         ax.errorbar(xs, ys, yerr=err, fmt="D-", color="black", capsize=4, label=label + ", 95% CI")
     else:
         ax.plot(xs, ys, "D-", color="black", label=label)
+
+
+def _turn_panels(row, steps: list[dict]) -> None:
+    """Multi-turn runs: turns and tool calls per finished trajectory, and its tool seconds, per step."""
+    pts = [s for s in steps if "turns_mean" in s]
+    x = [s["step"] for s in pts]
+    ax = row[0]
+    ax.plot(x, [s["turns_mean"] for s in pts], "o-", label="turns per trajectory")
+    ax.plot(x, [s["tool_calls_per_traj"] for s in pts], "s--", label="tool calls per trajectory")
+    ax.set_xlabel("step")
+    ax.set_title("Turns and tool calls (trajectories finished since the previous step)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax = row[1]
+    ax.plot(x, [s["tool_s_per_traj"] * 1000 for s in pts], "o-", color="tab:green", label="tool time per trajectory")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.set_title("Tool (environment step) time per trajectory")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 def _pull_panels(row, steps: list[dict], x: list[int]) -> None:

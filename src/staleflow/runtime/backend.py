@@ -27,6 +27,7 @@ from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.servers import StaleHandle, TrajectoryRing
 from staleflow.servers.mirror import RecordLate, arrived, attach_mirror, read_arrived
 from staleflow.trajectory import Finished, RecordHandle, Route, TrainGroup
+from staleflow.workers.turns import final_turn_ids
 
 RECORD_WAIT_S = 120.0
 
@@ -91,7 +92,7 @@ class RuntimeBackend:
             self._unscored.append((traj_id, handle, prompt, time.monotonic() + RECORD_WAIT_S))
             return
         rec = self.rings[handle.rank].read(handle)
-        text = self.tokenizer.decode(rec.response_ids.tolist(), skip_special_tokens=True)
+        text = self.tokenizer.decode(final_turn_ids(rec), skip_special_tokens=True)  # multi-turn: the last turn
         self._texts[traj_id] = text
         self.rewards.submit(traj_id, text, prompt.answer, dict(prompt.meta))
 

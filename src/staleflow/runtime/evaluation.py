@@ -3,7 +3,8 @@
 Controller side (``HeldOutEval``, used by runtime/job.py): the held-out prompts are split
 across the instances (``Evaluate``); answers come back one by one through the rings like
 training's trajectories (``Evaluated`` names the rank's record: it is read, then freed with
-FreeRecords as a consumed trajectory is), are decoded
+FreeRecords as a consumed trajectory is), are decoded (the model's last turn: with --env.name the
+held-out prompts talk to the environment like training's, and ``eval_turns_mean`` is reported)
 and scored with the run's reward function in the controller (correct = answer reward >= 1, as in
 ``staleflow eval``: eval/scoring.py), and an evaluation row goes to metrics.jsonl once all of them
 are in, with its 95% Wilson interval (``eval_ci95_low``, ``eval_ci95_high``); with --data.mix
@@ -17,6 +18,7 @@ from __future__ import annotations
 import time
 
 from staleflow.control.messages import Evaluate, Evaluated
+from staleflow.workers.turns import final_turn_ids, model_turns
 
 
 class HeldOutEval:
@@ -64,10 +66,10 @@ class HeldOutEval:
         if run is None:
             return None
         p = self.prompts[msg.index]
-        response = tokens.response_ids.tolist()  # decoded whole, as a training trajectory's reward is
-        text = self.tokenizer.decode(response, skip_special_tokens=True)
+        # the model's last turn, as a training trajectory's reward reads it (all of a single-turn response)
+        text = self.tokenizer.decode(final_turn_ids(tokens), skip_special_tokens=True)
         ok, info = is_correct(self.fn, text, p.answer, p.meta)
-        run["answers"][msg.index] = (ok, len(response), info["boxed"], text)
+        run["answers"][msg.index] = (ok, len(tokens.response_ids), info["boxed"], text, len(model_turns(tokens)))
         run["versions"] += [msg.min_version, msg.max_version]
         if len(run["answers"]) < len(self.prompts):
             return None
@@ -86,6 +88,8 @@ class HeldOutEval:
             "eval_sample": answers[0][3][:300],
             "eval_correct": "".join("1" if a[0] else "0" for a in answers),  # per prompt, held-out order
         }
+        if any(a[4] > 1 for a in answers):
+            row["eval_turns_mean"] = sum(a[4] for a in answers) / len(answers)  # multi-turn (--env.name)
         for name, idx in self._by_source().items():  # --data.mix: each source's own accuracy
             part = summarize([[answers[i][0]] for i in idx])
             row[f"eval_accuracy@{name}"], row[f"eval_n@{name}"] = part["accuracy"], len(idx)

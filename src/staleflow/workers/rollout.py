@@ -14,6 +14,10 @@
 Between commands the engine steps; finished trajectories are written to this rank's ring and
 announced with Finished; an InstanceSnapshot goes out every --rollout.stats-interval-ms.
 
+With --env.name (multi-turn, tool-using trajectories) a TurnDriver (workers/turns.py) holds each
+trajectory's environment and turns: routes, the engine's turn outputs, interrupts and held-out
+prompts go through it, and its Finished carries turns, tool calls and tool seconds.
+
 In a multi-node run (ctx.net, cluster/netplane.py) a rank on a node without trainer ranks also
 ships each finished record to the trainer nodes before its Finished; a partial record produced on
 another node is fetched from its producer before the trajectory resumes (consecutive Routes
@@ -44,6 +48,7 @@ from staleflow.servers import RingFull, StaleHandle, TrajectoryRing
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES
 from staleflow.servers.weights import open_weight_source
 from staleflow.trajectory import Finished, Route, TrajectoryTokens
+from staleflow.workers.turns import TemplateCodec, TurnDriver, TurnStats, prompt_row
 
 RING_BYTES = DEFAULT_RING_BYTES
 
@@ -75,6 +80,9 @@ def keeps_kv_on_pull(coordinator_cfg) -> bool:
 
 
 class RolloutWorker:
+    turns: TurnDriver | None = None
+    """The turn driver of a multi-turn run (--env.name); None: single-turn trajectories."""
+
     def __init__(self, ctx, model):
         self.ctx = ctx
         self.instance = ctx.roles.instance_id(ctx.rank)
@@ -100,6 +108,7 @@ class RolloutWorker:
         )
         self.waiting_fetch: list[Route] = []  # routes whose partial record is on another node
         self.crossed: dict[int, tuple[int, int]] = {}  # traj_id -> (copies, bytes) fetched to resume it
+        self.turns = build_turn_driver(ctx.cfg, self.engine, self._emit_turns) if ctx.cfg.env.name else None
 
     # ---- commands ------------------------------------------------------------------------
     def _reader(self, rank: int) -> TrajectoryRing:
@@ -120,6 +129,10 @@ class RolloutWorker:
                 return
         # A resumed trajectory continues from its partial payload (read from the ring), a new one from the prompt.
         tokens = rec.copy() if rec is not None else TrajectoryTokens(list(msg.prompt_ids))
+        if self.turns is not None:
+            row = prompt_row(msg.traj_id, msg.prompt_ids, self.turns.decode(list(msg.prompt_ids)))
+            self.turns.start(msg.traj_id, row, tokens, SamplingParams(seed=msg.seed, **self.params))
+            return
         params = dict(self.params)
         if msg.max_new_tokens:
             params.update(max_new_tokens=msg.max_new_tokens, ignore_eos=True)
@@ -145,11 +158,16 @@ class RolloutWorker:
 
     def interrupt(self, ids, drop: bool) -> None:
         st = self.engine.stats()
-        held = set(st.running_ids) | set(st.waiting_ids)
+        held = set(st.running_ids) | set(st.waiting_ids) | set(getattr(st, "parked_ids", ()))  # engines without turns
         live = [t for t in ids if t in held]  # the others finished meanwhile: their Finished is on its way
         for out in self.engine.abort(live):
+            ep = self.turns.forget(out.request_id) if self.turns is not None else None
             if not drop:
-                self.emit(out, partial=True)
+                self.emit(out, partial=True, stats=ep.stats if ep is not None else None)
+        for t in ids:  # multi-turn ones outside the engine (a resumed one's replay or re-run tool call)
+            ep = self.turns.forget(t) if self.turns is not None and t not in held else None
+            if ep is not None and not drop:
+                self._emit_turns(t, ep.tokens, "abort", True, ep.stats)
 
     def pull(self, msg: Pull) -> None:
         t0 = time.monotonic()
@@ -173,15 +191,26 @@ class RolloutWorker:
         )
 
     # ---- outputs -------------------------------------------------------------------------
-    def emit(self, out, partial: bool) -> None:
+    def emit(self, out, partial: bool, stats: TurnStats | None = None) -> None:
         """Write a finished or interrupted trajectory (or a held-out answer: negative id) to the ring
         and announce it: the engine's payload, the same path for training and evaluation."""
-        self.unsent.append((out.request_id, out.tokens, out.finish_reason, partial))
+        self._emit_turns(out.request_id, out.tokens, out.finish_reason, partial, stats)
+
+    def _emit_turns(self, request_id, tokens, reason: str, partial: bool, stats: TurnStats | None) -> None:
+        """Queue a record for the ring (the turn driver's ended trajectories come here too)."""
+        self.unsent.append((request_id, tokens, reason, partial, stats))
         self.flush()
+
+    def on_output(self, out) -> None:
+        """An engine output: a multi-turn trajectory's turn goes to the turn driver."""
+        if self.turns is not None and self.turns.owns(out.request_id):
+            self.turns.on_turn(out)
+        else:
+            self.emit(out, partial=False)
 
     def flush(self) -> None:
         while self.unsent:
-            traj_id, rec, reason, partial = self.unsent[0]
+            traj_id, rec, reason, partial, stats = self.unsent[0]
             try:
                 h = self.ring.write(rec)
             except RingFull:
@@ -206,6 +235,7 @@ class RolloutWorker:
                     cross_node_copies=copies,
                     cross_node_bytes=nbytes,
                     fetched=fetched,
+                    **(turn_fields(stats) if stats is not None else {}),
                 )
             )
 
@@ -216,6 +246,7 @@ class RolloutWorker:
         self._last_tokens, self._last_t = st.tokens_generated, now
         running = [t for t in st.running_ids if not is_eval(t)]  # held-out answers are not the coordinator's
         waiting = [t for t in st.waiting_ids if not is_eval(t)]
+        between = [t for t in self.turns.waiting_ids if not is_eval(t)] if self.turns is not None else []
         self.ctx.client.send_stats(
             InstanceSnapshot(
                 instance=self.instance,
@@ -227,7 +258,7 @@ class RolloutWorker:
                 tokens_per_s=rate,
                 syncing=False,
                 time=now,
-                traj_ids=tuple(running) + tuple(waiting),
+                traj_ids=tuple(running) + tuple(waiting) + tuple(between),
                 tokens_generated=st.tokens_generated,
             )
         )
@@ -242,6 +273,11 @@ class RolloutWorker:
         """Held-out prompts, answered greedily in the same engine as the rollout (negative ids)."""
         max_new = msg.max_new_tokens or self.params["max_new_tokens"]
         for index, prompt in zip(msg.indices, msg.prompts):
+            if self.turns is not None:  # held-out prompts talk to the environment too
+                rid, ids = eval_request_id(msg.eval_id, index), list(prompt)
+                params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+                self.turns.start(rid, prompt_row(rid, ids, self.turns.decode(ids)), TrajectoryTokens(ids), params)
+                continue
             self.engine.add(
                 Request(
                     eval_request_id(msg.eval_id, index),
@@ -293,8 +329,8 @@ class RolloutWorker:
 
     def run(self) -> None:
         while True:
-            busy = self.engine.has_unfinished()
-            msg = self.ctx.recv(0.0 if busy else 0.005)
+            tools = self.turns is not None and self.turns.busy  # env steps running: poll them often, without spinning
+            msg = self.ctx.recv(0.0 if self.engine.has_unfinished() else 0.001 if tools else 0.005)
             while msg is not None:
                 if not self.handle(msg):
                     return
@@ -304,11 +340,15 @@ class RolloutWorker:
             now = time.monotonic()
             if self.engine.has_unfinished():
                 for out in self.engine.step():
-                    self.emit(out, partial=False)
+                    self.on_output(out)
+            if self.turns is not None:
+                self.turns.poll()
             if now - self._last_stats >= self.stats_every:
                 self.send_stats(now)
 
     def close(self) -> None:
+        if self.turns is not None:
+            self.turns.close()
         self.engine.close()  # an engine with processes of its own stops them
         for r in self.readers.values():
             if r is not self.ring:
@@ -318,3 +358,17 @@ class RolloutWorker:
         self.ring.close()
         self.ring.unlink()
         self.weights.close()
+
+
+def turn_fields(stats: TurnStats) -> dict:
+    """A multi-turn trajectory's Finished fields."""
+    return dict(turns=stats.turns, tool_calls=stats.tool_calls, tool_s=stats.tool_s, env_reward=stats.env_reward)
+
+
+def build_turn_driver(cfg, engine, emit) -> TurnDriver:
+    """The turn driver of --env.name, with the model's tokenizer (turn texts, observation tokens)."""
+    from staleflow.model import load_tokenizer, resolve_model_path
+
+    codec = TemplateCodec(load_tokenizer(resolve_model_path(cfg.model.path)), cfg.env.tool_format)
+    rc = cfg.rollout
+    return TurnDriver(engine, cfg.env, codec, rc.max_new_tokens, rc.max_model_len, emit)
