@@ -218,3 +218,5 @@ def test_multi_turn_agentic_setting_is_in_the_grid_and_runs(tmp_path, capsys):
 
     (row,) = rep.setting_rows(st, st.etas, grid.SEEDS)
     assert row["guarantee_best"] and row["vs_guarantee_best"] > 0 and row["step_over_floor"] >= 1.0
+    assert row["tools"]["staleflow_wall_p99"] >= row["tools"]["staleflow_wall_p50"] > 0
+    assert "tools, eta 1:" in rep.setting_text(st, st.etas, grid.SEEDS)
