@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from staleflow.config import StalenessConfig
 from staleflow.coordinator.cost_model import CostModel
@@ -22,6 +24,7 @@ from staleflow.sim.turns import TurnPlan, TurnSampler, lognormal_sigma
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sim_helpers import tiny_sim  # noqa: E402
+from test_sim import Sim, audit, tiny  # noqa: E402
 
 COST = CostModel(k1=1e-5, k2=0.01, k3=0.0, b3=0.0, k4=0.0, kv_capacity=10_000)
 PREFILL = 1000.0
@@ -220,3 +223,56 @@ def test_multi_turn_agentic_setting_is_in_the_grid_and_runs(tmp_path, capsys):
     assert row["guarantee_best"] and row["vs_guarantee_best"] > 0 and row["step_over_floor"] >= 1.0
     assert row["tools"]["staleflow_wall_p99"] >= row["tools"]["staleflow_wall_p50"] > 0
     assert "tools, eta 1:" in rep.setting_text(st, st.etas, grid.SEEDS)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(["staleflow", "verl-fully-async", "areal", "verl-sync", "verl-one-step-off"]),
+    eta=st.integers(0, 2),
+    B=st.integers(1, 3),
+    N=st.integers(1, 3),
+    calls=st.tuples(st.integers(0, 3), st.integers(1, 4)),
+    kv=st.sampled_from([None, 500]),
+    keep_kv=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_multi_turn_random_runs_keep_the_protocol_and_the_kv_accounting(mode, eta, B, N, calls, kv, keep_kv, seed):
+    """Parking, waking, evicting and interrupting waiting sequences lose no trajectory and break no bound."""
+    eta = {"verl-sync": 0, "verl-one-step-off": 1}.get(mode, eta)
+    cfg = tiny(
+        staleness=StalenessConfig(batch_size=B, group_size=N),
+        seed=seed,
+        eta=(eta,),
+        tool_calls_min=min(calls),
+        tool_calls_max=max(calls),
+        tool_latency_median_s=0.1,
+        tool_latency_p99_s=2.0,
+        tool_obs_tokens=10,
+        coordinator=dataclasses.replace(tiny().coordinator, keep_kv_on_pull=keep_kv),
+    )
+    cost = dataclasses.replace(TINY, kv_capacity=kv) if kv else TINY
+    sim = Sim(cfg, mode, eta, cost=cost)
+    res = sim.run()
+    audit(sim, res)
+    assert res.tool_calls > 0  # every trajectory of more than one token has >= 1 call
+    for inst in sim.backend.insts:
+        assert not inst.running.keys() & inst.held.keys()
+        assert inst.kv_held == sum(s.tokens for s in inst.held.values() if s.resident) and inst.kv >= 0
+    trained = [t for r in sim.loop.steps for g in r.groups for t, n in zip(g.traj_ids, g.n_tokens)]
+    assert all(sim.backend.plan_of[t] is not None for t in trained)
+
+
+TINY = CostModel(k1=2e-6, k2=0.01, k3=1e-3, b3=0.004, k4=1e-3, kv_capacity=3000, name="tiny")
+
+
+def test_multi_turn_bad_tool_flags_are_one_line_config_errors():
+    from staleflow.config import ConfigError
+    from staleflow.sim.config import SimConfig
+
+    for kw, flag in (
+        (dict(tool_calls_min=5, tool_calls_max=2), "--tool-calls-max=2"),
+        (dict(tool_latency_median_s=3.0, tool_latency_p99_s=1.0), "--tool-latency-p99-s=1.0"),
+        (dict(tool_obs_tokens=-1), "--tool-obs-tokens=-1"),
+    ):
+        with pytest.raises(ConfigError, match=flag):
+            SimConfig(**kw)
