@@ -12,6 +12,10 @@ to the Parameter Server (push_s) and each instance pulls on its own (pull_s); ``
 trainer sends the weights to the instances (each Pull takes broadcast_s; the pause-all and idle
 pull policies hold the trainer and routing until every instance has them); ``colocated`` rollout
 and training share the GPUs (the step pays colocated_switch_s, the pull is free).
+
+Multi-turn workloads (sim/turns.py): a Route's seed names the trajectory's TurnPlan (the workload drew
+it with the length; ``plans``), which the instance follows; a trajectory's wall time (first route to
+its finish, tool waits included) is recorded in ``wall``.
 """
 
 from __future__ import annotations
@@ -46,10 +50,17 @@ class SimBackend:
         weight_sync: str,
         publish_every: int = 1,
         mixed_kv: bool = False,
+        plans: dict | None = None,
     ):
         self.cfg, self.hw, self.cost, self.train_gpus, self.sync = cfg, hw, cost, train_gpus, weight_sync
         self.kv_moved: dict[int, tuple[int, int]] = {}  # traj_id -> (KV tokens, their weight version) in transit
         self.publish_every = publish_every
+        self.plans = plans if plans is not None else {}
+        """Route seed -> TurnPlan (the workload's; empty: single-turn)."""
+        self.plan_of: dict = {}  # traj_id -> TurnPlan of the trajectories routed so far
+        self.first_route: dict[int, float] = {}
+        self.wall: list[float] = []
+        """Seconds from each finished trajectory's first route to its finish (tool waits included)."""
         """Weights reach the rollout side every this many steps (verl's trigger_parameter_sync_step T)."""
         self.pull_time = {"ps": hw.pull_s, "broadcast": hw.broadcast_s}.get(weight_sync, 0.0)
         rng = random.Random(cfg.seed * 7919 + 1)
@@ -101,6 +112,9 @@ class SimBackend:
                 finished, pulled = inst.advance(until)
                 self.pending.extend(PullDone(inst.instance, v, self.pull_time) for v in pulled)
                 for tr in finished:
+                    t0 = self.first_route.pop(tr.traj_id, None)
+                    if t0 is not None and tr.plan is not None:
+                        self.wall.append(tr.t_done - t0)
                     self.pending.append(
                         Finished(
                             tr.traj_id, inst.instance, sim_record(tr.traj_id, inst.instance, tr.generated), tr.generated
@@ -138,8 +152,14 @@ class SimBackend:
         """A loop-back resumes from its partial record's tokens (and recomputes their KV on admission)."""
         generated = cmd.partial.length if cmd.partial is not None else 0
         moved, version = self.kv_moved.pop(cmd.traj_id, (0, -1))
+        plan = self.plans.get(cmd.seed) if self.plans else None
+        if plan is not None:
+            self.plan_of[cmd.traj_id] = plan
+            self.first_route.setdefault(cmd.traj_id, self.t)
         self.insts[cmd.instance].add(
-            SimSequence(cmd.traj_id, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens, generated, moved, version)
+            SimSequence(
+                cmd.traj_id, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens, generated, moved, version, plan
+            )
         )
 
     def interrupt(self, cmd: Interrupt) -> None:
@@ -165,6 +185,7 @@ class SimBackend:
         self.insts[cmd.instance].take(cmd.traj_ids)
         for t in cmd.traj_ids:
             self.kv_moved.pop(t, None)
+            self.first_route.pop(t, None)
 
     def pull(self, cmd: Pull) -> None:
         """A PS pull shares the PS egress with the pulls in flight (hw.pull_share); a broadcast does not."""

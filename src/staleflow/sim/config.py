@@ -127,6 +127,20 @@ class SimConfig:
     """Cap on response tokens (paper-32b: 20k)."""
     lengths_file: str = ""
     """Optional empirical response lengths (one int per line), sampled with replacement instead of the lognormal."""
+    tool_calls_min: int = 0
+    """Multi-turn, tool-using trajectories (sim/turns.py): tool calls per trajectory, uniform in
+    [tool_calls_min, tool_calls_max]; the drawn response length (model tokens) is split into calls + 1
+    turns with a tool wait and an observation between turns. 0 and 0: single-turn (no tools)."""
+    tool_calls_max: int = 0
+    """Upper end of the tool calls per trajectory (see tool_calls_min)."""
+    tool_latency_median_s: float = 2.0
+    """Median seconds of one tool call (lognormal; docs/simulator.md "Tool latency": an assumption with its
+    sources)."""
+    tool_latency_p99_s: float = 30.0
+    """99th percentile seconds of one tool call (the lognormal's tail: a cold sandbox, a slow test run)."""
+    tool_obs_tokens: int = 300
+    """Observation tokens appended after each tool call (prefilled, not decoded; in the trained sequence,
+    loss-masked; not counted against max_response, which caps the model's tokens)."""
     # ---- staleness, modes, strategies ---------------------------------------------------------
     eta: tuple[int, ...] = (1, 2, 3)
     """Staleness bounds simulated for the asynchronous modes (verl-sync always 0, verl-one-step-off always 1)."""
@@ -212,6 +226,20 @@ class SimConfig:
         _check(self.shared_cores >= 0, "shared-cores", self.shared_cores, "must be >= 0 (0: dedicated devices)")
         _check(self.prompt_len >= 1, "prompt-len", self.prompt_len, "must be >= 1")
         _check(self.max_response >= 1, "max-response", self.max_response, "must be >= 1")
+        _check(
+            0 <= self.tool_calls_min <= self.tool_calls_max,
+            "tool-calls-max",
+            self.tool_calls_max,
+            f"must be >= tool-calls-min ({self.tool_calls_min}) >= 0",
+        )
+        _check(self.tool_latency_median_s > 0, "tool-latency-median-s", self.tool_latency_median_s, "must be > 0")
+        _check(
+            self.tool_latency_p99_s >= self.tool_latency_median_s,
+            "tool-latency-p99-s",
+            self.tool_latency_p99_s,
+            f"must be >= tool-latency-median-s ({self.tool_latency_median_s})",
+        )
+        _check(self.tool_obs_tokens >= 0, "tool-obs-tokens", self.tool_obs_tokens, "must be >= 0")
         _check(bool(self.eta) and all(e >= 0 for e in self.eta), "eta", self.eta, "give one or more bounds >= 0")
         _check(bool(self.modes), "modes", self.modes, f"give one or more of {', '.join(MODES)}")
         for m in self.modes:

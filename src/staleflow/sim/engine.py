@@ -14,6 +14,14 @@ on, ``mixed_kv``: then old-weight KV is used as the keep-KV pull uses it).
 A Pull stops decoding for its transfer time and then switches the version (a global update is
 every instance pulling at once: the coordinator's pause-all policy).
 
+Turns (a sequence with a ``plan``, sim/turns.py): at the end of a turn the sequence is PARKED: it leaves
+the running batch (no decoding, no running slot) and its KV stays resident (the built-in engine's hold),
+counted in the instance's KV but not read by decode steps; when its tool call returns (after the call's
+latency) it queues at the head of the waiting queue and, admitted, prefills only the observation. KV
+overflow evicts the most recently parked sequence's KV first (it re-prefills its prefix when it resumes),
+then preempts the newest running one. A sequence taken off while parked resumes elsewhere by
+re-prefilling its prefix and re-running the unanswered call.
+
 Noise: the instance is ``speed`` times slower than the cost model (a fixed per-instance factor:
 hardware and placement differ), and each stretch of decode steps (at most one coordinator tick)
 takes exp(N(0, noise)) longer or shorter (interference, kernel-time jitter); prefill scales by
@@ -48,6 +56,11 @@ class SimSequence:
         "had_kv",
         "kv_moved",
         "kv_version",
+        "plan",
+        "wake",
+        "resident",
+        "obs_ready",
+        "t_done",
     )
 
     def __init__(
@@ -59,6 +72,7 @@ class SimSequence:
         generated: int = 0,
         kv_moved: int = 0,
         kv_version: int = -1,
+        plan=None,
     ):
         self.traj_id, self.traj_version = traj_id, traj_version
         self.prompt_len, self.target_len, self.generated = prompt_len, target_len, generated
@@ -67,6 +81,11 @@ class SimSequence:
         self.had_kv = False  # set by take(): it was running (its KV was resident), not queued in the engine
         self.kv_moved = kv_moved  # KV tokens that arrive by transfer (a KV-moving migration) instead of prefill
         self.kv_version = kv_version  # weight version the moved KV was computed with
+        self.plan = plan  # sim/turns.TurnPlan: tool calls between turns (None: one turn, no tools)
+        self.wake = 0.0  # parked: when its tool call returns
+        self.resident = False  # not running but its KV is held (parked, or woken and waiting for admission)
+        self.obs_ready = False  # its pending tool call has returned: the observation is appended at admission
+        self.t_done = -1.0  # simulated time it finished (all turns)
 
     @property
     def tokens(self) -> int:
@@ -100,7 +119,12 @@ class SimInstance:
         self.running: dict[int, SimSequence] = {}
         self.heap: list[tuple[int, int]] = []  # (finish_step, traj_id), lazy deletion
         self.waiting: deque[SimSequence] = deque()
-        self.kv_const = 0  # sum of tok0 over running: KV = kv_const + n * step
+        self.kv_const = 0  # sum of tok0 over running: KV = kv_const + n * step (+ kv_held)
+        self.held: dict[int, SimSequence] = {}  # not running, KV resident: parked on a tool call or woken
+        self.kv_held = 0  # KV tokens of `held`
+        self.parked: list[tuple[float, int]] = []  # (wake time, traj_id), lazy deletion
+        self.tool_calls = 0  # tool calls returned (re-runs included)
+        self.tool_s = 0.0  # seconds those calls took
         self.sync_until: float | None = None
         self.sync_version = 0
         self.tokens_out = 0
@@ -115,6 +139,12 @@ class SimInstance:
     # ---- state ---------------------------------------------------------------------------------
     @property
     def kv(self) -> int:
+        """KV tokens resident: the running sequences' and the parked ones' (what capacity and snapshots see)."""
+        return self.kv_const + len(self.running) * self.step + self.kv_held
+
+    @property
+    def kv_run(self) -> int:
+        """KV tokens the decode step reads (the running sequences')."""
         return self.kv_const + len(self.running) * self.step
 
     @property
@@ -122,10 +152,10 @@ class SimInstance:
         return self.sync_until is not None
 
     def holds(self, traj_id: int) -> bool:
-        return traj_id in self.running or any(w.traj_id == traj_id for w in self.waiting)
+        return traj_id in self.running or traj_id in self.held or any(w.traj_id == traj_id for w in self.waiting)
 
     def load(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + sum(1 for s in self.held.values() if not s.obs_ready)
 
     # ---- commands ------------------------------------------------------------------------------
     def add(self, traj: SimSequence) -> None:
@@ -150,12 +180,57 @@ class SimInstance:
             tr.had_kv = True
             self.kv_const -= tr.tok0
             out.append(tr)
+        for tid in want & self.held.keys():  # parked (or woken and queued): its KV may be resident
+            tr = self.held[tid]
+            tr.had_kv = tr.resident
+            self._unhold(tid)
+            if not tr.obs_ready:  # still parked (a woken one is in the waiting queue, found below)
+                out.append(tr)
         if len(out) < len(want):
             keep = deque()
             for w in self.waiting:
                 (out.append(w) if w.traj_id in want else keep.append(w))
             self.waiting = keep
+        for tr in out:
+            tr.obs_ready = False  # an unanswered tool call is re-run wherever it resumes
         return out
+
+    def _unhold(self, traj_id: int) -> SimSequence:
+        tr = self.held.pop(traj_id)
+        self._evict(tr)
+        return tr
+
+    def _evict(self, tr: SimSequence) -> None:
+        """Free a held sequence's KV (it re-prefills its prefix when admitted)."""
+        if tr.resident:
+            self.kv_held -= tr.tokens
+            tr.resident = False
+
+    def _park(self, tr: SimSequence, call: int) -> None:
+        """`tr` issued tool call `call`: it stops decoding, keeps its KV and wakes when the call returns."""
+        tr.resident, tr.obs_ready = True, False
+        tr.wake = self.t + tr.plan.tool_s[call]
+        self.held[tr.traj_id] = tr
+        self.kv_held += tr.tokens
+        heapq.heappush(self.parked, (tr.wake, tr.traj_id))
+
+    def _wake(self) -> float:
+        """Queue the sequences whose tool call has returned by now; returns the next wake time (inf: none)."""
+        p = self.parked
+        while p:
+            wake, tid = p[0]
+            tr = self.held.get(tid)
+            if tr is None or tr.wake != wake or tr.obs_ready:
+                heapq.heappop(p)  # taken off, re-parked or already woken
+                continue
+            if wake > self.t:
+                return wake
+            heapq.heappop(p)
+            tr.obs_ready = True
+            self.tool_calls += 1
+            self.tool_s += tr.plan.tool_s[tr.plan.call_at(tr.generated)]
+            self.waiting.appendleft(tr)  # its KV is held: it goes first
+        return math.inf
 
     # ---- time ----------------------------------------------------------------------------------
     def _admit(self) -> float:
@@ -164,7 +239,11 @@ class SimInstance:
         cap = self.cost.kv_capacity
         while self.waiting and len(self.running) < self.max_running:
             w = self.waiting[0]
-            if self.kv + w.tokens + len(self.running) + 1 > cap and self.running:
+            plan = w.plan
+            call = plan.call_at(w.generated) if plan is not None else -1
+            obs = plan.obs if call >= 0 and w.obs_ready else 0
+            need = obs if w.resident else w.tokens + obs
+            if self.kv + need + len(self.running) + 1 > cap and self.running:
                 break
             self.waiting.popleft()
             if self.version < w.traj_version:
@@ -172,17 +251,31 @@ class SimInstance:
                     f"instance {self.instance} at version {self.version} runs trajectory "
                     f"{w.traj_id} with V_traj {w.traj_version}"
                 )
+            if w.resident:  # its tool call returned: only the observation is prefilled (the engine's extend)
+                self._unhold(w.traj_id)
+                w.generated += obs
+                w.obs_ready = False
+                prefill += obs
+            else:
+                self.held.pop(w.traj_id, None)  # (a woken sequence whose KV was evicted)
+                if obs:  # a woken sequence whose KV was evicted: the observation is prefilled with its prefix
+                    w.generated += obs
+                    w.obs_ready = False
+                if w.kv_moved and self.kv_rate > 0 and (w.kv_version == self.version or self.mixed_kv):
+                    moved += w.kv_moved  # its KV arrives by transfer; only what it lacks is prefilled
+                    prefill += w.tokens - w.kv_moved
+                else:
+                    prefill += w.tokens
+                w.kv_moved = 0
+                if call >= 0 and not obs:  # resumed at an unanswered tool call: it re-runs the call, KV held
+                    self._park(w, call)
+                    continue
             w.tok0 = w.tokens - self.step
-            w.finish_step = self.step + max(1, w.target_len - w.generated)
+            stop = plan.next_stop(w.generated) if plan is not None else w.target_len
+            w.finish_step = self.step + max(1, stop - w.generated)
             self.running[w.traj_id] = w
             self.kv_const += w.tok0
             heapq.heappush(self.heap, (w.finish_step, w.traj_id))
-            if w.kv_moved and self.kv_rate > 0 and (w.kv_version == self.version or self.mixed_kv):
-                moved += w.kv_moved  # its KV arrives by transfer; only what it lacks is prefilled
-                prefill += w.tokens - w.kv_moved
-            else:
-                prefill += w.tokens
-            w.kv_moved = 0
         return (prefill / self.prefill_rate + (moved / self.kv_rate if moved else 0.0)) * self.speed * self.contention
 
     def _next_finish(self) -> int:
@@ -205,6 +298,8 @@ class SimInstance:
                 self.version = self.sync_version
                 pulled.append(self.version)
                 continue
+            nxt = self._wake() if self.parked else math.inf  # the next tool call to return
+            lim = min(t_end, nxt)
             pre = self._admit()
             if pre > 0 and not self.chunk_tokens:
                 self.t += pre
@@ -214,23 +309,32 @@ class SimInstance:
             n = len(self.running)
             if n == 0:
                 if self.prefill_debt > 0:  # nothing to decode: the prefill runs alone
-                    d = min(self.prefill_debt, t_end - self.t)
+                    d = min(self.prefill_debt, lim - self.t)
                     self.t += d
                     self.busy_s += d
                     self.prefill_debt -= d
                     continue
+                if nxt < t_end:  # idle until a tool call returns
+                    self.t = nxt
+                    continue
                 self.t = t_end
                 break
-            kv = self.kv
+            kv = self.kv_run
             k_fin = self._next_finish() - self.step
-            k_over = (self.cost.kv_capacity - kv) // n
+            k_over = (self.cost.kv_capacity - kv - self.kv_held) // n
+            if k_over <= 0 and self.kv_held:  # KV full: evict the most recently parked sequence's KV first
+                self._evict(next(s for s in reversed(self.held.values()) if s.resident))
+                self.preemptions += 1
+                continue
             if k_over <= 0:  # KV full: preempt the newest running trajectory (recompute later)
                 tid = next(reversed(self.running))
                 self.waiting.appendleft(self.take([tid])[0])
                 self.preemptions += 1
                 continue
             f = self.speed * self.contention * (math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else 1.0)
-            k_time = self.cost.steps_within(n, kv, (t_end - self.t) / f)
+            k_time = self.cost.steps_within(n, kv, (lim - self.t) / f)
+            if k_time <= 0 and lim < t_end:  # a step overruns the next tool return: take it anyway
+                k_time = min(1, self.cost.steps_within(n, kv, (t_end - self.t) / f))
             k = min(k_fin, k_over, k_time)
             chunk = 0.0
             if self.prefill_debt > 0:  # each step carries a prefill chunk until the debt is paid
@@ -252,6 +356,12 @@ class SimInstance:
                     _, tid = heapq.heappop(self.heap)
                     tr = self.running.pop(tid)
                     self.kv_const -= tr.tok0
+                    pos = tr.tok0 + self.step - tr.prompt_len
+                    if tr.plan is not None and pos < tr.plan.total:  # a turn ended: its tool call runs
+                        tr.generated = pos
+                        self._park(tr, tr.plan.call_at(pos))
+                        continue
                     tr.generated = tr.target_len
+                    tr.t_done = self.t
                     finished.append(tr)
         return finished, pulled

@@ -18,6 +18,13 @@ step time over the measured steps is at least the largest of three terms:
            trained at most w steps later, so (w + 1) steps hold train + transfer + its generation.
            With a capped response in (almost) every batch this is the cap decoded alone.
 
+Multi-turn trajectories (sim/turns.py) enter as (prompt, model tokens, observation tokens, tool seconds):
+``work`` counts their decoded (model) tokens at the context they would have without the observations
+(observations only lengthen it) plus the observations' prefill; tool waits hold KV but no compute, so
+they add nothing (the KV they hold is not charged either: still a lower bound). ``tail`` takes, per step,
+the trajectory whose turns decoded alone plus its observations' prefill plus its tool calls (each run
+once, back to back with its turns) take longest: the tool time is on its critical path.
+
 ``util`` = work / floor: the rollout fleet's utilisation if the run stepped at its floor; >= 0.5 is a
 throughput-bound row (a schedule has rollout work to place), below that a tail-bound one (a race of
 the longest responses: no schedule wins much). Rewards are instantaneous and prefix sharing is not
@@ -65,18 +72,29 @@ class Floor:
         }
 
 
-def fleet_seconds(cost, lengths: list[tuple[int, int]], max_running: int, prefill_tokens_per_s: float) -> float:
-    """Least instance-seconds (at speed 1) that decoding these (prompt, response length) pairs takes."""
-    n_tok = sum(n for _, n in lengths)
-    ctx = sum(n * p + n * (n - 1) / 2.0 for p, n in lengths)  # sum over tokens of their context length
+def fleet_seconds(cost, lengths: list[tuple], max_running: int, prefill_tokens_per_s: float) -> float:
+    """Least instance-seconds (at speed 1) that decoding these (prompt, response length) pairs takes; a
+    multi-turn trajectory is (prompt, model tokens, observation tokens, tool seconds)."""
+    n_tok = sum(t[1] for t in lengths)
+    ctx = sum(t[1] * t[0] + t[1] * (t[1] - 1) / 2.0 for t in lengths)  # sum over tokens of their context length
     steps = max(n_tok / max_running, ctx / cost.kv_capacity)
     decode = cost.k1 * ctx + max(cost.k2 * steps, cost.k3 * n_tok + cost.b3 * steps) + cost.k4 * steps
-    return decode + sum(p for p, _ in lengths) / prefill_tokens_per_s
+    return decode + sum(t[0] + (t[2] if len(t) > 2 else 0) for t in lengths) / prefill_tokens_per_s
+
+
+def alone_s(cost, traj: tuple, prefill_tokens_per_s: float, speed: float) -> float:
+    """Seconds one trajectory takes alone on an instance of this speed: its decode and prefill, plus its tool
+    calls (multi-turn: (prompt, model tokens, observation tokens, tool seconds))."""
+    if len(traj) == 2:
+        p, n = traj
+        return (cost.steps_time(1, p, n) + p / prefill_tokens_per_s) * speed
+    p, n, obs, tool_s = traj
+    return (cost.steps_time(1, p, n) + (p + obs) / prefill_tokens_per_s) * speed + tool_s
 
 
 def physical_floor(
     cost,
-    steps: list[list[tuple[int, int]]],
+    steps: list[list[tuple]],
     train_s: float,
     transfer_s: float,
     worst: int,
@@ -87,7 +105,8 @@ def physical_floor(
     """The floor of a run whose measured steps trained `steps` (per step: (prompt, response length) pairs).
 
     `transfer_s`: seconds from a training step's end to a new version being decodable (push + pull);
-    `speeds`: each instance's factor on the cost model (< 1 faster)."""
+    `speeds`: each instance's factor on the cost model (< 1 faster). A multi-turn trajectory is (prompt, model
+    tokens, observation tokens, tool seconds)."""
     if not steps or not speeds:
         return Floor(train_s, 0.0, train_s)
     capacity = sum(1.0 / s for s in speeds)
@@ -96,7 +115,9 @@ def physical_floor(
     fast = min(speeds)
     alone = []
     for st in steps:
-        p, n = max(st, key=lambda pn: pn[1], default=(0, 0))
-        alone.append((cost.steps_time(1, p, n) + p / prefill_tokens_per_s) * fast)
+        if all(len(t) == 2 for t in st):  # single-turn: the longest response
+            alone.append(alone_s(cost, max(st, key=lambda pn: pn[1], default=(0, 0)), prefill_tokens_per_s, fast))
+        else:
+            alone.append(max(alone_s(cost, t, prefill_tokens_per_s, fast) for t in st))
     tail = (train_s + transfer_s + sum(alone) / len(alone)) / (worst + 1)
     return Floor(train_s, work, tail)

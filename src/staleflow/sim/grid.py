@@ -1,10 +1,11 @@
 """``staleflow sim --grid paper``: the evaluation grid, StaleFlow against peers held to the same guarantee.
 
-Settings (``settings()``; 15, 43 rows with eta): the base axes 2 cost models (PSRL's Qwen2.5-7B TP1 and
+Settings (``settings()``; 16, 46 rows with eta): the base axes 2 cost models (PSRL's Qwen2.5-7B TP1 and
 Qwen2.5-32B TP2 coefficients; KV capacity, prefill/train rates and transfer times derived from the model
 and the GPU profile, sim/hardware.py) x 2 response-length distributions (sim/lengths.py) x 2
 rollout:train splits of 128 GPUs (64:64, 96:32), B x N of the base config (32 x 8), plus ``EXTRA``: the
-authors' two scripts' shapes, the load axis (1024 and 2048 responses per step) and one 1024-GPU setting
+authors' two scripts' shapes, the load axis (1024 and 2048 responses per step), the agentic setting (tool
+calls between turns, sim/turns.py; ``--grid-settings agentic`` runs it alone) and one 1024-GPU setting
 (reduced peer search); eta in {1, 2, 3} unless a setting says otherwise. Every row reports each system's
 mean step over its physical floor (sim/floor.py), the rollout utilisation at the floor and the binding
 term (>= 0.5: throughput-bound). ``--grid-settings`` runs a subset, ``--smoke`` the authors' shapes only.
@@ -40,6 +41,7 @@ from staleflow.sim.config import SimConfig
 from staleflow.sim.hardware import derive
 from staleflow.sim.report import ABLATIONS
 from staleflow.sim.simulator import SimResult, run
+from staleflow.sim.turns import AGENTIC
 
 MODELS = (("7B", "qwen2.5-7b-tp1", 1), ("32B", "qwen2.5-32b-tp2", 2))
 ETAS = (1, 2, 3)
@@ -71,6 +73,8 @@ class Shape:
     """None: ETAS."""
     search: str = "full"
     """'full': every peer family; 'reduced': verl s = 0 over T (the winner elsewhere) and verl-sync only."""
+    workload: tuple = ()
+    """((SimConfig field, value), ...) of the setting's workload beyond the base (the agentic setting's tools)."""
 
 
 EXTRA = (
@@ -84,6 +88,8 @@ EXTRA = (
     Shape("7B long-cot 32:96 x2048", "7B", "qwen2.5-7b-tp1", 1, "long-cot", (32, 96), 256, 8),
     Shape("32B long-cot 64:64 x1024", "32B", "qwen2.5-32b-tp2", 2, "long-cot", (64, 64), 128, 8),
     Shape("32B long-cot 64:64 x2048", "32B", "qwen2.5-32b-tp2", 2, "long-cot", (64, 64), 256, 8),
+    # The agentic setting: 7B lognormal 64:64's model tokens with tool calls between turns (turns.AGENTIC).
+    Shape("7B agentic 64:64", "7B", "qwen2.5-7b-tp1", 1, "lognormal", (64, 64), workload=AGENTIC),
     # One 1024-GPU setting (eta 2, reduced peer search: each run simulates 256 instances).
     Shape(
         "32B long-cot 512:512 x4096",
@@ -122,6 +128,7 @@ def setting_cfg(base: SimConfig, shape: Shape) -> SimConfig:
         staleness=staleness,
         max_response=shape.cap or base.max_response,
         out_dir="",
+        **dict(shape.workload),
     )
 
 

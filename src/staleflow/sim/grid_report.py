@@ -121,6 +121,14 @@ def setting_rows(st, etas, seeds) -> list[dict]:
                 ),
             }
         )
+        if any(r.tool_calls for r in sf):  # a multi-turn setting: the tool time in each system's tail
+            peer = list(g.runs.values()) if g else []
+            rows[-1]["tools"] = {
+                "tool_s_mean": round(_mean(r.tool_s_mean for r in sf), 2),
+                "staleflow_wall_p50": round(_mean(r.wall_p50 for r in sf), 1),
+                "staleflow_wall_p99": round(_mean(r.wall_p99 for r in sf), 1),
+                "guarantee_best_wall_p99": round(_mean(r.wall_p99 for r in peer), 1) if peer else None,
+            }
     return rows
 
 
@@ -163,6 +171,14 @@ def setting_text(st, etas, seeds) -> str:
             f"{r['vs_guarantee_best_equal_transfer'] or 0:6.3f}  {nom:44s} {r['vs_nominal_best']:6.3f}  "
             f"{r['strict_best']:30s} {r['vs_strict_best']:6.3f} {r['vs_sync'] or 0:6.3f}"
         )
+    for r in setting_rows(st, etas, seeds):
+        if "tools" in r:
+            t = r["tools"]
+            lines.append(
+                f"tools, eta {r['eta']}: {t['tool_s_mean']:.2f} s a call; trajectory wall time (first route to finish, "
+                f"tool waits included) staleflow p50 {t['staleflow_wall_p50']:.0f} s, p99 "
+                f"{t['staleflow_wall_p99']:.0f} s; guarantee-matched peer p99 {t['guarantee_best_wall_p99'] or 0:.0f} s"
+            )
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from staleflow.sim.config import SimConfig
 from staleflow.sim.floor import Floor, physical_floor
 from staleflow.sim.hardware import derive, profile_cost
 from staleflow.sim.lengths import LengthSampler
+from staleflow.sim.turns import TurnSampler
 
 
 @dataclass
@@ -65,6 +66,14 @@ class SimResult:
     """The run's physical floor (sim/floor.py) over its measured steps."""
     step_s: float = 0.0
     """Mean step time over the measured steps (seconds)."""
+    tool_calls: int = 0
+    """Tool calls that returned (multi-turn workloads; re-runs after an interrupt included)."""
+    tool_s_mean: float = 0.0
+    """Mean seconds of those calls."""
+    wall_p50: float = 0.0
+    """Median seconds from a multi-turn trajectory's first route to its finish (tool waits included)."""
+    wall_p99: float = 0.0
+    """99th percentile of the same."""
 
     def row(self) -> dict:
         d = dataclasses.asdict(self)
@@ -109,6 +118,18 @@ class SimWorkload:
             cfg.length_dist, cfg.response_median, cfg.response_sigma, cfg.max_response, rng, samples
         )
         self.rng = rng
+        self.turns = None
+        self.plans: dict = {}
+        """seed -> TurnPlan of each member drawn (multi-turn workloads; the seed is the plan's id)."""
+        if cfg.tool_calls_max > 0:
+            self.turns = TurnSampler(
+                cfg.tool_calls_min,
+                cfg.tool_calls_max,
+                cfg.tool_latency_median_s,
+                cfg.tool_latency_p99_s,
+                cfg.tool_obs_tokens,
+                random.Random(cfg.seed * 104729 + 3),
+            )
 
     def next_prompt(self) -> int:
         self.lengths.new_prompt()
@@ -121,7 +142,15 @@ class SimWorkload:
         return []  # simulated prompts have a length, not tokens
 
     def new_member(self) -> tuple[int, int]:
-        return 0, self.lengths()
+        """(seed, target length): single-turn (0, model tokens); multi-turn (the plan's id, model + observation
+        tokens), the plan drawn from the model tokens (sim/turns.py)."""
+        n = self.lengths()
+        if self.turns is None:
+            return 0, n
+        plan = self.turns(n)
+        seed = len(self.plans) + 1
+        self.plans[seed] = plan
+        return seed, plan.total
 
 
 def router_cost_model(true: CostModel, cfg: SimConfig, rng: random.Random) -> CostModel:
@@ -145,7 +174,11 @@ def router_cost_model(true: CostModel, cfg: SimConfig, rng: random.Random) -> Co
 def stall_s(cfg: SimConfig, hw, train_gpus: int, stale) -> float:
     """Seconds without a finished trajectory or a step after which a run counts as stalled: 2000 ticks,
     or three worst-case training steps (every response at the cap) where the trainer is that slow."""
-    worst_train = stale.batch_size * stale.group_size * (cfg.prompt_len + cfg.max_response)
+    worst_train = (
+        stale.batch_size
+        * stale.group_size
+        * (cfg.prompt_len + cfg.max_response + cfg.tool_calls_max * cfg.tool_obs_tokens)
+    )
     return max(2000 * cfg.tick_s, 3.0 * worst_train / (hw.train_tokens_per_gpu_s * train_gpus))
 
 
@@ -183,6 +216,7 @@ def build(
     n_inst = max(1, gpus // cfg.gpus_per_instance)
     train_gpus = cfg.total_gpus if colocated else cfg.total_gpus - cfg.rollout_gpus
     sync = m.weight_sync if colocated or m.weight_sync != "colocated" else "broadcast"
+    workload = SimWorkload(cfg, random.Random(cfg.seed))
     backend = SimBackend(
         cfg,
         hw,
@@ -192,6 +226,7 @@ def build(
         sync,
         publish_every=peer.get("trigger_sync_steps", 1),
         mixed_kv=ccfg.interrupt_on_pull and ccfg.keep_kv_on_pull,
+        plans=workload.plans,
     )
     loop = build_loop(
         mode,
@@ -200,7 +235,7 @@ def build(
         router,
         range(n_inst),
         backend,
-        SimWorkload(cfg, random.Random(cfg.seed)),
+        workload,
         cfg.steps,
         tick_s=cfg.tick_s,
         stall_s=stall_s(cfg, hw, train_gpus, stale),
@@ -259,9 +294,15 @@ def _result(
     step_times = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
     measured_steps = step_times[w:] or step_times
     transfer = (backend.hw.push_s if backend.sync == "ps" and not cfg.push_blocks_trainer else 0.0) + backend.pull_time
+    plan_of = backend.plan_of
+
+    def traj(g, tid, n):  # what the floor needs of a trained trajectory (sim/floor.py)
+        pl = plan_of.get(tid)
+        return (g.prompt_len, n) if pl is None else (g.prompt_len, n - pl.obs_tokens, pl.obs_tokens, pl.tool_total)
+
     floor = physical_floor(
         backend.cost,
-        [[(g.prompt_len, n) for g in r.groups for n in g.n_tokens] for r in steps[w:done]],
+        [[traj(g, t, n) for g in r.groups for t, n in zip(g.traj_ids, g.n_tokens)] for r in steps[w:done]],
         sum(backend.train_durs[w:done]) / max(1, len(backend.train_durs[w:done])),
         transfer,
         max(stale, default=0),
@@ -269,6 +310,7 @@ def _result(
         cfg.max_running,
         backend.hw.prefill_tokens_per_s,
     )
+    calls = sum(i.tool_calls for i in backend.insts)
     return SimResult(
         mode=mode,
         eta=eta,
@@ -297,4 +339,15 @@ def _result(
         longest=[max((n for g in r.groups for n in g.n_tokens), default=0) for r in steps],
         floor=floor,
         step_s=sum(measured_steps) / max(1, len(measured_steps)),
+        tool_calls=calls,
+        tool_s_mean=sum(i.tool_s for i in backend.insts) / calls if calls else 0.0,
+        wall_p50=_quantile(backend.wall, 0.5),
+        wall_p99=_quantile(backend.wall, 0.99),
     )
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
