@@ -209,7 +209,7 @@ def check_with_simulator(cost, header: SamplesHeader, steps: list[Step], prefill
     (replay_trajectories), whose decode seconds are set against the measured ones."""
     import dataclasses
 
-    from staleflow.sim.engine import SimInstance, SimTraj
+    from staleflow.sim.engine import SimInstance, SimSequence
 
     rows, skipped = [], 0
     for i in sorted({s.cell for s in steps}):
@@ -224,7 +224,7 @@ def check_with_simulator(cost, header: SamplesHeader, steps: list[Step], prefill
         room = dataclasses.replace(cost, kv_capacity=max(cost.kv_capacity, tokens + len(trajs) * (len(tail) + 2)))
         inst = SimInstance(0, room, prefill_tokens_per_s=prefill_rate, max_running=len(trajs))
         for j, (ctx, k) in enumerate(trajs):
-            inst.add(SimTraj(j, 0, 0, prompt_len=ctx - 1, target_len=k + 1, generated=1))
+            inst.add(SimSequence(j, 0, prompt_len=ctx - 1, target_len=k + 1, generated=1))
         finished, _ = inst.advance(1e9)
         sim_decode = inst.busy_s - tokens / prefill_rate  # busy: the prefill, then the decode stretches
         if len(finished) != len(trajs):

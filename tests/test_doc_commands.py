@@ -60,8 +60,10 @@ FENCED: dict[str, str] = {
     "/models/Qwen2.5-7B --rollout.ranks 12 --steps 200": "a Slurm job on two 8-GPU nodes",
     "python -m staleflow sim --preset paper-32b": "~170 s on 2 shared cores (measured 2026-12-01)",
     "python -m staleflow sim": "the paper-32b preset: ~170 s on 2 shared cores",
-    "python -m staleflow sim --grid paper": "the 15-setting, 43-row grid with the guarantee-matched peer search: "
-    "984 runs in 1550 s on 2 idle cores (measured 2026-12-03)",
+    "python -m staleflow sim --grid paper": "the grid with the guarantee-matched peer search (16 settings, 46 rows since "
+    "the agentic one; the 43-row grid was 984 runs in 1550 s on 2 idle cores, measured 2026-12-03)",
+    "python -m staleflow sim --grid paper --grid-settings agentic": "the agentic setting alone: 55 runs in 724 s "
+    "without ablations on 2 cores at load 10-12 (measured 2026-12-03)",
     "python -m staleflow sim --grid paper --jobs 2": "the same grid with 2 processes (the default on 2 cores)",
     "python -m staleflow sim --eta 2 --length-dist long-cot --rollout-gpus 96 --no-ablation": "~90 s on 2 shared cores (measured 2026-12-01)",
     "python -m staleflow sim --total-gpus 1024 --rollout-gpus 512 --gpus-per-instance 2 --staleness.batch-size 256 --modes "

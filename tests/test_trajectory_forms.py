@@ -108,7 +108,7 @@ def test_trajectory_forms_one_token_payload_from_engine_to_sample():
     for path in (ROOT / "src" / "staleflow").rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"\boutput_(ids|logprobs|versions)\b", text), f"{path}: an old name of a payload field"
-        if path.name != "trajectory.py" or path.parent.name != "staleflow":
+        if path.name != "tokens.py" or path.parent.name != "staleflow":
             hits = [ln for ln in text.splitlines() if declared.match(ln)]
             assert not hits, f"{path} declares payload fields outside TrajectoryTokens: {hits[:2]}"
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from staleflow.trajectory import TrajectoryTokens
+from staleflow.tokens import TrajectoryTokens
 
 FinishReason = Literal["stop", "length", "abort"]
 """stop: an eos / stop id was sampled (it is the last output token); length: max_new_tokens or

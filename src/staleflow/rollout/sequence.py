@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 
 from staleflow.rollout.engine import FinishReason, Request, RequestOutput, SamplingParams
-from staleflow.trajectory import TrajectoryTokens
+from staleflow.tokens import TrajectoryTokens
 
 
 class SequenceStatus(enum.Enum):
