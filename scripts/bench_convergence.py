@@ -7,6 +7,8 @@
 Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic-easy) once per mode and
 seed: verl-sync (eta 0, the baseline), staleflow at eta 1 and 2, and verl-fully-async and areal at
 NOMINAL eta 1 (their own staleness rules: the observed staleness is reported, it may exceed 1).
+`verl-fully-async-matched:1` names the guarantee-matched peer (verl fully-async with
+--coordinator.staleness-threshold 0 --coordinator.trigger-sync-steps eta+1, bounded at eta by a count).
 --seeds takes a list and ranges (0-7 = 0,1,...,7). Seed s sets --seed s and --data.seed s, so the
 runs of one seed share their held-out prompts (--eval-n of them, never trained on) and their prompt
 stream: the comparison with sync is paired.
@@ -64,6 +66,18 @@ DEFAULT_MODES = "verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1"
 SAVED = ("name", "mode", "eta", "seed", "wall_s", "load_start", "load_end", "load_mean", "load_max", "load_samples")
 """What bench.json keeps: what the run folder cannot give back. The rest is derived on every read."""
 LOAD_EVERY_S = 10.0
+VARIANTS = {"verl-fully-async-matched": "verl-fully-async"}
+"""Bench names for a mode run with its own knobs: verl-fully-async-matched is the guarantee-matched peer,
+verl fully-async with staleness_threshold 0 and trigger_parameter_sync_step eta + 1 (it bounds every
+trajectory's staleness at eta by a count: docs/baselines.md)."""
+
+
+def launch_mode(mode: str, eta: int) -> list[str]:
+    """The launch flags that select bench mode `mode` at `eta` (a VARIANTS name adds its peer's knobs)."""
+    if mode == "verl-fully-async-matched":
+        knobs = ["--coordinator.staleness-threshold", "0", "--coordinator.trigger-sync-steps", str(eta + 1)]
+        return ["--mode", VARIANTS[mode], *knobs]
+    return ["--mode", mode]
 __all__ = [
     "DIAG",
     "aggregate",
@@ -113,8 +127,7 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
             "bash",
             str(ROOT / "launch.sh"),
             *args.preset,
-            "--mode",
-            mode,
+            *launch_mode(mode, eta),
             "--staleness.eta",
             str(eta),
             "--steps",

@@ -256,3 +256,29 @@ def test_bench_convergence_splits_the_spread_into_evaluation_noise(bench):
     assert e["sd_train"] == pytest.approx(math.sqrt(0.01 - var_eval))
     assert e["sd_at_4x_eval_n"] == pytest.approx(math.sqrt(0.01 - var_eval + var_eval / 4))
     assert e["seeds_to_detect_at_4x_eval_n"] <= e["seeds_to_detect"]
+
+
+def test_bench_convergence_matched_peer_launches_verl_with_its_knobs(bench):
+    """verl-fully-async-matched:eta is verl fully-async with s = 0 and T = eta + 1 (bounded at eta by a count);
+    a plain mode is launched as itself; the config parser accepts the flags it adds."""
+    assert bench.parse_modes("verl-sync,verl-fully-async-matched:2") == [
+        ("verl-sync", 0),
+        ("verl-fully-async-matched", 2),
+    ]
+    flags = bench.launch_mode("verl-fully-async-matched", 2)
+    assert flags == [
+        "--mode",
+        "verl-fully-async",
+        "--coordinator.staleness-threshold",
+        "0",
+        "--coordinator.trigger-sync-steps",
+        "3",
+    ]
+    assert bench.launch_mode("areal", 1) == ["--mode", "areal"]
+    from staleflow.config import RunConfig
+    from staleflow.config.parse import parse
+    from staleflow.coordinator.modes import peer_knobs
+    from staleflow.presets import PRESETS
+
+    cfg = parse(RunConfig, [*flags, "--staleness.eta", "2"], PRESETS, default="tiny", prog="t")
+    assert peer_knobs(cfg.mode, cfg.coordinator) == {"staleness_threshold": 0.0, "trigger_sync_steps": 3}
