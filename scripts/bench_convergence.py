@@ -78,6 +78,8 @@ def launch_mode(mode: str, eta: int) -> list[str]:
         knobs = ["--coordinator.staleness-threshold", "0", "--coordinator.trigger-sync-steps", str(eta + 1)]
         return ["--mode", VARIANTS[mode], *knobs]
     return ["--mode", mode]
+
+
 __all__ = [
     "DIAG",
     "aggregate",
