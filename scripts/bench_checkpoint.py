@@ -28,24 +28,27 @@ import torch
 from staleflow.metrics.hardware import cpu_name
 
 
-def _samples(vocab: int, n: int, length: int, seed: int):
-    from staleflow.trajectory import TrajectorySample, TrajectoryTokens
+def _batch(vocab: int, n_groups: int, length: int, seed: int):
+    """Trainer.step's (groups, payloads): groups of two random trajectories, rewards 0 and 1. The payloads are in no ring, so the
+    groups' handles are stand-ins (rank -1): the trainer is given the payloads and never reads them."""
+    from staleflow.trajectory import RecordHandle, TrainGroup, TrajectoryTokens
 
     rng = random.Random(seed)
-    return [
-        TrajectorySample(
+    groups, payloads = [], []
+    for g in range(n_groups):
+        members = [
             TrajectoryTokens(
                 [rng.randrange(vocab) for _ in range(length)],
                 [rng.randrange(vocab) for _ in range(length)],
                 [-rng.uniform(8.0, 11.0)] * length,
                 [0] * length,
-            ),
-            float(i % 2),
-            i // 2,
-            0,
-        )
-        for i in range(n)
-    ]
+            )
+            for _ in range(2)
+        ]
+        ids = [2 * g, 2 * g + 1]
+        groups.append(TrainGroup(g, 0, ids, [RecordHandle(-1, 0, 0, 0)] * 2, [0.0, 1.0], [length] * 2, length))
+        payloads.append(members)
+    return groups, payloads
 
 
 def main() -> int:
@@ -62,8 +65,8 @@ def main() -> int:
 
     trainer = Trainer(load_model(args.model), TrainConfig(lr=1e-5, micro_batch_tokens=512))
     vocab = trainer.model.args.vocab_size
-    batch = _samples(vocab, 4, 32, 0)
-    trainer.step(batch)  # AdamW state exists from here on
+    batch = _batch(vocab, 2, 32, 0)
+    trainer.step(*batch)  # AdamW state exists from here on
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-ckpt-"))
     writer = CheckpointWriter()
     rows = {
@@ -82,13 +85,13 @@ def main() -> int:
             ck.verify_checkpoint(path)
             nbytes = sum(f.stat().st_size for f in path.iterdir())
             t = time.perf_counter()
-            trainer.step(batch)
+            trainer.step(*batch)
             rows["step_alone_s"].append(time.perf_counter() - t)
             t = time.perf_counter()
             final, _ = ck.begin_save(trainer, root / "async", keep=1, writer=writer)
             rows["async_stall_s"].append(time.perf_counter() - t)
             s = time.perf_counter()
-            trainer.step(batch)  # training goes on while the writer runs
+            trainer.step(*batch)  # training goes on while the writer runs
             rows["step_during_write_s"].append(time.perf_counter() - s)
             ck.finish_save(trainer, writer, final)
             rows["async_until_durable_s"].append(time.perf_counter() - t)

@@ -23,29 +23,40 @@ import torch
 from staleflow.metrics.hardware import cpu_flags, cpu_name
 
 
-def samples(n_groups: int, group_size: int, resp_len: int, vocab: int, seed: int):
-    from staleflow.trajectory import TrajectorySample, TrajectoryTokens
+def batch_of(n_groups: int, group_size: int, resp_len: int, vocab: int, seed: int) -> tuple[list, list]:
+    """Trainer.step's (groups, payloads): n_groups groups of group_size random trajectories sharing
+    a 40-token prompt, rewards alternating 0 and 1. The payloads are in no ring, so the
+    groups' handles are stand-ins (rank -1): the trainer is given the payloads and never reads them."""
+    from staleflow.trajectory import RecordHandle, TrainGroup, TrajectoryTokens
 
     rng = random.Random(seed)
-    out = []
+    groups, payloads = [], []
     for g in range(n_groups):
         prompt = [rng.randrange(100, vocab) for _ in range(40)]
-        for k in range(group_size):
+        members = []
+        for _ in range(group_size):
             n = max(4, int(rng.gauss(resp_len, resp_len / 4)))
-            out.append(
-                TrajectorySample(
-                    TrajectoryTokens(
-                        prompt_ids=prompt,
-                        response_ids=[rng.randrange(100, vocab) for _ in range(n)],
-                        behaviour_logprobs=[-1.0] * n,
-                        versions=[0] * n,
-                    ),
-                    reward=float(k % 2),
-                    group_id=g,
-                    traj_version=0,
+            members.append(
+                TrajectoryTokens(
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(100, vocab) for _ in range(n)],
+                    behaviour_logprobs=[-1.0] * n,
+                    versions=[0] * n,
                 )
             )
-    return out
+        groups.append(
+            TrainGroup(
+                group_id=g,
+                traj_version=0,
+                traj_ids=[g * group_size + k for k in range(group_size)],
+                handles=[RecordHandle(-1, 0, 0, 0)] * group_size,
+                rewards=[float(k % 2) for k in range(group_size)],
+                n_tokens=[len(t.response_ids) for t in members],
+                prompt_len=len(prompt),
+            )
+        )
+        payloads.append(members)
+    return groups, payloads
 
 
 def main() -> None:
@@ -63,11 +74,12 @@ def main() -> None:
     from staleflow.train.trainer import Trainer
 
     base = load_model(args.model)
-    batch = samples(args.groups, args.group_size, args.len, base.args.vocab_size, seed=0)
-    tokens = sum(s.tokens.seq_len for s in batch)
+    groups, payloads = batch_of(args.groups, args.group_size, args.len, base.args.vocab_size, seed=0)
+    flat = [t for members in payloads for t in members]  # the trainer's member order
+    tokens = sum(t.seq_len for t in flat)
     print(
         f"hardware: {cpu_name()} ({cpu_flags()}), {os.cpu_count()} cpus, {args.threads} torch threads, "
-        f"torch {torch.__version__}; {args.model}, {len(batch)} samples, {tokens} tokens per step",
+        f"torch {torch.__version__}; {args.model}, {len(flat)} samples, {tokens} tokens per step",
         flush=True,
     )
     times, logps = {}, {}
@@ -75,13 +87,13 @@ def main() -> None:
         model = load_model(args.model)
         trainer = Trainer(model, TrainConfig(lr=1e-5, micro_batch_tokens=4096, compute_dtype=dtype))
         trainer._oversize = 0  # _plan counts oversize sequences per step
-        mbs = trainer._plan(batch, list(range(len(batch))), [0.0] * len(batch))
+        mbs = trainer._plan(flat, list(range(len(flat))), [0.0] * len(flat))
         with torch.no_grad():
             logps[dtype] = torch.cat([trainer._forward(trainer.policy, mb)[0] for mb in mbs]).float()
         steps = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            trainer.step(batch)
+            trainer.step(groups, payloads)
             steps.append(time.perf_counter() - t0)
         times[dtype] = statistics.median(steps)
         print(f"  {dtype:9s} step {times[dtype]:6.2f} s  (runs: {', '.join(f'{x:.2f}' for x in steps)})", flush=True)

@@ -30,17 +30,27 @@ from bench_engine_shape import build_model  # noqa: E402
 GiB = 2**30
 
 
-def samples(vocab: int, n: int, length: int, seed: int = 0) -> list:
-    from staleflow.trajectory import TrajectorySample, TrajectoryTokens
+def batch_of(vocab: int, n: int, length: int, seed: int = 0) -> tuple[list, list]:
+    """Trainer.step's (groups, payloads): n random trajectories in groups of four (the last may be smaller),
+    rewards alternating 0 and 1. The payloads are in no ring, so the
+    groups' handles are stand-ins (rank -1): the trainer is given the payloads and never reads them."""
+    from staleflow.trajectory import RecordHandle, TrainGroup, TrajectoryTokens
 
     rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(vocab) for _ in range(length)]
-        response = [rng.randrange(vocab) for _ in range(length)]
-        logps = [-rng.uniform(8.0, 11.0) for _ in range(length)]
-        out.append(TrajectorySample(TrajectoryTokens(prompt, response, logps, [0] * length), float(i % 2), i // 4, 0))
-    return out
+    groups, payloads = [], []
+    for g in range(0, n, 4):
+        ids = list(range(g, min(g + 4, n)))
+        members = []
+        for _ in ids:
+            prompt = [rng.randrange(vocab) for _ in range(length)]
+            response = [rng.randrange(vocab) for _ in range(length)]
+            logps = [-rng.uniform(8.0, 11.0) for _ in range(length)]
+            members.append(TrajectoryTokens(prompt, response, logps, [0] * length))
+        rewards = [float(i % 2) for i in ids]
+        handles = [RecordHandle(-1, 0, 0, 0)] * len(ids)
+        groups.append(TrainGroup(g // 4, 0, ids, handles, rewards, [length] * len(ids), length))
+        payloads.append(members)
+    return groups, payloads
 
 
 def main() -> int:
@@ -80,14 +90,14 @@ def main() -> int:
     model = build_model(margs, args.device, MASTER_DTYPE)
     trainer = Trainer(model, cfg, args.device, max_response_tokens=args.len)
     build_s = time.perf_counter() - t0
-    batch = samples(margs.vocab_size, args.samples, args.len)
-    tokens = sum(s.tokens.seq_len for s in batch)
+    batch = batch_of(margs.vocab_size, args.samples, args.len)
+    tokens = sum(t.seq_len for members in batch[1] for t in members)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, metrics = [], {}
     for i in range(args.steps):
         t = time.perf_counter()
-        metrics = trainer.step(batch)
+        metrics = trainer.step(*batch)
         if cuda:
             torch.cuda.synchronize()
         if i > 0 or args.steps == 1:

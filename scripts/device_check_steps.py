@@ -35,29 +35,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _samples(vocab: int, groups: int, group_size: int, prompt: int, response: int, seed: int = 0):
-    from staleflow.trajectory import TrajectorySample, TrajectoryTokens
+def _batch(vocab: int, groups: int, group_size: int, prompt: int, response: int, seed: int = 0):
+    """Trainer.step's (groups, payloads): random groups with random 0/1 rewards. The payloads are in no ring, so the
+    groups' handles are stand-ins (rank -1): the trainer is given the payloads and never reads them."""
+    from staleflow.trajectory import RecordHandle, TrainGroup, TrajectoryTokens
 
     rng = random.Random(seed)
-    out = []
+    out_groups, out_payloads = [], []
     for g in range(groups):
         p = [rng.randrange(vocab) for _ in range(prompt)]
+        members, rewards = [], []
         for _ in range(group_size):
             n = rng.randint(response // 2, response)
-            out.append(
-                TrajectorySample(
-                    TrajectoryTokens(
-                        p,
-                        [rng.randrange(vocab) for _ in range(n)],
-                        [-rng.uniform(8.0, 11.0) for _ in range(n)],
-                        [0] * n,
-                    ),
-                    float(rng.randint(0, 1)),
-                    g,
-                    0,
+            members.append(
+                TrajectoryTokens(
+                    p, [rng.randrange(vocab) for _ in range(n)], [-rng.uniform(8.0, 11.0) for _ in range(n)], [0] * n
                 )
             )
-    return out
+            rewards.append(float(rng.randint(0, 1)))
+        ids = [g * group_size + k for k in range(group_size)]
+        handles = [RecordHandle(-1, 0, 0, 0)] * group_size
+        out_groups.append(TrainGroup(g, 0, ids, handles, rewards, [len(t.response_ids) for t in members], prompt))
+        out_payloads.append(members)
+    return out_groups, out_payloads
 
 
 def step_trainer(device: str) -> dict:
@@ -87,7 +87,7 @@ def step_trainer(device: str) -> dict:
         head_dim=64 if cuda else 16,
     )
     base = CausalLM(args).init_weights(std=0.02, seed=0)
-    samples = _samples(args.vocab_size, 8, 4, 128 if cuda else 8, 384 if cuda else 12)
+    groups, payloads = _batch(args.vocab_size, 8, 4, 128 if cuda else 8, 384 if cuda else 12)
     fast, ref = ("triton", "chunked") if cuda else ("chunked", "naive")
     out = {"device": device, "world": 1, "backend": dist.get_backend()}
     for impl in (fast, ref):
@@ -99,7 +99,7 @@ def step_trainer(device: str) -> dict:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         trainer = Trainer(model, cfg, device, process_group=dist.group.WORLD, max_response_tokens=384)
-        m = trainer.step(samples)
+        m = trainer.step(groups, payloads)
         if cuda:
             torch.cuda.synchronize()
         sharded = all(hasattr(p, "to_local") for p in trainer.model.parameters())

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_helpers import random_samples, tiny_model  # noqa: E402
+from test_train_helpers import random_batch, tiny_model  # noqa: E402
 
 from staleflow.config import TrainConfig  # noqa: E402
 from staleflow.train import checkpoint as ck  # noqa: E402
@@ -51,7 +51,7 @@ def _files(path: Path) -> dict[str, bytes]:
 
 def test_async_save_writes_the_same_bytes_as_the_sync_save(tmp_path):
     t = _trainer()
-    t.step(random_samples(seed=1, groups=3))
+    t.step(*random_batch(seed=1, groups=3))
     rng = torch.get_rng_state()
     sync = ck.save_checkpoint(t, tmp_path / "sync", extra={"q": [1]}, keep=1)
     torch.set_rng_state(rng)  # the generator state is part of the checkpoint
@@ -68,13 +68,13 @@ def test_async_save_writes_the_same_bytes_as_the_sync_save(tmp_path):
 
 def test_async_save_returns_before_the_writer_is_done_and_training_goes_on(tmp_path, monkeypatch):
     t = _trainer()
-    t.step(random_samples(seed=1, groups=3))
+    t.step(*random_batch(seed=1, groups=3))
     at_save = {k: v.clone() for k, v in t.full_state_dict().items()}
     go = _held_writes(monkeypatch)
     final, writer = ck.begin_save(t, tmp_path, keep=2, writer=cw.CheckpointWriter())
     assert writer.busy and writer.poll() is None  # returned while the writer waits on the "disk"
     assert not final.exists() and (tmp_path / f".tmp-{final.name}").is_dir()
-    t.step(random_samples(seed=2, groups=3))  # training goes on and changes every weight in place
+    t.step(*random_batch(seed=2, groups=3))  # training goes on and changes every weight in place
     after = t.full_state_dict()
     assert any(not torch.equal(after[k], at_save[k]) for k in at_save)
     go.set()
@@ -92,7 +92,7 @@ def test_a_second_save_waits_for_the_first(tmp_path, monkeypatch):
     go = _held_writes(monkeypatch)
     writer = cw.CheckpointWriter()
     first, _ = ck.begin_save(t, tmp_path, keep=3, writer=writer)
-    t.step(random_samples(seed=1, groups=3))
+    t.step(*random_batch(seed=1, groups=3))
     second: list = []
     starter = threading.Thread(target=lambda: second.append(ck.begin_save(t, tmp_path, keep=3, writer=writer)))
     starter.start()
@@ -112,9 +112,9 @@ def _crash_mid_write(out: Path) -> None:
     """Subprocess body: one complete checkpoint, a step, then SIGKILL halfway through the next
     checkpoint's state file while training runs on."""
     t = _trainer()
-    t.step(random_samples(seed=1, groups=3))
+    t.step(*random_batch(seed=1, groups=3))
     ck.save_checkpoint(t, out, extra={"at": 1}, keep=2)
-    t.step(random_samples(seed=2, groups=3))
+    t.step(*random_batch(seed=2, groups=3))
 
     def torn(path, items, metadata=None):
         with open(path, "wb") as f:
@@ -125,7 +125,7 @@ def _crash_mid_write(out: Path) -> None:
 
     ck.write_safetensors = torn
     final, writer = ck.begin_save(t, out, keep=2, writer=cw.CheckpointWriter())
-    t.step(random_samples(seed=3, groups=3))
+    t.step(*random_batch(seed=3, groups=3))
     writer.wait()
 
 
@@ -141,7 +141,7 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_usable(tmp_path):
     fresh = _trainer(seed=5)
     assert ck.load_checkpoint(fresh, path) == {"at": 1}
     assert fresh.version == 1
-    fresh.step(random_samples(seed=2, groups=3))
+    fresh.step(*random_batch(seed=2, groups=3))
     again = ck.save_checkpoint(fresh, tmp_path, keep=2)  # the resumed run's next save clears the torn folder
     assert again.name == "step_00000002" and not list(tmp_path.glob(".tmp-*"))
     ck.verify_checkpoint(again)
@@ -183,11 +183,11 @@ def _two_ranks(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     t = _trainer(seed=3, group=dist.group.WORLD)
-    t.step(random_samples(seed=1, groups=4))
+    t.step(*random_batch(seed=1, groups=4))
     at_save = t.full_state_dict()
     writer = cw.CheckpointWriter()
     final, _ = ck.begin_save(t, out / "ckpt", extra={"ranks": 2}, keep=2, writer=writer)
-    t.step(random_samples(seed=2, groups=4))  # trains while both ranks write
+    t.step(*random_batch(seed=2, groups=4))  # trains while both ranks write
     ck.finish_save(t, writer, final)
     if rank == 1:  # a failing rank: its error reaches rank 0's merge and every rank raises
         ck.write_safetensors = lambda *a, **k: (_ for _ in ()).throw(OSError(5, "I/O error on rank 1"))

@@ -219,18 +219,19 @@ def test_compare_runs_cli_prints_writes_json_and_rejects_bad_input(tmp_path):
 def test_compare_runs_trainer_reports_the_mixed_version_share():
     """The trainer's mixed_token_frac / mixed_traj_frac (metrics.jsonl's train) on planted versions."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_train_helpers import random_samples, tiny_model
+    from test_train_helpers import flat, random_batch, tiny_model
 
     from staleflow.config import TrainConfig
     from staleflow.train.trainer import Trainer
 
-    samples = random_samples(seed=3, groups=2, min_response=4)
-    n_tok = sum(len(s.tokens.response_ids) for s in samples)
+    batch = random_batch(seed=3, groups=2, min_response=4)
+    samples = flat(batch)
+    n_tok = sum(len(s.response_ids) for s in samples)
     for s in samples[::2]:  # every other response: its last 2 tokens sampled one version later (a keep-KV pull)
-        s.tokens.versions = [2] * (len(s.tokens.response_ids) - 2) + [3, 3]
+        s.versions = [2] * (len(s.response_ids) - 2) + [3, 3]
     for s in samples[1::2]:
-        s.tokens.versions = [2] * len(s.tokens.response_ids)
-    m = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-3)).step(samples)
+        s.versions = [2] * len(s.response_ids)
+    m = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-3)).step(*batch)
     assert m["mixed_token_frac"] == pytest.approx(2 * len(samples[::2]) / n_tok)
     assert m["mixed_traj_frac"] == pytest.approx(0.5)
 

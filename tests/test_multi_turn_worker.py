@@ -24,7 +24,7 @@ import uuid
 import pytest
 import torch
 from test_multi_turn_engine import make_engine
-from test_train_helpers import capture_grads, tiny_model
+from test_train_helpers import capture_grads, tiny_model, train_group
 from test_trajectory_tokens import _reference_loss
 
 from staleflow.config import EnvConfig, TrainConfig
@@ -33,7 +33,7 @@ from staleflow.protocol import StalenessManager, StalenessSpec
 from staleflow.rollout import SamplingParams
 from staleflow.servers import TrajectoryRing
 from staleflow.train.trainer import Trainer
-from staleflow.trajectory import ENV_LOGPROB, ENV_VERSION, Prompt, TrajectorySample, TrajectoryTokens, model_versions
+from staleflow.trajectory import ENV_LOGPROB, ENV_VERSION, Prompt, TrajectoryTokens, model_versions
 from staleflow.workers.turns import TurnDriver, final_turn_ids, model_turns
 
 PROMPT = [5, 17, 33, 8, 41, 9, 60, 12, 3, 77, 25]
@@ -237,16 +237,17 @@ def test_multi_turn_interrupted_while_the_tool_runs_resumes_on_another_instance_
     assert sorted(m.consume(buf)) == [0]
 
     # ... and trained with the mask: the trainer's loss equals A1's independent recomputation.
-    samples = [TrajectorySample(final, 1.0, 0, v_traj), TrajectorySample(emitted_s[0][1], 0.0, 0, v_traj)]
+    payloads = [[final, emitted_s[0][1]]]
+    groups = [train_group(0, v_traj, [1.0, 0.0], payloads[0])]
     cfg = TrainConfig(lr=1e-3, micro_batch_tokens=64, loss_agg="token-mean", off_policy="tis-token", grad_clip=0.0)
     trainer = Trainer(tiny_model(seed=4, vocab=VOCAB), cfg)
     ref_model = tiny_model(seed=4, vocab=VOCAB)
-    _, adv, _ = trainer.prepare(samples)
+    _, adv, _ = trainer.prepare(groups, payloads)
     capture_grads(trainer)
-    metrics = trainer.step(samples)
-    want = _reference_loss(ref_model, samples, adv, cfg, "token-mean")
+    metrics = trainer.step(groups, payloads)
+    want = _reference_loss(ref_model, payloads[0], adv, cfg, "token-mean")
     assert metrics["loss"] == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
-    assert metrics["response_tokens"] == sum(s.tokens.num_trained for s in samples)
+    assert metrics["response_tokens"] == sum(t.num_trained for t in payloads[0])
     assert torch.isfinite(torch.tensor(metrics["loss"]))
 
 

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peak_memory import PeakAllocations  # noqa: E402
-from test_train_helpers import random_samples, tiny_model  # noqa: E402
+from test_train_helpers import random_batch, tiny_model  # noqa: E402
 
 from staleflow.config import TrainConfig  # noqa: E402
 from staleflow.plan.transients import adamw_step_bytes, logprob_backward_bytes, prefill_mask_bytes  # noqa: E402
@@ -24,7 +24,7 @@ def test_plan_adamw_step_counts_the_trainers_foreach_temporaries():
     from staleflow.train.trainer import Trainer
 
     t = Trainer(tiny_model(seed=0), TrainConfig(lr=1e-2, micro_batch_tokens=64))
-    t.step(random_samples(seed=1, groups=2))  # the optimizer state exists
+    t.step(*random_batch(seed=1, groups=2))  # the optimizer state exists
     for p in t.policy.parameters():
         p.grad = torch.randn_like(p)
     with PeakAllocations() as peak:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_helpers import random_samples, tiny_model  # noqa: E402
+from test_train_helpers import random_batch, tiny_model  # noqa: E402
 
 from staleflow.config import TrainConfig  # noqa: E402
 from staleflow.model import PackedAttention, cu_seqlens_from_lengths, packed_positions  # noqa: E402
@@ -28,17 +28,17 @@ def _trainer(seed=0):
 
 
 def _batches():
-    return [random_samples(seed=30 + i, groups=3) for i in range(4)]
+    return [random_batch(seed=30 + i, groups=3) for i in range(4)]
 
 
 def _killed_run(out: Path) -> None:
     """Subprocess body: 2 steps, save, 1 step, then SIGKILL in the middle of the next save."""
     t = _trainer()
     b = _batches()
-    t.step(b[0])
-    t.step(b[1])
+    t.step(*b[0])
+    t.step(*b[1])
     ck.save_checkpoint(t, out, extra={"queue": [1, 2, 3]}, keep=2)
-    t.step(b[2])
+    t.step(*b[2])
 
     def die(path):  # after the shards and trainer state are written, before the manifest
         os.kill(os.getpid(), signal.SIGKILL)
@@ -63,13 +63,13 @@ def test_kill_during_save_then_resume_equals_uninterrupted(tmp_path):
     try:
         ref = _trainer()
         for x in b[:2]:
-            ref.step(x)
-        m3, m4 = ref.step(b[2]), ref.step(b[3])
+            ref.step(*x)
+        m3, m4 = ref.step(*b[2]), ref.step(*b[3])
 
         resumed = _trainer(seed=123)  # different initial weights: everything must come from the checkpoint
         assert ck.load_checkpoint(resumed, latest) == {"queue": [1, 2, 3]}
         assert resumed.version == 2
-        r3, r4 = resumed.step(b[2]), resumed.step(b[3])
+        r3, r4 = resumed.step(*b[2]), resumed.step(*b[3])
     finally:
         torch.set_num_threads(threads)
     for a, r in ((m3, r3), (m4, r4)):
@@ -84,7 +84,7 @@ def test_corrupted_checkpoint_is_detected_and_previous_one_stays(tmp_path):
     b = _batches()
     paths = []
     for i in range(3):
-        t.step(b[i])
+        t.step(*b[i])
         paths.append(ck.save_checkpoint(t, tmp_path, keep=2))
     assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
 
@@ -111,7 +111,7 @@ def test_exported_policy_loads_in_transformers_with_identical_logits(tmp_path, a
     from transformers import AutoModelForCausalLM
 
     t = Trainer(tiny_model(seed=4, arch=arch, tied=tied), TrainConfig(lr=1e-2))
-    t.step(random_samples(seed=5, groups=2))  # export trained weights, not the init
+    t.step(*random_batch(seed=5, groups=2))  # export trained weights, not the init
     ck.export_hf(t, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
@@ -129,7 +129,7 @@ if __name__ == "__main__":
 def test_policy_weights_load_from_a_checkpoint_without_a_trainer(tmp_path):
     t = _trainer()
     start = {k: v.clone() for k, v in t.model.state_dict().items()}
-    t.step(_batches()[0])
+    t.step(*_batches()[0])
     path = ck.save_checkpoint(t, tmp_path, keep=1)
     fresh = tiny_model(seed=0)
     ck.load_policy_weights(fresh, path)
@@ -159,7 +159,7 @@ def test_a_checkpoint_holds_only_safetensors_and_json(tmp_path):
     """No file of a checkpoint is a pickle: every one is a safetensors file (8-byte length, JSON
     header) or JSON, so loading one parses data and never runs code."""
     t = _trainer()
-    t.step(_batches()[0])
+    t.step(*_batches()[0])
     path = ck.save_checkpoint(t, tmp_path, keep=1)
     names = sorted(f.name for f in path.iterdir())
     assert names == [
@@ -231,7 +231,7 @@ def test_a_failed_save_removes_its_temporary_folder_and_names_a_full_disk(tmp_pa
 
     t = _trainer()
     first = ck.save_checkpoint(t, tmp_path, keep=2)
-    t.step(_batches()[0])
+    t.step(*_batches()[0])
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -246,9 +246,9 @@ def test_a_failed_save_removes_its_temporary_folder_and_names_a_full_disk(tmp_pa
 def test_resume_skips_a_damaged_newest_checkpoint_loudly(tmp_path):
     t = _trainer()
     b = _batches()
-    t.step(b[0])
+    t.step(*b[0])
     ck.save_checkpoint(t, tmp_path, keep=3)
-    t.step(b[1])
+    t.step(*b[1])
     newest = ck.save_checkpoint(t, tmp_path, keep=3)
     (newest / "manifest.json").unlink()
     path, warns = ck.find_resume_checkpoint(tmp_path)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_helpers import assert_same, capture_grads, lipschitz_adam, random_samples, tiny_model  # noqa: E402
+from test_train_helpers import assert_same, capture_grads, lipschitz_adam, random_batch, tiny_model  # noqa: E402
 
 from staleflow.config import TrainConfig  # noqa: E402
 from staleflow.train.trainer import Trainer  # noqa: E402
@@ -22,8 +22,8 @@ from staleflow.train.trainer import Trainer  # noqa: E402
 DIST_CFG = dict(lr=1e-2, micro_batch_tokens=20, loss_agg="seq-mean", off_policy="tis-token", grad_clip=0.3)
 
 
-def _dist_samples():
-    return random_samples(seed=21, groups=5), random_samples(seed=22, groups=5)
+def _dist_batches():
+    return random_batch(seed=21, groups=5), random_batch(seed=22, groups=5)
 
 
 @pytest.mark.slow
@@ -39,11 +39,11 @@ def test_two_ranks_match_one_rank(tmp_path):
     got = torch.load(tmp_path / "rank0.pt", weights_only=False)
 
     # the same two steps on one unsharded rank
-    a, b = _dist_samples()
+    a, b = _dist_batches()
     t = Trainer(tiny_model(seed=20), TrainConfig(**DIST_CFG))
     lipschitz_adam(t)
     grads = capture_grads(t)
-    m1, m2 = t.step(a), t.step(b)
+    m1, m2 = t.step(*a), t.step(*b)
     for k in ("loss", "grad_norm", "is_weight_mean", "entropy_mean"):
         assert got["metrics"][0][k] == pytest.approx(m1[k], rel=1e-5), k
         assert got["metrics"][1][k] == pytest.approx(m2[k], rel=1e-5), k
@@ -74,8 +74,8 @@ def test_two_ranks_match_one_rank(tmp_path):
     load_checkpoint(r, latest_checkpoint(tmp_path / "ckpt"))
     assert r.version == 2
     assert_same(r.full_state_dict(), got["full"], atol=0)
-    c = random_samples(seed=23, groups=5)
-    assert r.step(c)["loss"] == pytest.approx(t.step(c)["loss"], rel=1e-5)
+    c = random_batch(seed=23, groups=5)
+    assert r.step(*c)["loss"] == pytest.approx(t.step(*c)["loss"], rel=1e-5)
     assert_same(r.full_state_dict(), t.full_state_dict(), atol=1e-5)
 
 
@@ -113,8 +113,8 @@ def _lazy_equals_eager(folder: Path, tied: bool) -> bool:
 
     pairs = list(zip(padded(lazy), padded(eager), strict=True))
     ok = same() and bool(pairs) and all(torch.equal(a, b) for a, b in pairs)
-    samples = random_samples(seed=31, groups=4, vocab=LAZY_VOCAB)
-    ml, me = lazy.step(samples), eager.step(samples)
+    batch = random_batch(seed=31, groups=4, vocab=LAZY_VOCAB)
+    ml, me = lazy.step(*batch), eager.step(*batch)
     return ok and ml["loss"] == me["loss"] and ml["ref_kl_k3_mean"] == me["ref_kl_k3_mean"] and same()
 
 
@@ -129,7 +129,7 @@ def _worker():
     lazy = {tied: _lazy_equals_eager(out / f"hf-tied{int(tied)}", tied) for tied in (True, False)}
     lazy_all = [None, None]
     dist.all_gather_object(lazy_all, lazy)
-    a, b = _dist_samples()
+    a, b = _dist_batches()
     t = Trainer(tiny_model(seed=20), TrainConfig(**DIST_CFG), process_group=dist.group.WORLD)
     lipschitz_adam(t)
     grads = capture_grads(t)
@@ -142,7 +142,7 @@ def _worker():
         return forward(policy, mb)
 
     t._forward = spy
-    metrics = [t.step(a), t.step(b)]
+    metrics = [t.step(*a), t.step(*b)]
     torch.save(list(t.named_shards()), out / f"shards{rank}.pt")
     full = t.full_state_dict()
     on_rank = t.full_state_dict(rank0_only=True)
@@ -155,7 +155,7 @@ def _worker():
         and q.to_local().data_ptr() != p.to_local().data_ptr()
         for p, q in zip(k.model.parameters(), k.ref_policy.lm.parameters())
     )
-    kl0 = k.step(a)["ref_kl_k3_mean"]
+    kl0 = k.step(*a)["ref_kl_k3_mean"]
     if rank != 0:
         assert on_rank == {}, "rank0_only: another rank kept gathered tensors"
     if rank == 0:

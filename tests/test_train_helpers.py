@@ -1,4 +1,4 @@
-"""Shared fixtures for the trainer tests: a tiny CausalLM, random trajectories, a toy sampler.
+"""Shared fixtures for the trainer tests: a tiny CausalLM, random groups of trajectories, a toy sampler.
 
 Imported by tests/test_train_*.py (pytest puts tests/ on sys.path); holds no tests itself.
 """
@@ -10,7 +10,8 @@ import random
 import torch
 
 from staleflow.model import CausalLM, ModelArgs, PackedAttention, cu_seqlens_from_lengths, packed_positions
-from staleflow.trajectory import TrajectorySample, TrajectoryTokens
+from staleflow.train.batch import step_payloads
+from staleflow.trajectory import RecordHandle, TrainGroup, TrajectoryTokens
 
 VOCAB = 32
 
@@ -31,7 +32,19 @@ def tiny_model(seed: int = 0, arch: str = "llama", tied: bool = True, vocab: int
     return CausalLM(args).init_weights(std=0.1, seed=seed)
 
 
-def random_samples(
+def train_group(group_id: int, traj_version: int, rewards: list[float], members: list[TrajectoryTokens]) -> TrainGroup:
+    """A TrainGroup for payloads that are in no ring (the trainer never reads the handles: it is given
+    the payloads); trajectory ids group_id * 100 + k."""
+    n = len(members)
+    ids = [group_id * 100 + k for k in range(n)]
+    handles = [RecordHandle(-1, 0, 0, 0)] * n
+    prompt_len = len(members[0].prompt_ids) if members else 0
+    return TrainGroup(
+        group_id, traj_version, ids, handles, list(rewards), [len(t.response_ids) for t in members], prompt_len
+    )
+
+
+def random_batch(
     seed: int = 0,
     groups: int = 4,
     group_size: int = 4,
@@ -40,25 +53,28 @@ def random_samples(
     vocab: int = VOCAB,
     min_response: int = 0,
     stale: bool = True,
-) -> list[TrajectorySample]:
-    """Random trajectories with random rewards and behaviour log-probs (some zero-length responses)."""
+) -> tuple[list[TrainGroup], list[list[TrajectoryTokens]]]:
+    """Random groups (V_traj 2) of trajectories with random rewards and behaviour log-probs (some
+    zero-length responses): Trainer.step's (groups, payloads)."""
     rng = random.Random(seed)
-    out = []
+    out_groups, out_payloads = [], []
     for g in range(groups):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))]
+        members, rewards = [], []
         for _ in range(group_size):
             n = rng.randint(min_response, max_response)
             resp = [rng.randrange(vocab) for _ in range(n)]
             beh = [-rng.uniform(2.5, 4.5) for _ in range(n)]
-            out.append(
-                TrajectorySample(
-                    TrajectoryTokens(prompt, resp, beh, [3 - stale * rng.randint(0, 1)] * n),
-                    float(rng.randint(0, 3)),
-                    g,
-                    2,
-                )
-            )
-    return out
+            members.append(TrajectoryTokens(prompt, resp, beh, [3 - stale * rng.randint(0, 1)] * n))
+            rewards.append(float(rng.randint(0, 3)))
+        out_groups.append(train_group(g, 2, rewards, members))
+        out_payloads.append(members)
+    return out_groups, out_payloads
+
+
+def flat(batch: tuple[list[TrainGroup], list[list[TrajectoryTokens]]]) -> list[TrajectoryTokens]:
+    """A batch's payloads in the trainer's member order (what _plan and build_micro_batch index)."""
+    return step_payloads(*batch)
 
 
 @torch.no_grad()

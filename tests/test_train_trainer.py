@@ -8,22 +8,32 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_helpers import assert_same, capture_grads, lipschitz_adam, random_samples, sample_responses, tiny_model  # noqa: E402
+from test_train_helpers import (  # noqa: E402
+    assert_same,
+    capture_grads,
+    flat,
+    lipschitz_adam,
+    random_batch,
+    sample_responses,
+    tiny_model,
+    train_group,
+)
 
 from staleflow.config import TrainConfig  # noqa: E402
 from staleflow.train.batch import build_micro_batch  # noqa: E402
 from staleflow.train.trainer import PolicyHead, Trainer, lr_factor  # noqa: E402
-from staleflow.trajectory import TrajectorySample, TrajectoryTokens
+from staleflow.trajectory import TrajectoryTokens  # noqa: E402
 
 
 def test_packed_micro_batch_equals_each_sequence_alone():
     torch.manual_seed(0)
     head = PolicyHead(tiny_model(seed=1))
-    samples = random_samples(seed=2, groups=2, min_response=1)
+    samples = flat(random_batch(seed=2, groups=2, min_response=1))
     ids = list(range(len(samples)))
     zeros = [0.0] * len(samples)
     with torch.no_grad():
@@ -32,7 +42,7 @@ def test_packed_micro_batch_equals_each_sequence_alone():
         naive, _ = head(build_micro_batch(samples, ids, zeros, zeros), 1.0, "naive")
     torch.testing.assert_close(packed, alone, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(packed, naive, atol=2e-6, rtol=1e-5)
-    assert packed.shape[0] == sum(len(s.tokens.response_ids) for s in samples) and (ent > 0).all()
+    assert packed.shape[0] == sum(len(s.response_ids) for s in samples) and (ent > 0).all()
 
 
 @pytest.mark.parametrize(
@@ -45,7 +55,8 @@ def test_packed_micro_batch_equals_each_sequence_alone():
     ],
 )
 def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
-    samples = random_samples(seed=3, groups=4)
+    batch = random_batch(seed=3, groups=4)
+    samples = flat(batch)
     results = []
     for budget in (4096, 14):
         cfg = TrainConfig(
@@ -61,7 +72,7 @@ def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
         t = Trainer(tiny_model(seed=4), cfg, max_response_tokens=8)
         lipschitz_adam(t)
         grads = capture_grads(t)
-        m = t.step(samples)
+        m = t.step(*batch)
         results.append(
             (m, grads[0], t.full_state_dict(), len(t._plan(samples, list(range(len(samples))), [0.0] * len(samples))))
         )
@@ -74,8 +85,8 @@ def test_one_vs_many_micro_batches_give_the_same_step(agg, off_policy, loss):
 
 
 def test_loss_aggregation_reaches_the_micro_batches_with_empty_completions_counted():
-    samples = random_samples(seed=14, groups=3)  # some zero-length responses
-    n_empty = sum(1 for s in samples if not s.tokens.response_ids)
+    samples = flat(random_batch(seed=14, groups=3))  # some zero-length responses
+    n_empty = sum(1 for s in samples if not s.response_ids)
     assert n_empty > 0
     with pytest.raises(ValueError, match="max_response_tokens=None.*--rollout.max-new-tokens"):
         Trainer(tiny_model(), TrainConfig(advantage="dr-grpo", loss_agg="auto"))
@@ -89,30 +100,30 @@ def test_loss_aggregation_reaches_the_micro_batches_with_empty_completions_count
 
 
 def test_decoupled_recomputed_proximal_equals_tis_token_with_one_update():
-    samples = random_samples(seed=5, groups=3)
+    batch = random_batch(seed=5, groups=3)
     grads = []
     for off in ("tis-token", "decoupled"):
         t = Trainer(tiny_model(seed=6), TrainConfig(lr=1e-3, micro_batch_tokens=30, off_policy=off))
         seen = capture_grads(t)
-        t.step(samples)
+        t.step(*batch)
         grads.append(seen[0])
     assert_same(*grads, atol=1e-7)
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
-    samples = random_samples(seed=12, groups=2, min_response=1)
+    batch = random_batch(seed=12, groups=2, min_response=1)
     grads = []
     for ac in ("off", "on"):
         t = Trainer(tiny_model(seed=13), TrainConfig(micro_batch_tokens=30, activation_checkpointing=ac))
         assert t.model.gradient_checkpointing == (ac == "on")
         seen = capture_grads(t)
-        t.step(samples)
+        t.step(*batch)
         grads.append(seen[0])
     assert_same(*grads, atol=1e-7)
 
 
 def test_mini_batches_make_several_updates_against_the_proximal_policy():
-    samples = random_samples(seed=7, groups=4, min_response=2)
+    batch = random_batch(seed=7, groups=4, min_response=2)
     t = Trainer(
         tiny_model(seed=8),
         TrainConfig(
@@ -120,20 +131,20 @@ def test_mini_batches_make_several_updates_against_the_proximal_policy():
         ),
     )
     seen = capture_grads(t)
-    m = t.step(samples)
+    m = t.step(*batch)
     assert len(seen) == 2 and t.optimizer_steps == 2 and t.version == 1
     assert m["ppo_clipped_frac_mean"] > 0  # the second update's ratio moved away from the proximal policy
 
 
 def test_kl_to_reference_is_zero_before_the_first_update():
-    samples = random_samples(seed=9, groups=2, min_response=1)
+    batch = random_batch(seed=9, groups=2, min_response=1)
     t = Trainer(tiny_model(seed=1), TrainConfig(lr=1e-2, kl_coef=0.1, kl_estimator="k3"))
     ref = dict(t.ref_policy.lm.named_parameters())
     for name, p in t.model.named_parameters():  # its own storage, the compute dtype, frozen
         assert ref[name].data_ptr() != p.data_ptr() and ref[name].dtype == torch.float32
         assert torch.equal(ref[name], p) and not ref[name].requires_grad
-    m1 = t.step(samples)
-    m2 = t.step(samples)
+    m1 = t.step(*batch)
+    m2 = t.step(*batch)
     assert m1["ref_kl_k3_mean"] == pytest.approx(0.0, abs=1e-9) and m2["ref_kl_k3_mean"] > 1e-7
 
 
@@ -169,30 +180,35 @@ def test_lm_head_reaches_the_logprob_op_in_the_autocast_dtype_on_cuda(monkeypatc
 
 
 def test_dynamic_sampling_and_all_filtered_step():
-    samples = random_samples(seed=10, groups=3, min_response=1)
-    for s in samples:
-        if s.group_id == 0:
-            s.reward = 1.0
+    groups, payloads = random_batch(seed=10, groups=3, min_response=1)
+    groups[0] = msgspec.structs.replace(groups[0], rewards=[1.0] * len(groups[0].rewards))  # no signal
     t = Trainer(tiny_model(seed=2), TrainConfig(lr=1e-2, dynamic_sampling=True))
-    m = t.step(samples)
-    assert m["groups_dropped"] == 1 and m["samples_trained"] == len(samples) - 4
-    empty = [TrajectorySample(TrajectoryTokens([1]), float(i), 7, 0) for i in range(3)]  # only zero-length responses
-    m = t.step(empty)
+    m = t.step(groups, payloads)
+    assert m["groups_dropped"] == 1 and m["samples_trained"] == 12 - 4 and m["samples"] == 12
+    empty = [TrajectoryTokens([1]) for _ in range(3)]  # only zero-length responses
+    m = t.step([train_group(7, 0, [0.0, 1.0, 2.0], empty)], [empty])
     assert m["samples_trained"] == 3 and m["response_tokens"] == 0 and t.optimizer_steps == 1
-    flat = [s for s in samples if s.group_id == 0]
     before = t.full_state_dict()
-    m = t.step(flat)  # nothing left to learn from: no update, the version still advances
+    m = t.step(groups[:1], payloads[:1])  # nothing left to learn from: no update, the version still advances
     assert m["samples_trained"] == 0 and t.version == 3 and t.optimizer_steps == 1
     assert_same(before, t.full_state_dict(), atol=0)
 
 
-def test_bad_samples_and_config_are_rejected_with_clear_errors():
+def test_bad_payloads_and_config_are_rejected_with_clear_errors():
     t = Trainer(tiny_model(), TrainConfig())
-    bad = TrajectorySample(TrajectoryTokens([1, 2], [3, 4], [-0.1], [0, 0]), 1.0, 0, 0)
-    with pytest.raises(ValueError, match="sample 0: 1 behaviour_logprobs for 2 response tokens"):
-        t.step([bad])
-    with pytest.raises(ValueError, match="prompt_ids is empty"):
-        t.step([TrajectorySample(TrajectoryTokens([], [3], [-0.1], [0]), 1.0, 0, 0)])
+    ok = TrajectoryTokens([1, 2], [3, 4], [-0.1, -0.2], [0, 0])
+    bad = TrajectoryTokens([1, 2], [3, 4], [-0.1], [0, 0])
+    with pytest.raises(ValueError, match=r"^group 5 member 1 \(trajectory 501\): 1 behaviour_logprobs for 2 response"):
+        t.step([train_group(5, 0, [1.0, 0.0], [ok, bad])], [[ok, bad]])
+    with pytest.raises(ValueError, match="^group 0 member 0 .*prompt_ids is empty"):
+        t.step([train_group(0, 0, [1.0], [ok])], [[TrajectoryTokens([], [3], [-0.1], [0])]])
+    with pytest.raises(ValueError, match=r"^group 2 member 0 \(trajectory 200\): reward=nan is not a finite number"):
+        t.step([train_group(2, 0, [float("nan")], [ok])], [[ok]])
+    with pytest.raises(ValueError, match="^group 4: 1 payloads and 2 traj_ids for 2 rewards"):
+        t.step([train_group(4, 0, [1.0, 0.0], [ok, ok])], [[ok]])
+    with pytest.raises(ValueError, match="^1 payload lists for 2 groups"):
+        t.step([train_group(0, 0, [1.0], [ok]), train_group(1, 0, [1.0], [ok])], [[ok]])
+    assert t.version == 0 and t.optimizer_steps == 0  # a rejected step changes nothing
     with pytest.raises(ValueError, match="advantage='gae'"):
         Trainer(tiny_model(), TrainConfig(advantage="gae"))
     with pytest.raises(ValueError, match="total_steps"):
@@ -207,8 +223,8 @@ def test_a_meta_model_filled_from_its_weights_equals_the_loaded_one(tmp_path):
     lazy = Trainer(model, TrainConfig(), weights=weights())
     eager = Trainer(tiny_model(seed=5, tied=False), TrainConfig())
     assert_same(lazy.full_state_dict(), eager.full_state_dict(), atol=0)
-    samples = random_samples(seed=3)
-    assert lazy.step(samples)["loss"] == eager.step(samples)["loss"]
+    batch = random_batch(seed=3)
+    assert lazy.step(*batch)["loss"] == eager.step(*batch)["loss"]
 
     with pytest.raises(ValueError, match="meta device needs its weights"):
         Trainer(lazy_model(str(tmp_path))[0], TrainConfig())
@@ -260,11 +276,13 @@ def test_grpo_learns_a_toy_reward():
     for step in range(12):
         group_prompts = [p for p in prompts for _ in range(6)]
         resp, logps = sample_responses(model, group_prompts, 4, gen)
-        samples = [
-            TrajectorySample(TrajectoryTokens(p, r, lp, [t.version] * len(r)), _target_reward(r, 5), gi // 6, t.version)
-            for gi, (p, r, lp) in enumerate(zip(group_prompts, resp, logps))
+        payloads = [TrajectoryTokens(p, r, lp, [t.version] * len(r)) for p, r, lp in zip(group_prompts, resp, logps)]
+        per_group = [payloads[g * 6 : (g + 1) * 6] for g in range(len(prompts))]
+        groups = [
+            train_group(g, t.version, [_target_reward(x.response_ids, 5) for x in ps], ps)
+            for g, ps in enumerate(per_group)
         ]
-        m = t.step(samples)
+        m = t.step(groups, per_group)
         history.append(m["reward_mean"])
         if step == 0:  # on-policy: behaviour == proximal up to sampler/trainer float noise
             assert m["behaviour_gap_abs_mean"] < 1e-5

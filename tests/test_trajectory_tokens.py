@@ -13,15 +13,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_train_helpers import VOCAB, capture_grads, tiny_model  # noqa: E402
+from test_train_helpers import VOCAB, capture_grads, tiny_model, train_group  # noqa: E402
 
 from staleflow.config import TrainConfig  # noqa: E402
 from staleflow.model import PackedAttention, cu_seqlens_from_lengths, packed_positions  # noqa: E402
 from staleflow.rollout.builtin_engine import BuiltinEngine  # noqa: E402
 from staleflow.rollout.engine import EngineError, Request, SamplingParams  # noqa: E402
-from staleflow.train.batch import build_micro_batch  # noqa: E402
+from staleflow.train.batch import build_micro_batch, step_payloads  # noqa: E402
 from staleflow.train.trainer import Trainer  # noqa: E402
-from staleflow.trajectory import ENV_LOGPROB, ENV_VERSION, TrajectorySample, TrajectoryTokens, model_versions  # noqa: E402
+from staleflow.trajectory import ENV_LOGPROB, ENV_VERSION, TrajectoryTokens, model_versions  # noqa: E402
 
 
 def _multi_turn(rng: random.Random, n_turns: int = 3) -> TrajectoryTokens:
@@ -55,8 +55,8 @@ def test_payload_validation_names_the_field():
     for t, match in bad:
         with pytest.raises(ValueError, match=match):
             t.validate("trajectory 7")
-    with pytest.raises(ValueError, match="^sample 4: 1 behaviour_logprobs"):
-        TrajectorySample(bad[1][0], 1.0, 0, 0).validate(4)
+    with pytest.raises(ValueError, match=r"^group 4 member 0 \(trajectory 400\): 1 behaviour_logprobs"):
+        step_payloads([train_group(4, 0, [1.0], [bad[1][0]])], [[bad[1][0]]])  # the trainer names group and member
     tensors = TrajectoryTokens(
         torch.tensor([1]), torch.tensor([5, 6]), torch.tensor([-0.5, 0.0]), torch.tensor([2, -1])
     )
@@ -94,12 +94,11 @@ def test_engine_resumes_a_payload_with_environment_tokens():
 
 
 # ---- the trainer ------------------------------------------------------------------------------
-def _reference_loss(model, samples, adv, cfg: TrainConfig, agg: str) -> torch.Tensor:
+def _reference_loss(model, payloads, adv, cfg: TrainConfig, agg: str) -> torch.Tensor:
     """PPO-clip with tis-token weights over the model's tokens only, each sequence run alone (fp32):
     environment tokens are context and nothing else."""
     per_seq = []
-    for s, a in zip(samples, adv):
-        t = s.tokens
+    for t, a in zip(payloads, adv):
         ids = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
         cu = cu_seqlens_from_lengths([len(ids)])
         hidden = model(ids, packed_positions(cu), PackedAttention(cu))  # [L, H]
@@ -120,17 +119,19 @@ def _reference_loss(model, samples, adv, cfg: TrainConfig, agg: str) -> torch.Te
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
 def test_masked_tokens_leave_the_loss_and_the_ratios(agg):
     rng = random.Random(0)
-    samples = [TrajectorySample(_multi_turn(rng), float(rng.randint(0, 3)), g // 4, 2) for g in range(8)]
+    samples = [(_multi_turn(rng), float(rng.randint(0, 3))) for _ in range(8)]  # two groups of four
+    payloads = [[x for x, _ in samples[:4]], [x for x, _ in samples[4:]]]
+    groups = [train_group(g, 2, [r for _, r in samples[4 * g : 4 * g + 4]], payloads[g]) for g in range(2)]
     cfg = TrainConfig(lr=1e-3, micro_batch_tokens=40, loss_agg=agg, off_policy="tis-token", grad_clip=0.0)
     t = Trainer(tiny_model(seed=4), cfg)
     ref_model = tiny_model(seed=4)
-    _, adv, _ = t.prepare(samples)
+    _, adv, _ = t.prepare(groups, payloads)
     grads = capture_grads(t)
-    metrics = t.step(samples)
-    want = _reference_loss(ref_model, samples, adv, cfg, agg)
+    metrics = t.step(groups, payloads)
+    want = _reference_loss(ref_model, [x for x, _ in samples], adv, cfg, agg)
     want.backward()
     assert metrics["loss"] == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
-    assert metrics["response_tokens"] == sum(s.tokens.num_trained for s in samples)
+    assert metrics["response_tokens"] == sum(x.num_trained for x, _ in samples)
     got = {k.removeprefix("lm."): g for k, g in grads[0].items()}  # the trainer's PolicyHead wraps the model
     ref = dict(ref_model.named_parameters())
     assert got.keys() == ref.keys()
@@ -141,13 +142,13 @@ def test_masked_tokens_leave_the_loss_and_the_ratios(agg):
 def test_an_all_ones_mask_packs_exactly_like_none():
     rng = random.Random(1)
 
-    def sample(mask: bool) -> TrajectorySample:
+    def sample(mask: bool) -> TrajectoryTokens:
         n = rng.randint(1, 6)
         t = TrajectoryTokens(
             [3, 4], [rng.randrange(VOCAB) for _ in range(n)], [-rng.uniform(1, 2) for _ in range(n)], [2] * n
         )
         t.loss_mask = [1] * n if mask else None
-        return TrajectorySample(t, 1.0, 0, 2)
+        return t
 
     rng.seed(1)
     plain = [sample(False) for _ in range(5)]
@@ -155,6 +156,6 @@ def test_an_all_ones_mask_packs_exactly_like_none():
     ones = [sample(True) for _ in range(5)]
     ids, adv, w = list(range(5)), [0.5, -0.5, 1.0, 0.0, 2.0], [0.1] * 5
     a, b = build_micro_batch(plain, ids, adv, w), build_micro_batch(ones, ids, adv, w)
-    assert a.rows.numel() == sum(len(s.tokens.response_ids) for s in plain)
+    assert a.rows.numel() == sum(len(s.response_ids) for s in plain)
     for k, v in vars(a).items():
         assert torch.equal(v, getattr(b, k)) if isinstance(v, torch.Tensor) else v == getattr(b, k), k

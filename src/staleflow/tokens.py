@@ -1,6 +1,6 @@
 """The token payload of one trajectory (``TrajectoryTokens``): prompt and response tokens, behaviour
 log-probs, per-token weight versions and a loss mask, the same object from the engine's output through
-the rollout rank's ring to the trainer's sample (``staleflow/trajectory.py`` lists the forms of the path
+the rollout rank's ring to the trainer (``staleflow/trajectory.py`` lists the forms of the path
 around it and re-exports these names).
 
 A module of its own, plain Python (no torch, no msgspec), so that the engine (rollout/) imports it
@@ -26,9 +26,10 @@ def _values(x) -> list:
 
 @dataclass
 class TrajectoryTokens:
-    """The token payload of one trajectory, the same object from the engine's output to the trainer's
-    sample: the engine's request and output (rollout/engine.py) and running sequence hold it, the ring
-    stores it (servers/trajectory.py), a TrajectorySample wraps it with the reward.
+    """The token payload of one trajectory, the same object from the engine's output to the trainer:
+    the engine's request and output (rollout/engine.py) and running sequence hold it, the ring stores it
+    (servers/trajectory.py), the trainer takes it beside its TrainGroup (which holds the reward and
+    V_traj: ``Trainer.step(groups, payloads)``).
 
     ``response_ids`` is every token after the prompt: sampled by the model (``loss_mask`` 1: trained,
     with its behaviour log-prob and the weight version that sampled it) or added by an environment

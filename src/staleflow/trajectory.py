@@ -5,7 +5,8 @@
       -> Route            sent to an instance, as is (V_traj fixed, prompt, seed)  coordinator -> loop -> rank
       -> Finished         generated: its tokens sit in a ring (RecordHandle)       rank -> loop
       -> TrainGroup       a consumed group: handles, rewards, V_traj               loop -> trainer ranks
-      -> TrajectorySample read back from the ring, what the trainer packs         workers/trainer.py
+                          (the trainer reads its members' payloads back from the rings and trains
+                          on the group and the payloads: Trainer.step(groups, payloads))
 
 Every class here is plain data without torch (the pure core uses them), and the ones that cross
 processes are msgspec Structs sent on the control plane as they are (control/messages.py
@@ -14,22 +15,21 @@ messages: they are one payload, ``TrajectoryTokens`` (prompt and response tokens
 log-probs, per-token weight versions, a loss mask for environment tokens), the same object from
 the engine's output (rollout/engine.py: a Request carries it to resume, a RequestOutput returns
 it) through the producing rank's ring (servers/trajectory.py, named by a RecordHandle) to the
-trainer's TrajectorySample. Held-out answers take the same path (an Evaluated names a record).
-Inside the trainer samples become packed MicroBatches (train/batch.py): that is the trainer's
-API, not a step of the path.
+trainer, which takes each TrainGroup with its members' payloads (the group already holds the reward
+and V_traj: no class repeats them per trajectory). Held-out answers take the same path (an Evaluated
+names a record). Inside the trainer the payloads become packed MicroBatches (train/batch.py): that
+is the trainer's API, not a step of the path.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from staleflow.tokens import ENV_LOGPROB as ENV_LOGPROB  # the payload's names, re-exported: the path's one import
 from staleflow.tokens import ENV_VERSION as ENV_VERSION
-from staleflow.tokens import TrajectoryTokens
+from staleflow.tokens import TrajectoryTokens as TrajectoryTokens
 from staleflow.tokens import model_versions as model_versions
 
 
@@ -150,27 +150,5 @@ class TrainGroup(msgspec.Struct, frozen=True, array_like=True):
     prompt_len: int
 
 
-@dataclass
-class TrajectorySample:
-    """One trajectory as the trainer packs it: its ring record read back (the token payload), with the
-    group's reward and V_traj.
-
-    >>> TrajectorySample(TrajectoryTokens([1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [4, 4, 5]), 1.0, 3, 4).tokens.seq_len
-    5
-    """
-
-    tokens: TrajectoryTokens
-    reward: float
-    group_id: Hashable
-    traj_version: int
-    """V_traj: the immutable version the staleness protocol bounds (min over the group)."""
-
-    def validate(self, index: int = 0) -> None:
-        """Raise ValueError naming the sample and the inconsistent field."""
-        self.tokens.validate(f"sample {index}")
-        if not math.isfinite(float(self.reward)):
-            raise ValueError(f"sample {index}: reward={self.reward!r} is not a finite number")
-
-
-FORMS = (Prompt, TrajectoryItem, Route, Finished, TrainGroup, TrajectorySample)
-"""The six forms, in path order (docs/architecture.md lists them with their modules)."""
+FORMS = (Prompt, TrajectoryItem, Route, Finished, TrainGroup)
+"""The forms, in path order (docs/architecture.md lists them with their modules)."""

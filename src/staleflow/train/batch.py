@@ -1,7 +1,12 @@
-"""What the trainer consumes: TrajectorySample (one finished trajectory) and packed MicroBatch tensors.
+"""What the trainer consumes: a Ready buffer's TrainGroups with their members' token payloads, and the
+packed MicroBatch tensors it makes of them.
 
-The runtime hands `Trainer.step` the samples of one Ready staleness buffer. The trainer packs
-each micro-batch's sequences (prompt + response, end to end, no padding) into a MicroBatch:
+The runtime hands `Trainer.step` the groups of one Ready staleness buffer (``TrainGroup``: rewards,
+V_traj, member ids) and, per group, its members' ``TrajectoryTokens`` read back from the rings, in
+``traj_ids`` order. `step_payloads` checks and flattens them: member k of the step is the k-th payload,
+group after group, the index of every per-trajectory list of the step (rewards, advantages, weights).
+The trainer packs each micro-batch's sequences (prompt + response, end to end, no padding) into a
+MicroBatch:
 
     input_ids, positions  [T]       the packed token stream and per-sequence positions
     cu_seqlens            [B + 1]   sequence boundaries (for PackedAttention)
@@ -18,12 +23,47 @@ and are outside the loss and the off-policy ratios; they stay in input_ids as co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from staleflow.trajectory import TrajectorySample
+from staleflow.trajectory import TrainGroup, TrajectoryTokens
+
+
+def step_payloads(
+    groups: Sequence[TrainGroup], payloads: Sequence[Sequence[TrajectoryTokens]]
+) -> list[TrajectoryTokens]:
+    """The step's payloads flattened, group after group, each member's in ``traj_ids`` order, after
+    checking them: one payload list per group, one payload per member, each payload consistent and each
+    reward finite. A bad one raises a one-line ValueError naming the group and the member
+    (``group 3 member 1 (trajectory 13): 1 behaviour_logprobs for 2 response tokens: ...``).
+    """
+    if len(payloads) != len(groups):
+        raise ValueError(
+            f"{len(payloads)} payload lists for {len(groups)} groups: pass one list per TrainGroup, in the same order"
+        )
+    out = []
+    for g, members in zip(groups, payloads):
+        n = len(g.rewards)
+        if len(members) != n or len(g.traj_ids) != n:
+            raise ValueError(
+                f"group {g.group_id}: {len(members)} payloads and {len(g.traj_ids)} traj_ids for {n} rewards: "
+                "pass one payload per member, in traj_ids order"
+            )
+        for j, (tokens, reward) in enumerate(zip(members, g.rewards)):
+            what = f"group {g.group_id} member {j} (trajectory {g.traj_ids[j]})"
+            tokens.validate(what)
+            if not math.isfinite(float(reward)):
+                raise ValueError(f"{what}: reward={reward!r} is not a finite number")
+            out.append(tokens)
+    return out
+
+
+def member_groups(groups: Sequence[TrainGroup]) -> list[int]:
+    """The group id of each member of the step, in `step_payloads` order."""
+    return [g.group_id for g in groups for _ in g.rewards]
 
 
 @dataclass
@@ -41,7 +81,7 @@ class MicroBatch:
     versions: torch.Tensor
     seq_index: torch.Tensor
     sample_ids: list[int]
-    """Indices (into the step's sample list) of the packed sequences, in packing order."""
+    """Indices (into the step's payloads, `step_payloads`' order) of the packed sequences, in packing order."""
 
     @property
     def num_seqs(self) -> int:
@@ -57,11 +97,11 @@ class MicroBatch:
 
 
 def build_micro_batch(
-    samples: Sequence[TrajectorySample], ids: Sequence[int], advantages: Sequence[float], seq_weights: Sequence[float]
+    payloads: Sequence[TrajectoryTokens], ids: Sequence[int], advantages: Sequence[float], seq_weights: Sequence[float]
 ) -> MicroBatch:
-    """Pack samples[ids] (each with >= 1 response token) into one MicroBatch.
+    """Pack payloads[ids] (each with >= 1 response token) into one MicroBatch.
 
-    advantages and seq_weights are indexed like `samples` (one per trajectory). An empty `ids`
+    advantages and seq_weights are indexed like `payloads` (one per trajectory: `step_payloads`' order). An empty `ids`
     gives a one-token dummy micro-batch with no response rows: ranks with less data run it so
     that every rank performs the same number of FSDP forward/backward passes.
     """
@@ -92,10 +132,10 @@ def build_micro_batch(
     vers: list[int] = []
     seg: list[int] = []
     for j, i in enumerate(ids):
-        t = samples[i].tokens
+        t = payloads[i]
         p, r = list(t.prompt_ids), list(t.response_ids)
         if not r:
-            raise ValueError(f"sample {i} has no response tokens: zero-length responses are not packed")
+            raise ValueError(f"trajectory {i} of the step has no response tokens: zero-length responses are not packed")
         start = cu[-1]
         tokens += p + r
         positions += range(len(p) + len(r))

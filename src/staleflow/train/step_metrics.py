@@ -7,13 +7,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from staleflow.train.batch import member_groups
 from staleflow.trajectory import model_versions
 
 
-def step_metrics(self, samples, rewards, adv, keep, sums, loss_total, grad_norms, t0) -> dict[str, float]:
+def step_metrics(self, groups, tokens, rewards, adv, keep, sums, loss_total, grad_norms, t0) -> dict[str, float]:
     """The step's metrics: per-token sums reduced over the trainer ranks (max/min for the
     ``*_max``/``*_min`` keys), then per-token means, reward, length and staleness summaries.
-    ``self`` is the Trainer (its device, group, version, optimizer)."""
+    ``self`` is the Trainer (its device, group, version, optimizer); ``groups`` the step's TrainGroups,
+    ``tokens`` their payloads flattened (`batch.step_payloads`), ``rewards``/``adv``/``keep`` per payload."""
     maxes = {k: v for k, v in sums.items() if k.endswith("_max")}
     mins = {k: v for k, v in sums.items() if k.endswith("_min")}
     adds = {k: v for k, v in sums.items() if k not in maxes and k not in mins}
@@ -36,28 +38,30 @@ def step_metrics(self, samples, rewards, adv, keep, sums, loss_total, grad_norms
             ext = torch.cat([hi, lo])
     adds = dict(zip(keys, vec.cpu().tolist()))
     extremes = dict(zip(ext_keys, ext.cpu().tolist())) if ext is not None else {}
-    kept = [s for s, k in zip(samples, keep) if k]
-    n_tok = sum(s.tokens.num_trained for s in kept)  # the rows the loss trained (environment tokens are none)
+    kept = [t for t, k in zip(tokens, keep) if k]
+    group_of = member_groups(groups)
+    v_traj = [g.traj_version for g in groups for _ in g.rewards]  # each member's V_traj
+    n_tok = sum(t.num_trained for t in kept)  # the rows the loss trained (environment tokens are none)
     out: dict[str, float] = {
         "version": float(self.version),
         "loss": float(adds.pop("loss")),
         "grad_norm": max(grad_norms) if grad_norms else 0.0,
         "lr": float(self.optimizer.param_groups[0]["lr"]),
-        "samples": float(len(samples)),
+        "samples": float(len(tokens)),
         "samples_trained": float(len(kept)),
-        "groups_dropped": float(len({s.group_id for s in samples}) - len({s.group_id for s in kept})),
+        "groups_dropped": float(len(set(group_of)) - len({g for g, k in zip(group_of, keep) if k})),
         "response_tokens": float(n_tok),
         "oversize_sequences": float(self._oversize),
-        "reward_mean": sum(float(s.reward) for s in samples) / max(len(samples), 1),
+        "reward_mean": sum(float(r) for g in groups for r in g.rewards) / max(len(tokens), 1),
         "reward_shaped_mean": sum(rewards) / max(len(rewards), 1),
         "advantage_abs_mean": sum(abs(a) for a in adv) / max(len(adv), 1),
-        "response_len_mean": sum(len(s.tokens.response_ids) for s in samples) / max(len(samples), 1),
-        "response_len_max": float(max((len(s.tokens.response_ids) for s in samples), default=0)),
-        "traj_staleness_mean": sum(self.version - 1 - s.traj_version for s in samples) / max(len(samples), 1),
-        "traj_staleness_max": float(max((self.version - 1 - s.traj_version for s in samples), default=0)),
+        "response_len_mean": sum(len(t.response_ids) for t in tokens) / max(len(tokens), 1),
+        "response_len_max": float(max((len(t.response_ids) for t in tokens), default=0)),
+        "traj_staleness_mean": sum(self.version - 1 - v for v in v_traj) / max(len(tokens), 1),
+        "traj_staleness_max": float(max((self.version - 1 - v for v in v_traj), default=0)),
         "step_time_s": time.perf_counter() - t0,
     }
-    versions = [model_versions(s.tokens) for s in kept]  # of the model's tokens
+    versions = [model_versions(t) for t in kept]  # of the model's tokens
     token_versions = [v for vs in versions for v in vs]
     if token_versions:
         out["token_staleness_mean"] = sum(self.version - 1 - v for v in token_versions) / len(token_versions)

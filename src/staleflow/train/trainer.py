@@ -2,14 +2,15 @@
 
     trainer = Trainer(model, cfg.train, device, process_group=trainer_group,
                       max_response_tokens=cfg.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
-    metrics = trainer.step(samples)          # samples: list[TrajectorySample] of buffer v
+    metrics = trainer.step(groups, payloads) # buffer v's TrainGroups; per group its members' TrajectoryTokens
     for shard in trainer.named_shards(): ... # this rank's own parameter shards -> Parameter Server
     full = trainer.full_state_dict(rank0_only=True)  # collective; the full fp32 state on rank 0 only
 
-Every trainer rank must be passed the SAME sample list (same order): the plan (who trains
+Every trainer rank must be passed the SAME groups and payloads (same order): the plan (who trains
 what) is computed identically on every rank, with no communication. Steps of `step`:
 
-1. validate the samples; add DAPO overlong shaping to rewards; optionally drop groups with
+1. validate the payloads against their groups and flatten them (`batch.step_payloads`: member k
+   of the step is the k-th payload, group after group); add DAPO overlong shaping to rewards; optionally drop groups with
    all-equal rewards (dynamic sampling); compute group advantages (``--train.advantage``);
 2. split the kept groups into ``mini_batches`` mini-batches; for each, plan micro-batches
    (`packing.plan_step`: Karmarkar-Karp across ranks, FFD under the token budget, equal counts
@@ -48,7 +49,7 @@ from torch import nn
 
 from staleflow.model.attention import PackedAttention
 from staleflow.train.advantages import ADVANTAGES, compute_advantages, groups_with_signal, overlong_penalty
-from staleflow.train.batch import MicroBatch, build_micro_batch
+from staleflow.train.batch import MicroBatch, build_micro_batch, member_groups, step_payloads
 from staleflow.train.logprobs import packed_logprobs
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
 from staleflow.train.packing import plan_step
@@ -60,7 +61,7 @@ from staleflow.train.parallelize import (
     shard_policy,
 )
 from staleflow.train.step_metrics import step_metrics
-from staleflow.trajectory import TrajectorySample
+from staleflow.trajectory import TrainGroup, TrajectoryTokens
 
 
 def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,61 +228,66 @@ class Trainer:
             return policy(mb, self.temperature, self.cfg.logprob_impl)
 
     # ---- the step ----------------------------------------------------------------------------
-    def prepare(self, samples: Sequence[TrajectorySample]) -> tuple[list[float], list[float], list[bool]]:
-        """(shaped rewards, advantages, kept) for the step's samples (pure bookkeeping, no forward)."""
-        for i, s in enumerate(samples):
-            s.validate(i)
+    def prepare(
+        self, groups: Sequence[TrainGroup], payloads: Sequence[Sequence[TrajectoryTokens]]
+    ) -> tuple[list[float], list[float], list[bool]]:
+        """(shaped rewards, advantages, kept) per member of the step, in `step_payloads` order (pure
+        bookkeeping, no forward)."""
+        return self._prepare(groups, step_payloads(groups, payloads))
+
+    def _prepare(self, groups: Sequence[TrainGroup], tokens: list[TrajectoryTokens]):
         cfg = self.cfg
         rewards = [
-            float(s.reward)
-            + overlong_penalty(len(s.tokens.response_ids), cfg.overlong_max_tokens, cfg.overlong_cache_tokens)
-            for s in samples
+            float(r) + overlong_penalty(len(t.response_ids), cfg.overlong_max_tokens, cfg.overlong_cache_tokens)
+            for r, t in zip((r for g in groups for r in g.rewards), tokens)
         ]
-        groups = [s.group_id for s in samples]
-        keep = groups_with_signal(rewards, groups) if cfg.dynamic_sampling else [True] * len(samples)
-        kept = [i for i in range(len(samples)) if keep[i]]
+        group_of = member_groups(groups)
+        keep = groups_with_signal(rewards, group_of) if cfg.dynamic_sampling else [True] * len(tokens)
+        kept = [i for i in range(len(tokens)) if keep[i]]
         adv_kept = compute_advantages(
-            cfg.advantage, [rewards[i] for i in kept], [groups[i] for i in kept], self.advantage_fn
+            cfg.advantage, [rewards[i] for i in kept], [group_of[i] for i in kept], self.advantage_fn
         )
-        adv = [0.0] * len(samples)
+        adv = [0.0] * len(tokens)
         for i, a in zip(kept, adv_kept):
             adv[i] = a
         return rewards, adv, keep
 
-    def _mini_batches(self, samples, keep) -> list[list[int]]:
+    def _mini_batches(self, group_of: list[int], keep: list[bool]) -> list[list[int]]:
         order: dict = {}
-        for i, s in enumerate(samples):
+        for i, g in enumerate(group_of):
             if keep[i]:
-                order.setdefault(s.group_id, []).append(i)
+                order.setdefault(g, []).append(i)
         groups = list(order.values())
         n = min(self.cfg.mini_batches, len(groups))
         return [[i for g in groups[k * len(groups) // n : (k + 1) * len(groups) // n] for i in g] for k in range(n)]
 
-    def _plan(self, samples, ids: list[int], adv: list[float]) -> list[MicroBatch]:
-        """This rank's micro-batches for mini-batch `ids` (same count on every rank)."""
-        resp = [samples[i].tokens.num_trained for i in ids]  # the model's tokens: the loss's rows
+    def _plan(self, tokens: Sequence[TrajectoryTokens], ids: list[int], adv: list[float]) -> list[MicroBatch]:
+        """This rank's micro-batches for mini-batch `ids` of the step's flattened payloads (same count on every rank)."""
+        resp = [tokens[i].num_trained for i in ids]  # the model's tokens: the loss's rows
         weights = token_weights(self.loss_agg, resp, self.max_response_tokens)
-        seq_w = [0.0] * len(samples)
+        seq_w = [0.0] * len(tokens)
         for i, w in zip(ids, weights):
             seq_w[i] = w
-        lengths = [samples[i].tokens.seq_len if r > 0 else 0 for i, r in zip(ids, resp)]
+        lengths = [tokens[i].seq_len if r > 0 else 0 for i, r in zip(ids, resp)]
         plan = plan_step(lengths, self.world, self.cfg.micro_batch_tokens)
         self._oversize += len(plan.oversize)
         return [
-            build_micro_batch(samples, [ids[j] for j in mb], adv, seq_w).to(self.device) for mb in plan.ranks[self.rank]
+            build_micro_batch(tokens, [ids[j] for j in mb], adv, seq_w).to(self.device) for mb in plan.ranks[self.rank]
         ]
 
     @torch.no_grad()
     def _logprobs_nograd(self, policy: PolicyHead, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         return [self._forward(policy, mb)[0].float() for mb in mbs]
 
-    def step(self, samples: Sequence[TrajectorySample]) -> dict[str, float]:
-        """One optimisation step on a Ready buffer; returns metrics (identical on every rank)."""
+    def step(self, groups: Sequence[TrainGroup], payloads: Sequence[Sequence[TrajectoryTokens]]) -> dict[str, float]:
+        """One optimisation step on a Ready buffer: its groups and, per group, its members' payloads in
+        ``traj_ids`` order; returns metrics (identical on every rank)."""
         t0 = time.perf_counter()
         self._oversize = 0
-        rewards, adv, keep = self.prepare(samples)
-        minis = [m for m in self._mini_batches(samples, keep) if m]
-        planned = [mbs for mbs in (self._plan(samples, ids, adv) for ids in minis) if mbs]  # same on all ranks
+        tokens = step_payloads(groups, payloads)
+        rewards, adv, keep = self._prepare(groups, tokens)
+        minis = [m for m in self._mini_batches(member_groups(groups), keep) if m]
+        planned = [mbs for mbs in (self._plan(tokens, ids, adv) for ids in minis) if mbs]  # same on all ranks
         recompute = self.loss_settings.recompute_proximal or len(planned) > 1
         proximal = [self._logprobs_nograd(self.policy, mbs) for mbs in planned] if recompute else None
         ref = [self._logprobs_nograd(self.ref_policy, mbs) for mbs in planned] if self.ref_policy else None
@@ -320,7 +326,7 @@ class Trainer:
         if planned:
             self.scheduler.step()
         self.version += 1
-        return step_metrics(self, samples, rewards, adv, keep, sums, loss_total, grad_norms, t0)
+        return step_metrics(self, groups, tokens, rewards, adv, keep, sums, loss_total, grad_norms, t0)
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.policy.parameters() if p.grad is not None]

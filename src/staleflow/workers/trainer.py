@@ -40,7 +40,7 @@ from staleflow.train.checkpoint import (
 )
 from staleflow.train.checkpoint_writer import DISK, OK, CheckpointWriter, settle
 from staleflow.train.trainer import Trainer
-from staleflow.trajectory import TrajectorySample, model_versions
+from staleflow.trajectory import TrajectoryTokens, model_versions
 
 
 class TrainerWorker:
@@ -133,13 +133,9 @@ class TrainerWorker:
         ring, mirror = self.rings[handle.rank]
         return read_arrived(ring, handle) if mirror else ring.read(handle)
 
-    def samples(self, msg: TrainStep) -> list[TrajectorySample]:
-        out = []
-        for g in msg.groups:
-            for handle, reward in zip(g.handles, g.rewards):
-                tokens = self._read(handle).copy()  # the ring's payload, as lists
-                out.append(TrajectorySample(tokens, reward=reward, group_id=g.group_id, traj_version=g.traj_version))
-        return out
+    def payloads(self, msg: TrainStep) -> list[list[TrajectoryTokens]]:
+        """Per group of the step, its members' payloads read back from the rings (as lists), in traj_ids order."""
+        return [[self._read(handle).copy() for handle in g.handles] for g in msg.groups]
 
     def progress(self) -> tuple[int, bool]:
         """(micro-batch forwards so far, whether a step is running): read by the rank's pulse thread."""
@@ -159,18 +155,18 @@ class TrainerWorker:
                 f"{self.trainer.version}: buffers must be consumed in version order"
             )
         t0 = time.perf_counter()
-        samples = self.samples(msg)
-        metrics = self.trainer.step(samples)
+        payloads = self.payloads(msg)
+        metrics = self.trainer.step(msg.groups, payloads)
         train_s = time.perf_counter() - t0
         push_s = self.push(self.trainer.version)
         if self.leader:
             clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
             content: dict[int, list[str]] = {}
             versions: dict[int, list[list[list[int]]]] = {}
-            for s in samples:  # what was trained, by content: the audit finds a group trained twice by it
-                t = s.tokens
-                content.setdefault(s.group_id, []).append(content_digest(t.prompt_ids, t.response_ids))
-                versions.setdefault(s.group_id, []).append(version_counts(model_versions(t)))
+            for g, members in zip(msg.groups, payloads):  # what was trained, by content: the audit
+                for t in members:  # finds a group trained twice by it
+                    content.setdefault(g.group_id, []).append(content_digest(t.prompt_ids, t.response_ids))
+                    versions.setdefault(g.group_id, []).append(version_counts(model_versions(t)))
             self.ctx.client.send(
                 StepDone(
                     version=self.trainer.version,
