@@ -134,7 +134,9 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
 
 
 class TrainGroup(msgspec.Struct, frozen=True, array_like=True):
-    """One group of a training batch, sent to every trainer rank as is (TrainStep).
+    """One group of a training batch, sent to every trainer rank as is (TrainStep). Each trainer rank
+    reads its members' payloads back through ``handles`` and trains on the group with them
+    (``Trainer.step(groups, payloads)``, payloads in ``traj_ids`` order): the reward and V_traj stay here.
 
     >>> TrainGroup(3, 4, [12, 13], [RecordHandle(1, 0, 512, 3)] * 2, [1.0, 0.0], [96, 80], 40).traj_version
     4

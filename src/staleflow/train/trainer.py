@@ -10,8 +10,9 @@ Every trainer rank must be passed the SAME groups and payloads (same order): the
 what) is computed identically on every rank, with no communication. Steps of `step`:
 
 1. validate the payloads against their groups and flatten them (`batch.step_payloads`: member k
-   of the step is the k-th payload, group after group); add DAPO overlong shaping to rewards; optionally drop groups with
-   all-equal rewards (dynamic sampling); compute group advantages (``--train.advantage``);
+   of the step is the k-th payload, group after group); add DAPO overlong shaping to rewards;
+   optionally drop groups with all-equal rewards (dynamic sampling); compute group advantages
+   (``--train.advantage``);
 2. split the kept groups into ``mini_batches`` mini-batches; for each, plan micro-batches
    (`packing.plan_step`: Karmarkar-Karp across ranks, FFD under the token budget, equal counts
    per rank) and per-token loss weights normalised by the mini-batch's GLOBAL token/sequence
@@ -235,7 +236,9 @@ class Trainer:
         bookkeeping, no forward)."""
         return self._prepare(groups, step_payloads(groups, payloads))
 
-    def _prepare(self, groups: Sequence[TrainGroup], tokens: list[TrajectoryTokens]):
+    def _prepare(
+        self, groups: Sequence[TrainGroup], tokens: list[TrajectoryTokens]
+    ) -> tuple[list[float], list[float], list[bool]]:
         cfg = self.cfg
         rewards = [
             float(r) + overlong_penalty(len(t.response_ids), cfg.overlong_max_tokens, cfg.overlong_cache_tokens)
