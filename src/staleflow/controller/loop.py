@@ -12,7 +12,8 @@ differs). Each turn of ``run``:
      commands are executed at once, and their immediate effects handled.
 The ledger is the only table of trajectories; the batch protocol (StaleFlow's StalenessManager or
 a peer's count-based rule, chosen by the mode) decides admission and batches; the Coordinator holds
-the queue and its view of the instances. The loop audits the protocol from outside (controller/audit.py).
+the queue and its view of the instances, by id, and reads a trajectory's facts from the ledger (the
+loop writes them: V_traj once at its first route, tokens and origin at a loop-back). The loop audits the protocol from outside (controller/audit.py).
 A front end drives the loop with ``run`` only and reads it through ``view`` (controller/view.py).
 """
 
