@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from examples.calls import record
 from staleflow.coordinator.instance import InstanceState
-from staleflow.trajectory import TrajectoryItem
+from staleflow.coordinator.types import TrajFacts
 
 
 class MostFreeKV:
@@ -29,8 +29,9 @@ class MostFreeKV:
         self.cfg = cfg
 
     def choose(
-        self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState], ctx
+        self, traj: TrajFacts, traj_version: int | None, candidates: list[InstanceState], ctx
     ) -> InstanceState | None:
+        """``traj``: the trajectory's record in the ledger, looked up by id (read it, never write it)."""
         record("MostFreeKV.choose")
-        fits = [c for c in candidates if c.waiting == 0 and c.kv_tokens + item.tokens <= c.kv_capacity]
+        fits = [c for c in candidates if c.waiting == 0 and c.kv_tokens + traj.tokens <= c.kv_capacity]
         return max(fits, key=lambda c: (c.kv_capacity - c.kv_tokens, -c.instance), default=None)

@@ -24,7 +24,8 @@ import statistics
 import time
 
 from staleflow.config import CoordinatorConfig
-from staleflow.coordinator import Coordinator, InstanceSnapshot, TrajectoryItem, load_cost_model
+from staleflow.controller.ledger import Traj
+from staleflow.coordinator import Coordinator, InstanceSnapshot, load_cost_model
 from staleflow.coordinator.modes import apply_mode
 from staleflow.metrics.hardware import cpu_name
 from staleflow.protocol import StalenessSpec
@@ -37,27 +38,34 @@ def build(mode: str, cfg: CoordinatorConfig, args, rng: random.Random):
     m.version = 3  # versions 0..3 exist (the trainer consumed three buffers)
     now = [0.0]
     cfg, _ = apply_mode(mode, cfg)
-    c = Coordinator(cfg, cost, m, range(args.instances), version=3, clock=lambda: now[0], label=mode)
+    trajs: dict[int, Traj] = {}  # the ledger's table (one-member groups: group id = trajectory id)
+    c = Coordinator(cfg, cost, m, range(args.instances), trajs=trajs, version=3, clock=lambda: now[0], label=mode)
     for i, inst in c.instances.items():  # spread instance versions 0..3 (pulls not yet done)
         inst.version = inst.target_version = i % 4
     c.on_new_version(3)
     ids = iter(range(10**9))
-    items = []
     for _ in range(int(args.queued * 0.4)):  # interrupted loop-backs with their tags
         t, V = next(ids), rng.randint(0, 3)
         m.reserve(t, t, V)
         c.reserved.add(t)
         c.group_tag[t] = V
-        items.append(TrajectoryItem(t, t, V, 512, rng.randint(1, 8000)))
+        trajs[t] = Traj(t, t, 0, traj_version=V, n_tokens=rng.randint(1, 8000), prompt_len=512)
     fill = args.instances * args.max_concurrent  # routed while filling the instances; ~queued remain
-    items += [TrajectoryItem(t, t, None, 512) for t in (next(ids) for _ in range(args.queued + fill - len(items)))]
-    c.submit(items)
-    return c, m, ids, now
+    fresh = [next(ids) for _ in range(args.queued + fill - len(trajs))]
+    c.submit(list(trajs) + new_trajs(trajs, fresh))
+    return c, m, ids, now, trajs
+
+
+def new_trajs(trajs: dict[int, Traj], ids: list[int]) -> list[int]:
+    """Add fresh one-member groups to the table (as the ledger does for a new prompt); their ids."""
+    for t in ids:
+        trajs[t] = Traj(t, t, 0, prompt_len=512)
+    return ids
 
 
 def run(mode: str, cfg: CoordinatorConfig, args) -> dict:
     rng = random.Random(0)
-    c, m, ids, now = build(mode, cfg, args, rng)
+    c, m, ids, now, trajs = build(mode, cfg, args, rng)
     for _ in range(200):  # fill the instances
         now[0] += 0.01
         c.tick(now[0])
@@ -68,7 +76,8 @@ def run(mode: str, cfg: CoordinatorConfig, args) -> dict:
         for i, t in rng.sample(running, min(args.finish, len(running))):
             if c.on_finished(i, t):  # one-member groups: group id = trajectory id
                 c.on_rewarded(t)
-        c.submit([TrajectoryItem(t, t, None, 512) for t in (next(ids) for _ in range(args.finish))])
+                del trajs[t]  # consumed: it leaves the ledger's table
+        c.submit(new_trajs(trajs, [next(ids) for _ in range(args.finish)]))
         t0 = time.perf_counter()
         for i, s in c.instances.items():
             c.on_snapshot(

@@ -81,10 +81,18 @@ def test_controller_migration_off_returns_loop_backs_to_their_origin(migration):
     for t in tids:
         loop.coord.pending_interrupts.add(t)
     deliver(loop, be, *[Finished(t, origin, f"partial-{t}", 3, partial=True) for t in tids])
+    for r in first:  # the ledger's record is what the coordinator reads: V_traj from the first route, origin
+        rec = loop.ledger.trajs[r.traj_id]
+        assert rec.traj_version == r.traj_version and rec.prompt_len == r.prompt_len > 0
+        assert (rec.origin, rec.n_tokens) == ((origin, 3) if r.traj_id in tids else (-1, 0))
     be.sent.clear()
     loop.tick(be.now() + 1)
     back = [r for r in routed(be) if r.traj_id in tids]
     assert len(back) == len(tids) >= 1
+    for r in back:  # same V_traj; the instance is charged the record's prompt + generated tokens
+        rec = loop.ledger.trajs[r.traj_id]
+        assert r.traj_version == rec.traj_version and loop.coord.instances[r.instance].trajs[r.traj_id] == rec.tokens
+        assert rec.tokens == rec.prompt_len + 3
     if migration:  # free to go where the load is lower
         assert other in {r.instance for r in back}, back
     else:
@@ -287,3 +295,16 @@ def test_controller_resume_counters_and_requeued_prompts_go_in_through_build_loo
     )
     assert loop.view.counts()["routes"] == 5 and loop.view.live_prompts() == ["p0", "p1"]
     assert loop.view.ids() == (2 * stale.group_capacity, 2)  # N' members each
+
+
+def test_controller_the_coordinator_looks_trajectories_up_in_the_loops_ledger():
+    """One per-trajectory table: build_loop hands the ledger's to the coordinator; a loop refuses a
+    coordinator that reads another table (its facts would drift from the ledger's)."""
+    from staleflow.controller import ControllerLoop, Ledger
+
+    loop, be = make_loop()
+    assert loop.coord.trajs is loop.ledger.trajs
+    loop.refill()
+    assert loop.coord.live == set(loop.ledger.trajs) != set()
+    with pytest.raises(ValueError, match="this ledger's table"):
+        ControllerLoop(loop.s, loop.coord, Ledger(), be, Prompts())

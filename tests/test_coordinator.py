@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import CoordinatorConfig
+from staleflow.controller.ledger import Traj
 from staleflow.coordinator import (
     Abort,
     Coordinator,
@@ -13,7 +14,6 @@ from staleflow.coordinator import (
     Interrupt,
     Pull,
     Route,
-    TrajectoryItem,
     apply_mode,
     mode_overrides,
     register_routing,
@@ -39,9 +39,22 @@ def make(n_inst=2, eta=2, B=4, N=1, Np=None, mode="staleflow", version=0, clock=
     for v in range(version):  # advance the manager so versions up to `version` exist
         m.version = v + 1
     ccfg, _ = apply_mode(mode, CoordinatorConfig(**cfg))
-    c = Coordinator(ccfg, COST, m, range(n_inst), version=version, clock=clock or Clock())
+    c = Coordinator(ccfg, COST, m, range(n_inst), trajs={}, version=version, clock=clock or Clock())
     c.on_new_version(version)
     return c, m
+
+
+def traj(c, tid, gid, V, prompt_len, n_tokens=0):
+    """Trajectory `tid` in the table the coordinator looks trajectories up in (the ledger's, as
+    Ledger.new_group makes it; V set: a tagged one); returns its id for ``submit``."""
+    c.trajs[tid] = Traj(tid, gid, 0, traj_version=V, n_tokens=n_tokens, prompt_len=prompt_len)
+    return tid
+
+
+def loop_back(c, instance, tid, n_tokens):
+    """What the loop does with a partial Finished: update the record, then report the loop-back."""
+    c.trajs[tid].n_tokens, c.trajs[tid].origin = n_tokens, instance
+    c.on_interrupted(instance, [tid])
 
 
 def snap(c, i, t=1.0, **kw):
@@ -74,7 +87,7 @@ def reserve_as_loopback(c, m, tid, gid, V, generated=10):
     m.reserve(tid, gid, V)
     c.reserved.add(tid)
     c.group_tag[gid] = V
-    c.submit([TrajectoryItem(tid, gid, V, 100, generated)])
+    c.submit([traj(c, tid, gid, V, 100, generated)])
 
 
 def loaded(c, i, n, t=0.5):
@@ -101,7 +114,7 @@ def test_older_level_routed_first_and_strict_priority():
     set_version(c, 0, 2)
     reserve_as_loopback(c, m, 20, 2, V=2, generated=500)  # newer level, more tokens
     reserve_as_loopback(c, m, 10, 1, V=1, generated=5)
-    c.submit([TrajectoryItem(30, 3, None, 100)])
+    c.submit([traj(c, 30, 3, None, 100)])
     assert routes(c.tick(1.0)) == [(10, 0, 1)]  # the oldest level wins despite fewer tokens
     c.on_finished(0, 10)
     assert routes(c.tick(2.0)) == [(20, 0, 2)]  # then the next level, and new trajectories last
@@ -145,7 +158,7 @@ def test_waterfall_rejects_a_gain_below_mu_times_ideal():
     c.instances[0].kv_tokens = 95_000
     for t in range(50):
         c.instances[0].trajs[1000 + t] = 0
-    c.submit([TrajectoryItem(1, 1, None, 100)])
+    c.submit([traj(c, 1, 1, None, 100)])
     assert routes(c.tick(1.0)) == []
     assert len(c.queue) == 1 and m.stats()["groups_in_flight"] == 0  # nothing reserved for it
 
@@ -153,7 +166,7 @@ def test_waterfall_rejects_a_gain_below_mu_times_ideal():
 def test_dynamic_tag_reserves_at_the_instance_post_sync_version():
     c, m = make(n_inst=1, eta=1, B=2, N=2, version=3)
     set_version(c, 0, 3)
-    c.submit([TrajectoryItem(1, 7, None, 50), TrajectoryItem(2, 7, None, 50)])
+    c.submit([traj(c, 1, 7, None, 50), traj(c, 2, 7, None, 50)])
     assert routes(c.tick(1.0)) == [(1, 0, 3), (2, 0, 3)]
     info = m.group_info(7)
     assert info["traj_version"] == 3 and sorted(info["live"]) == [1, 2] and info["buffer_version"] == 4
@@ -162,7 +175,7 @@ def test_dynamic_tag_reserves_at_the_instance_post_sync_version():
 def test_speculative_state_and_stale_snapshots():
     clock = Clock()
     c, m = make(n_inst=1, version=0, clock=clock)
-    c.submit([TrajectoryItem(1, 1, None, 100)])
+    c.submit([traj(c, 1, 1, None, 100)])
     clock.t = 1.0
     c.tick(1.0)
     inst = c.instances[0]
@@ -175,17 +188,35 @@ def test_speculative_state_and_stale_snapshots():
 
 def test_routing_pauses_until_interrupted_work_loops_back():
     c, m = make(n_inst=2, eta=1, version=0, pull="greedy")
-    c.submit([TrajectoryItem(1, 1, None, 100)])
+    c.submit([traj(c, 1, 1, None, 100)])
     assert routes(c.tick(1.0)) == [(1, 0, 0)]
     m.version = 1  # the trainer consumed buffer 0 and published version 1
     c.on_new_version(1)
-    c.submit([TrajectoryItem(2, 2, None, 100)])
+    c.submit([traj(c, 2, 2, None, 100)])
     cmds = c.tick(2.0)
     assert Interrupt(0, (1,), "pull") in cmds and Pull(0, 1) in cmds and Pull(1, 1) in cmds
     assert routes(cmds) == []  # paused: trajectory 1 has not looped back yet
-    c.on_interrupted(0, [TrajectoryItem(1, 1, 0, 100, 40)])
+    loop_back(c, 0, 1, 40)
     got = routes(c.tick(3.0))
     assert (1, 0, 0) in got or (1, 1, 0) in got  # resumes with its V_traj 0 on a post-sync instance
+    assert c.instances[c.instance_of(1)].trajs[1] == 140  # the record's prompt + generated tokens
+
+
+def test_the_coordinator_reads_trajectories_from_its_table_only():
+    """Ids in, facts looked up: an id the table lacks, or a loop-back whose record was not updated
+    (its origin is not the instance it came back from), is refused with what to do."""
+    c, m = make(n_inst=2)
+    with pytest.raises(ValueError, match="trajectory 5 is not in the trajectory table"):
+        c.submit([5])
+    c.submit([traj(c, 1, 1, None, 100)])
+    ((_, inst, _),) = routes(c.tick(1.0))
+    with pytest.raises(ValueError, match=f"came back from instance {inst}, its record says origin -1"):
+        c.on_interrupted(inst, [1])
+    c.trajs[1].prompt_len = 7  # the record changed (as only the loop may): the coordinator sees it
+    loop_back(c, inst, 1, 3)
+    assert list(c.queue.ids()) == [1] and c.queue.tagged == {0: 1}  # under the group's V_traj 0
+    got = routes(c.tick(2.0))
+    assert got and c.instances[got[0][1]].trajs[1] == 10
 
 
 # ---- pull --------------------------------------------------------------------------------------
@@ -213,7 +244,7 @@ def test_status_pull_waits_for_queue_and_routable_work():
 
 def test_greedy_pull_interrupts_everything_at_once():
     c, m = make(n_inst=1, eta=1, version=0, pull="greedy")
-    c.submit([TrajectoryItem(1, 1, None, 10), TrajectoryItem(2, 2, None, 10)])
+    c.submit([traj(c, 1, 1, None, 10), traj(c, 2, 2, None, 10)])
     c.tick(1.0)
     m.version = 1
     c.on_new_version(1)
@@ -224,7 +255,7 @@ def test_greedy_pull_interrupts_everything_at_once():
 # ---- migration ---------------------------------------------------------------------------------
 def test_group_redundancy_aborts_the_surplus():
     c, m = make(n_inst=1, eta=1, B=1, N=2, Np=3, version=0)
-    c.submit([TrajectoryItem(t, 9, None, 10) for t in (1, 2, 3)])
+    c.submit([traj(c, t, 9, None, 10) for t in (1, 2, 3)])
     assert len(routes(c.tick(1.0))) == 3
     assert c.on_finished(0, 1) is True
     assert c.on_finished(0, 2) is True  # N of N' done: the third member is surplus
@@ -237,9 +268,16 @@ def test_straggler_truncate_and_abort():
     for mode in ("truncate", "abort"):
         m = StalenessManager(StalenessSpec(0, 2, group_size=1))
         c = Coordinator(
-            CoordinatorConfig(migration=False), COST, m, [0], straggler=mode, straggler_threshold=1, clock=Clock()
+            CoordinatorConfig(migration=False),
+            COST,
+            m,
+            [0],
+            trajs={},
+            straggler=mode,
+            straggler_threshold=1,
+            clock=Clock(),
         )
-        c.submit([TrajectoryItem(1, 1, None, 10), TrajectoryItem(2, 2, None, 10)])
+        c.submit([traj(c, 1, 1, None, 10), traj(c, 2, 2, None, 10)])
         c.tick(1.0)
         c.on_finished(0, 1)
         c.on_rewarded(1)  # buffer 0: one OCCUPIED, one RESERVED -> Stuck with 1 straggler
@@ -281,12 +319,12 @@ def test_registry_lets_a_fork_add_a_router():
         def __init__(self, cfg, cost_model):
             pass
 
-        def choose(self, item, traj_version, candidates, ctx):
+        def choose(self, traj, traj_version, candidates, ctx):
             return max(candidates, key=lambda i: i.instance)
 
     try:
         c, _ = make(n_inst=3, routing="last-instance")
-        c.submit([TrajectoryItem(1, 1, None, 10)])
+        c.submit([traj(c, 1, 1, None, 10)])
         assert routes(c.tick(1.0)) == [(1, 2, 0)]
     finally:
         del ROUTING["last-instance"]
@@ -296,11 +334,11 @@ def test_registry_lets_a_fork_add_a_router():
 
 def test_round_robin_and_leastloaded():
     c, _ = make(n_inst=3, routing="round-robin")
-    c.submit([TrajectoryItem(t, t, None, 10) for t in range(4)])
+    c.submit([traj(c, t, t, None, 10) for t in range(4)])
     assert [r[1] for r in routes(c.tick(1.0))] == [0, 1, 2, 0]
     c, _ = make(n_inst=2, routing="least-loaded")
     loaded(c, 0, 2)
-    c.submit([TrajectoryItem(1, 1, None, 10)])
+    c.submit([traj(c, 1, 1, None, 10)])
     assert routes(c.tick(1.0)) == [(1, 1, 0)]
 
 
@@ -322,7 +360,7 @@ def test_waterfall_sends_a_fresh_group_to_the_newest_version_first():
     set_version(c, 0, 0)
     set_version(c, 1, 1)
     c.reserved.add(999)  # something in flight: the idle policy does not pull instance 0 meanwhile
-    c.submit([TrajectoryItem(1, 1, None, 100)])
+    c.submit([traj(c, 1, 1, None, 100)])
     assert routes(c.tick(1.0)) == [(1, 1, 1)]
     reserve_as_loopback(c, m, 2, 2, V=0)
     assert routes(c.tick(2.0)) == [(2, 0, 0)]
@@ -334,13 +372,13 @@ def test_waterfall_budget_counts_the_kv_a_request_grows_into():
     from staleflow.coordinator.strategies import WaterfallBudget
 
     r = WaterfallBudget(CoordinatorConfig(), COST)
-    assert r.request_tokens(TrajectoryItem(1, 1, None, 100)) == 100 + 1024
-    assert r.request_tokens(TrajectoryItem(1, 1, 0, 100, generated_len=1024)) == 100 + 2048
+    assert r.request_tokens(Traj(1, 1, 0, prompt_len=100)) == 100 + 1024
+    assert r.request_tokens(Traj(1, 1, 0, traj_version=0, n_tokens=1024, prompt_len=100)) == 100 + 2048
     for routing, expect in (("waterfall", [(1, 0, 0)]), ("waterfall-budget", [])):
         c, _ = make(n_inst=1, eta=2, version=0, mu=0.0, routing=routing)
         c.on_snapshot(snap(c, 0, t=0.5))
         c.instances[0].kv_tokens = 99_000  # room for the prompt now, not for its next 1024 tokens
-        c.submit([TrajectoryItem(1, 1, None, 100)])
+        c.submit([traj(c, 1, 1, None, 100)])
         assert routes(c.tick(1.0)) == expect, routing
 
 
@@ -353,19 +391,24 @@ def test_a_coordinator_refuses_a_protocol_that_is_not_its_modes():
     with pytest.raises(
         ValueError, match="mode 'areal' runs protocol AReaLBuffer, but the coordinator was given a StalenessManager"
     ):
-        Coordinator(CoordinatorConfig(), COST, StalenessManager(StalenessSpec(1, 2)), range(2), label="areal")
+        Coordinator(CoordinatorConfig(), COST, StalenessManager(StalenessSpec(1, 2)), range(2), trajs={}, label="areal")
     with pytest.raises(ValueError, match="without the occupy exchange"):
         Coordinator(
-            CoordinatorConfig(), COST, StalenessManager(StalenessSpec(1, 2)), range(2), label="staleflow-no-exchange"
+            CoordinatorConfig(),
+            COST,
+            StalenessManager(StalenessSpec(1, 2)),
+            range(2),
+            trajs={},
+            label="staleflow-no-exchange",
         )
     stale = StalenessConfig(eta=1, batch_size=2, group_size=1)
     assert isinstance(
-        Coordinator(CoordinatorConfig(), COST, protocol_for("areal", stale), range(2), label="areal").manager,
+        Coordinator(CoordinatorConfig(), COST, protocol_for("areal", stale), range(2), trajs={}, label="areal").manager,
         AReaLBuffer,
     )
     assert (
         Coordinator(
-            CoordinatorConfig(), COST, StalenessManager(StalenessSpec(1, 2)), range(2), label="my-fork"
+            CoordinatorConfig(), COST, StalenessManager(StalenessSpec(1, 2)), range(2), trajs={}, label="my-fork"
         ).manager.eta
         == 1
     )

@@ -6,14 +6,7 @@ import json
 
 import pytest
 
-from staleflow.coordinator import (
-    CostModel,
-    CostModelError,
-    MultiLevelQueue,
-    TrajectoryItem,
-    fit_cost_model,
-    load_cost_model,
-)
+from staleflow.coordinator import CostModel, CostModelError, MultiLevelQueue, fit_cost_model, load_cost_model
 from staleflow.coordinator.cost_model import preset_names
 
 PAPER = ["qwen2.5-14b", "qwen2.5-32b-tp2", "qwen2.5-7b-tp1", "qwen2.5-7b-tp2", "qwen3-30b-a3b"]
@@ -71,26 +64,25 @@ def test_fit_recovers_known_coefficients():
         fit_cost_model(samples[:2], 1000)
 
 
-def it(tid, V, tokens, gid=0):
-    return TrajectoryItem(tid, gid, V, tokens)
-
-
 def test_mlq_levels_oldest_first_new_last_longest_first():
     q = MultiLevelQueue()
-    for x in (it(1, 3, 10), it(2, None, 99), it(3, 1, 5), it(4, 1, 50), it(5, 3, 70)):
-        q.push(x)
+    for tid, V, tokens in ((1, 3, 10), (2, None, 99), (3, 1, 5), (4, 1, 50), (5, 3, 70)):
+        q.push(tid, V, tokens)
     assert q.level_keys() == [1, 3, None]
-    assert [x.traj_id for x in q.items()] == [4, 3, 5, 1, 2]
-    assert q.remove(3).traj_id == 3 and q.remove(3) is None
-    assert [x.traj_id for x in q.items()] == [4, 5, 1, 2]
+    assert list(q.ids()) == [4, 3, 5, 1, 2]
+    assert q.tagged == {1: 2, 3: 2} and q.oldest_version() == 1
+    assert q.remove(3) and not q.remove(3)
+    assert list(q.ids()) == [4, 5, 1, 2]
+    assert q.remove(4) and q.tagged == {3: 2} and q.oldest_version() == 3  # level 1 emptied
     with pytest.raises(ValueError, match="already queued"):
-        q.push(it(4, 1, 50))
+        q.push(5, 3, 70)
 
 
 def test_fifo_queue_keeps_arrival_order_for_loop_backs():
     q = MultiLevelQueue(enabled=False)
-    for x in (it(1, None, 10), it(2, None, 10), it(3, None, 10)):
-        q.push(x)
+    for tid in (1, 2, 3):
+        q.push(tid, None, 10)
     q.remove(1)  # routed ...
-    q.push(it(1, 0, 500))  # ... interrupted: it loops back ahead of later arrivals
-    assert [x.traj_id for x in q.items()] == [1, 2, 3]
+    q.push(1, 0, 500)  # ... interrupted: it loops back ahead of later arrivals
+    assert list(q.ids()) == [1, 2, 3]
+    assert q.level_keys() == [None] and q.tagged == {0: 1} and q.oldest_version() == 0  # one level, tags counted

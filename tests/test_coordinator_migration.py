@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_coordinator import loaded, make, routes  # noqa: E402
+from test_coordinator import loaded, loop_back, make, routes, traj  # noqa: E402
 
-from staleflow.coordinator import Interrupt, TrajectoryItem  # noqa: E402
+from staleflow.coordinator import Interrupt  # noqa: E402
 
 
 def test_migration_picks_the_largest_ratio():
@@ -49,13 +49,13 @@ def test_a_trajectory_migrates_at_most_once_and_never_back_to_the_instance_it_le
     placed = {0: [1], 1: [2, 3, 4, 5]}
     for i, tids in placed.items():
         for t in tids:
-            item = TrajectoryItem(t, 100 + t, None, 50)
-            c.submit([item])
-            c._route_one(item, c.instances[i], 0, 0.0, [])
+            c.submit([traj(c, t, 100 + t, None, 50)])
+            c._route_one(c.trajs[t], c.instances[i], 0, 0.0, [])
         c.instances[i].tokens_per_s = 10.0
     mig = [x for x in c.tick(10.0) if isinstance(x, Interrupt)]  # 4 vs 1 requests: ratio 4 > psi
     assert mig == [Interrupt(1, (2, 3, 4, 5), "migrate")]
-    c.on_interrupted(1, [TrajectoryItem(t, 100 + t, 0, 50, 30) for t in (2, 3, 4, 5)])
+    for t in (2, 3, 4, 5):
+        loop_back(c, 1, t, 30)
     # instance 1 is now empty, the best marginal gain: without the rule they would all go back there
     assert {(t, i) for t, i, _ in routes(c.tick(11.0))} == {(2, 0), (3, 0), (4, 0), (5, 0)}
     c.instances[0].tokens_per_s = 50.0

@@ -194,7 +194,8 @@ def test_examples_most_free_kv_picks_the_emptiest_instance_that_fits():
     from test_coordinator import COST, Clock
 
     from staleflow.config import CoordinatorConfig
-    from staleflow.coordinator import Coordinator, Route, TrajectoryItem
+    from staleflow.controller.ledger import Traj
+    from staleflow.coordinator import Coordinator, Route
     from staleflow.protocol.staleness import StalenessManager
 
     def first_routes(routing: str) -> list[tuple[int, int]]:
@@ -203,13 +204,14 @@ def test_examples_most_free_kv_picks_the_emptiest_instance_that_fits():
             COST,
             StalenessManager(StalenessSpec(2, 4, group_size=1)),
             range(3),
+            trajs={t: Traj(t, t, 0, prompt_len=100) for t in (1, 2)},
             clock=Clock(),
         )
         c.on_new_version(0)
         c.instances[0].trajs = {1000 + k: 20 for k in range(50)}
         for inst, kv in ((0, 1_000), (1, 20_000), (2, 99_990)):
             c.instances[inst].kv_tokens = kv
-        c.submit([TrajectoryItem(1, 1, None, 100), TrajectoryItem(2, 2, None, 100)])
+        c.submit([1, 2])
         return [(r.traj_id, r.instance) for r in c.tick(1.0) if isinstance(r, Route)]
 
     assert first_routes("examples.kv_router:MostFreeKV") == [(1, 0), (2, 0)]

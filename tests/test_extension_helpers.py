@@ -53,7 +53,7 @@ class LastInstance:
     def __init__(self, cfg, cost_model):
         pass
 
-    def choose(self, item, traj_version, candidates, ctx):
+    def choose(self, traj, traj_version, candidates, ctx):
         return max(candidates, key=lambda i: i.instance) if candidates else None
 
 

@@ -20,7 +20,8 @@ from test_coordinator import COST, Clock
 from test_extension_helpers import two_args
 
 from staleflow.config import CoordinatorConfig, DataConfig, RewardConfig, TrainConfig
-from staleflow.coordinator import Coordinator, Pull, Route, TrajectoryItem
+from staleflow.controller.ledger import Traj
+from staleflow.coordinator import Coordinator, Pull, Route
 from staleflow.coordinator.strategies import PULL, ROUTING
 from staleflow.data import DataError, PromptSource
 from staleflow.data.tasks import TASKS
@@ -244,7 +245,7 @@ def _inputs(seed=0, lens=(3, 1, 4), gap=0.3):
 def _coordinator(**cfg):
     cfg.setdefault("migration", False)
     manager = StalenessManager(StalenessSpec(2, 4, group_size=1))
-    c = Coordinator(CoordinatorConfig(**cfg), COST, manager, range(3), clock=Clock())
+    c = Coordinator(CoordinatorConfig(**cfg), COST, manager, range(3), trajs={}, clock=Clock())
     c.on_new_version(0)
     return c, manager
 
@@ -299,7 +300,8 @@ def test_extension_advantage_by_import_path():
 
 def test_extension_routing_and_pull_by_import_path():
     c, _ = _coordinator(routing=f"{H}:LastInstance")
-    c.submit([TrajectoryItem(1, 1, None, 10)])
+    c.trajs[1] = Traj(1, 1, 0, prompt_len=10)  # the ledger's record the strategy receives
+    c.submit([1])
     assert [(r.traj_id, r.instance) for r in c.tick(1.0) if isinstance(r, Route)] == [(1, 2)]
     for pull, pulls in (("greedy", 3), (f"{H}:NeverPull", 0)):  # a new version: greedy pulls everywhere
         c, m = _coordinator(pull=pull)

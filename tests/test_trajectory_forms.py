@@ -1,4 +1,4 @@
-"""A trajectory meets only the six forms of staleflow/trajectory.py, and they travel as they are.
+"""A trajectory meets only the four forms of staleflow/trajectory.py, and they travel as they are.
 
 The end-to-end test runs the tiny preset through launch.sh with a sitecustomize (every process of
 the run imports it) that records the type of every struct the control plane encodes, nested ones
@@ -11,12 +11,11 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from staleflow import trajectory
 from staleflow.control.messages import TrainStep, decode, encode
-from staleflow.trajectory import FORMS, Finished, RecordHandle, Route, TrainGroup, TrajectoryItem
+from staleflow.trajectory import FORMS, Finished, RecordHandle, Route, TrainGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 WIRE_FORMS = {"Route", "Finished", "TrainGroup", "RecordHandle"}
@@ -73,23 +72,16 @@ _HOOK = textwrap.dedent("""
 """)
 
 
-def test_trajectory_forms_are_six_plain_classes_in_path_order():
-    assert [c.__name__ for c in FORMS] == [
-        "Prompt",
-        "TrajectoryItem",
-        "Route",
-        "Finished",
-        "TrainGroup",
-        "TrajectorySample",
-    ]
+def test_trajectory_forms_are_four_plain_classes_in_path_order():
+    assert [c.__name__ for c in FORMS] == ["Prompt", "Route", "Finished", "TrainGroup"]
     assert all(c.__module__ == "staleflow.trajectory" for c in FORMS)
     assert "torch" not in trajectory.__dict__  # the pure core imports these
 
 
 def test_trajectory_forms_one_token_payload_from_engine_to_sample():
     """Response tokens, behaviour log-probs, per-token versions and the loss mask are declared once
-    (TrajectoryTokens); the engine's request and output, the running sequences, the ring and the
-    trainer's sample hold that class, and no other module declares those fields or the old names."""
+    (TrajectoryTokens); the engine's request and output, the running sequences and the ring hold that
+    class, the trainer takes it beside its TrainGroup, and no other module declares those fields or the old names."""
     import dataclasses
     import re
 
@@ -98,9 +90,16 @@ def test_trajectory_forms_one_token_payload_from_engine_to_sample():
 
     payload = {"prompt_ids", "response_ids", "behaviour_logprobs", "versions", "loss_mask"}
     assert {f.name for f in dataclasses.fields(trajectory.TrajectoryTokens)} == payload
-    for holder in (Request, RequestOutput, trajectory.TrajectorySample):
+    from staleflow.train.batch import build_micro_batch, step_payloads
+
+    for holder in (Request, RequestOutput):
         fields = {f.name: f.type for f in dataclasses.fields(holder)}
         assert "TrajectoryTokens" in str(fields["tokens"]) and not payload & set(fields), holder.__name__
+    # the trainer takes the TrainGroups and their payloads: no per-trajectory class repeats reward and V_traj
+    assert not hasattr(trajectory, "TrajectorySample")
+    assert "TrainGroup" in step_payloads.__annotations__["groups"]
+    assert "TrajectoryTokens" in step_payloads.__annotations__["payloads"]
+    assert "TrajectoryTokens" in build_micro_batch.__annotations__["payloads"]
     assert "TrajectoryTokens" in str(TrajectoryRing.read.__annotations__["return"])
     declared = re.compile(
         r"^\s+(response_ids|behaviour_logprobs|loss_mask|output_ids|output_logprobs|output_versions)\s*[:=]"
@@ -122,8 +121,7 @@ def test_trajectory_forms_round_trip_on_the_wire_as_themselves():
         back = decode(encode(msg))
         assert back == msg and type(back) is type(msg)
     assert isinstance(decode(encode(step)).groups[0].handles[0], RecordHandle)
-    with pytest.raises(msgspec.ValidationError):  # a queued item stays in the coordinator: not a message
-        decode(msgspec.msgpack.encode(TrajectoryItem(12, 3, None, 40)))
+    assert not hasattr(trajectory, "TrajectoryItem")  # the Trajectory Server queues ids (the ledger's Traj)
 
 
 @pytest.mark.slow

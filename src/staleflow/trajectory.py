@@ -1,7 +1,7 @@
 """The forms a trajectory takes from prompt to loss: one class per step where the data changes.
 
     Prompt            a dataset row, tokenized                      data/source.py yields it
-      -> TrajectoryItem   queued in the Trajectory Server (one per group member)   coordinator
+      (queued by id)      its members wait in the Trajectory Server: the ledger's Traj   loop -> coordinator
       -> Route            sent to an instance, as is (V_traj fixed, prompt, seed)  coordinator -> loop -> rank
       -> Finished         generated: its tokens sit in a ring (RecordHandle)       rank -> loop
       -> TrainGroup       a consumed group: handles, rewards, V_traj               loop -> trainer ranks
@@ -46,28 +46,6 @@ class Prompt:
     answer: str
     prompt_ids: list[int]
     meta: dict = field(default_factory=dict)
-
-
-class TrajectoryItem(msgspec.Struct, frozen=True):
-    """A trajectory waiting in the Trajectory Server: a new one, or an interrupted partial one.
-
-    >>> TrajectoryItem(traj_id=12, group_id=3, traj_version=None, prompt_len=40).tokens
-    40
-    """
-
-    traj_id: int
-    group_id: int
-    traj_version: int | None
-    """V_traj; None for a new trajectory whose tag is set when it is first routed (dynamic tag)."""
-    prompt_len: int
-    generated_len: int = 0
-    origin: int = -1
-    """Instance it was interrupted on (-1: never ran)."""
-
-    @property
-    def tokens(self) -> int:
-        """KV tokens it brings to an instance (prompt + already generated)."""
-        return self.prompt_len + self.generated_len
 
 
 class RecordHandle(msgspec.Struct, frozen=True, array_like=True):
@@ -152,5 +130,5 @@ class TrainGroup(msgspec.Struct, frozen=True, array_like=True):
     prompt_len: int
 
 
-FORMS = (Prompt, TrajectoryItem, Route, Finished, TrainGroup)
-"""The forms, in path order (docs/architecture.md lists them with their modules)."""
+FORMS = (Prompt, Route, Finished, TrainGroup)
+"""The four forms, in path order (docs/architecture.md lists them with their modules)."""

@@ -1,6 +1,6 @@
 """The controller: one loop, one ledger, shared by the real runtime and the simulator.
 
-    loop = ControllerLoop(settings, coordinator, Ledger(), backend, workload)
+    loop = ControllerLoop(settings, coordinator, ledger, backend, workload)  # coordinator reads ledger.trajs
     loop.run()                                   # until --steps versions are trained (runtime and simulator)
     loop.run(until=lambda: saved, timeout_s=600, hold_training=True)  # a front end's wait: events keep flowing
     loop.view.version                            # what a front end reads (controller/view.py)

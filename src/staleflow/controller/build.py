@@ -51,6 +51,7 @@ def build_loop(
     --coordinator.tick-ms (the simulator's timing resolution); ``counts``, ``requeue``: a resumed run's
     counters and the prompts in flight at its checkpoint (ControllerLoop)."""
     ids = list(instances)
+    ledger = Ledger() if ledger is None else ledger
     knobs = dict(peer) if peer is not None else peer_knobs(mode, coordinator_cfg)  # --coordinator.<knob> flags
     manager = protocol_for(mode, staleness, version=version, n_instances=len(ids), **knobs)
     coord = Coordinator(
@@ -58,6 +59,7 @@ def build_loop(
         cost_model,
         manager,
         ids,
+        trajs=ledger.trajs,  # the one per-trajectory table: the coordinator looks trajectories up in it by id
         straggler=staleness.straggler,
         straggler_threshold=staleness.straggler_threshold,
         version=version,
@@ -73,7 +75,7 @@ def build_loop(
     return ControllerLoop(
         settings,
         coord,
-        ledger or Ledger(),
+        ledger,
         backend,
         workload,
         version=version,

@@ -2,18 +2,20 @@
 
 Pure bookkeeping (no torch, no I/O), shared by the real runtime and the simulator. For every
 trajectory it holds what the controller knows and nobody else owns: the group it belongs to,
-its sampling seed, its newest record handle (partial while interrupted, final once finished),
-its V_traj, reward and fate. The protocol keeps buffer reservations (which buffer a group holds,
-which member ids hold it) and the Coordinator the scheduling state (the queue, which ids run on
-which instance); both refer to trajectories by id only, and the facts they act on (V_traj, lengths)
-reach them from here, through the loop.
+its prompt length and sampling seed, its newest record handle (partial while interrupted, final
+once finished) and the tokens generated so far, the instance it was last interrupted on, its
+V_traj, reward and fate. The protocol keeps buffer reservations (which buffer a group holds, which
+member ids hold it) and the Coordinator the scheduling state (the queue, which ids run on which
+instance); both refer to trajectories by id only. The Coordinator looks the facts it acts on
+(group, V_traj, lengths, origin) up here by id: controller/build.py gives it ``Ledger.trajs``
+(``coordinator.types.TrajFacts`` names what it reads). Only the loop writes the table.
 
 Fates. A trajectory is live from submission until it ends exactly once, as ``consumed``
 (trained) or ``aborted: <reason>``; ``ended`` keeps every fate so an audit can prove nothing was
 trained twice or lost. A group is live until consumed or aborted with all its members.
 
     ledger = Ledger()
-    g = ledger.new_group(prompt, seeds=[...], target_lens=[...])   # N' member trajectories
+    g = ledger.new_group(prompt, seeds=[...], target_lens=[...], prompt_len=40)   # N' member trajectories
     ledger.accept_finish(tid, handle, n_tokens)                     # generation over
     ledger.set_reward(tid, 1.0)
     ledger.rewarded_members(gid, n)                                 # the N trajectories to occupy with
@@ -35,8 +37,12 @@ class Traj:
     handle: Any = None
     """Newest record of its tokens (a servers.RecordHandle in the runtime; a simulated one in the simulator)."""
     traj_version: int | None = None
-    """V_traj, fixed at its first route (None: never routed)."""
+    """V_traj, written once, at its first route (None: never routed)."""
     n_tokens: int = 0
+    """Tokens generated: so far while interrupted (its partial record), all of them once finished."""
+    prompt_len: int = 0
+    origin: int = -1
+    """The instance it was last interrupted on (-1: never interrupted); it resumes there without migration."""
     finished: bool = False
     """Generation is over and the coordinator counted it (one of the group's N)."""
     truncate: bool = False
@@ -49,6 +55,11 @@ class Traj:
     tool_calls: int = 0
     tool_s: float = 0.0
     """Multi-turn: seconds of environment steps, summed over every instance it ran on."""
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens it brings to an instance: prompt + generated so far (the coordinator's TrajFacts)."""
+        return self.prompt_len + self.n_tokens
 
 
 @dataclass
@@ -77,12 +88,12 @@ class Ledger:
         """traj_id -> "consumed" | "aborted: <reason>", for every trajectory that ended."""
 
     # ---- creation ----------------------------------------------------------------------------
-    def new_group(self, prompt, seeds: list[int], target_lens: list[int] | None = None) -> Group:
+    def new_group(self, prompt, seeds: list[int], target_lens: list[int] | None = None, prompt_len: int = 0) -> Group:
         gid, self.next_group = self.next_group, self.next_group + 1
         g = self.groups[gid] = Group(gid, prompt)
         for i, seed in enumerate(seeds):
             tid, self.next_traj = self.next_traj, self.next_traj + 1
-            self.trajs[tid] = Traj(tid, gid, seed, target_lens[i] if target_lens else 0)
+            self.trajs[tid] = Traj(tid, gid, seed, target_lens[i] if target_lens else 0, prompt_len=prompt_len)
             g.members.append(tid)
         return g
 

@@ -12,7 +12,8 @@ differs). Each turn of ``run``:
      commands are executed at once, and their immediate effects handled.
 The ledger is the only table of trajectories; the batch protocol (StaleFlow's StalenessManager or
 a peer's count-based rule, chosen by the mode) decides admission and batches; the Coordinator holds
-the queue and its view of the instances. The loop audits the protocol from outside (controller/audit.py).
+the queue and its view of the instances, by id, and reads a trajectory's facts from the ledger (the
+loop writes them: V_traj once at its first route, tokens and origin at a loop-back). The loop audits the protocol from outside (controller/audit.py).
 A front end drives the loop with ``run`` only and reads it through ``view`` (controller/view.py).
 """
 
@@ -33,7 +34,7 @@ from staleflow.controller.types import LoopSettings, LoopTimeout, RewardsFailing
 from staleflow.controller.view import LoopView
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
-from staleflow.trajectory import Finished, Route, TrainGroup, TrajectoryItem
+from staleflow.trajectory import Finished, Route, TrainGroup
 
 
 class ControllerLoop:
@@ -54,6 +55,10 @@ class ControllerLoop:
         (type -> handler) that its backend yields among the loop's (the runtime's Saved checkpoint
         and Evaluated held-out answers). counts, requeue: a resumed run's counters and the prompts in
         flight at its checkpoint (submitted again as fresh groups)."""
+        if coordinator.trajs is not ledger.trajs:
+            raise ValueError(
+                "the coordinator must look trajectories up in this ledger's table: build both with build_loop"
+            )
         self.s, self.coord, self.manager = settings, coordinator, coordinator.manager
         self.spec = coordinator.manager.spec
         """eta, B, B', N, N' (the protocol's StalenessSpec)."""
@@ -89,9 +94,9 @@ class ControllerLoop:
     # ---- prompts ---------------------------------------------------------------------------
     def submit_group(self, prompt) -> None:
         draws = [self.workload.new_member() for _ in range(self.spec.group_capacity)]
-        g = self.ledger.new_group(prompt, [d[0] for d in draws], [d[1] for d in draws])
         plen = self.workload.prompt_len(prompt)
-        self.coord.submit([TrajectoryItem(t, g.group_id, None, plen) for t in g.members])
+        g = self.ledger.new_group(prompt, [d[0] for d in draws], [d[1] for d in draws], prompt_len=plen)
+        self.coord.submit(g.members)
         self.unrouted.add(g.group_id)
 
     def refill(self) -> None:
@@ -132,11 +137,8 @@ class ControllerLoop:
         self._free([self.ledger.set_handle(t.traj_id, ev.handle)])
         t.turns, t.tool_calls, t.tool_s = ev.turns, ev.tool_calls, t.tool_s + ev.tool_s
         if ev.partial and not t.truncate:  # the loop-back: queued again, same V_traj, same reservation
-            t.n_tokens = ev.n_tokens
-            g = self.ledger.groups[t.group_id]
-            plen = self.workload.prompt_len(g.prompt)
-            item = TrajectoryItem(t.traj_id, t.group_id, t.traj_version, plen, ev.n_tokens, origin=ev.instance)
-            self.coord.on_interrupted(ev.instance, [item])
+            t.n_tokens, t.origin = ev.n_tokens, ev.instance
+            self.coord.on_interrupted(ev.instance, [t.traj_id])
             return
         self.finish(t, ev.instance, ev.n_tokens, ev.env_reward)
 
@@ -232,7 +234,8 @@ class ControllerLoop:
         t = self.ledger.trajs[cmd.traj_id]
         g = self.ledger.groups[t.group_id]
         self.audit.route(g.group_id, t.traj_id, t.traj_version, cmd.traj_version)
-        t.traj_version = cmd.traj_version
+        if t.traj_version is None:  # written once: a loop-back's route carries the same V_traj (audited)
+            t.traj_version = cmd.traj_version
         self.unrouted.discard(g.group_id)
         self.backend.route(
             msgspec.structs.replace(

@@ -9,8 +9,8 @@ from staleflow.coordinator.cost_model import CostModel, CostModelError, fit_cost
 from staleflow.coordinator.mlq import MultiLevelQueue
 from staleflow.coordinator.modes import BASELINES, MODES, apply_mode, build_protocol, mode_of, mode_overrides
 from staleflow.coordinator.strategies import PULL, ROUTING, register_pull, register_routing
-from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Pull
-from staleflow.trajectory import Route, TrajectoryItem
+from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Pull, TrajFacts
+from staleflow.trajectory import Route
 
 __all__ = [
     "Abort",
@@ -27,7 +27,7 @@ __all__ = [
     "Pull",
     "ROUTING",
     "Route",
-    "TrajectoryItem",
+    "TrajFacts",
     "apply_mode",
     "build_protocol",
     "fit_cost_model",

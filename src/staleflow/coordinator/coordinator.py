@@ -16,12 +16,13 @@ routed to an instance fixes the group's V_traj to that instance's post-sync vers
 members and every loop-back keep it. Candidates always have post-sync version >= V_traj.
 
 Runtime contract (staleflow.controller.loop drives it, in the runtime and the simulator alike):
-``submit`` new trajectories; report ``on_snapshot``, ``on_finished`` (False: the trajectory was
-already dropped, e.g. as group-redundancy surplus), ``on_rewarded`` once the group's N finished
-members are rewarded (Occupy), ``on_interrupted`` (partial outputs come back with their
-generated_len and origin), ``on_pull_done``, ``on_new_version`` (the PS published v),
-``on_failed``. The trainer side uses the manager directly (``ready_version`` / ``consume``).
-The config arrives with its mode already applied (``staleflow.config.resolve``).
+``submit`` new trajectories (ids); report ``on_snapshot``, ``on_finished`` (False: the trajectory
+was already dropped, e.g. as group-redundancy surplus), ``on_rewarded`` once the group's N finished
+members are rewarded (Occupy), ``on_interrupted`` (partial outputs came back), ``on_pull_done``,
+``on_new_version`` (the PS published v), ``on_failed``. The trainer side uses the manager directly
+(``ready_version`` / ``consume``). The config arrives with its mode already applied (config.resolve).
+Per trajectory it keeps ids only; the facts it acts on (group, V_traj, prompt length, tokens
+generated, origin) it looks up by id in ``trajs``, the ledger's table (``TrajFacts``), read-only.
 
 With migration off (``--coordinator.migration false``) a loop-back resumes on the instance it
 was interrupted on (its ``origin``), never elsewhere. The batch protocol (``manager``) is the one
@@ -32,9 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-
-import msgspec
+from collections.abc import Callable, Iterable, Mapping
 
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.mlq import MultiLevelQueue
@@ -42,8 +41,8 @@ from staleflow.coordinator.modes import check_protocol
 from staleflow.coordinator.pull import plan_pulls, updating
 from staleflow.coordinator.stragglers import handle_stragglers
 from staleflow.coordinator.strategies import make_pull, make_routing, migrate
-from staleflow.coordinator.types import Abort, Command, InstanceSnapshot
-from staleflow.trajectory import Route, TrajectoryItem
+from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, TrajFacts
+from staleflow.trajectory import Route
 
 _INSTANCE_STATS = ("version", "load", "syncing", "snapshots_used", "snapshots_dropped")
 
@@ -56,6 +55,7 @@ class Coordinator:
         manager,
         instances: Iterable[int],
         *,
+        trajs: Mapping[int, TrajFacts],
         straggler: str = "off",
         straggler_threshold: int = 1,
         version: int = 0,
@@ -64,6 +64,7 @@ class Coordinator:
     ):
         if straggler not in ("off", "abort", "truncate"):
             raise ValueError(f"--staleness.straggler={straggler!r} is unknown; choose off, abort or truncate")
+        self.trajs = trajs  # the per-trajectory table (the ledger's): looked up by id, never written here
         self.label = label
         """The resolved mode (the runtime passes --mode); it names the batch protocol."""
         self.cfg = cfg
@@ -79,12 +80,11 @@ class Coordinator:
         self.instances: dict[int, InstanceState] = {i: InstanceState(i, cost_model.kv_capacity, version) for i in ids}
         self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first)
         self.ps_version = version
-        self.live: dict[int, int] = {}  # traj_id -> group_id of every live trajectory (queued or in flight)
+        self.live: set[int] = set()  # every live trajectory (queued or in flight)
         self.reserved: set[int] = set()  # live trajectories holding a reservation (= in flight)
         self.group_tag: dict[int, int] = {}  # group_id -> V_traj fixed at its first route
         self.members: dict[int, set[int]] = {}  # group_id -> its items still scheduled here (queued or in flight)
         self.pending_interrupts: set[int] = set()
-        self.queued_tagged: Counter = Counter()  # V_traj -> queued tagged trajectories
         self.barrier_budget = 0
         self._admissible: set[int] | None = None
         self._stragglers_done: set[int] = set()
@@ -113,27 +113,29 @@ class Coordinator:
 
     def routable_at(self, version: int) -> bool:
         """Could some queued trajectory be routed to an instance running `version`?"""
-        if any(v <= version for v, n in self.queued_tagged.items() if n > 0):
+        tagged = self.queue.tagged
+        if any(v <= version for v, n in tagged.items() if n > 0):
             return True
-        if len(self.queue) > sum(self.queued_tagged.values()):
+        if len(self.queue) > sum(tagged.values()):
             if self.cfg.barrier and self.barrier_budget <= 0:
                 return False
             return self._can_admit_new(version)
         return False
 
     # ---- events --------------------------------------------------------------------------
-    def submit(self, items: Iterable[TrajectoryItem]) -> None:
-        for it in items:
-            if it.traj_id in self.live:
-                raise ValueError(f"submit: trajectory id {it.traj_id} is already live; ids must be unique")
-            if it.prompt_len < 0 or it.generated_len < 0:
-                raise ValueError(
-                    f"submit: trajectory {it.traj_id} has negative lengths "
-                    f"(prompt_len={it.prompt_len}, generated_len={it.generated_len})"
-                )
-            self.live[it.traj_id] = it.group_id
-            self.members.setdefault(it.group_id, set()).add(it.traj_id)
-            self._enqueue(it)
+    def submit(self, traj_ids: Iterable[int]) -> None:
+        """Queue new trajectories; each must be in ``trajs`` already (the ledger made it)."""
+        for t in traj_ids:
+            if t in self.live:
+                raise ValueError(f"submit: trajectory id {t} is already live; ids must be unique")
+            rec = self.trajs.get(t)
+            if rec is None:
+                raise ValueError(f"submit: trajectory {t} is not in the trajectory table; the ledger makes it first")
+            if min(rec.prompt_len, rec.n_tokens) < 0:
+                raise ValueError(f"submit: trajectory {t} has a negative length ({rec.prompt_len=}, {rec.n_tokens=})")
+            self.live.add(t)
+            self.members.setdefault(rec.group_id, set()).add(t)
+            self.queue.push(t, rec.traj_version, rec.tokens)
 
     def on_snapshot(self, snap: InstanceSnapshot) -> bool:
         """Reconcile a snapshot with the speculative state; False if it was stale and dropped."""
@@ -148,14 +150,14 @@ class Coordinator:
             self.counters["late_finish"] += 1
             return False
         self._detach(traj_id, now)
-        self._dequeue(traj_id)
+        self.queue.remove(traj_id)
         self.pending_interrupts.discard(traj_id)
-        gid = self.live.pop(traj_id)
+        self.live.discard(traj_id)
         self.queue.forget(traj_id)
         self.migrated.pop(traj_id, None)
         self.moved_off.pop(traj_id, None)
         self.reserved.discard(traj_id)
-        self.members[gid].discard(traj_id)
+        self.members[self.trajs[traj_id].group_id].discard(traj_id)
         for t in self.manager.complete(traj_id):  # group redundancy: the surplus is aborted
             self._drop(t, "surplus", now)
         self.counters["finished"] += 1
@@ -173,16 +175,23 @@ class Coordinator:
         self._forget_group(group_id)
         return v
 
-    def on_interrupted(self, instance: int, items: Iterable[TrajectoryItem]) -> None:
-        """Partial trajectories came back from an instance (Interrupt or engine preemption)."""
+    def on_interrupted(self, instance: int, traj_ids: Iterable[int]) -> None:
+        """Partial trajectories came back from ``instance`` (Interrupt or engine preemption); the loop has
+        written their records' n_tokens and origin (== instance). They queue again under their V_traj."""
         now = self.clock()
-        for it in items:
-            self.pending_interrupts.discard(it.traj_id)
-            if it.traj_id not in self.live:  # aborted while the interrupt was in flight
+        for t in traj_ids:
+            self.pending_interrupts.discard(t)
+            if t not in self.live:  # aborted while the interrupt was in flight
                 continue
-            self._detach(it.traj_id, now)
-            V = self.group_tag.get(it.group_id) if it.traj_version is None else it.traj_version
-            self._enqueue(msgspec.structs.replace(it, traj_version=V, origin=instance))
+            rec = self.trajs[t]
+            if rec.origin != instance:
+                raise ValueError(
+                    f"on_interrupted: trajectory {t} came back from instance {instance}, its record says origin "
+                    f"{rec.origin}: write the record (n_tokens, origin) before reporting the loop-back"
+                )
+            self._detach(t, now)
+            V = self.group_tag.get(rec.group_id) if rec.traj_version is None else rec.traj_version
+            self.queue.push(t, V, rec.tokens)
             self.counters["loop_back"] += 1
 
     def on_pull_done(self, instance: int, version: int) -> None:
@@ -246,33 +255,34 @@ class Coordinator:
         failed: set[tuple] = set()  # (V_traj, tokens) that found no instance since the last route
         for key in self.queue.level_keys():
             fails, leftover = 0, False
-            for item in self.queue.iter_level(key, self.queue.level_size(key)):
+            for t in self.queue.iter_level(key, self.queue.level_size(key)):
                 if not open_ or fails >= self.cfg.scan_limit:
                     leftover = True
                     break
+                rec = self.trajs[t]
                 sig = (
-                    item.traj_version if item.traj_version is not None else self.group_tag.get(item.group_id),
-                    item.tokens,
-                    self.moved_off.get(item.traj_id, -1) if self.cfg.migration else item.origin,
+                    rec.traj_version if rec.traj_version is not None else self.group_tag.get(rec.group_id),
+                    rec.tokens,
+                    self.moved_off.get(t, -1) if self.cfg.migration else rec.origin,
                 )
                 if sig in failed:  # same placement problem as one that just failed: skip cheaply
                     fails, leftover = fails + 1, True
                     continue
-                inst, V = self._place(item, open_, failed, sig)
+                inst, V = self._place(rec, open_, failed, sig)
                 if inst is None:
                     fails, leftover = fails + 1, True
                     continue
                 fails = 0
                 failed.clear()
-                self._route_one(item, inst, V, now, cmds)
+                self._route_one(rec, inst, V, now, cmds)
                 if len(inst.trajs) >= cap:
                     open_.remove(inst)
             if leftover and self.queue.enabled:
                 break  # strict priority: newer levels wait for the older one
 
-    def _place(self, item: TrajectoryItem, open_: list[InstanceState], failed: set, sig: tuple):
+    def _place(self, rec: TrajFacts, open_: list[InstanceState], failed: set, sig: tuple):
         """Pick an instance for one queued trajectory (None if it must wait) and its V_traj."""
-        gid = item.group_id
+        gid = rec.group_id
         V = sig[0]
         if V is None:  # the first member of a fresh group: dynamic tag = instance post-sync version
             if self.cfg.barrier and self.barrier_budget <= 0:
@@ -285,34 +295,34 @@ class Coordinator:
             ok = self._admissible
             cands = [i for i in open_ if i.target_version in ok]
         else:
-            if item.traj_id not in self.reserved and not self.manager.can_admit(V, gid):
+            if rec.traj_id not in self.reserved and not self.manager.can_admit(V, gid):
                 return None, -1
-            if item.origin >= 0 and not self.cfg.migration:  # no migration: resume where it ran
-                cands = [i for i in open_ if i.instance == item.origin and i.target_version >= V]
+            if rec.origin >= 0 and not self.cfg.migration:  # no migration: resume where it ran
+                cands = [i for i in open_ if i.instance == rec.origin and i.target_version >= V]
             else:  # a migrated trajectory does not go back to the instance it left, unless nothing else can run it
                 cands = [i for i in open_ if i.target_version >= V]
-                left = self.moved_off.get(item.traj_id, -1)
+                left = self.moved_off.get(rec.traj_id, -1)
                 cands = [i for i in cands if i.instance != left] or cands
-        inst = self.router.choose(item, V, cands, self) if cands else None
+        inst = self.router.choose(rec, V, cands, self) if cands else None
         if inst is None:
             failed.add(sig)
             return None, -1
         return inst, (inst.target_version if V is None else V)
 
-    def _route_one(self, item: TrajectoryItem, inst: InstanceState, V: int, now: float, cmds: list[Command]) -> None:
-        t = item.traj_id
+    def _route_one(self, rec: TrajFacts, inst: InstanceState, V: int, now: float, cmds: list[Command]) -> None:
+        t, gid = rec.traj_id, rec.group_id
         if t not in self.reserved:
-            if item.group_id not in self.group_tag:
-                self.group_tag[item.group_id] = V
+            if gid not in self.group_tag:
+                self.group_tag[gid] = V
                 if self.cfg.barrier:
                     self.barrier_budget -= 1
-            self.manager.reserve(t, item.group_id, V)
+            self.manager.reserve(t, gid, V)
             self.reserved.add(t)
             self._admit.clear()
             self._admissible = None
-        self._dequeue(t)
+        self.queue.remove(t)
         self.moved_off.pop(t, None)
-        inst.add(t, item.tokens, now)
+        inst.add(t, rec.tokens, now)
         cmds.append(Route(t, inst.instance, V))
         self.counters["routes"] += 1
 
@@ -322,18 +332,6 @@ class Coordinator:
         if inst is None:
             raise ValueError(f"unknown instance {instance!r}; known: {sorted(self.instances)}")
         return inst
-
-    def _enqueue(self, it: TrajectoryItem) -> None:
-        self.queue.push(it)
-        if it.traj_version is not None:
-            self.queued_tagged[it.traj_version] += 1
-
-    def _dequeue(self, traj_id: int) -> None:
-        it = self.queue.remove(traj_id)
-        if it is not None and it.traj_version is not None:
-            self.queued_tagged[it.traj_version] -= 1
-            if not self.queued_tagged[it.traj_version]:
-                del self.queued_tagged[it.traj_version]
 
     def instance_of(self, traj_id: int) -> int:
         """The instance holding the trajectory (-1: none); placement lives once, in InstanceState.trajs."""
@@ -350,10 +348,11 @@ class Coordinator:
 
     def _drop(self, traj_id: int, reason: str, now: float, out: list[Command] | None = None) -> None:
         """Forget one live trajectory and tell the runtime to stop it (manager already updated)."""
-        gid = self.live.pop(traj_id, None)
-        if gid is None:
+        if traj_id not in self.live:
             return
-        self._dequeue(traj_id)
+        self.live.discard(traj_id)
+        gid = self.trajs[traj_id].group_id
+        self.queue.remove(traj_id)
         self.queue.forget(traj_id)
         self.migrated.pop(traj_id, None)
         self.moved_off.pop(traj_id, None)

@@ -5,29 +5,35 @@ that keeps leftovers); trajectories whose tag is not set yet (new prompts) form 
 Interrupted partial trajectories loop back into the level of their (unchanged) V_traj. Inside a
 level the default order is longest first (prompt + generated tokens), ties by arrival.
 With ``enabled=False`` it degrades to one FIFO level (the baselines' plain queue).
+
+The queue holds trajectory ids only. Its caller (the Coordinator) looks a trajectory up in the
+ledger's table and passes the two facts the order needs when it pushes one: the V_traj it is
+queued under and its tokens; the queue keeps them as its own sort keys (an ordering, not a copy of
+the trajectory: nothing else reads them from here).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Iterator
-
-from staleflow.trajectory import TrajectoryItem
 
 NEW = None
 """Level key of trajectories without a version tag."""
 
 
 class MultiLevelQueue:
-    """Levels keyed by V_traj (None = new), each a list sorted by (-tokens, arrival) or (arrival,)."""
+    """Levels keyed by V_traj (None = new), each a sorted list of (-tokens, arrival, id) or (arrival, id)."""
 
     def __init__(self, enabled: bool = True, longest_first: bool = True):
         self.enabled = enabled
         self.longest_first = longest_first and enabled
         self._levels: dict[int | None, list[tuple]] = {}
-        self._where: dict[int, tuple] = {}  # traj_id -> (level key, sort key)
+        self._where: dict[int, tuple] = {}  # traj_id -> (level key, sort key, V_traj it is queued under)
         self._arrival: dict[int, int] = {}  # traj_id -> first arrival number (until forget())
         self._seq = 0
+        self.tagged: Counter = Counter()
+        """V_traj -> queued trajectories that carry that tag (untagged new ones are not counted)."""
 
     def __len__(self) -> int:
         return len(self._where)
@@ -35,31 +41,36 @@ class MultiLevelQueue:
     def __contains__(self, traj_id: int) -> bool:
         return traj_id in self._where
 
-    def push(self, item: TrajectoryItem) -> None:
-        if item.traj_id in self._where:
-            raise ValueError(f"trajectory {item.traj_id} is already queued; a loop-back must follow its route")
-        level = item.traj_version if self.enabled else NEW
-        seq = self._arrival.get(item.traj_id)
+    def push(self, traj_id: int, traj_version: int | None, tokens: int) -> None:
+        """Queue a trajectory under V_traj ``traj_version`` (None: not tagged yet) with ``tokens`` KV tokens."""
+        if traj_id in self._where:
+            raise ValueError(f"trajectory {traj_id} is already queued; a loop-back must follow its route")
+        level = traj_version if self.enabled else NEW
+        seq = self._arrival.get(traj_id)
         if seq is None:  # a loop-back keeps its first arrival (FIFO: it does not go behind newer work)
             self._seq += 1
-            seq = self._arrival[item.traj_id] = self._seq
-        key = (-item.tokens, seq, item.traj_id) if self.longest_first else (seq, item.traj_id)
-        bisect.insort(self._levels.setdefault(level, []), key + (item,))
-        self._where[item.traj_id] = (level, key)
+            seq = self._arrival[traj_id] = self._seq
+        key = (-tokens, seq, traj_id) if self.longest_first else (seq, traj_id)
+        bisect.insort(self._levels.setdefault(level, []), key)
+        self._where[traj_id] = (level, key, traj_version)
+        if traj_version is not None:
+            self.tagged[traj_version] += 1
 
-    def remove(self, traj_id: int) -> TrajectoryItem | None:
-        """Take a trajectory out wherever it is (abort of a queued trajectory); None if absent."""
+    def remove(self, traj_id: int) -> bool:
+        """Take a trajectory out wherever it is (routed, or an abort of a queued one); False if absent."""
         where = self._where.pop(traj_id, None)
         if where is None:
-            return None
-        level, key = where
+            return False
+        level, key, version = where
         lst = self._levels[level]
-        i = bisect.bisect_left(lst, key)
-        item = lst[i][-1]
-        del lst[i]
+        del lst[bisect.bisect_left(lst, key)]
         if not lst:
             del self._levels[level]
-        return item
+        if version is not None:
+            self.tagged[version] -= 1
+            if not self.tagged[version]:
+                del self.tagged[version]
+        return True
 
     def forget(self, traj_id: int) -> None:
         """The trajectory left for good (finished or aborted): drop its arrival number."""
@@ -72,26 +83,23 @@ class MultiLevelQueue:
             keys.append(NEW)
         return keys
 
-    def level(self, key: int | None) -> list[TrajectoryItem]:
-        """Items of one level in service order (a copy; remove() what gets routed)."""
+    def level(self, key: int | None) -> list[int]:
+        """Ids of one level in service order (a copy; remove() what gets routed)."""
         return [e[-1] for e in self._levels.get(key, ())]
 
-    def iter_level(self, key: int | None, limit: int) -> Iterator[TrajectoryItem]:
-        """The first `limit` items of a level, in order, safe against remove() while iterating."""
+    def iter_level(self, key: int | None, limit: int) -> Iterator[int]:
+        """The first `limit` ids of a level, in order, safe against remove() while iterating."""
         for e in self._levels.get(key, ())[:limit]:
             yield e[-1]
 
     def level_size(self, key: int | None) -> int:
         return len(self._levels.get(key, ()))
 
-    def items(self) -> Iterator[TrajectoryItem]:
+    def ids(self) -> Iterator[int]:
+        """Every queued id, in service order."""
         for k in self.level_keys():
             yield from self.level(k)
 
     def oldest_version(self) -> int | None:
         """Smallest V_traj among tagged queued trajectories (None if none)."""
-        keys = [k for k in self._levels if k is not None]
-        if not self.enabled:
-            vs = [e[-1].traj_version for e in self._levels.get(NEW, ()) if e[-1].traj_version is not None]
-            return min(vs) if vs else None
-        return min(keys) if keys else None
+        return min(self.tagged) if self.tagged else None

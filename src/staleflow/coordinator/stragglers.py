@@ -29,7 +29,6 @@ def handle_stragglers(coord, now: float, cmds: list[Command]) -> None:
         by_inst: dict[int, list[int]] = {}
         for t in live:
             by_inst.setdefault(coord.instance_of(t), []).append(t)
-            if t in coord.queue:
-                coord._dequeue(t)
+            coord.queue.remove(t)  # a queued one's partial is final too
         for i, ids in sorted(by_inst.items()):
             cmds.append(Interrupt(i, tuple(ids), "truncate"))

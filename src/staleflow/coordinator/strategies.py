@@ -7,11 +7,13 @@ A research fork adds a policy in one file::
     @register_routing("my-router")
     class MyRouter:
         def __init__(self, cfg, cost_model): ...
-        def choose(self, item, traj_version, candidates, ctx) -> InstanceState | None: ...
+        def choose(self, traj, traj_version, candidates, ctx) -> InstanceState | None: ...
 
 and selects it with ``--coordinator.routing my-router``, or, without registering, by import path:
 ``--coordinator.routing my_pkg.routers:MyRouter`` (docs/extending.md). ``candidates`` are already filtered by
-the coordinator: version >= V_traj, a feasible reservation, not at the concurrency cap.
+the coordinator: version >= V_traj, a feasible reservation, not at the concurrency cap. ``traj`` is the
+trajectory's record in the ledger (``TrajFacts``, coordinator/types.py: traj_id, group_id, traj_version,
+prompt_len, n_tokens generated so far, origin, tokens), looked up by id: read it, never write it.
 Pull policies (coordinator/pull.py) answer ``should_pull(inst, ctx) -> bool`` for an instance
 behind the PS; the migration policy returns ``(instance, traj_ids) | None``. ``ctx`` is the Coordinator itself
 (read-only use: ps_version, instances, routable_at(version), in_flight, cfg, cost_model).
@@ -22,16 +24,15 @@ from __future__ import annotations
 from typing import Protocol
 
 from staleflow.coordinator.instance import InstanceState
-from staleflow.coordinator.types import Interrupt
+from staleflow.coordinator.types import Interrupt, TrajFacts
 from staleflow.extensions import Registry, Shape
-from staleflow.trajectory import TrajectoryItem
 
 
 class RoutingStrategy(Protocol):
     """--coordinator.routing: a class built once per coordinator as ``cls(cfg, cost_model)``."""
 
     def choose(
-        self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState], ctx
+        self, traj: TrajFacts, traj_version: int | None, candidates: list[InstanceState], ctx
     ) -> InstanceState | None: ...
 
 
@@ -49,7 +50,7 @@ ROUTING: Registry[type[RoutingStrategy]] = Registry(
     "--coordinator.routing",
     Shape.klass(
         2,
-        "a class (cfg, cost_model) with choose(item, traj_version, candidates, ctx) -> InstanceState | None",
+        "a class (cfg, cost_model) with choose(traj, traj_version, candidates, ctx) -> InstanceState | None",
         methods=(("choose", 4),),
     ),
 )
@@ -96,32 +97,32 @@ class Waterfall:
     def __init__(self, cfg, cost_model):
         self.cfg, self.cost = cfg, cost_model
 
-    def tiers(self, candidates: list[InstanceState], item: TrajectoryItem, ctx) -> list[list[InstanceState]]:
+    def tiers(self, candidates: list[InstanceState], traj: TrajFacts, ctx) -> list[list[InstanceState]]:
         by: dict[int, list[InstanceState]] = {}
         for inst in candidates:
             by.setdefault(inst.target_version, []).append(inst)
         if self.cfg.tiers == "version":
-            fresh = item.traj_version is None and ctx.group_version(item.group_id) is None
+            fresh = traj.traj_version is None and ctx.group_version(traj.group_id) is None
             return [by[v] for v in sorted(by, reverse=fresh)]
-        joined = ctx.group_version(item.group_id)
+        joined = ctx.group_version(traj.group_id)
         first = [by[v] for v in sorted(by, reverse=True) if joined is not None and v == joined]
         return first + [by[v] for v in sorted(by, reverse=True) if joined is None or v != joined]
 
     budget = 0
     """Token budget per request (0: none; see WaterfallBudget)."""
 
-    def request_tokens(self, item: TrajectoryItem) -> int:
-        return item.tokens
+    def request_tokens(self, traj: TrajFacts) -> int:
+        return traj.tokens
 
     def instance_tokens(self, inst: InstanceState) -> int:
         return inst.kv_tokens
 
-    def choose(self, item: TrajectoryItem, traj_version: int | None, candidates: list[InstanceState], ctx):
-        tokens = self.request_tokens(item)
+    def choose(self, traj: TrajFacts, traj_version: int | None, candidates: list[InstanceState], ctx):
+        tokens = self.request_tokens(traj)
         floor = self.cfg.mu * self.cost.ideal_gain(tokens)
         c = self.cost
         k1, k2, k3, b3, k4 = c.k1, c.k2, c.k3, c.b3, c.k4
-        for tier in self.tiers(candidates, item, ctx):
+        for tier in self.tiers(candidates, traj, ctx):
             best, best_gain = None, -1.0
             for inst in tier:
                 kv = self.instance_tokens(inst)
@@ -150,8 +151,8 @@ class WaterfallBudget(Waterfall):
 
     budget = 1024
 
-    def request_tokens(self, item: TrajectoryItem) -> int:
-        return item.prompt_len + -(-(item.generated_len + 1) // self.budget) * self.budget
+    def request_tokens(self, traj: TrajFacts) -> int:
+        return traj.prompt_len + -(-(traj.n_tokens + 1) // self.budget) * self.budget
 
     def instance_tokens(self, inst: InstanceState) -> int:
         return inst.kv_tokens + self.budget * inst.load
@@ -164,7 +165,7 @@ class LeastLoaded:
     def __init__(self, cfg, cost_model):
         pass
 
-    def choose(self, item, traj_version, candidates, ctx):
+    def choose(self, traj, traj_version, candidates, ctx):
         return min(candidates, key=lambda i: (i.load, i.instance)) if candidates else None
 
 
@@ -175,7 +176,7 @@ class RoundRobin:
     def __init__(self, cfg, cost_model):
         self.next = 0
 
-    def choose(self, item, traj_version, candidates, ctx):
+    def choose(self, traj, traj_version, candidates, ctx):
         if not candidates:
             return None
         ids = sorted(c.instance for c in candidates)

@@ -1,11 +1,14 @@
-"""Plain data of the Snapshot-Command cycle: instance snapshots, queued trajectories, commands.
+"""Plain data of the Snapshot-Command cycle: instance snapshots and commands, and what the
+coordinator reads of a trajectory (``TrajFacts``).
 
-All are msgspec Structs (frozen, tagged where they travel as a union): the runtime sends the
-commands and snapshots over ZeroMQ as they are (``msgspec.msgpack``, see control/messages.py)
-and the simulator passes them around as objects.
+The snapshots and commands are msgspec Structs (frozen, tagged where they travel as a union): the
+runtime sends them over ZeroMQ as they are (``msgspec.msgpack``, see control/messages.py) and the
+simulator passes them around as objects.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import msgspec
 
@@ -33,6 +36,43 @@ class InstanceSnapshot(msgspec.Struct, frozen=True, tag=True):
     """Ids of every trajectory the instance holds (running + waiting)."""
     tokens_generated: int = 0
     """Tokens generated since the instance started (throughput metrics)."""
+
+
+class TrajFacts(Protocol):
+    """What the coordinator reads of one trajectory, looked up by id in the table it is given.
+
+    The table is the ledger's (controller/ledger.py: ``Ledger.trajs``, whose ``Traj`` has these
+    fields; controller/build.py hands it to the coordinator once): the one per-trajectory table.
+    The coordinator, its queue and its strategies keep ids and read these facts when they need them;
+    they never write them (the loop does, from the events). Declared here, in the coordinator, so
+    that the coordinator names what it reads without importing the controller (which imports it).
+    A routing strategy's ``choose`` receives one of these.
+    """
+
+    @property
+    def traj_id(self) -> int: ...
+
+    @property
+    def group_id(self) -> int: ...
+
+    @property
+    def traj_version(self) -> int | None:
+        """V_traj, written once at its first route (None: never routed)."""
+
+    @property
+    def prompt_len(self) -> int: ...
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens generated so far (an interrupted trajectory's partial record)."""
+
+    @property
+    def origin(self) -> int:
+        """The instance it was last interrupted on (-1: never interrupted)."""
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens it brings to an instance: prompt + generated so far."""
 
 
 class Pull(msgspec.Struct, frozen=True, tag=True):
