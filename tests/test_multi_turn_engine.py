@@ -265,7 +265,7 @@ def drive_turns(num_blocks, block_size, max_running, budget, sharing, trajs, loa
     live, turns_left, wake = {}, {}, {}
     for i, (plen, turns, new, _obs, _wait) in enumerate(trajs):
         prompt = [3 + i % 2] + [5 + (i * 7 + j) % 11 for j in range(min(plen, max_len - 2) - 1)]
-        seq = Sequence(Request(i, prompt, SamplingParams(max_new_tokens=new), hold=True), seed=i, arrival=i)
+        seq = Sequence(Request(i, prompt, SamplingParams(max_new_tokens=new), hold=True, seed=i), arrival=i)
         sch.add(seq)
         live[i], turns_left[i] = seq, turns - 1
     slots: dict[int, tuple] = {}
@@ -282,7 +282,7 @@ def drive_turns(num_blocks, block_size, max_running, budget, sharing, trajs, loa
             if step >= t:
                 seq = live[i]
                 seq.tokens.append_observation([90 + (i + k) % 5 for k in range(obs)])
-                seq.params = dataclasses.replace(seq.params, max_new_tokens=seq.num_output + new)
+                seq.request.params = dataclasses.replace(seq.params, max_new_tokens=seq.num_output + new)
                 sch.resume(seq)
                 del wake[i]
         if step in loads:
