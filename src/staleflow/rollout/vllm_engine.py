@@ -150,8 +150,11 @@ class VllmEngine(HeldTurns):
             stat_sink=self._sched,
         )
         self.multiprocess = multiprocess
-        # The engine's own Requests (copies made at add) and side tables by request id: no
-        # per-request record of its own.
+        self._init_requests(seed)
+
+    def _init_requests(self, seed: int) -> None:
+        """The engine's own Requests (copies made at add) and side tables by request id: no
+        per-request record of its own."""
         self._live: dict = {}  # request_id -> Request, running or waiting, in arrival order
         self._parked: dict = {}  # request_id -> Request of a held request between turns
         self._vid: dict = {}  # request_id -> its vLLM id (fresh at every submission)
