@@ -36,7 +36,7 @@ def drive(num_blocks, block_size, max_running, budget, groups, aborts, loads):
     for g, (plen, size, new) in enumerate(groups):
         prompt = [10 + g] + [5 + (g * 7 + j) % 11 for j in range(min(plen, max_len - 1) - 1)]
         for _ in range(size):
-            seq = Sequence(Request(n, prompt, SamplingParams(max_new_tokens=new)), seed=n, arrival=n)
+            seq = Sequence(Request(n, prompt, SamplingParams(max_new_tokens=new), seed=n), arrival=n)
             sch.add(seq)
             live.append(seq)
             n += 1

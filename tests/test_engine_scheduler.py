@@ -14,7 +14,7 @@ from staleflow.rollout.sequence import Sequence, SequenceStatus
 
 
 def make_seq(i, prompt_len, max_new):
-    return Sequence(Request(i, [5] * prompt_len, SamplingParams(max_new_tokens=max_new)), seed=i, arrival=i)
+    return Sequence(Request(i, [5] * prompt_len, SamplingParams(max_new_tokens=max_new), seed=i), arrival=i)
 
 
 def check_invariants(sch: Scheduler, live: list[Sequence]):

@@ -92,14 +92,14 @@ class ScriptedEngine:
         return bool(self.queue)
 
     def step(self):
-        from staleflow.rollout.engine import RequestOutput
+        from staleflow.rollout.engine import Request
         from staleflow.trajectory import TrajectoryTokens
 
         r = self.queue.pop(0)
         prompt = r.tokens.prompt_ids
         ids = self.tok.encode(self.script(tuple(prompt), r.params.seed), add_special_tokens=False)
         tokens = TrajectoryTokens(prompt, ids, [0.0] * len(ids), [0] * len(ids))
-        return [RequestOutput(r.request_id, tokens, "stop", 0)]
+        return [Request(r.request_id, tokens, r.params, seed=0, finish_reason="stop")]
 
 
 @pytest.fixture(scope="module")

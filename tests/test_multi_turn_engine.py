@@ -196,6 +196,47 @@ def test_multi_turn_abort_of_a_parked_request_returns_its_payload_and_resumes_el
     assert eng.block_manager.num_free == eng.block_manager.num_blocks
 
 
+def test_multi_turn_returned_requests_are_copies_and_the_callers_request_is_never_touched():
+    """The engine's output is the finished Request: a copy of the engine's own (made at add), so a
+    held request the engine keeps extending never aliases a turn it returned; a Sequence holds no
+    trajectory data, only KV/scheduling state and a reference to that request."""
+    assert Sequence.__slots__ == ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch")
+    eng = make_engine()
+    caller = Request("t", PROMPT, greedy(TURN[0]), hold=True)
+    eng.add(caller)
+    own = eng.seqs["t"].request
+    assert own is not caller and own.tokens is not caller.tokens and isinstance(own.seed, int)
+    first, _ = run_turn(eng, "t")
+    assert caller.tokens.response_ids == [] and caller.seed is None and caller.finish_reason is None
+    assert first is not own and first.tokens.response_ids is not own.tokens.response_ids
+    assert (first.finish_reason, first.seed, own.finish_reason) == ("length", own.seed, "length")
+    kept = first.tokens.copy()
+    eng.extend("t", OBS[0], TURN[1])
+    assert own.finish_reason is None and len(own.tokens.response_ids) == TURN[0] + len(OBS[0])
+    second, _ = run_turn(eng, "t")
+    assert first.tokens == kept and first.finish_reason == "length"  # the engine extended its own copy only
+    assert second.tokens.response_ids[: TURN[0]] == kept.response_ids and second.seed == first.seed
+
+
+def test_a_returned_request_resumes_with_its_seed():
+    """A request added without a seed gets one drawn at add; the partial Request abort returns carries
+    it, and re-adding that Request continues the same random stream (its finish_reason is ignored)."""
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    eng = make_engine()
+    eng.add(Request("x", PROMPT, sampled))  # takes the first draw: a fresh engine would not draw s's seed again
+    eng.abort(["x"])
+    eng.add(Request("s", PROMPT, sampled))
+    while eng.seqs["s"].num_output < 4:
+        assert eng.step() == []
+    (part,) = eng.abort(["s"])
+    assert part.finish_reason == "abort" and part.params.seed is None and isinstance(part.seed, int)
+    (resumed,) = make_engine().generate([part])
+    assert resumed.finish_reason == "length" and resumed.seed == part.seed and part.finish_reason == "abort"
+    (whole,) = make_engine().generate([Request("s", PROMPT, dataclasses.replace(sampled, seed=part.seed))])
+    assert resumed.tokens.response_ids == whole.tokens.response_ids
+    assert resumed.tokens.response_ids[:4] == part.tokens.response_ids[:4]
+
+
 def test_multi_turn_pull_with_keep_kv_keeps_the_parked_kv():
     old, new = _models()
     eng = make_engine(prefill_chunk_tokens=64)
@@ -265,7 +306,7 @@ def drive_turns(num_blocks, block_size, max_running, budget, sharing, trajs, loa
     live, turns_left, wake = {}, {}, {}
     for i, (plen, turns, new, _obs, _wait) in enumerate(trajs):
         prompt = [3 + i % 2] + [5 + (i * 7 + j) % 11 for j in range(min(plen, max_len - 2) - 1)]
-        seq = Sequence(Request(i, prompt, SamplingParams(max_new_tokens=new), hold=True), seed=i, arrival=i)
+        seq = Sequence(Request(i, prompt, SamplingParams(max_new_tokens=new), hold=True, seed=i), arrival=i)
         sch.add(seq)
         live[i], turns_left[i] = seq, turns - 1
     slots: dict[int, tuple] = {}
@@ -282,7 +323,7 @@ def drive_turns(num_blocks, block_size, max_running, budget, sharing, trajs, loa
             if step >= t:
                 seq = live[i]
                 seq.tokens.append_observation([90 + (i + k) % 5 for k in range(obs)])
-                seq.params = dataclasses.replace(seq.params, max_new_tokens=seq.num_output + new)
+                seq.request.params = dataclasses.replace(seq.params, max_new_tokens=seq.num_output + new)
                 sch.resume(seq)
                 del wake[i]
         if step in loads:

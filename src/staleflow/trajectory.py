@@ -13,7 +13,7 @@ processes are msgspec Structs sent on the control plane as they are (control/mes
 registers them): no renamed copies. The bytes of a generated trajectory never travel in these
 messages: they are one payload, ``TrajectoryTokens`` (prompt and response tokens, behaviour
 log-probs, per-token weight versions, a loss mask for environment tokens), the same object from
-the engine's output (rollout/engine.py: a Request carries it to resume, a RequestOutput returns
+the engine's output (rollout/engine.py: a Request carries it in, the finished Request returns
 it) through the producing rank's ring (servers/trajectory.py, named by a RecordHandle) to the
 trainer, which takes each TrainGroup with its members' payloads (the group already holds the reward
 and V_traj: no class repeats them per trajectory). Held-out answers take the same path (an Evaluated

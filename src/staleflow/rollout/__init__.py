@@ -14,14 +14,13 @@ from staleflow.rollout.engine import (
     EngineStats,
     FinishReason,
     Request,
-    RequestOutput,
     RolloutEngine,
     SamplingParams,
 )
 
 
 def __getattr__(name):
-    # BuiltinEngine pulls in torch; the plain request/output types above do not.
+    # BuiltinEngine pulls in torch; the plain request types above do not.
     if name == "BuiltinEngine":
         from staleflow.rollout.builtin_engine import BuiltinEngine
 
@@ -36,7 +35,6 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "Request",
-    "RequestOutput",
     "RolloutEngine",
     "SamplingParams",
 ]

@@ -34,7 +34,6 @@ from staleflow.rollout.engine import (
     EngineError,
     EngineStats,
     Request,
-    RequestOutput,
     abort_ids,
     check_extend,
     check_request,
@@ -157,10 +156,10 @@ class BuiltinEngine:
         if rid in self.seqs:
             raise EngineError(f"request_id={rid!r} is already in the engine: use a fresh id or abort it first")
         check_request(request, self.max_model_len, self.vocab_size)
-        seed = request.params.seed
-        if seed is None:
-            seed = self._rng.getrandbits(63)
-        seq = Sequence(request, seed=int(seed), arrival=self._arrivals)
+        own = request.copy()  # the engine's own request: the caller's is never mutated
+        own.seed = int(self._rng.getrandbits(63) if own.seed is None else own.seed)
+        own.finish_reason = None
+        seq = Sequence(own, arrival=self._arrivals)
         self._arrivals += 1
         self.seqs[rid] = seq
         self.scheduler.add(seq)
@@ -168,8 +167,8 @@ class BuiltinEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]:
-        """Interrupt requests; returns their partial outputs (finish_reason 'abort').
+    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[Request]:
+        """Interrupt requests; returns them, partial (finish_reason 'abort').
 
         Unknown ids: see `abort_ids` (an error unless missing_ok).
         """
@@ -177,11 +176,11 @@ class BuiltinEngine:
         for rid in abort_ids(request_ids, self.seqs, missing_ok):
             seq = self.seqs.pop(rid)
             self.scheduler.remove(seq)
-            seq.finish_reason = "abort"
-            outs.append(seq.output())
+            seq.request.finish_reason = "abort"
+            outs.append(seq.request.copy())
         return outs
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self) -> list[Request]:
         return self.abort(list(self.seqs))
 
     # ---- turns (hold / extend / release) -------------------------------------------------
@@ -203,9 +202,10 @@ class BuiltinEngine:
             self.max_model_len,
             self.vocab_size,
         )
-        seq.tokens.append_observation(obs)
-        seq.params = dataclasses.replace(seq.params, max_new_tokens=seq.num_output + max_new_tokens)
-        seq.finish_reason = None
+        req = seq.request
+        req.tokens.append_observation(obs)
+        req.params = dataclasses.replace(req.params, max_new_tokens=seq.num_output + max_new_tokens)
+        req.finish_reason = None
         self.scheduler.resume(seq)
 
     def release(self, request_id, missing_ok: bool = False) -> None:
@@ -221,8 +221,9 @@ class BuiltinEngine:
         del self.seqs[request_id]
 
     # ---- the step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Advance every running request by one token (prefill chunks as the budget allows)."""
+    def step(self) -> list[Request]:
+        """Advance every running request by one token (prefill chunks as the budget allows); returns
+        the requests that stopped in this step (copies: a held one keeps running here)."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not len(batch):
@@ -231,7 +232,7 @@ class BuiltinEngine:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
         kv_attended = sum(s.num_computed for s in batch.seqs)
-        finished: list[RequestOutput] = []
+        finished: list[Request] = []
         if rows:
             seqs = [batch.seqs[i] for i in rows]
             tokens, logprobs = self.sampler(
@@ -241,13 +242,13 @@ class BuiltinEngine:
                 seq.append(tok, lp, self.version)
                 reason = self._finish_reason(seq, tok)
                 if reason is not None:
-                    seq.finish_reason = reason
+                    seq.request.finish_reason = reason
                     if seq.hold:  # a turn of a multi-turn request: keep its KV until extend / release
                         self.scheduler.park(seq)
                     else:
                         self.scheduler.remove(seq)
                         del self.seqs[seq.request_id]
-                    finished.append(seq.output())
+                    finished.append(seq.request.copy())
             self.tokens_generated += len(rows)
         self.steps += 1
         self.last_step_latency_s = time.perf_counter() - t0
@@ -272,8 +273,8 @@ class BuiltinEngine:
             return "length"
         return None
 
-    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
-        """Add all requests, step until they finish; outputs in request order (tests, benchmarks)."""
+    def generate(self, requests: Iterable[Request]) -> list[Request]:
+        """Add all requests, step until they finish; the finished requests in request order (tests, benchmarks)."""
         return generate_all(self, requests)
 
     # ---- weights -------------------------------------------------------------------------

@@ -4,21 +4,22 @@ A rollout rank drives one engine in a loop:
 
     engine.add(Request("traj-7", prompt_ids, SamplingParams(max_new_tokens=256, seed=7)))
     while True:
-        for out in engine.step():          # finished requests (tokens, log-probs, versions)
-            send_to_trajectory_server(out)
-        partial = engine.abort(["traj-3"])  # Interrupt: partial outputs loop back to the TS
+        for done in engine.step():         # finished Requests (tokens, log-probs, versions, finish_reason)
+            send_to_trajectory_server(done)
+        partial = engine.abort(["traj-3"])  # Interrupt: partial requests loop back to the TS
         engine.extend("traj-9", observation_ids, max_new_tokens=64)  # a held turn continues (hold=True)
         engine.release("traj-9")            # its trajectory ended: free the held KV
         engine.load_weights(named_tensors, version=5)   # Pull
         report(engine.stats())              # Snapshot for the coordinator
 
-A request and an output carry the trajectory's token payload (``TrajectoryTokens``,
-staleflow/trajectory.py: prompt, response, behaviour log-probs, per-token weight versions, loss
-mask), the object the ring stores and the trainer reads. A resumed partial trajectory is added
-again with the payload it was interrupted with; the engine re-prefills prompt + response tokens
-and continues. Every field here is plain data (no torch).
+The engine's input and its output are one class, ``Request``: it carries the trajectory's token
+payload (``TrajectoryTokens``, staleflow/trajectory.py: prompt, response, behaviour log-probs,
+per-token weight versions, loss mask), the object the ring stores and the trainer reads; the
+engine returns the finished request (its finish_reason and seed set). A resumed partial trajectory
+is added again with the payload it was interrupted with; the engine re-prefills prompt + response
+tokens and continues. Every field here is plain data (no torch).
 
-Turns (multi-turn, tool-using trajectories): a request added with ``hold=True`` returns its output
+Turns (multi-turn, tool-using trajectories): a request added with ``hold=True`` is returned
 when its turn stops (eos / stop id / the turn's max_new_tokens) like any request, but the engine
 keeps the sequence and its KV (*parked*: not scheduled). ``extend`` appends the environment's
 observation (loss_mask 0) and schedules the next turn: the built-in engine prefills only the new
@@ -49,8 +50,8 @@ class SamplingParams:
 
     temperature 0 means greedy (argmax); its log-probs are then those of temperature 1.
     max_new_tokens counts ALL generated tokens of the trajectory, including the ones a resumed
-    request already carries. seed None: the engine draws one at add() (kept in the output, so
-    a resumed request given that seed continues the same random stream).
+    request already carries. seed None: the engine draws one at add() (kept in the returned
+    Request's seed, so a resumed request given that seed continues the same random stream).
     """
 
     temperature: float = 1.0
@@ -81,38 +82,44 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Request:
-    """A trajectory to generate: a new prompt, or a partial trajectory resumed after an interrupt.
+    """A trajectory to generate (a new prompt, or a partial trajectory resumed after an interrupt),
+    and what the engine returns when it stops: the finished request.
 
     ``tokens`` is the payload (its response tokens, if any, are re-prefilled, not re-sampled); a
-    plain list of token ids is taken as the prompt of a new trajectory.
+    plain list of token ids is taken as the prompt of a new trajectory. ``add`` never mutates the
+    caller's request: the engine works on its own copy, and ``step`` / ``abort`` return a copy of
+    that (its payload covers every response token, resumed ones included; behaviour log-probs are
+    log_softmax(logits / temperature)[token] in fp32, untruncated by top-p/top-k; versions are the
+    engine's weight version when each token was sampled), so a held request the engine keeps
+    extending never aliases what it returned.
 
     >>> Request("r0", [1, 2, 3]).tokens.response_ids
     []
+    >>> Request("r1", [1], SamplingParams(seed=7)).seed
+    7
     """
 
     request_id: str | int
     tokens: TrajectoryTokens | list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     hold: bool = False
-    """Multi-turn: when a turn stops, return the output but keep the sequence and its KV (parked)
+    """Multi-turn: when a turn stops, return the request but keep the sequence and its KV (parked)
     until ``extend`` (next turn), ``release`` or ``abort``."""
+    seed: int | None = None
+    """The seed the request samples with: None takes ``params.seed``; still None, the engine draws
+    one at add. A returned request carries the seed used (resume with it: the same random stream)."""
+    finish_reason: FinishReason | None = None
+    """None while the request runs (the engine ignores it at add); set on a returned request."""
 
     def __post_init__(self):
         if not isinstance(self.tokens, TrajectoryTokens):
             self.tokens = TrajectoryTokens([int(t) for t in self.tokens])
+        if self.seed is None:
+            self.seed = self.params.seed
 
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A finished or aborted request: its payload covers every response token, resumed ones included.
-    Behaviour log-probs are log_softmax(logits / temperature)[token] in fp32 (untruncated by
-    top-p/top-k); versions are the engine's weight version when each token was sampled."""
-
-    request_id: str | int
-    tokens: TrajectoryTokens
-    finish_reason: FinishReason
-    seed: int
-    """The seed the request sampled with (pass it back on resume)."""
+    def copy(self) -> Request:
+        """The same request with a payload of its own (lists the engine may extend)."""
+        return Request(self.request_id, self.tokens.copy(), self.params, self.hold, self.seed, self.finish_reason)
 
 
 @dataclass(slots=True)
@@ -163,9 +170,9 @@ class RolloutEngine(Protocol):
 
     def add(self, request: Request) -> None: ...
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self) -> list[Request]: ...
 
-    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]: ...
+    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[Request]: ...
 
     def stats(self) -> EngineStats: ...
 
@@ -197,8 +204,8 @@ class SelfLoadingEngine(RolloutEngine, Protocol):
     def load_from_server(self, run_id: str, reader: int, keep_kv: bool = False, timeout: float = 60.0) -> int: ...
 
 
-def generate_all(engine: RolloutEngine, requests: Iterable[Request]) -> list[RequestOutput]:
-    """Add all requests to `engine` and step it until they finish; outputs in request order."""
+def generate_all(engine: RolloutEngine, requests: Iterable[Request]) -> list[Request]:
+    """Add all requests to `engine` and step it until they finish; the finished requests in request order."""
     order = []
     for r in requests:
         engine.add(r)
@@ -215,7 +222,7 @@ def abort_ids(request_ids: Iterable, live, missing_ok: bool) -> list:
     """The distinct ids to abort, in order, after checking them against `live` (a container of
     the engine's waiting + running ids). An unknown id is an EngineError before anything is
     aborted, unless missing_ok: then it is skipped (a rank loop racing with step(): the request
-    just finished and its output was already returned)."""
+    just finished and was already returned)."""
     ids = list(dict.fromkeys(request_ids))
     unknown = [r for r in ids if r not in live]
     if unknown and not missing_ok:
@@ -235,7 +242,7 @@ def check_extend(
         raise EngineError(f"extend: unknown request_id {request_id!r} (not held here): add it with hold=True first")
     if not parked:
         raise EngineError(
-            f"extend: request {request_id!r} is still generating its turn: extend it after step() returned its output"
+            f"extend: request {request_id!r} is still generating its turn: extend it after step() returned it"
         )
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise EngineError(

@@ -1,11 +1,13 @@
-"""Sequence: the engine-side state of one request (its token payload, KV progress, block table).
+"""Sequence: the built-in engine's KV and scheduling state of one request.
 
-A sequence holds its trajectory's payload (`tokens`, a TrajectoryTokens with list fields: the
-prompt, then every response token with its log-prob and version), the same object its output
-returns. `num_computed` counts the leading tokens (prompt then response) whose K/V are in the
-paged cache; the scheduler feeds the tokens after it (a prefill chunk, or the single last token
-when decoding). When num_computed reaches len(seq) the step's logits at the last position are
-sampled and the new token is appended.
+A sequence holds no trajectory data of its own: it references the engine's own ``Request`` (the
+copy ``add`` made, whose payload ``tokens`` the engine extends: the prompt, then every response
+token with its log-prob and version) and adds the engine's bookkeeping: `num_computed`, the
+leading tokens (prompt then response) whose K/V are in the paged cache; the block table; the
+scheduling status; the arrival order; the KV epoch. The scheduler feeds the tokens after
+num_computed (a prefill chunk, or the single last token when decoding). When num_computed reaches
+len(seq) the step's logits at the last position are sampled and the new token is appended to the
+request's payload. The token accessors below read through the request.
 
 A held sequence (``Request.hold``, a multi-turn trajectory) is PARKED when its turn stops: out of
 the scheduler's queues, its blocks kept. The turn's last sampled token has no K/V yet, so
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import enum
 
-from staleflow.rollout.engine import FinishReason, Request, RequestOutput, SamplingParams
+from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.tokens import TrajectoryTokens
 
 
@@ -30,47 +32,57 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    __slots__ = (
-        "request_id",
-        "params",
-        "seed",
-        "tokens",
-        "num_prompt",
-        "num_computed",
-        "block_table",
-        "status",
-        "finish_reason",
-        "arrival",
-        "kv_epoch",
-        "hold",
-    )
+    __slots__ = ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch")
 
-    def __init__(self, request: Request, seed: int, arrival: int):
-        self.request_id = request.request_id
-        self.params: SamplingParams = request.params
-        self.seed = seed
-        self.tokens: TrajectoryTokens = request.tokens.copy()  # lists the engine extends
-        self.num_prompt = len(self.tokens.prompt_ids)
+    def __init__(self, request: Request, arrival: int):
+        """``request``: the engine's own copy (its seed resolved), referenced, not copied."""
+        self.request = request
         self.num_computed = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
-        self.finish_reason: FinishReason | None = None
         self.arrival = arrival
         self.kv_epoch = 0
-        self.hold = request.hold
         """Bumped each time the sequence's cached K/V is dropped (copies of it are then stale)."""
 
+    # ---- the request's data, read through ------------------------------------------------
+    @property
+    def request_id(self):
+        return self.request.request_id
+
+    @property
+    def tokens(self) -> TrajectoryTokens:
+        return self.request.tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def seed(self) -> int:
+        return self.request.seed
+
+    @property
+    def hold(self) -> bool:
+        return self.request.hold
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.tokens.prompt_ids)
+
     def __len__(self) -> int:
-        return self.num_prompt + len(self.tokens.response_ids)
+        t = self.request.tokens
+        return len(t.prompt_ids) + len(t.response_ids)
 
     def token_at(self, pos: int) -> int:
         """The token at position ``pos`` of prompt + response."""
-        n = self.num_prompt
-        return self.tokens.prompt_ids[pos] if pos < n else self.tokens.response_ids[pos - n]
+        t = self.request.tokens
+        n = len(t.prompt_ids)
+        return t.prompt_ids[pos] if pos < n else t.response_ids[pos - n]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + response."""
-        n, t = self.num_prompt, self.tokens
+        t = self.request.tokens
+        n = len(t.prompt_ids)
         if stop <= n:
             return t.prompt_ids[start:stop]
         if start >= n:
@@ -79,7 +91,7 @@ class Sequence:
 
     @property
     def num_output(self) -> int:
-        return len(self.tokens.response_ids)
+        return len(self.request.tokens.response_ids)
 
     @property
     def num_uncomputed(self) -> int:
@@ -91,8 +103,4 @@ class Sequence:
         return self.num_uncomputed > 1
 
     def append(self, token: int, logprob: float, version: int) -> None:
-        self.tokens.append(token, logprob, version)
-
-    def output(self) -> RequestOutput:
-        assert self.finish_reason is not None
-        return RequestOutput(self.request_id, self.tokens.copy(), self.finish_reason, self.seed)
+        self.request.tokens.append(token, logprob, version)

@@ -47,12 +47,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from staleflow.rollout.engine import EngineError, EngineStats, Request, RequestOutput, check_request, generate_all
+from staleflow.rollout.engine import EngineError, EngineStats, Request, check_request, generate_all
 from staleflow.rollout.vllm_support import (
     HeldTurns,
     WeightReloadExtension,
     _checkpoint_shapes,
-    _Live,
     _segment_seed,
     check_logprob_kind,
     check_settings,
@@ -151,9 +150,17 @@ class VllmEngine(HeldTurns):
             stat_sink=self._sched,
         )
         self.multiprocess = multiprocess
-        self._live: dict = {}  # request_id -> _Live, in arrival order
-        self._parked: dict = {}  # request_id -> _Live of a held request between turns
-        self._by_vid: dict[str, _Live] = {}
+        self._init_requests(seed)
+
+    def _init_requests(self, seed: int) -> None:
+        """The engine's own Requests (copies made at add) and side tables by request id: no
+        per-request record of its own."""
+        self._live: dict = {}  # request_id -> Request, running or waiting, in arrival order
+        self._parked: dict = {}  # request_id -> Request of a held request between turns
+        self._vid: dict = {}  # request_id -> its vLLM id (fresh at every submission)
+        self._by_vid: dict = {}  # vLLM id -> request_id
+        self._cached_tokens: dict = {}
+        """request_id -> prefix-cache hits vLLM reported for its latest submission (num_cached_tokens)."""
         self._next_vid = 0
         self._rng = random.Random(seed)
         self.tokens_generated = 0
@@ -191,17 +198,18 @@ class VllmEngine(HeldTurns):
             raise EngineError(f"request_id={rid!r} is already in the engine: use a fresh id or abort it first")
         check_request(request, self.max_model_len, self.vocab_size)
         check_logprob_kind(rid, p, self.logprobs_mode, self.temperature)
-        seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
-        live = _Live(request, int(seed))
-        self._submit(live)
-        self._live[rid] = live
+        own = request.copy()  # the engine's own request: the caller's is never mutated
+        own.seed = int(self._rng.getrandbits(63) if own.seed is None else own.seed)
+        own.finish_reason = None
+        self._submit(own)
+        self._live[rid] = own
 
-    def _submit(self, live: _Live) -> None:
+    def _submit(self, req: Request) -> None:
         """Hand a (possibly resumed) request to vLLM under a fresh internal id."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        p, n_out = live.params, len(live.tokens.response_ids)
+        p, n_out = req.params, len(req.tokens.response_ids)
         stops = set(p.stop_ids) | (set() if p.ignore_eos else set(self.eos_ids))
         vp = VllmSamplingParams(
             n=1,
@@ -212,50 +220,52 @@ class VllmEngine(HeldTurns):
             stop_token_ids=sorted(stops),
             ignore_eos=True,
             logprobs=0,
-            seed=_segment_seed(live.seed, n_out),
+            seed=_segment_seed(req.seed, n_out),
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        live.vid = str(self._next_vid)
-        live.cached_tokens = 0
+        rid, vid = req.request_id, str(self._next_vid)
         self._next_vid += 1
-        self.llm.add_request(live.vid, {"prompt_token_ids": live.tokens.prompt_ids + live.tokens.response_ids}, vp)
-        self._by_vid[live.vid] = live
+        self._cached_tokens[rid] = 0
+        self.llm.add_request(vid, {"prompt_token_ids": req.tokens.prompt_ids + req.tokens.response_ids}, vp)
+        self._vid[rid], self._by_vid[vid] = vid, rid
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
     # ---- the step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One vLLM engine step; returns the requests that finished in it."""
+    def step(self) -> list[Request]:
+        """One vLLM engine step; returns the requests that stopped in it (copies: a held one stays here)."""
         if not self._live:
             return []
         t0 = time.perf_counter()
-        finished: list[RequestOutput] = []
+        finished: list[Request] = []
         n_new = 0
         for out in self.llm.step():
-            live = self._by_vid.get(out.request_id)
-            if live is None:  # output of a request aborted meanwhile (multiprocess mode)
+            rid = self._by_vid.get(out.request_id)
+            if rid is None:  # output of a request aborted meanwhile (multiprocess mode)
                 continue
+            req = self._live[rid]
             c = out.outputs[0]
             ids = list(c.token_ids)
             lps = c.logprobs or []
             if len(lps) != len(ids):
-                raise RuntimeError(
-                    f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs for request {live.request_id!r}"
-                )
+                raise RuntimeError(f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs for request {rid!r}")
             for tok, lp in zip(ids, lps):
-                live.tokens.append(int(tok), float(lp[tok].logprob), self.version)
+                req.tokens.append(int(tok), float(lp[tok].logprob), self.version)
             n_new += len(ids)
-            live.cached_tokens = max(live.cached_tokens, int(getattr(out, "num_cached_tokens", 0) or 0))
+            hits = int(getattr(out, "num_cached_tokens", 0) or 0)
+            self._cached_tokens[rid] = max(self._cached_tokens.get(rid, 0), hits)
             if out.finished:
                 reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-                del self._by_vid[live.vid]
-                del self._live[live.request_id]
-                if live.hold and reason != "abort":  # a turn of a multi-turn request: wait for extend
-                    self._parked[live.request_id] = live
-                finished.append(live.output(reason))
+                del self._by_vid[out.request_id], self._vid[rid], self._live[rid]
+                req.finish_reason = reason
+                if req.hold and reason != "abort":  # a turn of a multi-turn request: wait for extend
+                    self._parked[rid] = req
+                else:
+                    self._cached_tokens.pop(rid, None)
+                finished.append(req.copy())
         self.steps += 1
         self.tokens_generated += n_new
         self.last_step_latency_s = time.perf_counter() - t0
@@ -263,8 +273,8 @@ class VllmEngine(HeldTurns):
         self.throughput_tok_s = rate if self.steps == 1 else 0.8 * self.throughput_tok_s + 0.2 * rate
         return finished
 
-    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
-        """Add all requests, step until they finish; outputs in request order (tests, benchmarks)."""
+    def generate(self, requests: Iterable[Request]) -> list[Request]:
+        """Add all requests, step until they finish; the finished requests in request order (tests, benchmarks)."""
         return generate_all(self, requests)
 
     # ---- weights -------------------------------------------------------------------------
@@ -291,10 +301,7 @@ class VllmEngine(HeldTurns):
         keep = checked_weights(items, self.shapes, self.tied)
         from safetensors.torch import save_file
 
-        live = list(self._live.values())
-        if live:
-            self.llm.abort_request([lv.vid for lv in live])
-            self._by_vid.clear()
+        live = self._interrupt_live()
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         folder = tempfile.mkdtemp(prefix="vllm-weights-", dir=shm)
         try:
@@ -315,10 +322,7 @@ class VllmEngine(HeldTurns):
         nothing is written to a file and nothing crosses the process boundary but three numbers.
         Live requests are interrupted and re-added as in load_weights (keep_kv cannot be honoured).
         """
-        live = list(self._live.values())
-        if live:
-            self.llm.abort_request([lv.vid for lv in live])
-            self._by_vid.clear()
+        live = self._interrupt_live()
         versions = self.llm.collective_rpc("staleflow_pull_weights", args=(run_id, int(reader), float(timeout)))
         version = int(min(versions))
         if version < self.version:
@@ -329,12 +333,22 @@ class VllmEngine(HeldTurns):
         self._after_load(live, version)
         return version
 
-    def _after_load(self, live: list, version: int) -> None:
+    def _interrupt_live(self) -> list[Request]:
+        """Abort every live request inside vLLM before a weight load; they stay the engine's (their
+        tokens kept) and ``_after_load`` resubmits them."""
+        live = list(self._live.values())
+        if live:
+            self.llm.abort_request([self._vid[r.request_id] for r in live])
+            self._by_vid.clear()
+            self._vid.clear()
+        return live
+
+    def _after_load(self, live: list[Request], version: int) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running)")
         self.version = version
-        for lv in live:
-            self._submit(lv)
+        for req in live:
+            self._submit(req)
 
     # ---- stats ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,6 +1,5 @@
 """Pieces of the vLLM engine that live apart from it: the worker extension vLLM loads by name
-in its own processes, its stat-logger tap, the per-request record, the turns (hold / extend /
-release) and small helpers."""
+in its own processes, its stat-logger tap, the turns (hold / extend / release) and small helpers."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from staleflow.rollout.engine import EngineError, Request, RequestOutput, abort_ids, check_extend
+from staleflow.rollout.engine import EngineError, Request, abort_ids, check_extend
 
 _MASK63 = (1 << 63) - 1
 _SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
@@ -101,47 +100,36 @@ class _StatsTap:
         pass
 
 
-class _Live:
-    """One request inside the engine: its token payload (the same object its output returns), its
-    sampling params and seed, its vLLM id."""
-
-    __slots__ = ("request_id", "tokens", "params", "seed", "vid", "hold", "cached_tokens")
-
-    def __init__(self, request: Request, seed: int):
-        self.request_id = request.request_id
-        self.tokens = request.tokens.copy()  # lists the step extends
-        self.params = request.params
-        self.seed = seed
-        self.vid = ""
-        self.hold = request.hold
-        self.cached_tokens = 0
-        """Prefix-cache hits vLLM reported for the latest submission (num_cached_tokens)."""
-
-    def output(self, reason) -> RequestOutput:
-        return RequestOutput(self.request_id, self.tokens.copy(), reason, self.seed)
-
-
 class HeldTurns:
     """VllmEngine's turns (Request.hold): a held request between turns is in ``self._parked``
-    (request_id -> _Live); extend resubmits its whole history through ``self._submit``; abort
-    covers parked requests too."""
+    (request_id -> the engine's own Request); extend resubmits its whole history through
+    ``self._submit``; abort covers parked requests too."""
 
-    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[RequestOutput]:
-        """Interrupt requests; returns their partial outputs (finish_reason 'abort').
+    def _forget(self, request_id) -> None:
+        """Drop a request's side-table rows (its vLLM id, its prefix-cache hits)."""
+        vid = self._vid.pop(request_id, None)
+        if vid is not None:
+            self._by_vid.pop(vid, None)
+        self._cached_tokens.pop(request_id, None)
+
+    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[Request]:
+        """Interrupt requests; returns them, partial (finish_reason 'abort').
 
         Unknown ids: see `abort_ids` (an error unless missing_ok).
         """
         ids = abort_ids(request_ids, self._live.keys() | self._parked.keys(), missing_ok)
-        parked = {r: self._parked.pop(r) for r in ids if r in self._parked}
-        lives = [self._live.pop(r) for r in ids if r not in parked]
-        if lives:
-            self.llm.abort_request([lv.vid for lv in lives])
-        for lv in lives:
-            self._by_vid.pop(lv.vid, None)
-        lives = {lv.request_id: lv for lv in lives} | parked
-        return [lives[r].output("abort") for r in ids]
+        running = [r for r in ids if r not in self._parked]
+        if running:
+            self.llm.abort_request([self._vid[r] for r in running])
+        out = []
+        for r in ids:
+            req = self._parked.pop(r) if r in self._parked else self._live.pop(r)
+            self._forget(r)
+            req.finish_reason = "abort"
+            out.append(req.copy())
+        return out
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self) -> list[Request]:
         return self.abort(list(self._live) + list(self._parked))
 
     def extend(self, request_id, observation_ids: list[int], max_new_tokens: int) -> None:
@@ -149,21 +137,24 @@ class HeldTurns:
         history + observation resubmitted; vLLM's prefix cache skips the cached full blocks of the
         history. SamplingParams.max_new_tokens becomes the response length after the observation
         plus ``max_new_tokens``. EngineError before anything changes."""
-        live = self._parked.get(request_id)
-        parked = (
-            True if live is not None else (False if request_id in self._live and self._live[request_id].hold else None)
-        )
-        n = len(live.tokens.prompt_ids) + len(live.tokens.response_ids) if live else 0
+        req = self._parked.get(request_id)
+        running = self._live.get(request_id)
+        parked = True if req is not None else (False if running is not None and running.hold else None)
+        n = len(req.tokens.prompt_ids) + len(req.tokens.response_ids) if req is not None else 0
         obs = check_extend(request_id, parked, n, observation_ids, max_new_tokens, self.max_model_len, self.vocab_size)
         del self._parked[request_id]
-        live.tokens.append_observation(obs)
-        live.params = dataclasses.replace(live.params, max_new_tokens=len(live.tokens.response_ids) + max_new_tokens)
-        self._submit(live)
-        self._live[request_id] = live
+        req.tokens.append_observation(obs)
+        req.params = dataclasses.replace(req.params, max_new_tokens=len(req.tokens.response_ids) + max_new_tokens)
+        req.finish_reason = None
+        self._submit(req)
+        self._live[request_id] = req
 
     def release(self, request_id, missing_ok: bool = False) -> None:
         """Forget a parked request (vLLM holds nothing of it but evictable prefix-cache blocks)."""
-        if self._parked.pop(request_id, None) is not None or (missing_ok and request_id not in self._live):
+        if self._parked.pop(request_id, None) is not None:
+            self._forget(request_id)
+            return
+        if missing_ok and request_id not in self._live:
             return
         where = "unknown here" if request_id not in self._live else "running, not parked: abort it instead"
         raise EngineError(f"release: request {request_id!r} is {where}")

@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from staleflow import env as env_pkg
-from staleflow.rollout.engine import Request, RequestOutput, SamplingParams
+from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.trajectory import Prompt, TrajectoryTokens
 
 
@@ -221,7 +221,7 @@ class TurnDriver:
         ep.in_engine = True
 
     # ---- turns ---------------------------------------------------------------------------------
-    def on_turn(self, out: RequestOutput) -> None:
+    def on_turn(self, out: Request) -> None:
         """The engine returned a trajectory's turn (it is parked there, KV held)."""
         ep = self.episodes[out.request_id]
         ep.tokens = out.tokens
