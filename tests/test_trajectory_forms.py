@@ -80,21 +80,31 @@ def test_trajectory_forms_are_four_plain_classes_in_path_order():
 
 def test_trajectory_forms_one_token_payload_from_engine_to_sample():
     """Response tokens, behaviour log-probs, per-token versions and the loss mask are declared once
-    (TrajectoryTokens); the engine's request and output, the running sequences and the ring hold that
-    class, the trainer takes it beside its TrainGroup, and no other module declares those fields or the old names."""
+    (TrajectoryTokens); the engine's Request (its input and its output) and the ring hold that class,
+    the trainer takes it beside its TrainGroup, and no other module declares those fields or the old
+    names. No engine class holds a payload of its own: the built-in engine's Sequence references its
+    Request (KV and scheduling state besides), the vLLM engine keeps Requests and side tables by id."""
     import dataclasses
     import re
 
-    from staleflow.rollout.engine import Request, RequestOutput
+    from staleflow.rollout import engine as rollout_engine
+    from staleflow.rollout import vllm_support
+    from staleflow.rollout.engine import Request
+    from staleflow.rollout.sequence import Sequence
     from staleflow.servers.trajectory import TrajectoryRing
 
     payload = {"prompt_ids", "response_ids", "behaviour_logprobs", "versions", "loss_mask"}
     assert {f.name for f in dataclasses.fields(trajectory.TrajectoryTokens)} == payload
     from staleflow.train.batch import build_micro_batch, step_payloads
 
-    for holder in (Request, RequestOutput):
-        fields = {f.name: f.type for f in dataclasses.fields(holder)}
-        assert "TrajectoryTokens" in str(fields["tokens"]) and not payload & set(fields), holder.__name__
+    fields = {f.name: f.type for f in dataclasses.fields(Request)}
+    assert "TrajectoryTokens" in str(fields["tokens"]) and not payload & set(fields)
+    # the engine returns the finished Request: no output class, no engine-side payload holder
+    assert not hasattr(rollout_engine, "RequestOutput") and not hasattr(vllm_support, "_Live")
+    assert Sequence.__slots__ == ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch")
+    for path in (ROOT / "src" / "staleflow" / "rollout").glob("*.py"):  # only Request sets a payload
+        if path.name != "engine.py":
+            assert not re.search(r"\bself\.tokens\s*(:[^=\n]*)?=", path.read_text()), f"{path} holds a payload"
     # the trainer takes the TrainGroups and their payloads: no per-trajectory class repeats reward and V_traj
     assert not hasattr(trajectory, "TrajectorySample")
     assert "TrainGroup" in step_payloads.__annotations__["groups"]
