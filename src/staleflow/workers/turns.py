@@ -84,13 +84,14 @@ class TurnStats:
 
 @dataclass
 class Episode:
-    """One multi-turn trajectory on this instance: its environment and where it stands."""
+    """One multi-turn trajectory on this instance: its environment and where it stands. It references
+    the trajectory's newest engine Request (the one added, then the one each turn returns) and holds
+    no trajectory data of its own (docs/architecture.md counts the classes that do)."""
 
     request_id: int
     prompt: Prompt
-    params: SamplingParams
-    tokens: TrajectoryTokens
-    """The newest payload (the engine's output after each turn)."""
+    request: Request
+    """The newest request: its payload and sampling parameters (the engine's copy after each turn)."""
     env: object
     ready: Future
     """env.reset plus the replay of earlier turns (a resumed trajectory)."""
@@ -100,6 +101,11 @@ class Episode:
     cut: bool = False
     """The last turn stopped at its token cap, not at a stop token (its end-of-turn tokens are missing)."""
     in_engine: bool = False
+
+    @property
+    def tokens(self) -> TrajectoryTokens:
+        """The newest payload."""
+        return self.request.tokens
 
 
 class EnvThread:
@@ -186,7 +192,8 @@ class TurnDriver:
         replay = turns if (not turns or ends_with_observation(tokens)) else turns[:-1]
         last_done = bool(turns) and not ends_with_observation(tokens) and self.turn_complete(turns[-1])
         texts = [self.decode(t) for t in replay]
-        ep = Episode(request_id, prompt, params, tokens, env, self.env_thread.submit(self._setup(env, prompt, texts)))
+        req = Request(request_id, tokens, params, hold=True)
+        ep = Episode(request_id, prompt, req, env, self.env_thread.submit(self._setup(env, prompt, texts)))
         ep.stats.turns = len(turns)
         self.episodes[request_id] = ep
         if last_done:  # interrupted while its tool ran (or before it started): step it again
@@ -216,15 +223,16 @@ class TurnDriver:
         if budget < 1:
             self._finish(ep, "length")
             return
-        params = SamplingParams(**{**_fields(ep.params), "max_new_tokens": n + budget})
-        self.engine.add(Request(ep.request_id, ep.tokens, params, hold=True))
+        params = SamplingParams(**{**_fields(ep.request.params), "max_new_tokens": n + budget})
+        ep.request = Request(ep.request_id, ep.tokens, params, hold=True)
+        self.engine.add(ep.request)
         ep.in_engine = True
 
     # ---- turns ---------------------------------------------------------------------------------
     def on_turn(self, out: Request) -> None:
         """The engine returned a trajectory's turn (it is parked there, KV held)."""
         ep = self.episodes[out.request_id]
-        ep.tokens = out.tokens
+        ep.request = out
         turn = model_turns(out.tokens)[-1]
         ep.cut = not turn or turn[-1] not in self.stop_ids
         n = len(out.tokens.response_ids)
@@ -273,8 +281,8 @@ class TurnDriver:
             ep.stats.turns += 1
             self.engine.extend(ep.request_id, obs, min(self.turn_cap, self.total_cap(ep.tokens) - n))
             return
-        ep.tokens = ep.tokens.copy()  # resumed with an unanswered call: the payload + observation, re-prefilled
-        ep.tokens.append_observation(obs)
+        ep.request = ep.request.copy()  # resumed with an unanswered call: the payload + observation, re-prefilled
+        ep.request.tokens.append_observation(obs)
         self._add(ep)  # counts the new turn
 
     def _finish(self, ep: Episode, reason: str) -> None:
