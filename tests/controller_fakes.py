@@ -62,6 +62,9 @@ class Prompts:
     def prompt_len(self, prompt):
         return 10
 
+    def env_fields(self, prompt):
+        return {}
+
     def prompt_ids(self, prompt):
         return list(range(10))
 

@@ -24,6 +24,7 @@ is the trainer's API, not a step of the path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -77,6 +78,10 @@ class Route(msgspec.Struct, frozen=True, tag=True):
     """The trajectory's newest partial record (it resumes from those tokens)."""
     max_new_tokens: int = 0
     """0: --rollout.max-new-tokens; > 0: this trajectory's own length target (benchmarks, the simulator)."""
+    answer: str = ""
+    meta: dict[str, Any] = {}
+    """Multi-turn runs (--env.name): the data row's answer and meta fields, for the environment's reset
+    (a code-test env reads its tests there); empty otherwise (the Workload's env_fields)."""
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True):

@@ -209,6 +209,9 @@ class Evaluate(msgspec.Struct, tag=True):
     indices: list[int]
     prompts: list[list[int]]
     max_new_tokens: int
+    answers: list[str] = []
+    metas: list[dict[str, Any]] = []
+    """Multi-turn runs: each prompt's data-row answer and meta, for the environment's reset (else empty)."""
 
 
 class Evaluated(msgspec.Struct, tag=True):

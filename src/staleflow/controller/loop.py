@@ -245,6 +245,7 @@ class ControllerLoop:
                 seed=t.seed,
                 partial=t.handle,
                 max_new_tokens=t.target_len,
+                **self.workload.env_fields(g.prompt),
             )
         )
         self.counts["routes"] += 1

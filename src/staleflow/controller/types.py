@@ -25,6 +25,10 @@ class Workload(Protocol):
     def new_member(self) -> tuple[int, int]:
         """(sampling seed, target length; 0 = the model decides)."""
 
+    def env_fields(self, prompt: Any) -> dict:
+        """Route fields an environment's reset needs from the data row ({"answer": ..., "meta": ...} in a
+        multi-turn run, {} otherwise and in the simulator)."""
+
 
 @dataclass(frozen=True)
 class LoopSettings:

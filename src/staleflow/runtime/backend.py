@@ -198,6 +198,7 @@ class RuntimeWorkload:
         self.source, self.rng = source, random.Random(cfg.seed)
         self.length_dist = parse_length_dist(cfg.rollout.length_dist) if cfg.rollout.length_dist else None
         self.max_new_tokens = cfg.rollout.max_new_tokens
+        self.with_env = bool(cfg.env.name)
         self.submitted: dict[int, float] = {}
         """prompt id -> when the loop drew it (seconds since the epoch), until its group is trained."""
 
@@ -211,6 +212,10 @@ class RuntimeWorkload:
 
     def prompt_ids(self, prompt) -> list[int]:
         return list(prompt.prompt_ids)
+
+    def env_fields(self, prompt) -> dict:
+        """The row's answer and meta ride on the Route only when an environment resets from them."""
+        return {"answer": prompt.answer, "meta": dict(prompt.meta)} if self.with_env else {}
 
     def new_member(self) -> tuple[int, int]:
         seed = self.rng.getrandbits(62)

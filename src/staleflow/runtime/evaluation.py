@@ -24,10 +24,12 @@ from staleflow.workers.turns import final_turn_ids, model_turns
 class HeldOutEval:
     """One held-out set; evaluations are started by step and finished when every answer is in."""
 
-    def __init__(self, prompts, reward_fn, tokenizer, max_new_tokens: int):
+    def __init__(self, prompts, reward_fn, tokenizer, max_new_tokens: int, with_env: bool = False):
         from staleflow.reward.functions import resolve_reward_fn
 
         self.prompts, self.tokenizer, self.max_new_tokens = prompts, tokenizer, max_new_tokens
+        self.with_env = with_env
+        """An environment resets from each prompt's row: its answer and meta travel with the prompts."""
         self.fn = resolve_reward_fn(reward_fn)
         self.running: dict[int, dict] = {}  # eval_id -> {"step", "answers", "t0", ...}
         self.results: list[dict] = []
@@ -47,6 +49,8 @@ class HeldOutEval:
                         indices=idx,
                         prompts=[list(self.prompts[i].prompt_ids) for i in idx],
                         max_new_tokens=self.max_new_tokens,
+                        answers=[self.prompts[i].answer for i in idx] if self.with_env else [],
+                        metas=[dict(self.prompts[i].meta) for i in idx] if self.with_env else [],
                     ),
                 )
         return eval_id

@@ -53,6 +53,7 @@ class TrainingJob:
                 cfg.reward.fn,
                 tokenizer,
                 cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                with_env=bool(cfg.env.name),
             )
         self.rewards = RewardPool(cfg.reward)
         version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)

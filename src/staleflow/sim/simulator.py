@@ -141,6 +141,9 @@ class SimWorkload:
     def prompt_ids(self, prompt: int) -> list[int]:
         return []  # simulated prompts have a length, not tokens
 
+    def env_fields(self, prompt: int) -> dict:
+        return {}  # simulated trajectories have no data row
+
     def new_member(self) -> tuple[int, int]:
         """(seed, target length): single-turn (0, model tokens); multi-turn (the plan's id, model + observation
         tokens), the plan drawn from the model tokens (sim/turns.py)."""

@@ -130,7 +130,7 @@ class RolloutWorker:
         # A resumed trajectory continues from its partial payload (read from the ring), a new one from the prompt.
         tokens = rec.copy() if rec is not None else TrajectoryTokens(list(msg.prompt_ids))
         if self.turns is not None:
-            row = prompt_row(msg.traj_id, msg.prompt_ids, self.turns.decode(list(msg.prompt_ids)))
+            row = prompt_row(msg.traj_id, msg.prompt_ids, self.turns.decode(list(msg.prompt_ids)), msg.answer, msg.meta)
             self.turns.start(msg.traj_id, row, tokens, SamplingParams(seed=msg.seed, **self.params))
             return
         params = dict(self.params)
@@ -272,11 +272,13 @@ class RolloutWorker:
     def evaluate(self, msg: Evaluate) -> None:
         """Held-out prompts, answered greedily in the same engine as the rollout (negative ids)."""
         max_new = msg.max_new_tokens or self.params["max_new_tokens"]
-        for index, prompt in zip(msg.indices, msg.prompts):
-            if self.turns is not None:  # held-out prompts talk to the environment too
+        for k, (index, prompt) in enumerate(zip(msg.indices, msg.prompts)):
+            if self.turns is not None:  # held-out prompts talk to the environment too, reset from their rows
                 rid, ids = eval_request_id(msg.eval_id, index), list(prompt)
                 params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
-                self.turns.start(rid, prompt_row(rid, ids, self.turns.decode(ids)), TrajectoryTokens(ids), params)
+                answer, meta = (msg.answers[k], msg.metas[k]) if msg.metas else ("", {})
+                row = prompt_row(rid, ids, self.turns.decode(ids), answer, meta)
+                self.turns.start(rid, row, TrajectoryTokens(ids), params)
                 continue
             self.engine.add(
                 Request(
