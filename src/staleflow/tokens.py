@@ -27,7 +27,8 @@ def _values(x) -> list:
 @dataclass
 class TrajectoryTokens:
     """The token payload of one trajectory, the same object from the engine's output to the trainer:
-    the engine's request and output (rollout/engine.py) and running sequence hold it, the ring stores it
+    the engine's Request holds it (rollout/engine.py: what a rank adds and what the engine returns; its
+    running Sequence references that Request), the ring stores it
     (servers/trajectory.py), the trainer takes it beside its TrainGroup (which holds the reward and
     V_traj: ``Trainer.step(groups, payloads)``).
 
