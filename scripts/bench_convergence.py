@@ -244,8 +244,10 @@ def _span(vals: list) -> str:
 
 
 def table(stats: dict, target: float) -> str:
+    w = max([24] + [len(label(*k)) for k in stats])  # the mode column fits the longest label
+    v = max(w, 32)
     head = (
-        f"{'mode':24s} {'seeds':>5s} {'acc@0':>6s} {'final mean':>10s} {'std':>6s} {'diff vs sync [95% CI]':>25s} "
+        f"{'mode':{w}s} {'seeds':>5s} {'acc@0':>6s} {'final mean':>10s} {'std':>6s} {'diff vs sync [95% CI]':>25s} "
         f"{'wall s':>7s} {'x sync':>6s} {'stale mean/max':>14s} {'time-to-target s':>18s} {'x sync':>6s}"
     )
     lines = [head]
@@ -264,12 +266,12 @@ def table(stats: dict, target: float) -> str:
         )
         ratio = f"{s['ttt_vs_sync']:.2f}" if s["ttt_vs_sync"] is not None else "-"
         lines.append(
-            f"{label(mode, eta):24s} {s['seeds']:5d} {s['acc_start']:6.3f} {s['acc_final_mean']:10.3f} "
+            f"{label(mode, eta):{w}s} {s['seeds']:5d} {s['acc_start']:6.3f} {s['acc_final_mean']:10.3f} "
             f"{s['acc_final_std']:6.3f} {s['diff_vs_sync']:+8.3f} {ci:>16s} {s['wall_s']:7.0f} "
             f"{s['wall_vs_sync']:6.2f} {s['staleness_mean']:9.2f} / {s['staleness_max']:<2d} {ttt:>18s} {ratio:>6s}"
         )
     lines.append(
-        f"\n{'diagnostics (mean over steps)':32s} {'token stale':>11s} {'IS truncated':>12s} {'PPO clipped':>11s} "
+        f"\n{'diagnostics (mean over steps)':{v}s} {'token stale':>11s} {'IS truncated':>12s} {'PPO clipped':>11s} "
         f"{'KL(behav||cur)':>14s} {'entropy':>8s} {'> eta':>8s} {'train acc last5':>15s}"
     )
     for (mode, eta), s in stats.items():
@@ -277,12 +279,12 @@ def table(stats: dict, target: float) -> str:
         if d:
             over = f"{s['over_eta']}/{s['groups']}"
             lines.append(
-                f"{label(mode, eta):32s} {d['token_staleness_mean']:11.2f} {d['is_truncated_frac_mean']:12.4f} "
+                f"{label(mode, eta):{v}s} {d['token_staleness_mean']:11.2f} {d['is_truncated_frac_mean']:12.4f} "
                 f"{d['ppo_clipped_frac_mean']:11.4f} {d['behaviour_k3_mean']:14.2e} {d['entropy_mean']:8.3f} "
                 f"{over:>8s} {d['train_acc_last5']:15.3f}"
             )
     lines.append(
-        f"\n{'paired vs sync':24s} {'final accuracy diff [95% t]':>30s} {'time-to-target diff s [95% t]':>34s}"
+        f"\n{'paired vs sync':{w}s} {'final accuracy diff [95% t]':>30s} {'time-to-target diff s [95% t]':>34s}"
     )
     for (mode, eta), s in stats.items():
         if mode == "verl-sync":
@@ -294,15 +296,15 @@ def table(stats: dict, target: float) -> str:
             else "-"
         )
         ttt += f" ({s['ttt_paired_seeds']} seeds)"
-        lines.append(f"{label(mode, eta):24s} {acc:>30s} {ttt:>34s}")
+        lines.append(f"{label(mode, eta):{w}s} {acc:>30s} {ttt:>34s}")
     lines.append(
-        f"\n{'mechanics (metrics.jsonl)':24s} {'KL median':>9s} {'trainer s':>9s} {'interrupts':>10s} "
+        f"\n{'mechanics (metrics.jsonl)':{w}s} {'KL median':>9s} {'trainer s':>9s} {'interrupts':>10s} "
         f"{'migrations':>10s} {'mixed tok':>9s} {'tok stale':>9s} {'load mean / max':>15s}"
     )
     for (mode, eta), s in stats.items():
         m = s["mech"]
         lines.append(
-            f"{label(mode, eta):24s} {_num(m['kl_median'], '{:9.2e}')} {m['trainer_s']:9.0f} "
+            f"{label(mode, eta):{w}s} {_num(m['kl_median'], '{:9.2e}')} {m['trainer_s']:9.0f} "
             f"{_span(m['interrupts']):>10s} {_span(m['migrations']):>10s} {_num(m['mixed_token_frac'], '{:9.4f}')} "
             f"{_num(m['token_staleness'], '{:9.2f}')} {s['load']:7.1f} / {s['load_max']:<5.1f}"
         )
