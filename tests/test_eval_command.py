@@ -21,6 +21,7 @@ import pytest
 
 from staleflow.metrics.stats import bootstrap_mean, pass_at_k, t_interval, wilson
 
+ROOT_DIR = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
@@ -242,6 +243,14 @@ def test_eval_command_bad_inputs_are_one_line_and_exit_2(tmp_path):
         "give --n": ["--model.path", "tiny-llama", "--data.source", "arithmetic-easy"],
         "no such file": ["--model.path", "tiny-llama", "--data.source", str(tmp_path / "missing.jsonl")],
         "not a registered reward": ["--model.path", "tiny-llama", "--data.source", str(good), "--reward.fn", "nope"],
+        "--rollout.engine='nope'": [
+            "--model.path",
+            "tiny-llama",
+            "--data.source",
+            str(good),
+            "--rollout.engine",
+            "nope",
+        ],
     }
     import torch
 
@@ -252,3 +261,20 @@ def test_eval_command_bad_inputs_are_one_line_and_exit_2(tmp_path):
         lines = [x for x in res.stderr.splitlines() if x.strip()]
         assert res.returncode == 2 and res.stdout == "", (needle, res.returncode, res.stderr[-1500:])
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.stderr, (needle, res.stderr[-1500:])
+
+
+@pytest.mark.slow
+def test_eval_command_runs_the_engine_backend_it_is_given(tmp_path):
+    """--rollout.engine reaches eval as it reaches train: the worked fork (examples/lockstep_engine.py,
+    the built-in engine stepped in lockstep batches) answers the same greedy prompts the same way."""
+    data = _rows(tmp_path / "d.jsonl", ["right", "wrong", "right", "wrong", "wrong"] * 2)
+    args = ["--model.path", "tiny-llama", "--data.source", str(data), "--reward.fn", "test_eval_command:row_flag"]
+    args += ["--rollout.max-new-tokens", "4"]
+    outs = {}
+    for engine in ("builtin", "examples.lockstep_engine:LockstepBackend"):
+        res = _eval(*args, "--rollout.engine", engine, "--out", str(tmp_path / f"{len(outs)}.jsonl"), cwd=ROOT_DIR)
+        assert res.returncode == 0, res.stderr[-2000:]
+        outs[engine] = json.loads(res.stdout.strip().splitlines()[-1])
+        assert outs[engine]["engine"] == engine and outs[engine]["device"] == "cpu"
+    assert outs["builtin"]["accuracy"] == outs["examples.lockstep_engine:LockstepBackend"]["accuracy"] == 0.4
+    assert (tmp_path / "0.jsonl").read_text() == (tmp_path / "1.jsonl").read_text()  # the same answers

@@ -59,6 +59,9 @@ class EvalRollout:
     """Answers decoded at once by the engine."""
     max_kv_tokens: int = 32768
     """KV-cache capacity of the engine, in tokens."""
+    engine: str = "builtin"
+    """Rollout engine, as ``staleflow train`` takes it: a registered backend (builtin, vllm) or a
+    fork's ``pkg.module:Name`` (docs/extending.md); the same backend builds it."""
 
     def __post_init__(self):
         _check(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0 (greedy: leave --samples 0)")
@@ -139,12 +142,21 @@ def load_prompts(cfg: EvalCommand, tokenizer) -> tuple[list, int]:
     return [Prompt(i, r.text, r.answer, pid, r.meta) for i, (r, pid) in enumerate(zip(rows, ids))], len(source.bad_rows)
 
 
+EVAL_GPU_SHARE = 0.9
+"""The GPU share an engine that preallocates one (takes_gpu_share: vLLM) gets when eval runs alone."""
+
+
 def build_engine(cfg: EvalCommand, folder: str, max_prompt: int):
-    """The built-in rollout engine on --device, sized for the longest prompt plus the answer cap."""
+    """The --rollout.engine backend's engine on --device, sized for the longest prompt plus the answer
+    cap: built as a rollout rank builds it (engines/backend.py), the policy loaded by eval when the
+    backend wants the rank to load it."""
+    from types import SimpleNamespace
+
     import torch
 
-    from staleflow.config import ModelConfig, RolloutConfig
-    from staleflow.rollout.builtin_engine import BuiltinEngine
+    from staleflow.config import ModelConfig, RolloutConfig, RunConfig
+    from staleflow.engines import engine_backend
+    from staleflow.rollout.builtin_engine import load_rollout_model
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
@@ -159,10 +171,13 @@ def build_engine(cfg: EvalCommand, folder: str, max_prompt: int):
         max_new_tokens=r.max_new_tokens,
         max_model_len=max_len,
         dtype=cfg.model.dtype,
+        engine=r.engine,
     )
-    return BuiltinEngine.from_config(
-        ModelConfig(path=folder, dtype=cfg.model.dtype), rollout, device=device, seed=cfg.seed
-    )
+    run = RunConfig(model=ModelConfig(path=folder, dtype=cfg.model.dtype), rollout=rollout, seed=cfg.seed)
+    backend = engine_backend(run)
+    model = load_rollout_model(run.model, rollout, device) if backend.rank_loads_model else None
+    share = EVAL_GPU_SHARE if device == "cuda" and backend.takes_gpu_share else None
+    return backend.build(SimpleNamespace(cfg=run, rank=0, device=device, role="rollout"), model, share)
 
 
 def run(cfg: EvalCommand) -> dict:
@@ -217,10 +232,20 @@ def run(cfg: EvalCommand) -> dict:
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "response_len_mean": sum(lengths) / len(lengths),
         "bad_rows_skipped": skipped,
-        "engine": "builtin",
-        "device": str(next(engine.model.parameters()).device),
+        "engine": cfg.rollout.engine,
+        "device": _device(engine, cfg),
         "wall_s": time.monotonic() - t0,
     }
+
+
+def _device(engine, cfg: EvalCommand) -> str:
+    """Where the engine's policy lives (an engine without a local model: what --device resolved to)."""
+    model = getattr(engine, "model", None)
+    if model is not None and hasattr(model, "parameters"):
+        return str(next(model.parameters()).device)
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
 
 
 class _Progress:
