@@ -114,15 +114,7 @@ class CountedBuffer:
         if g is None:
             state = self._finished.get(group_id)
             raise ProtocolError(f"group {group_id!r} is {state}" if state else f"unknown group id {group_id!r}")
-        state = "closed" if self._over_stale(g) else ("occupied" if g.occupied else "reserved")
-        return {
-            "group_id": group_id,
-            "traj_version": g.traj_version,
-            "buffer_version": g.buffer,
-            "state": state,
-            "live": list(g.live),
-            "done": list(g.done),
-        }
+        return g.info("closed" if self._over_stale(g) else ("occupied" if g.occupied else "reserved"))
 
     def closed_windows(self) -> list:
         """Strict variant: groups (in flight or queued) that can no longer be trained within eta.

@@ -137,15 +137,7 @@ class StalenessManager:
 
     def group_info(self, group_id) -> dict:
         g = self._group(group_id)
-        state = "occupied" if g.occupied else ("closed" if g.buffer is None else "reserved")
-        return {
-            "group_id": group_id,
-            "traj_version": g.traj_version,
-            "buffer_version": g.buffer,
-            "state": state,
-            "live": list(g.live),
-            "done": list(g.done),
-        }
+        return g.info("occupied" if g.occupied else ("closed" if g.buffer is None else "reserved"))
 
     def closed_windows(self) -> list:
         """In-flight groups that can no longer be placed (every buffer of their window became

@@ -74,6 +74,17 @@ class _Group:
         self.live: dict = {} if first is None else {first: None}  # ids still generating (ordered set)
         self.done: dict = {}  # ids that finished generation (ordered set)
 
+    def info(self, state: str) -> dict:
+        """What ``group_info`` reports (both protocols): the group's window, place, ``state`` and members."""
+        return {
+            "group_id": self.group_id,
+            "traj_version": self.traj_version,
+            "buffer_version": self.buffer,
+            "state": state,
+            "live": list(self.live),
+            "done": list(self.done),
+        }
+
 
 _FAST_ID = (int, str)
 
