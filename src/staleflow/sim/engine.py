@@ -125,6 +125,7 @@ class SimInstance:
         self.parked: list[tuple[float, int]] = []  # (wake time, traj_id), lazy deletion
         self.tool_calls = 0  # tool calls returned (re-runs included)
         self.tool_s = 0.0  # seconds those calls took
+        self.parked_taken = 0  # trajectories taken off (interrupt, migration, abort) while parked on a tool call
         self.sync_until: float | None = None
         self.sync_version = 0
         self.tokens_out = 0
@@ -186,6 +187,7 @@ class SimInstance:
             self._unhold(tid)
             if not tr.obs_ready:  # still parked (a woken one is in the waiting queue, found below)
                 out.append(tr)
+                self.parked_taken += 1
         if len(out) < len(want):
             keep = deque()
             for w in self.waiting:

@@ -128,6 +128,8 @@ def setting_rows(st, etas, seeds) -> list[dict]:
                 "staleflow_wall_p50": round(_mean(r.wall_p50 for r in sf), 1),
                 "staleflow_wall_p99": round(_mean(r.wall_p99 for r in sf), 1),
                 "guarantee_best_wall_p99": round(_mean(r.wall_p99 for r in peer), 1) if peer else None,
+                "staleflow_parked_taken": round(_mean(r.parked_taken for r in sf), 1),
+                "guarantee_best_parked_taken": round(_mean(r.parked_taken for r in peer), 1) if peer else None,
             }
     return rows
 
@@ -177,7 +179,9 @@ def setting_text(st, etas, seeds) -> str:
             lines.append(
                 f"tools, eta {r['eta']}: {t['tool_s_mean']:.2f} s a call; trajectory wall time (first route to finish, "
                 f"tool waits included) staleflow p50 {t['staleflow_wall_p50']:.0f} s, p99 "
-                f"{t['staleflow_wall_p99']:.0f} s; guarantee-matched peer p99 {t['guarantee_best_wall_p99'] or 0:.0f} s"
+                f"{t['staleflow_wall_p99']:.0f} s; guarantee-matched peer p99 {t['guarantee_best_wall_p99'] or 0:.0f} s; "
+                f"taken off while waiting on a tool (mean over seeds) staleflow {t['staleflow_parked_taken']:.0f}, "
+                f"peer {t['guarantee_best_parked_taken'] or 0:.0f}"
             )
     return "\n".join(lines)
 

@@ -74,6 +74,8 @@ class SimResult:
     """Median seconds from a multi-turn trajectory's first route to its finish (tool waits included)."""
     wall_p99: float = 0.0
     """99th percentile of the same."""
+    parked_taken: int = 0
+    """Trajectories taken off an instance (interrupt, migration, abort) while parked on a tool call."""
 
     def row(self) -> dict:
         d = dataclasses.asdict(self)
@@ -346,6 +348,7 @@ def _result(
         tool_s_mean=sum(i.tool_s for i in backend.insts) / calls if calls else 0.0,
         wall_p50=_quantile(backend.wall, 0.5),
         wall_p99=_quantile(backend.wall, 0.99),
+        parked_taken=sum(i.parked_taken for i in backend.insts),
     )
 
 
