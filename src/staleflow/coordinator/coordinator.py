@@ -6,7 +6,7 @@ injectable clock. The runtime (or simulator) feeds events and calls ``tick(now)`
 
     1. aborts decided since the last tick (group redundancy surplus, failures),
     2. closed windows (groups that can no longer be placed) and stuck-buffer stragglers,
-    3. Pull decisions (each preceded by an Interrupt of the instance's in-flight work),
+    3. Pull decisions (each preceded by an Interrupt of the instance's in-flight work, tool waiters excepted),
     4. at most one migration (never while an instance syncs),
     5. the routing pass over the multi-level queue (paused while interrupted work has not
        looped back yet, so the queue order stays right).

@@ -3,7 +3,9 @@
 Updated at once by the coordinator's own commands (a Route adds a trajectory and its KV tokens,
 a finish or interrupt removes them) and overwritten by a snapshot only when the snapshot is
 newer than the last local change and agrees with the locally tracked trajectory count, so the
-coordinator never acts on outdated information.
+coordinator never acts on outdated information. The snapshot also names the trajectories parked on a tool
+call (``parked``): they hold the instance (and maybe KV) but do not decode, so a pull leaves them in place and
+migration never moves them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class InstanceState:
         "target_version",
         "trajs",
         "waiting",
+        "parked",
         "kv_tokens",
         "kv_capacity",
         "tokens_per_s",
@@ -35,8 +38,10 @@ class InstanceState:
         self.target_version = version
         """Post-sync version: the one it will run once its pending Pull completes (routing uses this)."""
         self.trajs: dict[int, int] = {}
-        """traj_id -> KV tokens it brought when routed (running + engine-waiting), in routing order."""
+        """traj_id -> KV tokens it brought when routed (running + engine-waiting + parked), in routing order."""
         self.waiting = 0
+        self.parked: set[int] = set()
+        """Held trajectories parked on a tool call (the last accepted snapshot's, minus those gone since)."""
         self.kv_tokens = 0
         self.kv_capacity = kv_capacity
         self.tokens_per_s = 0.0
@@ -54,7 +59,8 @@ class InstanceState:
 
     @property
     def running(self) -> int:
-        return max(0, len(self.trajs) - self.waiting)
+        """Trajectories decoding (held, neither engine-waiting nor parked on a tool call)."""
+        return max(0, len(self.trajs) - self.waiting - len(self.parked))
 
     @property
     def kv_usage(self) -> float:
@@ -78,19 +84,22 @@ class InstanceState:
         if tokens is None:
             return False
         self.kv_tokens = max(0, self.kv_tokens - tokens)
-        self.waiting = min(self.waiting, len(self.trajs))
+        self.parked.discard(traj_id)
+        self.waiting = min(self.waiting, len(self.trajs) - len(self.parked))
         self.last_change = now
         return True
 
     def accept(self, snap: InstanceSnapshot) -> bool:
-        """Take a snapshot if it is not older than the last local change and agrees on the count."""
-        if snap.time < self.last_change or snap.running + snap.waiting != len(self.trajs):
+        """Take a snapshot if it is not older than the last local change and agrees on the count
+        (running + waiting + parked on a tool call)."""
+        if snap.time < self.last_change or snap.running + snap.waiting + len(snap.parked_ids) != len(self.trajs):
             self.snapshots_dropped += 1
             return False
         self.version = snap.version
         if not snap.syncing and not self.syncing:
             self.target_version = max(self.target_version, snap.version)
         self.waiting = snap.waiting
+        self.parked = {t for t in snap.parked_ids if t in self.trajs}
         self.kv_tokens = snap.kv_tokens
         self.kv_capacity = snap.kv_capacity
         self.tokens_per_s = snap.tokens_per_s

@@ -9,7 +9,15 @@ say what else the system's weight-sync rule stops meanwhile:
                      ``update_weights``, verl's ``sync_weights`` / ``sync_rollout_weights``).
 How in-flight work crosses a pull is the coordinator config's ``interrupt_on_pull``:
   True  (partial rollout) the instance's trajectories are interrupted, loop back with their tokens
-        and resume on an instance at version >= V_traj, recomputing their KV; with ``keep_kv_on_pull``
+        and resume on an instance at version >= V_traj, recomputing their KV. A multi-turn trajectory
+        parked on a tool call (the snapshot's ``parked_ids``) is NOT interrupted: it stays, its env step
+        goes on, the weight load frees its held KV, and when its observation arrives its prefix plus the
+        observation is prefilled under the new weights and its next turn decodes there (interrupting it
+        would cancel the call and re-run it wherever it resumed: the tool time twice, a side effect
+        twice). The rule is partial rollout's: every token generated after the load comes from a prefix
+        prefilled under the new weights. The snapshot may be a tick old: a trajectory thought parked that
+        is decoding again is interrupted by the instance's own pull (workers/rollout.py, sim/backend.py)
+        and comes back as a loop-back the coordinator did not ask for. With ``keep_kv_on_pull``
         they are NOT interrupted: they stay on the instance, keep their KV across the weight load and
         continue with the new weights (in-flight weight update; V_traj, and with it the bound, is
         unchanged: the oldest token still dates from V_traj);
@@ -92,10 +100,13 @@ def plan_pulls(ctx, now: float, cmds: list[Command]) -> None:
             inst.draining = True
             continue
         if inst.trajs and not ctx.cfg.keep_kv_on_pull:  # partial rollout with re-prefill: interrupt, loop back
-            ids = tuple(inst.trajs)
-            cmds.append(Interrupt(inst.instance, ids, "pull"))
-            ctx.pending_interrupts.update(ids)
-            ctx.counters["interrupted"] += len(ids)
+            ids = tuple(t for t in inst.trajs if t not in inst.parked)  # tool waiters stay (their call goes on)
+            if ids:
+                cmds.append(Interrupt(inst.instance, ids, "pull"))
+                ctx.pending_interrupts.update(ids)
+                ctx.counters["interrupted"] += len(ids)
+            if len(ids) < len(inst.trajs):
+                ctx.counters["pull_kept_parked"] += len(inst.trajs) - len(ids)
         cmds.append(Pull(inst.instance, ctx.ps_version))
         inst.syncing, inst.draining, inst.target_version, inst.last_change = True, False, ctx.ps_version, now
         ctx.counters["pulls"] += 1

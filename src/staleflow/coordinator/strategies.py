@@ -203,14 +203,16 @@ def migrate(ctx, now: float, cmds: list) -> None:
 
 
 def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
-    """Paper 6.5: one instance per tick, never while any instance syncs.
+    """Paper 6.5: one instance per tick, never while any instance syncs. A trajectory parked on a tool
+    call (``InstanceState.parked``) is never picked and never counted: moving it frees no decode
+    capacity, and its call would be cancelled and re-run wherever it resumed.
 
     1. Waiting-queue trigger: an instance whose engine queue exceeds phi_wait gives back its
        newest trajectories beyond phi_wait (the engine queued them; another instance may run them).
     2. Throughput-gap trigger: for each starved instance s (nothing routable at its version and
        room to run more), every other instance j with version <= s's has ratio indicator_j /
        indicator_s; the largest ratio above psi gives back every trajectory it holds that was never
-       migrated (they loop back and are re-routed, never to j), unless fewer than
+       migrated and is not parked (they loop back and are re-routed, never to j), unless fewer than
        max(2, migration_stop) such trajectories remain, one migrated less than migration_cooldown_s
        ago, or j made no decode progress in its last snapshot while holding running work: it is
        still prefilling what it was just given (a resumed trajectory recomputes its KV first), and
@@ -228,8 +230,8 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     over = [i for i in insts if i.waiting > cfg.phi_wait]
     if over:
         inst = max(over, key=lambda i: (i.waiting, -i.instance))
-        ids = tuple(list(inst.trajs)[-(inst.waiting - cfg.phi_wait) :])
-        return inst, ids
+        movable = [t for t in inst.trajs if t not in inst.parked]
+        return inst, tuple(movable[-(inst.waiting - cfg.phi_wait) :])
     if cfg.psi == 0:  # the throughput-gap trigger is off (the peers' NEVER_MIGRATE)
         return None
     routable: dict[int, bool] = {}
@@ -255,11 +257,11 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     stop = max(2, cfg.migration_stop)  # moving a lone trajectory cannot make it decode faster
     cool = ctx.now - cfg.migration_cooldown_s
     for j in insts:
-        if len(j.trajs) < stop or any(ctx.migrated.get(t, -1e300) > cool for t in j.trajs):
+        if len(j.trajs) - len(j.parked) < stop or any(ctx.migrated.get(t, -1e300) > cool for t in j.trajs):
             continue
         if j.running and j.tokens_per_s <= 0:  # prefilling
             continue
-        if sum(t not in ctx.migrated for t in j.trajs) < stop:
+        if sum(t not in ctx.migrated and t not in j.parked for t in j.trajs) < stop:
             continue
         k = next((v for v in vs if v >= j.target_version), None)
         if k is None:
@@ -274,4 +276,4 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
             best, best_key = j, key
     if best is None:
         return None
-    return best, tuple(t for t in best.trajs if t not in ctx.migrated)
+    return best, tuple(t for t in best.trajs if t not in ctx.migrated and t not in best.parked)

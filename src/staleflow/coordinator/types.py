@@ -36,6 +36,10 @@ class InstanceSnapshot(msgspec.Struct, frozen=True, tag=True):
     """Ids of every trajectory the instance holds (running + waiting)."""
     tokens_generated: int = 0
     """Tokens generated since the instance started (throughput metrics)."""
+    parked_ids: tuple[int, ...] = ()
+    """Ids of the multi-turn trajectories parked on a tool call: their turn ended, the env step runs
+    (the engine may hold their KV). Counted neither in ``running`` nor in ``waiting``; a subset of
+    ``traj_ids``. A pull leaves them on the instance and migration never picks them (coordinator/pull.py)."""
 
 
 class TrajFacts(Protocol):

@@ -15,7 +15,11 @@ and training share the GPUs (the step pays colocated_switch_s, the pull is free)
 
 Multi-turn workloads (sim/turns.py): a Route's seed names the trajectory's TurnPlan (the workload drew
 it with the length; ``plans``), which the instance follows; a trajectory's wall time (first route to
-its finish, tool waits included) is recorded in ``wall``.
+its finish, tool waits included) is recorded in ``wall``. Snapshots name the trajectories parked on a
+tool call; the coordinator leaves them out of a pull's Interrupt. A Pull with ``pull_interrupts``
+(partial rollout without keep-KV) does what the runtime's rollout rank does (workers/rollout.py pull):
+it interrupts whatever still decodes or waits on the instance (one the coordinator, a tick behind,
+thought parked) and frees the KV the parked ones hold.
 """
 
 from __future__ import annotations
@@ -51,10 +55,13 @@ class SimBackend:
         publish_every: int = 1,
         mixed_kv: bool = False,
         plans: dict | None = None,
+        pull_interrupts: bool = False,
     ):
         self.cfg, self.hw, self.cost, self.train_gpus, self.sync = cfg, hw, cost, train_gpus, weight_sync
         self.kv_moved: dict[int, tuple[int, int]] = {}  # traj_id -> (KV tokens, their weight version) in transit
         self.publish_every = publish_every
+        self.pull_interrupts = pull_interrupts
+        """Partial rollout with re-prefill (interrupt_on_pull and not keep_kv_on_pull): nothing decodes across a pull."""
         self.plans = plans if plans is not None else {}
         """Route seed -> TurnPlan (the workload's; empty: single-turn)."""
         self.plan_of: dict = {}  # traj_id -> TurnPlan of the trajectories routed so far
@@ -141,6 +148,7 @@ class SimBackend:
                     inst.syncing,
                     self.t,
                     tokens_generated=inst.tokens_out,
+                    parked_ids=inst.parked_ids(),
                 )
 
     def _at(self, t: float, event) -> None:
@@ -167,22 +175,20 @@ class SimBackend:
         (hw.kv_move_tokens_per_s > 0): the source stalls while it offloads it. After a pull
         interrupt the KV is useless (the weights change), so it is dropped and recomputed later."""
         inst = self.insts[cmd.instance]
-        for tr in inst.take(cmd.traj_ids):
+        for tr in inst.take(cmd.traj_ids, cmd.reason):
             if cmd.reason == "migrate" and tr.had_kv and inst.kv_rate > 0:
                 self.kv_moved[tr.traj_id] = (tr.tokens, inst.version)
                 inst.stall(self.t, tr.tokens * inst.speed / inst.kv_rate)
-            self.pending.append(
-                Finished(
-                    tr.traj_id,
-                    cmd.instance,
-                    sim_record(tr.traj_id, cmd.instance, tr.generated),
-                    tr.generated,
-                    partial=True,
-                )
-            )
+            self._loop_back(tr, cmd.instance)
+
+    def _loop_back(self, tr: SimSequence, instance: int) -> None:
+        """Report an interrupted trajectory's partial output (a loop-back)."""
+        self.pending.append(
+            Finished(tr.traj_id, instance, sim_record(tr.traj_id, instance, tr.generated), tr.generated, partial=True)
+        )
 
     def abort(self, cmd: Abort) -> None:
-        self.insts[cmd.instance].take(cmd.traj_ids)
+        self.insts[cmd.instance].take(cmd.traj_ids, "abort")
         for t in cmd.traj_ids:
             self.kv_moved.pop(t, None)
             self.first_route.pop(t, None)
@@ -193,7 +199,11 @@ class SimBackend:
         if self.sync == "ps" and self.hw.pull_share > 0:
             k = 1 + sum(1 for i in self.insts if i.syncing and i.sync_until > self.t)
             dur *= max(1.0, k * self.hw.pull_share)
-        self.insts[cmd.instance].pull(cmd.version, self.t, dur)
+        inst = self.insts[cmd.instance]
+        if self.pull_interrupts:  # what still decodes or waits (the coordinator thought it parked) loops back
+            for tr in inst.take([*inst.running, *(w.traj_id for w in inst.waiting)]):
+                self._loop_back(tr, cmd.instance)
+        inst.pull(cmd.version, self.t, dur, free_kv=self.pull_interrupts)
 
     def free(self, handles: list) -> None:
         """Simulated records take no memory; a dropped trajectory's KV in transit is dropped too."""

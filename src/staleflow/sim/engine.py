@@ -12,15 +12,19 @@ trajectory whose KV moved with it (``kv_moved``) loads that KV at the KV-transfe
 prefilling it, if the KV was computed with this instance's weights (or in-flight weight updates are
 on, ``mixed_kv``: then old-weight KV is used as the keep-KV pull uses it).
 A Pull stops decoding for its transfer time and then switches the version (a global update is
-every instance pulling at once: the coordinator's pause-all policy).
+every instance pulling at once: the coordinator's pause-all policy); with ``free_kv`` (partial rollout
+without keep-KV) the KV of the sequences parked on a tool call is freed at the pull: they stay parked,
+and when the call returns they prefill their prefix and the observation under the new version.
 
 Turns (a sequence with a ``plan``, sim/turns.py): at the end of a turn the sequence is PARKED: it leaves
 the running batch (no decoding, no running slot) and its KV stays resident (the built-in engine's hold),
 counted in the instance's KV but not read by decode steps; when its tool call returns (after the call's
 latency) it queues at the head of the waiting queue and, admitted, prefills only the observation. KV
 overflow evicts the most recently parked sequence's KV first (it re-prefills its prefix when it resumes),
-then preempts the newest running one. A sequence taken off while parked resumes elsewhere by
-re-prefilling its prefix and re-running the unanswered call.
+then preempts the newest running one. The coordinator interrupts no parked sequence at a pull and migrates
+none (``parked_ids`` in the snapshot); one taken off while parked anyway (an abort, a straggler's
+truncation, a pull that found it decoding again is not this case) resumes elsewhere by re-prefilling its
+prefix and re-running the unanswered call (``parked_taken`` counts them).
 
 Noise: the instance is ``speed`` times slower than the cost model (a fixed per-instance factor:
 hardware and placement differ), and each stretch of decode steps (at most one coordinator tick)
@@ -125,7 +129,7 @@ class SimInstance:
         self.parked: list[tuple[float, int]] = []  # (wake time, traj_id), lazy deletion
         self.tool_calls = 0  # tool calls returned (re-runs included)
         self.tool_s = 0.0  # seconds those calls took
-        self.parked_taken = 0  # trajectories taken off (interrupt, migration, abort) while parked on a tool call
+        self.parked_taken: dict[str, int] = {}  # reason -> trajectories taken off while parked on a tool call
         self.sync_until: float | None = None
         self.sync_version = 0
         self.tokens_out = 0
@@ -156,23 +160,33 @@ class SimInstance:
         return traj_id in self.running or traj_id in self.held or any(w.traj_id == traj_id for w in self.waiting)
 
     def load(self) -> int:
-        return len(self.running) + len(self.waiting) + sum(1 for s in self.held.values() if not s.obs_ready)
+        return len(self.running) + len(self.waiting) + len(self.parked_ids())
+
+    def parked_ids(self) -> tuple[int, ...]:
+        """Sequences parked on a tool call that has not returned (the snapshot's parked_ids)."""
+        return tuple(tid for tid, s in self.held.items() if not s.obs_ready)
 
     # ---- commands ------------------------------------------------------------------------------
     def add(self, traj: SimSequence) -> None:
         self.waiting.append(traj)
 
-    def pull(self, version: int, now: float, pull_s: float) -> None:
+    def pull(self, version: int, now: float, pull_s: float, free_kv: bool = False) -> None:
+        """Load `version` for pull_s seconds. free_kv: the held sequences (parked on a tool call: the
+        caller has taken the others) lose their KV, which came from the old weights."""
         self.t = max(self.t, now)
         self.sync_until, self.sync_version = self.t + pull_s, version
+        if free_kv:
+            for tr in self.held.values():
+                self._evict(tr)
 
     def stall(self, now: float, seconds: float) -> None:
         """Stop decoding for `seconds` from now (a KV offload of a migrated trajectory)."""
         self.t = max(self.t, now) + seconds
         self.busy_s += seconds
 
-    def take(self, traj_ids) -> list[SimSequence]:
-        """Remove trajectories (interrupt or abort); returns them with their generated count updated."""
+    def take(self, traj_ids, reason: str = "preempt") -> list[SimSequence]:
+        """Remove trajectories (interrupt or abort: the command's reason, or "abort"); returns them with their
+        generated count updated."""
         out = []
         want = set(traj_ids)
         for tid in want & self.running.keys():
@@ -187,7 +201,7 @@ class SimInstance:
             self._unhold(tid)
             if not tr.obs_ready:  # still parked (a woken one is in the waiting queue, found below)
                 out.append(tr)
-                self.parked_taken += 1
+                self.parked_taken[reason] = self.parked_taken.get(reason, 0) + 1
         if len(out) < len(want):
             keep = deque()
             for w in self.waiting:

@@ -128,10 +128,16 @@ def setting_rows(st, etas, seeds) -> list[dict]:
                 "staleflow_wall_p50": round(_mean(r.wall_p50 for r in sf), 1),
                 "staleflow_wall_p99": round(_mean(r.wall_p99 for r in sf), 1),
                 "guarantee_best_wall_p99": round(_mean(r.wall_p99 for r in peer), 1) if peer else None,
-                "staleflow_parked_taken": round(_mean(r.parked_taken for r in sf), 1),
-                "guarantee_best_parked_taken": round(_mean(r.parked_taken for r in peer), 1) if peer else None,
+                "staleflow_parked_interrupted": round(_mean(_cut(r) for r in sf), 1),
+                "staleflow_parked_aborted": round(_mean(r.parked_taken.get("abort", 0) for r in sf), 1),
+                "guarantee_best_parked_interrupted": round(_mean(_cut(r) for r in peer), 1) if peer else None,
             }
     return rows
+
+
+def _cut(r) -> int:
+    """Trajectories a run interrupted while they waited on a tool (each re-runs its call where it resumes)."""
+    return sum(n for reason, n in r.parked_taken.items() if reason != "abort")
 
 
 def search_rows(st) -> list[dict]:
@@ -180,8 +186,9 @@ def setting_text(st, etas, seeds) -> str:
                 f"tools, eta {r['eta']}: {t['tool_s_mean']:.2f} s a call; trajectory wall time (first route to finish, "
                 f"tool waits included) staleflow p50 {t['staleflow_wall_p50']:.0f} s, p99 "
                 f"{t['staleflow_wall_p99']:.0f} s; guarantee-matched peer p99 {t['guarantee_best_wall_p99'] or 0:.0f} s; "
-                f"taken off while waiting on a tool (mean over seeds) staleflow {t['staleflow_parked_taken']:.0f}, "
-                f"peer {t['guarantee_best_parked_taken'] or 0:.0f}"
+                f"interrupted while waiting on a tool (a re-run call; mean over seeds) staleflow "
+                f"{t['staleflow_parked_interrupted']:.0f}, peer {t['guarantee_best_parked_interrupted'] or 0:.0f}; "
+                f"aborted while waiting staleflow {t['staleflow_parked_aborted']:.0f}"
             )
     return "\n".join(lines)
 

@@ -74,8 +74,9 @@ class SimResult:
     """Median seconds from a multi-turn trajectory's first route to its finish (tool waits included)."""
     wall_p99: float = 0.0
     """99th percentile of the same."""
-    parked_taken: int = 0
-    """Trajectories taken off an instance (interrupt, migration, abort) while parked on a tool call."""
+    parked_taken: dict[str, int] = field(default_factory=dict)
+    """Trajectories taken off an instance while parked on a tool call, by reason (pull, migrate, truncate: an
+    Interrupt, whose trajectory re-runs the call where it resumes; abort: dropped)."""
 
     def row(self) -> dict:
         d = dataclasses.asdict(self)
@@ -232,6 +233,7 @@ def build(
         publish_every=peer.get("trigger_sync_steps", 1),
         mixed_kv=ccfg.interrupt_on_pull and ccfg.keep_kv_on_pull,
         plans=workload.plans,
+        pull_interrupts=ccfg.interrupt_on_pull and not ccfg.keep_kv_on_pull,
     )
     loop = build_loop(
         mode,
@@ -348,7 +350,10 @@ def _result(
         tool_s_mean=sum(i.tool_s for i in backend.insts) / calls if calls else 0.0,
         wall_p50=_quantile(backend.wall, 0.5),
         wall_p99=_quantile(backend.wall, 0.99),
-        parked_taken=sum(i.parked_taken for i in backend.insts),
+        parked_taken={
+            k: sum(i.parked_taken.get(k, 0) for i in backend.insts)
+            for k in sorted({k for i in backend.insts for k in i.parked_taken})
+        },
     )
 
 

@@ -4,10 +4,13 @@
     Interrupt    abort in the engine; write the partial record and report it (Finished, partial)
     Abort        abort in the engine and forget the output
     Pull         load the newest version from the PS. With --coordinator.interrupt-on-pull (the
-                 default, partial rollout) everything still running is interrupted first, unless
-                 --coordinator.keep-kv-on-pull: then, as in drain mode (interrupt-on-pull false,
-                 where the instance is empty by then), the engine keeps its sequences across the
-                 load: their KV cache, computed with the old weights, is kept and their next
+                 default, partial rollout) everything still running or queued in the engine is
+                 interrupted first (the coordinator's Interrupt named them, save any that left a tool
+                 call since its last snapshot), while a multi-turn trajectory parked on a tool call
+                 stays: the load frees its held KV and its next turn re-prefills under the new
+                 weights (workers/turns.py, "pull"). With --coordinator.keep-kv-on-pull nothing
+                 is interrupted: as in drain mode (interrupt-on-pull false, where the instance is
+                 empty by then), the engine keeps its sequences across the load: their KV cache, computed with the old weights, is kept and their next
                  tokens come from the new weights. Each token keeps the behaviour log-prob and the
                  version of the weights that sampled it (the trainer's off-policy correction)
     FreeRecords  release ring space the controller no longer needs
@@ -247,6 +250,8 @@ class RolloutWorker:
         running = [t for t in st.running_ids if not is_eval(t)]  # held-out answers are not the coordinator's
         waiting = [t for t in st.waiting_ids if not is_eval(t)]
         between = [t for t in self.turns.waiting_ids if not is_eval(t)] if self.turns is not None else []
+        tool = set(st.parked_ids) | set(self.turns.tool_waiting_ids if self.turns is not None else ())
+        parked = tuple(t for t in tuple(running) + tuple(waiting) + tuple(between) if t in tool)
         self.ctx.client.send_stats(
             InstanceSnapshot(
                 instance=self.instance,
@@ -260,6 +265,7 @@ class RolloutWorker:
                 time=now,
                 traj_ids=tuple(running) + tuple(waiting) + tuple(between),
                 tokens_generated=st.tokens_generated,
+                parked_ids=parked,
             )
         )
         self._last_stats = now

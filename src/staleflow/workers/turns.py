@@ -10,9 +10,16 @@ behaviour log-probs and versions, environment tokens with loss_mask 0):
     step done  done: release the held KV, the trajectory is finished (Finished, env reward if any);
                else the observation's tokens (observation_tokens, through the chat template) are
                appended with engine.extend and the next turn generates
-    interrupt  inside a turn or while the tool runs: the engine's payload (aborted, or the parked
-               one) is the partial record, exactly like a single-turn partial rollout; a pending
-               env step is cancelled
+    pull       a trajectory parked on its tool call (the snapshot's parked_ids: tool_waiting_ids and
+               the engine's parked ones) is not interrupted by the coordinator's pre-pull Interrupt nor
+               by the rank's pull: its env step goes on; the weight load frees its held KV (unless
+               keep-KV), and when the observation arrives engine.extend prefills the whole prefix
+               plus the observation under the new weights and the next turn decodes, on the same
+               instance: the call runs once and every later token comes from the new weights
+    interrupt  inside a turn, or while the tool runs when the coordinator still sends one (migration
+               never does; an abort, a straggler's truncation, a snapshot that had not yet seen the
+               turn end): the engine's payload (aborted, or the parked one) is the partial record,
+               exactly like a single-turn partial rollout; a pending env step is cancelled
     resume     on any instance, from the partial payload: a fresh environment is reset and the
                model's completed turns are replayed into it (their observations are already in the
                payload and are not re-appended); an unanswered tool call (the payload ends with a
@@ -177,6 +184,11 @@ class TurnDriver:
     def waiting_ids(self) -> list:
         """Trajectories held here but not in the engine's queues (an env step or a replay running)."""
         return [rid for rid, ep in self.episodes.items() if not ep.in_engine or ep.pending is not None]
+
+    @property
+    def tool_waiting_ids(self) -> list:
+        """Trajectories whose env step runs now (parked on a tool call, in the engine or outside it)."""
+        return [rid for rid, ep in self.episodes.items() if ep.pending is not None]
 
     @property
     def busy(self) -> bool:
