@@ -22,9 +22,9 @@ counted in the instance's KV but not read by decode steps; when its tool call re
 latency) it queues at the head of the waiting queue and, admitted, prefills only the observation. KV
 overflow evicts the most recently parked sequence's KV first (it re-prefills its prefix when it resumes),
 then preempts the newest running one. The coordinator interrupts no parked sequence at a pull and migrates
-none (``parked_ids`` in the snapshot); one taken off while parked anyway (an abort, a straggler's
-truncation, a pull that found it decoding again is not this case) resumes elsewhere by re-prefilling its
-prefix and re-running the unanswered call (``parked_taken`` counts them).
+none (``parked_ids`` in the snapshot); one interrupted while parked anyway (an Interrupt sent before a
+snapshot showed it parked) re-prefills its prefix and re-runs the unanswered call wherever it resumes
+(``parked_taken`` counts these, and aborted ones, by reason).
 
 Noise: the instance is ``speed`` times slower than the cost model (a fixed per-instance factor:
 hardware and placement differ), and each stretch of decode steps (at most one coordinator tick)

@@ -11,10 +11,13 @@ occupies positions ends[i] .. ends[i] + obs; the trajectory ends at ``total`` = 
 
 The instance (sim/engine.py) parks a sequence at each end: it stops decoding, its KV stays resident (the
 built-in engine's Request.hold), and after the call's latency the observation is prefilled (only the
-observation: the engine's extend) and the next turn decodes. A trajectory taken off while it waits
-(interrupt, migration, abort) has its position at a tool call whose answer is not in its record: wherever
-it resumes it re-prefills its prefix and re-runs that call (the same latency: the same call on the same
-input), then continues. The same seed gives every mode the same plans.
+observation: the engine's extend) and the next turn decodes. A pull leaves a parked sequence parked (the
+coordinator's rule, coordinator/pull.py: the snapshot names it) and migration never moves it; without keep-KV
+the pull frees its KV and, when the call returns, its prefix plus the observation is prefilled under the new
+version. A trajectory taken off while it waits anyway (an abort, a straggler's truncation, an Interrupt sent
+before the snapshot saw its turn end) has its position at a tool call whose answer is not in its record:
+wherever it resumes it re-prefills its prefix and re-runs that call (the same latency: the same call on the
+same input), then continues. The same seed gives every mode the same plans.
 """
 
 from __future__ import annotations
