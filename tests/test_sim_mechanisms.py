@@ -53,9 +53,9 @@ def drive(cfg, overrides=None):
     backend.interrupt = spy_interrupt
     for inst, pull in zip(backend.insts, pulls):
 
-        def spy_pull(version, now, pull_s, inst=inst, pull=pull):
+        def spy_pull(version, now, pull_s, inst=inst, pull=pull, **kw):
             running_at_pull.append(len(inst.running))
-            pull(version, now, pull_s)
+            pull(version, now, pull_s, **kw)
 
         inst.pull = spy_pull
     t = 0.0
