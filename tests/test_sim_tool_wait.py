@@ -15,13 +15,14 @@ import pytest
 from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.coordinator.types import Interrupt, Pull
 from staleflow.sim.backend import SimBackend
+from staleflow.sim.engine import SimSequence
 from staleflow.sim.hardware import derive
 from staleflow.trajectory import Finished, Route
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sim_helpers import tiny_sim  # noqa: E402
 from test_sim import Sim, audit  # noqa: E402
-from test_sim_multi_turn import COST, PREFILL, PROMPT, advance, agentic_tiny, instance, seq  # noqa: E402
+from test_sim_multi_turn import COST, PLAN, PREFILL, PROMPT, advance, agentic_tiny, instance, seq  # noqa: E402
 
 
 @pytest.mark.parametrize("free_kv", [True, False])
@@ -42,6 +43,24 @@ def test_a_parked_sequence_stays_across_a_pull_and_reprefills_under_the_new_vers
     assert done.t_done == pytest.approx(turn_end + 2.0 + prefill + turn2, abs=1e-9)  # the wake is after the sync
     assert inst.busy_s - busy == pytest.approx(prefill + turn2, abs=1e-9)
     assert inst.tokens_out == 20 and inst.parked_taken == {}
+
+
+def test_a_woken_sequence_interrupted_before_admission_keeps_its_observation_and_reruns_nothing():
+    """Its call returned (the runtime's extend appended the observation at once) and it waits in the engine
+    queue: an Interrupt then (a pull's, a migration's) carries the observation in its record."""
+    src, dst = instance(0), instance(1)
+    src.add(seq())
+    turn_end = PROMPT / PREFILL + COST.steps_time(1, PROMPT, 10)
+    advance(src, turn_end + 0.01)
+    src.max_running = 0  # from now on nothing is admitted: the woken sequence stays queued
+    advance(src, turn_end + 2.5)  # the call returned at turn_end + 2: woken, not admitted
+    assert src.parked_ids() == () and [w.traj_id for w in src.waiting] == [1] and src.tool_calls == 1
+    (taken,) = src.take([1], "pull")
+    assert taken.generated == 15 and src.parked_taken == {} and src.kv == 0  # prefix + observation
+    dst.t = src.t
+    dst.add(SimSequence(1, 0, PROMPT, PLAN.total, taken.generated, plan=PLAN))
+    (done,) = advance(dst, dst.t + 5.0)
+    assert done.generated == 25 and dst.tool_calls == 0 and dst.tokens_out == 10  # no call re-run
 
 
 def sim_backend(pull_interrupts: bool) -> SimBackend:

@@ -202,13 +202,16 @@ class SimInstance:
             if not tr.obs_ready:  # still parked (a woken one is in the waiting queue, found below)
                 out.append(tr)
                 self.parked_taken[reason] = self.parked_taken.get(reason, 0) + 1
+            else:  # woken: the call returned, its observation is in the record (the runtime's extend appended
+                tr.generated += tr.plan.obs  # it at once): nothing is re-run where it resumes
+                tr.had_kv = False  # its KV lacks the observation: it re-prefills, no KV move
         if len(out) < len(want):
             keep = deque()
             for w in self.waiting:
                 (out.append(w) if w.traj_id in want else keep.append(w))
             self.waiting = keep
         for tr in out:
-            tr.obs_ready = False  # an unanswered tool call is re-run wherever it resumes
+            tr.obs_ready = False  # a parked one's call is unanswered: re-run wherever it resumes
         return out
 
     def _unhold(self, traj_id: int) -> SimSequence:

@@ -10,8 +10,9 @@
                  stays: the load frees its held KV and its next turn re-prefills under the new
                  weights (workers/turns.py, "pull"). With --coordinator.keep-kv-on-pull nothing
                  is interrupted: as in drain mode (interrupt-on-pull false, where the instance is
-                 empty by then), the engine keeps its sequences across the load: their KV cache, computed with the old weights, is kept and their next
-                 tokens come from the new weights. Each token keeps the behaviour log-prob and the
+                 empty by then), the engine keeps its sequences across the load: their KV cache,
+                 computed with the old weights, is kept and their next tokens come from the new
+                 weights. Each token keeps the behaviour log-prob and the
                  version of the weights that sampled it (the trainer's off-policy correction)
     FreeRecords  release ring space the controller no longer needs
 Between commands the engine steps; finished trajectories are written to this rank's ring and
