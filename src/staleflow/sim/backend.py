@@ -61,7 +61,7 @@ class SimBackend:
         self.kv_moved: dict[int, tuple[int, int]] = {}  # traj_id -> (KV tokens, their weight version) in transit
         self.publish_every = publish_every
         self.pull_interrupts = pull_interrupts
-        """Partial rollout with re-prefill (interrupt_on_pull and not keep_kv_on_pull): nothing decodes across a pull."""
+        """Partial rollout with re-prefill (interrupt_on_pull, not keep_kv_on_pull): nothing decodes across a pull."""
         self.plans = plans if plans is not None else {}
         """Route seed -> TurnPlan (the workload's; empty: single-turn)."""
         self.plan_of: dict = {}  # traj_id -> TurnPlan of the trajectories routed so far

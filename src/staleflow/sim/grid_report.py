@@ -185,7 +185,8 @@ def setting_text(st, etas, seeds) -> str:
             lines.append(
                 f"tools, eta {r['eta']}: {t['tool_s_mean']:.2f} s a call; trajectory wall time (first route to finish, "
                 f"tool waits included) staleflow p50 {t['staleflow_wall_p50']:.0f} s, p99 "
-                f"{t['staleflow_wall_p99']:.0f} s; guarantee-matched peer p99 {t['guarantee_best_wall_p99'] or 0:.0f} s; "
+                f"{t['staleflow_wall_p99']:.0f} s; guarantee-matched peer p99 "
+                f"{t['guarantee_best_wall_p99'] or 0:.0f} s; "
                 f"interrupted while waiting on a tool (a re-run call; mean over seeds) staleflow "
                 f"{t['staleflow_parked_interrupted']:.0f}, peer {t['guarantee_best_parked_interrupted'] or 0:.0f}; "
                 f"aborted while waiting staleflow {t['staleflow_parked_aborted']:.0f}"
