@@ -137,7 +137,7 @@ def setting_rows(st, etas, seeds) -> list[dict]:
 
 def _cut(r) -> int:
     """Trajectories a run interrupted while they waited on a tool (each re-runs its call where it resumes)."""
-    return sum(n for reason, n in r.parked_taken.items() if reason != "abort")
+    return sum(n for reason, n in r.parked_taken.items() if reason not in ("abort", "truncate"))
 
 
 def search_rows(st) -> list[dict]:

@@ -75,8 +75,8 @@ class SimResult:
     wall_p99: float = 0.0
     """99th percentile of the same."""
     parked_taken: dict[str, int] = field(default_factory=dict)
-    """Trajectories taken off an instance while parked on a tool call, by reason (pull, migrate, truncate: an
-    Interrupt, whose trajectory re-runs the call where it resumes; abort: dropped)."""
+    """Trajectories taken off an instance while parked on a tool call, by reason (pull, migrate: an Interrupt,
+    whose trajectory re-runs the call where it resumes; truncate: its partial output is final; abort: dropped)."""
 
     def row(self) -> dict:
         d = dataclasses.asdict(self)
