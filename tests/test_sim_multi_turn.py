@@ -255,6 +255,7 @@ def test_multi_turn_random_runs_keep_the_protocol_and_the_kv_accounting(mode, et
     res = sim.run()
     audit(sim, res)
     assert res.tool_calls > 0  # every trajectory of more than one token has >= 1 call
+    assert res.parked_taken.get("pull", 0) == res.parked_taken.get("migrate", 0) == 0  # tool waiters stay
     for inst in sim.backend.insts:
         assert not inst.running.keys() & inst.held.keys()
         assert inst.kv_held == sum(s.tokens for s in inst.held.values() if s.resident) and inst.kv >= 0
