@@ -254,7 +254,8 @@ def test_multi_turn_random_runs_keep_the_protocol_and_the_kv_accounting(mode, et
     sim = Sim(cfg, mode, eta, cost=cost)
     res = sim.run()
     audit(sim, res)
-    assert res.tool_calls > 0  # every trajectory of more than one token has >= 1 call
+    if min(calls) > 0:  # every trajectory of more than one token then has >= 1 call (0 calls may be drawn for all)
+        assert res.tool_calls > 0
     assert res.parked_taken.get("pull", 0) == res.parked_taken.get("migrate", 0) == 0  # tool waiters stay
     for inst in sim.backend.insts:
         assert not inst.running.keys() & inst.held.keys()
