@@ -29,10 +29,12 @@ class ProtocolMachine(RuleBasedStateMachine):
         N=st.integers(1, 3),
         extra_n=st.integers(0, 2),
         exchange=st.booleans(),
+        order=st.sampled_from(["completion", "drawn"]),
     )
-    def setup(self, eta, B, extra_b, N, extra_n, exchange):
-        self.eta, self.B, self.N, self.exchange = eta, B, N, exchange
-        self.m = StalenessManager(StalenessSpec(eta, B, B + extra_b, N, N + extra_n), exchange=exchange)
+    def setup(self, eta, B, extra_b, N, extra_n, exchange, order):
+        self.eta, self.B, self.N, self.exchange, self.order = eta, B, N, exchange, order
+        spec = StalenessSpec(eta, B, B + extra_b, N, N + extra_n)
+        self.m = StalenessManager(spec, exchange=exchange, train_order=order)
         self.next_id = 0
         self.versions: dict = {}  # gid -> {traj_id: V_traj} of every member ever reserved
         self.live: dict = {}  # traj_id -> gid, members still generating (runtime view)
@@ -205,13 +207,36 @@ class ProtocolMachine(RuleBasedStateMachine):
     def reward_and_occupy(self, data):
         self.occupy_group(data.draw(st.sampled_from(self.completed_groups())))
 
+    def occupied(self):
+        """{gid: (buffer, group V_traj)} of every occupied (not yet consumed) group."""
+        infos = (self.m.group_info(g) for g in self.versions if self.state(g) == "occupied")
+        return {i["group_id"]: (i["buffer_version"], i["traj_version"]) for i in infos}
+
     @precondition(lambda self: self.m.ready_version() is not None)
     @rule()
     def consume(self):
         v = self.m.version
+        before, swaps = self.occupied(), self.m.order_swaps
+        later = range(v + 1, v + self.eta + 2)
+        counts = {w: (self.m.buffer_entries(w), self.m.buffer_state(w)) for w in later}
         groups = self.m.consume(v)
         assert len(groups) == self.B
         self.consumed_buffers.append(v)
+        # the drawn order only swaps occupied groups: no buffer's counts or state change, reservations stay
+        assert {w: (self.m.buffer_entries(w), self.m.buffer_state(w)) for w in later} == counts
+        after = self.occupied()
+        assert set(groups) | set(after) == set(before) and not set(groups) & set(after)
+        if self.order == "completion":
+            assert sorted(groups) == sorted(g for g, (b, _) in before.items() if b == v)
+            assert self.m.order_swaps == 0 and after == {g: p for g, p in before.items() if g not in groups}
+            return
+        moved = sum(1 for g in groups if before[g][0] != v)
+        assert self.m.order_swaps - swaps >= moved
+        start = {g: int(g[1:]) for g in before}  # ids are numbered in reserve order: the start order
+        for y, (w, vy) in after.items():  # no legal swap would bring an earlier-started group into v
+            if vy <= v:
+                for x in groups:
+                    assert not (start[y] < start[x] and w <= before[x][1] + self.eta), (y, w, x)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), reason=st.sampled_from(REASONS))

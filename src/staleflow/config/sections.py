@@ -131,6 +131,11 @@ class StalenessConfig:
     """What to do with the last in-flight trajectories of a Stuck buffer."""
     straggler_threshold: int = 1
     """Act on a Stuck buffer once at most this many entries are still RESERVED."""
+    train_order: Literal["completion", "drawn"] = "completion"
+    """Which occupied groups the trainer gets (StaleFlow's protocol only; the peers' modes reject 'drawn'):
+    completion = each buffer keeps the groups that completed first (greedy Occupy); drawn = when buffer v
+    is consumed it is swapped with completed groups of later buffers that STARTED earlier, as far as every
+    moved group stays within eta (AReaL's batch order inside the bound; docs/protocol.md "Train order")."""
 
     @property
     def batch_capacity(self) -> int:
@@ -149,6 +154,12 @@ class StalenessConfig:
         _check(self.group_size >= 1, "staleness.group-size", self.group_size, "must be >= 1")
         _check(self.group_redundancy >= 0, "staleness.group-redundancy", self.group_redundancy, "must be >= 0")
         _check(self.straggler_threshold >= 1, "staleness.straggler-threshold", self.straggler_threshold, "must be >= 1")
+        _check(
+            self.train_order in ("completion", "drawn"),
+            "staleness.train-order",
+            self.train_order,
+            "choose completion or drawn",
+        )
 
 
 @dataclass(frozen=True)

@@ -151,8 +151,11 @@ def mode_overrides(mode: str) -> dict[str, dict]:
 
 def apply_mode(mode: str, coordinator_cfg, staleness_cfg=None):
     """Return (coordinator_cfg, staleness_cfg) with the mode's overrides applied (validated again).
-    A peer knob set for a mode that has no such knob is a ConfigError naming the flag (peer_knobs)."""
+    A peer knob set for a mode that has no such knob is a ConfigError naming the flag (peer_knobs), and
+    so is --staleness.train-order drawn with a peer's mode (check_train_order)."""
     peer_knobs(mode, coordinator_cfg)
+    if staleness_cfg is not None:
+        check_train_order(mode, getattr(staleness_cfg, "train_order", "completion"))
     o = mode_overrides(mode)
     c = dataclasses.replace(coordinator_cfg, **o["coordinator"])
     s = dataclasses.replace(staleness_cfg, **o["staleness"]) if staleness_cfg is not None else None
@@ -204,7 +207,19 @@ def peer_knobs(mode: str, coordinator_cfg) -> dict:
     return out
 
 
-def build_protocol(mode: str, spec: StalenessSpec, n_instances: int = 1, **peer):
+def check_train_order(mode: str, train_order: str) -> None:
+    """ConfigError unless `train_order` is one `mode` has: the peers train in their own order (AReaL by start,
+    verl by completion or in whole batches), so --staleness.train-order drawn is StaleFlow's (and its ablations')."""
+    from staleflow.faults import ConfigError
+
+    if train_order != "completion" and mode_of(mode).peer:
+        raise ConfigError(
+            f"--staleness.train-order={train_order!r} is an option of StaleFlow's protocol, not of --mode {mode} "
+            f"(the peer keeps its own batch order); drop the flag or use --mode staleflow"
+        )
+
+
+def build_protocol(mode: str, spec: StalenessSpec, n_instances: int = 1, train_order: str = "completion", **peer):
     """The batch protocol of `mode` with the (resolved) staleness settings and the peer's knobs `peer`.
 
     verl fully-async gets staleness_threshold s = eta unless `peer` sets it: with one version per B
@@ -217,9 +232,11 @@ def build_protocol(mode: str, spec: StalenessSpec, n_instances: int = 1, **peer)
             f"mode {mode!r} has no option {', '.join(bad)}; its options: "
             f"{', '.join(PEER_OPTIONS.get(m.protocol, ())) or 'none'}"
         )
+    check_train_order(mode, train_order)
     opts: dict = dict(peer)
     if m.protocol == "staleflow":
         opts["exchange"] = m.exchange
+        opts["train_order"] = train_order
     elif m.protocol == "verl-fully-async":
         opts.setdefault("staleness_threshold", float(spec.eta))
         opts["n_instances"] = n_instances
@@ -233,8 +250,9 @@ def staleness_spec(staleness, version: int = 0) -> StalenessSpec:
 
 
 def protocol_for(mode: str, staleness, version: int = 0, n_instances: int = 1, **peer):
-    """The batch protocol of ``mode`` for a (resolved) --staleness section, starting at ``version``."""
-    return build_protocol(mode, staleness_spec(staleness, version), n_instances, **peer)
+    """The batch protocol of ``mode`` for a (resolved) --staleness section (its train order too), starting at
+    ``version``."""
+    return build_protocol(mode, staleness_spec(staleness, version), n_instances, staleness.train_order, **peer)
 
 
 def check_protocol(mode: str, manager) -> None:

@@ -38,6 +38,9 @@ def manager_state_dict(m) -> dict:
         "consumed": [list(rec) for rec in m._log],
         "trajs_aborted_by_reason": dict(m._member_abort_counts),
         "occupy_exchanges": m.exchanges,
+        "train_order": m.train_order,
+        "order_swaps": m.order_swaps,
+        **({} if m._seq is None else {"started": [[gid, n] for gid, n in m._seq.items()], "next_start": m._next_seq}),
     }
 
 
@@ -57,6 +60,7 @@ def manager_stats(m) -> dict:
         "trajs_live": sum(len(g.live) for g in m._groups.values()),
         "groups_consumed": len(m._log),
         "occupy_exchanges": m.exchanges,
+        "order_swaps": m.order_swaps,
         "groups_aborted_by_reason": dict(m._abort_counts),
         "trajs_aborted_by_reason": dict(m._member_abort_counts),
     }
@@ -79,7 +83,9 @@ def manager_from_state_dict(cls, d: dict):
 
 
 def _rebuild(cls, d: dict):
-    m = cls(StalenessSpec(**{k: d[k] for k in _PARAMS}, version=d["version"]), exchange=d["exchange"])
+    spec = StalenessSpec(**{k: d[k] for k in _PARAMS}, version=d["version"])
+    # a checkpoint from before the train order (no "train_order") trained in completion order
+    m = cls(spec, exchange=d["exchange"], train_order=d.get("train_order", "completion"))
     m.closed_version = d["closed_version"]
     m.book.load(d["buffers"])
     for rec in d["groups"]:
@@ -100,6 +106,10 @@ def _rebuild(cls, d: dict):
         m._finished[gid] = "consumed"
     m._member_abort_counts = dict(d["trajs_aborted_by_reason"])
     m.exchanges = int(d.get("occupy_exchanges", 0))
+    m.order_swaps = int(d.get("order_swaps", 0))
+    if m._seq is not None:
+        m._seq = {gid: n for gid, n in d["started"]}
+        m._next_seq = d["next_start"]
     return m
 
 
@@ -158,6 +168,12 @@ def validate_manager(m) -> None:
         fail("a group is logged as consumed twice, or as both consumed and aborted")
     if set(m._finished) != set(logged) | set(m._aborted):
         fail("finished-group index does not match the consumption log and the abort record")
+    if m._seq is not None:
+        starts = list(m._seq.values())
+        if set(m._seq) != set(m._groups):
+            fail("train order 'drawn': the start numbers do not name exactly the live groups")
+        if len(set(starts)) != len(starts) or not all(type(n) is int and 0 <= n < m._next_seq for n in starts):
+            fail(f"train order 'drawn': start numbers must be distinct ints in [0, next_start={m._next_seq})")
     last = -1
     for gid, tv, bv in m._log:
         if not (tv <= bv <= tv + m.eta) or bv < last or bv >= m.version:

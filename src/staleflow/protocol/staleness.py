@@ -21,6 +21,9 @@ whose own window also covers b (b - eta <= V_Y) moves into X's slot in b; X's gr
 finds the slot Y freed. Early finishers fill early buffers, reservations drift to their worst
 case, and both stay inside their windows (Y: b <= V_Y + eta; X: final buffer <= b).
 
+Train order (``train_order="drawn"``, protocol/order.py): consume(v) first swaps v's groups with
+earlier-started occupied groups of later buffers, each staying in its window; "completion" is the above.
+
 Interrupt and migration change NOTHING here: V_traj is immutable and fixed at dispatch, so an
 interrupted trajectory keeps its reservation; the router must only resume it on an instance
 whose weight version is >= V_traj. Buffers never hold RESERVED entries once Ready: the
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from staleflow.protocol.buffers import BufferBook
 from staleflow.protocol.checkpoint import manager_from_state_dict, manager_state_dict, manager_stats, validate_manager
+from staleflow.protocol.order import reorder
 from staleflow.protocol.types import _FAST_ID, BufferState, EntryState, ProtocolError, StalenessSpec, _check_id, _Group
 
 
@@ -44,7 +48,7 @@ class StalenessManager:
     bounded = True
     """Every consumed group is within eta of its V_traj (the loop audits it as a hard invariant)."""
 
-    def __init__(self, spec: StalenessSpec, exchange: bool = True):
+    def __init__(self, spec: StalenessSpec, exchange: bool = True, train_order: str = "completion"):
         if not isinstance(spec, StalenessSpec):
             raise ProtocolError(f"StalenessManager takes a StalenessSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -54,6 +58,12 @@ class StalenessManager:
             raise ProtocolError(f"StalenessManager exchange={exchange!r} is invalid: must be a bool")
         self.exchange = exchange
         self.exchanges = 0  # reservations moved by the occupy exchange (metrics)
+        if train_order not in ("completion", "drawn"):
+            raise ProtocolError(f"StalenessManager train_order={train_order!r} is invalid: 'completion' or 'drawn'")
+        self.train_order = train_order  # "drawn": consume() first trains the earliest-started (protocol/order.py)
+        self.order_swaps = 0  # occupied groups exchanged by the drawn order (metrics)
+        self._seq: dict | None = {} if train_order == "drawn" else None  # group_id -> start number (drawn)
+        self._next_seq = 0
         self.version = spec.version  # a fresh manager for a run resumed at model `version` has nothing older
         self.closed_version = spec.version - 1  # no V_traj <= this is admitted (its window is Ready/consumed)
         self.book = BufferBook(spec.batch_size, spec.capacity)
@@ -207,6 +217,9 @@ class StalenessManager:
             )
         self._groups[group_id] = self._trajs[traj_id] = _Group(group_id, V, v, traj_id)
         self.book.reserve(group_id, v)
+        if self._seq is not None:
+            self._seq[group_id] = self._next_seq
+            self._next_seq += 1
         return v
 
     def complete(self, traj_id) -> list:
@@ -297,9 +310,13 @@ class StalenessManager:
                 f"buffer {v} is not Ready ({self.buffer_state(v).value}, "
                 f"{self.buffer_entries(v)[EntryState.OCCUPIED]}/{self.batch_size} occupied)"
             )
+        if self._seq is not None:
+            self.order_swaps += reorder(self, v)
         occupied = self.book.pop(v)
         for gid in occupied:
             g = self._groups.pop(gid)
+            if self._seq is not None:
+                del self._seq[gid]
             assert g.traj_version <= v <= g.traj_version + self.eta, (gid, g.traj_version, v)
             for t in g.done:
                 del self._trajs[t]
@@ -350,6 +367,8 @@ class StalenessManager:
         for t in live + list(g.done):
             del self._trajs[t]
         del self._groups[group_id]
+        if self._seq is not None:
+            del self._seq[group_id]
         self._aborted[group_id] = reason
         self._finished[group_id] = f"aborted: {reason}"
         self._abort_counts[reason] = self._abort_counts.get(reason, 0) + 1

@@ -113,7 +113,8 @@ class SimConfig:
     staleness: StalenessConfig = field(default_factory=lambda: StalenessConfig(batch_size=32, group_size=8))
     """The protocol's settings, as in a training run (--staleness.batch-size B = 32 groups per step: the
     authors' all-strategies script; --staleness.group-size N = 8 responses per prompt; redundancy B' - B
-    and N' - N and the straggler rule: staleflow only). Its eta is replaced by each bound of --eta."""
+    and N' - N, the straggler rule and --staleness.train-order: staleflow only). Its eta is replaced by each
+    bound of --eta."""
     prompt_len: int = 512
     """Prompt tokens (DAPO-Math prompts are a few hundred tokens; max prompt 2k in the scripts)."""
     length_dist: Literal["lognormal", "long-cot"] = "lognormal"

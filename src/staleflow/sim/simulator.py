@@ -213,7 +213,8 @@ def build(
     router = cost or router_cost_model(true, cfg, random.Random(cfg.seed * 31 + 7))
     if cfg.prompt_len + 2 > true.kv_capacity:
         raise ValueError(f"--prompt-len={cfg.prompt_len} does not fit the KV capacity {true.kv_capacity}")
-    ccfg, stale = apply_mode(mode, cfg.coordinator, dataclasses.replace(cfg.staleness, eta=eta))
+    order = "completion" if m.peer else cfg.staleness.train_order  # --staleness.train-order: StaleFlow's modes only
+    ccfg, stale = apply_mode(mode, cfg.coordinator, dataclasses.replace(cfg.staleness, eta=eta, train_order=order))
     ccfg = dataclasses.replace(ccfg, **(overrides or {}))  # the caller's overrides win over the mode's
     peer = dict(peer) if peer is not None else peer_knobs(mode, ccfg)  # a peer's knobs, else the run flags
     ccfg = dataclasses.replace(ccfg, trigger_sync_steps=peer.get("trigger_sync_steps", 1))
