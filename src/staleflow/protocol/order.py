@@ -22,7 +22,7 @@ def reorder(m, v: int) -> int:
     book, groups, seq, eta = m.book, m._groups, m._seq, m.eta
     mine = book.buffers[v].occupied
     swaps = 0
-    while True:
+    while True:  # passes over the eligible later groups, earliest-started first, until one swaps nothing
         later = sorted(
             (seq[y], w, y)
             for w in range(v + 1, v + eta + 1)
@@ -30,7 +30,7 @@ def reorder(m, v: int) -> int:
             for y in b.occupied
             if groups[y].traj_version <= v
         )
-        swapped = False
+        before = swaps
         for s_y, w, y in later:
             # the latest-started group of v that started after Y and may live in w
             best, best_seq = None, s_y
@@ -44,7 +44,5 @@ def reorder(m, v: int) -> int:
             theirs[theirs.index(y)] = best
             groups[y].buffer, groups[best].buffer = v, w
             swaps += 1
-            swapped = True
-            break  # v changed: recompute the candidates
-        if not swapped:
+        if swaps == before:
             return swaps
