@@ -144,3 +144,17 @@ def test_sim_drawn_order_overtakes_less_than_completion():
     drawn = [overtaken("drawn", s) for s in range(4)]
     assert all(swaps == 0 for _, _, swaps in comp) and sum(swaps for _, _, swaps in drawn) > 0
     assert sum(n for n, _, _ in drawn) < sum(n for n, _, _ in comp), (comp, drawn)
+
+
+def test_runtime_command_line_reaches_the_manager():
+    """`staleflow train ... --staleness.train-order drawn`: parsed and resolved as launch/entry.py does, the
+    run's protocol (controller/build.build_loop -> protocol_for) trains in drawn order; --mode areal refuses it."""
+    from staleflow.config import RunConfig, resolve
+    from staleflow.config.parse import parse
+    from staleflow.presets import PRESETS
+
+    argv = ["--preset", "tiny", "--staleness.train-order", "drawn"]
+    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
+    assert protocol_for(cfg.mode, cfg.staleness).train_order == "drawn"
+    with pytest.raises(ConfigError, match="--mode areal"):
+        resolve(parse(RunConfig, [*argv, "--mode", "areal"], PRESETS, default="smollm2-cpu", prog="staleflow train"))
