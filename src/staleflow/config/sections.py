@@ -304,6 +304,9 @@ class CoordinatorConfig:
     """Cost-model coefficients: a preset name or a JSON file path."""
     longest_first: bool = True
     """Inside an MLQ level, route trajectories with more tokens first (else arrival order)."""
+    new_order: Literal["longest", "drawn"] = "longest"
+    """Order of new prompts (the MLQ's untagged level) under --coordinator.longest-first: longest prompt first
+    (the paper code's queue), or drawn: the data order (longest-first then orders only loop-backs)."""
     migration_indicator: Literal["requests", "kv", "throughput"] = "requests"
     """Load indicator of the psi (throughput-gap) migration trigger."""
     interrupt_on_pull: bool = True

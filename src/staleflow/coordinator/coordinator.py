@@ -78,7 +78,7 @@ class Coordinator:
         self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
         self.puller = make_pull(self.cfg.pull, self.cfg, cost_model)
         self.instances: dict[int, InstanceState] = {i: InstanceState(i, cost_model.kv_capacity, version) for i in ids}
-        self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first)
+        self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first, self.cfg.new_order)
         self.ps_version = version
         self.live: set[int] = set()  # every live trajectory (queued or in flight)
         self.reserved: set[int] = set()  # live trajectories holding a reservation (= in flight)

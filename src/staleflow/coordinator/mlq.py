@@ -4,6 +4,11 @@ One level per V_traj, served oldest first (strict priority: the router stops at 
 that keeps leftovers); trajectories whose tag is not set yet (new prompts) form the last level.
 Interrupted partial trajectories loop back into the level of their (unchanged) V_traj. Inside a
 level the default order is longest first (prompt + generated tokens), ties by arrival.
+New prompts (the untagged level) are ordered the same way with ``new_order="longest"`` (the paper
+code's request queue); with ``new_order="drawn"`` they keep the order they were drawn in, and
+longest-first orders only the loop-backs. Ordering new prompts by their length reorders the training
+data: on a task whose prompt length tracks difficulty, the longest (hardest) prompts are routed, and
+so trained, first while the short ones wait (docs/perf.md, issue 41).
 With ``enabled=False`` it degrades to one FIFO level (the baselines' plain queue).
 
 The queue holds trajectory ids only. Its caller (the Coordinator) looks a trajectory up in the
@@ -25,9 +30,13 @@ NEW = None
 class MultiLevelQueue:
     """Levels keyed by V_traj (None = new), each a sorted list of (-tokens, arrival, id) or (arrival, id)."""
 
-    def __init__(self, enabled: bool = True, longest_first: bool = True):
+    def __init__(self, enabled: bool = True, longest_first: bool = True, new_order: str = "longest"):
+        if new_order not in ("longest", "drawn"):
+            raise ValueError(f"MultiLevelQueue new_order={new_order!r}: 'longest' or 'drawn'")
         self.enabled = enabled
         self.longest_first = longest_first and enabled
+        self.new_longest = self.longest_first and new_order == "longest"
+        """New (untagged) prompts go longest first too; else in drawing order."""
         self._levels: dict[int | None, list[tuple]] = {}
         self._where: dict[int, tuple] = {}  # traj_id -> (level key, sort key, V_traj it is queued under)
         self._arrival: dict[int, int] = {}  # traj_id -> first arrival number (until forget())
@@ -50,7 +59,12 @@ class MultiLevelQueue:
         if seq is None:  # a loop-back keeps its first arrival (FIFO: it does not go behind newer work)
             self._seq += 1
             seq = self._arrival[traj_id] = self._seq
-        key = (-tokens, seq, traj_id) if self.longest_first else (seq, traj_id)
+        if not self.longest_first:
+            key = (seq, traj_id)
+        elif level is NEW and not self.new_longest:  # drawing order: every key of the level has the same shape
+            key = (0, seq, traj_id)
+        else:
+            key = (-tokens, seq, traj_id)
         bisect.insort(self._levels.setdefault(level, []), key)
         self._where[traj_id] = (level, key, traj_version)
         if traj_version is not None:
