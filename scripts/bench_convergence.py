@@ -2,7 +2,7 @@
 
     python scripts/bench_convergence.py [--seeds 0,1,2] [--steps 30] [--eval-every 5] [--eval-n 128]
         [--modes verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1] [--out runs/convergence]
-        [--margin 0.05] [--keep-models] [--smoke] [-- extra train flags]
+        [--margin 0.05] [--keep-models] [--archive DIR] [--no-run] [--smoke] [-- extra train flags]
 
 Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic-easy) once per mode and
 seed: verl-sync (eta 0, the baseline), staleflow at eta 1 and 2, and verl-fully-async and areal at
@@ -18,7 +18,10 @@ back (wall time; the machine's 1-minute load average sampled every 10 s while it
 mean, max); everything else is derived again from RUN/metrics.jsonl on every read, so a second
 call (or a later session with the same --out) resumes where the first stopped and re-derives the
 finished runs with the current code; an unfinished run is started again from scratch. A finished
-run's checkpoints/ and hf/ (~2 GB) are deleted once it is saved, unless --keep-models.
+run's checkpoints/ and hf/ (~2 GB) are deleted once it is saved, unless --keep-models. --archive DIR
+also copies each finished run's record (bench.json, metrics.jsonl, trained.jsonl, config.json: ~0.3 MB)
+to DIR/NAME and reads runs from there, so a study committed to the repository (docs/results/) goes on
+from another machine or session; --no-run starts nothing and reports the finished runs.
 
 Prints per mode: final held-out accuracy (mean and standard deviation over seeds), the paired
 difference against sync (mean over seeds, 95% Student t interval over the per-seed differences),
@@ -65,6 +68,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODES = "verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1"
 SAVED = ("name", "mode", "eta", "seed", "wall_s", "load_start", "load_end", "load_mean", "load_max", "load_samples")
 """What bench.json keeps: what the run folder cannot give back. The rest is derived on every read."""
+RECORD = ("bench.json", "metrics.jsonl", "trained.jsonl", "config.json")
+"""A finished run's record (--archive): what this bench and scripts/compare_runs.py read back."""
 LOAD_EVERY_S = 10.0
 VARIANTS = {"verl-fully-async-matched": "verl-fully-async"}
 """Bench names for a mode run with its own knobs: verl-fully-async-matched is the guarantee-matched peer,
@@ -117,11 +122,18 @@ def parse_seeds(spec: str) -> list[int]:
 
 
 def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -> dict | None:
-    """One run of the main job, or its saved result; None if it failed twice."""
+    """One run of the main job, or its saved result (in --out, else in --archive); None if it failed
+    twice, or was not run (--no-run)."""
     out = Path(args.out) / name
     saved = out / "bench.json"
     if saved.is_file():
         return load_saved(out)
+    kept = Path(args.archive) / name if args.archive else None
+    if kept is not None and (kept / "bench.json").is_file():
+        return load_saved(kept)
+    if args.no_run:
+        print(f"  {name:30s} not run (--no-run)", flush=True)
+        return None
     for attempt in (1, 2):
         if out.exists():  # an unfinished run (the bench was stopped): start it again
             shutil.rmtree(out)
@@ -184,6 +196,11 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
                 if not args.keep_models:  # ~2 GB a run: a 15-run bench would fill a small disk
                     for heavy in ("checkpoints", "hf"):
                         shutil.rmtree(out / heavy, ignore_errors=True)
+                if kept is not None:  # the run's record, small enough to commit (~0.3 MB)
+                    kept.mkdir(parents=True, exist_ok=True)
+                    for f in RECORD:
+                        if (out / f).is_file():
+                            shutil.copy2(out / f, kept / f)
                 return result
         print(
             f"  {name}: attempt {attempt} failed (exit {returncode}); log {log}:\n{log.read_text()[-1500:]}",
@@ -369,9 +386,20 @@ def main() -> None:
         action="store_true",
         help="keep each finished run's checkpoints/ and hf/ (default: deleted once its result is saved)",
     )
+    ap.add_argument(
+        "--archive",
+        default=None,
+        help="also keep each finished run's record (bench.json, metrics.jsonl, trained.jsonl, config.json) in "
+        "ARCHIVE/NAME, and read a run from there when --out lacks it: a study committed to the repository "
+        "resumes on another machine (docs/results/)",
+    )
+    ap.add_argument(
+        "--no-run", action="store_true", help="start no run: report the finished ones (in --out or --archive)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, 1 seed, 4 prompts, 2 modes")
     args = ap.parse_args(argv)
     args.out, args.preset = os.path.abspath(args.out), []  # launch.sh runs in the repository root
+    args.archive = os.path.abspath(args.archive) if args.archive else None
     if args.smoke:
         args.preset, args.steps, args.eval_every, args.eval_n = ["--preset", "tiny"], 2, 1, 4
         args.seeds, args.modes = "0", "verl-sync,staleflow:1"

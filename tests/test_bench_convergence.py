@@ -97,16 +97,18 @@ def test_bench_modes_need_the_sync_baseline(bench):
 def test_bench_convergence_smoke_runs_and_resumes(tmp_path):
     out = tmp_path / "conv"
 
-    def smoke():
+    archive = tmp_path / "kept"
+
+    def smoke(*more, where=out, code=0):
         res = subprocess.run(
-            [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+            [sys.executable, str(SCRIPT), "--smoke", "--out", str(where), "--archive", str(archive), *more],
             capture_output=True,
             text=True,
             timeout=900,
             cwd=ROOT,
         )
-        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-        return res.stdout, json.loads(res.stdout.strip().splitlines()[-1])
+        assert res.returncode == code, res.stdout[-2000:] + res.stderr[-3000:]
+        return (res.stdout, json.loads(res.stdout.strip().splitlines()[-1])) if code == 0 else (res.stdout, res.stderr)
 
     text, first = smoke()
     assert set(first) == {"target", "verl-sync", "staleflow eta 1", "equivalence"}
@@ -139,6 +141,18 @@ def test_bench_convergence_smoke_runs_and_resumes(tmp_path):
     assert not list(out.glob("*/checkpoints")) and not list(out.glob("*/hf")) and list(out.glob("*/bench.json"))
     _, again = smoke()  # every run is saved: nothing runs again, the same numbers come back
     assert again == first and {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")} == saved
+    # --archive kept each run's record (small: no checkpoint, no export, no timeline); a new --out reads it back
+    kept = {p.parent.name: sorted(f.name for f in p.parent.iterdir()) for p in archive.glob("*/bench.json")}
+    assert kept == {n: sorted(bench_module().RECORD) for n in ("verl-sync-eta0-seed0", "staleflow-eta1-seed0")}
+    assert (archive / "staleflow-eta1-seed0" / "metrics.jsonl").read_bytes() == (
+        out / "staleflow-eta1-seed0" / "metrics.jsonl"
+    ).read_bytes()
+    _, moved = smoke("--no-run", where=tmp_path / "elsewhere")
+    assert moved == first and not list((tmp_path / "elsewhere").glob("*/metrics.jsonl"))  # nothing ran
+    # --no-run with nothing finished starts nothing and says so
+    stdout, stderr = smoke("--no-run", "--archive", str(tmp_path / "empty"), where=tmp_path / "none", code=1)
+    assert "not run (--no-run)" in stdout and "no verl-sync run finished" in stderr
+    assert not list((tmp_path / "none").glob("*/metrics.jsonl"))
 
 
 def _write_metrics(path: Path, k3: list[float], tokens: list[float], mixed: list[float], acc: float = 0.5):

@@ -16,7 +16,12 @@ def test_drawn_order_keeps_new_prompts_in_arrival_order_and_loop_backs_longest_f
     q.remove(1)
     q.push(1, 1, 500)  # routed, interrupted: it loops back into its level, longest first there
     assert list(q.ids()) == [1, 5, 4, 2, 3]
-    longest = MultiLevelQueue()  # the default: new prompts longest first too
+    assert list(MultiLevelQueue().ids()) == []
+    default = MultiLevelQueue()  # the default is the drawing order (issue 41)
+    for tid, tokens in ((1, 10), (2, 99), (3, 50)):
+        default.push(tid, None, tokens)
+    assert list(default.ids()) == [1, 2, 3]
+    longest = MultiLevelQueue(new_order="longest")  # the paper code's queue: new prompts longest first too
     for tid, tokens in ((1, 10), (2, 99), (3, 50)):
         longest.push(tid, None, tokens)
     assert list(longest.ids()) == [2, 3, 1]
@@ -40,7 +45,8 @@ def test_the_flag_reaches_the_config():
     from staleflow.config.run import RunConfig, resolve
     from staleflow.presets import PRESETS
 
-    cfg = resolve(parse(RunConfig, ["--coordinator.new-order", "drawn"], PRESETS, default="smollm2-cpu", prog="t"))
-    assert cfg.coordinator.new_order == "drawn"
+    assert resolve(parse(RunConfig, [], PRESETS, default="smollm2-cpu", prog="t")).coordinator.new_order == "drawn"
+    cfg = resolve(parse(RunConfig, ["--coordinator.new-order", "longest"], PRESETS, default="smollm2-cpu", prog="t"))
+    assert cfg.coordinator.new_order == "longest"
     with pytest.raises(SystemExit):
         parse(RunConfig, ["--coordinator.new-order", "shortest"], PRESETS, default="smollm2-cpu", prog="t")

@@ -304,9 +304,10 @@ class CoordinatorConfig:
     """Cost-model coefficients: a preset name or a JSON file path."""
     longest_first: bool = True
     """Inside an MLQ level, route trajectories with more tokens first (else arrival order)."""
-    new_order: Literal["longest", "drawn"] = "longest"
-    """Order of new prompts (the MLQ's untagged level) under --coordinator.longest-first: longest prompt first
-    (the paper code's queue), or drawn: the data order (longest-first then orders only loop-backs)."""
+    new_order: Literal["longest", "drawn"] = "drawn"
+    """Order of new prompts (the MLQ's untagged level) under --coordinator.longest-first: drawn, the data order
+    (longest-first orders only the loop-backs), or longest: longest prompt first (the paper code's queue, which
+    trains the data out of order: docs/perf.md, issue 41)."""
     migration_indicator: Literal["requests", "kv", "throughput"] = "requests"
     """Load indicator of the psi (throughput-gap) migration trigger."""
     interrupt_on_pull: bool = True

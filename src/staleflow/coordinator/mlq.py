@@ -4,9 +4,9 @@ One level per V_traj, served oldest first (strict priority: the router stops at 
 that keeps leftovers); trajectories whose tag is not set yet (new prompts) form the last level.
 Interrupted partial trajectories loop back into the level of their (unchanged) V_traj. Inside a
 level the default order is longest first (prompt + generated tokens), ties by arrival.
-New prompts (the untagged level) are ordered the same way with ``new_order="longest"`` (the paper
-code's request queue); with ``new_order="drawn"`` they keep the order they were drawn in, and
-longest-first orders only the loop-backs. Ordering new prompts by their length reorders the training
+New prompts (the untagged level) keep the order they were drawn in (``new_order="drawn"``, the
+default), and longest-first orders only the loop-backs; ``new_order="longest"`` orders them longest
+first too (the paper code's request queue). Ordering new prompts by their length reorders the training
 data: on a task whose prompt length tracks difficulty, the longest (hardest) prompts are routed, and
 so trained, first while the short ones wait (docs/perf.md, issue 41).
 With ``enabled=False`` it degrades to one FIFO level (the baselines' plain queue).
@@ -30,7 +30,7 @@ NEW = None
 class MultiLevelQueue:
     """Levels keyed by V_traj (None = new), each a sorted list of (-tokens, arrival, id) or (arrival, id)."""
 
-    def __init__(self, enabled: bool = True, longest_first: bool = True, new_order: str = "longest"):
+    def __init__(self, enabled: bool = True, longest_first: bool = True, new_order: str = "drawn"):
         if new_order not in ("longest", "drawn"):
             raise ValueError(f"MultiLevelQueue new_order={new_order!r}: 'longest' or 'drawn'")
         self.enabled = enabled
