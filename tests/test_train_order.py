@@ -127,8 +127,13 @@ def overtaken(order: str, seed: int) -> tuple[int, int, int]:
     loop, backend, stale = build(cfg, "staleflow", 2)
     m = loop.coord.manager
     assert m.train_order == order and stale.train_order == order
+    rows = []  # the per-step metrics every front end reports (the runtime's metrics.jsonl)
+    loop.on_step = lambda rec, row: rows.append(row)
     loop.run(until=lambda: loop.done or backend.now() > cfg.max_sim_s)
     assert loop.done and list(loop.audit.violations) == []
+    # the protocol's running totals reach every step's row: non-decreasing, the last one the manager's
+    assert [r["order_swaps"] for r in rows] == sorted(r["order_swaps"] for r in rows)
+    assert rows[-1]["order_swaps"] == m.order_swaps and rows[-1]["occupy_exchanges"] == m.exchanges
     later_min, n = float("inf"), 0
     log = m.consumption_log()
     for _, _, bv in sorted(log, reverse=True):  # by group id, latest-drawn first

@@ -129,6 +129,8 @@ def load_run(path: str | Path) -> dict:
         "migrations": last.get("migrations"),
         "pulls": last.get("pulls"),
         "groups_aborted": last.get("groups_aborted"),
+        "occupy_exchanges": last.get("occupy_exchanges"),  # StaleFlow's protocol only (absent: the peers, older runs)
+        "order_swaps": last.get("order_swaps"),
         "order_spearman": spearman([g["group_id"] for g in groups], [g["buffer"] for g in groups]),
     }
     return {"name": p.name, "path": str(p), "seed": seed, "groups": groups, "steps": steps, "run": run}
@@ -193,6 +195,8 @@ def quantities(runs: list[dict]) -> list[Quantity]:
             ("migrations", "migrations (run total)"),
             ("pulls", "pulls (run total)"),
             ("groups_aborted", "groups aborted (run total)"),
+            ("occupy_exchanges", "occupy exchanges (run total)"),
+            ("order_swaps", "train-order swaps (run total)"),
             ("order_spearman", "Spearman: drawing order vs training order"),
         )
     ]
