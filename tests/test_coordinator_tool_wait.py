@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_coordinator import Clock, loaded, loop_back, make, routes, snap, traj  # noqa: E402
+from test_coordinator import COST, Clock, loaded, loop_back, make, routes, snap, traj  # noqa: E402
 
 from staleflow.coordinator import InstanceSnapshot, Interrupt, Pull  # noqa: E402
 
@@ -152,3 +152,21 @@ def test_parked_ids_cross_a_socket_and_old_senders_decode():
 
     old = msgspec.msgpack.encode(OldSnapshot(0, 1, 2, 0, 100, 1000, 12.5, False, 3.0, (7, 8)))
     assert msgspec.msgpack.decode(old, type=InstanceSnapshot).parked_ids == ()
+
+
+def test_parked_tool_waiters_are_not_decode_load_for_the_waterfall_nor_the_requests_indicator():
+    """Instance 0 holds 80 trajectories of which 60 wait on a tool (20 decode), instance 1 holds 70 that all
+    decode (past the cost model's compute knee, ~50): the waterfall's marginal gain sees 20 against 70 and
+    routes the new work to instance 0 (counting the parked ones, 80 against 70, it went to instance 1), and
+    the `requests` indicator (pull, migration) reads 20; KV held by parked ones still counts (kv indicator)."""
+    c, m = make(n_inst=2, eta=1, routing="waterfall", mlq=True)
+    loaded(c, 0, 80)
+    loaded(c, 1, 70)
+    parked = tuple(sorted(c.instances[0].trajs))[:60]
+    assert c.on_snapshot(snap(c, 0, t=0.5, running=20, parked_ids=parked, kv_tokens=8000))
+    assert c.on_snapshot(snap(c, 1, t=0.5, running=70, kv_tokens=7000))
+    i0, i1 = c.instances[0], c.instances[1]
+    assert (i0.engaged, i0.running, i0.load, i0.indicator("requests")) == (20, 20, 80, 20.0)
+    assert i1.indicator("requests") == 70.0 and i0.indicator("kv") == 8000 / COST.kv_capacity
+    c.submit([traj(c, 7, 7, None, 10)])
+    assert routes(c.tick(1.0)) == [(7, 0, 0)]

@@ -60,16 +60,23 @@ class InstanceState:
     @property
     def running(self) -> int:
         """Trajectories decoding (held, neither engine-waiting nor parked on a tool call)."""
-        return max(0, len(self.trajs) - self.waiting - len(self.parked))
+        return max(0, self.engaged - self.waiting)
 
     @property
     def kv_usage(self) -> float:
         return self.kv_tokens / self.kv_capacity
 
+    @property
+    def engaged(self) -> int:
+        """Trajectories in the engine's batch or its queue (held, not parked on a tool call): a parked one
+        decodes nothing until its call returns, a pull leaves it in place and migration never moves it."""
+        return len(self.trajs) - len(self.parked)
+
     def indicator(self, kind: str) -> float:
-        """Load indicator used by pull and migration rules: requests, kv (fraction) or throughput (tokens/s)."""
+        """Load indicator used by pull and migration rules: requests (held trajectories not parked on a
+        tool call), kv (fraction, parked KV included: it is held) or throughput (tokens/s)."""
         if kind == "requests":
-            return float(self.load)
+            return float(self.engaged)
         if kind == "kv":
             return self.kv_usage
         return self.tokens_per_s
@@ -85,7 +92,7 @@ class InstanceState:
             return False
         self.kv_tokens = max(0, self.kv_tokens - tokens)
         self.parked.discard(traj_id)
-        self.waiting = min(self.waiting, len(self.trajs) - len(self.parked))
+        self.waiting = min(self.waiting, self.engaged)
         self.last_change = now
         return True
 

@@ -128,9 +128,10 @@ class Waterfall:
                 kv = self.instance_tokens(inst)
                 if inst.waiting > 0 or kv + tokens > inst.kv_capacity:
                     continue
-                # cost.gain(running, kv, tokens) inlined (the router's hot loop); running = len(trajs)
-                # since nothing waits here. Same expressions, so the same floats.
-                n = len(inst.trajs)
+                # cost.gain(running, kv, tokens) inlined (the router's hot loop); running = the held
+                # trajectories not parked on a tool call, since nothing waits here (a parked one decodes
+                # nothing; its KV still counts, it is held). Same expressions, so the same floats.
+                n = inst.engaged
                 kv2 = kv + tokens
                 g = (n + 1) / (k1 * kv2 + max(k2, k3 * (n + 1) + b3) + k4) - (
                     n / (k1 * kv + max(k2, k3 * n + b3) + k4) if n > 0 else 0.0
@@ -257,7 +258,7 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     stop = max(2, cfg.migration_stop)  # moving a lone trajectory cannot make it decode faster
     cool = ctx.now - cfg.migration_cooldown_s
     for j in insts:
-        if len(j.trajs) - len(j.parked) < stop or any(ctx.migrated.get(t, -1e300) > cool for t in j.trajs):
+        if j.engaged < stop or any(ctx.migrated.get(t, -1e300) > cool for t in j.trajs):
             continue
         if j.running and j.tokens_per_s <= 0:  # prefilling
             continue
