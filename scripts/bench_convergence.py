@@ -19,7 +19,7 @@ mean, max); everything else is derived again from RUN/metrics.jsonl on every rea
 call (or a later session with the same --out) resumes where the first stopped and re-derives the
 finished runs with the current code; an unfinished run is started again from scratch. A finished
 run's checkpoints/ and hf/ (~2 GB) are deleted once it is saved, unless --keep-models. --archive DIR
-also copies each finished run's record (bench.json, metrics.jsonl, trained.jsonl, config.json: ~0.3 MB)
+also copies each finished run's record (bench.json, metrics.jsonl, trained.jsonl, config.json: ~0.1 MB)
 to DIR/NAME and reads runs from there, so a study committed to the repository (docs/results/) goes on
 from another machine or session; --no-run starts nothing and reports the finished runs.
 
@@ -126,11 +126,13 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
     twice, or was not run (--no-run)."""
     out = Path(args.out) / name
     saved = out / "bench.json"
+    kept = Path(args.archive) / name if args.archive and Path(args.archive) != Path(args.out) else None
     if saved.is_file():
-        return load_saved(out)
-    kept = Path(args.archive) / name if args.archive else None
+        if kept is not None and not (kept / "bench.json").is_file():
+            archive(out, kept)  # finished before --archive was given, or its copy was cut short
+        return checked(load_saved(out), out, args)
     if kept is not None and (kept / "bench.json").is_file():
-        return load_saved(kept)
+        return checked(load_saved(kept), kept, args)
     if args.no_run:
         print(f"  {name:30s} not run (--no-run)", flush=True)
         return None
@@ -196,11 +198,8 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
                 if not args.keep_models:  # ~2 GB a run: a 15-run bench would fill a small disk
                     for heavy in ("checkpoints", "hf"):
                         shutil.rmtree(out / heavy, ignore_errors=True)
-                if kept is not None:  # the run's record, small enough to commit (~0.3 MB)
-                    kept.mkdir(parents=True, exist_ok=True)
-                    for f in RECORD:
-                        if (out / f).is_file():
-                            shutil.copy2(out / f, kept / f)
+                if kept is not None:
+                    archive(out, kept)
                 return result
         print(
             f"  {name}: attempt {attempt} failed (exit {returncode}); log {log}:\n{log.read_text()[-1500:]}",
@@ -208,6 +207,27 @@ def run_one(name: str, mode: str, eta: int, seed: int, args, extra: list[str]) -
             flush=True,
         )
     return None
+
+
+def archive(out: Path, kept: Path) -> None:
+    """Copy a finished run's record (~0.1 MB, small enough to commit) to `kept`, each file whole (written
+    aside, then renamed) and bench.json last: a record is read only once its bench.json is there."""
+    kept.mkdir(parents=True, exist_ok=True)
+    for f in sorted(RECORD, key=lambda f: f == "bench.json"):
+        if (out / f).is_file():
+            shutil.copy2(out / f, kept / f"{f}.part")
+            os.replace(kept / f"{f}.part", kept / f)
+
+
+def checked(result: dict, where: Path, args) -> dict:
+    """A saved run read back must be a run of this bench's recipe (its last evaluation at --steps)."""
+    last = result["evals"][-1] if result["evals"] else {"step": None, "n": None}
+    if last["step"] != args.steps or last["n"] != args.eval_n:
+        raise SystemExit(
+            f"{where}: a saved run of {last['step']} steps evaluated on {last['n']} prompts, not --steps "
+            f"{args.steps} --eval-n {args.eval_n}: give the recipe it was run with, or another --out / --archive"
+        )
+    return result
 
 
 def load_saved(out: Path) -> dict:

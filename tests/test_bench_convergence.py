@@ -210,10 +210,19 @@ def test_bench_convergence_samples_the_load_while_a_run_runs(bench, tmp_path, mo
     monkeypatch.setattr(bench, "LOAD_EVERY_S", 0.1)
     (tmp_path / "out").mkdir()
     args = type("A", (), {"out": str(tmp_path / "out"), "preset": [], "steps": 1, "seed": 0, "eval_n": 4})()
-    args.eval_every, args.keep_models = 1, False
+    args.eval_every, args.keep_models, args.archive, args.no_run = 1, False, None, False
     r = bench.run_one("m-eta1-seed0", "staleflow", 1, 0, args, [])
     assert r is not None and r["load_samples"] >= 4 and r["load_max"] >= r["load_mean"] > 0
     assert set(json.loads((tmp_path / "out" / "m-eta1-seed0" / "bench.json").read_text())) == set(bench.SAVED)
+    # --archive given later: the finished run's record is copied on the next read (whole files, bench.json
+    # last), and a record of another recipe is refused in one line instead of being read as this one's
+    args.archive = str(tmp_path / "kept")
+    assert bench.run_one("m-eta1-seed0", "staleflow", 1, 0, args, []) == r
+    kept = tmp_path / "kept" / "m-eta1-seed0"
+    assert sorted(p.name for p in kept.iterdir()) == ["bench.json", "metrics.jsonl"]  # what the stand-in wrote
+    args.out, args.steps = str(tmp_path / "elsewhere"), 2
+    with pytest.raises(SystemExit, match="a saved run of 1 steps evaluated on 4 prompts, not --steps 2"):
+        bench.run_one("m-eta1-seed0", "staleflow", 1, 0, args, [])
 
 
 def test_bench_convergence_equivalence_is_tost_on_paired_seeds(bench):

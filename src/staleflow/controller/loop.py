@@ -29,7 +29,7 @@ from staleflow.controller.audit import Audit
 from staleflow.controller.backend import Backend, Published, PullDone, Rewarded, TrainDone
 from staleflow.controller.ledger import Ledger, Traj
 from staleflow.controller.refill import Refill
-from staleflow.controller.step_metrics import PROTOCOL_TOTALS, step_metrics
+from staleflow.controller.step_metrics import step_metrics
 from staleflow.controller.types import LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
 from staleflow.controller.view import LoopView
 from staleflow.coordinator.coordinator import Coordinator
@@ -323,9 +323,7 @@ class ControllerLoop:
         """The per-step numbers every front end reports (runtime metrics.jsonl, simulator tables)."""
         lens, self.response_lens = self.response_lens, []
         turns, self.turn_stats = self.turn_stats, []
-        stats = self.manager.stats()  # the protocol's own running totals (StaleFlow's only: the peers have none)
-        protocol = {k: stats[k] for k in PROTOCOL_TOTALS if k in stats}
-        return step_metrics(rec, lens, self.audit, self.counts, sum(self.reward_errors.values()), turns, protocol)
+        return step_metrics(rec, lens, self.audit, self.counts, sum(self.reward_errors.values()), turns, self.manager)
 
     # ---- the loop ------------------------------------------------------------------------------
     @property

@@ -8,8 +8,8 @@ from collections import Counter
 from staleflow.controller.audit import Audit
 from staleflow.controller.types import StepRecord
 
-PROTOCOL_TOTALS = ("occupy_exchanges", "order_swaps")
-"""Running totals of StaleFlow's protocol reported per step: reservations moved by the occupy exchange, and
+PROTOCOL_TOTALS = {"occupy_exchanges": "exchanges", "order_swaps": "order_swaps"}
+"""Running totals of StaleFlow's protocol reported per step (metrics key -> StalenessManager attribute): reservations moved by the occupy exchange, and
 occupied groups exchanged by --staleness.train-order drawn (the two ways it trains out of completion order)."""
 
 
@@ -20,12 +20,12 @@ def step_metrics(
     counts: Counter,
     reward_errors: int,
     turns: list | None = None,
-    protocol: dict | None = None,
+    protocol=None,
 ) -> dict:
     """lens: the response lengths finished since the previous step; turns: (turns, tool calls, tool
     seconds) of the multi-turn trajectories finished since then (their keys appear only in a run
-    with an environment, --env.name); protocol: the batch protocol's running totals (PROTOCOL_TOTALS,
-    absent for the peers' count-based protocols)."""
+    with an environment, --env.name); protocol: the batch protocol, whose running totals (PROTOCOL_TOTALS:
+    StaleFlow's StalenessManager's; the peers' count-based protocols have none) join the row."""
     rewards, stale = rec.rewards, rec.staleness
     hist = Counter(stale)
     c = counts
@@ -47,7 +47,7 @@ def step_metrics(
         "routes": c["routes"],
         "groups_aborted": c["groups_aborted"],
         "reward_errors": reward_errors,
-        **(protocol or {}),
+        **{k: getattr(protocol, a) for k, a in PROTOCOL_TOTALS.items() if hasattr(protocol, a)},
     }
     if turns:
         n = len(turns)

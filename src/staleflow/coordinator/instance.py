@@ -54,7 +54,7 @@ class InstanceState:
 
     @property
     def load(self) -> int:
-        """Trajectories the instance holds (running + waiting)."""
+        """Trajectories the instance holds (running + waiting + parked on a tool call)."""
         return len(self.trajs)
 
     @property

@@ -136,7 +136,7 @@ class Waterfall:
                 g = (n + 1) / (k1 * kv2 + max(k2, k3 * (n + 1) + b3) + k4) - (
                     n / (k1 * kv + max(k2, k3 * n + b3) + k4) if n > 0 else 0.0
                 )
-                if g > best_gain or (g == best_gain and inst.load < best.load):
+                if g > best_gain or (g == best_gain and inst.engaged < best.engaged):
                     best, best_gain = inst, g
             if best is not None and best_gain >= floor:
                 return best
@@ -161,7 +161,7 @@ class WaterfallBudget(Waterfall):
 
 @register_routing("least-loaded")
 class LeastLoaded:
-    """Fewest held trajectories (running + waiting) first; ties by instance id (veRL/AReaL style)."""
+    """Fewest held trajectories (running + waiting + parked) first; ties by instance id (veRL/AReaL style)."""
 
     def __init__(self, cfg, cost_model):
         pass

@@ -33,7 +33,7 @@ class InstanceSnapshot(msgspec.Struct, frozen=True, tag=True):
     time: float
     """Instance-side time the snapshot was taken (same clock as the coordinator's `now`)."""
     traj_ids: tuple[int, ...] = ()
-    """Ids of every trajectory the instance holds (running + waiting)."""
+    """Ids of every trajectory the instance holds (running + waiting + parked)."""
     tokens_generated: int = 0
     """Tokens generated since the instance started (throughput metrics)."""
     parked_ids: tuple[int, ...] = ()
