@@ -9,8 +9,9 @@ from staleflow.controller.audit import Audit
 from staleflow.controller.types import StepRecord
 
 PROTOCOL_TOTALS = {"occupy_exchanges": "exchanges", "order_swaps": "order_swaps"}
-"""Running totals of StaleFlow's protocol reported per step (metrics key -> StalenessManager attribute): reservations moved by the occupy exchange, and
-occupied groups exchanged by --staleness.train-order drawn (the two ways it trains out of completion order)."""
+"""Running totals of StaleFlow's protocol reported per step (metrics key -> StalenessManager attribute):
+reservations moved by the occupy exchange, and occupied groups exchanged by --staleness.train-order drawn
+(the two ways it trains out of completion order)."""
 
 
 def step_metrics(
