@@ -28,7 +28,9 @@ difference against sync (mean over seeds, 95% Student t interval over the per-se
 wall time (and its ratio to sync's), mean and maximum staleness of the trained groups, and
 time-to-target: the time since the run started at which the first evaluated policy reached the
 target = sync's mean final accuracy - 0.02 (mean over the seeds that reached it), with its paired
-difference against sync; the trainer's off-policy diagnostics; the mechanics (median over steps of
+difference against sync, the version (step) that reached it, and, since runs that never reach it have
+no time, a censored comparison: in how many seeds the mode got there before its sync pair, sync did, or
+neither, with an exact sign test; the trainer's off-policy diagnostics; the mechanics (median over steps of
 KL(behaviour || current), trainer seconds, interrupts and migrations per run, the share of tokens
 sampled by a later version than their response's first, token staleness, machine load); and, when
 staleflow eta 1 and sync or areal eta 1 are present, an equivalence statement (two one-sided t
@@ -321,7 +323,8 @@ def table(stats: dict, target: float) -> str:
                 f"{over:>8s} {d['train_acc_last5']:15.3f}"
             )
     lines.append(
-        f"\n{'paired vs sync':{w}s} {'final accuracy diff [95% t]':>30s} {'time-to-target diff s [95% t]':>34s}"
+        f"\n{'paired vs sync':{w}s} {'final accuracy diff [95% t]':>30s} {'time-to-target diff s [95% t]':>34s} "
+        f"{'first: it / sync / neither':>26s} {'sign p':>6s} {'step':>5s}"
     )
     for (mode, eta), s in stats.items():
         if mode == "verl-sync":
@@ -333,7 +336,11 @@ def table(stats: dict, target: float) -> str:
             else "-"
         )
         ttt += f" ({s['ttt_paired_seeds']} seeds)"
-        lines.append(f"{label(mode, eta):{w}s} {acc:>30s} {ttt:>34s}")
+        first = " / ".join(str(n) for n in s["ttt_first"])
+        lines.append(
+            f"{label(mode, eta):{w}s} {acc:>30s} {ttt:>34s} {first:>26s} {s['ttt_sign_p']:6.2f} "
+            f"{_num(s['ttt_step'], '{:5.1f}')}"
+        )
     lines.append(
         f"\n{'mechanics (metrics.jsonl)':{w}s} {'KL median':>9s} {'trainer s':>9s} {'interrupts':>10s} "
         f"{'migrations':>10s} {'mixed tok':>9s} {'tok stale':>9s} {'load mean / max':>15s}"
@@ -347,7 +354,9 @@ def table(stats: dict, target: float) -> str:
         )
     lines.append(
         f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "
-        f"the start of each run's metrics (model loaded) to the version that first reached it"
+        f"the start of each run's metrics (model loaded) to the version that first reached it; first: in how many "
+        f"seeds the mode reached it before its sync pair (an unreached run loses), exact sign test; step: the "
+        f"mean version that reached it (runs that did), sync's {_num(stats.get(('verl-sync', 0), {}).get('ttt_step'), '{:.1f}')}"
     )
     return "\n".join(lines)
 

@@ -64,6 +64,9 @@ def test_ci95_bench_paired_difference_and_time_to_target(bench):
     assert s["diff_ci95"] == pytest.approx([sum(diffs) / 3 - half, sum(diffs) / 3 + half])
     # reached 0.58 at: seed 0 t=80 (0.59), seed 1 t=160 (0.66), seed 2 never (0.55); sync: 200, 200, 200
     assert s["ttt_reached"] == 2 and s["ttt_s"] == pytest.approx(120) and s["ttt_vs_sync"] == pytest.approx(0.6)
+    # censored pairs still count: staleflow first on seeds 0 and 1, sync first on seed 2 (staleflow never reached)
+    assert s["ttt_first"] == [2, 1, 0] and s["ttt_sign_p"] == pytest.approx(1.0) and s["ttt_step"] == 7.5
+    assert stats[("verl-sync", 0)]["ttt_step"] == 10 and stats[("verl-sync", 0)]["ttt_first"] is None
     assert s["staleness_mean"] == pytest.approx(50 / 60) and s["staleness_max"] == 1
     assert s["wall_vs_sync"] == pytest.approx(0.8) and s["acc_final_std"] == pytest.approx(
         0.056862, abs=1e-6
@@ -71,6 +74,18 @@ def test_ci95_bench_paired_difference_and_time_to_target(bench):
     assert stats[("verl-sync", 0)]["diff_ci95"] is None
     assert s["over_eta"] == 0 and s["groups"] == 180 and stats[("verl-sync", 0)]["over_eta"] == 0
     assert "(baseline)" in bench.table(stats, target) and "120 (2/3)" in bench.table(stats, target)
+
+
+def test_first_to_target_counts_censored_pairs_and_the_sign_test():
+    from staleflow.metrics.convergence import first_to_target
+    from staleflow.metrics.stats import sign_test
+
+    assert first_to_target([(10.0, 20.0), (None, 5.0), (3.0, None), (None, None), (7.0, 7.0)]) == [2, 1, 2]
+    assert sign_test(8, 0) == pytest.approx(2 / 256) and sign_test(0, 8) == sign_test(8, 0)
+    assert sign_test(3, 3) == 1.0 and sign_test(0, 0) == 1.0
+    assert sign_test(6, 1) == pytest.approx(2 * (1 + 7) / 128)
+    with pytest.raises(ValueError, match="counts"):
+        sign_test(-1, 2)
 
 
 def test_bench_counts_groups_over_eta_from_the_histogram(bench):

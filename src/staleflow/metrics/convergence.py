@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from statistics import fmean, median, stdev
 
-from staleflow.metrics.stats import paired_seeds_needed, t_interval, tost, tost_seeds_needed
+from staleflow.metrics.stats import paired_seeds_needed, sign_test, t_interval, tost, tost_seeds_needed
 
 TARGET_MARGIN = 0.02
 """Time-to-target's target: sync's mean final held-out accuracy minus this."""
@@ -84,6 +84,25 @@ def time_to_target(run: dict, target: float) -> float | None:
     return next((e["t_policy"] for e in run["evals"] if e["accuracy"] >= target - 1e-12), None)
 
 
+def step_to_target(run: dict, target: float) -> int | None:
+    """The first evaluated policy version (trained steps) that reached the target: no wall clock in it."""
+    return next((e["step"] for e in run["evals"] if e["accuracy"] >= target - 1e-12), None)
+
+
+def first_to_target(pairs: list[tuple[float | None, float | None]]) -> list[int]:
+    """[a first, b first, neither or tied] over paired times-to-target (None: never reached). A run
+    that reached the target beats its pair that did not, so unreached (censored) runs still count."""
+    out = [0, 0, 0]
+    for a, b in pairs:
+        if a is not None and (b is None or a < b):
+            out[0] += 1
+        elif b is not None and (a is None or b < a):
+            out[1] += 1
+        else:
+            out[2] += 1
+    return out
+
+
 def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[float, dict]:
     """(target, per-mode statistics); paired differences use the seeds both runs finished."""
     sync = {r["seed"]: r for r in results[sync_key]}
@@ -104,6 +123,8 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
         both = [(time_to_target(r, target), time_to_target(sync[r["seed"]], target)) for r in runs if r["seed"] in sync]
         ttt_d = [x - y for x, y in both if x is not None and y is not None]
         ttt_ci = t_interval(ttt_d) if key != sync_key else None
+        first = first_to_target(both)
+        steps_to = [t for t in (step_to_target(r, target) for r in runs) if t is not None]
         groups = sum(sum(r["staleness_hist"].values()) for r in runs)
         stats[key] = {
             "seeds": len(runs),
@@ -128,6 +149,10 @@ def aggregate(results: dict[tuple[str, int], list[dict]], sync_key) -> tuple[flo
             "ttt_diff_vs_sync": fmean(ttt_d) if ttt_d and key != sync_key else None,
             "ttt_diff_ci95": list(ttt_ci) if ttt_ci else None,
             "ttt_paired_seeds": len(ttt_d),
+            # censored pairs count too: which of the pair reached the target first (an unreached run loses)
+            "ttt_first": first if key != sync_key else None,
+            "ttt_sign_p": sign_test(first[0], first[1]) if key != sync_key else None,
+            "ttt_step": fmean(steps_to) if steps_to else None,
             "load": fmean(r.get("load_mean", (r["load_start"] + r["load_end"]) / 2) for r in runs),
             "load_max": max(r.get("load_max", max(r["load_start"], r["load_end"])) for r in runs),
             "diag": {k: fmean(r["diag"][k] for r in runs) for k in runs[0].get("diag", {})},

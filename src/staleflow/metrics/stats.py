@@ -120,6 +120,17 @@ def tost(values: Sequence[float], margin: float, alpha: float = 0.05) -> dict | 
     }
 
 
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the probability, if each decided pair were a fair coin, of a split at
+    least as uneven as wins : losses (ties are left out before calling). 1.0 with no decided pair."""
+    if wins < 0 or losses < 0:
+        raise ValueError(f"sign_test needs counts >= 0 (got {wins}, {losses})")
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
 def paired_seeds_needed(sd: float, delta: float, power: float = 0.8, alpha: float = 0.05, most: int = 1000) -> int:
     """The fewest paired seeds for a two-sided paired t test at `alpha` to detect a true mean
     difference `delta` with probability `power`, when the per-seed differences have standard
