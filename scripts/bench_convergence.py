@@ -33,8 +33,8 @@ no time, a censored comparison: in how many seeds the mode got there before its 
 neither, with an exact sign test; the trainer's off-policy diagnostics; the mechanics (median over steps of
 KL(behaviour || current), trainer seconds, interrupts and migrations per run, the share of tokens
 sampled by a later version than their response's first, token staleness, machine load); and, when
-staleflow eta 1 and sync or areal eta 1 are present, an equivalence statement (two one-sided t
-tests at +-margin on the per-seed differences) with the seeds 80% power would need at the observed
+staleflow and sync, areal or the matched peer at its eta are present, an equivalence statement (two
+one-sided t tests at +-margin on the per-seed differences) with the seeds 80% power would need at the observed
 spread, split into evaluation noise and run-to-run spread when the runs recorded per-prompt answers.
 Writes one PNG (held-out accuracy against wall time and against step, mean over seeds with a +-1 std
 band) and ends with one JSON line. --smoke: tiny preset, 2 steps, 1 seed, 4 held-out prompts, sync
@@ -247,8 +247,14 @@ def args_n(results: dict, key) -> int:
 
 
 def equivalence_lines(results: dict, margin: float) -> tuple[list[str], dict]:
+    """TOST lines for StaleFlow at each eta run against sync, AReaL at that (nominal) eta, and the peer held
+    to the same per-trajectory bound (verl-fully-async-matched at that eta), where both sides have runs."""
     lines, out = [], {}
-    for a, b in ((("staleflow", 1), ("verl-sync", 0)), (("staleflow", 1), ("areal", 1))):
+    etas = sorted(eta for mode, eta in results if mode == "staleflow")
+    pairs = [
+        (("staleflow", e), b) for e in etas for b in (("verl-sync", 0), ("areal", e), ("verl-fully-async-matched", e))
+    ]
+    for a, b in pairs:
         e = equivalence(results, a, b, margin)
         if e is None:
             continue

@@ -249,15 +249,18 @@ def test_bench_convergence_equivalence_is_tost_on_paired_seeds(bench):
     sync = runs("verl-sync", 0, [0.60, 0.50, 0.55, 0.58])
     sf = runs("staleflow", 1, [0.61, 0.49, 0.56, 0.57])  # differences +0.01, -0.01, +0.01, -0.01
     far = runs("areal", 1, [0.70, 0.62, 0.66, 0.72])  # staleflow - areal: -0.09, -0.13, -0.10, -0.15
-    results = {("verl-sync", 0): sync, ("staleflow", 1): sf, ("areal", 1): far}
+    peer = runs("verl-fully-async-matched", 1, [0.61, 0.49, 0.56])  # 3 seeds: paired on those
+    results = {("verl-sync", 0): sync, ("staleflow", 1): sf, ("areal", 1): far, ("verl-fully-async-matched", 1): peer}
     e = bench.equivalence(results, ("staleflow", 1), ("verl-sync", 0), 0.05)
     d = [0.01, -0.01, 0.01, -0.01]
     se = stdev(d) / 2
     assert e["mean"] == pytest.approx(0.0) and e["equivalent"] and e["seeds"] == 4
     assert e["p"] == pytest.approx(t.sf(0.05 / se, 3)) and e["ci"][1] == pytest.approx(t.ppf(0.95, 3) * se)
     lines, out = bench.equivalence_lines(results, 0.05)
-    assert len(lines) == 2 and "EQUIVALENT within" in lines[0] and "not shown equivalent" in lines[1]
+    assert len(lines) == 3 and "EQUIVALENT within" in lines[0] and "not shown equivalent" in lines[1]
     assert out["staleflow eta 1 - areal eta 1"]["mean"] == pytest.approx(-0.1175)
+    assert lines[2].startswith("staleflow eta 1 - verl-fully-async-matched eta 1: final accuracy +0.000")
+    assert out["staleflow eta 1 - verl-fully-async-matched eta 1"]["seeds"] == 3
     # seeds needed at the observed sd: a tiny spread needs few, the TOST needs at least as many as detection
     assert 2 <= e["seeds_to_detect"] <= e["seeds_for_equivalence"] <= 4
     assert (
