@@ -358,11 +358,12 @@ def table(stats: dict, target: float) -> str:
             f"{_span(m['interrupts']):>10s} {_span(m['migrations']):>10s} {_num(m['mixed_token_frac'], '{:9.4f}')} "
             f"{_num(m['token_staleness'], '{:9.2f}')} {s['load']:7.1f} / {s['load_max']:<5.1f}"
         )
+    sync_step = _num(stats.get(("verl-sync", 0), {}).get("ttt_step"), "{:.1f}")
     lines.append(
         f"target = sync's mean final accuracy - {TARGET_MARGIN} = {target:.3f}; time-to-target counts from "
         f"the start of each run's metrics (model loaded) to the version that first reached it; first: in how many "
         f"seeds the mode reached it before its sync pair (an unreached run loses), exact sign test; step: the "
-        f"mean version that reached it (runs that did), sync's {_num(stats.get(('verl-sync', 0), {}).get('ttt_step'), '{:.1f}')}"
+        f"mean version that reached it (runs that did), sync's {sync_step}"
     )
     return "\n".join(lines)
 
