@@ -79,14 +79,21 @@ def summarize_run(run_dir: Path, wall_s: float) -> dict:
     }
 
 
+def _first_reached(run: dict, target: float) -> dict | None:
+    """The first evaluation whose accuracy reached the target (None: never)."""
+    return next((e for e in run["evals"] if e["accuracy"] >= target - 1e-12), None)
+
+
 def time_to_target(run: dict, target: float) -> float | None:
     """Seconds since the run started at which the first evaluated policy reached the target."""
-    return next((e["t_policy"] for e in run["evals"] if e["accuracy"] >= target - 1e-12), None)
+    e = _first_reached(run, target)
+    return e["t_policy"] if e else None
 
 
 def step_to_target(run: dict, target: float) -> int | None:
     """The first evaluated policy version (trained steps) that reached the target: no wall clock in it."""
-    return next((e["step"] for e in run["evals"] if e["accuracy"] >= target - 1e-12), None)
+    e = _first_reached(run, target)
+    return e["step"] if e else None
 
 
 def first_to_target(pairs: list[tuple[float | None, float | None]]) -> list[int]:
