@@ -15,6 +15,7 @@ overflow (launch/entry.py), naming the flag to change. docs/memory-plan.md expla
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,6 +48,9 @@ class RunPlan:
     gpu_share: dict[int, float] = field(default_factory=dict)
     """On CUDA, for each rollout rank whose engine backend takes_gpu_share: the share of its GPU the
     engine may use (its planned bytes / GPU bytes, without the rank process's own context)."""
+    active_params: int = 0
+    """Parameters one token runs through (a mixture-of-experts layer runs k of its E experts);
+    equal to ``params`` for a dense model. Memory follows ``params``, compute ``active_params``."""
 
     @property
     def fits(self) -> bool:
@@ -94,9 +98,11 @@ def build_plan(
     ranks: list[RankPlan] = []
     for r in roles.trainer_ranks:
         slots = 2 * pieces[r].nbytes if cuda else (2 * layout.nbytes if r == 0 else 0)
-        ranks.append(trainer_rank(cfg, args, r, roles.num_trainer, device_type, slots, flash))
+        ranks.append(trainer_rank(cfg, args, r, roles.num_trainer, device_type, slots, flash, lm=master))
+    base = None  # every rollout rank runs the same engine on the same model: planned once, copied
     for r in roles.rollout_ranks:
-        ranks.append(rollout_rank(cfg, args, r, device_type))
+        base = base or rollout_rank(cfg, args, r, device_type)
+        ranks.append(dataclasses.replace(base, rank=r, items=dict(base.items), notes=list(base.notes)))
     plan = RunPlan(
         cfg.model.path,
         sum(p.numel() for p in master.parameters()),
@@ -106,6 +112,7 @@ def build_plan(
         ranks,
         kv_tokens=cfg.rollout.max_kv_tokens,
         engine=cfg.rollout.engine,
+        active_params=master.num_active_params(),
     )
     if not cuda:
         return plan

@@ -34,6 +34,12 @@ def _m(n: int) -> str:
     return f"{n / 2**20:.0f}"
 
 
+def _params(plan) -> str:
+    if plan.active_params and plan.active_params != plan.params:
+        return f"{plan.params / 1e9:.2f}B params, {plan.active_params / 1e9:.2f}B active per token"
+    return f"{plan.params / 1e9:.2f}B params"
+
+
 def table(plan) -> str:
     """Rows: ranks; columns: GiB per category, the load-time peak and the rank's peak."""
     cols = [c for c in CATEGORIES if any(rp.items.get(c) for rp in plan.ranks)]
@@ -50,10 +56,9 @@ def table(plan) -> str:
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     unit = "MiB" if small else "GiB"
     unit += f" of {plan.gpu_bytes / GiB:.1f} GiB per GPU" if plan.device_type == "cuda" else " (cpu: host memory)"
-    lines = [
-        f"memory plan: {plan.model} ({plan.params / 1e9:.2f}B params), {len(plan.ranks)} ranks, {unit}",
-        fmt.format(*head),
-    ] + [fmt.format(*r) for r in rows]
+    lines = [f"memory plan: {plan.model} ({_params(plan)}), {len(plan.ranks)} ranks, {unit}", fmt.format(*head)] + [
+        fmt.format(*r) for r in rows
+    ]
     for g, n in sorted(plan.per_gpu.items()):
         lines.append(f"GPU {g}: {_g(n)} GiB{'' if n <= plan.gpu_bytes else '  OVER'}")
     for r, u in sorted(plan.gpu_share.items()):
@@ -81,6 +86,7 @@ def summary(plan) -> dict:
         "device": plan.device_type,
         "model": plan.model,
         "params_b": round(plan.params / 1e9, 3),
+        "active_params_b": round((plan.active_params or plan.params) / 1e9, 3),
         "ranks": len(plan.ranks),
         "trainer_ranks": sum(rp.role == "trainer" for rp in plan.ranks),
         "rollout_ranks": len(kv),

@@ -61,6 +61,7 @@ from staleflow.train.parallelize import (
     fill_parameters,
     shard_policy,
 )
+from staleflow.train.router import RouterTally
 from staleflow.train.step_metrics import step_metrics
 from staleflow.trajectory import TrainGroup, TrajectoryTokens
 
@@ -77,15 +78,18 @@ def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Ten
 
 
 class PolicyHead(nn.Module):
-    """CausalLM + packed log-prob op in one forward, so FSDP unshards the LM head around it."""
+    """CausalLM + packed log-prob op in one forward, so FSDP unshards the LM head around it.
+    After a forward of a mixture-of-experts model, ``router_stats`` holds its sparse layers' routing
+    statistics [L, 2, E] (model/moe.py; None for a dense model)."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        self.router_stats: torch.Tensor | None = None
 
     def forward(self, mb: MicroBatch, temperature: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
         attn = PackedAttention(mb.cu_seqlens)
-        hidden = self.lm(mb.input_ids, mb.positions, attn)  # [T, H]
+        hidden, self.router_stats = self.lm(mb.input_ids, mb.positions, attn, router_stats=True)  # [T, H]
         rows, weight = head_operands(hidden[mb.rows], self.lm.lm_head_weight)  # [N, H], [V, H]
         # On CPU the head stays fp32 even under bf16 autocast: the ratio against the rollout's
         # fp32 log-probs must not carry bf16 logit rounding (~1e-2).
@@ -167,6 +171,14 @@ class Trainer:
             raise ValueError(
                 "weights=... fills a model built on the meta device; this model is already loaded: "
                 "pass weights=None (or build it with staleflow.model.lazy_model)"
+            )
+        args = getattr(model, "args", None)
+        self.router = RouterTally(cfg.router_aux_coef, args) if args is not None and args.is_moe else None
+        """Routing statistics and the auxiliary loss of a mixture-of-experts policy (train/router.py)."""
+        if cfg.router_aux_coef > 0 and self.router is None:
+            raise ValueError(
+                f"--train.router-aux-coef={cfg.router_aux_coef} weighs the router loss of a mixture-of-experts "
+                f"model; this model has no experts: set it to 0"
             )
         model.to(dtype=MASTER_DTYPE, **({} if lazy else {"device": self.device}))
         model.gradient_checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, self.device.type)
@@ -274,6 +286,7 @@ class Trainer:
         lengths = [tokens[i].seq_len if r > 0 else 0 for i, r in zip(ids, resp)]
         plan = plan_step(lengths, self.world, self.cfg.micro_batch_tokens)
         self._oversize += len(plan.oversize)
+        self._plan_tokens = max(sum(lengths), 1)  # the mini-batch's packed tokens, every rank together
         return [
             build_micro_batch(tokens, [ids[j] for j in mb], adv, seq_w).to(self.device) for mb in plan.ranks[self.rank]
         ]
@@ -290,7 +303,12 @@ class Trainer:
         tokens = step_payloads(groups, payloads)
         rewards, adv, keep = self._prepare(groups, tokens)
         minis = [m for m in self._mini_batches(member_groups(groups), keep) if m]
-        planned = [mbs for mbs in (self._plan(tokens, ids, adv) for ids in minis) if mbs]  # same on all ranks
+        planned, mini_tokens = [], []  # the same on every rank
+        for ids in minis:
+            mbs = self._plan(tokens, ids, adv)
+            if mbs:
+                planned.append(mbs)
+                mini_tokens.append(self._plan_tokens)
         recompute = self.loss_settings.recompute_proximal or len(planned) > 1
         proximal = [self._logprobs_nograd(self.policy, mbs) for mbs in planned] if recompute else None
         ref = [self._logprobs_nograd(self.ref_policy, mbs) for mbs in planned] if self.ref_policy else None
@@ -299,6 +317,8 @@ class Trainer:
         self.policy.train()
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         grad_norms = []
+        if self.router is not None:
+            self.router.start_step()
         for k, mbs in enumerate(planned):
             self.optimizer.zero_grad(set_to_none=True)
             for m, mb in enumerate(mbs):
@@ -315,7 +335,10 @@ class Trainer:
                     ref_logp=ref[k][m] if ref else None,
                 )
                 loss, stats = policy_loss(self.loss_settings, x)
-                (loss * self.world).backward()
+                aux = 0.0
+                if self.router is not None and mb.rows.numel():  # a padding micro-batch routes nothing of its own
+                    aux = self.router.add(self.policy.router_stats, mb.input_ids.numel() / mini_tokens[k])
+                ((loss + aux) * self.world).backward()
                 loss_total += loss.detach().double()
                 for key, v in stats.items():
                     v = v.detach().double()  # stays on the device: one transfer per step, in _metrics
@@ -326,10 +349,15 @@ class Trainer:
                     else:
                         sums[key] = sums.get(key, 0.0) + v
             grad_norms.append(self._clip_and_step())
+            if self.router is not None:
+                self.router.end_update()
         if planned:
             self.scheduler.step()
         self.version += 1
-        return step_metrics(self, groups, tokens, rewards, adv, keep, sums, loss_total, grad_norms, t0)
+        out = step_metrics(self, groups, tokens, rewards, adv, keep, sums, loss_total, grad_norms, t0)
+        if self.router is not None:
+            out.update(self.router.metrics(self.device, self.group if self.sharded else None))
+        return out
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.policy.parameters() if p.grad is not None]
