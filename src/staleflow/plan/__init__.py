@@ -103,13 +103,16 @@ def build_plan(
     for r in roles.rollout_ranks:
         base = base or rollout_rank(cfg, args, r, device_type)
         ranks.append(dataclasses.replace(base, rank=r, items=dict(base.items), notes=list(base.notes)))
+    from staleflow.plan.reward_model import reward_model_ranks
+
+    reward = reward_model_ranks(cfg, device_type)  # --reward.model's processes (rank -1, -2, ...)
     plan = RunPlan(
         cfg.model.path,
         sum(p.numel() for p in master.parameters()),
         device_type,
         gpu_bytes,
         gpus if cuda else 0,
-        ranks,
+        ranks + reward,
         kv_tokens=cfg.rollout.max_kv_tokens,
         engine=cfg.rollout.engine,
         active_params=master.num_active_params(),
@@ -123,6 +126,7 @@ def build_plan(
 
     for rp in ranks:
         rp.gpu = gpu(rp.rank)
+    ranks = ranks + [rp for rp in reward if rp.gpu is not None]  # a reward model on cuda:N shares GPU N
     remote = [r for r in roles.rollout_ranks if r >= per_node]
     local = [r for r in roles.rollout_ranks if r < per_node]
     # every local puller (a rollout rank, or its engine's own worker process) maps every slot piece by CUDA
