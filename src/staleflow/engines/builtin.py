@@ -15,6 +15,8 @@ MiB = 2**20
 
 @register_engine("builtin")
 class BuiltinBackend(EngineBackend):
+    loads_partial_weights = True  # BuiltinEngine.load_weights(strict=False): LoRA runs' merged projections
+
     def build(self, ctx, model, gpu_share: float | None):
         from staleflow.rollout.builtin_engine import BuiltinEngine
 

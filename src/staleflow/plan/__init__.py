@@ -93,7 +93,13 @@ def build_plan(
     args = model_args(cfg.model.path)
     master = meta_model(args, MASTER_DTYPE)
     place = slot_placement(roles.num_trainer, nproc, device_type)
-    layout = ParamLayout.from_named_tensors(master.named_parameters(), dtype=slot_dtype(cfg, device_type))
+    pushed = master.named_parameters()
+    if cfg.lora.enabled:  # the slots hold the adapted projections' merged weights only (Trainer.pushed)
+        from staleflow.train.lora import lora_targets
+
+        params = dict(master.named_parameters())
+        pushed = [(f"{m}.weight", params[f"{m}.weight"]) for m in lora_targets(master, cfg.lora.targets)]
+    layout = ParamLayout.from_named_tensors(pushed, dtype=slot_dtype(cfg, device_type))
     pieces = layout.split(place.pieces)
     ranks: list[RankPlan] = []
     for r in roles.trainer_ranks:

@@ -194,16 +194,31 @@ def trainer_rank(
     cdt = compute_dtype(device_type, cfg.train.compute_dtype)
     ms = MASTER_DTYPE.itemsize
     sharded = world > 1
-    if sharded:
-        padded = sum(_fsdp_padded(s, world) for s in shapes)
-        local = sum((b - a) * math.prod(s[1:]) for s in shapes for a, b in [piece_rows(s, world, rank)])
+
+    def rows(shapes_) -> tuple[int, int]:  # (padded elements FSDP2 allocates, unpadded local elements)
+        if not sharded:
+            n = sum(math.prod(s) for s in shapes_)
+            return n, n
+        padded_ = sum(_fsdp_padded(s, world) for s in shapes_)
+        return padded_, sum((b - a) * math.prod(s[1:]) for s in shapes_ for a, b in [piece_rows(s, world, rank)])
+
+    padded, local = rows(shapes)
+    where = f"FSDP2 shard 1/{world}" if sharded else "full"
+    trained = shapes
+    held = padded  # the weights this rank holds (padded shards)
+    if cfg.lora.enabled:  # frozen base: no gradient, no AdamW state; the adapters are all that trains
+        from staleflow.train.lora import lora_shapes
+
+        trained = lora_shapes(lm, cfg.lora)
+        held = rows(shapes + trained)[0]
+        plan.add("weights", held * ms, f"{MASTER_DTYPE} frozen base + LoRA rank {cfg.lora.rank} adapters, {where}")
+        padded, local = rows(trained)
     else:
-        padded = local = total
-    plan.add("weights", padded * ms, f"{MASTER_DTYPE} master, {f'FSDP2 shard 1/{world}' if sharded else 'full'}")
+        plan.add("weights", padded * ms, f"{MASTER_DTYPE} master, {where}")
     plan.add("grads", padded * ms, "sharded, reduced after every micro-batch" if sharded else "full")
-    plan.add("optimizer", 2 * local * ms + 4 * len(named), "AdamW exp_avg + exp_avg_sq + step")
+    plan.add("optimizer", 2 * local * ms + 4 * len(trained), "AdamW exp_avg + exp_avg_sq + step")
     if cfg.train.kl_coef > 0:
-        plan.add("reference", padded * cdt.itemsize, f"KL reference in {cdt}, sharded like the policy")
+        plan.add("reference", rows(shapes)[0] * cdt.itemsize, f"KL reference in {cdt}, sharded like the policy")
     plan.add(
         "slots",
         slot_piece_bytes,
@@ -269,9 +284,7 @@ def trainer_rank(
     # the lazy load (Trainer(..., weights=...)): the (sharded) weights allocated, then one full fp32
     # tensor at a time on the device, plus its rows that distribute_tensor cuts from it
     largest = max(math.prod(s) for s in shapes)
-    plan.load_peak = (
-        padded * ms + largest * ms + (_fsdp_padded(max(shapes, key=math.prod), world) * ms if sharded else 0)
-    )
+    plan.load_peak = held * ms + largest * ms + (_fsdp_padded(max(shapes, key=math.prod), world) * ms if sharded else 0)
     return plan.finish()
 
 

@@ -73,12 +73,13 @@ def shard_policy(policy, mesh, device_type: str) -> None:
     fully_shard(policy, mesh=mesh, mp_policy=mp)
 
 
-def fill_parameters(model, weights, device) -> None:
+def fill_parameters(model, weights, device, partial: bool = False) -> None:
     """Copy the rows of each (name, full tensor) in ``weights`` that this rank keeps into the
     model's parameter of that name (sharded by FSDP2 or not; materialised, e.g. by to_empty).
 
     Every rank reads each full tensor and keeps its own rows (no communication), one tensor at a
-    time, so no rank ever holds the whole model. Every parameter must be given exactly once."""
+    time, so no rank ever holds the whole model. Every parameter must be given exactly once
+    (``partial``: at most once, e.g. only the LoRA adapters)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     params = dict(model.named_parameters())
@@ -99,5 +100,5 @@ def fill_parameters(model, weights, device) -> None:
             p.copy_(full)
             filled.add(name)
     missing = sorted(set(params) - filled)
-    if missing:
+    if missing and not partial:
         raise ValueError(f"weights: {len(missing)} parameters were never given, e.g. {missing[:3]}")

@@ -38,20 +38,18 @@ reads these same definitions.
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from staleflow.model.attention import PackedAttention
 from staleflow.train.advantages import ADVANTAGES, compute_advantages, groups_with_signal, overlong_penalty
 from staleflow.train.batch import MicroBatch, build_micro_batch, member_groups, step_payloads
-from staleflow.train.logprobs import packed_logprobs
+from staleflow.train.lora import apply_lora, lora_init, lora_shards
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
 from staleflow.train.packing import plan_step
 from staleflow.train.parallelize import (
@@ -61,53 +59,10 @@ from staleflow.train.parallelize import (
     fill_parameters,
     shard_policy,
 )
+from staleflow.train.policy import ParamShard, PolicyHead, head_operands  # noqa: F401 - part of this module's API
 from staleflow.train.router import RouterTally
 from staleflow.train.step_metrics import step_metrics
 from staleflow.trajectory import TrainGroup, TrajectoryTokens
-
-
-def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head's inputs in autocast's dtype when autocast is on: the fp32 master LM head of a
-    single CUDA rank would otherwise reach the log-prob kernel in fp32 (no tensor cores); the
-    kernel still accumulates the logits in fp32."""
-    dev = hidden.device.type
-    if dev == "cuda" and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return hidden.to(dt), weight.to(dt)
-    return hidden, weight
-
-
-class PolicyHead(nn.Module):
-    """CausalLM + packed log-prob op in one forward, so FSDP unshards the LM head around it.
-    After a forward of a mixture-of-experts model, ``router_stats`` holds its sparse layers' routing
-    statistics [L, 2, E] (model/moe.py; None for a dense model)."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-        self.router_stats: torch.Tensor | None = None
-
-    def forward(self, mb: MicroBatch, temperature: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = PackedAttention(mb.cu_seqlens)
-        hidden, self.router_stats = self.lm(mb.input_ids, mb.positions, attn, router_stats=True)  # [T, H]
-        rows, weight = head_operands(hidden[mb.rows], self.lm.lm_head_weight)  # [N, H], [V, H]
-        # On CPU the head stays fp32 even under bf16 autocast: the ratio against the rollout's
-        # fp32 log-probs must not carry bf16 logit rounding (~1e-2).
-        with torch.autocast("cpu", enabled=False) if rows.device.type == "cpu" else contextlib.nullcontext():
-            logp, entropy = packed_logprobs(rows, weight, mb.targets, temperature=temperature, impl=impl)  # [N], [N]
-        if mb.rows.numel() == 0:  # padding micro-batch: keep every parameter in the graph
-            logp = logp + 0.0 * hidden.sum()
-        return logp, entropy
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """This rank's piece of one parameter: rows [row_offset, row_offset + local.shape[0]) of dim 0."""
-
-    name: str
-    local: torch.Tensor
-    row_offset: int
-    global_shape: tuple[int, ...]
 
 
 def lr_factor(step: int, warmup: int, schedule: str, total_steps: int | None) -> float:
@@ -134,13 +89,17 @@ class Trainer:
         total_steps: int | None = None,
         max_response_tokens: int | None = None,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        lora=None,
     ):
         """max_response_tokens: the run's --rollout.max-new-tokens, the constant that Dr. GRPO
         (--train.loss-agg seq-mean-token-sum-norm) divides by; the other aggregations ignore it.
 
         A model on the meta device comes with ``weights``, (name, full tensor) pairs streamed one at
         a time (staleflow.model.lazy_model): it is sharded first and each rank keeps only its own
-        rows, so no rank holds the whole fp32 model (the load peak is the shard plus one tensor)."""
+        rows, so no rank holds the whole fp32 model (the load peak is the shard plus one tensor).
+
+        ``lora`` (the run's LoraConfig): with a rank > 0, adapters go on its target projections and
+        only they are trained, checkpointed and (merged into their projections) pushed (train/lora.py)."""
         if cfg.schedule == "cosine" and not total_steps:
             raise ValueError("--train.schedule cosine needs the run length: pass total_steps (the run's --steps)")
         if not temperature > 0:
@@ -180,6 +139,9 @@ class Trainer:
                 f"--train.router-aux-coef={cfg.router_aux_coef} weighs the router loss of a mixture-of-experts "
                 f"model; this model has no experts: set it to 0"
             )
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:
+            apply_lora(model, self.lora)  # base weights frozen; adapters on the base's device (meta when lazy)
         model.to(dtype=MASTER_DTYPE, **({} if lazy else {"device": self.device}))
         model.gradient_checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, self.device.type)
         self.model = model
@@ -189,10 +151,12 @@ class Trainer:
             self._shard(self.policy)
         if lazy:
             self.policy.to_empty(device=self.device)
-            fill_parameters(model, weights, self.device)
+            fill_parameters(model, itertools.chain(weights, lora_init(model) if self.lora else ()), self.device)
+        elif self.lora is not None:  # the same seeded adapters on every rank, however the model was loaded
+            fill_parameters(model, lora_init(model), self.device, partial=True)
         self.ref_policy = self._reference() if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
+            [p for p in self.policy.parameters() if p.requires_grad],
             lr=cfg.lr,
             betas=tuple(cfg.betas),
             weight_decay=cfg.weight_decay,
@@ -219,10 +183,12 @@ class Trainer:
         if self.sharded:
             self._shard(ref)
         ref.to_empty(device=self.device)
+        params = dict(self.model.named_parameters())  # a LoRA policy has more: its adapters (zero at start)
         with torch.no_grad():
-            for (name, p), (name_r, q) in zip(self.model.named_parameters(), lm.named_parameters()):
-                if name != name_r:
-                    raise RuntimeError(f"reference policy: parameter {name_r!r} where {name!r} was expected")
+            for name, q in lm.named_parameters():
+                p = params.get(name)
+                if p is None:
+                    raise RuntimeError(f"reference policy: the policy has no parameter {name!r}")
                 src = p.to_local() if hasattr(p, "to_local") else p
                 (q.to_local() if hasattr(q, "to_local") else q).copy_(src)
         return ref
@@ -374,8 +340,13 @@ class Trainer:
         """This rank's own piece of every parameter (HF names), without any communication.
 
         FSDP2 shards dim 0 in torch.chunk fashion: rank r holds rows [r*c, min((r+1)*c, n)) with
-        c = ceil(n / world). Unsharded training yields full tensors at offset 0.
+        c = ceil(n / world). Unsharded training yields full tensors at offset 0. With LoRA: the
+        merged weights of the adapted projections only (``pushed``; a collective: each adapter's A
+        is gathered), nothing else changes.
         """
+        if self.lora is not None:
+            yield from (ParamShard(*s) for s in lora_shards(self.model, self.rank, self.world))
+            return
         for name, p in self.model.named_parameters():
             if hasattr(p, "to_local"):
                 local = p.to_local()
@@ -384,6 +355,17 @@ class Trainer:
                 yield ParamShard(name, local.detach(), min(self.rank * c, n), tuple(p.shape))
             else:
                 yield ParamShard(name, p.detach(), 0, tuple(p.shape))
+
+    def pushed(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, meta tensor of its full shape and master dtype) of what ``named_shards`` yields: the
+        Parameter Server's layout. Every parameter, or with LoRA the adapted projections' weights."""
+        if self.lora is not None:
+            names = [f"{m}.weight" for m in self.model.lora_modules]
+            params = dict(self.model.named_parameters())
+            return [(n, torch.empty(tuple(params[n].shape), dtype=MASTER_DTYPE, device="meta")) for n in names]
+        return [
+            (n, torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")) for n, p in self.model.named_parameters()
+        ]
 
     def full_state_dict(
         self, to_cpu: bool = True, rank0_only: bool = False, dtype: torch.dtype | None = None
