@@ -225,8 +225,7 @@ class TrainConfig:
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"
     """Recompute each decoder layer in backward (less memory, ~30% more compute); auto: on for CUDA only."""
     router_aux_coef: float = 0.0
-    """Mixture-of-experts models: weight of the router's load-balancing loss (transformers'
-    load_balancing_loss_func; Qwen3-MoE was pre-trained with 0.001); 0 disables it (docs/model.md)."""
+    """MoE models: weight of the router's load-balancing loss (Qwen3-MoE pre-trained with 0.001); 0: off (docs/trainer.md)."""
 
     def __post_init__(self):
         _check(

@@ -114,7 +114,7 @@ def engine_backend(cfg) -> EngineBackend:
             f"{one_line(e)}); a rollout engine is {ENGINES.shape.text}"
         ) from None
     lora = getattr(cfg, "lora", None)
-    if lora is not None and lora.enabled and not backend.loads_partial_weights:
+    if lora is not None and lora.enabled and not getattr(backend, "loads_partial_weights", False):
         raise ExtensionError(
             f"--lora.rank {lora.rank} with --rollout.engine={cfg.rollout.engine!r}: a LoRA run's pulls carry the "
             f"adapted projections' merged weights only, which this engine cannot load: use --rollout.engine builtin"
