@@ -172,6 +172,7 @@ def test_lora_plan_counts_the_frozen_base_and_trains_the_adapters_only():
     assert plan.items["optimizer"] == state  # exp_avg, exp_avg_sq (and the fp32 step scalars) of the adapters
 
 
+@pytest.mark.scripts_smoke
 def test_lora_bench_pull_script_reports_bytes_against_the_full_pull():
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_lora_pull.py"
     proc = subprocess.run(

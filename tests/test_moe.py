@@ -328,3 +328,15 @@ def test_moe_plan_counts_a_sparse_layers_activations_and_engine_workspace():
     assert sparse > dense  # k gathered rows and k experts' SwiGLU per token, vs one MLP of width 64
     rc = RolloutConfig(max_running=8, prefill_chunk_tokens=64)
     assert engine_workspace(args, rc, 4) > engine_workspace(args.replace(num_experts_per_tok=1), rc, 4)
+
+
+def test_moe_activation_checkpointing_recomputes_routing_and_the_aux_loss_exactly():
+    grads = []
+    for ac in ("off", "on"):
+        cfg = TrainConfig(lr=1e-2, micro_batch_tokens=30, router_aux_coef=0.1, activation_checkpointing=ac)
+        t = Trainer(CausalLM(tiny_moe_args()).init_weights(std=0.2, seed=0), cfg)
+        seen = capture_grads(t)
+        t.step(*random_batch(seed=1, groups=3, vocab=64))
+        grads.append(seen[0])
+    assert t.model.gradient_checkpointing and any(n.endswith("mlp.gate.weight") for n in grads[1])
+    assert_same(grads[0], grads[1], atol=0)
