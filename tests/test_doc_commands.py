@@ -37,6 +37,18 @@ FENCED: dict[str, str] = {
     "python -m staleflow plan --preset gpu-7b --gpu-memory-gib 80 --rollout.engine vllm": RUN,
     "python -m staleflow plan --preset tiny --nproc 2 --gpus 1 --rollout.ranks 1": RUN,
     "python -m staleflow plan --preset smollm2-cpu --device cpu --nproc 3": RUN,
+    "./launch.sh --preset tiny --lora.rank 8 --steps 4": "a training run (~1 min); tests/test_lora.py runs 2 steps "
+    "and a resume with --lora.rank 8",
+    "python -m staleflow plan --preset gpu-7b --model.path Qwen/Qwen3-30B-A3B --gpu-memory-gib 80 --nproc 8 "
+    "--rollout.ranks 1 --rollout.max-model-len 40960 --rollout.max-new-tokens 39936 --rollout.max-kv-tokens 163840 "
+    "--rollout.max-running 16 --lora.rank 32": "plans Qwen3-30B-A3B with LoRA (~40 s on 2 shared cores); "
+    "tests/test_moe.py plans the model on one node",
+    "python -m staleflow plan --preset gpu-7b --gpu-memory-gib 80 --reward.model /models/skywork-rm "
+    "--reward.model-device cuda:7": "needs the downloaded reward model folder; tests/test_reward_model.py plans a tiny one",
+    "python -m staleflow plan --preset gpu-7b --model.path Qwen/Qwen3-30B-A3B --gpu-memory-gib 80 --nodes 8 --nproc 8 "
+    "--rollout.ranks 24 --rollout.max-model-len 40960 --rollout.max-new-tokens 39936 --rollout.max-kv-tokens 163840 "
+    "--rollout.max-running 16": "plans 64 ranks of Qwen3-30B-A3B (~1 min on 2 shared cores); tests/test_moe.py plans "
+    "the same model on one node",
     "./launch.sh": "the main job (SmolLM2-135M, 20 steps): 11 min 18 s on 2 idle cores (docs/perf.md); .ci/run runs it "
     "shortened to 2 steps",
     "bash scripts/setup_env.sh": "builds .venv (~900 MB); .ci/run runs it; tests/test_scripts_smoke.py checks it",

@@ -88,6 +88,9 @@ SMOKE: dict[str, Smoke] = {
     "bench_protocol.py": Smoke("run", ("--groups", "2000", "--repeats", "1"), ("manager_ops_per_s", "manager_vs_dict")),
     "bench_sandbox.py": Smoke("run", ("--runs", "2"), ("sandbox_ms", "baseline_ms", "ratio")),
     "bench_pull.py": Smoke("test", test="tests/test_bench_pull.py::test_bench_pull_smoke"),
+    "bench_lora_pull.py": Smoke(
+        "test", test="tests/test_lora.py::test_lora_bench_pull_script_reports_bytes_against_the_full_pull"
+    ),
     "bench_servers.py": Smoke(
         "run",
         ("--param-mb", "4", "--records", "8", "--prompt", "16", "--response", "64", "--repeats", "1"),

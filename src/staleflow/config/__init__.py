@@ -8,6 +8,7 @@ validates its fields and raises ConfigError with a one-line message naming the f
 """
 
 from staleflow.config.job import CheckpointConfig, DataConfig, EvalConfig, FaultConfig, LogConfig, RewardConfig
+from staleflow.config.lora import LoraConfig
 from staleflow.config.run import RunConfig, config_from_dict, resolve
 from staleflow.config.sections import (
     ConfigError,
@@ -30,6 +31,7 @@ __all__ = [
     "EvalConfig",
     "FaultConfig",
     "LogConfig",
+    "LoraConfig",
     "ModelConfig",
     "RewardConfig",
     "RolloutConfig",

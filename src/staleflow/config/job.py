@@ -5,6 +5,7 @@ Each is a frozen dataclass validated in ``__post_init__`` with a one-line Config
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,26 @@ class RewardConfig:
     max_consecutive_failures: int = 32
     """Stop the run after this many reward calls in a row failed (raised, timed out, returned a
     non-finite or non-number value); 0 never stops. Every failure is counted in metrics.jsonl."""
+    model: str = ""
+    """A learned reward: a Hugging Face sequence-classification folder (safetensors, one label) that
+    scores (prompt, response) in processes of its own ('' : none; docs/data-and-rewards.md)."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the reward (with --reward.model)."""
+    rule_weight: float = 1.0
+    """Weight of --reward.fn's reward next to the reward model's; 0 with --reward.model: the model alone."""
+    model_device: str = "cpu"
+    """Where the reward model runs: cpu or cuda:N (a trainer rank's GPU only with --reward.model-share-trainer-gpu)."""
+    model_share_trainer_gpu: bool = False
+    """Allow --reward.model-device to be a GPU a trainer rank uses (their memory plans then share it)."""
+    model_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Reward model dtype: auto = bfloat16 on CUDA, float32 on CPU."""
+    model_batch_size: int = 16
+    """Responses scored in one forward of the reward model (fewer when fewer are waiting)."""
+    model_max_tokens: int = 4096
+    """Longest (prompt + response) the reward model reads; longer ones lose their beginning (the
+    response's end is kept: a sequence classifier scores the last token)."""
+    model_workers: int = 1
+    """Reward-model processes (each loads its own copy on --reward.model-device)."""
 
     def __post_init__(self):
         _check(bool(self.fn), "reward.fn", self.fn, "give a registered name or module:function")
@@ -43,6 +64,23 @@ class RewardConfig:
             self.max_consecutive_failures,
             "must be >= 0 (0 never stops)",
         )
+        _check(self.model_weight >= 0, "reward.model-weight", self.model_weight, "must be >= 0")
+        _check(self.rule_weight >= 0, "reward.rule-weight", self.rule_weight, "must be >= 0")
+        _check(
+            not self.model or self.model_weight + self.rule_weight > 0,
+            "reward.model-weight",
+            self.model_weight,
+            "--reward.model-weight and --reward.rule-weight cannot both be 0",
+        )
+        _check(
+            self.model_device == "cpu" or re.fullmatch(r"cuda:\d{1,3}", self.model_device) is not None,
+            "reward.model-device",
+            self.model_device,
+            "use cpu or cuda:N (a GPU index)",
+        )
+        _check(self.model_batch_size >= 1, "reward.model-batch-size", self.model_batch_size, "must be >= 1")
+        _check(self.model_max_tokens >= 2, "reward.model-max-tokens", self.model_max_tokens, "must be >= 2")
+        _check(self.model_workers >= 1, "reward.model-workers", self.model_workers, "must be >= 1")
 
 
 def parse_mix(spec: str) -> tuple[tuple[str, float], ...] | None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from staleflow.config.job import CheckpointConfig, DataConfig, EvalConfig, FaultConfig, LogConfig, RewardConfig
+from staleflow.config.lora import LoraConfig
 from staleflow.config.sections import (
     CoordinatorConfig,
     EnvConfig,
@@ -49,6 +50,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     mode: Literal[
         "staleflow",
         "verl-sync",

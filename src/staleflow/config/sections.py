@@ -34,7 +34,7 @@ class ModelConfig:
     """Which policy model to train and how to run it."""
 
     path: str = "smollm2-135m"
-    """Hugging Face model folder (config.json + safetensors) or an alias: smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3."""
+    """Hugging Face model folder (config.json + safetensors) or an alias: smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3, tiny-qwen3-moe."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Parameter/compute dtype: auto = bfloat16 on CUDA, float32 on CPU."""
 
@@ -224,6 +224,8 @@ class TrainConfig:
     """Compute dtype over fp32 master weights: auto = bf16 on CUDA, fp32 on CPU (LM head always fp32 on CPU)."""
     activation_checkpointing: Literal["auto", "on", "off"] = "auto"
     """Recompute each decoder layer in backward (less memory, ~30% more compute); auto: on for CUDA only."""
+    router_aux_coef: float = 0.0
+    """MoE models: weight of the router's load-balancing loss (Qwen3-MoE pre-trained with 0.001); 0: off (docs/trainer.md)."""
 
     def __post_init__(self):
         _check(
@@ -260,6 +262,7 @@ class TrainConfig:
             "must be >= 0, and > 0 only with --train.dynamic-sampling",
         )
         _check(self.mini_batches >= 1, "train.mini-batches", self.mini_batches, "must be >= 1")
+        _check(self.router_aux_coef >= 0, "train.router-aux-coef", self.router_aux_coef, "must be >= 0 (0 disables)")
         _check(self.overlong_max_tokens >= 0, "train.overlong-max-tokens", self.overlong_max_tokens, "must be >= 0")
         _check(
             0 <= self.overlong_cache_tokens <= max(self.overlong_max_tokens, 0),

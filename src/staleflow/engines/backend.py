@@ -35,6 +35,9 @@ class EngineBackend:
     takes_gpu_share: bool = False
     """On CUDA, ``build`` gets the share of its GPU the memory plan gives the engine (a float in
     (0, 1): e.g. a library that preallocates a fraction of the device); else None."""
+    loads_partial_weights: bool = False
+    """Its engines' ``load_weights(tensors, version, strict=False)`` loads some of the parameters (a
+    LoRA run's pulls: the adapted projections' merged weights only, docs/lora.md)."""
     extras: tuple[tuple[str, str], ...] = ()
     """(module, how to install it) for each optional package the engine needs; ``staleflow check``
     refuses the run in one line when one is missing."""
@@ -104,9 +107,16 @@ def engine_backend(cfg) -> EngineBackend:
     exit 2 from ``staleflow check``) when the spec does not resolve or the class cannot be built."""
     cls = ENGINES.resolve(cfg.rollout.engine)
     try:
-        return cls(cfg)
+        backend = cls(cfg)
     except Exception as e:  # a fork's constructor may raise anything; the message names the flag
         raise ExtensionError(
             f"--rollout.engine={cfg.rollout.engine!r}: {cls.__name__}(cfg) failed ({type(e).__name__}: "
             f"{one_line(e)}); a rollout engine is {ENGINES.shape.text}"
         ) from None
+    lora = getattr(cfg, "lora", None)
+    if lora is not None and lora.enabled and not getattr(backend, "loads_partial_weights", False):
+        raise ExtensionError(
+            f"--lora.rank {lora.rank} with --rollout.engine={cfg.rollout.engine!r}: a LoRA run's pulls carry the "
+            f"adapted projections' merged weights only, which this engine cannot load: use --rollout.engine builtin"
+        )
+    return backend

@@ -15,6 +15,8 @@ MiB = 2**20
 
 @register_engine("builtin")
 class BuiltinBackend(EngineBackend):
+    loads_partial_weights = True  # BuiltinEngine.load_weights(strict=False): LoRA runs' merged projections
+
     def build(self, ctx, model, gpu_share: float | None):
         from staleflow.rollout.builtin_engine import BuiltinEngine
 
@@ -55,11 +57,13 @@ class BuiltinBackend(EngineBackend):
             pool = site.graph_pool_bytes()
             if rc.cuda_graphs:
                 plan.add("graphs", pool, f"captured decode steps of {rc.max_running} sequences at most (one pool)")
+            elif args.is_moe:
+                plan.notes.append("graphs: --rollout.cuda-graphs does not capture mixture-of-experts models")
             else:
                 plan.notes.append(f"graphs: --rollout.cuda-graphs off (on, its pool adds {pool / MiB:.0f} MiB)")
         else:
             plan.notes.append("kv_cache: on CPU the decode mirror adds up to the KV cache again, as used")
-        layer = sum(p.numel() for p in engine.model.model.layers[0].parameters())
+        layer = max(sum(p.numel() for p in layer.parameters()) for layer in engine.model.model.layers)
         # launch/entry.py loads in the engine's dtype, casting one tensor at a time (read as fp32 at most),
         # and fuse_projections then builds one layer's fused matrices beside the loaded ones
         plan.load_peak = site.load_bytes(engine.model) + layer * dtype.itemsize

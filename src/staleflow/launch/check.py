@@ -99,6 +99,10 @@ def check_extensions(cfg: RunConfig) -> None:
         load_cost_model(cfg.coordinator.cost_model)
     except CostModelError as e:
         raise ConfigError(f"--coordinator.cost-model={cfg.coordinator.cost_model!r}: {e}") from None
+    if cfg.reward.model:  # a folder that is no usable reward model stops the run here, before any rank starts
+        from staleflow.reward.model_scorer import check_reward_model_folder
+
+        check_reward_model_folder(cfg.reward.model)
     if cfg.reward.fn == "code_tests":  # it runs the policy's code: refuse up front where the sandbox cannot start
         from staleflow.sandbox import sandbox_unavailable
 

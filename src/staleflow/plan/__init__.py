@@ -15,6 +15,7 @@ overflow (launch/entry.py), naming the flag to change. docs/memory-plan.md expla
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,6 +48,9 @@ class RunPlan:
     gpu_share: dict[int, float] = field(default_factory=dict)
     """On CUDA, for each rollout rank whose engine backend takes_gpu_share: the share of its GPU the
     engine may use (its planned bytes / GPU bytes, without the rank process's own context)."""
+    active_params: int = 0
+    """Parameters one token runs through (a mixture-of-experts layer runs k of its E experts);
+    equal to ``params`` for a dense model. Memory follows ``params``, compute ``active_params``."""
 
     @property
     def fits(self) -> bool:
@@ -89,23 +93,35 @@ def build_plan(
     args = model_args(cfg.model.path)
     master = meta_model(args, MASTER_DTYPE)
     place = slot_placement(roles.num_trainer, nproc, device_type)
-    layout = ParamLayout.from_named_tensors(master.named_parameters(), dtype=slot_dtype(cfg, device_type))
+    pushed = master.named_parameters()
+    if cfg.lora.enabled:  # the slots hold the adapted projections' merged weights only (Trainer.pushed)
+        from staleflow.train.lora import lora_targets
+
+        params = dict(master.named_parameters())
+        pushed = [(f"{m}.weight", params[f"{m}.weight"]) for m in lora_targets(master, cfg.lora.targets)]
+    layout = ParamLayout.from_named_tensors(pushed, dtype=slot_dtype(cfg, device_type))
     pieces = layout.split(place.pieces)
     ranks: list[RankPlan] = []
     for r in roles.trainer_ranks:
         slots = 2 * pieces[r].nbytes if cuda else (2 * layout.nbytes if r == 0 else 0)
-        ranks.append(trainer_rank(cfg, args, r, roles.num_trainer, device_type, slots, flash))
+        ranks.append(trainer_rank(cfg, args, r, roles.num_trainer, device_type, slots, flash, lm=master))
+    base = None  # every rollout rank runs the same engine on the same model: planned once, copied
     for r in roles.rollout_ranks:
-        ranks.append(rollout_rank(cfg, args, r, device_type))
+        base = base or rollout_rank(cfg, args, r, device_type)
+        ranks.append(dataclasses.replace(base, rank=r, items=dict(base.items), notes=list(base.notes)))
+    from staleflow.plan.reward_model import reward_model_ranks
+
+    reward = reward_model_ranks(cfg, device_type)  # --reward.model's processes (rank -1, -2, ...)
     plan = RunPlan(
         cfg.model.path,
         sum(p.numel() for p in master.parameters()),
         device_type,
         gpu_bytes,
         gpus if cuda else 0,
-        ranks,
+        ranks + reward,
         kv_tokens=cfg.rollout.max_kv_tokens,
         engine=cfg.rollout.engine,
+        active_params=master.num_active_params(),
     )
     if not cuda:
         return plan
@@ -116,6 +132,7 @@ def build_plan(
 
     for rp in ranks:
         rp.gpu = gpu(rp.rank)
+    ranks = ranks + [rp for rp in reward if rp.gpu is not None]  # a reward model on cuda:N shares GPU N
     remote = [r for r in roles.rollout_ranks if r >= per_node]
     local = [r for r in roles.rollout_ranks if r < per_node]
     # every local puller (a rollout rank, or its engine's own worker process) maps every slot piece by CUDA

@@ -31,6 +31,7 @@ from staleflow.plan.transients import (
     addmm_out_dtype_inplace,
     cuda_graph_pool_bytes,
     logprob_backward_bytes,
+    mlp_per_token,
     prefill_mask_bytes,
 )
 
@@ -125,14 +126,16 @@ class _AttentionSaves(torch.autograd.Function):
         raise RuntimeError("_AttentionSaves is a meta-device stand-in for counting saved tensors; it has no backward")
 
 
-def layer_saved_bytes(args, tokens: int, dtype: torch.dtype, expand_kv: bool) -> int:
-    """Bytes autograd keeps for one of our decoder layers over ``tokens`` packed tokens in ``dtype``
-    (parameters excluded). ``expand_kv``: K/V repeated to every query head first, as
-    PackedAttention's SDPA path does (without flash-attn)."""
+def layer_saved_bytes(args, tokens: int, dtype: torch.dtype, expand_kv: bool, layer_idx: int = 0) -> int:
+    """Bytes autograd keeps for our decoder layer ``layer_idx`` over ``tokens`` packed tokens in
+    ``dtype`` (parameters excluded). ``expand_kv``: K/V repeated to every query head first, as
+    PackedAttention's SDPA path does (without flash-attn). A mixture-of-experts layer is counted with
+    its tokens spread evenly over the experts (on the meta device routing is unknown; the gathered
+    [T k, H] rows and each expert's SwiGLU inputs do not depend on the spread)."""
     from staleflow.model.transformer import DecoderLayer
 
     with torch.device("meta"):
-        layer = DecoderLayer(args, 0).to(dtype)
+        layer = DecoderLayer(args, layer_idx).to(dtype)
         x = torch.empty(tokens, args.hidden_size, dtype=dtype, requires_grad=True)
         cos = torch.empty(tokens, 1, args.head_dim, dtype=dtype)
     params = {p.untyped_storage()._cdata for p in layer.parameters()}
@@ -156,36 +159,66 @@ def layer_saved_bytes(args, tokens: int, dtype: torch.dtype, expand_kv: bool) ->
     return sum(saved.values())
 
 
+_SAVED: dict[tuple, int] = {}
+
+
+def _saved_once(args, tokens: int, dtype: torch.dtype, expand_kv: bool, layer_idx: int) -> int:
+    """layer_saved_bytes, computed once per distinct question (every trainer rank asks the same)."""
+    key = (repr(args), tokens, dtype, expand_kv, layer_idx)
+    if key not in _SAVED:
+        _SAVED[key] = layer_saved_bytes(args, tokens, dtype, expand_kv, layer_idx)
+    return _SAVED[key]
+
+
 def _fsdp_padded(shape, world: int) -> int:
     """Elements FSDP2 allocates per rank for a parameter: ceil(rows / world) rows (padded)."""
     rows = shape[0] if len(shape) else 1
     return -(-rows // world) * math.prod(shape[1:])
 
 
-def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_bytes: int, flash: bool) -> RankPlan:
-    """A trainer rank of ``world`` (FSDP2 when world > 1; one unsharded rank with autocast else)."""
+def trainer_rank(
+    cfg, args, rank: int, world: int, device_type: str, slot_piece_bytes: int, flash: bool, lm=None
+) -> RankPlan:
+    """A trainer rank of ``world`` (FSDP2 when world > 1; one unsharded rank with autocast else).
+    ``lm``: the policy on the meta device in MASTER_DTYPE, when the caller has built it already (a
+    Qwen3-30B-A3B takes seconds to build, even on the meta device)."""
     from staleflow.servers.layout import piece_rows
     from staleflow.train.logprobs import DEFAULT_CHUNK_ELEMENTS
     from staleflow.train.parallelize import MASTER_DTYPE, activation_checkpointing_on, compute_dtype, mixed_precision
 
     plan = RankPlan(rank, "trainer", None)
-    lm = meta_model(args, MASTER_DTYPE)
+    lm = lm if lm is not None else meta_model(args, MASTER_DTYPE)
     named = list(lm.named_parameters())
     shapes = [tuple(p.shape) for _, p in named]
     total = sum(math.prod(s) for s in shapes)
     cdt = compute_dtype(device_type, cfg.train.compute_dtype)
     ms = MASTER_DTYPE.itemsize
     sharded = world > 1
-    if sharded:
-        padded = sum(_fsdp_padded(s, world) for s in shapes)
-        local = sum((b - a) * math.prod(s[1:]) for s in shapes for a, b in [piece_rows(s, world, rank)])
+
+    def rows(shapes_) -> tuple[int, int]:  # (padded elements FSDP2 allocates, unpadded local elements)
+        if not sharded:
+            n = sum(math.prod(s) for s in shapes_)
+            return n, n
+        padded_ = sum(_fsdp_padded(s, world) for s in shapes_)
+        return padded_, sum((b - a) * math.prod(s[1:]) for s in shapes_ for a, b in [piece_rows(s, world, rank)])
+
+    padded, local = rows(shapes)
+    where = f"FSDP2 shard 1/{world}" if sharded else "full"
+    trained = shapes
+    held = padded  # the weights this rank holds (padded shards)
+    if cfg.lora.enabled:  # frozen base: no gradient, no AdamW state; the adapters are all that trains
+        from staleflow.train.lora import lora_shapes
+
+        trained = lora_shapes(lm, cfg.lora)
+        held = rows(shapes + trained)[0]
+        plan.add("weights", held * ms, f"{MASTER_DTYPE} frozen base + LoRA rank {cfg.lora.rank} adapters, {where}")
+        padded, local = rows(trained)
     else:
-        padded = local = total
-    plan.add("weights", padded * ms, f"{MASTER_DTYPE} master, {f'FSDP2 shard 1/{world}' if sharded else 'full'}")
+        plan.add("weights", padded * ms, f"{MASTER_DTYPE} master, {where}")
     plan.add("grads", padded * ms, "sharded, reduced after every micro-batch" if sharded else "full")
-    plan.add("optimizer", 2 * local * ms + 4 * len(named), "AdamW exp_avg + exp_avg_sq + step")
+    plan.add("optimizer", 2 * local * ms + 4 * len(trained), "AdamW exp_avg + exp_avg_sq + step")
     if cfg.train.kl_coef > 0:
-        plan.add("reference", padded * cdt.itemsize, f"KL reference in {cdt}, sharded like the policy")
+        plan.add("reference", rows(shapes)[0] * cdt.itemsize, f"KL reference in {cdt}, sharded like the policy")
     plan.add(
         "slots",
         slot_piece_bytes,
@@ -194,14 +227,18 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
         else "two Parameter Server slots (shared memory)",
     )
 
-    layer_params = sum(p.numel() for p in lm.model.layers[0].parameters())
-    root = total - layer_params * args.num_layers
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in lm.model.layers]
+    layer_params = max(sizes)  # the largest layer (a sparse one in a mixture-of-experts model)
+    root = total - sum(sizes)
     head = args.vocab_size * args.hidden_size
     tokens = max(cfg.train.micro_batch_tokens, cfg.rollout.max_model_len)
-    per_layer = layer_saved_bytes(args, tokens, cdt, expand_kv=not flash)
+    kinds = {args.is_moe_layer(i): i for i in reversed(range(args.num_layers))}  # first layer of each kind
+    saved = {s: _saved_once(args, tokens, cdt, not flash, i) for s, i in kinds.items()}
+    per_layer = max(saved.values())
     x_bytes = tokens * args.hidden_size * cdt.itemsize
     ac = activation_checkpointing_on(cfg.train.activation_checkpointing, device_type)
-    acts = (args.num_layers * x_bytes + 2 * per_layer) if ac else (args.num_layers + 1) * per_layer
+    every = sum(saved[args.is_moe_layer(i)] for i in range(args.num_layers))
+    acts = (args.num_layers * x_bytes + 2 * per_layer) if ac else every + per_layer
     impl = (
         cfg.train.logprob_impl
         if cfg.train.logprob_impl != "auto"
@@ -247,9 +284,7 @@ def trainer_rank(cfg, args, rank: int, world: int, device_type: str, slot_piece_
     # the lazy load (Trainer(..., weights=...)): the (sharded) weights allocated, then one full fp32
     # tensor at a time on the device, plus its rows that distribute_tensor cuts from it
     largest = max(math.prod(s) for s in shapes)
-    plan.load_peak = (
-        padded * ms + largest * ms + (_fsdp_padded(max(shapes, key=math.prod), world) * ms if sharded else 0)
-    )
+    plan.load_peak = held * ms + largest * ms + (_fsdp_padded(max(shapes, key=math.prod), world) * ms if sharded else 0)
     return plan.finish()
 
 
@@ -259,7 +294,7 @@ def engine_workspace(args, rollout_cfg, itemsize: int) -> int:
     prefill chunk's [n, L] mask, then fp32 logits and the sampler's [B, V] temporaries."""
     t = rollout_cfg.prefill_chunk_tokens + rollout_cfg.max_running
     h, d = args.hidden_size, args.head_dim
-    per_token = 2 * h + (args.num_heads + 2 * args.num_kv_heads) * d + args.num_heads * d + 3 * args.intermediate_size
+    per_token = 2 * h + (args.num_heads + 2 * args.num_kv_heads) * d + args.num_heads * d + mlp_per_token(args)
     mask = rollout_cfg.prefill_chunk_tokens * rollout_cfg.max_model_len
     sampler = 3 * rollout_cfg.max_running * args.vocab_size * 4
     return t * per_token * itemsize + mask + sampler

@@ -34,6 +34,12 @@ def _m(n: int) -> str:
     return f"{n / 2**20:.0f}"
 
 
+def _params(plan) -> str:
+    if plan.active_params and plan.active_params != plan.params:
+        return f"{plan.params / 1e9:.2f}B params, {plan.active_params / 1e9:.2f}B active per token"
+    return f"{plan.params / 1e9:.2f}B params"
+
+
 def table(plan) -> str:
     """Rows: ranks; columns: GiB per category, the load-time peak and the rank's peak."""
     cols = [c for c in CATEGORIES if any(rp.items.get(c) for rp in plan.ranks)]
@@ -41,7 +47,7 @@ def table(plan) -> str:
     f = _m if small else _g
     head = ["rank", "role", "gpu"] + [_HEAD[c] for c in cols] + ["load", "peak"]
     rows = [
-        [str(rp.rank), rp.role, "-" if rp.gpu is None else str(rp.gpu)]
+        [str(rp.rank) if rp.rank >= 0 else f"rm{-1 - rp.rank}", rp.role, "-" if rp.gpu is None else str(rp.gpu)]
         + [f(rp.items.get(c, 0)) for c in cols]
         + [f(rp.load_peak), f(rp.peak)]
         for rp in plan.ranks
@@ -50,10 +56,9 @@ def table(plan) -> str:
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     unit = "MiB" if small else "GiB"
     unit += f" of {plan.gpu_bytes / GiB:.1f} GiB per GPU" if plan.device_type == "cuda" else " (cpu: host memory)"
-    lines = [
-        f"memory plan: {plan.model} ({plan.params / 1e9:.2f}B params), {len(plan.ranks)} ranks, {unit}",
-        fmt.format(*head),
-    ] + [fmt.format(*r) for r in rows]
+    lines = [f"memory plan: {plan.model} ({_params(plan)}), {len(plan.ranks)} ranks, {unit}", fmt.format(*head)] + [
+        fmt.format(*r) for r in rows
+    ]
     for g, n in sorted(plan.per_gpu.items()):
         lines.append(f"GPU {g}: {_g(n)} GiB{'' if n <= plan.gpu_bytes else '  OVER'}")
     for r, u in sorted(plan.gpu_share.items()):
@@ -81,8 +86,10 @@ def summary(plan) -> dict:
         "device": plan.device_type,
         "model": plan.model,
         "params_b": round(plan.params / 1e9, 3),
-        "ranks": len(plan.ranks),
+        "active_params_b": round((plan.active_params or plan.params) / 1e9, 3),
+        "ranks": sum(rp.role != "reward" for rp in plan.ranks),
         "trainer_ranks": sum(rp.role == "trainer" for rp in plan.ranks),
+        "reward_model_gib": round(sum(rp.peak for rp in plan.ranks if rp.role == "reward") / GiB, 2),
         "rollout_ranks": len(kv),
         "per_gpu_gib": {str(g): round(n / GiB, 2) for g, n in sorted(plan.per_gpu.items())},
         "kv_cache_gib": round(max(kv.values(), default=0) / GiB, 2),
@@ -110,6 +117,8 @@ def advice(plan) -> str:
         f"(ranks {', '.join(f'{r.rank} {r.role}' for r in on_gpu)})"
     )
     kv = rp.items.get("kv_cache", 0)
+    if any(r.role == "reward" for r in on_gpu):
+        return f"{where}; put the reward model elsewhere (--reward.model-device) or lower --reward.model-batch-size"
     if rp.role == "rollout" and kv > over:
         fit = int(plan.kv_tokens * (kv - over * 1.1) / kv) // 1024 * 1024
         return f"{where}; lower --rollout.max-kv-tokens from {plan.kv_tokens} to {fit} or less"

@@ -101,10 +101,21 @@ def cuda_graph_pool_bytes(args, rollout_cfg, itemsize: int) -> int:
     buckets = buckets_for(rollout_cfg.max_running)
     b = buckets[-1]
     h, d, hq = args.hidden_size, args.head_dim, args.num_heads
-    per_token = 2 * h + (hq + 2 * args.num_kv_heads) * d + hq * d + 3 * args.intermediate_size
+    per_token = 2 * h + (hq + 2 * args.num_kv_heads) * d + hq * d + mlp_per_token(args)
     parts = -(-rollout_cfg.max_model_len // PARTITION)
     scratch = b * parts * hq * (2 + d) * 4
     max_blocks = -(-rollout_cfg.max_model_len // rollout_cfg.block_size)
     static = 3 * b * 8 + (b + b * max_blocks) * 4
     logits = sum(buckets) * args.vocab_size * 4
     return logits + b * per_token * itemsize + scratch + static + CUBLAS_WORKSPACE_BYTES
+
+
+def mlp_per_token(args) -> int:
+    """Elements one token keeps live in the widest MLP of a forward: gate|up and the SwiGLU product
+    (3 x intermediate) for a dense layer; for a sparse one its k gathered rows, the k experts' 3 x
+    moe-intermediate and weighted outputs, and the router's logits and fp32 probabilities."""
+    dense = 3 * args.intermediate_size if not all(args.is_moe_layer(i) for i in range(args.num_layers)) else 0
+    if not args.is_moe:
+        return dense
+    k = args.num_experts_per_tok
+    return max(dense, k * (2 * args.hidden_size + 3 * args.moe_intermediate_size) + 3 * args.num_experts)

@@ -22,8 +22,9 @@ B sequences replays a graph captured once for the smallest batch-size bucket >= 
    and graph pool at once, not at the next garbage collection); ``release()`` drops them now.
 Steps with prefill chunks, or more sequences than the largest bucket, run eagerly.
 
-The flag needs the engine on CUDA and a paged decode kernel (triton or flash); anything else is
-a one-line EngineError at engine build (a CPU run with the flag fails before it starts).
+The flag needs the engine on CUDA, a paged decode kernel (triton or flash) and a dense model (a
+mixture-of-experts step sizes its expert GEMMs from routing read back to the host); anything else
+is a one-line EngineError at engine build (a CPU run with the flag fails before it starts).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def check_cuda_graphs(device: torch.device, backend: str, args) -> None:
         raise EngineError(
             f"--rollout.cuda-graphs needs the triton or flash decode backend (got {backend!r}): "
             f"use --rollout.decode-backend auto"
+        )
+    if getattr(args, "is_moe", False):
+        raise EngineError(
+            "--rollout.cuda-graphs cannot capture a mixture-of-experts model (each step routes its tokens to "
+            "experts chosen on the device, read back to size the expert GEMMs): drop the flag for this model"
         )
     if args.rope_type == "dynamic":
         raise EngineError(

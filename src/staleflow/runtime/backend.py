@@ -94,7 +94,7 @@ class RuntimeBackend:
         rec = self.rings[handle.rank].read(handle)
         text = self.tokenizer.decode(final_turn_ids(rec), skip_special_tokens=True)  # multi-turn: the last turn
         self._texts[traj_id] = text
-        self.rewards.submit(traj_id, text, prompt.answer, dict(prompt.meta))
+        self.rewards.submit(traj_id, text, prompt.answer, dict(prompt.meta), prompt=prompt.text)
 
     def _score_arrived(self):
         """Score the mirrored records that arrived since; a record freed before it could be scored

@@ -34,8 +34,8 @@ class TrainingJob:
     def __init__(self, ctl, cfg):
         from staleflow.data import Prompt, PromptSource
         from staleflow.model import load_tokenizer, resolve_model_path
-        from staleflow.reward import RewardPool
         from staleflow.reward.functions import answer_problem
+        from staleflow.reward.service import RewardService
 
         self.ctl, self.cfg, self.run_dir = ctl, cfg, ctl.run_dir
         s = cfg.staleness
@@ -55,7 +55,7 @@ class TrainingJob:
                 cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                 with_env=bool(cfg.env.name),
             )
-        self.rewards = RewardPool(cfg.reward)
+        self.rewards = RewardService(cfg.reward, ctl.roles.trainer_ranks)  # --reward.fn and/or --reward.model
         version = int(ctl.infos[0].get("version", 0))  # the trainer's version (resume)
         instances = [ctl.roles.instance_id(r) for r in ctl.roles.rollout_ranks]
         extra = ctl.infos[0].get("resume_extra") or {}

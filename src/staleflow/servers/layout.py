@@ -10,8 +10,9 @@ A slot can be split into ``pieces`` (one per trainer GPU on CUDA): piece p holds
 (torch.chunk along dim 0: ceil(n / pieces) rows per piece), so each trainer rank writes its
 shards into a piece on its own GPU. ``split(pieces)`` is the layout of each piece.
 
-Fused groups: the rollout engine stores q|k|v and gate|up of a layer as one contiguous matrix
-each (``CausalLM.fuse_projections``, HF's [out, in] orientation, members in that order). The
+Fused groups: the rollout engine stores q|k|v and gate|up of a layer (of each expert, in a
+mixture-of-experts layer) as one contiguous matrix each (``CausalLM.fuse_projections``, HF's
+[out, in] orientation, members in that order). The
 layout puts the members of such a group next to each other, in that order and without alignment
 padding between them, so in a one-piece slot a fused matrix is one contiguous byte range laid out
 exactly as the engine's: a pull copies it with one contiguous copy (``ParameterServer`` merges
@@ -66,7 +67,7 @@ def piece_rows(shape: tuple[int, ...], pieces: int, piece: int) -> tuple[int, in
 
 _FUSED = (
     (re.compile(r"^(.*\.self_attn)\.([qkv])_proj\.(weight|bias)$"), "qkv"),
-    (re.compile(r"^(.*\.mlp)\.(gate|up)_proj\.(weight)$"), "gate_up"),
+    (re.compile(r"^(.*\.mlp(?:\.experts\.\d+)?)\.(gate|up)_proj\.(weight)$"), "gate_up"),  # dense or one expert
 )
 _POSITION = {"q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
 

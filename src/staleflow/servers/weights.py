@@ -55,14 +55,29 @@ class LocalWeights:
             self.ps = ParameterServer.attach(
                 self.run_id, timeout=self.timeout, reader=self.reader, device=device if device.type == "cuda" else None
             )
+        targets, strict = slot_targets(targets, self.ps.layout)
         version, _ = self.ps.pull_latest(out=targets)
-        engine.load_weights(targets, version, keep_kv=keep_kv)  # validates and stamps; copying onto itself is free
+        # validates and stamps; copying onto itself is free
+        engine.load_weights(targets, version, keep_kv=keep_kv, **({} if strict else {"strict": False}))
         return version, self.ps.layout.nbytes, False
 
     def close(self) -> None:
         if self.ps is not None:
             self.ps.close()
             self.ps = None
+
+
+def slot_targets(targets: dict[str, torch.Tensor], layout) -> tuple[dict[str, torch.Tensor], bool]:
+    """The engine parameters a slot of ``layout`` fills, and whether that is all of them. A LoRA run's
+    slots hold only the adapted projections' merged weights (train/lora.py): the rest of the engine's
+    parameters keep what the rank loaded from --model.path, which never changes in such a run."""
+    names = layout.names()
+    if len(names) == len(targets):
+        return targets, True
+    missing = [n for n in names if n not in targets]
+    if missing:
+        raise KeyError(f"the Parameter Server holds {missing[:3]}, which the engine does not have")
+    return {n: targets[n] for n in names}, False
 
 
 class RemoteSource:
@@ -74,14 +89,19 @@ class RemoteSource:
 
     def load(self, engine, keep_kv: bool) -> tuple[int, int, bool]:
         targets = engine.weight_targets()
+        strict = True
         if targets is None:  # the engine holds its weights in another process: receive, then hand over
             if self.remote.layout is None:
                 self.remote.latest_version()  # learns the layout
             if self._staging is None:
                 self._staging = self.remote.layout.empty(self.remote.device)
             targets = self._staging
+        else:
+            if self.remote.layout is None:
+                self.remote.latest_version()
+            targets, strict = slot_targets(targets, self.remote.layout)
         version, nbytes = self.remote.pull_latest(out=targets)
-        engine.load_weights(targets, version, keep_kv=keep_kv)
+        engine.load_weights(targets, version, keep_kv=keep_kv, **({} if strict else {"strict": False}))
         return version, nbytes, True
 
     def close(self) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,8 +44,10 @@ from staleflow.train.checkpoint_files import (
     check_resume_extra,
     check_scheduler,
     folder_version,
+    load_rng,
     read_manifest,
     read_trainer_state,
+    rng_tensors,
 )
 from staleflow.train.checkpoint_writer import DISK as _DISK
 from staleflow.train.checkpoint_writer import FAILED as _FAILED
@@ -158,21 +159,21 @@ def verify_checkpoint(path: str | Path) -> dict:
     }
 
 
+def _options(trainer):
+    """A LoRA trainer's checkpoint holds its adapters (and their AdamW state) only: the frozen base
+    weights are --model.path's, unchanged, and are left out (``ignore_frozen_params``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = getattr(trainer, "lora", None) is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
 def _live_state(trainer) -> tuple[dict, dict]:
     """torch's (model, optimizer) state dicts of the trainer: DTensor shards when sharded (the
     optimizer's state is created here if no step ran yet, so every name exists)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(trainer.policy, trainer.optimizer)
-
-
-def _rng_tensors(trainer) -> tuple[list[tuple[str, torch.Tensor]], list]:
-    """This rank's generator states: tensors (torch, CUDA) and the JSON-able Python state."""
-    tensors = [("torch", torch.get_rng_state())]
-    if torch.cuda.is_available():
-        tensors += [(f"cuda_{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
-    version, internal, gauss = random.getstate()
-    return tensors, [version, list(internal), gauss]
+    return get_state_dict(trainer.policy, trainer.optimizer, options=_options(trainer))
 
 
 def _outcome(e: BaseException | None) -> int:
@@ -272,7 +273,7 @@ def _snapshot(trainer, tmp: Path, final: Path, extra: dict | None, keep: int, bu
     if copy and cuda:
         ready = torch.cuda.Event()
         ready.record()
-    rng, py_state = _rng_tensors(trainer)
+    rng, py_state = rng_tensors()
     job = SaveJob(
         tmp=tmp,
         rank=trainer.rank,
@@ -343,7 +344,13 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
                     st[key] = type(v)(flat[f"optim/{fqn}/{key}"].item())
     except StateError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
-    set_state_dict(trainer.policy, trainer.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(
+        trainer.policy,
+        trainer.optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=_options(trainer),
+    )
     meta = read_trainer_state(path)  # verified above; typed and range-checked here
     trainer.version, trainer.optimizer_steps = meta.version, meta.optimizer_steps
     check_scheduler(meta.scheduler, trainer.scheduler.state_dict(), path / "trainer_state.json")
@@ -352,26 +359,8 @@ def load_checkpoint(trainer, path: str | Path) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: trainer_state.json field 'scheduler' does not fit ({e})") from None
     extra = meta.extra
-    _load_rng(path, trainer.rank)
+    load_rng(path, trainer.rank)
     return extra
-
-
-def _load_rng(path: Path, rank: int) -> None:
-    from safetensors.torch import load_file
-
-    r = rank if (path / f"rng_{rank}.safetensors").is_file() else 0
-    try:
-        tensors = load_file(str(path / f"rng_{r}.safetensors"))
-        version, internal, gauss = json.loads((path / f"rng_{r}.json").read_text())["python"]
-        torch.set_rng_state(tensors["torch"])
-        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
-    except Exception as e:  # safetensors raises its own SafetensorError on a bad header
-        raise CheckpointError(
-            f"checkpoint {path}: unreadable random-generator state of rank {r} ({str(e).splitlines()[0][:200]})"
-        ) from None
-    cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def load_policy_weights(model, path: str | Path) -> None:

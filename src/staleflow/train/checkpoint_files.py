@@ -11,15 +11,20 @@ field is decoded into its type and range before anything uses it, and a bad one 
   - ``files`` maps relative names to ``{"size": int >= 0, "sha256": 64 hex digits}``; a name must
     stay inside the folder: not absolute, no ``..``, no backslash or NUL, no symlink on the way;
   - ``trainer_state.json``: ``optimizer_steps`` an int in range, ``scheduler`` and ``extra`` objects.
+The random-generator state of each rank (``rng_{rank}.safetensors`` + ``.json``) is written from
+``rng_tensors`` and restored by ``load_rng``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from staleflow.faults import BadInput
 
@@ -217,3 +222,31 @@ def check_scheduler(saved: dict, live: dict, path: Path) -> None:
             ok = value is None or type(value) is type(want)
         if not ok:
             raise CheckpointError(f"{path}: field 'scheduler.{key}' is {str(value)[:40]!r}, unlike this run's")
+
+
+def rng_tensors() -> tuple[list[tuple[str, torch.Tensor]], list]:
+    """This rank's generator states: tensors (torch, CUDA) and the JSON-able Python state."""
+    tensors = [("torch", torch.get_rng_state())]
+    if torch.cuda.is_available():
+        tensors += [(f"cuda_{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+    version, internal, gauss = random.getstate()
+    return tensors, [version, list(internal), gauss]
+
+
+def load_rng(path: Path, rank: int) -> None:
+    """Restore this rank's generators from a checkpoint folder (rank 0's when it has none of its own)."""
+    from safetensors.torch import load_file
+
+    r = rank if (path / f"rng_{rank}.safetensors").is_file() else 0
+    try:
+        tensors = load_file(str(path / f"rng_{r}.safetensors"))
+        version, internal, gauss = json.loads((path / f"rng_{r}.json").read_text())["python"]
+        torch.set_rng_state(tensors["torch"])
+        random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    except Exception as e:  # safetensors raises its own SafetensorError on a bad header
+        raise CheckpointError(
+            f"checkpoint {path}: unreadable random-generator state of rank {r} ({str(e).splitlines()[0][:200]})"
+        ) from None
+    cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)

@@ -38,20 +38,18 @@ reads these same definitions.
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from staleflow.model.attention import PackedAttention
 from staleflow.train.advantages import ADVANTAGES, compute_advantages, groups_with_signal, overlong_penalty
 from staleflow.train.batch import MicroBatch, build_micro_batch, member_groups, step_payloads
-from staleflow.train.logprobs import packed_logprobs
+from staleflow.train.lora import apply_lora, lora_init, lora_shards
 from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolve_loss_agg, token_weights
 from staleflow.train.packing import plan_step
 from staleflow.train.parallelize import (
@@ -61,49 +59,10 @@ from staleflow.train.parallelize import (
     fill_parameters,
     shard_policy,
 )
+from staleflow.train.policy import ParamShard, PolicyHead, head_operands  # noqa: F401 - part of this module's API
+from staleflow.train.router import RouterTally
 from staleflow.train.step_metrics import step_metrics
 from staleflow.trajectory import TrainGroup, TrajectoryTokens
-
-
-def head_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head's inputs in autocast's dtype when autocast is on: the fp32 master LM head of a
-    single CUDA rank would otherwise reach the log-prob kernel in fp32 (no tensor cores); the
-    kernel still accumulates the logits in fp32."""
-    dev = hidden.device.type
-    if dev == "cuda" and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return hidden.to(dt), weight.to(dt)
-    return hidden, weight
-
-
-class PolicyHead(nn.Module):
-    """CausalLM + packed log-prob op in one forward, so FSDP unshards the LM head around it."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, mb: MicroBatch, temperature: float, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = PackedAttention(mb.cu_seqlens)
-        hidden = self.lm(mb.input_ids, mb.positions, attn)  # [T, H]
-        rows, weight = head_operands(hidden[mb.rows], self.lm.lm_head_weight)  # [N, H], [V, H]
-        # On CPU the head stays fp32 even under bf16 autocast: the ratio against the rollout's
-        # fp32 log-probs must not carry bf16 logit rounding (~1e-2).
-        with torch.autocast("cpu", enabled=False) if rows.device.type == "cpu" else contextlib.nullcontext():
-            logp, entropy = packed_logprobs(rows, weight, mb.targets, temperature=temperature, impl=impl)  # [N], [N]
-        if mb.rows.numel() == 0:  # padding micro-batch: keep every parameter in the graph
-            logp = logp + 0.0 * hidden.sum()
-        return logp, entropy
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """This rank's piece of one parameter: rows [row_offset, row_offset + local.shape[0]) of dim 0."""
-
-    name: str
-    local: torch.Tensor
-    row_offset: int
-    global_shape: tuple[int, ...]
 
 
 def lr_factor(step: int, warmup: int, schedule: str, total_steps: int | None) -> float:
@@ -130,13 +89,17 @@ class Trainer:
         total_steps: int | None = None,
         max_response_tokens: int | None = None,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        lora=None,
     ):
         """max_response_tokens: the run's --rollout.max-new-tokens, the constant that Dr. GRPO
         (--train.loss-agg seq-mean-token-sum-norm) divides by; the other aggregations ignore it.
 
         A model on the meta device comes with ``weights``, (name, full tensor) pairs streamed one at
         a time (staleflow.model.lazy_model): it is sharded first and each rank keeps only its own
-        rows, so no rank holds the whole fp32 model (the load peak is the shard plus one tensor)."""
+        rows, so no rank holds the whole fp32 model (the load peak is the shard plus one tensor).
+
+        ``lora`` (the run's LoraConfig): with a rank > 0, adapters go on its target projections and
+        only they are trained, checkpointed and (merged into their projections) pushed (train/lora.py)."""
         if cfg.schedule == "cosine" and not total_steps:
             raise ValueError("--train.schedule cosine needs the run length: pass total_steps (the run's --steps)")
         if not temperature > 0:
@@ -168,6 +131,17 @@ class Trainer:
                 "weights=... fills a model built on the meta device; this model is already loaded: "
                 "pass weights=None (or build it with staleflow.model.lazy_model)"
             )
+        args = getattr(model, "args", None)
+        self.router = RouterTally(cfg.router_aux_coef, args) if args is not None and args.is_moe else None
+        """Routing statistics and the auxiliary loss of a mixture-of-experts policy (train/router.py)."""
+        if cfg.router_aux_coef > 0 and self.router is None:
+            raise ValueError(
+                f"--train.router-aux-coef={cfg.router_aux_coef} weighs the router loss of a mixture-of-experts "
+                f"model; this model has no experts: set it to 0"
+            )
+        self.lora = lora if lora is not None and lora.enabled else None
+        if self.lora is not None:
+            apply_lora(model, self.lora)  # base weights frozen; adapters on the base's device (meta when lazy)
         model.to(dtype=MASTER_DTYPE, **({} if lazy else {"device": self.device}))
         model.gradient_checkpointing = activation_checkpointing_on(cfg.activation_checkpointing, self.device.type)
         self.model = model
@@ -177,10 +151,12 @@ class Trainer:
             self._shard(self.policy)
         if lazy:
             self.policy.to_empty(device=self.device)
-            fill_parameters(model, weights, self.device)
+            fill_parameters(model, itertools.chain(weights, lora_init(model) if self.lora else ()), self.device)
+        elif self.lora is not None:  # the same seeded adapters on every rank, however the model was loaded
+            fill_parameters(model, lora_init(model), self.device, partial=True)
         self.ref_policy = self._reference() if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
+            [p for p in self.policy.parameters() if p.requires_grad],
             lr=cfg.lr,
             betas=tuple(cfg.betas),
             weight_decay=cfg.weight_decay,
@@ -207,10 +183,12 @@ class Trainer:
         if self.sharded:
             self._shard(ref)
         ref.to_empty(device=self.device)
+        params = dict(self.model.named_parameters())  # a LoRA policy has more: its adapters (zero at start)
         with torch.no_grad():
-            for (name, p), (name_r, q) in zip(self.model.named_parameters(), lm.named_parameters()):
-                if name != name_r:
-                    raise RuntimeError(f"reference policy: parameter {name_r!r} where {name!r} was expected")
+            for name, q in lm.named_parameters():
+                p = params.get(name)
+                if p is None:
+                    raise RuntimeError(f"reference policy: the policy has no parameter {name!r}")
                 src = p.to_local() if hasattr(p, "to_local") else p
                 (q.to_local() if hasattr(q, "to_local") else q).copy_(src)
         return ref
@@ -274,6 +252,7 @@ class Trainer:
         lengths = [tokens[i].seq_len if r > 0 else 0 for i, r in zip(ids, resp)]
         plan = plan_step(lengths, self.world, self.cfg.micro_batch_tokens)
         self._oversize += len(plan.oversize)
+        self._plan_tokens = max(sum(lengths), 1)  # the mini-batch's packed tokens, every rank together
         return [
             build_micro_batch(tokens, [ids[j] for j in mb], adv, seq_w).to(self.device) for mb in plan.ranks[self.rank]
         ]
@@ -290,7 +269,12 @@ class Trainer:
         tokens = step_payloads(groups, payloads)
         rewards, adv, keep = self._prepare(groups, tokens)
         minis = [m for m in self._mini_batches(member_groups(groups), keep) if m]
-        planned = [mbs for mbs in (self._plan(tokens, ids, adv) for ids in minis) if mbs]  # same on all ranks
+        planned, mini_tokens = [], []  # the same on every rank
+        for ids in minis:
+            mbs = self._plan(tokens, ids, adv)
+            if mbs:
+                planned.append(mbs)
+                mini_tokens.append(self._plan_tokens)
         recompute = self.loss_settings.recompute_proximal or len(planned) > 1
         proximal = [self._logprobs_nograd(self.policy, mbs) for mbs in planned] if recompute else None
         ref = [self._logprobs_nograd(self.ref_policy, mbs) for mbs in planned] if self.ref_policy else None
@@ -299,6 +283,8 @@ class Trainer:
         self.policy.train()
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         grad_norms = []
+        if self.router is not None:
+            self.router.start_step()
         for k, mbs in enumerate(planned):
             self.optimizer.zero_grad(set_to_none=True)
             for m, mb in enumerate(mbs):
@@ -315,7 +301,10 @@ class Trainer:
                     ref_logp=ref[k][m] if ref else None,
                 )
                 loss, stats = policy_loss(self.loss_settings, x)
-                (loss * self.world).backward()
+                aux = 0.0
+                if self.router is not None and mb.rows.numel():  # a padding micro-batch routes nothing of its own
+                    aux = self.router.add(self.policy.router_stats, mb.input_ids.numel() / mini_tokens[k])
+                ((loss + aux) * self.world).backward()
                 loss_total += loss.detach().double()
                 for key, v in stats.items():
                     v = v.detach().double()  # stays on the device: one transfer per step, in _metrics
@@ -326,10 +315,15 @@ class Trainer:
                     else:
                         sums[key] = sums.get(key, 0.0) + v
             grad_norms.append(self._clip_and_step())
+            if self.router is not None:
+                self.router.end_update()
         if planned:
             self.scheduler.step()
         self.version += 1
-        return step_metrics(self, groups, tokens, rewards, adv, keep, sums, loss_total, grad_norms, t0)
+        out = step_metrics(self, groups, tokens, rewards, adv, keep, sums, loss_total, grad_norms, t0)
+        if self.router is not None:
+            out.update(self.router.metrics(self.device, self.group if self.sharded else None))
+        return out
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.policy.parameters() if p.grad is not None]
@@ -346,8 +340,13 @@ class Trainer:
         """This rank's own piece of every parameter (HF names), without any communication.
 
         FSDP2 shards dim 0 in torch.chunk fashion: rank r holds rows [r*c, min((r+1)*c, n)) with
-        c = ceil(n / world). Unsharded training yields full tensors at offset 0.
+        c = ceil(n / world). Unsharded training yields full tensors at offset 0. With LoRA: the
+        merged weights of the adapted projections only (``pushed``; a collective: each adapter's A
+        is gathered), nothing else changes.
         """
+        if self.lora is not None:
+            yield from (ParamShard(*s) for s in lora_shards(self.model, self.rank, self.world))
+            return
         for name, p in self.model.named_parameters():
             if hasattr(p, "to_local"):
                 local = p.to_local()
@@ -356,6 +355,17 @@ class Trainer:
                 yield ParamShard(name, local.detach(), min(self.rank * c, n), tuple(p.shape))
             else:
                 yield ParamShard(name, p.detach(), 0, tuple(p.shape))
+
+    def pushed(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, meta tensor of its full shape and master dtype) of what ``named_shards`` yields: the
+        Parameter Server's layout. Every parameter, or with LoRA the adapted projections' weights."""
+        if self.lora is not None:
+            names = [f"{m}.weight" for m in self.model.lora_modules]
+            params = dict(self.model.named_parameters())
+            return [(n, torch.empty(tuple(params[n].shape), dtype=MASTER_DTYPE, device="meta")) for n in names]
+        return [
+            (n, torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")) for n, p in self.model.named_parameters()
+        ]
 
     def full_state_dict(
         self, to_cpu: bool = True, rank0_only: bool = False, dtype: torch.dtype | None = None

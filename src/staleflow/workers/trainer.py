@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
 import torch
@@ -58,9 +59,6 @@ class TrainerWorker:
         self.export_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             cfg.model.dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32
         )
-        layout = ParamLayout.from_named_tensors(
-            ((n, p.detach()) for n, p in model.named_parameters()), dtype=self.slot_dtype
-        )
         group = ctx.trainer_group if ctx.roles.num_trainer > 1 else None
         t0 = time.perf_counter()
         self.trainer = Trainer(
@@ -72,8 +70,11 @@ class TrainerWorker:
             total_steps=cfg.steps,
             max_response_tokens=cfg.rollout.max_new_tokens,  # Dr. GRPO's constant normaliser
             weights=weights,
+            lora=cfg.lora,
         )
         self.load_s = time.perf_counter() - t0  # with lazy weights: reading them into this rank's shards
+        # what a push carries: every parameter, or with LoRA the adapted projections' merged weights
+        layout = ParamLayout.from_named_tensors(self.trainer.pushed(), dtype=self.slot_dtype)
         self.run_dir = ctx.run_dir
         self.resume_extra: dict = {}
         if ctx.resume_from:  # chosen by rank 0 (launch/resume.py): the newest intact checkpoint
@@ -237,6 +238,14 @@ class TrainerWorker:
         if not self.leader:
             return
         if error is None:
+            if self.trainer.lora is not None:  # the adapters and their AdamW state, not the frozen base
+                size = sum(f.stat().st_size for f in os.scandir(path) if f.is_file()) / 2**20
+                print(
+                    f"staleflow: checkpoint {os.path.basename(path)}: {size:.2f} MiB (LoRA adapters and their "
+                    f"optimizer state; the base weights stay in --model.path)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.ctx.client.send(Saved(step=msg.step, path=str(path), ticket=msg.ticket))
             return
         if isinstance(error, BaseException):
