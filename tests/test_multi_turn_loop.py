@@ -12,6 +12,7 @@ import pytest
 from test_controller import deliver, make_loop, routed
 
 from staleflow.controller import Finished, Rewarded, TrainDone
+from staleflow.coordinator.record import INTERRUPT
 from staleflow.metrics.report import make_report
 
 
@@ -21,7 +22,7 @@ def test_multi_turn_loop_counts_turns_tools_and_takes_the_env_reward():
     loop.tick(be.now())
     group = loop.ledger.groups[loop.ledger.trajs[routed(be)[0].traj_id].group_id]
     a, b = group.members
-    loop.coord.pending_interrupts.add(a)
+    loop.coord.sched.transition(a, INTERRUPT, reason="pull")  # the coordinator asked for it
     deliver(loop, be, Finished(a, 0, "partial-a", 5, partial=True, turns=2, tool_calls=1, tool_s=0.25))
     assert loop.ledger.trajs[a].tool_s == 0.25
     be.sent.clear()

@@ -160,6 +160,6 @@ def test_a_pull_that_finds_a_thought_parked_trajectory_decoding_again_loops_it_b
     finally:
         rank.close()
     loop_back(c, 0, 9, fin.n_tokens)  # the loop records it and reports the loop-back nobody asked for
-    assert c.instance_of(9) == -1 and 9 in c.reserved and list(c.queue.ids()) == [9]
+    assert c.instance_of(9) == -1 and c.records[9].reserved and list(c.queue.ids()) == [9]
     c.on_pull_done(0, 1)
     assert [(r.traj_id, r.traj_version) for r in c.tick(3.0) if isinstance(r, Route)] == [(9, 0)]

@@ -75,7 +75,7 @@ def audit(sim: Sim, res) -> None:
     consumed = sum(1 for f in led.ended.values() if f == "consumed")
     assert consumed == sum(len(r.rewards) for r in loop.steps) == len(log) * sim.stale.group_size
     assert sum(res.staleness_hist.values()) == len(log)
-    assert set(loop.coord.live) <= set(led.trajs)  # the coordinator schedules only live trajectories
+    assert set(loop.coord.records) <= set(led.trajs)  # the coordinator schedules only live trajectories
     for inst in sim.backend.insts:  # nothing runs on an instance older than its V_traj
         for tr in list(inst.running.values()):
             assert inst.version >= tr.traj_version

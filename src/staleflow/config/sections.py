@@ -319,6 +319,9 @@ class CoordinatorConfig:
     """Routing gives up on a level after this many consecutive trajectories found no instance (bounds tick cost)."""
     migration_cooldown_s: float = 5.0
     """An instance holding a trajectory migrated less than this many seconds ago is not migrated again (no ping-pong)."""
+    planners: tuple[str, ...] = ()
+    """Extra planners run every tick after the built-in ones, in order: registered names or 'package.module:Class'
+    (a class (cfg, cost_model) with plan(ctx, now) returning Route / Interrupt / Pull / Abort commands; docs/extending.md)."""
     # The peers' own knobs (--mode verl-fully-async / areal only; coordinator/modes.peer_knobs; docs/baselines.md).
     staleness_threshold: float | None = None
     """--mode verl-fully-async: verl's staleness_threshold s (a fraction is allowed): a sync window admits
