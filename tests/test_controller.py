@@ -15,8 +15,8 @@ from staleflow.config import CoordinatorConfig, StalenessConfig
 from staleflow.controller import Finished, LoopSettings, Published, Rewarded
 from staleflow.controller.build import build_loop
 from staleflow.coordinator import Abort, CostModel, Interrupt, Pull, Route
-from staleflow.coordinator.modes import apply_mode
 from staleflow.coordinator.record import INTERRUPT, ROUTE, SUBMIT
+from staleflow.modes import apply_mode
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
 

@@ -14,12 +14,11 @@ from staleflow.coordinator import (
     Interrupt,
     Pull,
     Route,
-    apply_mode,
-    mode_overrides,
     register_routing,
 )
 from staleflow.coordinator.record import END, RESERVE, ROUTE, SUBMIT, TRUNCATE
 from staleflow.coordinator.strategies import ROUTING
+from staleflow.modes import apply_mode, mode_of
 from staleflow.protocol import StalenessSpec
 from staleflow.protocol.staleness import StalenessManager
 
@@ -321,10 +320,10 @@ def test_modes_are_overrides_of_one_config():
     )
     c, _ = apply_mode("one-step-off", cfg)  # alias of verl-one-step-off
     assert c.barrier and c.pull == "idle" and not c.interrupt_on_pull and c.routing == "round-robin"
-    assert mode_overrides("sync")["staleness"]["eta"] == 0 == mode_overrides("verl-sync")["staleness"]["eta"]
+    assert mode_of("sync").staleness["eta"] == 0 == mode_of("verl-sync").staleness["eta"]
     assert apply_mode("staleflow", cfg)[0] == cfg
-    with pytest.raises(ValueError, match="unknown"):
-        mode_overrides("verl-async")
+    with pytest.raises(ValueError, match="--mode='verl-async': choose one of"):
+        mode_of("verl-async")
     from staleflow.config import RunConfig, StalenessConfig, resolve
 
     run = resolve(RunConfig(mode="sync", staleness=StalenessConfig(eta=3)))
@@ -405,8 +404,8 @@ def test_waterfall_budget_counts_the_kv_a_request_grows_into():
 def test_a_coordinator_refuses_a_protocol_that_is_not_its_modes():
     """One builder gives a mode its protocol (controller/build.py); the coordinator never swaps one in."""
     from staleflow.config import StalenessConfig
-    from staleflow.coordinator.modes import protocol_for
-    from staleflow.protocol import AReaLBuffer
+    from staleflow.modes import protocol_for
+    from staleflow.modes.areal import AReaLBuffer
 
     with pytest.raises(
         ValueError, match="mode 'areal' runs protocol AReaLBuffer, but the coordinator was given a StalenessManager"

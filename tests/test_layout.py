@@ -160,10 +160,16 @@ def test_layout_cycle_detector_sees_string_imports(tmp_path):
 
 
 def test_layout_packages_do_not_import_upward():
-    """The core never imports the shells: protocol, coordinator, controller (the loop) and the config
+    """The core never imports the shells: protocol, modes, coordinator, controller (the loop) and the config
     import nothing from the runtime, the rank workers, the launcher or the simulator."""
     mods = _modules()
-    core = ("staleflow.protocol", "staleflow.coordinator", "staleflow.controller", "staleflow.config")
+    core = (
+        "staleflow.protocol",
+        "staleflow.modes",
+        "staleflow.coordinator",
+        "staleflow.controller",
+        "staleflow.config",
+    )
     shells = ("staleflow.runtime", "staleflow.workers", "staleflow.launch", "staleflow.sim", "staleflow.cli")
     bad = {
         m: sorted(i for i in _imports(p, set(mods)) if i.startswith(shells))
@@ -171,6 +177,14 @@ def test_layout_packages_do_not_import_upward():
         if m.startswith(core)
     }
     assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_layout_config_sits_below_the_coordinator_and_modes_below_both():
+    """Issue 48: config/ no longer imports coordinator/ (a mode, with its flag section, is staleflow.modes), and
+    the modes import neither (a peer's file holds its rule, knobs and search on protocol/ alone)."""
+    edges = package_edges()
+    assert "staleflow.coordinator" not in edges["staleflow.config"]
+    assert not edges["staleflow.modes"] & {"staleflow.config", "staleflow.coordinator", "staleflow.controller"}
 
 
 def test_layout_no_file_over_400_lines():

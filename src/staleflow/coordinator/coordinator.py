@@ -31,7 +31,7 @@ tokens generated, origin) it looks up by id in ``trajs``, the ledger's table (``
 
 With migration off (``--coordinator.migration false``) a loop-back resumes on the instance it
 was interrupted on (its ``origin``), never elsewhere. The batch protocol (``manager``) is the one
-the mode names (coordinator/modes.py): StaleFlow's StalenessManager or a peer's count-based rule.
+the mode names (staleflow.modes): StaleFlow's StalenessManager or a peer's count-based rule.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from types import MappingProxyType
 from staleflow.coordinator.instance import InstanceState
 from staleflow.coordinator.migration import Migration
 from staleflow.coordinator.mlq import MultiLevelQueue
-from staleflow.coordinator.modes import check_protocol
 from staleflow.coordinator.pull import PullPlanner, updating
 from staleflow.coordinator.record import END, INTERRUPT, LOOP_BACK, PARK, SUBMIT, TRUNCATE, UNPARK, Schedule
 from staleflow.coordinator.routing import RoutingPass
@@ -52,6 +51,7 @@ from staleflow.coordinator.stragglers import Stragglers
 from staleflow.coordinator.strategies import make_planner, make_pull, make_routing
 from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Pull, TrajFacts
 from staleflow.coordinator.view import CoordinatorView
+from staleflow.modes import check_protocol
 from staleflow.trajectory import Route
 
 _INSTANCE_STATS = ("version", "load", "syncing", "snapshots_used", "snapshots_dropped")
@@ -71,6 +71,7 @@ class Coordinator:
         version: int = 0,
         clock: Callable[[], float] = time.monotonic,
         label: str = "staleflow",
+        sync_every: int = 1,
     ):
         if straggler not in ("off", "abort", "truncate"):
             raise ValueError(f"--staleness.straggler={straggler!r} is unknown; choose off, abort or truncate")
@@ -98,6 +99,10 @@ class Coordinator:
         self.migration = Migration(self.cfg, cost_model)
         self.planners = [make_planner(name, self.cfg, cost_model) for name in self.cfg.planners]
         self.ps_version = version
+        if type(sync_every) is not int or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r} must be an int >= 1")
+        self.sync_every = sync_every
+        """Instances pull every sync_every-th published version (the mode's: verl's trigger_parameter_sync_step T)."""
         self.group_tag: dict[int, int] = {}  # group_id -> V_traj fixed at its first route
         self.routing = RoutingPass(self)
         """Step 6 of the tick and the admission state it keeps (routing.py)."""
@@ -204,8 +209,8 @@ class Coordinator:
         return self.puller.blocks_trainer and updating(self.view)
 
     def on_new_version(self, version: int) -> None:
-        """The PS published `version`; with verl's T (--coordinator.trigger-sync-steps) every T-th counts."""
-        if version % self.cfg.trigger_sync_steps == 0:
+        """The PS published `version`; with verl's T (--peer.verl-fully-async.trigger-sync-steps) every T-th counts."""
+        if version % self.sync_every == 0:
             self.ps_version = max(self.ps_version, version)
 
     def on_failed(self, instance: int, traj_id: int, reason: str = "failed") -> None:
@@ -295,7 +300,7 @@ class Coordinator:
         recs = [self.sched.get(t) for t in cmd.traj_ids]
         if cmd.reason == "migrate" and cmd.instance < 0 or not cmd.traj_ids:
             raise ValueError(f"{cmd!r}: name the instance and the trajectories it holds")
-        bad = [t for t, r in zip(cmd.traj_ids, recs) if r is None or r.instance != cmd.instance or r.place is not None]
+        bad = [t for t, r in zip(cmd.traj_ids, recs) if r is None or r.instance != cmd.instance]  # (-1: not held)
         bad += [t for t, r in zip(cmd.traj_ids, recs) if cmd.reason == "migrate" and r is not None and r.parked]
         if bad:
             raise ValueError(f"{cmd!r}: trajectories {bad} are not held by (or parked on) instance {cmd.instance}")
