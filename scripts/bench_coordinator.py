@@ -33,9 +33,9 @@ from pathlib import Path
 from staleflow.config import CoordinatorConfig
 from staleflow.controller.ledger import Traj
 from staleflow.coordinator import Coordinator, InstanceSnapshot, load_cost_model
-from staleflow.coordinator.modes import apply_mode
 from staleflow.coordinator.record import RESERVE
 from staleflow.metrics.hardware import cpu_name
+from staleflow.modes import apply_mode
 from staleflow.protocol import StalenessSpec
 from staleflow.protocol.staleness import StalenessManager
 
