@@ -14,7 +14,7 @@ from staleflow.controller import Finished
 from staleflow.coordinator.record import INTERRUPT
 from staleflow.runtime.backend import RuntimeWorkload
 from staleflow.runtime.evaluation import HeldOutEval
-from staleflow.trajectory import Prompt, Route
+from staleflow.trajectory import Prompt, Route, TurnStats
 from staleflow.workers.rollout import RolloutWorker
 
 ROW = Prompt(7, "Sum the list.", "42", [5, 6, 7], {"tests": ["assert f() == 42"], "index": 3})
@@ -53,7 +53,7 @@ def test_multi_turn_env_row_rides_on_every_route_of_an_env_run():
     assert first[0].meta is not ROW.meta  # a copy: the data row is never shared with a message
     a = first[0].traj_id
     loop.coord.sched.transition(a, INTERRUPT, reason="pull")  # the coordinator asked for it
-    deliver(loop, be, Finished(a, 0, "partial-a", 5, partial=True, turns=1))
+    deliver(loop, be, Finished(a, 0, "partial-a", 5, partial=True, stats=TurnStats(1)))
     be.sent.clear()
     loop.tick(be.now() + 1)
     (again,) = routed(be)

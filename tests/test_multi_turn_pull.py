@@ -128,7 +128,7 @@ def test_a_pull_while_the_tool_runs_leaves_the_trajectory_and_its_next_turn_uses
     assert c.on_finished(0, 9) and c.counters["interrupted"] == 0
     assert c.counters["pull_kept_parked"] == (0 if keep_kv else 1)  # keep-KV interrupts nothing anyway
     assert rank.steps() == 3 and [k for k, _ in rank.log].count("reset") == 1  # each call ran once
-    assert fin.tool_calls == 2 and fin.turns == 3
+    assert fin.stats.tool_calls == 2 and fin.stats.turns == 3
     check_turn_structure(rec)
     turns = model_turns(rec)
     assert len(turns) == 3
