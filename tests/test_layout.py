@@ -187,6 +187,25 @@ def test_layout_config_sits_below_the_coordinator_and_modes_below_both():
     assert not edges["staleflow.modes"] & {"staleflow.config", "staleflow.coordinator", "staleflow.controller"}
 
 
+def test_layout_architecture_counts_are_the_docs():
+    """docs/architecture.md quotes the JSON line of `python scripts/count_architecture.py` (classes holding a
+    trajectory, tables keyed by trajectory id in a simulated run, the coordinator's, cycles, upward imports):
+    the doc counts what this counts, and a change in the code that moves a count fails here until the doc
+    says so."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("count_architecture", ROOT / "scripts" / "count_architecture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.counts()
+    line = json.dumps({k: c[k] for k in c if k not in ("classes", "tables")})
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert line in doc, f"docs/architecture.md must quote the counts: {line}"
+    assert all(f"`{name}`" in doc for name in c["classes"] + c["tables"]), "the doc names every counted one"
+    assert c["coordinator_tables"] <= 2 and c["package_cycles"] == c["upward_imports"] == 0
+
+
 def test_layout_no_file_over_400_lines():
     files = list((ROOT / "src" / "staleflow").rglob("*.py")) + list((ROOT / "kernels").glob("*.py"))
     long = {str(f.relative_to(ROOT)): n for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES}
