@@ -126,13 +126,7 @@ def layout() -> tuple[int, int]:
     sys.path.insert(0, str(ROOT / "tests"))
     import test_layout as tl
 
-    mods = tl._modules()
-    core = ("staleflow.protocol", "staleflow.modes", "staleflow.coordinator", "staleflow.controller", "staleflow.config")
-    shells = ("staleflow.runtime", "staleflow.workers", "staleflow.launch", "staleflow.sim", "staleflow.cli")
-    upward = sum(
-        1 for m, p in mods.items() if m.startswith(core) for i in tl._imports(p, set(mods)) if i.startswith(shells)
-    )
-    return len(tl.package_cycles()), upward
+    return len(tl.package_cycles()), sum(len(v) for v in tl.upward_imports().values())
 
 
 def counts() -> dict:

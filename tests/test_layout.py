@@ -159,24 +159,21 @@ def test_layout_cycle_detector_sees_string_imports(tmp_path):
     assert _imports(a, {"staleflow.b", "staleflow.c", "staleflow.d"}) == {"staleflow.b", "staleflow.d"}
 
 
+CORE = ("staleflow.protocol", "staleflow.modes", "staleflow.coordinator", "staleflow.controller", "staleflow.config")
+SHELLS = ("staleflow.runtime", "staleflow.workers", "staleflow.launch", "staleflow.sim", "staleflow.cli")
+
+
+def upward_imports() -> dict[str, list[str]]:
+    """Module of the pure core -> the shell modules it imports (should be none)."""
+    mods = _modules()
+    bad = {m: sorted(i for i in _imports(p, set(mods)) if i.startswith(SHELLS)) for m, p in mods.items()}
+    return {m: v for m, v in bad.items() if v and m.startswith(CORE)}
+
+
 def test_layout_packages_do_not_import_upward():
     """The core never imports the shells: protocol, modes, coordinator, controller (the loop) and the config
     import nothing from the runtime, the rank workers, the launcher or the simulator."""
-    mods = _modules()
-    core = (
-        "staleflow.protocol",
-        "staleflow.modes",
-        "staleflow.coordinator",
-        "staleflow.controller",
-        "staleflow.config",
-    )
-    shells = ("staleflow.runtime", "staleflow.workers", "staleflow.launch", "staleflow.sim", "staleflow.cli")
-    bad = {
-        m: sorted(i for i in _imports(p, set(mods)) if i.startswith(shells))
-        for m, p in mods.items()
-        if m.startswith(core)
-    }
-    assert {m: v for m, v in bad.items() if v} == {}
+    assert upward_imports() == {}
 
 
 def test_layout_config_sits_below_the_coordinator_and_modes_below_both():
