@@ -10,15 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from staleflow.coordinator.instance import InstanceState
-from staleflow.coordinator.strategies import register_planner
 from staleflow.coordinator.types import Interrupt
 
 _NEVER = -1e300  # migrated_at of a trajectory that never moved, for the cooldown comparison
 
 
-@register_planner("migration")
 class Migration:
-    """The built-in migration planner (``pick_migration``'s choice as a command)."""
+    """The built-in migration planner (``pick_migration``'s choice as a command; the Planner interface, run by
+    --coordinator.migration, not by name)."""
 
     def __init__(self, cfg, cost_model):
         self.cfg = cfg
