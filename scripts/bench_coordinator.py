@@ -13,8 +13,8 @@ Measured in the same run:
   unbounded   staleflow without the per-level scan bound and failure cache (baseline: scans the queue)
 Prints p50/p99 tick time (tick() only, and tick + the 128 snapshots); last line JSON.
 --against DIR: before/after in the same run: this checkout's bench and DIR's own scripts/bench_coordinator.py
-(each against its own src/, in a fresh process) alternate for --rounds rounds; prints both p50s per round,
-their medians and the ratio (this / DIR's).
+(each against its own src/, in a fresh process, which runs first alternating) for --rounds rounds; prints both
+p50s per round, their medians and the ratio (this / DIR's).
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def against(args) -> None:
     )
     print(f"this: {here}\nbaseline: {other}\n{'round':>5s} {'this p50 ms':>12s} {'baseline p50 ms':>16s}")
     mine, base = [], []
-    for r in range(args.rounds):
-        a, b = one(here), one(other)
+    for r in range(args.rounds):  # the order alternates: neither tree always runs first
+        a, b = (one(here), one(other)) if r % 2 == 0 else reversed((one(other), one(here)))
         mine.append(a["tick_p50_ms"])
         base.append(b["tick_p50_ms"])
         print(f"{r:5d} {mine[-1]:12.4f} {base[-1]:16.4f}", flush=True)

@@ -50,7 +50,7 @@ def test_a_trajectory_migrates_at_most_once_and_never_back_to_the_instance_it_le
     for i, tids in placed.items():
         for t in tids:
             c.submit([traj(c, t, 100 + t, None, 50)])
-            c.routing.route_one(c.trajs[t], c.instances[i], 0, 0.0, [])
+            c.routing.route_one(c.trajs[t], c.records[t], c.instances[i], 0, 0.0, [])
         force(c.instances[i], tokens_per_s=10.0)
     mig = [x for x in c.tick(10.0) if isinstance(x, Interrupt)]  # 4 vs 1 requests: ratio 4 > psi
     assert mig == [Interrupt(1, (2, 3, 4, 5), "migrate")]

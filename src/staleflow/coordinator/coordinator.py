@@ -90,6 +90,8 @@ class Coordinator:
         self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first, self.cfg.new_order)
         self.sched = Schedule(self.queue, self.instances)
         """The scheduling records of the live trajectories and their transition function (record.py)."""
+        self.routing = RoutingPass(self)
+        """Step 6 of the tick and the admission state it keeps (routing.py)."""
         self.view = CoordinatorView(self)
         """What every strategy reads (read-only); they return commands, ``apply`` applies them."""
         self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
@@ -104,8 +106,6 @@ class Coordinator:
         self.sync_every = sync_every
         """Instances pull every sync_every-th published version (the mode's: verl's trigger_parameter_sync_step T)."""
         self.group_tag: dict[int, int] = {}  # group_id -> V_traj fixed at its first route
-        self.routing = RoutingPass(self)
-        """Step 6 of the tick and the admission state it keeps (routing.py)."""
         self._out: list[Command] = []
         self.counters: Counter = Counter()
         self.now = float("-inf")
@@ -334,7 +334,7 @@ class Coordinator:
             raise ValueError(f"{cmd!r}: the batch protocol has no room for V_traj {V} now")
         if not srec.reserved and self.cfg.barrier and rec.group_id not in self.group_tag and not self.routing.budget:
             raise ValueError(f"{cmd!r}: the batch barrier admits no new group now")
-        self.routing.route_one(rec, inst, V, now, out)
+        self.routing.route_one(rec, srec, inst, V, now, out)
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def _inst(self, instance: int) -> InstanceState:

@@ -60,36 +60,37 @@ class RoutingPass:
         ):
             self.budget = c.manager.capacity
         self._admissible = None
-        records = c.sched.records
+        records, trajs, tags, queue = c.sched.records, c.trajs, c.group_tag, c.queue  # (locals: the hot loop)
+        migration, limit = c.cfg.migration, c.cfg.scan_limit
         failed: set[tuple] = set()  # (V_traj, tokens) that found no instance since the last route
-        for key in c.queue.level_keys():
+        for key in queue.level_keys():
             fails, leftover = 0, False
-            for t in c.queue.iter_level(key, c.queue.level_size(key)):
-                if not open_ or fails >= c.cfg.scan_limit:
+            for t in queue.iter_level(key, queue.level_size(key)):
+                if not open_ or fails >= limit:
                     leftover = True
                     break
-                rec = c.trajs[t]
+                rec, srec = trajs[t], records[t]
                 sig = (
-                    rec.traj_version if rec.traj_version is not None else c.group_tag.get(rec.group_id),
+                    rec.traj_version if rec.traj_version is not None else tags.get(rec.group_id),
                     rec.tokens,
-                    records[t].moved_off if c.cfg.migration else rec.origin,
+                    srec.moved_off if migration else rec.origin,
                 )
                 if sig in failed:  # same placement problem as one that just failed: skip cheaply
                     fails, leftover = fails + 1, True
                     continue
-                inst, V = self.place(rec, open_, failed, sig)
+                inst, V = self.place(rec, srec, open_, failed, sig)
                 if inst is None:
                     fails, leftover = fails + 1, True
                     continue
                 fails = 0
                 failed.clear()
-                self.route_one(rec, inst, V, now, cmds)
+                self.route_one(rec, srec, inst, V, now, cmds)
                 if len(inst.trajs) >= cap:
                     open_.remove(inst)
-            if leftover and c.queue.enabled:
+            if leftover and queue.enabled:
                 break  # strict priority: newer levels wait for the older one
 
-    def place(self, rec: TrajFacts, open_: list[InstanceState], failed: set, sig: tuple):
+    def place(self, rec: TrajFacts, srec, open_: list[InstanceState], failed: set, sig: tuple):
         """Pick an instance for one queued trajectory (None if it must wait) and its V_traj."""
         c = self.c
         gid = rec.group_id
@@ -105,13 +106,13 @@ class RoutingPass:
             ok = self._admissible
             cands = [i for i in open_ if i.target_version in ok]
         else:
-            if not c.sched.records[rec.traj_id].reserved and not c.manager.can_admit(V, gid):
+            if not srec.reserved and not c.manager.can_admit(V, gid):
                 return None, -1
             if rec.origin >= 0 and not c.cfg.migration:  # no migration: resume where it ran
                 cands = [i for i in open_ if i.instance == rec.origin and i.target_version >= V]
             else:  # a migrated trajectory does not go back to the instance it left, unless nothing else can run it
                 cands = [i for i in open_ if i.target_version >= V]
-                left = c.sched.records[rec.traj_id].moved_off
+                left = srec.moved_off
                 cands = [i for i in cands if i.instance != left] or cands
         inst = c.router.choose(rec, V, cands, c.view) if cands else None
         if inst is None:
@@ -129,11 +130,11 @@ class RoutingPass:
             )
         return inst, (inst.target_version if V is None else V)
 
-    def route_one(self, rec: TrajFacts, inst: InstanceState, V: int, now: float, cmds: list[Command]) -> None:
+    def route_one(self, rec: TrajFacts, srec, inst: InstanceState, V: int, now: float, cmds: list[Command]) -> None:
         """Route one trajectory: reserve first (a new group's first member fixes its V_traj), then the record."""
         c = self.c
         t, gid = rec.traj_id, rec.group_id
-        if not c.sched.records[t].reserved:
+        if not srec.reserved:
             if gid not in c.group_tag:
                 c.group_tag[gid] = V
                 if c.cfg.barrier:

@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 
 class CoordinatorView:
-    __slots__ = ("_c", "instances", "trajs")
+    __slots__ = ("_c", "instances", "trajs", "routable_at")
 
     def __init__(self, coordinator):
         object.__setattr__(self, "_c", coordinator)
@@ -31,6 +31,9 @@ class CoordinatorView:
         trajs = coordinator.trajs
         object.__setattr__(self, "trajs", trajs if isinstance(trajs, MappingProxyType) else MappingProxyType(trajs))
         """traj_id -> the ledger's record (TrajFacts): read it, never write it."""
+        object.__setattr__(self, "routable_at", coordinator.routing.routable_at)
+        """routable_at(version): could some queued trajectory be routed to an instance running ``version``?
+        (The routing pass's own method, bound once: the pull policy asks it for every instance every tick.)"""
 
     def __setattr__(self, name, value):
         raise AttributeError(f"the coordinator's view is read-only ({name}): a strategy returns commands")
@@ -79,10 +82,6 @@ class CoordinatorView:
     def records(self) -> Mapping:
         """traj_id -> SchedRecord of every live trajectory (read-only)."""
         return MappingProxyType(self._c.sched.records)
-
-    def routable_at(self, version: int) -> bool:
-        """Could some queued trajectory be routed to an instance running ``version``?"""
-        return self._c.routing.routable_at(version)
 
     def group_version(self, group_id: int) -> int | None:
         """The group's V_traj once its first member was routed (None: not yet)."""
