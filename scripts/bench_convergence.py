@@ -8,7 +8,8 @@ Runs the main job (./launch.sh, default preset: SmolLM2-135M on arithmetic-easy)
 seed: verl-sync (eta 0, the baseline), staleflow at eta 1 and 2, and verl-fully-async and areal at
 NOMINAL eta 1 (their own staleness rules: the observed staleness is reported, it may exceed 1).
 `verl-fully-async-matched:1` names the guarantee-matched peer (verl fully-async with
---coordinator.staleness-threshold 0 --coordinator.trigger-sync-steps eta+1, bounded at eta by a count).
+--peer.verl-fully-async.staleness-threshold 0 --peer.verl-fully-async.trigger-sync-steps eta+1, bounded at eta
+by a count).
 --seeds takes a list and ranges (0-7 = 0,1,...,7). Seed s sets --seed s and --data.seed s, so the
 runs of one seed share their held-out prompts (--eval-n of them, never trained on) and their prompt
 stream: the comparison with sync is paired.
@@ -82,7 +83,8 @@ trajectory's staleness at eta by a count: docs/baselines.md)."""
 def launch_mode(mode: str, eta: int) -> list[str]:
     """The launch flags that select bench mode `mode` at `eta` (a VARIANTS name adds its peer's knobs)."""
     if mode == "verl-fully-async-matched":
-        knobs = ["--coordinator.staleness-threshold", "0", "--coordinator.trigger-sync-steps", str(eta + 1)]
+        knobs = ["--peer.verl-fully-async.staleness-threshold", "0", "--peer.verl-fully-async.trigger-sync-steps"]
+        knobs.append(str(eta + 1))
         return ["--mode", VARIANTS[mode], *knobs]
     return ["--mode", mode]
 

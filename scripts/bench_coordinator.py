@@ -1,6 +1,7 @@
 """Benchmark: cost of one coordinator tick at 128 instances with ~10k queued trajectories.
 
     python scripts/bench_coordinator.py [--instances 128] [--queued 10000] [--ticks 300]
+    python scripts/bench_coordinator.py --against /path/to/other/checkout --rounds 3 --ticks 200
 
 Steady state: every instance runs up to --max-concurrent trajectories (versions 0..3 spread over
 instances), the Trajectory Server holds --queued trajectories (40% interrupted loop-backs tagged
@@ -11,6 +12,9 @@ Measured in the same run:
   staleflow-simple-strategies   least-loaded routing over a FIFO queue, greedy pull, no migration
   unbounded   staleflow without the per-level scan bound and failure cache (baseline: scans the queue)
 Prints p50/p99 tick time (tick() only, and tick + the 128 snapshots); last line JSON.
+--against DIR: before/after in the same run: this checkout's bench and DIR's own scripts/bench_coordinator.py
+(each against its own src/, in a fresh process, which runs first alternating) for --rounds rounds; prints both
+p50s per round, their medians and the ratio (this / DIR's).
 """
 
 from __future__ import annotations
@@ -21,13 +25,17 @@ import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from staleflow.config import CoordinatorConfig
 from staleflow.controller.ledger import Traj
 from staleflow.coordinator import Coordinator, InstanceSnapshot, load_cost_model
-from staleflow.coordinator.modes import apply_mode
+from staleflow.coordinator.record import RESERVE
 from staleflow.metrics.hardware import cpu_name
+from staleflow.modes import apply_mode
 from staleflow.protocol import StalenessSpec
 from staleflow.protocol.staleness import StalenessManager
 
@@ -40,19 +48,21 @@ def build(mode: str, cfg: CoordinatorConfig, args, rng: random.Random):
     cfg, _ = apply_mode(mode, cfg)
     trajs: dict[int, Traj] = {}  # the ledger's table (one-member groups: group id = trajectory id)
     c = Coordinator(cfg, cost, m, range(args.instances), trajs=trajs, version=3, clock=lambda: now[0], label=mode)
-    for i, inst in c.instances.items():  # spread instance versions 0..3 (pulls not yet done)
-        inst.version = inst.target_version = i % 4
+    for i in c.instances:  # spread instance versions 0..3 (as if each had pulled that version)
+        c.on_pull_done(i, i % 4)
     c.on_new_version(3)
     ids = iter(range(10**9))
     for _ in range(int(args.queued * 0.4)):  # interrupted loop-backs with their tags
         t, V = next(ids), rng.randint(0, 3)
         m.reserve(t, t, V)
-        c.reserved.add(t)
         c.group_tag[t] = V
         trajs[t] = Traj(t, t, 0, traj_version=V, n_tokens=rng.randint(1, 8000), prompt_len=512)
+    loop_backs = list(trajs)
     fill = args.instances * args.max_concurrent  # routed while filling the instances; ~queued remain
     fresh = [next(ids) for _ in range(args.queued + fill - len(trajs))]
-    c.submit(list(trajs) + new_trajs(trajs, fresh))
+    c.submit(loop_backs + new_trajs(trajs, fresh))
+    for t in loop_backs:  # they hold the reservation made above (their first route, before the interrupt)
+        c.sched.transition(t, RESERVE)
     return c, m, ids, now, trajs
 
 
@@ -101,6 +111,39 @@ def run(mode: str, cfg: CoordinatorConfig, args) -> dict:
     }
 
 
+def against(args) -> None:
+    """This checkout's tick against another checkout's, alternating fresh processes (same machine, same load)."""
+    here = Path(__file__).resolve().parents[1]
+    other = Path(args.against).resolve()
+    if not (other / "scripts" / "bench_coordinator.py").is_file() or not (other / "src" / "staleflow").is_dir():
+        sys.exit(
+            f"--against={args.against!r}: not a StaleFlow checkout (no scripts/bench_coordinator.py, src/staleflow)"
+        )
+    flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("instances", "queued", "ticks", "finish")]
+    flags.append(f"--max-concurrent={args.max_concurrent}")
+
+    def one(root: Path) -> dict:
+        env = dict(os.environ, PYTHONPATH=str(root / "src"))
+        cmd = [sys.executable, str(root / "scripts" / "bench_coordinator.py"), *flags]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root)
+        if res.returncode:
+            sys.exit(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip().splitlines()[-1:]}")
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    print(
+        f"host: {cpu_name()}, {os.cpu_count()} cpus, python {platform.python_version()}; load {os.getloadavg()[0]:.1f}"
+    )
+    print(f"this: {here}\nbaseline: {other}\n{'round':>5s} {'this p50 ms':>12s} {'baseline p50 ms':>16s}")
+    mine, base = [], []
+    for r in range(args.rounds):  # the order alternates: neither tree always runs first
+        a, b = (one(here), one(other)) if r % 2 == 0 else reversed((one(other), one(here)))
+        mine.append(a["tick_p50_ms"])
+        base.append(b["tick_p50_ms"])
+        print(f"{r:5d} {mine[-1]:12.4f} {base[-1]:16.4f}", flush=True)
+    m, b = statistics.median(mine), statistics.median(base)
+    print(json.dumps({"tick_p50_ms": m, "baseline_tick_p50_ms": b, "ratio": round(m / b, 3), "rounds": args.rounds}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=128)
@@ -108,7 +151,11 @@ def main() -> None:
     ap.add_argument("--ticks", type=int, default=300)
     ap.add_argument("--finish", type=int, default=20, help="trajectories finishing between two ticks")
     ap.add_argument("--max-concurrent", type=int, default=64)
+    ap.add_argument("--against", default="", help="another checkout's root: run its bench too, alternating")
+    ap.add_argument("--rounds", type=int, default=3, help="--against: alternating rounds")
     args = ap.parse_args()
+    if args.against:
+        return against(args)
     base = CoordinatorConfig(
         cost_model="qwen2.5-32b-tp2",
         max_concurrent=args.max_concurrent,

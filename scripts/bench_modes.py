@@ -215,16 +215,20 @@ def mode_flags(mode: str, args) -> list[str]:
 
 
 def peer_of(mode: str, args) -> dict | None:
-    """The peer knobs a mode's flags set (--coordinator.staleness-threshold ...), for the simulator's run."""
-    from staleflow.coordinator.modes import PEER_FLAGS
+    """The mode's own knobs its flags set (--peer.<mode>.<knob> ...), for the simulator's run: parsed by the run's
+    own config parser, so the simulator gets exactly the Settings the runtime ran with."""
+    import dataclasses
 
-    flags, out = mode_flags(mode, args), {}
-    for knob, (field, _unset) in PEER_FLAGS.items():
-        name = "--coordinator." + field.replace("_", "-")
-        if name in flags:
-            kind = {"staleness_threshold": float, "strict": bool}.get(knob, int)
-            out[knob] = True if kind is bool else kind(flags[flags.index(name) + 1])
-    return out or None
+    from staleflow.config import RunConfig
+    from staleflow.config.parse import parse
+    from staleflow.modes import mode_of, mode_settings
+    from staleflow.presets import PRESETS
+
+    flags = mode_flags(mode, args)
+    if not any(f.startswith("--peer.") for f in flags) or mode_of(mode).Settings is None:
+        return None
+    cfg = parse(RunConfig, ["--mode", mode, *flags], PRESETS, default="tiny", prog="bench_modes")
+    return dataclasses.asdict(mode_settings(mode, cfg.peer))
 
 
 def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], everything: list[dict]) -> float:
@@ -305,10 +309,10 @@ def main() -> None:
         "--verl-flags",
         default="",
         help="flags for verl-fully-async only, e.g. the grid's guarantee-matched peer at eta 2: "
-        "'--coordinator.staleness-threshold 0 --coordinator.trigger-sync-steps 3'",
+        "'--peer.verl-fully-async.staleness-threshold 0 --peer.verl-fully-async.trigger-sync-steps 3'",
     )
     ap.add_argument(
-        "--areal-flags", default="", help="flags for areal only, e.g. '--coordinator.max-concurrent-rollouts 8'"
+        "--areal-flags", default="", help="flags for areal only, e.g. '--peer.areal.max-concurrent-rollouts 8'"
     )
     ap.add_argument("extra", nargs="*", help="more flags for every run (after --)")
     args = ap.parse_args()

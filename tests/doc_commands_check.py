@@ -208,6 +208,8 @@ def run_command(cmd: str) -> None:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
+    if Path.cwd() == ROOT:  # as ./launch.sh and `python -m staleflow` from the root: a fork's import path resolves
+        sys.path.append(str(ROOT))  # (appended: nothing installed is shadowed by a folder of the checkout)
     check = run_command if "--run" in sys.argv[1:] else check_command
     results = []
     for cmd in json.loads(sys.stdin.read()):

@@ -1,6 +1,6 @@
 """Each baseline's rule, pinned: verl-sync, verl-one-step-off, verl-fully-async, areal (docs/baselines.md).
 
-The peers' count-based protocols (protocol/areal.py, protocol/verl.py) against hand-worked cases, and
+The peers' count-based protocols (modes/areal.py, modes/verl.py) against hand-worked cases, and
 the weight-sync rules (batch barrier, pause-all) through the shared controller loop with a scripted
 backend, then every baseline end to end in the simulator (same loop, same coordinator).
 """
@@ -13,9 +13,13 @@ from controller_fakes import Prompts, ScriptedBackend
 from staleflow.config import CoordinatorConfig, StalenessConfig
 from staleflow.controller import Finished, Published, PullDone, TrainDone
 from staleflow.controller.build import build_loop
-from staleflow.coordinator import CostModel, Interrupt, Pull, Route, apply_mode, build_protocol
-from staleflow.coordinator.modes import BASELINES, mode_of
-from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessManager, StalenessSpec, VerlAsyncBuffer
+from staleflow.coordinator import CostModel, Interrupt, Pull, Route
+from staleflow.modes import apply_mode, build_protocol, mode_of, peers
+from staleflow.modes.areal import AReaLBuffer
+from staleflow.modes.verl import VerlAsyncBuffer
+from staleflow.protocol import ProtocolError, StalenessManager, StalenessSpec
+
+BASELINES = tuple(m.name for m in peers())
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
 
@@ -110,6 +114,7 @@ def test_baseline_modes_name_their_protocols_and_aliases_resolve():
     assert isinstance(build_protocol("sync", StalenessSpec(0, 2)), StalenessManager)
     assert build_protocol("staleflow-no-exchange", StalenessSpec(1, 2)).exchange is False
     assert build_protocol("staleflow", StalenessSpec(1, 2)).exchange is True
+    assert BASELINES == ("verl-sync", "verl-one-step-off", "verl-fully-async", "areal")  # the registry's peers
     assert [mode_of(m).peer for m in BASELINES] == ["verl", "verl", "verl", "areal"]
     assert mode_of("one-step-off").name == "verl-one-step-off" and mode_of("verl-sync").colocated
 

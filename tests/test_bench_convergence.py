@@ -310,16 +310,17 @@ def test_bench_convergence_matched_peer_launches_verl_with_its_knobs(bench):
     assert flags == [
         "--mode",
         "verl-fully-async",
-        "--coordinator.staleness-threshold",
+        "--peer.verl-fully-async.staleness-threshold",
         "0",
-        "--coordinator.trigger-sync-steps",
+        "--peer.verl-fully-async.trigger-sync-steps",
         "3",
     ]
     assert bench.launch_mode("areal", 1) == ["--mode", "areal"]
     from staleflow.config import RunConfig
     from staleflow.config.parse import parse
-    from staleflow.coordinator.modes import peer_knobs
+    from staleflow.modes import mode_settings
     from staleflow.presets import PRESETS
 
     cfg = parse(RunConfig, [*flags, "--staleness.eta", "2"], PRESETS, default="tiny", prog="t")
-    assert peer_knobs(cfg.mode, cfg.coordinator) == {"staleness_threshold": 0.0, "trigger_sync_steps": 3}
+    knobs = mode_settings(cfg.mode, cfg.peer)
+    assert (knobs.staleness_threshold, knobs.trigger_sync_steps) == (0.0, 3)

@@ -15,7 +15,8 @@ from staleflow.config import CoordinatorConfig, StalenessConfig
 from staleflow.controller import Finished, LoopSettings, Published, Rewarded
 from staleflow.controller.build import build_loop
 from staleflow.coordinator import Abort, CostModel, Interrupt, Pull, Route
-from staleflow.coordinator.modes import apply_mode
+from staleflow.coordinator.record import INTERRUPT, ROUTE, SUBMIT
+from staleflow.modes import apply_mode
 
 COST = CostModel(k1=1e-7, k2=0.02, k3=2e-4, b3=0.01, k4=1e-3, kv_capacity=100_000, name="test")
 
@@ -76,10 +77,11 @@ def test_controller_migration_off_returns_loop_backs_to_their_origin(migration):
     tids = [r.traj_id for r in first if r.instance == origin]
     other = 1 - origin
     # the origin instance is now the busier one: a free choice would send loop-backs elsewhere
-    for k in range(3):
-        loop.coord.instances[origin].add(10_000 + k, 10, be.now())
+    for k in range(3):  # placeholders held by the origin (through the transition function, as a route would)
+        loop.coord.sched.transition(10_000 + k, SUBMIT, group_id=10_000 + k, tokens=10)
+        loop.coord.sched.transition(10_000 + k, ROUTE, instance=origin, kv=10, now=be.now())
     for t in tids:
-        loop.coord.pending_interrupts.add(t)
+        loop.coord.sched.transition(t, INTERRUPT, reason="pull")
     deliver(loop, be, *[Finished(t, origin, f"partial-{t}", 3, partial=True) for t in tids])
     for r in first:  # the ledger's record is what the coordinator reads: V_traj from the first route, origin
         rec = loop.ledger.trajs[r.traj_id]
@@ -91,7 +93,7 @@ def test_controller_migration_off_returns_loop_backs_to_their_origin(migration):
     assert len(back) == len(tids) >= 1
     for r in back:  # same V_traj; the instance is charged the record's prompt + generated tokens
         rec = loop.ledger.trajs[r.traj_id]
-        assert r.traj_version == rec.traj_version and loop.coord.instances[r.instance].trajs[r.traj_id] == rec.tokens
+        assert r.traj_version == rec.traj_version and loop.coord.instances[r.instance].trajs[r.traj_id].kv == rec.tokens
         assert rec.tokens == rec.prompt_len + 3
     if migration:  # free to go where the load is lower
         assert other in {r.instance for r in back}, back
@@ -305,6 +307,6 @@ def test_controller_the_coordinator_looks_trajectories_up_in_the_loops_ledger():
     loop, be = make_loop()
     assert loop.coord.trajs is loop.ledger.trajs
     loop.refill()
-    assert loop.coord.live == set(loop.ledger.trajs) != set()
+    assert set(loop.coord.records) == set(loop.ledger.trajs) != set()
     with pytest.raises(ValueError, match="this ledger's table"):
         ControllerLoop(loop.s, loop.coord, Ledger(), be, Prompts())

@@ -14,11 +14,11 @@ from staleflow.coordinator import (
     Interrupt,
     Pull,
     Route,
-    apply_mode,
-    mode_overrides,
     register_routing,
 )
+from staleflow.coordinator.record import END, RESERVE, ROUTE, SUBMIT, TRUNCATE
 from staleflow.coordinator.strategies import ROUTING
+from staleflow.modes import apply_mode, mode_of
 from staleflow.protocol import StalenessSpec
 from staleflow.protocol.staleness import StalenessManager
 
@@ -74,8 +74,15 @@ def snap(c, i, t=1.0, **kw):
     return InstanceSnapshot(**d)
 
 
+def force(inst, **fields):
+    """Test set-up only: write an instance's speculative fields as a snapshot or a finished pull would (an
+    InstanceState is read-only to everything but the coordinator)."""
+    for k, v in fields.items():
+        object.__setattr__(inst, k, v)
+
+
 def set_version(c, i, v):
-    c.instances[i].version = c.instances[i].target_version = v
+    force(c.instances[i], version=v, target_version=v)
 
 
 def routes(cmds):
@@ -85,15 +92,24 @@ def routes(cmds):
 def reserve_as_loopback(c, m, tid, gid, V, generated=10):
     """A trajectory that was routed at V, then interrupted: it is back in the TS with its tag."""
     m.reserve(tid, gid, V)
-    c.reserved.add(tid)
     c.group_tag[gid] = V
     c.submit([traj(c, tid, gid, V, 100, generated)])
+    c.sched.transition(tid, RESERVE)
+
+
+def hold(c, i, tid, tokens=10, V=0):
+    """Put trajectory `tid` (a one-member group) on instance i through the transition function, as a route
+    would, without touching the batch protocol (the instance's KV and last change stay as they are)."""
+    inst = c.instances[i]
+    traj(c, tid, 10**6 + tid, V, tokens)
+    c.sched.transition(tid, SUBMIT, group_id=10**6 + tid, traj_version=V, tokens=tokens)
+    c.sched.transition(tid, ROUTE, instance=i, kv=0, now=inst.last_change)
 
 
 def loaded(c, i, n, t=0.5):
     for k in range(n):
-        c.instances[i].trajs[1000 * (i + 1) + k] = 10
-    c.instances[i].tokens_per_s = 10.0 * n
+        hold(c, i, 1000 * (i + 1) + k)
+    force(c.instances[i], tokens_per_s=10.0 * n)
 
 
 # ---- cost model --------------------------------------------------------------------------------
@@ -155,9 +171,9 @@ def test_waterfall_rejects_a_gain_below_mu_times_ideal():
     c, m = make(n_inst=1, eta=2, version=0, mu=0.9)
     # a full instance: the marginal gain of one more trajectory is far below 0.9x an empty one
     c.on_snapshot(snap(c, 0, t=0.5))
-    c.instances[0].kv_tokens = 95_000
     for t in range(50):
-        c.instances[0].trajs[1000 + t] = 0
+        hold(c, 0, 1000 + t, tokens=0)
+    force(c.instances[0], kv_tokens=95_000)
     c.submit([traj(c, 1, 1, None, 100)])
     assert routes(c.tick(1.0)) == []
     assert len(c.queue) == 1 and m.stats()["groups_in_flight"] == 0  # nothing reserved for it
@@ -199,7 +215,7 @@ def test_routing_pauses_until_interrupted_work_loops_back():
     loop_back(c, 0, 1, 40)
     got = routes(c.tick(3.0))
     assert (1, 0, 0) in got or (1, 1, 0) in got  # resumes with its V_traj 0 on a post-sync instance
-    assert c.instances[c.instance_of(1)].trajs[1] == 140  # the record's prompt + generated tokens
+    assert c.instances[c.instance_of(1)].trajs[1].kv == 140  # the record's prompt + generated tokens
 
 
 def test_the_coordinator_reads_trajectories_from_its_table_only():
@@ -216,7 +232,7 @@ def test_the_coordinator_reads_trajectories_from_its_table_only():
     loop_back(c, inst, 1, 3)
     assert list(c.queue.ids()) == [1] and c.queue.tagged == {0: 1}  # under the group's V_traj 0
     got = routes(c.tick(2.0))
-    assert got and c.instances[got[0][1]].trajs[1] == 10
+    assert got and c.instances[got[0][1]].trajs[1].kv == 10
 
 
 # ---- pull --------------------------------------------------------------------------------------
@@ -227,7 +243,8 @@ def test_status_pull_waits_for_queue_and_routable_work():
     loaded(c, 0, 2)
     assert c.on_snapshot(snap(c, 0, t=0.5, running=0, waiting=2))
     assert not any(isinstance(x, Pull) for x in c.tick(1.0))  # the engine still has a queue
-    c.instances[0].trajs.clear()
+    for t in list(c.instances[0].trajs):  # they finished
+        c.sched.transition(t, END, now=1.0)
     assert c.on_snapshot(snap(c, 0, t=1.5, running=0, waiting=0))
     reserve_as_loopback(c, m, 5, 5, V=0)  # work still routable at version 0
     cmds = c.tick(2.0)
@@ -303,10 +320,10 @@ def test_modes_are_overrides_of_one_config():
     )
     c, _ = apply_mode("one-step-off", cfg)  # alias of verl-one-step-off
     assert c.barrier and c.pull == "idle" and not c.interrupt_on_pull and c.routing == "round-robin"
-    assert mode_overrides("sync")["staleness"]["eta"] == 0 == mode_overrides("verl-sync")["staleness"]["eta"]
+    assert mode_of("sync").staleness["eta"] == 0 == mode_of("verl-sync").staleness["eta"]
     assert apply_mode("staleflow", cfg)[0] == cfg
-    with pytest.raises(ValueError, match="unknown"):
-        mode_overrides("verl-async")
+    with pytest.raises(ValueError, match="--mode='verl-async': choose one of"):
+        mode_of("verl-async")
     from staleflow.config import RunConfig, StalenessConfig, resolve
 
     run = resolve(RunConfig(mode="sync", staleness=StalenessConfig(eta=3)))
@@ -359,7 +376,9 @@ def test_waterfall_sends_a_fresh_group_to_the_newest_version_first():
     c, m = make(n_inst=2, eta=2, version=1, mu=0.2, pull="idle")
     set_version(c, 0, 0)
     set_version(c, 1, 1)
-    c.reserved.add(999)  # something in flight: the idle policy does not pull instance 0 meanwhile
+    traj(c, 999, 999, 0, 10)  # something in flight: the idle policy does not pull instance 0 meanwhile
+    for event in (SUBMIT, RESERVE, TRUNCATE):  # reserved, out of the queue, on no instance
+        c.sched.transition(999, event, group_id=999, traj_version=0, tokens=10)
     c.submit([traj(c, 1, 1, None, 100)])
     assert routes(c.tick(1.0)) == [(1, 1, 1)]
     reserve_as_loopback(c, m, 2, 2, V=0)
@@ -377,7 +396,7 @@ def test_waterfall_budget_counts_the_kv_a_request_grows_into():
     for routing, expect in (("waterfall", [(1, 0, 0)]), ("waterfall-budget", [])):
         c, _ = make(n_inst=1, eta=2, version=0, mu=0.0, routing=routing)
         c.on_snapshot(snap(c, 0, t=0.5))
-        c.instances[0].kv_tokens = 99_000  # room for the prompt now, not for its next 1024 tokens
+        force(c.instances[0], kv_tokens=99_000)  # room for the prompt now, not for its next 1024 tokens
         c.submit([traj(c, 1, 1, None, 100)])
         assert routes(c.tick(1.0)) == expect, routing
 
@@ -385,8 +404,8 @@ def test_waterfall_budget_counts_the_kv_a_request_grows_into():
 def test_a_coordinator_refuses_a_protocol_that_is_not_its_modes():
     """One builder gives a mode its protocol (controller/build.py); the coordinator never swaps one in."""
     from staleflow.config import StalenessConfig
-    from staleflow.coordinator.modes import protocol_for
-    from staleflow.protocol import AReaLBuffer
+    from staleflow.modes import protocol_for
+    from staleflow.modes.areal import AReaLBuffer
 
     with pytest.raises(
         ValueError, match="mode 'areal' runs protocol AReaLBuffer, but the coordinator was given a StalenessManager"

@@ -66,23 +66,22 @@ def test_fit_recovers_known_coefficients():
 
 def test_mlq_levels_oldest_first_new_last_longest_first():
     q = MultiLevelQueue()
+    places = {}
     for tid, V, tokens in ((1, 3, 10), (2, None, 99), (3, 1, 5), (4, 1, 50), (5, 3, 70)):
-        q.push(tid, V, tokens)
+        places[tid] = q.push(tid, V, tokens, q.next_arrival())
     assert q.level_keys() == [1, 3, None]
     assert list(q.ids()) == [4, 3, 5, 1, 2]
     assert q.tagged == {1: 2, 3: 2} and q.oldest_version() == 1
-    assert q.remove(3) and not q.remove(3)
-    assert list(q.ids()) == [4, 5, 1, 2]
-    assert q.remove(4) and q.tagged == {3: 2} and q.oldest_version() == 3  # level 1 emptied
-    with pytest.raises(ValueError, match="already queued"):
-        q.push(5, 3, 70)
+    q.remove(places[3])
+    assert list(q.ids()) == [4, 5, 1, 2] and len(q) == 4
+    q.remove(places[4])
+    assert q.tagged == {3: 2} and q.oldest_version() == 3  # level 1 emptied
 
 
 def test_fifo_queue_keeps_arrival_order_for_loop_backs():
     q = MultiLevelQueue(enabled=False)
-    for tid in (1, 2, 3):
-        q.push(tid, None, 10)
-    q.remove(1)  # routed ...
-    q.push(1, 0, 500)  # ... interrupted: it loops back ahead of later arrivals
+    places = {tid: q.push(tid, None, 10, q.next_arrival()) for tid in (1, 2, 3)}
+    q.remove(places[1])  # routed ...
+    q.push(1, 0, 500, 1)  # ... interrupted: it loops back (its first arrival number) ahead of later arrivals
     assert list(q.ids()) == [1, 2, 3]
     assert q.level_keys() == [None] and q.tagged == {0: 1} and q.oldest_version() == 0  # one level, tags counted

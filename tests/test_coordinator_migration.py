@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_coordinator import loaded, loop_back, make, routes, traj  # noqa: E402
+from test_coordinator import force, loaded, loop_back, make, routes, traj  # noqa: E402
 
 from staleflow.coordinator import Interrupt  # noqa: E402
 
@@ -28,7 +28,7 @@ def test_migration_respects_stop_threshold_and_syncing():
     assert not any(isinstance(x, Interrupt) for x in c.tick(1.0))
     c2, _ = make(n_inst=2, eta=1, version=0, migration=True, psi=2.0, migration_stop=1)
     loaded(c2, 1, 4)
-    c2.instances[0].syncing = True
+    force(c2.instances[0], syncing=True)
     assert not any(isinstance(x, Interrupt) for x in c2.tick(1.0))
 
 
@@ -38,9 +38,9 @@ def test_migration_leaves_an_instance_that_is_still_prefilling():
     same long loop-backs back and forth forever in the simulator)."""
     c, m = make(n_inst=2, eta=1, version=0, migration=True, psi=2.0, migration_stop=1)
     loaded(c, 1, 4)
-    c.instances[1].tokens_per_s = 0.0
+    force(c.instances[1], tokens_per_s=0.0)
     assert not any(isinstance(x, Interrupt) for x in c.tick(1.0))
-    c.instances[1].tokens_per_s = 40.0  # decoding now: the throughput-gap trigger applies again
+    force(c.instances[1], tokens_per_s=40.0)  # decoding now: the throughput-gap trigger applies again
     assert [x.instance for x in c.tick(2.0) if isinstance(x, Interrupt)] == [1]
 
 
@@ -50,15 +50,15 @@ def test_a_trajectory_migrates_at_most_once_and_never_back_to_the_instance_it_le
     for i, tids in placed.items():
         for t in tids:
             c.submit([traj(c, t, 100 + t, None, 50)])
-            c._route_one(c.trajs[t], c.instances[i], 0, 0.0, [])
-        c.instances[i].tokens_per_s = 10.0
+            c.routing.route_one(c.trajs[t], c.records[t], c.instances[i], 0, 0.0, [])
+        force(c.instances[i], tokens_per_s=10.0)
     mig = [x for x in c.tick(10.0) if isinstance(x, Interrupt)]  # 4 vs 1 requests: ratio 4 > psi
     assert mig == [Interrupt(1, (2, 3, 4, 5), "migrate")]
     for t in (2, 3, 4, 5):
         loop_back(c, 1, t, 30)
     # instance 1 is now empty, the best marginal gain: without the rule they would all go back there
     assert {(t, i) for t, i, _ in routes(c.tick(11.0))} == {(2, 0), (3, 0), (4, 0), (5, 0)}
-    c.instances[0].tokens_per_s = 50.0
+    force(c.instances[0], tokens_per_s=50.0)
     # instance 1 is starved and 0 holds 5, but 4 of them moved once already: nothing moves again
     assert not any(isinstance(x, Interrupt) for x in c.tick(30.0))
     assert c.counters["migrations"] == 1
@@ -67,7 +67,7 @@ def test_a_trajectory_migrates_at_most_once_and_never_back_to_the_instance_it_le
 def test_migration_waiting_queue_trigger():
     c, m = make(n_inst=2, eta=1, version=0, migration=True, phi_wait=2)
     loaded(c, 0, 6)
-    c.instances[0].waiting = 5
+    force(c.instances[0], waiting=5)
     mig = [x for x in c.tick(1.0) if isinstance(x, Interrupt)]
     assert mig == [Interrupt(0, tuple(list(c.instances[0].trajs)[-3:]), "migrate")]
 

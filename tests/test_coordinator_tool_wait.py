@@ -10,9 +10,10 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_coordinator import COST, Clock, loaded, loop_back, make, routes, snap, traj  # noqa: E402
+from test_coordinator import COST, Clock, force, hold, loaded, loop_back, make, routes, snap, traj  # noqa: E402
 
 from staleflow.coordinator import InstanceSnapshot, Interrupt, Pull  # noqa: E402
+from staleflow.coordinator.record import PARK  # noqa: E402
 
 
 def placed(c, ids, t=1.0):
@@ -49,8 +50,14 @@ def test_a_pull_interrupts_everything_but_the_tool_waiters():
     new_version(c, m)
     cmds = c.tick(2.0)
     assert cmds[:2] == [Interrupt(0, (1,), "pull"), Pull(0, 1)]
-    assert c.pending_interrupts == {1} and c.counters["interrupted"] == 1 and c.counters["pull_kept_parked"] == 2
-    assert c.instance_of(2) == c.instance_of(3) == 0 and {2, 3} <= c.reserved  # still occupying the instance
+    assert (
+        {t for t, r in c.records.items() if r.interrupting} == {1}
+        and c.counters["interrupted"] == 1
+        and c.counters["pull_kept_parked"] == 2
+    )
+    assert (
+        c.instance_of(2) == c.instance_of(3) == 0 and c.records[2].reserved and c.records[3].reserved
+    )  # still occupying the instance
     c.on_pull_done(0, 1)
     assert c.on_finished(0, 2)  # its next turn ran there, under the new weights
     assert c.counters["finished"] == 1 and c.instance_of(3) == 0
@@ -97,10 +104,10 @@ def test_a_stale_snapshot_race_a_parked_trajectory_that_resumed_loops_back_unask
     assert c.tick(2.0)[:2] == [Interrupt(0, (1,), "pull"), Pull(0, 1)]
     loop_back(c, 0, 1, 4)
     loop_back(c, 0, 2, 7)  # the loop-back nobody asked for
-    assert c.instance_of(2) == -1 and 2 in c.reserved and c.counters["loop_back"] == 2
+    assert c.instance_of(2) == -1 and c.records[2].reserved and c.counters["loop_back"] == 2
     c.on_pull_done(0, 1)
     assert sorted(routes(c.tick(3.0))) == [(1, 0, 0), (2, 0, 0)]  # V_traj 0 kept, on the pulled instance
-    assert c.instances[0].trajs[2] == 17  # prompt + the 7 tokens of its partial record
+    assert c.instances[0].trajs[2].kv == 17  # prompt + the 7 tokens of its partial record
 
 
 def test_the_opposite_race_a_trajectory_thought_running_is_interrupted_as_before():
@@ -115,10 +122,11 @@ def test_migration_never_picks_a_tool_waiter_and_counts_only_the_others():
     c, m = make(n_inst=2, eta=1, migration=True, psi=2.0, migration_stop=3, migration_indicator="requests")
     loaded(c, 1, 4)
     busy = c.instances[1]
-    busy.parked = set(list(busy.trajs)[:2])  # 2 of its 4 wait on a tool: 2 movable < stop 3
+    for t in list(busy.trajs)[:2]:  # 2 of its 4 wait on a tool: 2 movable < stop 3
+        c.sched.transition(t, PARK)
     assert not any(isinstance(x, Interrupt) for x in c.tick(1.0))
-    loaded(c, 1, 6)
-    busy.parked = set(list(busy.trajs)[:2])
+    hold(c, 1, 2004)
+    hold(c, 1, 2005)
     (mig,) = [x for x in c.tick(2.0) if isinstance(x, Interrupt)]
     assert mig == Interrupt(1, tuple(list(busy.trajs)[2:]), "migrate")
 
@@ -128,7 +136,8 @@ def test_migration_waiting_trigger_skips_tool_waiters():
     loaded(c, 0, 6)
     inst = c.instances[0]
     ids = list(inst.trajs)
-    inst.waiting, inst.parked = 3, {ids[-1]}  # the newest routed one is parked on a tool call
+    force(inst, waiting=3)
+    c.sched.transition(ids[-1], PARK)  # the newest routed one is parked on a tool call
     (mig,) = [x for x in c.tick(1.0) if isinstance(x, Interrupt)]
     assert mig == Interrupt(0, (ids[-2],), "migrate")
 

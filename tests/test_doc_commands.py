@@ -108,6 +108,11 @@ FENCED: dict[str, str] = {
     "python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation --coordinator.routing "
     "examples.kv_router:MostFreeKV": "imports examples/ from the repository root (RUN rows run in an empty folder); "
     "tests/test_examples.py runs it there",
+    "./launch.sh --preset tiny --mode examples.bounded_queue_peer:BoundedQueue": "a training run (~1 min); "
+    "tests/test_mode_registry.py runs it for 2 steps from the repository root",
+    "python -m staleflow sim --preset cpu-small --no-ablation --modes verl-sync staleflow "
+    "examples.bounded_queue_peer:BoundedQueue": "imports examples/ from the repository root (RUN rows run in an "
+    "empty folder); tests/test_mode_registry.py runs it there",
 }
 
 # Inline commands that are records of runs, kept as they were written (docs/perf.md's sections are

@@ -100,7 +100,7 @@ def run(eng, rid):
 
 
 def tables_empty(eng) -> bool:
-    return not (eng._live or eng._parked or eng._vid or eng._by_vid or eng._cached_tokens)
+    return eng.requests.empty
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
@@ -114,8 +114,8 @@ def test_vllm_tables_hold_the_engines_own_requests_and_return_copies(engine):
     prompt = [5, 9, 11, 2]
     caller = Request("a", prompt, SamplingParams(max_new_tokens=6))
     engine.add(caller)
-    assert engine._live["a"] is not caller and isinstance(engine._live["a"].seed, int)
-    assert engine._vid == {"a": "0"} and engine._by_vid == {"0": "a"}
+    assert engine.requests.live["a"] is not caller and isinstance(engine.requests.live["a"].seed, int)
+    assert engine.requests.vid == {"a": "0"} and engine.requests.by_vid == {"0": "a"}
     out = run(engine, "a")
     assert out.tokens.response_ids == expected(prompt, 6) and out.tokens.versions == [0] * 6
     assert out.finish_reason == "length" and out.seed == engine.llm.seeds["0"]  # drawn at add, sent to vLLM
@@ -131,9 +131,9 @@ def test_vllm_tables_turns_extend_resubmit_the_history_and_release_forgets(engin
     prompt = [5, 9, 11, 2]
     engine.add(Request("t", prompt, SamplingParams(max_new_tokens=3), hold=True))
     first = run(engine, "t")
-    own = engine._parked["t"]
+    own = engine.requests.parked["t"]
     assert first is not own and first.tokens.response_ids is not own.tokens.response_ids
-    assert engine._cached_tokens == {"t": 16} and not engine._vid and not engine._by_vid
+    assert engine.requests.cached_tokens == {"t": 16} and not engine.requests.vid and not engine.requests.by_vid
     assert engine.stats().parked_ids == ["t"] and not engine.has_unfinished()
     kept = first.tokens.copy()
     engine.extend("t", [40, 41], 4)
@@ -160,11 +160,17 @@ def test_vllm_tables_abort_and_weight_load_keep_tokens_and_drop_stale_vllm_ids(e
     engine.step()
     (part,) = engine.abort(["s"])
     assert part.finish_reason == "abort" and part.tokens.response_ids == expected(prompt, 2)
-    assert engine.llm.aborted == ["1"] and "s" not in engine._cached_tokens and engine._by_vid == {"0": "r"}
+    assert (
+        engine.llm.aborted == ["1"]
+        and "s" not in engine.requests.cached_tokens
+        and engine.requests.by_vid == {"0": "r"}
+    )
     engine.llm.late = ["1"]  # its last output arrives after the abort: ignored
     engine.step()
     assert engine.load_from_server("run", reader=0) == 7 and engine.version == 7
-    assert engine.llm.aborted == ["1", "0"] and engine._vid == {"r": "2"} and engine._by_vid == {"2": "r"}
+    assert (
+        engine.llm.aborted == ["1", "0"] and engine.requests.vid == {"r": "2"} and engine.requests.by_vid == {"2": "r"}
+    )
     assert engine.llm.prompts["2"] == prompt + expected(prompt, 3)  # resubmitted with its tokens
     done = run(engine, "r")
     assert done.tokens.response_ids == expected(prompt, 8) and done.tokens.versions == [0] * 3 + [7] * 5

@@ -191,7 +191,7 @@ def test_examples_centered_rank_properties(rewards):
 def test_examples_most_free_kv_picks_the_emptiest_instance_that_fits():
     """Instance 0 runs 50 short trajectories in little KV, 1 runs nothing in more KV, 2 has no room:
     MostFreeKV takes 0 (most free KV), where the waterfall's cost model prefers the idle 1."""
-    from test_coordinator import COST, Clock
+    from test_coordinator import COST, Clock, force, hold
 
     from staleflow.config import CoordinatorConfig
     from staleflow.controller.ledger import Traj
@@ -208,9 +208,10 @@ def test_examples_most_free_kv_picks_the_emptiest_instance_that_fits():
             clock=Clock(),
         )
         c.on_new_version(0)
-        c.instances[0].trajs = {1000 + k: 20 for k in range(50)}
+        for k in range(50):  # 50 short trajectories held by instance 0 (as routes would put them there)
+            hold(c, 0, 1000 + k, tokens=20)
         for inst, kv in ((0, 1_000), (1, 20_000), (2, 99_990)):
-            c.instances[inst].kv_tokens = kv
+            force(c.instances[inst], kv_tokens=kv)
         c.submit([1, 2])
         return [(r.traj_id, r.instance) for r in c.tick(1.0) if isinstance(r, Route)]
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from staleflow.config import CoordinatorConfig
-from staleflow.protocol import AReaLBuffer, ProtocolError, StalenessSpec, VerlAsyncBuffer
+from staleflow.modes.areal import AReaLBuffer
+from staleflow.modes.verl import S_GRID, VerlAsyncBuffer
+from staleflow.protocol import ProtocolError, StalenessSpec
 from staleflow.sim import search
 from staleflow.sim.config import SimConfig
 from staleflow.sim.simulator import build, run
@@ -75,7 +77,7 @@ def test_guarantee_search_picks_the_fastest_fully_measured_config_within_eta_and
         for label, seed in log
         if seed == 0 and label.startswith("verl-fully-async s=") and " " not in label[len("verl-fully-async ") :]
     ]
-    assert t1 == [f"verl-fully-async s={s:g}" for s in search.S_GRID[1] if s <= 1.5]
+    assert t1 == [f"verl-fully-async s={s:g}" for s in S_GRID[1] if s <= 1.5]
     assert len(log) == len(set(log))  # nothing ran twice
 
 
@@ -125,8 +127,8 @@ def test_guarantee_strict_variant_drops_over_stale_groups_and_never_trains_beyon
     a.abort_group("b", "window-closed")
     assert a.running == 0 and a.accepted == 1
     # through the simulator: bounded like StaleFlow, groups beyond eta dropped and regenerated
-    r = run(tiny(steps=10), "areal", 1, peer={"strict": True, "max_concurrent": 9})
-    loose = run(tiny(steps=10), "areal", 1, peer={"max_concurrent": 9})
+    r = run(tiny(steps=10), "areal", 1, peer={"strict": True, "max_concurrent_rollouts": 9})
+    loose = run(tiny(steps=10), "areal", 1, peer={"max_concurrent_rollouts": 9})
     assert r.violations == [] and max(r.staleness_hist) <= 1 and r.over_eta == 0
     assert max(loose.staleness_hist) > 1 and r.aborts.get("window-closed", 0) > 0
 
@@ -136,8 +138,8 @@ def test_guarantee_build_applies_caller_overrides_after_the_mode():
     assert loop.coord.cfg.interrupt_on_pull is False and loop.coord.cfg.pull == "pause-all"  # the rest: the mode's
     loop, _, _ = build(tiny(), "areal", 1, {"routing": "least-loaded"})
     assert loop.coord.cfg.routing == "least-loaded"
-    with pytest.raises(ValueError, match="has no option max_concurrent"):
-        build(tiny(), "verl-fully-async", 1, peer={"max_concurrent": 3})
+    with pytest.raises(ValueError, match="has no option max_concurrent_rollouts"):
+        build(tiny(), "verl-fully-async", 1, peer={"max_concurrent_rollouts": 3})
 
 
 def test_guarantee_equal_transfer_push_holds_the_trainer():
@@ -171,37 +173,41 @@ def test_ablation_drain_interrupts_and_resumes_nothing():
 
 # ---- the peers' knobs as run flags -----------------------------------------------------------------------
 def test_guarantee_peer_knobs_resolve_from_run_flags():
-    """--mode verl-fully-async / areal take their knobs as --coordinator.* flags: the run config resolves,
-    the protocol the loop builds carries them, the coordinator takes every T-th version, and a knob given to
-    a mode without it is a one-line config error naming the flag."""
+    """--mode verl-fully-async / areal take their knobs in their own flag section (--peer.<mode>.<knob>): the run
+    config resolves, the protocol the loop builds carries them, the coordinator takes every T-th version, and a
+    knob given to a mode without it is a one-line config error naming the flag."""
     from staleflow.config import ConfigError, RunConfig, resolve
     from staleflow.config.parse import parse
     from staleflow.controller.build import build_loop
-    from staleflow.coordinator.modes import peer_knobs
+    from staleflow.modes import PeerSettings, mode_settings
+    from staleflow.modes.verl import VerlSettings
     from staleflow.presets import PRESETS
 
     def flags(argv):
         return resolve(parse(RunConfig, argv, PRESETS, default="tiny", prog="staleflow train"))
 
-    argv = ["--mode", "verl-fully-async", "--coordinator.staleness-threshold", "0"]
-    argv += ["--coordinator.trigger-sync-steps", "3", "--staleness.eta", "2"]
+    argv = ["--mode", "verl-fully-async", "--peer.verl-fully-async.staleness-threshold", "0"]
+    argv += ["--peer.verl-fully-async.trigger-sync-steps", "3", "--staleness.eta", "2"]
     cfg = flags(argv)
-    assert peer_knobs(cfg.mode, cfg.coordinator) == {"staleness_threshold": 0.0, "trigger_sync_steps": 3}
+    assert mode_settings(cfg.mode, cfg.peer) == VerlSettings(staleness_threshold=0.0, trigger_sync_steps=3)
     loop, backend, _ = build(tiny(), "verl-fully-async", 2)  # a backend to hang the runtime's loop on
-    rt = build_loop(cfg.mode, cfg.staleness, cfg.coordinator, backend.cost, [0, 1], backend, None, 4)
+    rt = build_loop(cfg.mode, cfg.staleness, cfg.coordinator, backend.cost, [0, 1], backend, None, 4, peer=cfg.peer)
     assert rt.coord.manager.max_required == cfg.staleness.batch_size * 3  # int(B (1 + 0) T)
     rt.coord.on_new_version(1)
     rt.coord.on_new_version(2)
     assert rt.coord.ps_version == 0
     rt.coord.on_new_version(3)
     assert rt.coord.ps_version == 3
-    areal = flags(["--mode", "areal", "--coordinator.max-concurrent-rollouts", "5"])
-    assert peer_knobs(areal.mode, areal.coordinator) == {"max_concurrent": 5}
+    areal = flags(["--mode", "areal", "--peer.areal.max-concurrent-rollouts", "5"])
+    assert mode_settings(areal.mode, areal.peer).max_concurrent_rollouts == 5
+    assert build_loop("areal", areal.staleness, areal.coordinator, backend.cost, [0], backend, None, 4, peer=areal.peer)
     with pytest.raises(ConfigError, match="trigger-sync-steps=3 is a knob of --mode verl-fully-async"):
-        flags(["--mode", "areal", "--coordinator.trigger-sync-steps", "3"])
-    with pytest.raises(ConfigError, match="coordinator.trigger-sync-steps"):
-        CoordinatorConfig(trigger_sync_steps=0)
-    # the simulator reads the same flags when no peer dict is given
-    flagged = tiny(steps=9, coordinator=CoordinatorConfig(staleness_threshold=0.0, trigger_sync_steps=2))
+        flags(["--mode", "areal", "--peer.verl-fully-async.trigger-sync-steps", "3"])
+    with pytest.raises(ConfigError, match="peer.verl-fully-async.trigger-sync-steps"):
+        VerlSettings(trigger_sync_steps=0)
+    # the simulator reads the same section when no peer dict is given
+    flagged = tiny(
+        steps=9, peer=PeerSettings(verl_fully_async=VerlSettings(staleness_threshold=0.0, trigger_sync_steps=2))
+    )
     r = run(flagged, "verl-fully-async", 1)
     assert r.violations == [] and max(r.staleness_hist) == 1

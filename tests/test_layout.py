@@ -159,18 +159,48 @@ def test_layout_cycle_detector_sees_string_imports(tmp_path):
     assert _imports(a, {"staleflow.b", "staleflow.c", "staleflow.d"}) == {"staleflow.b", "staleflow.d"}
 
 
-def test_layout_packages_do_not_import_upward():
-    """The core never imports the shells: protocol, coordinator, controller (the loop) and the config
-    import nothing from the runtime, the rank workers, the launcher or the simulator."""
+CORE = ("staleflow.protocol", "staleflow.modes", "staleflow.coordinator", "staleflow.controller", "staleflow.config")
+SHELLS = ("staleflow.runtime", "staleflow.workers", "staleflow.launch", "staleflow.sim", "staleflow.cli")
+
+
+def upward_imports() -> dict[str, list[str]]:
+    """Module of the pure core -> the shell modules it imports (should be none)."""
     mods = _modules()
-    core = ("staleflow.protocol", "staleflow.coordinator", "staleflow.controller", "staleflow.config")
-    shells = ("staleflow.runtime", "staleflow.workers", "staleflow.launch", "staleflow.sim", "staleflow.cli")
-    bad = {
-        m: sorted(i for i in _imports(p, set(mods)) if i.startswith(shells))
-        for m, p in mods.items()
-        if m.startswith(core)
-    }
-    assert {m: v for m, v in bad.items() if v} == {}
+    bad = {m: sorted(i for i in _imports(p, set(mods)) if i.startswith(SHELLS)) for m, p in mods.items()}
+    return {m: v for m, v in bad.items() if v and m.startswith(CORE)}
+
+
+def test_layout_packages_do_not_import_upward():
+    """The core never imports the shells: protocol, modes, coordinator, controller (the loop) and the config
+    import nothing from the runtime, the rank workers, the launcher or the simulator."""
+    assert upward_imports() == {}
+
+
+def test_layout_config_sits_below_the_coordinator_and_modes_below_both():
+    """Issue 48: config/ no longer imports coordinator/ (a mode, with its flag section, is staleflow.modes), and
+    the modes import neither (a peer's file holds its rule, knobs and search on protocol/ alone)."""
+    edges = package_edges()
+    assert "staleflow.coordinator" not in edges["staleflow.config"]
+    assert not edges["staleflow.modes"] & {"staleflow.config", "staleflow.coordinator", "staleflow.controller"}
+
+
+def test_layout_architecture_counts_are_the_docs():
+    """docs/architecture.md quotes the JSON line of `python scripts/count_architecture.py` (classes holding a
+    trajectory, tables keyed by trajectory id in a simulated run, the coordinator's, cycles, upward imports):
+    the doc counts what this counts, and a change in the code that moves a count fails here until the doc
+    says so."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("count_architecture", ROOT / "scripts" / "count_architecture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.counts()
+    line = json.dumps({k: c[k] for k in c if k not in ("classes", "tables")})
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert line in doc, f"docs/architecture.md must quote the counts: {line}"
+    assert all(f"`{name}`" in doc for name in c["classes"] + c["tables"]), "the doc names every counted one"
+    assert c["coordinator_tables"] <= 2 and c["package_cycles"] == c["upward_imports"] == 0
 
 
 def test_layout_no_file_over_400_lines():

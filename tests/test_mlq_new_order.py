@@ -10,20 +10,21 @@ from staleflow.coordinator.mlq import MultiLevelQueue
 
 def test_drawn_order_keeps_new_prompts_in_arrival_order_and_loop_backs_longest_first():
     q = MultiLevelQueue(new_order="drawn")
+    places = {}
     for tid, V, tokens in ((1, None, 10), (2, None, 99), (3, None, 50), (4, 1, 5), (5, 1, 70)):
-        q.push(tid, V, tokens)
-    assert list(q.ids()) == [5, 4, 1, 2, 3]  # tagged level longest first, new ones as drawn
-    q.remove(1)
-    q.push(1, 1, 500)  # routed, interrupted: it loops back into its level, longest first there
+        places[tid] = q.push(tid, V, tokens, q.next_arrival())
+    assert list(q.ids()) == [5, 4, 1, 2, 3] and len(q) == 5  # tagged level longest first, new ones as drawn
+    q.remove(places[1])
+    q.push(1, 1, 500, 1)  # routed, interrupted: it loops back into its level (its first arrival), longest first
     assert list(q.ids()) == [1, 5, 4, 2, 3]
     assert list(MultiLevelQueue().ids()) == []
     default = MultiLevelQueue()  # the default is the drawing order (issue 41)
     for tid, tokens in ((1, 10), (2, 99), (3, 50)):
-        default.push(tid, None, tokens)
+        default.push(tid, None, tokens, default.next_arrival())
     assert list(default.ids()) == [1, 2, 3]
     longest = MultiLevelQueue(new_order="longest")  # the paper code's queue: new prompts longest first too
     for tid, tokens in ((1, 10), (2, 99), (3, 50)):
-        longest.push(tid, None, tokens)
+        longest.push(tid, None, tokens, longest.next_arrival())
     assert list(longest.ids()) == [2, 3, 1]
 
 

@@ -11,9 +11,10 @@ from test_controller import deliver, make_loop, routed
 
 from staleflow.control.messages import Evaluate, decode, encode
 from staleflow.controller import Finished
+from staleflow.coordinator.record import INTERRUPT
 from staleflow.runtime.backend import RuntimeWorkload
 from staleflow.runtime.evaluation import HeldOutEval
-from staleflow.trajectory import Prompt, Route
+from staleflow.trajectory import Prompt, Route, TurnStats
 from staleflow.workers.rollout import RolloutWorker
 
 ROW = Prompt(7, "Sum the list.", "42", [5, 6, 7], {"tests": ["assert f() == 42"], "index": 3})
@@ -51,8 +52,8 @@ def test_multi_turn_env_row_rides_on_every_route_of_an_env_run():
     assert first and all(r.answer == "42" and r.meta == ROW.meta for r in first)
     assert first[0].meta is not ROW.meta  # a copy: the data row is never shared with a message
     a = first[0].traj_id
-    loop.coord.pending_interrupts.add(a)
-    deliver(loop, be, Finished(a, 0, "partial-a", 5, partial=True, turns=1))
+    loop.coord.sched.transition(a, INTERRUPT, reason="pull")  # the coordinator asked for it
+    deliver(loop, be, Finished(a, 0, "partial-a", 5, partial=True, stats=TurnStats(1)))
     be.sent.clear()
     loop.tick(be.now() + 1)
     (again,) = routed(be)

@@ -12,7 +12,9 @@ import pytest
 from test_controller import deliver, make_loop, routed
 
 from staleflow.controller import Finished, Rewarded, TrainDone
+from staleflow.coordinator.record import INTERRUPT
 from staleflow.metrics.report import make_report
+from staleflow.trajectory import TurnStats
 
 
 def test_multi_turn_loop_counts_turns_tools_and_takes_the_env_reward():
@@ -21,14 +23,14 @@ def test_multi_turn_loop_counts_turns_tools_and_takes_the_env_reward():
     loop.tick(be.now())
     group = loop.ledger.groups[loop.ledger.trajs[routed(be)[0].traj_id].group_id]
     a, b = group.members
-    loop.coord.pending_interrupts.add(a)
-    deliver(loop, be, Finished(a, 0, "partial-a", 5, partial=True, turns=2, tool_calls=1, tool_s=0.25))
-    assert loop.ledger.trajs[a].tool_s == 0.25
+    loop.coord.sched.transition(a, INTERRUPT, reason="pull")  # the coordinator asked for it
+    deliver(loop, be, Finished(a, 0, "partial-a", 5, partial=True, stats=TurnStats(2, 1, 0.25)))
+    assert loop.ledger.trajs[a].turns == TurnStats(2, 1, 0.25)
     be.sent.clear()
     loop.tick(be.now() + 1)
     assert [r.traj_id for r in routed(be)] == [a] and routed(be)[0].partial == "partial-a"  # resumes
-    deliver(loop, be, Finished(a, 0, "rec-a", 9, turns=3, tool_calls=2, tool_s=0.5, env_reward=1.0))
-    deliver(loop, be, Finished(b, 0, "rec-b", 7, turns=1))
+    deliver(loop, be, Finished(a, 0, "rec-a", 9, stats=TurnStats(3, 2, 0.5, env_reward=1.0)))
+    deliver(loop, be, Finished(b, 0, "rec-b", 7, stats=TurnStats(1)))
     assert a not in be.scored and b in be.scored  # the environment rewarded a; the task's fn scores b
     deliver(loop, be, Rewarded(b, 0.0))
     loop.maybe_train()

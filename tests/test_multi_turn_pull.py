@@ -128,7 +128,7 @@ def test_a_pull_while_the_tool_runs_leaves_the_trajectory_and_its_next_turn_uses
     assert c.on_finished(0, 9) and c.counters["interrupted"] == 0
     assert c.counters["pull_kept_parked"] == (0 if keep_kv else 1)  # keep-KV interrupts nothing anyway
     assert rank.steps() == 3 and [k for k, _ in rank.log].count("reset") == 1  # each call ran once
-    assert fin.tool_calls == 2 and fin.turns == 3
+    assert fin.stats.tool_calls == 2 and fin.stats.turns == 3
     check_turn_structure(rec)
     turns = model_turns(rec)
     assert len(turns) == 3
@@ -160,6 +160,6 @@ def test_a_pull_that_finds_a_thought_parked_trajectory_decoding_again_loops_it_b
     finally:
         rank.close()
     loop_back(c, 0, 9, fin.n_tokens)  # the loop records it and reports the loop-back nobody asked for
-    assert c.instance_of(9) == -1 and 9 in c.reserved and list(c.queue.ids()) == [9]
+    assert c.instance_of(9) == -1 and c.records[9].reserved and list(c.queue.ids()) == [9]
     c.on_pull_done(0, 1)
     assert [(r.traj_id, r.traj_version) for r in c.tick(3.0) if isinstance(r, Route)] == [(9, 0)]

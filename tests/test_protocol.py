@@ -275,12 +275,12 @@ def test_start_at_version_for_resume():
 
 def test_every_protocol_is_built_from_one_staleness_spec():
     """The six settings (eta, B, B', N, N', start version) travel as one validated StalenessSpec."""
-    from staleflow.protocol import PROTOCOLS, make_protocol
+    from staleflow.modes import MODES, build_protocol
 
     spec = StalenessSpec(eta=2, batch_size=3, group_size=2, version=4)
     assert (spec.capacity, spec.group_capacity) == (3, 2)  # None: B and N
-    for name in PROTOCOLS:
-        m = make_protocol(name, spec)
+    for name in MODES:  # every mode's protocol (each registered mode builds its own)
+        m = build_protocol(name, spec)
         assert m.spec is spec and (m.eta, m.batch_size, m.group_capacity, m.version) == (2, 3, 2, 4)
         with pytest.raises(ProtocolError, match="takes a StalenessSpec"):
             type(m)(2, 3)

@@ -122,6 +122,7 @@ SMOKE: dict[str, Smoke] = {
         "test", test="tests/test_chaos_audit.py::test_chaos_faults_py_has_an_injector_for_every_fault_kind"
     ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
+    "count_architecture.py": Smoke("test", test="tests/test_layout.py::test_layout_architecture_counts_are_the_docs"),
     "check_latest_deps.sh": Smoke(
         "static",
         why="installs the newest allowed versions into a fresh venv from PyPI "

@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 from staleflow.config import ConfigError, CoordinatorConfig, StalenessConfig
 from staleflow.coordinator import CostModel
-from staleflow.coordinator.modes import MODES, mode_of
+from staleflow.modes import MODES as REGISTRY
+from staleflow.modes import mode_of
 from staleflow.sim.cli import main
 from staleflow.sim.config import SimConfig, replace
 from staleflow.sim.simulator import _result, build
 
+MODES = tuple(REGISTRY)
 sys.path.insert(0, str(Path(__file__).parent))
 from sim_helpers import sim_config  # noqa: E402
 
@@ -75,7 +77,7 @@ def audit(sim: Sim, res) -> None:
     consumed = sum(1 for f in led.ended.values() if f == "consumed")
     assert consumed == sum(len(r.rewards) for r in loop.steps) == len(log) * sim.stale.group_size
     assert sum(res.staleness_hist.values()) == len(log)
-    assert set(loop.coord.live) <= set(led.trajs)  # the coordinator schedules only live trajectories
+    assert set(loop.coord.records) <= set(led.trajs)  # the coordinator schedules only live trajectories
     for inst in sim.backend.insts:  # nothing runs on an instance older than its V_traj
         for tr in list(inst.running.values()):
             assert inst.version >= tr.traj_version
@@ -102,7 +104,7 @@ def test_random_runs_keep_the_staleness_invariant_and_lose_nothing(
         eta = 0
     elif mode == "verl-one-step-off":
         eta = 1
-    if mode_of(mode).protocol != "staleflow":  # the peers' count-based protocols have no batch redundancy
+    if mode_of(mode).peer and mode_of(mode).fixed_eta < 0:  # the peers' count-based protocols: no batch redundancy
         bred = 0
     cfg = tiny(
         staleness=StalenessConfig(

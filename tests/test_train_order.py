@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from staleflow.config import ConfigError, CoordinatorConfig, StalenessConfig
-from staleflow.coordinator.modes import apply_mode, build_protocol, protocol_for
+from staleflow.modes import apply_mode, build_protocol, protocol_for
 from staleflow.protocol import BufferState, ProtocolError, StalenessManager, StalenessSpec
 from staleflow.sim.simulator import build
 

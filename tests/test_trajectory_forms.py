@@ -20,6 +20,8 @@ from staleflow.trajectory import FORMS, Finished, RecordHandle, Route, TrainGrou
 ROOT = Path(__file__).resolve().parents[1]
 WIRE_FORMS = {"Route", "Finished", "TrainGroup", "RecordHandle"}
 """The forms (and the handle naming a generated trajectory's bytes) that cross processes."""
+PARTS = {"TurnStats"}
+"""Carried inside a form (a multi-turn Finished's figures): seen only in runs with an environment."""
 NOT_TRAJECTORIES = {
     "InstanceSnapshot",
     "Interrupt",
@@ -122,6 +124,33 @@ def test_trajectory_forms_one_token_payload_from_engine_to_sample():
             assert not hits, f"{path} declares payload fields outside TrajectoryTokens: {hits[:2]}"
 
 
+def test_trajectory_forms_one_copy_of_the_turn_figures():
+    """A multi-turn trajectory's turns, tool calls and tool seconds are declared once, in TurnStats: its Finished
+    carries one, the ledger's Traj holds one, the rank's Episode counts in one (they were copied field by field
+    into Finished and Traj before issue 48)."""
+    import ast
+    import typing
+
+    from staleflow.controller.ledger import Traj
+    from staleflow.workers.turns import Episode
+
+    figures = {"turns", "tool_calls", "tool_s"}
+    owners = []
+    for path in (ROOT / "src" / "staleflow").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = {
+                    b.target.id for b in node.body if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name)
+                }
+                if figures <= names:
+                    owners.append(node.name)
+    assert owners == ["TurnStats"]
+    hints = {c: typing.get_type_hints(c) for c in (Finished, Traj, Episode)}
+    assert all("TurnStats" in str(h) for h in (hints[Finished]["stats"], hints[Traj]["turns"], hints[Episode]["stats"]))
+    fin = Finished(1, 0, None, 3, stats=trajectory.TurnStats(2, 1, 0.5, env_reward=1.0))
+    assert decode(encode(fin)) == fin
+
+
 def test_trajectory_forms_round_trip_on_the_wire_as_themselves():
     h = RecordHandle(1, 128, 512, 7)
     route = Route(12, 1, 4, prompt_ids=[1, 2, 3], prompt_len=3, seed=99, partial=h, max_new_tokens=16)
@@ -173,6 +202,6 @@ def test_trajectory_forms_one_run_puts_only_the_forms_on_the_wire(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     seen = set(" ".join(log.read_text().splitlines()).split())
     assert WIRE_FORMS <= seen, f"the run never sent {sorted(WIRE_FORMS - seen)}"
-    assert seen <= WIRE_FORMS | NOT_TRAJECTORIES, (
-        f"unexpected on the wire: {sorted(seen - WIRE_FORMS - NOT_TRAJECTORIES)}"
+    assert seen <= WIRE_FORMS | PARTS | NOT_TRAJECTORIES, (
+        f"unexpected on the wire: {sorted(seen - WIRE_FORMS - PARTS - NOT_TRAJECTORIES)}"
     )

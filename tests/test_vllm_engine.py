@@ -136,7 +136,7 @@ def test_abort_returns_partial_output_that_resumes(engine, smol, reference):
     p, ref = smol["prompts"][0], reference[0]
     engine.add(Request("r", p, greedy()))
     assert engine.stats().running_ids + engine.stats().waiting_ids == ["r"]
-    while engine.step() == [] and len(engine._live["r"].tokens.response_ids) < 5:
+    while engine.step() == [] and len(engine.requests.live["r"].tokens.response_ids) < 5:
         pass
     (part,) = engine.abort(["r"])
     k = len(part.tokens.response_ids)
@@ -219,7 +219,7 @@ def test_weight_load_matches_fresh_engine_with_those_weights(engine, smol, refer
 
     # In flight across the load: its first tokens come from version 0, the rest from version 1.
     engine.add(Request("flight", p0, greedy()))
-    while engine.step() == [] and len(engine._live["flight"].tokens.response_ids) < 4:
+    while engine.step() == [] and len(engine.requests.live["flight"].tokens.response_ids) < 4:
         pass
     engine.load_weights(new, version=1)
     with pytest.raises(EngineError, match="older"):

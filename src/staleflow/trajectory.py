@@ -84,6 +84,25 @@ class Route(msgspec.Struct, frozen=True, tag=True):
     (a code-test env reads its tests there); empty otherwise (the Workload's env_fields)."""
 
 
+class TurnStats(msgspec.Struct):
+    """A multi-turn trajectory's figures (--env.name), declared once: the rank's turn driver counts them,
+    its Finished carries them, the ledger's Traj keeps them (tool seconds summed over every instance).
+
+    >>> TurnStats(turns=2, tool_calls=1, tool_s=0.25).env_reward is None
+    True
+    """
+
+    turns: int = 0
+    """Model turns in the trajectory so far."""
+    tool_calls: int = 0
+    """Tool calls answered in its turns (a replay on resume counts them again only once)."""
+    tool_s: float = 0.0
+    """Seconds its environment steps took: in a Finished, on that instance since its last Finished (replays and
+    re-run calls included: the time they cost); in the ledger, over every instance."""
+    env_reward: float | None = None
+    """The reward its environment gave at the end (None: the task's reward fn scores it)."""
+
+
 class Finished(msgspec.Struct, frozen=True, tag=True):
     """An instance stopped generating a trajectory: done (partial=False), or interrupted with its
     partial output written back (partial=True: it loops back to the Trajectory Server queue). Sent
@@ -105,15 +124,8 @@ class Finished(msgspec.Struct, frozen=True, tag=True):
     cross_node_bytes: int = 0
     fetched: int = 0
     """Of those copies, partial records fetched from another node to resume the trajectory."""
-    turns: int = 0
-    """Multi-turn (--env.name): model turns in the trajectory so far (0: a single-turn trajectory)."""
-    tool_calls: int = 0
-    """Multi-turn: tool calls answered in its turns (a replay on resume counts them again only once)."""
-    tool_s: float = 0.0
-    """Multi-turn: seconds its environment steps took on this instance since its last Finished
-    (replays and re-run calls included: the time they cost)."""
-    env_reward: float | None = None
-    """Multi-turn: the reward its environment gave at the end (None: the task's reward fn scores it)."""
+    stats: TurnStats | None = None
+    """Multi-turn (--env.name): its turns, tool calls, tool seconds and environment reward (None: single-turn)."""
 
 
 class TrainGroup(msgspec.Struct, frozen=True, array_like=True):

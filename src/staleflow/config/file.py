@@ -76,6 +76,10 @@ def _coerce(value: Any, hint, flag: str, name: str):
         if value not in args:
             raise ConfigError(f"--config={name!r}: {flag}={value!r}: choose one of {', '.join(map(str, args))}")
         return value
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return tuple(_coerce(v, args[0], flag, name) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise bad
@@ -162,7 +166,15 @@ def dump_toml(cfg, header: str = "") -> str:
     # TOML has no null: an unset (None) flag is left out, and reading the file back leaves it unset.
     d = to_dict(cfg)
     lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict) and v is not None]
+
+    def table(path: str, section: dict) -> None:  # a section within a section (--peer.<mode>): [peer.areal]
+        lines.extend(["", f"[{path}]"])
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in section.items() if not isinstance(v, dict) and v is not None)
+        for k, v in section.items():
+            if isinstance(v, dict):
+                table(f"{path}.{k}", v)
+
     for name, section in d.items():
         if isinstance(section, dict):
-            lines += ["", f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in section.items() if v is not None)]
+            table(name, section)
     return header + "\n".join(lines) + "\n"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 from staleflow.config.job import CheckpointConfig, DataConfig, EvalConfig, FaultConfig, LogConfig, RewardConfig
 from staleflow.config.lora import LoraConfig
@@ -19,6 +18,8 @@ from staleflow.config.sections import (
     TrainConfig,
     _check,
 )
+from staleflow.modes import PeerSettings, apply_mode, check_mode
+from staleflow.modes.base import registered, unknown_mode
 
 
 def _check_finite(cfg, prefix: str = "") -> None:
@@ -51,18 +52,11 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    mode: Literal[
-        "staleflow",
-        "verl-sync",
-        "verl-one-step-off",
-        "verl-fully-async",
-        "areal",
-        "staleflow-no-exchange",
-        "staleflow-simple-strategies",
-        "sync",
-        "one-step-off",
-    ] = "staleflow"
-    """staleflow, a baseline named for its system (same loop; sync/one-step-off: verl aliases), or an ablation: docs/baselines.md."""
+    peer: PeerSettings = field(default_factory=PeerSettings)
+    mode: str = "staleflow"
+    """A registered mode: staleflow, a baseline named for its system (verl-sync (sync), verl-one-step-off
+    (one-step-off), verl-fully-async, areal), an ablation (staleflow-no-exchange, staleflow-simple-strategies),
+    or a fork's 'package.module:Class' (docs/baselines.md, docs/extending.md)."""
     steps: int = 20
     """Training steps (weight versions produced)."""
     seed: int = 0
@@ -74,6 +68,8 @@ class RunConfig:
 
     def __post_init__(self):
         _check_finite(self)
+        if ":" not in self.mode and registered(self.mode) is None:  # (a fork's import path: checked by resolve)
+            raise unknown_mode(self.mode)
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         group_relative = ("grpo", "grpo-nostd", "dr-grpo", "rloo")
         _check(
@@ -110,9 +106,9 @@ def config_from_dict(cls, d: dict):
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """The run's config with ``--mode`` applied to its coordinator and staleness sections: called
-    once where the config is parsed; nothing downstream applies a mode again."""
-    from staleflow.coordinator.modes import apply_mode
-
-    coordinator, staleness = apply_mode(cfg.mode, cfg.coordinator, cfg.staleness)
+    """The run's config with ``--mode`` applied to its coordinator and staleness sections (its --peer knobs
+    checked: another mode's is an error): called once where the config is parsed; nothing downstream applies
+    a mode again. An unknown mode is a ConfigError naming the flag."""
+    check_mode(cfg.mode)
+    coordinator, staleness = apply_mode(cfg.mode, cfg.coordinator, cfg.staleness, cfg.peer)
     return dataclasses.replace(cfg, coordinator=coordinator, staleness=staleness)

@@ -322,19 +322,9 @@ class CoordinatorConfig:
     """Routing gives up on a level after this many consecutive trajectories found no instance (bounds tick cost)."""
     migration_cooldown_s: float = 5.0
     """An instance holding a trajectory migrated less than this many seconds ago is not migrated again (no ping-pong)."""
-    # The peers' own knobs (--mode verl-fully-async / areal only; coordinator/modes.peer_knobs; docs/baselines.md).
-    staleness_threshold: float | None = None
-    """--mode verl-fully-async: verl's staleness_threshold s (a fraction is allowed): a sync window admits
-    (1 + s) x T x B groups. Unset: s = eta (matched to StaleFlow's eta + 1 buffers)."""
-    trigger_sync_steps: int = 1
-    """--mode verl-fully-async: verl's trigger_parameter_sync_step T: the rollout side takes new weights every
-    T steps (the coordinator pulls only versions that are multiples of T). s = 0 with T = eta + 1 keeps every
-    group within eta (the grid's guarantee-matched peer)."""
-    max_concurrent_rollouts: int = 0
-    """--mode areal: AReaL's max_concurrent_rollouts, in groups (0: (eta + 1) x B, which never binds)."""
-    strict: bool = False
-    """--mode verl-fully-async / areal: drop and regenerate a group that can no longer be trained within eta
-    (the grid's strict variant; not the peers' own behaviour)."""
+    planners: tuple[str, ...] = ()
+    """Extra planners run every tick after the built-in ones, in order: registered names or 'package.module:Class'
+    (a class (cfg, cost_model) with plan(ctx, now) returning Route / Interrupt / Pull / Abort commands; docs/extending.md)."""
 
     def __post_init__(self):
         _check(self.scan_limit >= 1, "coordinator.scan-limit", self.scan_limit, "must be >= 1")
@@ -345,19 +335,6 @@ class CoordinatorConfig:
         _check(self.psi > 1 or self.psi == 0, "coordinator.psi", self.psi, "must be > 1 (or 0: off)")
         _check(self.migration_stop >= 0, "coordinator.migration-stop", self.migration_stop, "must be >= 0")
         _check(self.tick_ms > 0, "coordinator.tick-ms", self.tick_ms, "must be > 0")
-        _check(
-            self.staleness_threshold is None or self.staleness_threshold >= 0,
-            "coordinator.staleness-threshold",
-            self.staleness_threshold,
-            "must be >= 0 (or unset: eta)",
-        )
-        _check(self.trigger_sync_steps >= 1, "coordinator.trigger-sync-steps", self.trigger_sync_steps, "must be >= 1")
-        _check(
-            self.max_concurrent_rollouts >= 0,
-            "coordinator.max-concurrent-rollouts",
-            self.max_concurrent_rollouts,
-            "must be >= 0 (0: (eta + 1) x B)",
-        )
 
 
 @dataclass(frozen=True)

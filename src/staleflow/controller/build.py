@@ -20,7 +20,7 @@ from staleflow.controller.ledger import Ledger
 from staleflow.controller.loop import ControllerLoop
 from staleflow.controller.types import LoopSettings, StepRecord
 from staleflow.coordinator.coordinator import Coordinator
-from staleflow.coordinator.modes import peer_knobs, protocol_for
+from staleflow.modes import mode_of, mode_settings, protocol_for
 
 
 def build_loop(
@@ -39,21 +39,22 @@ def build_loop(
     stall_s: float = math.inf,
     max_reward_failures: int = 0,
     refill_groups: int = 0,
-    peer: Mapping[str, Any] | None = None,
+    peer: Any = None,
     on_step: Callable[[StepRecord, dict], None] | None = None,
     listeners: Mapping[type, Callable[[Any], None]] | None = None,
     counts: Mapping[str, int] | None = None,
     requeue: Iterable = (),
 ) -> ControllerLoop:
     """A ControllerLoop for ``mode`` (its protocol from ``staleness``: B', N' and eta; the sections
-    arrive with the mode applied, config.resolve / coordinator.modes.apply_mode). ``peer``: a
-    baseline's own knobs (coordinator/modes.PEER_OPTIONS); ``tick_s`` overrides the coordinator's
+    arrive with the mode applied, config.resolve / modes.apply_mode). ``peer``: the mode's own settings,
+    as the run's --peer section (RunConfig.peer) or a mapping of its knobs (the simulator's search;
+    None: its defaults); ``tick_s`` overrides the coordinator's
     --coordinator.tick-ms (the simulator's timing resolution); ``counts``, ``requeue``: a resumed run's
     counters and the prompts in flight at its checkpoint (ControllerLoop)."""
     ids = list(instances)
     ledger = Ledger() if ledger is None else ledger
-    knobs = dict(peer) if peer is not None else peer_knobs(mode, coordinator_cfg)  # --coordinator.<knob> flags
-    manager = protocol_for(mode, staleness, version=version, n_instances=len(ids), **knobs)
+    settings = mode_settings(mode, peer)
+    manager = protocol_for(mode, staleness, version=version, n_instances=len(ids), peer=settings)
     coord = Coordinator(
         coordinator_cfg,
         cost_model,
@@ -65,6 +66,7 @@ def build_loop(
         version=version,
         clock=backend.now,
         label=mode,
+        sync_every=mode_of(mode).publish_every(settings),
     )
     settings = LoopSettings.from_config(
         coordinator_cfg, steps, stall_s=stall_s, max_reward_failures=max_reward_failures

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from staleflow.trajectory import TurnStats
+
 
 @dataclass
 class Traj:
@@ -50,11 +52,9 @@ class Traj:
     reward: float | None = None
     reward_error: str = ""
     text: str = ""
-    turns: int = 0
-    """Multi-turn: model turns (0: single-turn)."""
-    tool_calls: int = 0
-    tool_s: float = 0.0
-    """Multi-turn: seconds of environment steps, summed over every instance it ran on."""
+    turns: TurnStats | None = None
+    """Multi-turn: its turns and tool calls (the newest Finished's) and tool seconds summed over every instance
+    it ran on (None: single-turn)."""
 
     @property
     def tokens(self) -> int:

@@ -28,13 +28,13 @@ import msgspec
 from staleflow.controller.audit import Audit
 from staleflow.controller.backend import Backend, Published, PullDone, Rewarded, TrainDone
 from staleflow.controller.ledger import Ledger, Traj
-from staleflow.controller.refill import Refill
 from staleflow.controller.step_metrics import step_metrics
+from staleflow.controller.training import Refill, consume
 from staleflow.controller.types import LoopSettings, LoopTimeout, RewardsFailing, Stalled, StepRecord, Workload
 from staleflow.controller.view import LoopView
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
-from staleflow.trajectory import Finished, Route, TrainGroup
+from staleflow.trajectory import Finished, Route, TurnStats
 
 
 class ControllerLoop:
@@ -79,7 +79,7 @@ class ControllerLoop:
         self.audit = Audit()
         self.unrouted: set[int] = set()  # live groups none of whose members was routed yet
         self.response_lens: list[int] = []
-        self.turn_stats: list[tuple[int, int, float]] = []  # multi-turn: (turns, tool calls, tool s) per finish
+        self.turn_stats: list[TurnStats] = []  # multi-turn: the figures of each finished trajectory
         self.progress_at = backend.now()
         self.listeners = dict(listeners or {})
         self.tokens_generated: dict[int, int] = {}
@@ -135,12 +135,14 @@ class ControllerLoop:
             self._free([ev.handle])
             return
         self._free([self.ledger.set_handle(t.traj_id, ev.handle)])
-        t.turns, t.tool_calls, t.tool_s = ev.turns, ev.tool_calls, t.tool_s + ev.tool_s
+        if ev.stats is not None:  # multi-turn: the newest counts; tool seconds add up over instances
+            s, before = ev.stats, t.turns.tool_s if t.turns is not None else 0.0
+            t.turns = TurnStats(s.turns, s.tool_calls, before + s.tool_s)
         if ev.partial and not t.truncate:  # the loop-back: queued again, same V_traj, same reservation
             t.n_tokens, t.origin = ev.n_tokens, ev.instance
             self.coord.on_interrupted(ev.instance, [t.traj_id])
             return
-        self.finish(t, ev.instance, ev.n_tokens, ev.env_reward)
+        self.finish(t, ev.instance, ev.n_tokens, ev.stats.env_reward if ev.stats is not None else None)
 
     def finish(self, t: Traj, instance: int, n_tokens: int, env_reward: float | None = None) -> None:
         """Generation of `t` is over: the coordinator counts it (or has already dropped it), then score
@@ -150,8 +152,8 @@ class ControllerLoop:
             return
         self.ledger.accept_finish(t.traj_id, n_tokens)
         self.response_lens.append(n_tokens)
-        if t.turns:
-            self.turn_stats.append((t.turns, t.tool_calls, t.tool_s))
+        if t.turns is not None and t.turns.turns:
+            self.turn_stats.append(t.turns)
         self.progress_at = self.backend.now()
         if env_reward is not None:
             self.on_rewarded(Rewarded(t.traj_id, float(env_reward)))
@@ -277,30 +279,8 @@ class ControllerLoop:
             return
         if self.manager.ready_version() != self.version or self.coord.trainer_blocked():
             return
-        v = self.version
-        batch, stale, samples, prompts = [], [], {}, {}
-        # Group-id order, members by id: the batch does not depend on finishing order (which the
-        # OS scheduler decides), so a synchronous run is reproducible.
-        for gid in sorted(self.manager.consume(v)):
-            g, trained, surplus = self.ledger.consume(gid)
-            trained.sort(key=lambda t: t.traj_id)
-            self._free([t.handle for t in surplus])
-            V = min(t.traj_version for t in trained)
-            complete = len(trained) == self.spec.group_size and all(t.reward is not None for t in trained)
-            self.audit.trained(gid, V, v, self.spec.eta, self.manager.bounded, complete, len(trained))
-            stale.append(v - V)
-            samples[gid], prompts[gid] = trained[0].text, g.prompt
-            batch.append(
-                TrainGroup(
-                    gid,
-                    V,
-                    [t.traj_id for t in trained],
-                    [t.handle for t in trained],
-                    [float(t.reward) for t in trained],
-                    [t.n_tokens for t in trained],
-                    self.workload.prompt_len(g.prompt),
-                )
-            )
+        v = self.version  # (controller/training.py: group-id order, members by id, each group audited)
+        batch, stale, samples, prompts = consume(v, self.manager, self.ledger, self.audit, self.workload, self._free)
         self.training = StepRecord(v, self.backend.now(), batch, stale, samples=samples, prompts=prompts)
         self.backend.train(v, batch)
 

@@ -23,8 +23,8 @@ def step_metrics(
     turns: list | None = None,
     protocol=None,
 ) -> dict:
-    """lens: the response lengths finished since the previous step; turns: (turns, tool calls, tool
-    seconds) of the multi-turn trajectories finished since then (their keys appear only in a run
+    """lens: the response lengths finished since the previous step; turns: the TurnStats (turns, tool calls,
+    tool seconds) of the multi-turn trajectories finished since then (their keys appear only in a run
     with an environment, --env.name); protocol: the batch protocol, whose running totals (PROTOCOL_TOTALS:
     StaleFlow's StalenessManager's; the peers' count-based protocols have none) join the row."""
     rewards, stale = rec.rewards, rec.staleness
@@ -52,8 +52,8 @@ def step_metrics(
     }
     if turns:
         n = len(turns)
-        row["turns_mean"] = sum(t[0] for t in turns) / n
-        row["tool_calls_per_traj"] = sum(t[1] for t in turns) / n
-        row["tool_s_per_traj"] = sum(t[2] for t in turns) / n
-        row["tool_s_total"] = sum(t[2] for t in turns)
+        row["turns_mean"] = sum(t.turns for t in turns) / n
+        row["tool_calls_per_traj"] = sum(t.tool_calls for t in turns) / n
+        row["tool_s_per_traj"] = sum(t.tool_s for t in turns) / n
+        row["tool_s_total"] = sum(t.tool_s for t in turns)
     return row

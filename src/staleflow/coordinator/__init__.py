@@ -1,39 +1,40 @@
 """The staleness-aware coordinator (Snapshot-Command cycle), its strategies and the cost model.
 
 Pure: no torch, no sockets. The real controller and the simulator (staleflow.sim) drive the
-same ``Coordinator``; see docs/coordinator.md.
+same ``Coordinator``; see docs/coordinator.md. The modes (StaleFlow, its ablations, the peers) are
+staleflow.modes.
 """
 
 from staleflow.coordinator.coordinator import Coordinator
 from staleflow.coordinator.cost_model import CostModel, CostModelError, fit_cost_model, load_cost_model
 from staleflow.coordinator.mlq import MultiLevelQueue
-from staleflow.coordinator.modes import BASELINES, MODES, apply_mode, build_protocol, mode_of, mode_overrides
-from staleflow.coordinator.strategies import PULL, ROUTING, register_pull, register_routing
+from staleflow.coordinator.record import SchedRecord, Schedule
+from staleflow.coordinator.strategies import PLANNERS, PULL, ROUTING, register_planner, register_pull, register_routing
 from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Pull, TrajFacts
+from staleflow.coordinator.view import CoordinatorView
 from staleflow.trajectory import Route
 
 __all__ = [
     "Abort",
-    "BASELINES",
     "Command",
     "Coordinator",
+    "CoordinatorView",
     "CostModel",
     "CostModelError",
     "InstanceSnapshot",
     "Interrupt",
-    "MODES",
     "MultiLevelQueue",
+    "PLANNERS",
     "PULL",
     "Pull",
     "ROUTING",
     "Route",
+    "SchedRecord",
+    "Schedule",
     "TrajFacts",
-    "apply_mode",
-    "build_protocol",
     "fit_cost_model",
-    "mode_of",
     "load_cost_model",
-    "mode_overrides",
+    "register_planner",
     "register_pull",
     "register_routing",
 ]

@@ -8,8 +8,12 @@ injectable clock. The runtime (or simulator) feeds events and calls ``tick(now)`
     2. closed windows (groups that can no longer be placed) and stuck-buffer stragglers,
     3. Pull decisions (each preceded by an Interrupt of the instance's in-flight work, tool waiters excepted),
     4. at most one migration (never while an instance syncs),
-    5. the routing pass over the multi-level queue (paused while interrupted work has not
+    5. the commands of the extra planners (--coordinator.planners),
+    6. the routing pass over the multi-level queue (paused while interrupted work has not
        looped back yet, so the queue order stays right).
+Steps 2-5 are planners (strategies that read the read-only view, coordinator/view.py, and return
+commands); ``apply`` checks each command and applies it, so the scheduling records' transition
+function (coordinator/record.py: one record per live trajectory) stays their only writer.
 
 Reserve happens at Route time with a dynamic version tag: the first member of a prompt group
 routed to an instance fixes the group's V_traj to that instance's post-sync version; later
@@ -21,12 +25,13 @@ was already dropped, e.g. as group-redundancy surplus), ``on_rewarded`` once the
 members are rewarded (Occupy), ``on_interrupted`` (partial outputs came back), ``on_pull_done``,
 ``on_new_version`` (the PS published v), ``on_failed``. The trainer side uses the manager directly
 (``ready_version`` / ``consume``). The config arrives with its mode already applied (config.resolve).
-Per trajectory it keeps ids only; the facts it acts on (group, V_traj, prompt length, tokens
-generated, origin) it looks up by id in ``trajs``, the ledger's table (``TrajFacts``), read-only.
+Per trajectory it keeps one scheduling record (where it is: queued, in flight, interrupting, parked;
+its instance, group, arrival and migration marks); the facts it acts on (group, V_traj, prompt length,
+tokens generated, origin) it looks up by id in ``trajs``, the ledger's table (``TrajFacts``), read-only.
 
 With migration off (``--coordinator.migration false``) a loop-back resumes on the instance it
 was interrupted on (its ``origin``), never elsewhere. The batch protocol (``manager``) is the one
-the mode names (coordinator/modes.py): StaleFlow's StalenessManager or a peer's count-based rule.
+the mode names (staleflow.modes): StaleFlow's StalenessManager or a peer's count-based rule.
 """
 
 from __future__ import annotations
@@ -34,14 +39,19 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 
 from staleflow.coordinator.instance import InstanceState
+from staleflow.coordinator.migration import Migration
 from staleflow.coordinator.mlq import MultiLevelQueue
-from staleflow.coordinator.modes import check_protocol
-from staleflow.coordinator.pull import plan_pulls, updating
-from staleflow.coordinator.stragglers import handle_stragglers
-from staleflow.coordinator.strategies import make_pull, make_routing, migrate
-from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, TrajFacts
+from staleflow.coordinator.pull import PullPlanner, updating
+from staleflow.coordinator.record import END, INTERRUPT, LOOP_BACK, PARK, SUBMIT, TRUNCATE, UNPARK, Schedule
+from staleflow.coordinator.routing import RoutingPass
+from staleflow.coordinator.stragglers import Stragglers
+from staleflow.coordinator.strategies import make_planner, make_pull, make_routing
+from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Pull, TrajFacts
+from staleflow.coordinator.view import CoordinatorView
+from staleflow.modes import check_protocol
 from staleflow.trajectory import Route
 
 _INSTANCE_STATS = ("version", "load", "syncing", "snapshots_used", "snapshots_dropped")
@@ -61,6 +71,7 @@ class Coordinator:
         version: int = 0,
         clock: Callable[[], float] = time.monotonic,
         label: str = "staleflow",
+        sync_every: int = 1,
     ):
         if straggler not in ("off", "abort", "truncate"):
             raise ValueError(f"--staleness.straggler={straggler!r} is unknown; choose off, abort or truncate")
@@ -75,89 +86,86 @@ class Coordinator:
         self.cost_model, self.clock = cost_model, clock
         check_protocol(label, manager)
         self.manager = manager
-        self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
-        self.puller = make_pull(self.cfg.pull, self.cfg, cost_model)
         self.instances: dict[int, InstanceState] = {i: InstanceState(i, cost_model.kv_capacity, version) for i in ids}
         self.queue = MultiLevelQueue(self.cfg.mlq, self.cfg.longest_first, self.cfg.new_order)
+        self.sched = Schedule(self.queue, self.instances)
+        """The scheduling records of the live trajectories and their transition function (record.py)."""
+        self.routing = RoutingPass(self)
+        """Step 6 of the tick and the admission state it keeps (routing.py)."""
+        self.view = CoordinatorView(self)
+        """What every strategy reads (read-only); they return commands, ``apply`` applies them."""
+        self.router = make_routing(self.cfg.routing, self.cfg, cost_model)
+        self.puller = make_pull(self.cfg.pull, self.cfg, cost_model)
+        self.pulls = PullPlanner(self.puller)
+        self.stragglers = Stragglers(straggler, straggler_threshold) if straggler != "off" else None
+        self.migration = Migration(self.cfg, cost_model)
+        self.planners = [make_planner(name, self.cfg, cost_model) for name in self.cfg.planners]
         self.ps_version = version
-        self.live: set[int] = set()  # every live trajectory (queued or in flight)
-        self.reserved: set[int] = set()  # live trajectories holding a reservation (= in flight)
+        if type(sync_every) is not int or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r} must be an int >= 1")
+        self.sync_every = sync_every
+        """Instances pull every sync_every-th published version (the mode's: verl's trigger_parameter_sync_step T)."""
         self.group_tag: dict[int, int] = {}  # group_id -> V_traj fixed at its first route
-        self.members: dict[int, set[int]] = {}  # group_id -> its items still scheduled here (queued or in flight)
-        self.pending_interrupts: set[int] = set()
-        self.barrier_budget = 0
-        self._admissible: set[int] | None = None
-        self._stragglers_done: set[int] = set()
-        self._straggled_buffers: set[int] = set()  # buffer versions whose stragglers were handled
         self._out: list[Command] = []
-        self._admit: dict[int, bool] = {}
         self.counters: Counter = Counter()
-        self.migrated: dict[int, float] = {}  # traj_id -> time of its migration (at most one per trajectory)
-        self.moved_off: dict[int, int] = {}  # migrated traj_id -> the instance it left, until re-routed
         self.now = float("-inf")
 
-    # ---- queries used by strategies --------------------------------------------------------
+    # ---- queries -----------------------------------------------------------------------------
     @property
     def in_flight(self) -> int:
         """Trajectories holding a reservation and not yet finished (queued loop-backs included)."""
-        return len(self.reserved)
+        return self.sched.reserved
+
+    @property
+    def records(self) -> Mapping:
+        """traj_id -> SchedRecord of every live trajectory (read-only)."""
+        return MappingProxyType(self.sched.records)
 
     def group_version(self, group_id: int) -> int | None:
         return self.group_tag.get(group_id)
 
-    def _can_admit_new(self, version: int) -> bool:
-        ok = self._admit.get(version)
-        if ok is None:
-            ok = self._admit[version] = self.manager.can_admit(version)
-        return ok
+    def instance_of(self, traj_id: int) -> int:
+        """The instance holding the trajectory (-1: none)."""
+        rec = self.sched.get(traj_id)
+        return -1 if rec is None else rec.instance
 
     def routable_at(self, version: int) -> bool:
         """Could some queued trajectory be routed to an instance running `version`?"""
-        tagged = self.queue.tagged
-        if any(v <= version for v, n in tagged.items() if n > 0):
-            return True
-        if len(self.queue) > sum(tagged.values()):
-            if self.cfg.barrier and self.barrier_budget <= 0:
-                return False
-            return self._can_admit_new(version)
-        return False
+        return self.routing.routable_at(version)
 
     # ---- events --------------------------------------------------------------------------
     def submit(self, traj_ids: Iterable[int]) -> None:
         """Queue new trajectories; each must be in ``trajs`` already (the ledger made it)."""
         for t in traj_ids:
-            if t in self.live:
+            if t in self.sched:
                 raise ValueError(f"submit: trajectory id {t} is already live; ids must be unique")
             rec = self.trajs.get(t)
             if rec is None:
                 raise ValueError(f"submit: trajectory {t} is not in the trajectory table; the ledger makes it first")
             if min(rec.prompt_len, rec.n_tokens) < 0:
                 raise ValueError(f"submit: trajectory {t} has a negative length ({rec.prompt_len=}, {rec.n_tokens=})")
-            self.live.add(t)
-            self.members.setdefault(rec.group_id, set()).add(t)
-            self.queue.push(t, rec.traj_version, rec.tokens)
+            self.sched.transition(t, SUBMIT, group_id=rec.group_id, traj_version=rec.traj_version, tokens=rec.tokens)
 
     def on_snapshot(self, snap: InstanceSnapshot) -> bool:
         """Reconcile a snapshot with the speculative state; False if it was stale and dropped."""
         inst = self._inst(snap.instance)
-        return inst.accept(snap)
+        if not inst.accept(snap):
+            return False
+        if snap.parked_ids or inst.n_parked:  # the parked marks follow the snapshot
+            parked = set(snap.parked_ids)
+            for t, rec in list(inst.trajs.items()):
+                if rec.parked != (t in parked):
+                    self.sched.transition(t, PARK if t in parked else UNPARK)
+        return True
 
     def on_finished(self, instance: int, traj_id: int) -> bool:
         """A trajectory finished generation. False if it was already dropped (an Abort crossed the
         finish: group-redundancy surplus, closed window, straggler): it does not count."""
         now = self.clock()
-        if traj_id not in self.live:
+        if traj_id not in self.sched:
             self.counters["late_finish"] += 1
             return False
-        self._detach(traj_id, now)
-        self.queue.remove(traj_id)
-        self.pending_interrupts.discard(traj_id)
-        self.live.discard(traj_id)
-        self.queue.forget(traj_id)
-        self.migrated.pop(traj_id, None)
-        self.moved_off.pop(traj_id, None)
-        self.reserved.discard(traj_id)
-        self.members[self.trajs[traj_id].group_id].discard(traj_id)
+        self.sched.transition(traj_id, END, now=now)
         for t in self.manager.complete(traj_id):  # group redundancy: the surplus is aborted
             self._drop(t, "surplus", now)
         self.counters["finished"] += 1
@@ -180,8 +188,7 @@ class Coordinator:
         written their records' n_tokens and origin (== instance). They queue again under their V_traj."""
         now = self.clock()
         for t in traj_ids:
-            self.pending_interrupts.discard(t)
-            if t not in self.live:  # aborted while the interrupt was in flight
+            if t not in self.sched:  # aborted while the interrupt was in flight
                 continue
             rec = self.trajs[t]
             if rec.origin != instance:
@@ -189,33 +196,30 @@ class Coordinator:
                     f"on_interrupted: trajectory {t} came back from instance {instance}, its record says origin "
                     f"{rec.origin}: write the record (n_tokens, origin) before reporting the loop-back"
                 )
-            self._detach(t, now)
             V = self.group_tag.get(rec.group_id) if rec.traj_version is None else rec.traj_version
-            self.queue.push(t, V, rec.tokens)
+            self.sched.transition(t, LOOP_BACK, now=now, traj_version=V, tokens=rec.tokens)
             self.counters["loop_back"] += 1
 
     def on_pull_done(self, instance: int, version: int) -> None:
-        inst = self._inst(instance)
-        inst.version = inst.target_version = version
-        inst.syncing = False
-        inst.last_change = self.clock()
+        self._inst(instance)._pulled(version, self.clock())
         self.manager.on_rollout_version(min(i.version for i in self.instances.values()))
 
     def trainer_blocked(self) -> bool:
         """The mode's weight-sync rule holds the trainer until every instance runs the newest version."""
-        return self.puller.blocks_trainer and updating(self)
+        return self.puller.blocks_trainer and updating(self.view)
 
     def on_new_version(self, version: int) -> None:
-        """The PS published `version`; with verl's T (--coordinator.trigger-sync-steps) every T-th counts."""
-        if version % self.cfg.trigger_sync_steps == 0:
+        """The PS published `version`; with verl's T (--peer.verl-fully-async.trigger-sync-steps) every T-th counts."""
+        if version % self.sync_every == 0:
             self.ps_version = max(self.ps_version, version)
 
     def on_failed(self, instance: int, traj_id: int, reason: str = "failed") -> None:
         """A trajectory was lost (engine error): drop it; if its group can no longer reach N, the group."""
-        if traj_id not in self.live:
+        rec = self.sched.get(traj_id)
+        if rec is None:
             return
         now = self.clock()
-        if traj_id in self.reserved:
+        if rec.reserved:
             for gid in self.manager.abort(traj_id, reason):
                 self.abort_group(gid, reason, now, aborted=True)
         self._drop(traj_id, reason, now)
@@ -224,107 +228,113 @@ class Coordinator:
     def tick(self, now: float) -> list[Command]:
         self.now = now
         cmds, self._out = self._out, []
-        self._admit.clear()
+        self.routing.new_tick()
         self.counters["ticks"] += 1
         retry = getattr(self.manager, "retry_closed", False)  # the peers' strict variant regenerates
         for gid in self.manager.closed_windows():
             self.abort_group(gid, "window-closed", now, out=cmds, retry=retry)
-        if self.straggler != "off":
-            handle_stragglers(self, now, cmds)
-        plan_pulls(self, now, cmds)
+        if self.stragglers is not None:
+            self._plan(self.stragglers, now, cmds)
+        self._plan(self.pulls, now, cmds)
         # Active migration (paper 6.5) moves in-flight work through partial rollout; without it (interrupt_on_pull
         # False: drain) nothing started is ever interrupted and resumed, so nothing migrates.
-        if self.cfg.migration and self.cfg.interrupt_on_pull and not self.pending_interrupts:
-            migrate(self, now, cmds)
-        if not self.pending_interrupts and not (self.puller.blocks_routing and updating(self)):
-            self._route(now, cmds)
+        if self.cfg.migration and self.cfg.interrupt_on_pull and not self.sched.interrupting:
+            self._plan(self.migration, now, cmds)
+        for planner in self.planners:
+            self._plan(planner, now, cmds)
+        if not self.sched.interrupting and not (self.puller.blocks_routing and updating(self.view)):
+            self.routing.run(now, cmds)
         return cmds
 
-    def _route(self, now: float, cmds: list[Command]) -> None:
-        cap = self.cfg.max_concurrent
-        open_ = [i for i in self.instances.values() if len(i.trajs) < cap and not i.draining]
-        if not open_ or not len(self.queue):
-            return
-        if (
-            self.cfg.barrier
-            and self.in_flight == 0
-            and not any(i.syncing or i.target_version < self.ps_version for i in self.instances.values())
-        ):
-            self.barrier_budget = self.manager.capacity
-        self._admissible = None
-        failed: set[tuple] = set()  # (V_traj, tokens) that found no instance since the last route
-        for key in self.queue.level_keys():
-            fails, leftover = 0, False
-            for t in self.queue.iter_level(key, self.queue.level_size(key)):
-                if not open_ or fails >= self.cfg.scan_limit:
-                    leftover = True
-                    break
-                rec = self.trajs[t]
-                sig = (
-                    rec.traj_version if rec.traj_version is not None else self.group_tag.get(rec.group_id),
-                    rec.tokens,
-                    self.moved_off.get(t, -1) if self.cfg.migration else rec.origin,
-                )
-                if sig in failed:  # same placement problem as one that just failed: skip cheaply
-                    fails, leftover = fails + 1, True
-                    continue
-                inst, V = self._place(rec, open_, failed, sig)
-                if inst is None:
-                    fails, leftover = fails + 1, True
-                    continue
-                fails = 0
-                failed.clear()
-                self._route_one(rec, inst, V, now, cmds)
-                if len(inst.trajs) >= cap:
-                    open_.remove(inst)
-            if leftover and self.queue.enabled:
-                break  # strict priority: newer levels wait for the older one
+    def _plan(self, planner, now: float, cmds: list[Command]) -> None:
+        for cmd in planner.plan(self.view, now):
+            self.apply(cmd, now, cmds)
 
-    def _place(self, rec: TrajFacts, open_: list[InstanceState], failed: set, sig: tuple):
-        """Pick an instance for one queued trajectory (None if it must wait) and its V_traj."""
-        gid = rec.group_id
-        V = sig[0]
-        if V is None:  # the first member of a fresh group: dynamic tag = instance post-sync version
-            if self.cfg.barrier and self.barrier_budget <= 0:
-                failed.add(sig)
-                return None, -1
-            if self._admissible is None:
-                self._admissible = {
-                    v for v in {i.target_version for i in self.instances.values()} if self.manager.can_admit(v)
-                }
-            ok = self._admissible
-            cands = [i for i in open_ if i.target_version in ok]
+    # ---- commands: what strategies return, checked and applied ---------------------------------
+    def apply(self, cmd: Command, now: float, out: list[Command]) -> None:
+        """Check one command a strategy returned and apply it; what the runtime must execute goes to
+        ``out``. A command the state does not allow is a ValueError naming it (nothing is changed)."""
+        if isinstance(cmd, Pull):
+            self._apply_pull(cmd, now, out)
+        elif isinstance(cmd, Interrupt):
+            self._apply_interrupt(cmd, now, out)
+        elif isinstance(cmd, Route):
+            self._apply_route(cmd, now, out)
+        elif isinstance(cmd, Abort):
+            if cmd.group_id < 0 or cmd.traj_ids or cmd.instance >= 0:
+                raise ValueError(f"{cmd!r}: a strategy aborts whole groups, Abort(-1, (), reason, retry, group_id)")
+            self.abort_group(cmd.group_id, cmd.reason, now, out=out, retry=cmd.retry)
         else:
-            if rec.traj_id not in self.reserved and not self.manager.can_admit(V, gid):
-                return None, -1
-            if rec.origin >= 0 and not self.cfg.migration:  # no migration: resume where it ran
-                cands = [i for i in open_ if i.instance == rec.origin and i.target_version >= V]
-            else:  # a migrated trajectory does not go back to the instance it left, unless nothing else can run it
-                cands = [i for i in open_ if i.target_version >= V]
-                left = self.moved_off.get(rec.traj_id, -1)
-                cands = [i for i in cands if i.instance != left] or cands
-        inst = self.router.choose(rec, V, cands, self) if cands else None
-        if inst is None:
-            failed.add(sig)
-            return None, -1
-        return inst, (inst.target_version if V is None else V)
+            raise ValueError(f"{cmd!r}: a strategy returns Route, Interrupt, Pull or Abort commands")
 
-    def _route_one(self, rec: TrajFacts, inst: InstanceState, V: int, now: float, cmds: list[Command]) -> None:
-        t, gid = rec.traj_id, rec.group_id
-        if t not in self.reserved:
-            if gid not in self.group_tag:
-                self.group_tag[gid] = V
-                if self.cfg.barrier:
-                    self.barrier_budget -= 1
-            self.manager.reserve(t, gid, V)
-            self.reserved.add(t)
-            self._admit.clear()
-            self._admissible = None
-        self.queue.remove(t)
-        self.moved_off.pop(t, None)
-        inst.add(t, rec.tokens, now)
-        cmds.append(Route(t, inst.instance, V))
-        self.counters["routes"] += 1
+    def _apply_pull(self, cmd: Pull, now: float, out: list[Command]) -> None:
+        """Partial rollout interrupts the instance's work first (tool waiters stay), keep-KV interrupts
+        nothing, no partial rollout drains it (the Pull waits until it is empty)."""
+        inst = self._inst(cmd.instance)
+        if inst.syncing or not inst.target_version < cmd.version <= self.ps_version:
+            raise ValueError(
+                f"{cmd!r}: instance {inst.instance} (syncing {inst.syncing}, version {inst.target_version}) cannot "
+                f"pull it; the newest version is {self.ps_version}"
+            )
+        if inst.load and not self.cfg.interrupt_on_pull:  # no partial rollout: finish the work first, take no more
+            inst._drain()
+            return
+        if inst.load and not self.cfg.keep_kv_on_pull:  # partial rollout with re-prefill: interrupt, loop back
+            ids = tuple(t for t, r in inst.trajs.items() if not r.parked)  # tool waiters stay (their call goes on)
+            if ids:
+                out.append(Interrupt(inst.instance, ids, "pull"))
+                for t in ids:
+                    self.sched.transition(t, INTERRUPT, now=now, reason="pull")
+                self.counters["interrupted"] += len(ids)
+            if len(ids) < inst.load:
+                self.counters["pull_kept_parked"] += inst.load - len(ids)
+        out.append(Pull(inst.instance, cmd.version))
+        inst._start_pull(cmd.version, now)
+        self.counters["pulls"] += 1
+
+    def _apply_interrupt(self, cmd: Interrupt, now: float, out: list[Command]) -> None:
+        """reason "migrate": the trajectories leave the instance (marked, routed elsewhere when they loop back);
+        "truncate": a straggler's partial output is final (instance -1: queued ones, taken out of the queue)."""
+        if cmd.reason not in ("migrate", "truncate"):
+            raise ValueError(f"{cmd!r}: a strategy interrupts to migrate or truncate (a Pull brings its own)")
+        recs = [self.sched.get(t) for t in cmd.traj_ids]
+        if cmd.reason == "migrate" and cmd.instance < 0 or not cmd.traj_ids:
+            raise ValueError(f"{cmd!r}: name the instance and the trajectories it holds")
+        bad = [t for t, r in zip(cmd.traj_ids, recs) if r is None or r.instance != cmd.instance]  # (-1: not held)
+        bad += [t for t, r in zip(cmd.traj_ids, recs) if cmd.reason == "migrate" and r is not None and r.parked]
+        if bad:
+            raise ValueError(f"{cmd!r}: trajectories {bad} are not held by (or parked on) instance {cmd.instance}")
+        out.append(cmd)
+        if cmd.reason == "truncate":
+            if cmd.instance < 0:
+                for t in cmd.traj_ids:
+                    self.sched.transition(t, TRUNCATE)
+            self.counters["truncated"] += len(cmd.traj_ids)
+            return
+        for t in cmd.traj_ids:
+            self.sched.transition(t, INTERRUPT, now=now, reason="migrate")
+        self._inst(cmd.instance)._touch(now)
+        self.counters["migrations"] += 1
+        self.counters["interrupted"] += len(cmd.traj_ids)
+
+    def _apply_route(self, cmd: Route, now: float, out: list[Command]) -> None:
+        """A queued trajectory to a chosen instance, under the rules the routing pass follows."""
+        srec, rec = self.sched.get(cmd.traj_id), self.trajs.get(cmd.traj_id)
+        inst = self._inst(cmd.instance)
+        if srec is None or srec.place is None:
+            raise ValueError(f"{cmd!r}: trajectory {cmd.traj_id} is not queued")
+        V = rec.traj_version if rec.traj_version is not None else self.group_tag.get(rec.group_id)
+        V = inst.target_version if V is None else V
+        if cmd.traj_version != V or inst.target_version < V or inst.draining or inst.load >= self.cfg.max_concurrent:
+            raise ValueError(
+                f"{cmd!r}: its V_traj is {V}; instance {inst.instance} runs version {inst.target_version} "
+                f"(draining {inst.draining}, holds {inst.load} of {self.cfg.max_concurrent})"
+            )
+        if not srec.reserved and not self.manager.can_admit(V, rec.group_id):
+            raise ValueError(f"{cmd!r}: the batch protocol has no room for V_traj {V} now")
+        if not srec.reserved and self.cfg.barrier and rec.group_id not in self.group_tag and not self.routing.budget:
+            raise ValueError(f"{cmd!r}: the batch barrier admits no new group now")
+        self.routing.route_one(rec, srec, inst, V, now, out)
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def _inst(self, instance: int) -> InstanceState:
@@ -333,33 +343,13 @@ class Coordinator:
             raise ValueError(f"unknown instance {instance!r}; known: {sorted(self.instances)}")
         return inst
 
-    def instance_of(self, traj_id: int) -> int:
-        """The instance holding the trajectory (-1: none); placement lives once, in InstanceState.trajs."""
-        for i, inst in self.instances.items():
-            if traj_id in inst.trajs:
-                return i
-        return -1
-
-    def _detach(self, traj_id: int, now: float) -> int:
-        for i, inst in self.instances.items():
-            if inst.remove(traj_id, now):
-                return i
-        return -1
-
     def _drop(self, traj_id: int, reason: str, now: float, out: list[Command] | None = None) -> None:
         """Forget one live trajectory and tell the runtime to stop it (manager already updated)."""
-        if traj_id not in self.live:
+        rec = self.sched.get(traj_id)
+        if rec is None:
             return
-        self.live.discard(traj_id)
-        gid = self.trajs[traj_id].group_id
-        self.queue.remove(traj_id)
-        self.queue.forget(traj_id)
-        self.migrated.pop(traj_id, None)
-        self.moved_off.pop(traj_id, None)
-        i = self._detach(traj_id, now)
-        self.reserved.discard(traj_id)
-        self.pending_interrupts.discard(traj_id)
-        self.members.get(gid, set()).discard(traj_id)
+        i = rec.instance
+        self.sched.transition(traj_id, END, now=now)
         (self._out if out is None else out).append(Abort(i, (traj_id,), reason))
         self.counters[f"aborted_{reason}"] += 1
 
@@ -374,16 +364,14 @@ class Coordinator:
     ) -> None:
         if not aborted:
             self.manager.abort_group(gid, reason)
-        for t in sorted(self.members.get(gid, ())):
+        for t in self.sched.group_members(gid):
             self._drop(t, reason, now, out)
         (self._out if out is None else out).append(Abort(-1, (), reason, retry, gid))
         self.counters[f"groups_aborted_{reason}"] += 1
         self._forget_group(gid)
 
     def _forget_group(self, gid: int) -> None:
-        self.members.pop(gid, None)
         self.group_tag.pop(gid, None)
-        self._stragglers_done.discard(gid)
 
     def stats(self) -> dict:
         """JSON-able counters and per-instance speculative state (metrics)."""

@@ -11,10 +11,11 @@ data: on a task whose prompt length tracks difficulty, the longest (hardest) pro
 so trained, first while the short ones wait (docs/perf.md, issue 41).
 With ``enabled=False`` it degrades to one FIFO level (the baselines' plain queue).
 
-The queue holds trajectory ids only. Its caller (the Coordinator) looks a trajectory up in the
-ledger's table and passes the two facts the order needs when it pushes one: the V_traj it is
-queued under and its tokens; the queue keeps them as its own sort keys (an ordering, not a copy of
-the trajectory: nothing else reads them from here).
+The queue holds trajectory ids only, inside its sort keys. Its caller (the coordinator's transition
+function, coordinator/record.py) passes what the order needs when it pushes one: the V_traj it is
+queued under, its tokens and its first arrival number; ``push`` returns the trajectory's place, which
+the caller keeps in the trajectory's scheduling record and hands back to ``remove``. The queue keeps
+no table of its own (an ordering, not a copy of the trajectory: nothing else reads these keys).
 """
 
 from __future__ import annotations
@@ -38,57 +39,47 @@ class MultiLevelQueue:
         self.new_longest = self.longest_first and new_order == "longest"
         """New (untagged) prompts go longest first too; else in drawing order."""
         self._levels: dict[int | None, list[tuple]] = {}
-        self._where: dict[int, tuple] = {}  # traj_id -> (level key, sort key, V_traj it is queued under)
-        self._arrival: dict[int, int] = {}  # traj_id -> first arrival number (until forget())
+        self._n = 0
         self._seq = 0
         self.tagged: Counter = Counter()
         """V_traj -> queued trajectories that carry that tag (untagged new ones are not counted)."""
 
     def __len__(self) -> int:
-        return len(self._where)
+        return self._n
 
-    def __contains__(self, traj_id: int) -> bool:
-        return traj_id in self._where
+    def next_arrival(self) -> int:
+        """A fresh arrival number (a trajectory's first push; its loop-backs reuse it)."""
+        self._seq += 1
+        return self._seq
 
-    def push(self, traj_id: int, traj_version: int | None, tokens: int) -> None:
-        """Queue a trajectory under V_traj ``traj_version`` (None: not tagged yet) with ``tokens`` KV tokens."""
-        if traj_id in self._where:
-            raise ValueError(f"trajectory {traj_id} is already queued; a loop-back must follow its route")
+    def push(self, traj_id: int, traj_version: int | None, tokens: int, arrival: int) -> tuple:
+        """Queue a trajectory under V_traj ``traj_version`` (None: not tagged yet) with ``tokens`` KV tokens
+        and its first ``arrival`` number; returns its place (for ``remove``)."""
         level = traj_version if self.enabled else NEW
-        seq = self._arrival.get(traj_id)
-        if seq is None:  # a loop-back keeps its first arrival (FIFO: it does not go behind newer work)
-            self._seq += 1
-            seq = self._arrival[traj_id] = self._seq
         if not self.longest_first:
-            key = (seq, traj_id)
+            key = (arrival, traj_id)
         elif level is NEW and not self.new_longest:  # drawing order: every key of the level has the same shape
-            key = (0, seq, traj_id)
+            key = (0, arrival, traj_id)
         else:
-            key = (-tokens, seq, traj_id)
+            key = (-tokens, arrival, traj_id)
         bisect.insort(self._levels.setdefault(level, []), key)
-        self._where[traj_id] = (level, key, traj_version)
+        self._n += 1
         if traj_version is not None:
             self.tagged[traj_version] += 1
+        return level, key, traj_version
 
-    def remove(self, traj_id: int) -> bool:
-        """Take a trajectory out wherever it is (routed, or an abort of a queued one); False if absent."""
-        where = self._where.pop(traj_id, None)
-        if where is None:
-            return False
-        level, key, version = where
+    def remove(self, place: tuple) -> None:
+        """Take a queued trajectory out (routed, truncated, or an abort of a queued one), by its place."""
+        level, key, version = place
         lst = self._levels[level]
         del lst[bisect.bisect_left(lst, key)]
         if not lst:
             del self._levels[level]
+        self._n -= 1
         if version is not None:
             self.tagged[version] -= 1
             if not self.tagged[version]:
                 del self.tagged[version]
-        return True
-
-    def forget(self, traj_id: int) -> None:
-        """The trajectory left for good (finished or aborted): drop its arrival number."""
-        self._arrival.pop(traj_id, None)
 
     def level_keys(self) -> list[int | None]:
         """Level keys in service order: versions ascending, then new trajectories."""
@@ -98,7 +89,7 @@ class MultiLevelQueue:
         return keys
 
     def level(self, key: int | None) -> list[int]:
-        """Ids of one level in service order (a copy; remove() what gets routed)."""
+        """Ids of one level in service order (a copy)."""
         return [e[-1] for e in self._levels.get(key, ())]
 
     def iter_level(self, key: int | None, limit: int) -> Iterator[int]:

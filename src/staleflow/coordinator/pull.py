@@ -24,13 +24,18 @@ How in-flight work crosses a pull is the coordinator config's ``interrupt_on_pul
   False (no partial rollout) the instance DRAINS: it takes no new work, its in-flight trajectories
         finish under the old weights, and the Pull is sent once it is empty. The runtime and the
         simulator execute the same commands, so they agree on this by construction.
+The policy only answers WHEN; ``PullPlanner`` turns its answers into ``Pull`` commands each tick, and the
+coordinator applies each (``Coordinator.apply``): the interrupt-or-drain mechanism above is its, not the
+policy's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from staleflow.coordinator.instance import InstanceState
-from staleflow.coordinator.strategies import register_pull
-from staleflow.coordinator.types import Command, Interrupt, Pull
+from staleflow.coordinator.strategies import PullPolicy, register_pull
+from staleflow.coordinator.types import Pull
 
 
 class _Policy:
@@ -89,24 +94,17 @@ def updating(ctx) -> bool:
     return any(i.syncing or i.version < ctx.ps_version for i in ctx.instances.values())
 
 
-def plan_pulls(ctx, now: float, cmds: list[Command]) -> None:
-    """Append this tick's Interrupt / Pull commands; mark instances that drain before their pull."""
-    for inst in ctx.instances.values():
-        if inst.syncing or inst.target_version >= ctx.ps_version:
-            continue
-        if not inst.draining and not ctx.puller.should_pull(inst, ctx):
-            continue
-        if inst.trajs and not ctx.cfg.interrupt_on_pull:  # no partial rollout: finish the work first, take no more
-            inst.draining = True
-            continue
-        if inst.trajs and not ctx.cfg.keep_kv_on_pull:  # partial rollout with re-prefill: interrupt, loop back
-            ids = tuple(t for t in inst.trajs if t not in inst.parked)  # tool waiters stay (their call goes on)
-            if ids:
-                cmds.append(Interrupt(inst.instance, ids, "pull"))
-                ctx.pending_interrupts.update(ids)
-                ctx.counters["interrupted"] += len(ids)
-            if len(ids) < len(inst.trajs):
-                ctx.counters["pull_kept_parked"] += len(inst.trajs) - len(ids)
-        cmds.append(Pull(inst.instance, ctx.ps_version))
-        inst.syncing, inst.draining, inst.target_version, inst.last_change = True, False, ctx.ps_version, now
-        ctx.counters["pulls"] += 1
+class PullPlanner:
+    """Each tick: a ``Pull`` to the newest version for every instance behind it whose policy says so (or that
+    drains before its pull); the coordinator applies each before the next instance is asked."""
+
+    def __init__(self, policy: PullPolicy):
+        self.policy = policy
+
+    def plan(self, ctx, now: float) -> Iterator[Pull]:
+        ps = ctx.ps_version  # (applying a Pull does not change it)
+        for inst in ctx.instances.values():
+            if inst.syncing or inst.target_version >= ps:
+                continue
+            if inst.draining or self.policy.should_pull(inst, ctx):
+                yield Pull(inst.instance, ps)

@@ -1,34 +1,45 @@
-"""Stuck-buffer stragglers (coordinator ``straggler`` abort / truncate): the coordinator's tick calls
-``handle_stragglers(coordinator, now, cmds)`` when the mode handles them."""
+"""Stuck-buffer stragglers (``--staleness.straggler abort | truncate``) as a planner: the coordinator runs
+it each tick when the run handles stragglers, and applies the commands it returns."""
 
 from __future__ import annotations
 
-from staleflow.coordinator.types import Command, Interrupt
+from collections.abc import Iterator
+
+from staleflow.coordinator.types import Abort, Command, Interrupt
 
 
-def handle_stragglers(coord, now: float, cmds: list[Command]) -> None:
+class Stragglers:
     """Abort (and retry) or truncate the last stragglers of a Stuck buffer, ONCE per buffer.
 
     The retried groups reserve into the same window again; acting on them too would abort
     every retry as soon as it is dispatched (a livelock the simulator's property test found
-    with eta 0 and no redundancy)."""
-    if coord.straggler == "off" or coord.manager.version in coord._straggled_buffers:
-        return
-    gids = coord.manager.stuck_stragglers(coord.straggler_threshold)
-    if gids:
-        coord._straggled_buffers.add(coord.manager.version)
-    for gid in gids:
-        if gid in coord._stragglers_done:
-            continue
-        coord._stragglers_done.add(gid)
-        coord.counters["stragglers"] += 1
-        if coord.straggler == "abort":
-            coord.abort_group(gid, "straggler", now, out=cmds, retry=True)
-            continue
-        live = sorted(coord.members.get(gid, ()))
-        by_inst: dict[int, list[int]] = {}
-        for t in live:
-            by_inst.setdefault(coord.instance_of(t), []).append(t)
-            coord.queue.remove(t)  # a queued one's partial is final too
-        for i, ids in sorted(by_inst.items()):
-            cmds.append(Interrupt(i, tuple(ids), "truncate"))
+    with eta 0 and no redundancy). abort: ``Abort(-1, (), "straggler", retry=True, group_id)``;
+    truncate: ``Interrupt(instance, ids, "truncate")`` per instance holding the group's members
+    (instance -1: the queued ones, whose partial is final as it is)."""
+
+    def __init__(self, how: str, threshold: int):
+        self.how, self.threshold = how, threshold
+        self.done: set[int] = set()
+        """Groups already handled (group ids are never reused)."""
+        self.buffers: set[int] = set()
+        """Buffer versions whose stragglers were handled."""
+
+    def plan(self, ctx, now: float) -> Iterator[Command]:
+        if ctx.buffer_version in self.buffers:
+            return
+        gids = ctx.stuck_stragglers(self.threshold)
+        if gids:
+            self.buffers.add(ctx.buffer_version)
+            self.done = {g for g in self.done if ctx.group_live(g)}  # ended groups cannot be stragglers again
+        for gid in gids:
+            if gid in self.done:
+                continue
+            self.done.add(gid)
+            if self.how == "abort":
+                yield Abort(-1, (), "straggler", True, gid)
+                continue
+            by_inst: dict[int, list[int]] = {}
+            for t in ctx.group_members(gid):
+                by_inst.setdefault(ctx.record(t).instance, []).append(t)
+            for i, ids in sorted(by_inst.items()):
+                yield Interrupt(i, tuple(ids), "truncate")

@@ -1,6 +1,24 @@
-"""Pluggable routing, pull and migration strategies, registered by name (paper sections 6.3-6.5).
+"""Pluggable strategies, registered by name (paper sections 6.3-6.5): they read, the coordinator writes.
 
-A research fork adds a policy in one file::
+A strategy reads a read-only view of the coordinator (``ctx``: coordinator/view.py) and returns its
+decision; the coordinator checks it and applies it (``Coordinator.apply``: the scheduling records'
+transition function is the one writer). Three kinds, each a registry:
+
+- routing (``--coordinator.routing``): ``choose(traj, traj_version, candidates, ctx) -> InstanceState | None``,
+  the instance a queued trajectory is routed to (the coordinator makes the Route). ``candidates`` are already
+  filtered by the coordinator: version >= V_traj, a feasible reservation, not at the concurrency cap.
+  ``traj`` is the trajectory's record in the ledger (``TrajFacts``, coordinator/types.py: traj_id, group_id,
+  traj_version, prompt_len, n_tokens generated so far, origin, tokens), looked up by id: read it, never write it.
+- pull policies (``--coordinator.pull``, coordinator/pull.py): ``should_pull(inst, ctx) -> bool`` for an
+  instance behind the PS; the pull planner turns a yes into a ``Pull``.
+- planners (``--coordinator.planners``, run every tick after the built-in ones: stragglers, pulls,
+  migration): ``plan(ctx, now) -> iterable of commands`` among ``Route`` (a queued trajectory to an
+  instance), ``Interrupt`` (reason "migrate": move work off an instance; "truncate"), ``Pull`` and
+  ``Abort`` (a whole group: ``Abort(-1, (), reason, retry, group_id)``). Commands are applied in the order
+  they come (a generator sees the effect of its earlier ones); a command the state does not allow is a
+  ValueError naming it. The built-in migration (coordinator/migration.py) is one.
+
+A research fork adds one in one file::
 
     from staleflow.coordinator.strategies import register_routing
 
@@ -10,21 +28,16 @@ A research fork adds a policy in one file::
         def choose(self, traj, traj_version, candidates, ctx) -> InstanceState | None: ...
 
 and selects it with ``--coordinator.routing my-router``, or, without registering, by import path:
-``--coordinator.routing my_pkg.routers:MyRouter`` (docs/extending.md). ``candidates`` are already filtered by
-the coordinator: version >= V_traj, a feasible reservation, not at the concurrency cap. ``traj`` is the
-trajectory's record in the ledger (``TrajFacts``, coordinator/types.py: traj_id, group_id, traj_version,
-prompt_len, n_tokens generated so far, origin, tokens), looked up by id: read it, never write it.
-Pull policies (coordinator/pull.py) answer ``should_pull(inst, ctx) -> bool`` for an instance
-behind the PS; the migration policy returns ``(instance, traj_ids) | None``. ``ctx`` is the Coordinator itself
-(read-only use: ps_version, instances, routable_at(version), in_flight, cfg, cost_model).
+``--coordinator.routing my_pkg.routers:MyRouter`` (docs/extending.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 from staleflow.coordinator.instance import InstanceState
-from staleflow.coordinator.types import Interrupt, TrajFacts
+from staleflow.coordinator.types import Command, TrajFacts
 from staleflow.extensions import Registry, Shape
 
 
@@ -43,6 +56,12 @@ class PullPolicy(Protocol):
     blocks_trainer: bool
 
     def should_pull(self, inst: InstanceState, ctx) -> bool: ...
+
+
+class Planner(Protocol):
+    """--coordinator.planners: a class built once per coordinator as ``cls(cfg, cost_model)``."""
+
+    def plan(self, ctx, now: float) -> Iterable[Command]: ...
 
 
 ROUTING: Registry[type[RoutingStrategy]] = Registry(
@@ -65,8 +84,18 @@ PULL: Registry[type[PullPolicy]] = Registry(
         attrs=(("blocks_routing", bool), ("blocks_trainer", bool)),
     ),
 )
+PLANNERS: Registry[type[Planner]] = Registry(
+    "planner",
+    "--coordinator.planners",
+    Shape.klass(
+        2,
+        "a class (cfg, cost_model) with plan(ctx, now) -> an iterable of Route / Interrupt / Pull / Abort commands",
+        methods=(("plan", 2),),
+    ),
+)
 register_routing = ROUTING.register
 register_pull = PULL.register
+register_planner = PLANNERS.register
 
 
 def make_routing(name: str, cfg, cost_model) -> RoutingStrategy:
@@ -77,6 +106,11 @@ def make_routing(name: str, cfg, cost_model) -> RoutingStrategy:
 def make_pull(name: str, cfg, cost_model) -> PullPolicy:
     """The pull policy a registered name or 'package.module:Class' names, built for this coordinator."""
     return PULL.resolve(name)(cfg, cost_model)
+
+
+def make_planner(name: str, cfg, cost_model) -> Planner:
+    """The planner a registered name or 'package.module:Class' names, built for this coordinator."""
+    return PLANNERS.resolve(name)(cfg, cost_model)
 
 
 # ---- routing ---------------------------------------------------------------------------------
@@ -184,97 +218,3 @@ class RoundRobin:
         pick = next((i for i in ids if i >= self.next), ids[0])
         self.next = pick + 1
         return next(c for c in candidates if c.instance == pick)
-
-
-# ---- migration -------------------------------------------------------------------------------
-def migrate(ctx, now: float, cmds: list) -> None:
-    """Append this tick's migration (at most one instance's trajectories) and record it."""
-    picked = pick_migration(ctx)
-    if picked is None:
-        return
-    inst, ids = picked
-    cmds.append(Interrupt(inst.instance, ids, "migrate"))
-    for t in ids:
-        ctx.migrated[t] = now
-        ctx.moved_off[t] = inst.instance
-    ctx.pending_interrupts.update(ids)
-    inst.last_change = now
-    ctx.counters["migrations"] += 1
-    ctx.counters["interrupted"] += len(ids)
-
-
-def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
-    """Paper 6.5: one instance per tick, never while any instance syncs. A trajectory parked on a tool
-    call (``InstanceState.parked``) is never picked and never counted: moving it frees no decode
-    capacity, and its call would be cancelled and re-run wherever it resumed.
-
-    1. Waiting-queue trigger: an instance whose engine queue exceeds phi_wait gives back its
-       newest trajectories beyond phi_wait (the engine queued them; another instance may run them).
-    2. Throughput-gap trigger: for each starved instance s (nothing routable at its version and
-       room to run more), every other instance j with version <= s's has ratio indicator_j /
-       indicator_s; the largest ratio above psi gives back every trajectory it holds that was never
-       migrated and is not parked (they loop back and are re-routed, never to j), unless fewer than
-       max(2, migration_stop) such trajectories remain, one migrated less than migration_cooldown_s
-       ago, or j made no decode progress in its last snapshot while holding running work: it is
-       still prefilling what it was just given (a resumed trajectory recomputes its KV first), and
-       moving that restarts the prefill elsewhere.
-       Each trajectory moves at most once: a move costs a full re-prefill, and without the limit
-       two instances could hand the same long loop-backs back and forth forever whenever their
-       re-prefill outlasts the cooldown (the simulator found such a livelock).
-       Computed in O(instances): for each j the best s is the least-loaded starved instance
-       among those at a version >= j's (a suffix minimum over versions).
-    """
-    cfg = ctx.cfg
-    if any(i.syncing for i in ctx.instances.values()):
-        return None
-    insts = list(ctx.instances.values())
-    over = [i for i in insts if i.waiting > cfg.phi_wait]
-    if over:
-        inst = max(over, key=lambda i: (i.waiting, -i.instance))
-        movable = [t for t in inst.trajs if t not in inst.parked]
-        return inst, tuple(movable[-(inst.waiting - cfg.phi_wait) :])
-    if cfg.psi == 0:  # the throughput-gap trigger is off (the peers' NEVER_MIGRATE)
-        return None
-    routable: dict[int, bool] = {}
-    low: dict[int, float] = {}  # version -> smallest indicator of a starved instance at that version
-    for s in insts:
-        v = s.target_version
-        if s.waiting or len(s.trajs) >= cfg.max_concurrent:
-            continue
-        if v not in routable:
-            routable[v] = ctx.routable_at(v)
-        if not routable[v]:
-            x = s.indicator(cfg.migration_indicator)
-            low[v] = min(low.get(v, x), x)
-    if not low:
-        return None
-    suffix: dict[int, float] = {}  # version -> min indicator over starved instances at >= version
-    run = float("inf")
-    for v in sorted(low, reverse=True):
-        run = min(run, low[v])
-        suffix[v] = run
-    vs = sorted(suffix)
-    best, best_key = None, None
-    stop = max(2, cfg.migration_stop)  # moving a lone trajectory cannot make it decode faster
-    cool = ctx.now - cfg.migration_cooldown_s
-    for j in insts:
-        if j.engaged < stop or any(ctx.migrated.get(t, -1e300) > cool for t in j.trajs):
-            continue
-        if j.running and j.tokens_per_s <= 0:  # prefilling
-            continue
-        if sum(t not in ctx.migrated and t not in j.parked for t in j.trajs) < stop:
-            continue
-        k = next((v for v in vs if v >= j.target_version), None)
-        if k is None:
-            continue
-        base = suffix[k]
-        load = j.indicator(cfg.migration_indicator)
-        if base >= load:  # j is no busier than the starved one (also skips j being that instance)
-            continue
-        ratio = float("inf") if base <= 0 else load / base
-        key = (ratio, load, -j.instance)  # ties (e.g. a starved instance with load 0): the busiest
-        if ratio > cfg.psi and (best_key is None or key > best_key):
-            best, best_key = j, key
-    if best is None:
-        return None
-    return best, tuple(t for t in best.trajs if t not in ctx.migrated and t not in best.parked)

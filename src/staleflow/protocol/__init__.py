@@ -1,37 +1,14 @@
 """staleflow.protocol: batch protocols (which groups may start, which batch the trainer gets), pure Python.
 
-``StalenessManager`` is StaleFlow's per-trajectory Reserve / Occupy / Consume; ``AReaLBuffer`` and
-``VerlAsyncBuffer`` are the count-based rules of the asynchronous peers. All implement
-``interface.BatchProtocol``; ``make_protocol(name, spec)`` builds one by name from a ``StalenessSpec`` (the six settings every
-protocol shares) (the resolved mode
-names it, coordinator/modes.py).
+``StalenessManager`` is StaleFlow's per-trajectory Reserve / Occupy / Consume; ``CountedBuffer`` is the
+shared base of the peers' count-based rules (each peer's own rule lives in its mode's file, staleflow.modes:
+``AReaLBuffer`` in modes/areal.py, ``VerlAsyncBuffer`` in modes/verl.py). All implement
+``interface.BatchProtocol``; a mode builds its protocol from a ``StalenessSpec`` (the six settings every
+protocol shares) and its own settings (``Mode.protocol``).
 """
 
-from staleflow.protocol.areal import AReaLBuffer
 from staleflow.protocol.counted import CountedBuffer
 from staleflow.protocol.staleness import StalenessManager
 from staleflow.protocol.types import BufferState, EntryState, ProtocolError, StalenessSpec
-from staleflow.protocol.verl import VerlAsyncBuffer
 
-PROTOCOLS = {"staleflow": StalenessManager, "areal": AReaLBuffer, "verl-fully-async": VerlAsyncBuffer}
-
-
-def make_protocol(name: str, spec: StalenessSpec, **options):
-    """The batch protocol `name` (a PROTOCOLS key) with the staleness settings and its own options."""
-    if name not in PROTOCOLS:
-        raise ProtocolError(f"protocol {name!r} is unknown; choose one of {', '.join(PROTOCOLS)}")
-    return PROTOCOLS[name](spec, **options)
-
-
-__all__ = [
-    "AReaLBuffer",
-    "BufferState",
-    "CountedBuffer",
-    "EntryState",
-    "PROTOCOLS",
-    "ProtocolError",
-    "StalenessManager",
-    "StalenessSpec",
-    "VerlAsyncBuffer",
-    "make_protocol",
-]
+__all__ = ["BufferState", "CountedBuffer", "EntryState", "ProtocolError", "StalenessManager", "StalenessSpec"]

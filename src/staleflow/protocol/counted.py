@@ -17,10 +17,11 @@ variant is then bounded like StaleFlow, but it trains what finishes in time (sho
 
 from __future__ import annotations
 
+from staleflow.protocol.members import Members
 from staleflow.protocol.types import BufferState, ProtocolError, StalenessSpec, _check_id, _Group
 
 
-class CountedBuffer:
+class CountedBuffer(Members):
     bounded = False
     retry_closed = False
     """Groups reported by closed_windows are regenerated (the strict variant), not just dropped."""
@@ -38,14 +39,14 @@ class CountedBuffer:
             )
         if not isinstance(strict, bool):
             raise ProtocolError(f"{name} strict={strict!r} must be a bool")
+        super().__init__(spec.group_size)  # the member table (protocol/members.py): complete, abort
         self.strict = self.bounded = self.retry_closed = strict
         self.eta, self.batch_size, self.capacity = eta, batch_size, batch_size
-        self.group_size, self.group_capacity = spec.group_size, spec.group_capacity
+        self.group_capacity = spec.group_capacity
         self.version = version
         self.rollout_version = version
         """Version every rollout instance runs (set when a global weight update finishes)."""
         self._groups: dict = {}  # in flight or completed-and-queued
-        self._trajs: dict = {}  # traj_id -> _Group
         self._queue: list = []  # completed group ids, in completion order
         self._seq: dict = {}  # group_id -> admission number (start order)
         self._next_seq = 0
@@ -168,19 +169,6 @@ class CountedBuffer:
         self._trajs[traj_id] = g
         return V
 
-    def complete(self, traj_id) -> list:
-        g = self._trajs.get(traj_id)
-        if g is None or traj_id not in g.live:
-            raise ProtocolError(f"complete: traj_id {traj_id!r} is {'already complete' if g else 'unknown or aborted'}")
-        del g.live[traj_id]
-        g.done[traj_id] = None
-        if len(g.done) == self.group_size and g.live:
-            surplus = list(g.live)
-            for t in surplus:
-                del g.live[t], self._trajs[t]
-            return surplus
-        return []
-
     def occupy(self, group_id) -> int:
         """The group's N members are rewarded: it joins the queue of completed groups."""
         g = self._groups.get(group_id)
@@ -220,21 +208,6 @@ class CountedBuffer:
             self._finished[gid] = "consumed"
         self.version += 1
         return batch
-
-    def abort(self, traj_id, reason: str) -> list:
-        if not isinstance(reason, str) or not reason:
-            raise ProtocolError(f"abort reason {reason!r} must be a non-empty str")
-        g = self._trajs.get(traj_id)
-        if g is None:
-            raise ProtocolError(f"abort: unknown (or already aborted/consumed) traj_id {traj_id!r}")
-        if g.occupied:
-            raise ProtocolError(f"abort: traj {traj_id!r} belongs to group {g.group_id!r}, queued for training")
-        (g.live if traj_id in g.live else g.done).pop(traj_id)
-        del self._trajs[traj_id]
-        if len(g.live) + len(g.done) < self.group_size:
-            self.abort_group(g.group_id, reason)
-            return [g.group_id]
-        return []
 
     def abort_group(self, group_id, reason: str) -> list:
         if not isinstance(reason, str) or not reason:

@@ -1,8 +1,8 @@
 """The one interface of a batch protocol: what the coordinator and the controller loop call.
 
 StaleFlow's StalenessManager (per-trajectory Reserve / Occupy / Consume) and the baselines'
-count-based rules (protocol/areal.py, protocol/verl.py) implement it, so one coordinator and one
-loop run every system; the resolved mode picks the implementation (coordinator/modes.py).
+count-based rules (modes/areal.py, modes/verl.py, on protocol/counted.py) implement it, so one coordinator and one
+loop run every system; the resolved mode builds its implementation (staleflow.modes: ``Mode.protocol``).
 
 Call order (coordinator and loop): ``can_admit`` then ``reserve`` when a trajectory is routed;
 ``complete`` when it finishes; ``occupy`` once its group's N members are rewarded;

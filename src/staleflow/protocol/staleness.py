@@ -34,11 +34,12 @@ from __future__ import annotations
 
 from staleflow.protocol.buffers import BufferBook
 from staleflow.protocol.checkpoint import manager_from_state_dict, manager_state_dict, manager_stats, validate_manager
+from staleflow.protocol.members import Members
 from staleflow.protocol.order import reorder
 from staleflow.protocol.types import _FAST_ID, BufferState, EntryState, ProtocolError, StalenessSpec, _check_id, _Group
 
 
-class StalenessManager:
+class StalenessManager(Members):
     """Staleness buffers + group tracker (the StaleFlow protocol); see the module docstring.
 
     m = StalenessManager(StalenessSpec(eta=1, batch_size=2))
@@ -51,9 +52,10 @@ class StalenessManager:
     def __init__(self, spec: StalenessSpec, exchange: bool = True, train_order: str = "completion"):
         if not isinstance(spec, StalenessSpec):
             raise ProtocolError(f"StalenessManager takes a StalenessSpec, got {type(spec).__name__}")
+        super().__init__(spec.group_size)  # the member table (protocol/members.py): complete, abort
         self.spec = spec
         self.eta, self.batch_size, self.capacity = spec.eta, spec.batch_size, spec.capacity
-        self.group_size, self.group_capacity = spec.group_size, spec.group_capacity
+        self.group_capacity = spec.group_capacity
         if not isinstance(exchange, bool):
             raise ProtocolError(f"StalenessManager exchange={exchange!r} is invalid: must be a bool")
         self.exchange = exchange
@@ -68,7 +70,6 @@ class StalenessManager:
         self.closed_version = spec.version - 1  # no V_traj <= this is admitted (its window is Ready/consumed)
         self.book = BufferBook(spec.batch_size, spec.capacity)
         self._groups: dict = {}  # in-flight or occupied (not yet consumed) groups
-        self._trajs: dict = {}  # member id -> its _Group (which reservation a member holds)
         self._closed: dict = {}  # group_id -> None: in flight but unplaceable
         self._finished: dict = {}  # group_id -> "consumed" | "aborted: <reason>"
         self._log: list[tuple] = []  # (group_id, traj_version, buffer_version)
@@ -222,22 +223,6 @@ class StalenessManager:
             self._next_seq += 1
         return v
 
-    def complete(self, traj_id) -> list:
-        """A member finished generation; once the group has N, the still-running members are
-        aborted (reason "group_redundancy") and returned so the runtime stops them."""
-        g = self._trajs.get(traj_id)
-        if g is None or traj_id not in g.live:
-            state = "already complete" if g is not None else "unknown or aborted"
-            raise ProtocolError(f"complete: traj_id {traj_id!r} is {state}")
-        del g.live[traj_id]
-        g.done[traj_id] = None
-        if len(g.done) == self.group_size and g.live:
-            surplus = list(g.live)
-            for t in surplus:
-                self._drop_member(g, t, "group_redundancy")
-            return surplus
-        return []
-
     def occupy(self, group_id) -> int:
         """After generation AND reward of N members: release the reservation (after the occupy
         exchange) and take the EARLIEST buffer in [max(Vg, version), reserved] with a free
@@ -325,32 +310,8 @@ class StalenessManager:
         self.version += 1
         return occupied
 
-    def _drop_member(self, g: _Group, traj_id, reason: str) -> None:
-        if traj_id in g.live:
-            del g.live[traj_id]
-        else:
-            del g.done[traj_id]
-        del self._trajs[traj_id]
+    def _member_dropped(self, reason: str) -> None:
         self._member_abort_counts[reason] = self._member_abort_counts.get(reason, 0) + 1
-
-    def abort(self, traj_id, reason: str) -> list:
-        """Drop one member (crash, redundancy); returns [group_id] if the group can thereby no
-        longer reach N members and was aborted with the same reason, else []."""
-        if not isinstance(reason, str) or not reason:
-            raise ProtocolError(f"abort reason {reason!r} must be a non-empty str")
-        g = self._trajs.get(traj_id)
-        if g is None:
-            raise ProtocolError(f"abort: unknown (or already aborted/consumed) traj_id {traj_id!r}")
-        if g.occupied:
-            raise ProtocolError(
-                f"abort: traj {traj_id!r} belongs to group {g.group_id!r} which already "
-                f"occupies buffer {g.buffer}; it will be consumed"
-            )
-        self._drop_member(g, traj_id, reason)
-        if len(g.done) + len(g.live) < self.group_size:
-            self.abort_group(g.group_id, reason)
-            return [g.group_id]
-        return []
 
     def abort_group(self, group_id, reason: str) -> list:
         """Drop an in-flight group (closed window, straggler, filter); returns members to stop."""

@@ -28,7 +28,7 @@ How the interface maps onto vLLM (token-id prompts, `skip_tokenizer_init=True`, 
   interrupted requests are re-added, so no KV computed with old weights survives.
 - On CUDA: CUDA graphs, the plan's gpu_memory_utilization, the rank's GPU first (docs/vllm.md).
 - stats(): vLLM's scheduler stats (a stat tap); running_ids are the oldest live ids (FCFS).
-- Turns (Request.hold; vllm_support.HeldTurns): extend() resubmits prompt + history + observation
+- Turns (Request.hold; the request table vllm_requests.VllmRequests): extend() resubmits prompt + history + observation
   and vLLM's prefix cache (enabled at start) skips the history's cached blocks (docs/engine.md).
 
 vLLM is imported lazily: this module imports without it. In-process mode (env
@@ -48,8 +48,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from staleflow.rollout.engine import EngineError, EngineStats, Request, check_request, generate_all
+from staleflow.rollout.vllm_requests import VllmRequests
 from staleflow.rollout.vllm_support import (
-    HeldTurns,
     WeightReloadExtension,
     _checkpoint_shapes,
     _segment_seed,
@@ -78,7 +78,7 @@ def _import_vllm():
     return vllm
 
 
-class VllmEngine(HeldTurns):
+class VllmEngine:
     def __init__(
         self,
         model_path: str,
@@ -153,15 +153,8 @@ class VllmEngine(HeldTurns):
         self._init_requests(seed)
 
     def _init_requests(self, seed: int) -> None:
-        """The engine's own Requests (copies made at add) and side tables by request id: no
-        per-request record of its own."""
-        self._live: dict = {}  # request_id -> Request, running or waiting, in arrival order
-        self._parked: dict = {}  # request_id -> Request of a held request between turns
-        self._vid: dict = {}  # request_id -> its vLLM id (fresh at every submission)
-        self._by_vid: dict = {}  # vLLM id -> request_id
-        self._cached_tokens: dict = {}
-        """request_id -> prefix-cache hits vLLM reported for its latest submission (num_cached_tokens)."""
-        self._next_vid = 0
+        """The engine's own Requests (copies made at add) in its request table: no per-request record of its own."""
+        self.requests = VllmRequests()
         self._rng = random.Random(seed)
         self.tokens_generated = 0
         self.steps = 0
@@ -194,7 +187,7 @@ class VllmEngine(HeldTurns):
     # ---- requests ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         rid, p = request.request_id, request.params
-        if rid in self._live or rid in self._parked:
+        if rid in self.requests:
             raise EngineError(f"request_id={rid!r} is already in the engine: use a fresh id or abort it first")
         check_request(request, self.max_model_len, self.vocab_size)
         check_logprob_kind(rid, p, self.logprobs_mode, self.temperature)
@@ -202,7 +195,6 @@ class VllmEngine(HeldTurns):
         own.seed = int(self._rng.getrandbits(63) if own.seed is None else own.seed)
         own.finish_reason = None
         self._submit(own)
-        self._live[rid] = own
 
     def _submit(self, req: Request) -> None:
         """Hand a (possibly resumed) request to vLLM under a fresh internal id."""
@@ -225,29 +217,43 @@ class VllmEngine(HeldTurns):
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        rid, vid = req.request_id, str(self._next_vid)
-        self._next_vid += 1
-        self._cached_tokens[rid] = 0
+        vid = self.requests.next_vid()
         self.llm.add_request(vid, {"prompt_token_ids": req.tokens.prompt_ids + req.tokens.response_ids}, vp)
-        self._vid[rid], self._by_vid[vid] = vid, rid
+        self.requests.submitted(req, vid)
 
     def has_unfinished(self) -> bool:
-        return bool(self._live)
+        return bool(self.requests.live)
+
+    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[Request]:
+        """Interrupt requests (parked ones too); returns them, partial (finish_reason 'abort'). Unknown ids:
+        see `abort_ids` (an error unless missing_ok)."""
+        return self.requests.abort(request_ids, missing_ok, self.llm.abort_request)
+
+    def abort_all(self) -> list[Request]:
+        return self.abort(list(self.requests.live) + list(self.requests.parked))
+
+    def extend(self, request_id, observation_ids: list[int], max_new_tokens: int) -> None:
+        """Next turn of a parked request (VllmRequests.extend): its whole history is resubmitted."""
+        self._submit(
+            self.requests.extend(request_id, observation_ids, max_new_tokens, self.max_model_len, self.vocab_size)
+        )
+
+    def release(self, request_id, missing_ok: bool = False) -> None:
+        self.requests.release(request_id, missing_ok)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One vLLM engine step; returns the requests that stopped in it (copies: a held one stays here)."""
-        if not self._live:
+        if not self.requests.live:
             return []
         t0 = time.perf_counter()
         finished: list[Request] = []
         n_new = 0
         for out in self.llm.step():
-            rid = self._by_vid.get(out.request_id)
-            if rid is None:  # output of a request aborted meanwhile (multiprocess mode)
+            req = self.requests.output(out.request_id, int(getattr(out, "num_cached_tokens", 0) or 0))
+            if req is None:  # output of a request aborted meanwhile (multiprocess mode)
                 continue
-            req = self._live[rid]
-            c = out.outputs[0]
+            rid, c = req.request_id, out.outputs[0]
             ids = list(c.token_ids)
             lps = c.logprobs or []
             if len(lps) != len(ids):
@@ -255,16 +261,10 @@ class VllmEngine(HeldTurns):
             for tok, lp in zip(ids, lps):
                 req.tokens.append(int(tok), float(lp[tok].logprob), self.version)
             n_new += len(ids)
-            hits = int(getattr(out, "num_cached_tokens", 0) or 0)
-            self._cached_tokens[rid] = max(self._cached_tokens.get(rid, 0), hits)
             if out.finished:
                 reason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
-                del self._by_vid[out.request_id], self._vid[rid], self._live[rid]
                 req.finish_reason = reason
-                if req.hold and reason != "abort":  # a turn of a multi-turn request: wait for extend
-                    self._parked[rid] = req
-                else:
-                    self._cached_tokens.pop(rid, None)
+                self.requests.finished(req, park=req.hold and reason != "abort")  # a held turn waits for extend
                 finished.append(req.copy())
         self.steps += 1
         self.tokens_generated += n_new
@@ -336,11 +336,9 @@ class VllmEngine(HeldTurns):
     def _interrupt_live(self) -> list[Request]:
         """Abort every live request inside vLLM before a weight load; they stay the engine's (their
         tokens kept) and ``_after_load`` resubmits them."""
-        live = list(self._live.values())
+        live = list(self.requests.live.values())
         if live:
-            self.llm.abort_request([self._vid[r.request_id] for r in live])
-            self._by_vid.clear()
-            self._vid.clear()
+            self.llm.abort_request(self.requests.dropped_by_vllm())
         return live
 
     def _after_load(self, live: list[Request], version: int) -> None:
@@ -352,7 +350,7 @@ class VllmEngine(HeldTurns):
 
     # ---- stats ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        ids = list(self._live)
+        ids = list(self.requests.live)
         n_run = min(self._sched.get("running", 0), len(ids))
         return EngineStats(
             num_running=n_run,
@@ -366,8 +364,8 @@ class VllmEngine(HeldTurns):
             waiting_ids=ids[n_run:],
             steps=self.steps,
             throughput_tok_s=self.throughput_tok_s,
-            num_parked=len(self._parked),
-            parked_ids=list(self._parked),
+            num_parked=len(self.requests.parked),
+            parked_ids=list(self.requests.parked),
         )
 
     def close(self) -> None:

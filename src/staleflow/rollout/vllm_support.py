@@ -1,17 +1,15 @@
 """Pieces of the vLLM engine that live apart from it: the worker extension vLLM loads by name
-in its own processes, its stat-logger tap, the turns (hold / extend / release) and small helpers."""
+in its own processes, its stat-logger tap and small helpers (its request table is vllm_requests.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
-from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
 
-from staleflow.rollout.engine import EngineError, Request, abort_ids, check_extend
+from staleflow.rollout.engine import EngineError
 
 _MASK63 = (1 << 63) - 1
 _SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
@@ -98,66 +96,6 @@ class _StatsTap:
 
     def record_sleep_state(self, *args, **kwargs):
         pass
-
-
-class HeldTurns:
-    """VllmEngine's turns (Request.hold): a held request between turns is in ``self._parked``
-    (request_id -> the engine's own Request); extend resubmits its whole history through
-    ``self._submit``; abort covers parked requests too."""
-
-    def _forget(self, request_id) -> None:
-        """Drop a request's side-table rows (its vLLM id, its prefix-cache hits)."""
-        vid = self._vid.pop(request_id, None)
-        if vid is not None:
-            self._by_vid.pop(vid, None)
-        self._cached_tokens.pop(request_id, None)
-
-    def abort(self, request_ids: Iterable, missing_ok: bool = False) -> list[Request]:
-        """Interrupt requests; returns them, partial (finish_reason 'abort').
-
-        Unknown ids: see `abort_ids` (an error unless missing_ok).
-        """
-        ids = abort_ids(request_ids, self._live.keys() | self._parked.keys(), missing_ok)
-        running = [r for r in ids if r not in self._parked]
-        if running:
-            self.llm.abort_request([self._vid[r] for r in running])
-        out = []
-        for r in ids:
-            req = self._parked.pop(r) if r in self._parked else self._live.pop(r)
-            self._forget(r)
-            req.finish_reason = "abort"
-            out.append(req.copy())
-        return out
-
-    def abort_all(self) -> list[Request]:
-        return self.abort(list(self._live) + list(self._parked))
-
-    def extend(self, request_id, observation_ids: list[int], max_new_tokens: int) -> None:
-        """Next turn of a parked request: the observation is appended (environment tokens) and prompt +
-        history + observation resubmitted; vLLM's prefix cache skips the cached full blocks of the
-        history. SamplingParams.max_new_tokens becomes the response length after the observation
-        plus ``max_new_tokens``. EngineError before anything changes."""
-        req = self._parked.get(request_id)
-        running = self._live.get(request_id)
-        parked = True if req is not None else (False if running is not None and running.hold else None)
-        n = len(req.tokens.prompt_ids) + len(req.tokens.response_ids) if req is not None else 0
-        obs = check_extend(request_id, parked, n, observation_ids, max_new_tokens, self.max_model_len, self.vocab_size)
-        del self._parked[request_id]
-        req.tokens.append_observation(obs)
-        req.params = dataclasses.replace(req.params, max_new_tokens=len(req.tokens.response_ids) + max_new_tokens)
-        req.finish_reason = None
-        self._submit(req)
-        self._live[request_id] = req
-
-    def release(self, request_id, missing_ok: bool = False) -> None:
-        """Forget a parked request (vLLM holds nothing of it but evictable prefix-cache blocks)."""
-        if self._parked.pop(request_id, None) is not None:
-            self._forget(request_id)
-            return
-        if missing_ok and request_id not in self._live:
-            return
-        where = "unknown here" if request_id not in self._live else "running, not parked: abort it instead"
-        raise EngineError(f"release: request {request_id!r} is {where}")
 
 
 def _segment_seed(seed: int, n_out: int) -> int:

@@ -13,6 +13,8 @@ import os
 import shutil
 import tempfile
 
+from staleflow.pids import pid_alive  # (its callers import it from here too: one definition, staleflow/pids.py)
+
 RUN_FOLDER_PREFIX = "staleflow-run-"
 OWNER_FILE = "owner.pid"
 
@@ -41,21 +43,6 @@ def _owner_alive(folder: str) -> bool:
     except (OSError, ValueError):
         return True  # not (or not yet) a claimed run folder: never ours to delete
     return pid_alive(pid)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (a dead child not yet reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def cleanup_stale_run_files() -> list[str]:

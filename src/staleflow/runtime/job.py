@@ -90,6 +90,7 @@ class TrainingJob:
             cfg.steps,
             version=version,
             ledger=ledger,
+            peer=cfg.peer,  # the mode's own knobs (--peer.<mode>.<knob>)
             max_reward_failures=cfg.reward.max_consecutive_failures,
             refill_groups=cfg.train.dynamic_sampling_refill,
             on_step=self.log_step,

@@ -30,9 +30,10 @@ import warnings
 import msgspec
 import torch
 
+from staleflow.pids import pid_alive
 from staleflow.servers.errors import ServerError
 from staleflow.servers.layout import ParamLayout
-from staleflow.servers.segment import KIND_PIECE, Segment, _pid_alive, check_run_id, segment_path
+from staleflow.servers.segment import KIND_PIECE, Segment, check_run_id, segment_path
 from staleflow.servers.transport import cuda_piece_create, cuda_piece_open, cuda_piece_release
 
 PIECE_HEADER = struct.Struct("<8sIIQI48s")  # magic, slot, piece, nbytes, readers, uuid
@@ -116,7 +117,7 @@ class Piece:
     def claimed_by(self) -> list[int]:
         """Live pids holding a reader index of this piece."""
         pids = struct.unpack_from(f"<{self.readers}I", self.seg.buf, PIECE_HEADER.size) if self.readers else ()
-        return [p for p in pids if p and _pid_alive(p, 0)]
+        return [p for p in pids if p and pid_alive(p)]
 
     def close(self, wait_readers_s: float = 30.0) -> None:
         """Reader: drop the mapping, then release the index. Owner: wait until no live reader
@@ -150,7 +151,7 @@ def _claim(seg: Segment, fd: int, reader: int, pid: int) -> None:
     try:
         off = PIECE_HEADER.size + 4 * reader
         held = struct.unpack_from("<I", seg.buf, off)[0]
-        if pid and held and held != pid and _pid_alive(held, 0):
+        if pid and held and held != pid and pid_alive(held):
             raise ServerError(
                 f"reader index {reader} of {seg.name} is in use by process {held}: every process "
                 f"that maps the parameter server needs its own index (attach(reader=...))"

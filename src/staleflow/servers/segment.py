@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from staleflow.pids import pid_alive, pid_start_time
 from staleflow.servers.errors import SegmentError
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
@@ -58,26 +59,6 @@ def check_run_id(run_id: str) -> str:
 
 def segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
-
-
-def _pid_start_time(pid: int) -> int:
-    """Kernel start time of a process (clock ticks since boot), 0 when unknown: guards against PID reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _pid_alive(pid: int, start_time: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return start_time == 0 or _pid_start_time(pid) in (0, start_time)
 
 
 def _check_owned(fd: int, path: str) -> None:
@@ -139,7 +120,7 @@ class Segment:
         finally:
             os.close(fd)
         pid = os.getpid()
-        mm[: _PREFIX.size] = _PREFIX.pack(MAGIC, kind, pid, _pid_start_time(pid), nbytes)
+        mm[: _PREFIX.size] = _PREFIX.pack(MAGIC, kind, pid, pid_start_time(pid), nbytes)
         if init is not None:
             payload = memoryview(mm)[PREFIX_BYTES : PREFIX_BYTES + nbytes]
             try:
@@ -263,7 +244,7 @@ def cleanup_stale_segments(prefix: str = PREFIX) -> list[str]:
         if owner is None:
             continue
         pid, start = owner
-        if not _pid_alive(pid, start):
+        if not pid_alive(pid, start):
             try:
                 os.unlink(path)
                 removed.append(name)

@@ -7,7 +7,7 @@ then the publication of its weights), rewards are instantaneous, and every insta
 snapshot. Commands act at once: a Route adds the trajectory to the instance's waiting queue, an
 Interrupt returns its partial output (a loop-back), a Pull stops decoding for the transfer time.
 
-How weights travel is the mode's ``weight_sync`` (coordinator/modes.py): ``ps`` the trainer pushes
+How weights travel is the mode's ``weight_sync`` (staleflow.modes): ``ps`` the trainer pushes
 to the Parameter Server (push_s) and each instance pulls on its own (pull_s); ``broadcast`` the
 trainer sends the weights to the instances (each Pull takes broadcast_s; the pause-all and idle
 pull policies hold the trainer and routing until every instance has them); ``colocated`` rollout

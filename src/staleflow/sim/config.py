@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from staleflow.config import ConfigError, CoordinatorConfig, StalenessConfig, _check
-from staleflow.coordinator.modes import ALIASES, MODES
+from staleflow.modes import MODES, PeerSettings, check_mode, peers
 from staleflow.sim.lengths import LENGTH_DISTS
 
-DEFAULT_MODES = ("verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow")
+DEFAULT_MODES = (*(m.name for m in peers()), "staleflow")
+"""Every registered peer (registration order), then StaleFlow."""
 
 
 @dataclass(frozen=True)
@@ -146,14 +147,17 @@ class SimConfig:
     eta: tuple[int, ...] = (1, 2, 3)
     """Staleness bounds simulated for the asynchronous modes (verl-sync always 0, verl-one-step-off always 1)."""
     modes: tuple[str, ...] = DEFAULT_MODES
-    """Modes to simulate side by side (staleflow, the baselines, the ablations: docs/baselines.md)."""
+    """Modes to simulate side by side (staleflow, the baselines, the ablations: docs/baselines.md; a fork's
+    'package.module:Class'); --grid searches the peers among them."""
     coordinator: CoordinatorConfig = field(
         default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2", keep_kv_on_pull=True)
     )
-    """Strategy settings of the staleflow mode (the baselines override theirs, see coordinator/modes.py).
+    """Strategy settings of the staleflow mode (the baselines override theirs, see staleflow.modes).
     Its cost_model field is not used here: --cost-model sets the instances and the router alike. The
     simulated StaleFlow keeps KV across an in-flight weight update (keep_kv_on_pull; the runtime's rollout
     ranks do so with --coordinator.keep-kv-on-pull, off by default there: docs/simulator.md)."""
+    peer: PeerSettings = field(default_factory=PeerSettings)
+    """The peers' own knobs (--peer.<mode>.<knob>), each applied to its own mode's runs (--grid searches them)."""
     ablation: bool = True
     """Also run staleflow with each part removed in turn (at the largest eta)."""
     jobs: int = 0
@@ -244,7 +248,13 @@ class SimConfig:
         _check(bool(self.eta) and all(e >= 0 for e in self.eta), "eta", self.eta, "give one or more bounds >= 0")
         _check(bool(self.modes), "modes", self.modes, f"give one or more of {', '.join(MODES)}")
         for m in self.modes:
-            _check(m in MODES or m in ALIASES, "modes", m, f"unknown mode; choose from {', '.join(MODES)}")
+            if ":" in m:  # a fork's mode: imported and checked now (the error names the import)
+                check_mode(m)
+                continue
+            known = m in MODES or any(m in c.aliases for c in MODES.values())
+            _check(
+                known, "modes", m, f"unknown mode; choose from {', '.join(MODES)} or a fork's 'package.module:Class'"
+            )
         _check(self.steps >= 1, "steps", self.steps, "must be >= 1")
         _check(
             0 <= self.warmup_steps < self.steps,

@@ -162,6 +162,8 @@ class Setting:
         self.cfg = setting_cfg(base, shape)
         self.B = self.cfg.staleness.batch_size
         self.etas = shape.etas or ETAS
+        self.peers = search.PeerSet(self.cfg.modes, self.B)
+        """The peers among --modes: their families, nominal, strict and synchronous configurations."""
         self.measured: dict = {}  # PeerConfig -> search.Measured
         self.staleflow: dict = {}  # (eta, seed) -> SimResult
         self.equal: dict = {}  # (eta, seed) -> SimResult
@@ -170,9 +172,7 @@ class Setting:
         self.pending: set = set()  # (PeerConfig, seed) submitted and not back yet
 
     def families(self) -> list:
-        if self.shape.search == "reduced":
-            return [[search.verl(0.0, T) for T in range(1, max(self.etas) + 2)], [search.fixed("verl-sync")]]
-        return search.families(self.B)
+        return self.peers.families(max(self.etas) if self.shape.search == "reduced" else None)
 
     def record(self, cfg, seed, r) -> None:
         self.measured.setdefault(cfg, search.Measured(cfg)).runs[seed] = r
@@ -262,7 +262,7 @@ def run_grid(
                         seed,
                         f"staleflow eta={eta} equal-transfer",
                     )
-                for c in search.strict(eta, st.B):
+                for c in st.peers.strict(eta):
                     mode, e, ov, peer = c.args()
                     one(st, lambda r, st=st, c=c: st.strict.__setitem__(c, r), mode, e, ov, peer, {}, SEEDS[0], c.label)
         for seed in abl_seeds:
@@ -284,7 +284,7 @@ def run_grid(
                 futures.pop(f)(f.result())
             for st in sets:
                 if st.scans_left == 0 and not st.pending:  # after the scans: nominal peers, later seeds as needed
-                    forced = [c for eta in st.etas for c in search.nominal(eta, st.B)] + [search.fixed("verl-sync")]
+                    forced = [c for eta in st.etas for c in st.peers.nominal(eta)] + st.peers.sync()
                     todo = [
                         (c, seed)
                         for c in forced
@@ -299,7 +299,7 @@ def run_grid(
                     and st.scans_left == 0
                     and not st.pending
                     and len(st.staleflow) == len(st.equal) == len(st.etas) * len(SEEDS)
-                    and len(st.strict) == 2 * len(st.etas)
+                    and len(st.strict) == sum(len(st.peers.strict(eta)) for eta in st.etas)
                 ):
                     done_settings.add(st.name)
                     progress(rep.setting_text(st, st.etas, SEEDS))
@@ -332,6 +332,7 @@ def main(base: SimConfig) -> int:
         for sh in settings()
         if (not base.smoke or sh.name in SMOKE) and (not pick or any(_matches(p, sh.name) for p in pick))
     ]
+    search.PeerSet(base.modes, 1).check()
     if not shapes:
         raise ConfigError(
             f"--grid-settings={base.grid_settings!r} matches no setting; names: "

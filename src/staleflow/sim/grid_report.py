@@ -48,7 +48,7 @@ def _ratio(a: float, b: float) -> float | None:
 def setting_rows(st, etas, seeds) -> list[dict]:
     """One row per eta of a finished grid.Setting."""
     cfg, rows = st.cfg, []
-    sync = st.measured.get(search.fixed("verl-sync"))
+    sync = next((st.measured.get(c) for c in st.peers.sync()), None)
     for eta in etas:
         sf = [st.staleflow[(eta, s)] for s in seeds]
         eq = [st.equal[(eta, s)] for s in seeds]
@@ -57,7 +57,7 @@ def setting_rows(st, etas, seeds) -> list[dict]:
         fl = floor_of(sf)
         g = search.best(st.measured, eta, seeds)
         nominal = {}
-        for c in search.nominal(eta, st.B):
+        for c in st.peers.nominal(eta):
             m = st.measured[c]
             nominal[c.label] = {
                 "tok_s": round(m.tok_s, 1),
@@ -67,7 +67,7 @@ def setting_rows(st, etas, seeds) -> list[dict]:
             }
         nom_best = max(nominal, key=lambda k: nominal[k]["tok_s"])
         nom_floor = floor_of(next(m for c, m in st.measured.items() if c.label == nom_best).runs.values())
-        strict = {c.label: st.strict[c] for c in search.strict(eta, st.B)}
+        strict = {c.label: st.strict[c] for c in st.peers.strict(eta)}
         strict_best = max(strict, key=lambda k: strict[k].tokens_per_s)
         sb = strict[strict_best]
         rows.append(

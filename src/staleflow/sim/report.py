@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 
-from staleflow.coordinator.modes import ASYNC_BASELINES, check_mode, mode_of
+from staleflow.modes import async_peers, check_mode, mode_of
 from staleflow.sim.config import SimConfig
 from staleflow.sim.simulator import SimResult, run
 
@@ -29,15 +29,13 @@ ABLATIONS: list[tuple[str, str, dict, dict]] = [
 ]
 """Full StaleFlow with exactly one part removed (name, mode, coordinator overrides, SimConfig changes)."""
 
-FIXED_ETA = {"verl-sync": 0, "verl-one-step-off": 1}
-
 
 def plan(modes, etas) -> list[tuple[str, int, str]]:
-    """(mode, eta, label) of every run of one setting."""
+    """(mode, eta, label) of every run of one setting (a fixed-eta peer once, at its eta)."""
     out = []
     for mode in (check_mode(m) for m in modes):
-        if mode in FIXED_ETA:
-            out.append((mode, FIXED_ETA[mode], mode))
+        if mode_of(mode).fixed_eta >= 0:
+            out.append((mode, mode_of(mode).fixed_eta, mode))
         else:
             out += [(mode, e, f"{mode} eta={e}") for e in etas]
     return out
@@ -73,8 +71,8 @@ def ratio(a: SimResult | None, b: SimResult | None) -> float | None:
 
 
 def best_async(results: list[SimResult], eta: int) -> SimResult | None:
-    """The fastest asynchronous baseline whose staleness setting is `eta`."""
-    cands = [r for r in results if r.mode in ASYNC_BASELINES and r.eta == eta]
+    """The fastest asynchronous baseline (a registered peer or a fork's) whose staleness setting is `eta`."""
+    cands = [r for r in results if mode_of(r.mode).peer and mode_of(r.mode).fixed_eta != 0 and r.eta == eta]
     return max(cands, key=lambda r: r.tokens_per_s, default=None)
 
 
@@ -88,7 +86,7 @@ def ratios(results: list[SimResult], cfg: SimConfig) -> dict:
             "vs_best_async": ratio(sf, best),
             "best_async": best.mode if best else None,
         }
-        for m in ASYNC_BASELINES:
+        for m in async_peers():
             row[f"vs_{m.replace('-', '_')}"] = ratio(sf, find(results, m, e))
         by_eta[str(e)] = row
     top = by_eta[str(max(cfg.eta))]

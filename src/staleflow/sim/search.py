@@ -5,7 +5,8 @@ worst-case staleness is <= eta: every trained group of every seed (``SEEDS``, wa
 max(V_buf - V_traj). An observed maximum is not a guarantee (a longer run, another seed or another
 length tail can exceed it); StaleFlow's bound holds by construction.
 
-The peers' knobs, each a family scanned in ascending order (coordinator/modes.PEER_OPTIONS):
+The peers' knobs, each a family scanned in ascending order (each registered peer's ``Mode.families``,
+staleflow.modes; a fork's peer named in --modes too):
   verl fully-async, partial rollout: trigger_parameter_sync_step T in 1..4 and staleness_threshold
       s on a fine grid with fractions (verl takes a decimal); the run's nominal eta is
       ceil((1 + s) T) - 1 (it only sizes the prompt supply and the nominal column);
@@ -23,89 +24,74 @@ not rerun (seed-to-seed spread is 1-2 %).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from staleflow.faults import ConfigError
+from staleflow.modes import Mode, PeerConfig, mode_of, peers
 
 SEEDS = (0, 1)
 MARGIN = 0.05
-S_GRID = {
-    1: (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0),
-    2: (0.0, 0.1, 0.25, 0.5, 0.75, 1.0),
-    3: (0.0, 0.1, 0.25, 0.5),
-    4: (0.0, 0.1, 0.25),
-}
-"""verl staleness_threshold values per trigger_parameter_sync_step T (scanned in this order)."""
-S_NO_PARTIAL = (0.5, 1.0, 2.0, 3.0)
-"""partial_rollout=False (T = 1): every sync waits for all in-flight work, so s barely moves throughput."""
-AREAL_ETAS = (0, 1, 2, 3, 4, 5)
 
 
-@dataclass(frozen=True)
-class PeerConfig:
-    """One configuration of a peer: the mode, its nominal eta, protocol knobs and coordinator overrides."""
-
-    mode: str
-    eta: int
-    peer: tuple = ()
-    """((knob, value), ...) for coordinator/modes.build_protocol."""
-    overrides: tuple = ()
-    """((field, value), ...) coordinator overrides (partial_rollout=False: interrupt_on_pull False)."""
-    label: str = ""
-
-    def args(self) -> tuple[str, int, dict, dict]:
-        return self.mode, self.eta, dict(self.overrides), dict(self.peer)
-
-
-def verl(s: float, T: int = 1, partial: bool = True, strict: bool = False) -> PeerConfig:
-    peer = [("staleness_threshold", float(s))]
-    if T != 1:
-        peer.append(("trigger_sync_steps", T))
-    if strict:
-        peer.append(("strict", True))
-    eta = int(s) if strict else max(0, math.ceil(round((1 + s) * T, 6)) - 1)
-    label = (
-        f"verl-fully-async s={s:g}"
-        + (f" T={T}" if T != 1 else "")
-        + ("" if partial else " no-partial")
-        + (" strict" if strict else "")
-    )
-    return PeerConfig("verl-fully-async", eta, tuple(peer), () if partial else (("interrupt_on_pull", False),), label)
-
-
-def areal(eta: int, cap: int, batch_size: int, strict: bool = False) -> PeerConfig:
-    peer = [("max_concurrent", cap)] + ([("strict", True)] if strict else [])
-    cap_s = "B" if cap == batch_size else f"{cap // batch_size}B" if cap % batch_size == 0 else str(cap)
-    return PeerConfig("areal", eta, tuple(peer), (), f"areal eta={eta} cap={cap_s}" + (" strict" if strict else ""))
+def peer_modes(modes=None) -> list[Mode]:
+    """The peers to search: those among ``modes`` (registered names or forks' import paths), in that order;
+    None: every registered peer."""
+    return peers() if modes is None else [m for m in (mode_of(x) for x in modes) if m.peer]
 
 
 def fixed(mode: str) -> PeerConfig:
-    return PeerConfig(mode, {"verl-sync": 0, "verl-one-step-off": 1}[mode], (), (), mode)
+    """A fixed-eta peer's one configuration (verl-sync, verl-one-step-off)."""
+    m = mode_of(mode)
+    return PeerConfig(m.name, m.fixed_eta, (), (), m.name)
 
 
-def nominal(eta: int, batch_size: int) -> list[PeerConfig]:
-    """The peers at the same nominal eta (the previous headline): verl s = eta (T = 1), AReaL eta with the
-    cap (eta + 1) B that never binds."""
-    return [verl(float(eta)), areal(eta, (eta + 1) * batch_size, batch_size)]
+def nominal(eta: int, batch_size: int, modes=None) -> list[PeerConfig]:
+    """The peers at the same nominal eta (the previous headline): each peer's own (verl s = eta with T = 1,
+    AReaL eta with the cap (eta + 1) B that never binds)."""
+    return [c for m in peer_modes(modes) for c in m.nominal(eta, batch_size)]
 
 
-def strict(eta: int, batch_size: int) -> list[PeerConfig]:
+def strict(eta: int, batch_size: int, modes=None) -> list[PeerConfig]:
     """Strict variants at nominal eta: groups beyond eta are dropped and regenerated (shorter responses)."""
-    return [verl(float(eta), strict=True), areal(eta, (eta + 1) * batch_size, batch_size, strict=True)]
+    return [c for m in peer_modes(modes) for c in m.strict(eta, batch_size)]
 
 
-def families(batch_size: int) -> list[list[PeerConfig]]:
-    """Every scanned family, each in ascending order of the knob that raises the worst case."""
-    B = batch_size
-    out = [[verl(s, T) for s in S_GRID[T]] for T in sorted(S_GRID)]
-    out.append([verl(s, 1, partial=False) for s in S_NO_PARTIAL])
-    # Caps B (AReaL's default), 2 B and (eta + 1) B (never binds); a cap above (eta + 1) B is the same as
-    # (eta + 1) B, so each (eta, cap) pair appears in one family only.
-    out.append([areal(e, B, B) for e in AREAL_ETAS])
-    out.append([areal(e, 2 * B, B) for e in AREAL_ETAS if e >= 1])
-    out.append([areal(e, (e + 1) * B, B) for e in AREAL_ETAS if e >= 2])
-    out.append([fixed("verl-sync")])
-    out.append([fixed("verl-one-step-off")])
-    return out
+def families(batch_size: int, modes=None) -> list[list[PeerConfig]]:
+    """Every scanned family of every peer (Mode.families), each in ascending order of the knob that raises
+    the worst case."""
+    return [fam for m in peer_modes(modes) for fam in m.families(batch_size)]
+
+
+class PeerSet:
+    """The peers one grid setting searches (those among --modes) at batch size B: their families, their
+    configurations at nominal eta and strict, and the synchronous baseline's (the x-sync column)."""
+
+    def __init__(self, modes, batch_size: int):
+        self.modes, self.B = modes, batch_size
+
+    def families(self, reduced_eta: int | None = None) -> list[list[PeerConfig]]:
+        """Every family; ``reduced_eta``: the reduced search's (each Mode's reduced_families, e.g. verl s = 0 over T,
+        and the synchronous baseline)."""
+        if reduced_eta is None:
+            return families(self.B, self.modes)
+        return [f for m in peer_modes(self.modes) for f in m.reduced_families(reduced_eta)]
+
+    def nominal(self, eta: int) -> list[PeerConfig]:
+        return nominal(eta, self.B, self.modes)
+
+    def strict(self, eta: int) -> list[PeerConfig]:
+        return strict(eta, self.B, self.modes)
+
+    def sync(self) -> list[PeerConfig]:
+        return [fixed(m.name) for m in peer_modes(self.modes) if m.fixed_eta == 0]
+
+    def check(self) -> None:
+        """ConfigError unless some peer has a nominal and a strict configuration (the grid's columns)."""
+        if not (self.nominal(1) and self.strict(1)):
+            raise ConfigError(
+                f"--modes={' '.join(self.modes)!r}: the grid compares StaleFlow with peers at nominal eta and their "
+                f"strict variants; name at least one peer that has them (verl-fully-async, areal)"
+            )
 
 
 @dataclass
@@ -176,7 +162,9 @@ def more_seeds(measured: dict, etas, seeds=SEEDS, margin: float = MARGIN) -> lis
     return list(need)
 
 
-def search(run_one, batch_size: int, etas, seeds=SEEDS, margin: float = MARGIN, forced=()) -> tuple[dict, dict]:
+def search(
+    run_one, batch_size: int, etas, seeds=SEEDS, margin: float = MARGIN, forced=(), modes=None
+) -> tuple[dict, dict]:
     """The whole search, sequentially (tests; the grid runs the same steps in a process pool).
     Returns ({cfg: Measured}, {eta: Measured | None}); `forced` configurations run on every seed."""
     measured: dict = {}
@@ -184,7 +172,7 @@ def search(run_one, batch_size: int, etas, seeds=SEEDS, margin: float = MARGIN, 
     def record(cfg, seed, r):
         measured.setdefault(cfg, Measured(cfg)).runs[seed] = r
 
-    for fam in families(batch_size):
+    for fam in families(batch_size, modes):
         for cfg, r in scan(fam, run_one, seeds[0], max(etas)):
             record(cfg, seeds[0], r)
     for cfg in forced:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from staleflow.controller import ControllerLoop, Stalled
 from staleflow.controller.build import build_loop
 from staleflow.coordinator.cost_model import CostModel, fit_cost_model, load_cost_model
-from staleflow.coordinator.modes import apply_mode, check_mode, mode_of, peer_knobs
+from staleflow.modes import apply_mode, check_mode, mode_of, mode_settings
 from staleflow.sim.backend import SimBackend
 from staleflow.sim.config import SimConfig
 from staleflow.sim.floor import Floor, physical_floor
@@ -201,8 +201,8 @@ def build(
 
     `overrides` (coordinator fields) are applied AFTER the mode, so the caller's value wins over the
     mode's (the drain ablation sets interrupt_on_pull False, verl's bounded mode too). `peer`: the
-    peer's own knobs (coordinator/modes.PEER_OPTIONS: verl's staleness_threshold and
-    trigger_sync_steps, AReaL's max_concurrent, strict). `cost` given: the instances run it and the
+    mode's own knobs (its Settings' fields: verl's staleness_threshold and trigger_sync_steps, AReaL's
+    max_concurrent_rollouts, strict); None: the config's --peer section. `cost` given: the instances run it and the
     router sees it exactly (tests); else the preset with the derived KV capacity runs, and the router
     sees a fit (``router_cost_model``)."""
     mode = check_mode(mode)
@@ -216,8 +216,7 @@ def build(
     order = "completion" if m.peer else cfg.staleness.train_order  # --staleness.train-order: StaleFlow's modes only
     ccfg, stale = apply_mode(mode, cfg.coordinator, dataclasses.replace(cfg.staleness, eta=eta, train_order=order))
     ccfg = dataclasses.replace(ccfg, **(overrides or {}))  # the caller's overrides win over the mode's
-    peer = dict(peer) if peer is not None else peer_knobs(mode, ccfg)  # a peer's knobs, else the run flags
-    ccfg = dataclasses.replace(ccfg, trigger_sync_steps=peer.get("trigger_sync_steps", 1))
+    settings = mode_settings(mode, dict(peer) if peer is not None else cfg.peer)  # the search's knobs, else --peer
     colocated = m.colocated and cfg.colocated_sync
     gpus = cfg.total_gpus if colocated else cfg.rollout_gpus
     n_inst = max(1, gpus // cfg.gpus_per_instance)
@@ -231,7 +230,7 @@ def build(
         n_inst,
         train_gpus,
         sync,
-        publish_every=peer.get("trigger_sync_steps", 1),
+        publish_every=m.publish_every(settings),
         mixed_kv=ccfg.interrupt_on_pull and ccfg.keep_kv_on_pull,
         plans=workload.plans,
         pull_interrupts=ccfg.interrupt_on_pull and not ccfg.keep_kv_on_pull,
@@ -247,7 +246,7 @@ def build(
         cfg.steps,
         tick_s=cfg.tick_s,
         stall_s=stall_s(cfg, hw, train_gpus, stale),
-        peer=peer,
+        peer=settings,
     )
     return loop, backend, stale
 

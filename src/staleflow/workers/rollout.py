@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import torch
 
 from staleflow.cluster.placement import reader_index
@@ -51,8 +52,8 @@ from staleflow.rollout.engine import Request, SamplingParams
 from staleflow.servers import RingFull, StaleHandle, TrajectoryRing
 from staleflow.servers.trajectory import DEFAULT_RING_BYTES
 from staleflow.servers.weights import open_weight_source
-from staleflow.trajectory import Finished, Route, TrajectoryTokens
-from staleflow.workers.turns import TemplateCodec, TurnDriver, TurnStats, prompt_row
+from staleflow.trajectory import Finished, Route, TrajectoryTokens, TurnStats
+from staleflow.workers.turns import TemplateCodec, TurnDriver, prompt_row
 
 RING_BYTES = DEFAULT_RING_BYTES
 
@@ -239,7 +240,9 @@ class RolloutWorker:
                     cross_node_copies=copies,
                     cross_node_bytes=nbytes,
                     fetched=fetched,
-                    **(turn_fields(stats) if stats is not None else {}),
+                    stats=None
+                    if stats is None
+                    else msgspec.structs.replace(stats),  # (a copy: the episode's counts on)
                 )
             )
 
@@ -367,11 +370,6 @@ class RolloutWorker:
         self.ring.close()
         self.ring.unlink()
         self.weights.close()
-
-
-def turn_fields(stats: TurnStats) -> dict:
-    """A multi-turn trajectory's Finished fields."""
-    return dict(turns=stats.turns, tool_calls=stats.tool_calls, tool_s=stats.tool_s, env_reward=stats.env_reward)
 
 
 def build_turn_driver(cfg, engine, emit) -> TurnDriver:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from staleflow import env as env_pkg
 from staleflow.rollout.engine import Request, SamplingParams
-from staleflow.trajectory import Prompt, TrajectoryTokens
+from staleflow.trajectory import Prompt, TrajectoryTokens, TurnStats
 
 
 def model_turns(tokens: TrajectoryTokens) -> list[list[int]]:
@@ -77,16 +77,6 @@ def final_turn_ids(tokens: TrajectoryTokens) -> list[int]:
         return ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
     turns = model_turns(tokens)
     return turns[-1] if turns else []
-
-
-@dataclass
-class TurnStats:
-    """A multi-turn trajectory's counters, carried by its Finished."""
-
-    turns: int = 0
-    tool_calls: int = 0
-    tool_s: float = 0.0
-    env_reward: float | None = None
 
 
 @dataclass

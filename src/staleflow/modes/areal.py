@@ -1,8 +1,10 @@
-"""AReaL's admission and batch rule as a batch protocol (the ``areal`` baseline), pure Python.
+"""The AReaL peer (``areal``): its admission and batch rule, its knobs and their search, one file.
 
 Peer: inclusionAI/AReaL, ``areal/infra/staleness_manager.py`` (``StalenessManager.get_capacity``)
 and ``areal/infra/workflow_executor.py`` (``BatchTaskDispatcher.wait_results``,
 ``WorkflowExecutor.prepare_batch``); docs/baselines.md has the paragraph and the deviations.
+Mode: AReaL ``StalenessManager.get_capacity`` admission, batches of the earliest-started completed groups,
+round-robin routing, pause-all + broadcast update with abort and same-server resume.
 
 Admission: a new prompt group may start iff
     running < max_concurrent_rollouts  and  accepted + running < (eta + v + 1) * B
@@ -16,8 +18,71 @@ trajectory: ``over_eta()`` counts the trained groups that exceeded eta.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from staleflow.modes.base import Mode, PeerConfig, check, register_mode
+from staleflow.modes.staleflow import NO_REDUNDANCY
+from staleflow.modes.verl import PAUSE_ALL
 from staleflow.protocol.counted import CountedBuffer
 from staleflow.protocol.types import ProtocolError, StalenessSpec
+
+AREAL_ETAS = (0, 1, 2, 3, 4, 5)
+"""max_head_offpolicyness values of the search (each concurrency cap's family scans them in order)."""
+
+
+@dataclass(frozen=True)
+class AReaLSettings:
+    """--mode areal's own knobs (--peer.areal.<knob>)."""
+
+    max_concurrent_rollouts: int = 0
+    """AReaL's max_concurrent_rollouts, in groups (0: (eta + 1) x B, which never binds)."""
+    strict: bool = False
+    """Drop and regenerate a group that can no longer be trained within eta (the grid's strict variant;
+    not the peer's own behaviour)."""
+
+    def __post_init__(self):
+        check(
+            self.max_concurrent_rollouts >= 0,
+            "peer.areal.max-concurrent-rollouts",
+            self.max_concurrent_rollouts,
+            "must be >= 0 (0: (eta + 1) x B)",
+        )
+
+
+@register_mode("areal")
+class AReaL(Mode):
+    peer = "areal"
+    coordinator = {**PAUSE_ALL, "migration": False}
+    staleness = dict(NO_REDUNDANCY)
+    weight_sync = "broadcast"
+    Settings = AReaLSettings
+
+    def protocol(self, spec, settings, n_instances, train_order):
+        cap = settings.max_concurrent_rollouts or None
+        return AReaLBuffer(spec, max_concurrent=cap, strict=settings.strict)
+
+    def families(self, batch_size):
+        """max_head_offpolicyness 0, 1, 2, ... for each concurrency cap: B (AReaL's default), 2 B and (eta + 1) B
+        (never binds); a cap above (eta + 1) B is the same as (eta + 1) B, so each (eta, cap) pair appears once."""
+        B = batch_size
+        return [
+            [config(e, B, B) for e in AREAL_ETAS],
+            [config(e, 2 * B, B) for e in AREAL_ETAS if e >= 1],
+            [config(e, (e + 1) * B, B) for e in AREAL_ETAS if e >= 2],
+        ]
+
+    def nominal(self, eta, batch_size):
+        return [config(eta, (eta + 1) * batch_size, batch_size)]
+
+    def strict(self, eta, batch_size):
+        return [config(eta, (eta + 1) * batch_size, batch_size, strict=True)]
+
+
+def config(eta: int, cap: int, batch_size: int, strict: bool = False) -> PeerConfig:
+    """One AReaL configuration of the search: max_head_offpolicyness eta, max_concurrent_rollouts cap."""
+    peer = [("max_concurrent_rollouts", cap)] + ([("strict", True)] if strict else [])
+    cap_s = "B" if cap == batch_size else f"{cap // batch_size}B" if cap % batch_size == 0 else str(cap)
+    return PeerConfig("areal", eta, tuple(peer), (), f"areal eta={eta} cap={cap_s}" + (" strict" if strict else ""))
 
 
 class AReaLBuffer(CountedBuffer):
