@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from staleflow.config import ConfigError
+from staleflow.launch.import_path import working_directory_last
 
 SUBCOMMANDS = {
     "train": "staleflow.launch.entry:main",
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    working_directory_last()  # before any subcommand imports transformers (launch/import_path.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         print(
