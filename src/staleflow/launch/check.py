@@ -24,6 +24,13 @@ from staleflow.config import ConfigError, RunConfig, resolve
 from staleflow.launch.preflight import check_data, check_extras, check_gpus
 from staleflow.presets import PRESETS
 
+ABOUT = (
+    "staleflow check: everything about a run that can be checked before any process starts (the flags, the "
+    "model folder, extensions, data, packages, GPUs, /dev/shm, the run folder); each problem is one line and "
+    "exit 2, else exit 0 and nothing is started. ./launch.sh runs it first. It takes train's flags:"
+)
+"""The opening of ``check --help``."""
+
 
 def check(argv: list[str]) -> RunConfig:
     from staleflow.cluster.roles import Roles
@@ -31,7 +38,7 @@ def check(argv: list[str]) -> RunConfig:
     from staleflow.model.loader import resolve_model_path
 
     defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
-    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow check"))
+    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow check", about=ABOUT))
     nproc = os.environ.get("STALEFLOW_NPROC")
     if nproc:
         Roles(int(nproc), cfg.rollout.ranks)
