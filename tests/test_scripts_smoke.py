@@ -50,6 +50,10 @@ SMOKE: dict[str, Smoke] = {
         ("--model", "tiny-llama", "--rounds", "1"),
         ("sync_stall_s", "async_stall_s", "stall_ratio_async_vs_sync"),
     ),
+    "bench_check_startup.py": Smoke(
+        "test",
+        test="tests/test_check_startup.py::test_check_startup_bench_prints_the_floor_the_old_path_and_the_ratios",
+    ),
     "bench_convergence.py": Smoke(
         "test", test="tests/test_bench_convergence.py::test_bench_convergence_smoke_runs_and_resumes"
     ),

@@ -19,6 +19,7 @@ import torch
 
 from staleflow.faults import BadInput
 from staleflow.model.args import ModelArgs, ModelConfigError
+from staleflow.model.meta import on_meta
 from staleflow.model.transformer import CausalLM
 
 TOKENIZER_FILES = (
@@ -145,7 +146,7 @@ def check_headers(files: list[Path]) -> dict[str, tuple[int, ...]]:
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape a model of ``args`` has, without building it: one layer is built on
     the meta device and repeated (a config.json of a million layers costs nothing here)."""
-    with torch.device("meta"):
+    with on_meta():
         one = CausalLM(args.replace(num_layers=1))
     out = {}
     for name, t in one.state_dict().items():
@@ -211,7 +212,7 @@ def lazy_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="
     files = safetensors_files(folder)
     check_config_against_headers(folder, args, check_headers(files))
     check_tokenizer_config(folder)
-    with torch.device("meta"):
+    with on_meta():
         model = CausalLM(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     dev = torch.device(device)
