@@ -123,10 +123,15 @@ SMOKE: dict[str, Smoke] = {
         "test", test="tests/test_chaos_audit.py::test_chaos_faults_py_has_an_injector_for_every_fault_kind"
     ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
+    "check_floor_deps.sh": Smoke(
+        "static",
+        why="installs the floor versions (Triton 3.6, transformers 5.17) into a fresh venv from PyPI "
+        "(~1 GB, minutes); .ci/run runs it at the end of every CI run",
+    ),
     "check_latest_deps.sh": Smoke(
         "static",
         why="installs the newest allowed versions into a fresh venv from PyPI "
-        "(~1 GB, minutes); .ci/run runs it at the end of every CI run",
+        "(~1 GB, minutes); .ci/run runs it at the end of every CI run and fails when it fails",
     ),
     "compare_runs.py": Smoke(
         "test", test="tests/test_compare_runs.py::test_compare_runs_cli_prints_writes_json_and_rejects_bad_input"
