@@ -38,7 +38,7 @@ def test_help_text_top_level_lists_every_command_one_line_each():
         (line,) = [ln for ln in lines if ln.split()[:1] == [sub]]
         assert ABOUT[sub] in line
     bad = subprocess.run([sys.executable, "-m", "staleflow", "trian"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "unknown command 'trian'" in bad.stderr
+    assert bad.returncode == 2 and "unknown subcommand 'trian'" in bad.stderr
 
 
 @pytest.mark.parametrize("sub", list(SUBCOMMANDS))

@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not argv or argv[0] not in SUBCOMMANDS:
         print(usage(), file=sys.stderr)
         if argv:
-            print(f"error: unknown command {argv[0]!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+            print(f"error: unknown subcommand {argv[0]!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         sys.exit(2)
     module_name, fn_name = SUBCOMMANDS[argv[0]].split(":")
     import importlib
