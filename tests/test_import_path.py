@@ -79,16 +79,31 @@ def test_entry_points_put_the_working_directory_last(tmp_path):
 
 
 def test_the_command_line_runs_with_the_working_directory_last(tmp_path):
-    """staleflow.cli.main (python -m staleflow, the staleflow script, torchrun's workers) moves it first."""
+    """staleflow.cli.main on the process's own command line (python -m staleflow, the staleflow script,
+    torchrun's workers) moves it first; called with an argv (a test, a library), it leaves sys.path alone."""
     cwd = tmp_path / "checkout"
     cwd.mkdir()
     probe = (
         "import contextlib, io, os, sys\n"
         "from staleflow.cli import main\n"
+        "sys.argv = ['staleflow', '--help']\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-        "    main(['--help'])\n"
+        "    main()\n"
         "print(os.getcwd() not in sys.path[:-1], sys.path[-1])"
     )
     out = _python(probe, cwd, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", str(cwd)]
+
+
+def test_the_command_line_called_with_an_argv_leaves_the_caller_alone(monkeypatch, capsys):
+    import pytest
+
+    from staleflow.cli import main
+
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    before = list(sys.path)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert sys.path == before and "PYTHONSAFEPATH" not in os.environ
+    assert "commands:" in capsys.readouterr().out

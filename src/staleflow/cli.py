@@ -44,7 +44,8 @@ def usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    working_directory_last()  # before any subcommand imports transformers (launch/import_path.py)
+    if argv is None:  # the process's own command line (not a caller's argv): its import path, first
+        working_directory_last()  # before any subcommand imports transformers (launch/import_path.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(usage())
