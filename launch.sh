@@ -7,8 +7,27 @@
 # crashed run is restarted, each restart resuming from the newest intact checkpoint by itself.
 # The rendezvous listens on 127.0.0.1 only (staleflow.launch.torchrun). Exit status: the run's,
 # 130 after Ctrl-C and 143 after SIGTERM (a checkpoint is saved on the way out when possible).
+#   ./launch.sh --help                   this text and every flag of the run; starts nothing
 set -euo pipefail
 cd "$(dirname "$0")"
+# Every Python below starts without the working directory in front of sys.path (Python >= 3.11's -P),
+# torchrun's workers included: a folder here (kernels/) must never shadow an installed package
+# (Hugging Face's kernels, which transformers imports). staleflow appends this folder LAST, so
+# modules of your own here (examples.cispo:cispo_loss) still import: launch/import_path.py.
+export PYTHONSAFEPATH=1
+for a in "$@"; do
+  case "$a" in
+    -h | --help)
+      sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+      echo
+      if [ -z "${VIRTUAL_ENV:-}" ] && [ ! -x .venv/bin/python ]; then
+        echo "The run's flags: create .venv first (bash scripts/setup_env.sh), then ./launch.sh --help lists them."
+        exit 0
+      fi
+      py=python; [ -z "${VIRTUAL_ENV:-}" ] && py=.venv/bin/python
+      exec "$py" -m staleflow train --help ;;
+  esac
+done
 if [ -z "${VIRTUAL_ENV:-}" ]; then
   [ -x .venv/bin/python ] || bash scripts/setup_env.sh
   . .venv/bin/activate

@@ -9,7 +9,8 @@ M, with one distinct weight per layer so the weights stream from memory as in a 
   BuiltinEngine ran before issue 27);
 - fused linear: the same fused matrices stored [out, in] (HF's orientation), 4 `F.linear` per layer
   (`CausalLM.fuse_projections` now: every parameter a contiguous row block, so pulls are plain copies);
-- oneDNN prepacked: the fused weights reordered once by `mkldnn._reorder_linear_weight`;
+- oneDNN prepacked: the fused weights reordered once by `mkldnn._reorder_linear_weight` (bf16: skipped,
+  with the reason, on a CPU without avx_ne_convert or AVX-512 BW/VL/DQ: metrics.hardware.bf16_prepack_missing);
 - MKL prepacked (fp32 only): `mkl._mkl_reorder_linear_weight` at M, and used at another M too.
 CPU time, best of --repeats. Last line: JSON with the ratios vs linear.
 """
@@ -24,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from staleflow.metrics.hardware import bf16_prepack_missing
 from staleflow.model import ModelArgs, resolve_model_path
 from staleflow.model.hf import read_config
 
@@ -50,7 +52,7 @@ def main() -> None:
     h, i, nq, nkv = a.hidden_size, a.intermediate_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     sep = [(nq, h), (nkv, h), (nkv, h), (h, nq), (i, h), (i, h), (h, i)]  # q k v o gate up down, [out, in]
     fused = [(h, nq + 2 * nkv), (nq, h), (h, 2 * i), (i, h)]  # qkv o gate_up down, [in, out]
-    result, rows = {}, []
+    result, rows, skipped = {}, [], {}
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(0)
         w_sep = [[torch.randn(s, generator=g).to(dtype) for s in sep] for _ in range(a.num_layers)]
@@ -62,15 +64,21 @@ def main() -> None:
         }
         w_rows = [[w.t().contiguous() for w in ws] for ws in w_fused]  # the same matrices, [out, in]
         times["fused linear"] = best_s(lambda: [F.linear(xs[w.shape[1]], w) for ws in w_rows for w in ws], args.repeats)
-        packed = [[torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), args.m) for w in ws] for ws in w_fused]
-        times["oneDNN prepacked"] = best_s(
-            lambda: [
-                torch.ops.mkldnn._linear_pointwise(xs[w.shape[0]], p, None, "none", [], "")
-                for ws, ps in zip(w_fused, packed)
-                for w, p in zip(ws, ps)
-            ],
-            args.repeats,
-        )
+        missing = bf16_prepack_missing() if dtype == torch.bfloat16 else None
+        if missing:  # not every x86-64 CPU has the instructions oneDNN's bf16 reorder needs
+            skipped[f"{str(dtype).removeprefix('torch.')}:oneDNN prepacked"] = missing
+        else:
+            packed = [
+                [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), args.m) for w in ws] for ws in w_fused
+            ]
+            times["oneDNN prepacked"] = best_s(
+                lambda: [
+                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[0]], p, None, "none", [], "")
+                    for ws, ps in zip(w_fused, packed)
+                    for w, p in zip(ws, ps)
+                ],
+                args.repeats,
+            )
         if dtype == torch.float32:
             orig = [[w.t().contiguous() for w in ws] for ws in w_fused]
             mkl = [[torch.ops.mkl._mkl_reorder_linear_weight(w, args.m) for w in ws] for ws in orig]
@@ -97,7 +105,9 @@ def main() -> None:
     )
     for name, k, t, r in rows:
         print(f"{name:9s} {k:32s} {t * 1e3:8.1f} ms  {r:5.2f}x vs linear")
-    print(json.dumps(result))
+    for key, why in skipped.items():
+        print(f"{key.replace(':', ' ', 1):42s} skipped: {why}")
+    print(json.dumps({**result, **({"skipped": skipped} if skipped else {})}))
 
 
 if __name__ == "__main__":

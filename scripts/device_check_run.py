@@ -15,6 +15,9 @@ through the following steps. Here:
    holds the GPU and records whether it is free; without one that check is skipped.
 The command's output goes to --log; the exit status is the command's, 124 after the limit. The
 last line on stdout is JSON: ``{"rc", "seconds", "timed_out", "killed", "left", "gpu_free"}``.
+The step also gets ``STALEFLOW_DEVCHECK_DEADLINE`` (a ``time.time()`` value, a few seconds before its
+limit): a step that waits on its own children (device_check_steps.py) stops waiting there and reports
+what it saw (a child's exit code) instead of being killed as a timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import time
 import uuid
 
 MARKER = "STALEFLOW_DEVCHECK_STEP"
+DEADLINE = "STALEFLOW_DEVCHECK_DEADLINE"
+REPORT_S = 5.0
+"""Seconds before its limit at which a step's own waits end, to report before it is killed."""
 
 
 def _proc_stat(pid: int) -> tuple[int, int] | None:
@@ -127,7 +133,7 @@ def gpu_free(wait_s: float) -> bool | None:
 
 def run_step(cmd: list[str], limit_s: float, log: str, grace_s: float = 3.0, gpu_wait_s: float = 15.0) -> dict:
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER: marker}
+    env = {**os.environ, MARKER: marker, DEADLINE: f"{time.time() + max(limit_s - REPORT_S, limit_s / 2):.3f}"}
     t0 = time.monotonic()
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

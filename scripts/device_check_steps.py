@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import os
 import random
 import socket
 import sys
@@ -219,6 +220,38 @@ def _ps_reader(run_id: str, device: str, reader: int, q, go) -> None:
     q.put(("closed", reader))
 
 
+def step_deadline() -> float:
+    """When this step's own waits must end: scripts/device_check_run.py sets STALEFLOW_DEVCHECK_DEADLINE a
+    few seconds before the step's limit; run by hand, 120 s from now."""
+    try:
+        return float(os.environ["STALEFLOW_DEVCHECK_DEADLINE"])
+    except (KeyError, ValueError):
+        return time.time() + 120.0
+
+
+def wait_for(q, kids: dict, deadline: float, what: str):
+    """The next message on ``q``, or one RuntimeError as soon as a child process has failed (naming it and its
+    exit code) or the deadline has passed (naming every child's state): the step reports the cause within its
+    limit instead of being killed as a timeout."""
+    import queue
+
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            pass
+        failed = [
+            f"the {name} exited with code {p.exitcode}" for name, p in kids.items() if p.exitcode not in (None, 0)
+        ]
+        if failed:
+            raise RuntimeError(f"waiting for {what}: {'; '.join(failed)} (its traceback is in this step's log)")
+        if time.time() > deadline:
+            states = ", ".join(
+                f"{n} {'running' if p.exitcode is None else f'exit {p.exitcode}'}" for n, p in kids.items()
+            )
+            raise RuntimeError(f"waiting for {what}: nothing before this step's limit ({states})")
+
+
 def step_ps(device: str) -> dict:
     """Two piece owners write fp32 shards into bf16 slots on the GPU; two other processes, each with
     its own reader index, pull by CUDA IPC into strided bf16 tensors and check every byte."""
@@ -234,13 +267,16 @@ def step_ps(device: str) -> dict:
     free0 = torch.cuda.mem_get_info()[0] if cuda else 0
     owner = ctx.Process(target=_ps_owner, args=(run_id, device, owner_q))
     owner.start()
-    if owner_q.get(timeout=120)[0] != "owner-ready":
+    deadline = step_deadline()
+    kids = {"piece owner": owner}
+    if wait_for(owner_q, kids, deadline, "the piece owner's start")[0] != "owner-ready":
         raise RuntimeError("the piece owner did not start")
     free1 = torch.cuda.mem_get_info()[0] if cuda else 0
     readers = [ctx.Process(target=_ps_reader, args=(run_id, device, r, q, gos[i])) for i, r in enumerate((2, 3))]
     for p in readers:
         p.start()
-    attached = [q.get(timeout=120) for _ in readers]
+    kids.update({f"reader {r}": p for r, p in zip((2, 3), readers)})
+    attached = [wait_for(q, kids, deadline, "the readers' attach") for _ in readers]
     free2 = torch.cuda.mem_get_info()[0] if cuda else 0
     out = {"device": device, "slot_gib": round(layout.nbytes / GiB, 3), "pieces": leader.pieces, "pulls": []}
     closed: list = []
@@ -254,22 +290,22 @@ def step_ps(device: str) -> dict:
                 leader.write_shard(name, t.reshape(-1)[a * row : b * row], a * row)
         leader.end_push()
         out[f"write_s_v{version}"] = round(time.perf_counter() - t0, 4)
-        if owner_q.get(timeout=120) != ("written", version):
+        if wait_for(owner_q, kids, deadline, f"the piece owner's write of version {version}") != ("written", version):
             raise RuntimeError(f"the piece owner did not write version {version}")
         leader.publish(version)
         for g in gos:
             g.put(version)
         pulled = 0
         while pulled < len(readers):  # a fast reader's "closed" may come before a slow one's pull
-            msg = q.get(timeout=120)
+            msg = wait_for(q, kids, deadline, f"the pulls of version {version}")
             if msg[0] == "closed":
                 closed.append(msg)
                 continue
             pulled += 1
             out["pulls"].append({"reader": msg[1], "version": msg[2], "exact": msg[3], "gb_s": round(msg[4], 1)})
-    closed += [q.get(timeout=120) for _ in range(len(readers) - len(closed))]
+    closed += [wait_for(q, kids, deadline, "the readers' close") for _ in range(len(readers) - len(closed))]
     for p in readers + [owner]:
-        p.join(timeout=60)
+        p.join(timeout=max(0.0, deadline - time.time()))
     t0 = time.perf_counter()
     leader.close()  # waits until no reader maps its piece
     out["close_s"] = round(time.perf_counter() - t0, 3)
@@ -324,7 +360,6 @@ def step_env(device: str) -> dict:
     """The machine as the run sees it: versions, the GPU, /dev/shm, and whether cuBLAS accumulates a
     bf16 GEMM into fp32 (``torch.mm(out_dtype=)``, and in place with ``addmm(out=)``), which decides
     the log-prob backward's workspace (plan/transients.py)."""
-    import os
     import platform
     import subprocess
 

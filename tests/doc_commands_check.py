@@ -118,6 +118,10 @@ def _parse_staleflow(sub: str, args: list[str]) -> None:
                 from staleflow.eval.command import EvalCommand
 
                 tyro.cli(EvalCommand, args=args, prog="staleflow eval")
+            elif sub in ("-h", "--help") and not args:
+                from staleflow.cli import main as cli_main
+
+                cli_main([sub])  # the list of commands, exit 0
             else:
                 raise ValueError(f"unknown subcommand {sub!r}")
     except SystemExit as e:

@@ -60,8 +60,7 @@ FENCED: dict[str, str] = {
     "bash scripts/device_check_prepare.sh": "downloads wheels from PyPI into .whl/ (device check preparation)",
     "bash scripts/device_check.sh --dry-run": "validates every device-check configuration (~30 s); "
     "tests/test_device_check.py runs it",
-    "bash scripts/device_check.sh correctness": "needs a GPU (the device check's first call)",
-    "bash scripts/device_check.sh benchmark": "needs a GPU (the device check's second call)",
+    "bash scripts/device_check.sh": "needs a GPU: the device check's one call (docs/device-check.md)",
     "python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 "
     "--master-port 29400 -m staleflow train --rollout.ranks 12 ...": "needs two 8-GPU nodes",
     ".venv/bin/python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr "

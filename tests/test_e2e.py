@@ -112,8 +112,8 @@ def test_killed_rollout_rank_saves_checkpoint_then_resume(tmp_path):
     tag = uuid.uuid4().hex
     proc = _train(tag, tmp_path, "run", "--steps", "50", "--rollout.max-new-tokens", "24")
     try:
-        out = _read_until(proc, lambda line: line.startswith("step 2/50"), 300)
-        assert "step 2/50" in out, out
+        out = _read_until(proc, lambda line: line.startswith("step 1 (2/50)"), 300)
+        assert "step 1 (2/50)" in out, out
         victim = None
         for pid in os.listdir("/proc"):  # rank 2 = rollout instance 1: find it by its environment
             try:

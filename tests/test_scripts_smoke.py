@@ -50,6 +50,10 @@ SMOKE: dict[str, Smoke] = {
         ("--model", "tiny-llama", "--rounds", "1"),
         ("sync_stall_s", "async_stall_s", "stall_ratio_async_vs_sync"),
     ),
+    "bench_check_startup.py": Smoke(
+        "test",
+        test="tests/test_check_startup.py::test_check_startup_bench_prints_the_floor_the_old_path_and_the_ratios",
+    ),
     "bench_convergence.py": Smoke(
         "test", test="tests/test_bench_convergence.py::test_bench_convergence_smoke_runs_and_resumes"
     ),
@@ -123,10 +127,15 @@ SMOKE: dict[str, Smoke] = {
     ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
     "count_architecture.py": Smoke("test", test="tests/test_layout.py::test_layout_architecture_counts_are_the_docs"),
+    "check_floor_deps.sh": Smoke(
+        "static",
+        why="installs the floor versions (Triton 3.6, transformers 5.17) into a fresh venv from PyPI "
+        "(~1 GB, minutes); .ci/run runs it at the end of every CI run",
+    ),
     "check_latest_deps.sh": Smoke(
         "static",
         why="installs the newest allowed versions into a fresh venv from PyPI "
-        "(~1 GB, minutes); .ci/run runs it at the end of every CI run",
+        "(~1 GB, minutes); .ci/run runs it at the end of every CI run and fails when it fails",
     ),
     "compare_runs.py": Smoke(
         "test", test="tests/test_compare_runs.py::test_compare_runs_cli_prints_writes_json_and_rejects_bad_input"

@@ -223,7 +223,7 @@ class LogConfig:
     name: str = ""
     """Run folder name (default: a timestamp)."""
     progress: bool = True
-    """Rich progress display on the console."""
+    """A progress bar on a terminal (the per-step lines are printed either way)."""
     tensorboard: bool = True
     """Write TensorBoard event files into the run folder (tb/)."""
     plot: bool = True

@@ -9,8 +9,9 @@ given_flags(["--steps", "4"])   # frozenset({"steps"}): what a resume must apply
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 from staleflow.config.file import apply_dict, parse_text
 from staleflow.config.sections import ConfigError
@@ -71,16 +72,55 @@ def base_config(argv: Sequence[str], presets: dict[str, Callable[[], T]], defaul
     return (apply_dict(base, data, name) if data else base), rest
 
 
-def parse(cls: type[T], argv: Sequence[str], presets: dict[str, Callable[[], T]], default: str, prog: str) -> T:
-    """Parse a config dataclass from argv with tyro, starting from a preset and a --config file."""
+def parse(
+    cls: type[T], argv: Sequence[str], presets: dict[str, Callable[[], T]], default: str, prog: str, about: str = ""
+) -> T:
+    """Parse a config dataclass from argv with tyro, starting from a preset and a --config file. ``about``
+    opens the --help text (what the command does; default: ``prog``: the class's docstring). A flag another system
+    names differently (--rollout.n, --num_generations) is one ConfigError naming ours (config/hints.py)."""
     import tyro
 
+    from staleflow.config.hints import foreign_flag_hint, known_flags
+
     base, rest = base_config(argv, presets, default)
+    hint = foreign_flag_hint(rest, known_flags(cls))
+    if hint:
+        raise ConfigError(hint)
     description = (
-        f"{cls.__doc__ or ''}\n\nPresets (--preset NAME): {', '.join(presets)} (default {default}). "
+        f"{about or prog + ': ' + (cls.__doc__ or '')}\n\nPresets (--preset NAME): {', '.join(presets)} (default {default}). "
         f"--config FILE reads flags from a .yaml / .toml file (command-line flags win)."
     )
+    if any(a in ("-h", "--help") for a in rest):  # the options table lists --preset and --config too
+        view, shown = help_view(cls, base, presets, default)
+        return tyro.cli(view, args=rest, default=shown, prog=prog, description=description)
     return tyro.cli(cls, args=rest, default=base, prog=prog, description=description)
+
+
+def help_view(cls: type[T], base: T, presets: dict, default: str) -> tuple[type, object]:
+    """``cls`` with ``--preset`` and ``--config`` as fields, and ``base`` as one of it: what --help shows
+    (both are taken off argv before tyro parses; only the help table needs them as fields)."""
+    import tyro
+
+    preset_help = f"Starting config, which the other flags override: {', '.join(presets)}."
+    config_help = (
+        "A .yaml / .toml file of these flags (a run folder's config.yaml repeats that run); flags given here win."
+    )
+    view = dataclasses.make_dataclass(
+        cls.__name__,
+        [
+            (
+                "preset",
+                Annotated[str, tyro.conf.arg(help=preset_help, metavar="NAME")],
+                dataclasses.field(default=default),
+            ),
+            ("config", Annotated[str, tyro.conf.arg(help=config_help, metavar="FILE")], dataclasses.field(default="")),
+        ],
+        bases=(cls,),
+        frozen=cls.__dataclass_params__.frozen,
+    )
+    view.__doc__ = cls.__doc__
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls) if f.init}
+    return view, view(**fields, preset=default, config="")
 
 
 def given_flags(argv: Sequence[str]) -> frozenset[str]:

@@ -23,9 +23,10 @@ def step_metrics(
     turns: list | None = None,
     protocol=None,
 ) -> dict:
-    """lens: the response lengths finished since the previous step; turns: the TurnStats (turns, tool calls,
-    tool seconds) of the multi-turn trajectories finished since then (their keys appear only in a run
-    with an environment, --env.name); protocol: the batch protocol, whose running totals (PROTOCOL_TOTALS:
+    """response_len_mean: the trained responses' mean length (a step may train responses finished before
+    the previous step); lens: the response lengths finished since the previous step (finished_len_mean);
+    turns: (turns, tool calls, tool seconds) of the multi-turn trajectories finished since then (their
+    keys appear only in a run with an environment, --env.name); protocol: the batch protocol, whose running totals (PROTOCOL_TOTALS:
     StaleFlow's StalenessManager's; the peers' count-based protocols have none) join the row."""
     rewards, stale = rec.rewards, rec.staleness
     hist = Counter(stale)
@@ -33,7 +34,8 @@ def step_metrics(
     row = {
         "reward_mean": sum(rewards) / max(len(rewards), 1),
         "accuracy": sum(r > 0.5 for r in rewards) / max(len(rewards), 1),
-        "response_len_mean": sum(lens) / max(len(lens), 1),
+        "response_len_mean": rec.response_tokens / max(len(rewards), 1),  # of the responses trained
+        "finished_len_mean": sum(lens) / max(len(lens), 1),  # of those finished since the previous step
         "staleness_mean": sum(stale) / max(len(stale), 1),
         "staleness_max": max(stale, default=0),
         "staleness_hist": {str(k): n for k, n in sorted(hist.items())},

@@ -284,12 +284,9 @@ class _Progress:
 
 def parse_eval(argv: list[str]) -> EvalCommand:
     """EvalCommand from argv (with --config FILE of the same flags; command-line flags win)."""
-    import tyro
+    from staleflow.config.parse import parse
 
-    from staleflow.config.parse import base_config
-
-    base, rest = base_config(argv, {"eval": EvalCommand}, "eval")
-    return tyro.cli(EvalCommand, args=rest, default=base, prog="staleflow eval", description=__doc__)
+    return parse(EvalCommand, argv, {"eval": EvalCommand}, "eval", prog="staleflow eval", about=__doc__)
 
 
 def main(argv: list[str]) -> int:

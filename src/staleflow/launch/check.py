@@ -19,10 +19,18 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from staleflow.config import ConfigError, RunConfig, resolve
 from staleflow.launch.preflight import check_data, check_extras, check_gpus
 from staleflow.presets import PRESETS
+
+ABOUT = (
+    "staleflow check: everything about a run that can be checked before any process starts (the flags, the "
+    "model folder, extensions, data, packages, GPUs, /dev/shm, the run folder); each problem is one line and "
+    "exit 2, else exit 0 and nothing is started. ./launch.sh runs it first. It takes train's flags:"
+)
+"""The opening of ``check --help``."""
 
 
 def check(argv: list[str]) -> RunConfig:
@@ -31,7 +39,7 @@ def check(argv: list[str]) -> RunConfig:
     from staleflow.model.loader import resolve_model_path
 
     defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
-    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow check"))
+    cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow check", about=ABOUT))
     nproc = os.environ.get("STALEFLOW_NPROC")
     if nproc:
         Roles(int(nproc), cfg.rollout.ranks)
@@ -42,14 +50,28 @@ def check(argv: list[str]) -> RunConfig:
         cfg = check_resume(cfg, defaults, given_flags(argv))
     from staleflow.model.hf import lazy_folder
 
-    folder = resolve_model_path(cfg.model.path, verify=True)
+    resolve_model_path(cfg.model.path)  # an alias is built on first use, here, before torchrun starts
+    with ThreadPoolExecutor(1, thread_name_prefix="staleflow-verify") as pool:
+        # An alias' cached files are hashed against their build marker (rebuilt if they changed): ~0.5 s
+        # of hashing and reading that releases the GIL, while this thread imports transformers'
+        # tokenizer code (~1 s). Nothing reads the model folder until the hashes are checked.
+        verified = pool.submit(resolve_model_path, cfg.model.path, True)
+        check_extensions(cfg)
+        check_extras(cfg)
+        import_tokenizer_code()
+        folder = verified.result()
     lazy_folder(folder)  # config.json and every safetensors header
-    check_extensions(cfg)
-    check_extras(cfg)
     check_data(cfg, folder)
     check_writable(cfg.resume or cfg.log.run_dir, "--resume" if cfg.resume else "--log.run-dir")
     check_machine(cfg, int(nproc) if nproc else 0)
     return cfg
+
+
+def import_tokenizer_code() -> None:
+    """Import what loading a fast tokenizer imports (check_data loads the model's), ahead of time."""
+    import transformers.models.auto.tokenization_auto  # noqa: F401
+    import transformers.tokenization_utils_tokenizers  # noqa: F401
+    from transformers.activations import ACT2FN  # noqa: F401  (the config classes' type validators import it)
 
 
 def check_machine(cfg: RunConfig, nproc: int) -> None:

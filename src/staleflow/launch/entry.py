@@ -41,6 +41,13 @@ from staleflow.runfolder.scratch import claim_run_folder, cleanup_stale_run_file
 from staleflow.workers.pulse import Pulse
 from staleflow.workers.rank import RankContext, RunStopped, defer_signals, install_signal_handlers, set_title
 
+ABOUT = (
+    "staleflow train: one rank of a training run; torchrun starts one per process. Start a whole run with "
+    "./launch.sh [these flags] (it checks them, then starts torchrun, the controller and every rank), or "
+    "python -m staleflow.launch.torchrun ... -m staleflow train [flags] on several nodes (README)."
+)
+"""The opening of ``train --help`` (and of ``./launch.sh --help``, which prints it)."""
+
 
 def _start_controller(cfg: RunConfig, run_id: str, world_size: int, run_dir: str, topo: Topology):
     """The controller process; in a multi-node run also the per-run secret and the endpoint of its
@@ -359,7 +366,7 @@ def main(argv: list[str]) -> int:
     tie_to_agent()  # SIGTERM when the torchrun agent dies (it started us in a session of our own)
     try:
         defaults, _ = split_preset(argv, PRESETS, "smollm2-cpu")
-        cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train"))
+        cfg = resolve(parse(RunConfig, argv, PRESETS, default="smollm2-cpu", prog="staleflow train", about=ABOUT))
         env = rankdist.read_env()
         roles = Roles(env.world_size, cfg.rollout.ranks)
         _prepare_model(cfg)

@@ -26,3 +26,17 @@ def cpu_flags(wanted: tuple[str, ...] = ("avx512f", "avx512_bf16", "amx_bf16")) 
     except (OSError, StopIteration):
         return "?"
     return " ".join(w for w in wanted if w in flags) or f"none of {'/'.join(wanted)}"
+
+
+def bf16_prepack_missing() -> str | None:
+    """None when oneDNN can prepack a bf16 linear weight on this CPU (``mkldnn._reorder_linear_weight``),
+    else the reason, naming the missing feature: it needs avx_ne_convert or avx512bw + avx512vl +
+    avx512dq, which not every x86-64 CPU has (an AMD EPYC without AVX-512 raises). Probed by trying it."""
+    import torch
+
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 4)
+    except (RuntimeError, AttributeError, NotImplementedError) as e:
+        lines = str(e).strip().splitlines()
+        return f"this CPU cannot prepack bf16 weights ({lines[0][:160] if lines else type(e).__name__})"
+    return None

@@ -27,6 +27,7 @@ torch.distributed rank other than 0, so it is never used.
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -35,7 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,24 @@ def _build_tokenizer(out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
+@contextmanager
+def _gguf_bar_on_terminal_only() -> Iterator[None]:
+    """transformers' GGUF reader draws its "de-quantizing" bar with tqdm directly (not through the
+    progress switch above): without a terminal every redraw is a line of the run's log. tqdm's
+    ``disable=None`` means "no bar unless a terminal"."""
+    import transformers.modeling_gguf_pytorch_utils as reader
+
+    bar = getattr(reader, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    reader.tqdm = functools.partial(bar, disable=None)
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
+
+
 def _build_smollm2(out: Path) -> None:
     """GGUF (Q4_1) -> dequantized fp32 state dict (transformers' GGUF reader) -> our own writer."""
     import torch
@@ -220,12 +239,13 @@ def _build_smollm2(out: Path) -> None:
 
     gguf = smollm2_gguf()
     hf_logging.disable_progress_bar()  # our own line says what is happening
-    try:
-        quantized = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
-        )
-    finally:
-        hf_logging.enable_progress_bar()
+    with _gguf_bar_on_terminal_only():
+        try:
+            quantized = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+            )
+        finally:
+            hf_logging.enable_progress_bar()
     config = quantized.config.to_dict()
     config.pop("quantization_config", None)
     args = ModelArgs.from_hf_config(config)

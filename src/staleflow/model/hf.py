@@ -19,6 +19,7 @@ import torch
 
 from staleflow.faults import BadInput
 from staleflow.model.args import ModelArgs, ModelConfigError
+from staleflow.model.meta import on_meta
 from staleflow.model.transformer import CausalLM
 
 TOKENIZER_FILES = (
@@ -147,7 +148,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     the meta device and repeated (a config.json of a million layers costs nothing here)."""
     from staleflow.model.transformer import DecoderLayer
 
-    with torch.device("meta"):
+    with on_meta():
         one = CausalLM(args.replace(num_layers=1, mlp_only_layers=[]))
         kinds = {s: DecoderLayer(args, i) for i, s in _layer_kinds(args).items()}  # a dense and a sparse one
     out = {name: tuple(t.shape) for name, t in one.state_dict().items() if ".layers.0." not in name}
@@ -222,7 +223,7 @@ def lazy_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="
     files = safetensors_files(folder)
     check_config_against_headers(folder, args, check_headers(files))
     check_tokenizer_config(folder)
-    with torch.device("meta"):
+    with on_meta():
         model = CausalLM(args)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     dev = torch.device(device)

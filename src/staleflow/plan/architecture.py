@@ -61,9 +61,10 @@ def model_args(path: str):
 
 def meta_model(args, dtype: torch.dtype):
     """Our CausalLM on the meta device in ``dtype``: the same modules, names and shapes as a run's."""
+    from staleflow.model.meta import on_meta
     from staleflow.model.transformer import CausalLM
 
-    with torch.device("meta"):
+    with on_meta():
         return CausalLM(args).to(dtype)
 
 

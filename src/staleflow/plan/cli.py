@@ -12,6 +12,8 @@ line before the JSON names the flag to change).
     --nodes K            nodes of N processes each (default 1); rollout ranks off the first node pull
                          weights over NCCL, which the plan counts on them and on every trainer rank
     --device cuda|cpu    plan for GPUs (default) or for a CPU run (host memory, not enforced)
+    --preset NAME        the run's starting config, as train takes it (default smollm2-cpu)
+    --config FILE        a .yaml / .toml file of the run's flags (flags given here win)
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def usage() -> str:
     flags = rest[rest.index("    --gpu-memory-gib") :] if "    --gpu-memory-gib" in rest else rest
     return (
         f"usage: {head}\n\n"
-        "Print the memory plan of a run (per rank, per GPU; no GPU needed) and exit 1 if it does not fit.\n\n"
+        "staleflow plan: print the memory plan of a run (per rank, per GPU; no GPU needed) and exit 1 if it does "
+        "not fit.\n\n"
         f"plan options:\n{flags}\n\n"
         "Every flag of the run itself is accepted as train takes it (--preset NAME, --rollout.ranks N, ...):\n"
         "see python -m staleflow train --help."

@@ -100,7 +100,7 @@ class TrainingJob:
         )
         self.view = self.loop.view
         """All the job reads of the loop; it drives the loop with ``self.loop.run`` only."""
-        self.progress = ProgressDisplay(cfg.steps, enabled=cfg.log.progress, start=version)
+        self.progress = ProgressDisplay(cfg.steps, bar=cfg.log.progress, start=version)
         self.longest_step_s = 0.0
         self.stall_limit_s = 0.0
         self._size_stall_limit()
@@ -152,7 +152,7 @@ class TrainingJob:
         self._size_stall_limit()
         self.writer.log_step(rec.version, row)
         write_ids(self.run_dir, *self.view.ids())
-        self.progress.update(ev.version, row)
+        self.progress.update(rec.version, row)  # metrics.jsonl's step number
         k = self.cfg.eval.every
         if self.held_out is not None and k and ev.version % k == 0 and ev.version < self.cfg.steps:
             self.start_eval(ev.version)

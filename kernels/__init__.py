@@ -1,1 +1,0 @@
-"""Triton kernels (installed as staleflow.kernels): packed varlen log-prob + entropy fused with the LM head."""

@@ -1,0 +1,1 @@
+../../../kernels/paged_decode.py
