@@ -9,6 +9,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 400
 
@@ -184,6 +186,7 @@ def test_layout_config_sits_below_the_coordinator_and_modes_below_both():
     assert not edges["staleflow.modes"] & {"staleflow.config", "staleflow.coordinator", "staleflow.controller"}
 
 
+@pytest.mark.scripts_smoke  # tests/test_scripts_smoke.py's row of count_architecture.py
 def test_layout_architecture_counts_are_the_docs():
     """docs/architecture.md quotes the JSON line of `python scripts/count_architecture.py` (classes holding a
     trajectory, tables keyed by trajectory id in a simulated run, the coordinator's, cycles, upward imports):
