@@ -114,8 +114,8 @@ def mlp_per_token(args) -> int:
     """Elements one token keeps live in the widest MLP of a forward: gate|up and the SwiGLU product
     (3 x intermediate) for a dense layer; for a sparse one its k gathered rows, the k experts' 3 x
     moe-intermediate and weighted outputs, and the router's logits and fp32 probabilities."""
+    if not getattr(args, "is_moe", False):
+        return 3 * args.intermediate_size
     dense = 3 * args.intermediate_size if not all(args.is_moe_layer(i) for i in range(args.num_layers)) else 0
-    if not args.is_moe:
-        return dense
     k = args.num_experts_per_tok
     return max(dense, k * (2 * args.hidden_size + 3 * args.moe_intermediate_size) + 3 * args.num_experts)
