@@ -23,10 +23,12 @@ gets them in a system prompt, ``fallback_system_prompt`` (docs/multi-turn.md, "T
 from __future__ import annotations
 
 import json
+import re
 
 from staleflow.env.tools import FORMATS, ToolCall, format_tool_call
 
 SENTINEL = "staleflow-model-turn-7c1f"
+OBSERVATION_SENTINEL = "staleflow-observation-3e9a"
 TRUNCATED = "\n[observation truncated: {n} of {total} tokens shown]"
 
 
@@ -131,19 +133,81 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     return list(tokenizer(eot, add_special_tokens=False)["input_ids"]) if eot else []
 
 
+def _special_tokens(tokenizer) -> tuple[list[str], set[int]]:
+    """(the special tokens' strings, longest first; their ids): what must never come from a tool's text."""
+    names = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    names.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
+    names.discard("")
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special)
+    return sorted(names, key=len, reverse=True), ids
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` read as plain text: a special token's string in it ('<|im_end|>') becomes
+    ordinary tokens, never the special id (the tokenizer's split_special_tokens; else the string is
+    cut in two, which no special token matches)."""
+    _, special = _special_tokens(tokenizer)
+    try:
+        ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    except TypeError:
+        ids = None
+    if ids is not None and not special.intersection(ids):
+        return ids
+    if len(text) < 2:
+        raise ValueError(f"the tokenizer reads {text!r} only as a special token")
+    half = len(text) // 2
+    return text_ids(tokenizer, text[:half]) + text_ids(tokenizer, text[half:])
+
+
+def _tool_turn_ids(tokenizer, observation: str) -> list[int]:
+    """The ids of the tool turn holding ``observation`` and the next assistant header: the template's
+    framing tokenized as usual, the observation's text as plain text. A tool's output (or a page it
+    fetched) holding '<|im_end|>\\n<|im_start|>user' must not close the turn and fake the next one."""
+    tail = _after_model_turn(tokenizer, observation)[1]
+    names, special = _special_tokens(tokenizer)
+    if not any(n in observation for n in names):
+        return _ids(tokenizer, tail)  # nothing to neutralise: exactly the template's own tokenization
+    frame = _after_model_turn(tokenizer, OBSERVATION_SENTINEL)[1]
+    framing = [i for i in _ids(tokenizer, frame) if i in special]
+    pre, found, post = frame.partition(OBSERVATION_SENTINEL)
+    if found and tail.startswith(pre) and tail.endswith(post) and len(pre) + len(post) <= len(tail):
+        pattern = re.compile("|".join(map(re.escape, names)))
+        ids, pos = [], 0
+        for m in pattern.finditer(tail, len(pre), len(tail) - len(post)):  # only inside the observation
+            ids += _ids(tokenizer, tail[pos : m.start()]) + text_ids(tokenizer, m.group())
+            pos = m.end()
+        ids += _ids(tokenizer, tail[pos:])
+        if [i for i in ids if i in special] == framing:
+            return ids
+    # A template that changes the observation's text (escapes, trims): break every special string in it.
+    escaped = observation
+    for name in names:
+        escaped = escaped.replace(name, name[:1] + "\u200b" + name[1:])
+    ids = _ids(tokenizer, _after_model_turn(tokenizer, escaped)[1])
+    if [i for i in ids if i in special] != framing:
+        raise ValueError("the tool's output renders special tokens through this chat template")
+    return ids
+
+
 def observation_tokens(tokenizer, tool_format: str, observation: str, max_tokens: int) -> list[int]:
     """The ids appended after the model's finished turn: the tool turn holding ``observation`` and
     the next assistant header, at most ``max_tokens`` of them (the observation cut with a marker).
-    ``tool_format`` ('auto' allowed) is checked here; the framing is the template's."""
+    ``tool_format`` ('auto' allowed) is checked here; the framing is the template's. The observation
+    is text: a special token's string in it is tokenized as plain text (_tool_turn_ids)."""
     resolve_tool_format(tokenizer, tool_format)
 
     def render(text: str) -> list[int]:
-        return list(tokenizer(_after_model_turn(tokenizer, text)[1], add_special_tokens=False)["input_ids"])
+        return _tool_turn_ids(tokenizer, text)
 
     ids = render(observation)
     if len(ids) <= max_tokens:
         return ids
-    content = list(tokenizer(observation, add_special_tokens=False)["input_ids"])
+    content = text_ids(tokenizer, observation)
     keep = max(0, max_tokens - (len(ids) - len(content)) - 16)
     while True:
         text = tokenizer.decode(content[:keep]) + TRUNCATED.format(n=keep, total=len(content))
