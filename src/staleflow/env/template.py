@@ -26,10 +26,76 @@ import json
 import re
 
 from staleflow.env.tools import FORMATS, ToolCall, format_tool_call
+from staleflow.faults import BadInput
 
 SENTINEL = "staleflow-model-turn-7c1f"
 OBSERVATION_SENTINEL = "staleflow-observation-3e9a"
 TRUNCATED = "\n[observation truncated: {n} of {total} tokens shown]"
+
+
+MAX_RENDER_S = 2.0
+"""Seconds one chat-template rendering may take (a normal one takes well under a millisecond)."""
+MAX_RENDER_STEPS = 1_000_000
+"""Lines the template's own code may execute in one rendering (loop iterations included)."""
+MAX_RENDER_GROWTH_MB = 512
+"""Memory (peak RSS) one rendering may add."""
+MAX_RENDER_CHARS = 4 << 20
+"""Characters one rendering may produce."""
+
+
+class TemplateBudgetError(BadInput, ValueError):
+    """A chat template that does not render within its budget (time, steps, memory, recursion, size)."""
+
+
+def render_chat(tokenizer, messages: list[dict], **kwargs) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`` within a budget: the chat
+    template comes with the model folder (whoever provides the model), and Jinja's sandbox bounds
+    what it may touch, not how long it runs: nested ``range(100000)`` loops ran for minutes and grew
+    to gigabytes, a recursive macro ended in a RecursionError traceback. A trace function follows the
+    template's own compiled code (filename ``<template>``) and stops it past MAX_RENDER_STEPS lines,
+    MAX_RENDER_S seconds or MAX_RENDER_GROWTH_MB of memory; TemplateBudgetError (one line) then, as for
+    a recursion too deep or an output over MAX_RENDER_CHARS. A single operation that allocates at once
+    (``'x' * 10**9``) is not seen until it returns (docs/recovery.md)."""
+    import resource
+    import sys
+    import time
+
+    deadline = time.monotonic() + MAX_RENDER_S
+    start_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    steps = 0
+
+    def step(frame, event, arg):
+        nonlocal steps
+        steps += 1
+        if steps > MAX_RENDER_STEPS:
+            raise TemplateBudgetError(f"ran more than {MAX_RENDER_STEPS} template steps")
+        if steps & 4095 == 0:
+            if time.monotonic() > deadline:
+                raise TemplateBudgetError(f"ran longer than {MAX_RENDER_S:g} s")
+            grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start_kb
+            if grown > MAX_RENDER_GROWTH_MB << 10:
+                raise TemplateBudgetError(f"grew memory by {grown >> 10} MB (> {MAX_RENDER_GROWTH_MB})")
+        return step
+
+    def enter(frame, event, arg):
+        return step if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(enter)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except TemplateBudgetError as e:
+        raise TemplateBudgetError(f"the chat template {e}: {_FIX}") from None
+    except RecursionError:
+        raise TemplateBudgetError(f"the chat template recursed too deeply (a recursive macro?): {_FIX}") from None
+    finally:
+        sys.settrace(previous)
+    if isinstance(text, str) and len(text) > MAX_RENDER_CHARS:
+        raise TemplateBudgetError(f"the chat template rendered {len(text)} characters (> {MAX_RENDER_CHARS}): {_FIX}")
+    return text
+
+
+_FIX = "fix chat_template in the model folder's tokenizer_config.json (or chat_template.jinja), or pass --data.no-chat-template"
 
 
 def template_text(tokenizer) -> str:
@@ -95,7 +161,7 @@ def tool_messages(tokenizer, messages: list[dict], tools: list[dict], tool_forma
 def tool_prompt_ids(tokenizer, messages: list[dict], tools: list[dict], tool_format: str) -> list[int]:
     """The prompt's token ids with the tool schemas shown and the generation prompt added."""
     msgs, extra = tool_messages(tokenizer, messages, tools, tool_format)
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **extra)
+    text = render_chat(tokenizer, msgs, add_generation_prompt=True, **extra)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -116,7 +182,9 @@ def _after_model_turn(tokenizer, observation: str) -> tuple[str, str]:
             {"role": role, "content": observation},
         ]
         try:
-            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            text = render_chat(tokenizer, msgs, add_generation_prompt=True)
+        except TemplateBudgetError:
+            raise
         except Exception:  # a template raising on the tool role (jinja raise_exception): try a user turn
             continue
         if SENTINEL in text:
