@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from chaos_faults import SCENARIO, STALL_FLOOR_S, cmdline, tagged  # noqa: E402
 
 B, N, ETA = 4, 4, 1  # the tiny preset's batch size, group size and eta
+REWARD_FN = "e2e_rewards:text_length"
 FAULTS = {  # kind -> expected outcome
     "kill-controller": "SIGKILL: elastic restart from the newest checkpoint, every buffer trained once, exit 0",
     "kill-trainer": "SIGKILL: elastic restart from the newest checkpoint, every buffer trained once, exit 0",
@@ -128,7 +129,7 @@ class Run:
             "--log.no-progress",
             "--log.no-plot",
             "--reward.fn",
-            "e2e_rewards:text_length",
+            REWARD_FN,
             "--fault.stall-floor-s",
             str(STALL_FLOOR_S),
             "--seed",
@@ -136,7 +137,10 @@ class Run:
         ]
 
     def launch(self, *extra: str, resume: bool = False, nproc: int | None = None) -> subprocess.Popen:
-        args = ["--resume", str(self.dir), *extra] if resume else [*self.train_args(), *extra]
+        # A resumed run's saved config never chooses code (launch/saved_code.py): the reward function
+        # of tests/, under the working directory, is named again, as a user resuming it would.
+        again = ["--reward.fn", REWARD_FN]
+        args = ["--resume", str(self.dir), *again, *extra] if resume else [*self.train_args(), *extra]
         env = self.env(**({"NPROC": str(nproc)} if nproc else {}))
         return self._popen(["bash", str(ROOT / "launch.sh"), *args], env)
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from chaos_faults import ROOT, tail
 
+REWARD_FN = "e2e_rewards:text_length"
+
 if TYPE_CHECKING:
     from chaos import Run
 
@@ -38,22 +40,25 @@ def _refusal_kind(run: Run) -> None:
 def resume_code(run: Run) -> None:
     """A finished run's folder, copied under the repository's runs/ (where `python -m` can import it),
     gets payload.py (it would create the canary) and its config.json's reward.fn, then train.loss, set to
-    `runs.<folder>.payload:f`: each `launch.sh --resume` is refused by check in one line, exit 2."""
+    `runs.<folder>.payload:f`; `launch.sh --resume FOLDER` (for train.loss with the user's own reward
+    named again) is refused by check in one line naming the planted spec, exit 2, nothing imported."""
     out = run.watch([run.launch()])
     run.expect(run.exits[-1] == 0, f"exit {run.exits[-1]} before the folder was planted: {tail(out)}")
+    run.full = False  # it trained every step (audited); the resumes below are refused by design
     name = f"chaos50_{run.tag[:12]}"
     victim = ROOT / "runs" / name
     shutil.copytree(run.dir, victim)
     original, met = run.dir, []
     try:
         (victim / "payload.py").write_text(f"open({str(run.canary)!r}, 'w').write('ran')\ndef f(*a):\n    return 1.0\n")
-        for key in ("reward.fn", "train.loss"):
+        for key, again in (("reward.fn", []), ("train.loss", ["--reward.fn", REWARD_FN])):
             cfg = json.loads((original / "config.json").read_text())
             section, field = key.split(".")
             cfg[section][field] = f"runs.{name}.payload:f"
             (victim / "config.json").write_text(json.dumps(cfg))
-            run.dir = victim
-            out = run.watch([run.launch("--steps", str(run.steps + 2), resume=True)])
+            run.dir = victim  # the user names their own reward again (train.loss), not the planted spec
+            cmd = ["bash", str(ROOT / "launch.sh"), "--resume", str(victim), *again, "--steps", str(run.steps + 2)]
+            out = run.watch([run._popen(cmd, run.env())])
             met.append(_refused(run, out, key, f"--{key.replace('_', '-')}='runs.{name}.payload:f'"))
     finally:
         run.dir = original

@@ -59,7 +59,11 @@ async def in_thread(fn, arguments: dict):
         except RuntimeError:
             pass  # the loop is gone (the rank is closing)
 
-    threading.Thread(target=work, name="staleflow-tool", daemon=True).start()
+    try:
+        threading.Thread(target=work, name="staleflow-tool", daemon=True).start()
+    except RuntimeError as e:  # can't start new thread: the process's thread limit
+        _SLOTS.release()
+        raise ToolsBusy(f"cannot start a thread for the tool call ({e}); try again later") from None
     return await done
 
 
