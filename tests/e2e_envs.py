@@ -45,7 +45,7 @@ class HostileEnv:
     async def step(self, message):
         self.steps += 1
         if self.steps == 1:
-            return await self.calculator.step("<tool_call>" + "[" * 1200)
+            return await self.calculator.step("<tool_call>" + "[" * 1200 + "</tool_call>")
         if self.steps == 2:
             raise RuntimeError("a fork's environment failing on a message")
         if self.steps == 3:

@@ -31,7 +31,7 @@ from staleflow.env.tool_env import ToolEnv
 from staleflow.trajectory import Prompt, TrajectoryTokens
 from staleflow.workers.turns import TurnDriver
 
-BRACKETS = "<tool_call>" + "[" * 1200  # the issue's reproduction: 600 SmolLM2 tokens
+BRACKETS = "<tool_call>" + "[" * 1200 + "</tool_call>"  # the issue's reproduction: json raised RecursionError
 
 
 def _adversarial():
@@ -44,6 +44,7 @@ def _adversarial():
     ).map(lambda v: __import__("json").dumps({"name": "calculator", "arguments": v}))
     return st.one_of(
         st.just(BRACKETS),
+        st.just("<tool_call>" + "[" * 1200),  # unclosed
         st.text(max_size=300),
         wrapped,
         nested.map(lambda s: "{" + '"name": "calculator", "parameters": ' + s),  # llama3 form
@@ -114,7 +115,7 @@ def test_tool_call_fuzz_the_issues_1200_brackets_reach_the_model_as_an_error():
     assert len(emitted) == 1 and emitted[0][2] == "stop"
     (message, step), _answer = log
     assert message == BRACKETS and step.observation.startswith("Error: ") and not step.done
-    assert "not closed" in step.error or "nests more than" in step.error
+    assert "nests more than 64" in step.error
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -33,9 +33,9 @@ OBSERVATION_SENTINEL = "staleflow-observation-3e9a"
 TRUNCATED = "\n[observation truncated: {n} of {total} tokens shown]"
 
 
-MAX_RENDER_S = 2.0
+MAX_RENDER_S = 1.0
 """Seconds one chat-template rendering may take (a normal one takes well under a millisecond)."""
-MAX_RENDER_STEPS = 1_000_000
+MAX_RENDER_STEPS = 300_000
 """Lines the template's own code may execute in one rendering (loop iterations included)."""
 MAX_RENDER_GROWTH_MB = 512
 """Memory (peak RSS) one rendering may add."""
