@@ -95,6 +95,15 @@ def test_reward_hack_shadowing_a_builtin_the_tests_use(fn):
     assert reward == 0.0 and "0 of 2 passed" in info["reason"], info
 
 
+def test_reward_hack_an_aliased_standard_library_object(fn):
+    """The solution's process names what its names are: a stdlib object under another name (a MagicMock
+    answering `assert is_prime(4)` with a truthy object) is not offered, nor a module under another name."""
+    tests = {"tests": ["assert is_prime(7)", "assert is_prime(4)", "assert limits"]}
+    program = "from unittest.mock import MagicMock as is_prime\nimport unittest.mock as limits\n"
+    reward, info = score(fn, _block(program), "", tests)
+    assert reward == 0.0 and "0 of 3 passed" in info["reason"] and "NameError" in info["reason"], info
+
+
 def test_reward_hack_the_issues_reproduction_and_its_control(fn):
     """The issue: a wrong solution ending in sys.exit(0) got full reward, the same without the exit none."""
     exits = score(fn, _block(WRONG + "import sys; sys.exit(0)"), "", TESTS)
@@ -125,6 +134,10 @@ def test_reward_hack_the_issues_reproduction_and_its_control(fn):
         ),
         ("import math\ndef area(r):\n    return math.pi * r * r", {"tests": ["assert math.isclose(area(1), math.pi)"]}),
         (
+            "from math import sqrt\nfrom collections import Counter\ndef f(x):\n    return sqrt(x)",
+            {"tests": ["assert sqrt(f(16)) == 2.0 and Counter('aab')['a'] == 2"]},
+        ),
+        (
             "def pairs(d):\n    return sorted(d.items())\nLIMIT = 3",
             {"tests": ["assert pairs({'b': 2, 'a': (1, {2})}) == [('a', (1, {2})), ('b', 2)]", "assert LIMIT == 3"]},
         ),
@@ -133,7 +146,18 @@ def test_reward_hack_the_issues_reproduction_and_its_control(fn):
             {"tests": ["assert twice(inc, 1) == 3"]},
         ),
     ],
-    ids=["marker", "exit-after", "humaneval", "in-place", "closure", "raises", "module", "containers", "handles"],
+    ids=[
+        "marker",
+        "exit-after",
+        "humaneval",
+        "in-place",
+        "closure",
+        "raises",
+        "module",
+        "stdlib-names",
+        "containers",
+        "handles",
+    ],
 )
 def test_reward_hack_honest_solutions_still_pass(fn, program, tests):
     reward, info = score(fn, _block(program), "", tests)

@@ -186,9 +186,17 @@ def main() -> None:
             if not isinstance(entry, dict) or not isinstance(name, str) or hasattr(builtins, name):
                 continue  # a solution's `abs` or `isinstance` never replaces the one the tests call
             if "m" in entry:
-                module = _module(str(entry["m"]))
-                if module is not None:
-                    namespace[str(name)] = module
+                # Only under its own name (`import math`, `from math import sqrt`): an alias
+                # (`from unittest.mock import MagicMock as is_prime`) would answer a test with the
+                # standard library's object instead of the solution's code, so it is not offered.
+                path, attr = str(entry["m"]), entry.get("a")
+                module = _module(path)
+                if module is None:
+                    continue
+                if attr is None and name in (path.split(".")[0], path.split(".")[-1]):
+                    namespace[name] = module
+                elif attr == name and name.isidentifier() and hasattr(module, name):
+                    namespace[name] = getattr(module, name)
             elif "v" in entry:
                 try:
                     namespace[str(name)] = wire.decode(entry["v"], remote.function)

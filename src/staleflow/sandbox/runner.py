@@ -184,6 +184,10 @@ def serve(namespace: dict, requests: int, replies: int, wire) -> None:
         if isinstance(value, types.ModuleType):
             names[name] = {"m": value.__name__}
             continue
+        home = getattr(value, "__module__", None) if callable(value) else None
+        if isinstance(home, str) and home.split(".")[0] in sys.stdlib_module_names:
+            names[name] = {"m": home, "a": getattr(value, "__name__", name)}  # `from math import sqrt`
+            continue
         try:
             names[name] = {"v": wire.encode(value, handles)}
         except (wire.WireError, RecursionError):
