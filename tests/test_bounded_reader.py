@@ -262,6 +262,14 @@ def test_bounded_reader_safetensors_index_refused_by_check(tmp_path):
     _one_line(staleflow("check", "--preset", "tiny", "--model.path", str(folder)), "not a file name inside")
 
 
+def test_bounded_reader_model_folder_file_that_is_a_fifo(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(TINY, folder)
+    (folder / "tokenizer.json").unlink()
+    os.mkfifo(folder / "tokenizer.json")  # opened by the tokenizers library: it would block for ever
+    _one_line(staleflow("check", "--preset", "tiny", "--model.path", str(folder)), "tokenizer.json", "FIFO")
+
+
 # ---- run folders ------------------------------------------------------------------------------------
 
 

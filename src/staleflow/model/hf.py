@@ -71,7 +71,13 @@ def read_model_args(folder: str | Path) -> ModelArgs:
 def check_tokenizer_config(folder: str | Path) -> None:
     """The tokenizer's JSON files decode to objects of the expected types, and none asks for custom
     code (auto_map): transformers would run it, or ask on a terminal. One ModelLoadError otherwise."""
+    from staleflow.inputs import special_file
+
     folder = Path(folder)
+    for entry in folder.iterdir() if folder.is_dir() else ():  # tokenizer.json & co. are opened by libraries
+        problem = special_file(entry) or ""
+        if problem.startswith("is ") and not problem.startswith("is a folder"):  # a FIFO, a socket, a device
+            raise ModelLoadError(f"{entry} {problem}: a model folder holds files (a FIFO would hang its reader)")
     for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         path = folder / name
         if not path.is_file():
