@@ -12,8 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 # Every Python below starts without the working directory in front of sys.path (Python >= 3.11's -P),
 # torchrun's workers included: a folder here (kernels/) must never shadow an installed package
-# (Hugging Face's kernels, which transformers imports). staleflow appends this folder LAST, so
-# modules of your own here (examples.cispo:cispo_loss) still import: launch/import_path.py.
+# (Hugging Face's kernels, which transformers imports), nor a run folder's file be imported. A module of
+# your own is named on purpose: PYTHONPATH=$PWD ./launch.sh --train.loss examples.cispo:cispo_loss
+# (launch/import_path.py).
 export PYTHONSAFEPATH=1
 for a in "$@"; do
   case "$a" in

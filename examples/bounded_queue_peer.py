@@ -14,8 +14,8 @@ its batch rule (a CountedBuffer subclass: admission by the open-group count, bat
 order), its settings, its knob-search family for the simulator's grid, and its mode. Named by import
 path, it runs in the simulator, in the grid's guarantee-matched peer search and in a real run:
 
-    ./launch.sh --preset tiny --mode examples.bounded_queue_peer:BoundedQueue
-    python -m staleflow sim --preset cpu-small --no-ablation \
+    PYTHONPATH=$PWD ./launch.sh --preset tiny --mode examples.bounded_queue_peer:BoundedQueue
+    PYTHONPATH=$PWD python -m staleflow sim --preset cpu-small --no-ablation \
         --modes verl-sync staleflow examples.bounded_queue_peer:BoundedQueue
 
 (a fork's mode takes its settings' defaults; a built-in peer file registered in staleflow/modes/__init__.py

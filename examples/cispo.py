@@ -15,7 +15,7 @@ sampled the tokens, as in the paper, and r_hat is then the whole off-policy corr
 
 Run on the tiny preset from the repository root:
 
-    ./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none
+    PYTHONPATH=$PWD ./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ later tick.
 The coordinator is the same code in the runtime and in the simulator, so the class runs in both.
 From the repository root:
 
-    ./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV
-    python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation \
+    PYTHONPATH=$PWD ./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV
+    PYTHONPATH=$PWD python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation \
         --coordinator.routing examples.kv_router:MostFreeKV
 """
 

@@ -8,7 +8,7 @@ and in staleness? It only decides WHEN requests enter the built-in engine; the e
 samples every token with its log-prob and stamps it with the weight version it was sampled with,
 so the trainer's off-policy correction and the staleness protocol see nothing new.
 
-    ./launch.sh --preset tiny --rollout.engine examples.lockstep_engine:LockstepBackend
+    PYTHONPATH=$PWD ./launch.sh --preset tiny --rollout.engine examples.lockstep_engine:LockstepBackend
 
 Everything an engine brings to a run is its backend (staleflow.engines.EngineBackend): this one
 builds the wrapped engine, and inherits the rest from the built-in backend: the rank loads the

@@ -9,7 +9,7 @@ to 0, as GRPO's do.
 
 Run on the tiny preset from the repository root:
 
-    ./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank
+    PYTHONPATH=$PWD ./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank
 """
 
 from __future__ import annotations

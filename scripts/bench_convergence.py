@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 from statistics import fmean, pstdev
 
+from staleflow.metrics import records
 from staleflow.metrics.convergence import (
     DIAG,
     TARGET_MARGIN,
@@ -234,14 +235,30 @@ def checked(result: dict, where: Path, args) -> dict:
     return result
 
 
+BENCH_FIELDS = {
+    "name": records.text(200),
+    "mode": records.text(100),
+    "eta": records.integer(0, 1 << 20),
+    "seed": records.integer(0, 1 << 63),
+    "wall_s": records.number(0, records.SECONDS),
+    **{k: records.number(0, 1e6) for k in ("load_start", "load_end", "load_mean", "load_max")},
+    "load_samples": records.integer(0, 1 << 40),
+}
+"""bench.json's fields, typed (metrics/records.py): a saved run read back may come from another machine."""
+
+
 def load_saved(out: Path) -> dict:
     """A finished run: its wall time and load from bench.json (an older bench.json holds more; only
-    these are kept), everything else derived again from its metrics.jsonl."""
-    meta = json.loads((out / "bench.json").read_text())
-    meta = {k: meta[k] for k in SAVED if k in meta}
-    meta.setdefault("load_mean", (meta["load_start"] + meta["load_end"]) / 2)
-    meta.setdefault("load_max", max(meta["load_start"], meta["load_end"]))
-    return {**meta, **summarize_run(out, meta["wall_s"])}
+    these are kept), everything else derived again from its metrics.jsonl. Every record is typed: a
+    crafted one stops the bench in one line naming the file and the field (SystemExit)."""
+    try:
+        meta = records.read_object(out / "bench.json", BENCH_FIELDS, ("wall_s", "load_start", "load_end"))
+        meta = {k: meta[k] for k in SAVED if k in meta}
+        meta.setdefault("load_mean", (meta["load_start"] + meta["load_end"]) / 2)
+        meta.setdefault("load_max", max(meta["load_start"], meta["load_end"]))
+        return {**meta, **summarize_run(out, meta["wall_s"])}
+    except records.RecordError as e:
+        raise SystemExit(f"bench_convergence: {e}") from None
 
 
 def args_n(results: dict, key) -> int:

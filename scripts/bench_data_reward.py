@@ -3,6 +3,7 @@
 
     python scripts/bench_data_reward.py                          # reward throughput only
     python scripts/bench_data_reward.py --model smollm2-135m --n 64
+    python scripts/bench_data_reward.py --render --skip-reward     # chat-template rendering in its budget
 
 Prints the hardware, the settings, the inline baseline measured in the same run and the ratio;
 the last line is JSON.
@@ -98,6 +99,35 @@ def task_accuracy(model_path: str, task: str, n: int, max_new_tokens: int, tempe
     }
 
 
+def render_overhead(n: int, repeats: int = 5) -> dict:
+    """Per-prompt cost of rendering SmolLM2's chat template through env/template.render_chat (a trace
+    on the template's code bounds steps, time and memory) against transformers' apply_chat_template
+    alone, interleaved in the same run; medians over ``repeats`` rounds of ``n`` renders."""
+    import statistics
+
+    from staleflow.env.template import render_chat
+    from staleflow.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 12 + 30? Put it in \\boxed{}."},
+    ]
+
+    def per_call(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    plain, bounded = [], []
+    for _ in range(repeats):
+        plain.append(per_call(lambda: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)))
+        bounded.append(per_call(lambda: render_chat(tok, msgs, add_generation_prompt=True)))
+    a, b = statistics.median(plain), statistics.median(bounded)
+    return {"apply_chat_template_us": round(a, 1), "render_chat_us": round(b, 1), "ratio": round(b / a, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200, help="completions scored / prompts generated")
@@ -107,8 +137,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
     ap.add_argument("--skip-reward", action="store_true", help="only measure the model's accuracy")
+    ap.add_argument("--render", action="store_true", help="also measure the chat-template rendering budget's cost")
     args = ap.parse_args()
-    print(f"host: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}")
+    print(
+        f"host: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, load {os.getloadavg()[0]:.1f}"
+    )
     result: dict = {"reward": {}}
     for fn in () if args.skip_reward else ("math", "arithmetic"):
         r = reward_throughput(fn, args.n, args.workers)
@@ -116,6 +149,12 @@ def main() -> None:
         print(
             f"reward {fn:10s} n={args.n} inline {r['inline_per_s']:8.1f}/s   RewardPool({args.workers} workers) "
             f"{r['pool_per_s']:8.1f}/s   pool/inline {r['pool_vs_inline']:.2f}x"
+        )
+    if args.render:
+        r = result["render"] = render_overhead(args.n)
+        print(
+            f"chat template (SmolLM2) n={args.n}: apply_chat_template {r['apply_chat_template_us']:.1f} us, "
+            f"render_chat (budgeted) {r['render_chat_us']:.1f} us, ratio {r['ratio']:.2f}"
         )
     if args.model:
         result["accuracy"] = []

@@ -4,7 +4,9 @@ Run: python scripts/bench_sandbox.py [--runs 20] [--program print]
 Each run starts a fresh Python process for one small program (``print``: print(1); ``loop``: a
 sum over 10^6 integers), once through ``staleflow.sandbox.run_python`` (bubblewrap, namespaces,
 rlimits, the in-sandbox runner) and once as ``python3 -I -S`` with the same interpreter the sandbox
-uses (the baseline), interleaved in the same run. Times are wall-clock per run (a process start is
+uses (the baseline), interleaved in the same run. ``--program tests`` measures the code-with-tests
+harness instead (``sandbox.tests_run.run_tests``: a solution and 5 asserts, two processes in one
+sandbox) against the pre-2026-12-07 way, the solution and its asserts as one sandboxed program. Times are wall-clock per run (a process start is
 the thing measured), median and p90 over the runs. The last line is JSON with ``sandbox_ms``,
 ``baseline_ms`` and ``ratio`` (sandbox / baseline medians).
 """
@@ -21,7 +23,12 @@ import time
 from staleflow.sandbox import SandboxLimits, run_python, sandbox_unavailable
 from staleflow.sandbox.bwrap import interpreter
 
-PROGRAMS = {"print": "print(1)\n", "loop": "print(sum(range(1_000_000)))\n"}
+PROGRAMS = {
+    "print": "print(1)\n",
+    "loop": "print(sum(range(1_000_000)))\n",
+    "tests": "def add(a, b):\n    return a + b\n",
+}
+TESTS = [f"assert add({i}, {i}) == {2 * i}" for i in range(5)]
 
 
 def hardware() -> str:
@@ -48,6 +55,8 @@ def main() -> None:
     code = PROGRAMS[a.program]
     limits = SandboxLimits()
     python = interpreter(limits)
+    if a.program == "tests":
+        return bench_tests(a.runs, code, limits)
     sandboxed, plain = [], []
     for _ in range(a.runs):
         r = run_python(code, limits)
@@ -72,6 +81,30 @@ def main() -> None:
         "baseline_ms": round(1e3 * med_b, 2),
     }
     out["ratio"] = round(med_s / med_b, 3)
+    print(json.dumps(out))
+
+
+def bench_tests(runs: int, code: str, limits: SandboxLimits) -> None:
+    from staleflow.sandbox.tests_run import run_tests, split_tests
+
+    statements = split_tests(TESTS)
+    harness, joined = [], []
+    for _ in range(runs):
+        r = run_tests(code, statements, limits)
+        if not getattr(r, "ok", False):
+            raise SystemExit(f"bench_sandbox: the harness failed: {r}")
+        harness.append(r.wall_s)
+        r = run_python(code + "\n" + "\n".join(TESTS) + "\n", limits)
+        if not r.ok:
+            raise SystemExit(f"bench_sandbox: the joined program failed ({r.reason}, exit {r.exit_code})")
+        joined.append(r.wall_s)
+    med_h, med_j = statistics.median(harness), statistics.median(joined)
+    print(f"hardware: {hardware()}")
+    print(f"program 'tests' (a solution + {len(TESTS)} asserts), {runs} runs each, interleaved")
+    print(f"  harness (tests_run)    median {1e3 * med_h:7.1f} ms")
+    print(f"  baseline (one program) median {1e3 * med_j:7.1f} ms")
+    out = {"program": "tests", "runs": runs, "harness_ms": round(1e3 * med_h, 2), "baseline_ms": round(1e3 * med_j, 2)}
+    out["ratio"] = round(med_h / med_j, 3)
     print(json.dumps(out))
 
 

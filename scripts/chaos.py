@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from chaos_faults import SCENARIO, STALL_FLOOR_S, cmdline, tagged  # noqa: E402
 
 B, N, ETA = 4, 4, 1  # the tiny preset's batch size, group size and eta
+REWARD_FN = "e2e_rewards:text_length"
 FAULTS = {  # kind -> expected outcome
     "kill-controller": "SIGKILL: elastic restart from the newest checkpoint, every buffer trained once, exit 0",
     "kill-trainer": "SIGKILL: elastic restart from the newest checkpoint, every buffer trained once, exit 0",
@@ -65,6 +66,23 @@ FAULTS = {  # kind -> expected outcome
     "rewritten): --resume skips it, resumes from the older checkpoint and finishes, exit 0",
     "crafted-model-folder": "a million layers, vocab 1e12, RoPE factor 1e300, auto_map in config.json or the "
     "tokenizer: refused by check in one line naming the file, exit 2, nothing started or run",
+    "resume-code": "a module planted in a finished run's folder (under runs/, importable) and named by its "
+    "config.json's reward.fn, then train.loss: --resume refused in one line, exit 2, the module never imported",
+    "reward-hack": "the code_tests reward in the real reward pool: six wrong solutions with exit/marker/kill/"
+    "atexit/patched-builtins tricks score 0 without a reward error, the honest one 1",
+    "env-hostile": "an environment that meets 1,200 '[' in a tool call, raises, fakes a turn with special "
+    "tokens, returns a wrong type and times out, every trajectory: the run finishes, every buffer once, exit 0",
+    "yaml-bomb": "a 731-byte --config of 26 levels of YAML anchors: refused in one line before expansion, exit 2",
+    "template-bomb": "a chat template of nested range(100000) loops, then a recursive macro: refused in one "
+    "line within the render budget, exit 2",
+    "index-escape": "model.safetensors.index.json with '../', an absolute shard, 100,000-deep JSON: one line, exit 2",
+    "data-bomb": "a 9 KB zstd parquet of one 256 MB prompt, a save_to_disk state.json naming ../secret/x.arrow, "
+    "a FIFO as the data file: each one line, exit 2, no hang",
+    "feature-fifo": "a parquet column declared Image pointing at a FIFO: never decoded; the run finishes, exit 0",
+    "fifo-lock": "run.lock replaced by a FIFO: --resume refused in one line naming the rm, exit 2; removed, "
+    "--resume finishes",
+    "bad-rows": "a bad row at row 40 of 64: --data.bad-rows error refused in one line naming row 40, exit 2; "
+    "skip prints the summary and trains to the end, exit 0",
 }
 KINDS = tuple(FAULTS)
 
@@ -111,7 +129,7 @@ class Run:
             "--log.no-progress",
             "--log.no-plot",
             "--reward.fn",
-            "e2e_rewards:text_length",
+            REWARD_FN,
             "--fault.stall-floor-s",
             str(STALL_FLOOR_S),
             "--seed",
@@ -119,7 +137,10 @@ class Run:
         ]
 
     def launch(self, *extra: str, resume: bool = False, nproc: int | None = None) -> subprocess.Popen:
-        args = ["--resume", str(self.dir), *extra] if resume else [*self.train_args(), *extra]
+        # A resumed run's saved config never chooses code (launch/saved_code.py): the reward function
+        # of tests/, under the working directory, is named again, as a user resuming it would.
+        again = ["--reward.fn", REWARD_FN]
+        args = ["--resume", str(self.dir), *again, *extra] if resume else [*self.train_args(), *extra]
         env = self.env(**({"NPROC": str(nproc)} if nproc else {}))
         return self._popen(["bash", str(ROOT / "launch.sh"), *args], env)
 

@@ -315,5 +315,7 @@ SCENARIO = {
 }
 
 from chaos_hostile import HOSTILE  # noqa: E402 - it uses the helpers above
+from chaos_inputs import INPUTS  # noqa: E402 - issue 50's hostile inputs, the same helpers
 
 SCENARIO.update(HOSTILE)
+SCENARIO.update(INPUTS)

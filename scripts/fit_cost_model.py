@@ -312,7 +312,14 @@ def main() -> int:
 
             args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = Path(args.samples) if args.samples else profile_here(args)
-        header, steps = read_samples(path)
+        from staleflow.inputs import special_file
+
+        if (problem := special_file(path)) is not None:  # a FIFO would hang the reader
+            raise CostSamplesError(f"cost samples {str(path)!r} {problem}")
+        try:
+            header, steps = read_samples(path)
+        except RecursionError:  # a line nested deeper than json can read
+            raise CostSamplesError(f"cost samples {str(path)!r}: a line is nested too deeply to be read") from None
         target = resolve_target(header, args.profile, args.preset) if args.profile else None
         from staleflow.coordinator.cost_model import PRESET_DIR, load_cost_model
 

@@ -35,7 +35,7 @@ def command_word(tokens: list[str]) -> int | None:
     return i if word in HEADS or word.endswith("/bin/python") else None
 
 
-_VARS = {"SLURM_NNODES": "2", "head_ip": "10.0.0.1", "SLURM_JOB_ID": "1"}
+_VARS = {"SLURM_NNODES": "2", "head_ip": "10.0.0.1", "SLURM_JOB_ID": "1", "PWD": str(ROOT)}
 
 
 class _Parsed(Exception):

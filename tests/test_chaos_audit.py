@@ -135,3 +135,15 @@ def test_chaos_hostile_py_crafts_what_the_readers_refuse(tmp_path):
         craft(ck)
         with pytest.raises(CheckpointError):
             verify_checkpoint(ck)
+
+
+@pytest.mark.scripts_smoke
+def test_chaos_inputs_py_kinds_are_chaos_kinds_with_their_injectors():
+    """scripts/chaos_inputs.py (issue 50's hostile inputs): every kind it injects is a chaos.py kind whose
+    scenario is that injector, and chaos.py promises >= 24 kinds in all."""
+    chaos = _chaos()
+    inputs = sys.modules["chaos_inputs"]
+    faults = sys.modules["chaos_faults"]
+    assert len(inputs.INPUTS) >= 10 and set(inputs.INPUTS) <= set(chaos.FAULTS)
+    assert all(faults.SCENARIO[kind] is fn for kind, fn in inputs.INPUTS.items())
+    assert len(chaos.FAULTS) >= 24

@@ -238,12 +238,13 @@ def test_check_before_launch_refuses_bad_data(tmp_path, capsys):
     data = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist([{"question": f"q{i}?", "solution": str(i)} for i in range(4)]), data)
     line = _refusal(["--data.source", str(data)], capsys, tmp_path)
-    assert "none of its first 8 rows is usable" in line and "missing field 'prompt'" in line
+    assert "none of its 4 rows is usable" in line and "missing field 'prompt'" in line
+    assert "4 rows read, 0 usable, 4 bad: missing_field 4 (first row 1)" in line  # the whole file was read
     assert _refusal(["--data.source", str(tmp_path / "no.parquet")], capsys, tmp_path).endswith(
         "give an existing .jsonl, .parquet or .json file"
     )
     line = _refusal(["--data.mix", f"arithmetic:1,{data}:1"], capsys, tmp_path)
-    assert f"--data.source={str(data)!r}: none of its first 8 rows is usable" in line
+    assert f"--data.source={str(data)!r}: none of its 4 rows is usable" in line
     assert check.main(["--preset", "tiny", "--log.run-dir", str(tmp_path / "runs"), "--data.source", str(data),
                        "--data.prompt-field", "question"]) == 0  # fmt: skip
 

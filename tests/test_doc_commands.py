@@ -100,16 +100,16 @@ FENCED: dict[str, str] = {
     "python -m staleflow.launch.torchrun --standalone --nproc_per_node=8 -m staleflow train --preset gpu-7b+dapo --model.path "
     "/models/Qwen2.5-7B-Instruct --data.source /data/dapo-math-17k.parquet": "needs 8 GPUs, the model and the data",
     "./launch.sh --preset tiny+gspo --steps 4": "a training run (~1 min); tests/test_cli_config.py checks the composed preset",
-    "./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
-    "./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
-    "./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
-    "./launch.sh --preset tiny --rollout.engine examples.lockstep_engine:LockstepBackend": "a training run (~1 min); tests/test_engine_registry.py runs it for 2 steps from the repository root",
-    "python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation --coordinator.routing "
+    "'PYTHONPATH=$PWD' ./launch.sh --preset tiny --train.loss examples.cispo:cispo_loss --train.off-policy none": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "'PYTHONPATH=$PWD' ./launch.sh --preset tiny --train.advantage examples.rank_advantage:centered_rank": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "'PYTHONPATH=$PWD' ./launch.sh --preset tiny --coordinator.routing examples.kv_router:MostFreeKV": "a training run (~1 min); tests/test_examples.py runs it for 2 steps from the repository root",
+    "'PYTHONPATH=$PWD' ./launch.sh --preset tiny --rollout.engine examples.lockstep_engine:LockstepBackend": "a training run (~1 min); tests/test_engine_registry.py runs it for 2 steps from the repository root",
+    "'PYTHONPATH=$PWD' python -m staleflow sim --preset cpu-small --modes staleflow --no-ablation --coordinator.routing "
     "examples.kv_router:MostFreeKV": "imports examples/ from the repository root (RUN rows run in an empty folder); "
     "tests/test_examples.py runs it there",
-    "./launch.sh --preset tiny --mode examples.bounded_queue_peer:BoundedQueue": "a training run (~1 min); "
+    "'PYTHONPATH=$PWD' ./launch.sh --preset tiny --mode examples.bounded_queue_peer:BoundedQueue": "a training run (~1 min); "
     "tests/test_mode_registry.py runs it for 2 steps from the repository root",
-    "python -m staleflow sim --preset cpu-small --no-ablation --modes verl-sync staleflow "
+    "'PYTHONPATH=$PWD' python -m staleflow sim --preset cpu-small --no-ablation --modes verl-sync staleflow "
     "examples.bounded_queue_peer:BoundedQueue": "imports examples/ from the repository root (RUN rows run in an "
     "empty folder); tests/test_mode_registry.py runs it there",
 }

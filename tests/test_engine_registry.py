@@ -233,7 +233,7 @@ def test_engine_registry_lockstep_command_is_the_documented_one():
 
     (cmd,) = documented("lockstep_engine.py")
     guide = " ".join((ROOT / "docs" / "extending.md").read_text().split())
-    assert cmd == f"./launch.sh --preset tiny --rollout.engine {LOCKSTEP}" and cmd in guide
+    assert cmd == f"PYTHONPATH=$PWD ./launch.sh --preset tiny --rollout.engine {LOCKSTEP}" and cmd in guide
 
 
 @pytest.mark.slow

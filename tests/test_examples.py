@@ -28,8 +28,11 @@ from staleflow.train.losses import LossInputs, LossSettings, policy_loss, token_
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:  # as `./launch.sh` and `python -m staleflow` from the root have it
+if str(ROOT) not in sys.path:  # as the documented `PYTHONPATH=$PWD ./launch.sh` from the root has it
     sys.path.insert(0, str(ROOT))
+PREFIX = "PYTHONPATH=$PWD "
+"""Every example command names the checkout on the import path: no StaleFlow process puts the working
+directory there itself (launch/import_path.py)."""
 STEPS = 2
 SHORT = [
     "--steps",
@@ -44,22 +47,22 @@ SHORT = [
 
 
 def documented(example: str) -> list[str]:
-    """The commands an example's docstring shows (./launch.sh ... and python -m staleflow sim ...)."""
+    """The commands an example's docstring shows (PYTHONPATH=$PWD ./launch.sh ... and ... python -m staleflow sim)."""
     doc = ast.get_docstring(ast.parse((ROOT / "examples" / example).read_text())).replace("\\\n", " ")
     lines = [" ".join(line.split()) for line in doc.splitlines()]
-    return [line for line in lines if line.startswith(("./launch.sh", "python -m"))]
+    return [line for line in lines if line.startswith((PREFIX + "./launch.sh", PREFIX + "python -m"))]
 
 
 @pytest.mark.parametrize("example", ["cispo.py", "rank_advantage.py", "kv_router.py"])
 def test_examples_commands_are_the_documented_ones(example):
     cmds = documented(example)
-    assert cmds and all(cmd.startswith("./launch.sh --preset tiny ") or "sim" in cmd for cmd in cmds)
+    assert cmds and all(cmd.startswith(PREFIX + "./launch.sh --preset tiny ") or "sim" in cmd for cmd in cmds)
     guide = " ".join((ROOT / "docs" / "extending.md").read_text().replace("\\\n", " ").split())
     assert all(cmd in guide for cmd in cmds), f"docs/extending.md must show {cmds}"
 
 
 def _env(calls: Path) -> dict:
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")) if p)  # $PWD: ROOT
     return dict(os.environ, PYTHONPATH=path, STALEFLOW_EXAMPLE_CALLS=str(calls))
 
 
@@ -85,9 +88,9 @@ def _run(cmd: list[str], calls: Path, timeout: float = 540) -> str:
 
 def _launch(example: str, tmp_path: Path) -> tuple[list[dict], Counter]:
     """Run the example's ./launch.sh command for STEPS steps: (metrics rows, calls by name and pid)."""
-    (cmd,) = [c for c in documented(example) if c.startswith("./launch.sh")]
+    (cmd,) = [c for c in documented(example) if c.startswith(PREFIX + "./launch.sh")]
     calls = tmp_path / "calls.txt"
-    _run(["bash", str(ROOT / "launch.sh"), *shlex.split(cmd)[1:], *SHORT, "--log.run-dir", str(tmp_path)], calls)
+    _run(["bash", str(ROOT / "launch.sh"), *shlex.split(cmd)[2:], *SHORT, "--log.run-dir", str(tmp_path)], calls)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
     assert [r["step"] for r in rows] == list(range(STEPS))
     lines = calls.read_text().splitlines() if calls.exists() else []
@@ -126,7 +129,7 @@ def test_examples_kv_router_routes_the_simulator(tmp_path):
     out = _run(
         [
             sys.executable,
-            *shlex.split(cmd)[1:],
+            *shlex.split(cmd)[2:],  # PYTHONPATH=$PWD python ...: _env names ROOT
             "--out-dir",
             str(tmp_path / "sim"),
             "--steps",

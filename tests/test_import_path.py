@@ -54,33 +54,37 @@ def test_an_installed_kernels_package_wins_over_the_repository_folder(tmp_path):
     assert out.stdout.split() == ["installed", "True"]
 
 
-def test_entry_points_put_the_working_directory_last(tmp_path):
+def test_entry_points_take_the_working_directory_off(tmp_path):
     """A folder in the working directory that IS a regular package (what kernels/ was) cannot shadow an
-    installed one once an entry point has run, yet a module of your own there still imports, and
-    every Python started from there inherits PYTHONSAFEPATH."""
+    installed one once an entry point has run, a module there is not importable unless named on
+    PYTHONPATH on purpose, and every Python started from there inherits PYTHONSAFEPATH."""
     site = _fake_install(tmp_path)
     cwd = tmp_path / "checkout"
     (cwd / "kernels").mkdir(parents=True)
     (cwd / "kernels" / "__init__.py").write_text("WHO = 'shadow'\n")
     (cwd / "my_reward.py").write_text("def score(*a):\n    return 1.0\n")
     code = (
-        "import subprocess, sys; "
-        "from staleflow.launch.import_path import working_directory_last; working_directory_last(); "
-        "import kernels, my_reward; "
+        "import importlib.util, os, subprocess, sys; "
+        "from staleflow.launch.import_path import working_directory_off; working_directory_off(); "
+        "import kernels; "
         "child = subprocess.run([sys.executable, '-c', 'import sys; print(sys.flags.safe_path)'], "
         "capture_output=True, text=True).stdout.strip(); "
-        "print(kernels.WHO, my_reward.score(), child, sys.path[-1] == __import__('os').getcwd())"
+        "print(kernels.WHO, importlib.util.find_spec('my_reward') is not None, child, os.getcwd() in sys.path)"
     )
     before = _python("import kernels; print(kernels.WHO)", cwd, site)
     assert before.stdout.strip() == "shadow"  # what python -c / -m did to the installed package
     out = _python(code, cwd, site)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["installed", "1.0", "True", "True"]
+    assert out.stdout.split() == ["installed", "False", "True", "False"]
+    # named on purpose (PYTHONPATH=$PWD, docs/extending.md): the user's module imports, kernels still installed
+    out = _python(code, cwd, Path(f"{site}{os.pathsep}{cwd}"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["installed", "True", "True", "True"]
 
 
-def test_the_command_line_runs_with_the_working_directory_last(tmp_path):
+def test_the_command_line_runs_with_the_working_directory_off(tmp_path):
     """staleflow.cli.main on the process's own command line (python -m staleflow, the staleflow script,
-    torchrun's workers) moves it first; called with an argv (a test, a library), it leaves sys.path alone."""
+    torchrun's workers) takes it off first; called with an argv (a test, a library), it leaves sys.path alone."""
     cwd = tmp_path / "checkout"
     cwd.mkdir()
     probe = (
@@ -89,11 +93,11 @@ def test_the_command_line_runs_with_the_working_directory_last(tmp_path):
         "sys.argv = ['staleflow', '--help']\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "    main()\n"
-        "print(os.getcwd() not in sys.path[:-1], sys.path[-1])"
+        "print(os.getcwd() in sys.path, '' in sys.path)"
     )
     out = _python(probe, cwd, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", str(cwd)]
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_the_command_line_called_with_an_argv_leaves_the_caller_alone(monkeypatch, capsys):

@@ -112,7 +112,9 @@ def test_mode_registry_example_peer_bounds_open_groups_and_trains_in_completion_
 
 def _sim(args: list[str], tmp_path: Path) -> tuple[dict, Counter]:
     calls = tmp_path / "calls.txt"
-    env = dict(__import__("os").environ, STALEFLOW_EXAMPLE_CALLS=str(calls))
+    os = __import__("os")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # the documented $PWD
+    env = dict(os.environ, STALEFLOW_EXAMPLE_CALLS=str(calls), PYTHONPATH=path)
     res = subprocess.run(
         [sys.executable, "-m", "staleflow", "sim", *args], capture_output=True, text=True, env=env, cwd=ROOT
     )
@@ -125,7 +127,7 @@ def test_mode_registry_example_peer_runs_in_the_simulator_by_its_documented_comm
     from test_examples import documented
 
     (cmd,) = [c for c in documented("bounded_queue_peer.py") if " sim " in c]
-    out, calls = _sim([*shlex.split(cmd)[4:], "--out-dir", str(tmp_path / "sim"), "--steps", "6"], tmp_path)
+    out, calls = _sim([*shlex.split(cmd)[5:], "--out-dir", str(tmp_path / "sim"), "--steps", "6"], tmp_path)
     assert out["violations"] == 0 and out["vs_sync"] > 0
     assert out["best_async"] == PEER  # the fastest asynchronous peer at that eta: the fork's, the only one here
     assert calls["BoundedQueueBuffer.admit"] > 0 and set(calls) == {"BoundedQueueBuffer.admit"}
@@ -164,7 +166,7 @@ def test_mode_registry_example_peer_command_is_the_documented_one():
     from test_examples import documented
 
     cmds = documented("bounded_queue_peer.py")
-    assert cmds[0] == f"./launch.sh --preset tiny --mode {PEER}"
+    assert cmds[0] == f"PYTHONPATH=$PWD ./launch.sh --preset tiny --mode {PEER}"
     guide = " ".join((ROOT / "docs" / "extending.md").read_text().replace("\\\n", " ").split())
     assert all(cmd in guide for cmd in cmds)
 

@@ -36,7 +36,11 @@ def test_sandbox_reward_scores_tests_in_the_sandbox(sandbox, monkeypatch):
     reward, info = score(fn, _block("def add(a, b):\n    return 0") + right, "", ADD_TESTS)
     assert (reward, info["error"], info.get("reason")) == (1.0, None, None)
     reward, info = score(fn, right + wrong, "", ADD_TESTS)  # the LAST block is the answer
-    assert reward == 0.0 and info["error"] is None and info["reason"] == "tests failed (exit 1): AssertionError"
+    assert (
+        reward == 0.0
+        and info["error"] is None
+        and info["reason"] == "tests failed: 0 of 2 passed; test 1: AssertionError"
+    )
     humaneval = {"tests": "def check(candidate):\n    assert candidate(2, 3) == 5", "entry_point": "add"}
     assert score(fn, right, "", humaneval)[0] == 1.0 and score(fn, wrong, "", humaneval)[0] == 0.0
     reward, info = score(fn, "I would write add(a, b) = a + b", "", ADD_TESTS)

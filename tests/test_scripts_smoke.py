@@ -125,6 +125,10 @@ SMOKE: dict[str, Smoke] = {
     "chaos_hostile.py": Smoke(
         "test", test="tests/test_chaos_audit.py::test_chaos_faults_py_has_an_injector_for_every_fault_kind"
     ),
+    # the hostile-input kinds of issue 50 (imported through chaos_faults.SCENARIO)
+    "chaos_inputs.py": Smoke(
+        "test", test="tests/test_chaos_audit.py::test_chaos_inputs_py_kinds_are_chaos_kinds_with_their_injectors"
+    ),
     "check_export.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
     "count_architecture.py": Smoke("test", test="tests/test_layout.py::test_layout_architecture_counts_are_the_docs"),
     "check_floor_deps.sh": Smoke(

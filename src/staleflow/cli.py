@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from staleflow.config import ConfigError
-from staleflow.launch.import_path import working_directory_last
+from staleflow.launch.import_path import working_directory_off
 
 SUBCOMMANDS = {
     "train": "staleflow.launch.entry:main",
@@ -45,7 +45,7 @@ def usage() -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     if argv is None:  # the process's own command line (not a caller's argv): its import path, first
-        working_directory_last()  # before any subcommand imports transformers (launch/import_path.py)
+        working_directory_off()  # before any subcommand imports transformers (launch/import_path.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(usage())

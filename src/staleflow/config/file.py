@@ -21,18 +21,75 @@ from typing import Any
 
 from staleflow.config.sections import ConfigError
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A --config file larger than this is refused unread (a file of flags is a few KB)."""
+MAX_CONFIG_VALUES = 100_000
+"""Values a --config file may hold once YAML's aliases are expanded."""
+MAX_CONFIG_DEPTH = 32
+
+
+def _yaml_expansion(node, name: str) -> None:
+    """ConfigError when the YAML node graph (aliases not yet expanded: yaml.compose shares the node an
+    alias points to) would expand past MAX_CONFIG_VALUES values or MAX_CONFIG_DEPTH levels, or refers to
+    itself. Counted per distinct node with memoisation, so a billion-laughs file costs its length, not
+    its expansion: 26 levels of ``a{i}: {p: *a{i-1}, q: *a{i-1}}`` (731 bytes) once hung check."""
+    sizes: dict[int, int] = {}
+    depths: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(node, False)]
+    while stack:
+        n, done = stack.pop()
+        key = id(n)
+        children = (
+            [c for pair in n.value for c in pair] if n.id == "mapping" else (n.value if n.id == "sequence" else [])
+        )
+        if done:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in children)
+            depths[key] = 1 + max((depths[id(c)] for c in children), default=0)
+            if sizes[key] > MAX_CONFIG_VALUES or depths[key] > MAX_CONFIG_DEPTH:
+                raise ConfigError(
+                    f"--config={name!r} expands to more than {MAX_CONFIG_VALUES} values or {MAX_CONFIG_DEPTH} "
+                    f"levels (YAML anchors and aliases): a file of flags needs neither; write the values out"
+                )
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise ConfigError(f"--config={name!r} has a YAML alias that refers to itself: remove it")
+        on_path.add(key)
+        stack.append((n, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+
+
+def _load_yaml(text: str, name: str):
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()  # the node graph: aliases are shared nodes, nothing expanded
+        if node is None:
+            return None
+        _yaml_expansion(node, name)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
 
 def parse_text(text: str, name: str) -> dict:
-    """The mapping a .yaml / .yml / .toml file holds; ConfigError naming the file when it is not one."""
+    """The mapping a .yaml / .yml / .toml file holds; ConfigError naming the file when it is not one
+    (or when it is larger than MAX_CONFIG_BYTES, or its YAML aliases expand past MAX_CONFIG_VALUES)."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"--config={name!r} holds {len(text)} characters, more than a file of flags ({MAX_CONFIG_BYTES})"
+        )
     try:
         if name.endswith(".toml"):
             import tomllib
 
             data = tomllib.loads(text)
         elif name.endswith((".yaml", ".yml")):
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = _load_yaml(text, name)
         else:
             raise ConfigError(f"--config={name!r}: give a .yaml, .yml or .toml file")
     except ConfigError:

@@ -52,11 +52,15 @@ def split_config(argv: Sequence[str]) -> tuple[dict, str, list[str]]:
             else:
                 name = arg.split("=", 1)[1]
                 del argv[i]
-            try:
-                with open(name, encoding="utf-8") as fh:
-                    text = fh.read()
-            except (OSError, UnicodeDecodeError) as e:
-                raise ConfigError(f"--config={name!r} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+            from staleflow.config.file import MAX_CONFIG_BYTES
+            from staleflow.inputs import InputError, read_capped
+
+            try:  # a regular file only (a FIFO would hang the reader), at most 1 MiB
+                text = read_capped(name, MAX_CONFIG_BYTES).decode("utf-8")
+            except InputError as e:
+                raise ConfigError(f"--config={name!r} cannot be read: {e}") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"--config={name!r} is not UTF-8 (byte {e.start})") from None
             return parse_text(text, name), name, argv
     return {}, "", argv
 

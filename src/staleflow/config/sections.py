@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from staleflow.config.ranges import in_range
 from staleflow.faults import ConfigError  # the fault every layer raises for a bad value (re-exported)
 
 
@@ -87,6 +88,7 @@ class RolloutConfig:
     cuda_graphs: bool = False  # built-in engine, CUDA only: replay captured decode steps (docs/engine.md)
 
     def __post_init__(self):
+        in_range(self, "rollout")
         _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")
         _check(self.max_running >= 1, "rollout.max-running", self.max_running, "must be >= 1")
         _check(self.block_size >= 1, "rollout.block-size", self.block_size, "must be >= 1")
@@ -228,6 +230,7 @@ class TrainConfig:
     """MoE models: weight of the router's load-balancing loss (Qwen3-MoE pre-trained with 0.001); 0: off (docs/trainer.md)."""
 
     def __post_init__(self):
+        in_range(self, "train")
         _check(
             math.isfinite(self.lr) and 0 < self.lr <= 1,
             "train.lr",
@@ -327,6 +330,7 @@ class CoordinatorConfig:
     (a class (cfg, cost_model) with plan(ctx, now) returning Route / Interrupt / Pull / Abort commands; docs/extending.md)."""
 
     def __post_init__(self):
+        in_range(self, "coordinator")
         _check(self.scan_limit >= 1, "coordinator.scan-limit", self.scan_limit, "must be >= 1")
         _check(self.mu >= 0, "coordinator.mu", self.mu, "must be >= 0")
         _check(self.max_concurrent >= 1, "coordinator.max-concurrent", self.max_concurrent, "must be >= 1")
@@ -360,6 +364,7 @@ class EnvConfig:
     <|python_tag|>), auto: the one the chat template uses (qwen for templates without tool support)."""
 
     def __post_init__(self):
+        in_range(self, "env")
         _check(self.max_turns >= 1, "env.max-turns", self.max_turns, "must be >= 1")
         _check(self.max_total_tokens >= 0, "env.max-total-tokens", self.max_total_tokens, "must be >= 0 (0: no cap)")
         _check(self.max_turn_tokens >= 0, "env.max-turn-tokens", self.max_turn_tokens, "must be >= 0 (0: rollout's)")

@@ -7,8 +7,8 @@ A source is a .jsonl file (read here line by line, so a bad line is one bad row)
 Hugging Face ``datasets`` library reads (data/hf.py): a .parquet / .json file, a folder written by
 ``save_to_disk``, a dataset name in the local hub cache.
 
-A row is bad when its JSON line is invalid (bad syntax, nested too deeply, invalid UTF-8) or not an
-object, the prompt or answer field is missing, the prompt is neither a string nor a list of chat
+A row is bad when it is larger than 16 MiB (``too_large``: never decoded, whatever the format), its
+JSON line is invalid (bad syntax, nested too deeply, invalid UTF-8) or not an object, the prompt or answer field is missing, the prompt is neither a string nor a list of chat
 messages ({"role": str, "content": str}), the answer is not a string or number, or either is empty.
 Fields may be dotted paths into nested records (``reward_model.ground_truth``). The answer field
 ``auto`` (the default) takes the first of ``answer``, ``reward_model.ground_truth`` (verl's layout),
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from staleflow.config import DataConfig
-from staleflow.data.errors import SUFFIXES, DataError
+from staleflow.data.errors import MAX_ROW_BYTES, SUFFIXES, DataError
 
 __all__ = ["SUFFIXES", "BadRow", "DataError", "FileRow", "check_record", "read_rows"]
 
 AUTO_ANSWER_FIELDS = ("answer", "reward_model.ground_truth", "solution", "ground_truth")
 """--data.answer-field auto: the first of these a row has (plain files, verl, TRL / HF math sets)."""
-MAX_LINE_BYTES = 1 << 24
+MAX_LINE_BYTES = MAX_ROW_BYTES
 """A .jsonl line longer than this (16 MiB) is a bad row, never parsed."""
 
 
@@ -44,13 +44,15 @@ class FileRow:
     meta: dict = field(default_factory=dict)
     messages: tuple = ()
     """Chat prompt: ((role, content), ...); empty for a string prompt."""
+    answer_field: str = ""
+    """The field the answer was read from (--data.answer-field auto picks one per row)."""
 
 
 @dataclass(frozen=True)
 class BadRow:
     location: str
     kind: str
-    """invalid_json, invalid_utf8, not_object, missing_field, not_string, empty, too_long, unscorable."""
+    """invalid_json, invalid_utf8, too_large, not_object, missing_field, not_string, empty, too_long, unscorable."""
     reason: str
 
 
@@ -121,6 +123,13 @@ def check_record(rec, cfg: DataConfig) -> tuple[str, str] | FileRow:
     """(kind, reason) if the record is bad, else FileRow (location and source meta filled by the caller)."""
     if not isinstance(rec, dict):
         return "not_object", f"a row must be a JSON object, got {type(rec).__name__}"
+    try:
+        return _check_object(rec, cfg)
+    except RecursionError:  # a value nested as deep as the parser allows
+        return "invalid_json", "a value nested too deeply"
+
+
+def _check_object(rec: dict, cfg: DataConfig) -> tuple[str, str] | FileRow:
     if not has_path(rec, cfg.prompt_field):
         return "missing_field", f"missing field {cfg.prompt_field!r} (set --data.prompt-field)"
     afield = answer_field_of(rec, cfg)
@@ -151,18 +160,28 @@ def check_record(rec, cfg: DataConfig) -> tuple[str, str] | FileRow:
         return "empty", f"field {afield!r} is empty"
     top = {cfg.prompt_field.split(".", 1)[0], afield} if afield in rec else {cfg.prompt_field}
     meta = {str(k): _plain(v) for k, v in rec.items() if k not in top}
-    return FileRow("", text, str(answer), meta, messages)
+    return FileRow("", text, str(answer), meta, messages, afield)
 
 
 def _jsonl_records(path: Path, limit: int | None) -> tuple[list[tuple[int, object, tuple[str, str] | None]], int]:
     """[(line number, record, (kind, error) or None)], blank lines: each line decoded on its own."""
+    from staleflow.inputs import InputError, open_regular
+
     out, blank = [], 0
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+    try:
+        fd = open_regular(path)  # a FIFO or a device is refused before it is opened
+    except InputError as e:
+        raise DataError(f"--data.source: {e}") from None
+    with open(fd, "rb") as fh:
+        lineno = 0
+        while raw := fh.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
             if limit is not None and len(out) >= limit:
                 break
-            if len(raw) > MAX_LINE_BYTES:
-                out.append((lineno, None, ("invalid_json", f"line of {len(raw)} bytes > {MAX_LINE_BYTES}")))
+            if len(raw) > MAX_LINE_BYTES:  # never held whole: the rest of the line is skipped in chunks
+                while raw and not raw.endswith(b"\n"):
+                    raw = fh.readline(MAX_LINE_BYTES)
+                out.append((lineno, None, ("too_large", f"a line of more than {MAX_LINE_BYTES} bytes")))
                 continue
             try:
                 line = raw.decode("utf-8")
@@ -190,10 +209,10 @@ def read_rows(source: str, cfg: DataConfig, limit: int | None = None) -> tuple[l
     from staleflow.data.hf import dataset_records, resolve_source
 
     kind, target = resolve_source(source, cfg)
-    if kind == "jsonl":
+    records = dataset_records(kind, target, cfg, limit) if kind != "jsonl" else None
+    blank = 0
+    if records is None:  # .jsonl, or a .json file of JSON lines: one bad line is one bad row
         records, blank = _jsonl_records(target, limit)
-    else:
-        records, blank = [(i + 1, rec, None) for i, rec in enumerate(dataset_records(kind, target, cfg, limit))], 0
     good: list[FileRow] = []
     bad: list[BadRow] = []
     for rowno, rec, error in records:
@@ -203,5 +222,5 @@ def read_rows(source: str, cfg: DataConfig, limit: int | None = None) -> tuple[l
             bad.append(BadRow(location, *got))
             continue
         meta = {**got.meta, "source_row": location}
-        good.append(FileRow(location, got.text, got.answer, meta, got.messages))
+        good.append(FileRow(location, got.text, got.answer, meta, got.messages, got.answer_field))
     return good, bad, blank

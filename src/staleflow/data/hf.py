@@ -9,7 +9,9 @@ and ``hub`` (a dataset name, e.g. ``openai/gsm8k``, resolved offline from datase
 from the hub cache's snapshot that ``huggingface-cli download --repo-type dataset NAME`` wrote:
 a run never downloads). ``--data.split`` picks the split (default train) and
 ``--data.subset`` the configuration of a hub dataset. Nothing read here runs code: no dataset
-loading scripts (``trust_remote_code`` is never passed), parquet and arrow are data only.
+loading scripts (``trust_remote_code`` is never passed), parquet and arrow are data only, and no
+feature is decoded (an ``Image`` column's path is never opened). Files and save_to_disk folders are
+read by data/arrow.py (bounded rows, confined names, regular files only), not by ``datasets``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ def resolve_source(source: str, cfg: DataConfig) -> tuple[str, Path | str]:
     """(kind, path or name) of one data source; DataError naming the fix when it cannot be read."""
     path = Path(source).expanduser()
     if path.suffix in SUFFIXES:
-        if not path.is_file():
+        from staleflow.inputs import special_file
+
+        problem = special_file(path)
+        if problem == "does not exist":
             raise DataError(f"--data.source={source!r}: no such file; give an existing .jsonl, .parquet or .json file")
+        if problem:  # a FIFO or a device: never opened
+            raise DataError(f"--data.source={source!r} {problem}; give a .jsonl, .parquet or .json file")
         return path.suffix[1:], path
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
@@ -55,45 +62,36 @@ def _datasets():
     return datasets
 
 
-def _pick_split(ds, source: str, cfg: DataConfig):
-    """A Dataset from a Dataset or DatasetDict, by --data.split."""
-    if isinstance(ds, dict):  # a DatasetDict
-        if cfg.split not in ds:
-            raise DataError(
-                f"--data.source={source!r} has splits {sorted(ds)}, not --data.split={cfg.split!r}: pick one of them"
-            )
-        return ds[cfg.split]
-    return ds
+def dataset_records(kind: str, target, cfg: DataConfig, limit: int | None = None):
+    """[(row number, record or None, (kind, reason) or None)] of a parquet / json file, a save_to_disk
+    folder or a cached hub dataset (at most ``limit`` rows); None for a .json file of JSON lines (the
+    caller reads those line by line). Files and folders are read by data/arrow.py: bounded rows,
+    features never decoded, names confined to their folder."""
+    from staleflow.data.arrow import disk_records, json_records, parquet_records, table_records
 
-
-def dataset_records(kind: str, target, cfg: DataConfig, limit: int | None = None) -> list:
-    """The records (dicts) of a parquet / json file, a save_to_disk folder or a cached hub dataset."""
-    if kind == "parquet":
+    if kind in ("parquet", "disk"):
         try:
-            import pyarrow.parquet  # noqa: F401
+            import pyarrow  # noqa: F401
         except ImportError:
             raise DataError(
                 f"reading {str(target)!r} needs pyarrow, which is not installed: pip install pyarrow"
             ) from None
+    if kind == "parquet":
+        return parquet_records(target, limit)
+    if kind == "json":
+        return json_records(target, limit)
+    if kind == "disk":
+        return disk_records(target, cfg.split, limit)
     datasets = _datasets()
-    source = str(target)
     try:
-        if kind in ("parquet", "json"):
-            ds = datasets.load_dataset(kind, data_files=source, split="train", keep_in_memory=True)
-        elif kind == "disk":
-            ds = _pick_split(datasets.load_from_disk(source, keep_in_memory=True), source, cfg)
-        else:
-            ds = _hub(datasets, source, cfg)
+        ds = _hub(datasets, str(target), cfg)
+        table = ds.data.table if hasattr(ds.data, "table") else ds.data  # plain arrow: features never decoded
+        return table_records(table.to_batches(max_chunksize=256), limit)
     except DataError:
         raise
-    except Exception as e:  # a corrupt file, an unreadable folder: one line naming it
+    except Exception as e:  # a corrupt cache entry: one line naming it
         msg = " ".join(str(e).split())[:300]
-        raise DataError(f"--data.source={source!r} cannot be read ({type(e).__name__}: {msg})") from None
-    n = len(ds) if limit is None else min(limit, len(ds))
-    try:
-        return list(ds.select(range(n))) if n < len(ds) else list(ds)
-    except Exception as e:
-        raise DataError(f"--data.source={source!r}: reading its rows failed ({type(e).__name__}: {e})") from None
+        raise DataError(f"--data.source={str(target)!r} cannot be read ({type(e).__name__}: {msg})") from None
 
 
 def _hub(datasets, name: str, cfg: DataConfig):

@@ -40,14 +40,15 @@ class PromptRenderer:
     def encode(self, prompts: list) -> list[list[int]]:
         """Token ids of prompts (strings or chat-message tuples) as the policy sees them."""
         if self.cfg.chat_template:
-            from staleflow.env.template import tool_messages
+            from staleflow.env.template import TemplateBudgetError, render_chat, tool_messages
 
             rendered = []
             for p in prompts:
                 msgs, extra = tool_messages(self.tokenizer, self.messages(p), self.tools, self.tool_format)
-                rendered.append(
-                    self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **extra)
-                )
+                try:  # the model folder's template, within a time, step and memory budget
+                    rendered.append(render_chat(self.tokenizer, msgs, add_generation_prompt=True, **extra))
+                except TemplateBudgetError as e:
+                    raise DataError(str(e)) from None
             return [list(x) for x in self.tokenizer(rendered, add_special_tokens=False)["input_ids"]]
         texts = []
         for p in prompts:

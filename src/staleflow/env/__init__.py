@@ -7,7 +7,17 @@ tool_env.py: ToolEnv, an environment made of tools; calculator.py and python_env
 """
 
 from staleflow.env import calculator, python_env  # noqa: F401  (each registers its environment)
-from staleflow.env.protocol import ENVS, Environment, EnvStep, env_class, env_schemas, make_env, register_env, run_step
+from staleflow.env.protocol import (
+    ENVS,
+    Environment,
+    EnvStep,
+    env_class,
+    env_failure,
+    env_schemas,
+    make_env,
+    register_env,
+    run_step,
+)
 from staleflow.env.template import (
     end_of_turn_ids,
     observation_tokens,
@@ -28,6 +38,7 @@ __all__ = [
     "ToolError",
     "end_of_turn_ids",
     "env_class",
+    "env_failure",
     "env_schemas",
     "format_tool_call",
     "make_env",

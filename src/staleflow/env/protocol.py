@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -119,11 +120,13 @@ def env_schemas(cfg) -> list[dict]:
 
 
 async def run_step(env: Environment, message: str, timeout_s: float) -> EnvStep:
-    """``env.step(message)`` under the per-step timeout: past ``timeout_s`` seconds the step is
-    cancelled and the model reads an observation saying so (error 'timeout', done False), never an
-    exception. A tool running in a thread cannot be killed: it finishes in the background and its
-    result is dropped (the sandbox has its own wall-clock limit). Anything else a step raises is a
-    bug of the environment and propagates."""
+    """``env.step(message)`` under the per-step timeout; never raises for anything the message or the
+    environment does (nothing a model writes may end a rank). Past ``timeout_s`` seconds the step is
+    cancelled and the model reads an observation saying so (error 'timeout', done False). A tool
+    running in a thread cannot be killed: it finishes in the background and its result is dropped
+    (the sandbox has its own wall-clock limit). A step that raises, or returns something that is not
+    an EnvStep, is an error observation too (error 'environment: Type: message', done False), logged
+    as a warning: the episode goes on, bounded by --env.max-turns. Only a cancellation propagates."""
     t0 = time.monotonic()
     try:
         step = await asyncio.wait_for(env.step(message), timeout_s)
@@ -135,6 +138,26 @@ async def run_step(env: Environment, message: str, timeout_s: float) -> EnvStep:
             tool_s=time.monotonic() - t0,
             error="timeout",
         )
+    except Exception as e:  # a fork's environment, or a message no parser foresaw: the model reads it
+        return env_failure(env, f"{type(e).__name__}: {one_line(e)[:200]}", time.monotonic() - t0)
     if not isinstance(step, EnvStep):
-        raise TypeError(f"{type(env).__name__}.step returned {type(step).__name__}, not an EnvStep")
+        return env_failure(env, f"step returned {type(step).__name__}, not an EnvStep", time.monotonic() - t0)
     return step
+
+
+def env_failure(env, what: str, seconds: float = 0.0) -> EnvStep:
+    """The observation for an environment that failed on a message (logged once per distinct failure)."""
+    line = f"environment: {type(env).__name__} {what}"
+    if line not in _LOGGED and len(_LOGGED) < 64:
+        _LOGGED.add(line)
+        log.warning("%s; the model reads it as an error observation", line)
+    return EnvStep(
+        observation="Error: the environment could not handle this message; try again differently.",
+        done=False,
+        tool_s=seconds,
+        error=line,
+    )
+
+
+_LOGGED: set[str] = set()
+log = logging.getLogger("staleflow.env")

@@ -153,18 +153,50 @@ def _split_json(body: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+MAX_CALL_CHARS = 1 << 20
+"""A tool call's JSON longer than this is not parsed (a BadCall)."""
+MAX_CALL_DEPTH = 64
+"""Nesting past this many brackets is not parsed (a BadCall): json would recurse once per level."""
+
+
+def _too_deep(text: str) -> bool:
+    depth = deepest = 0
+    quoted = escaped = False
+    for ch in text:
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            quoted = True
+        elif ch in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_CALL_DEPTH:
+                return True
+        elif ch in "}]":
+            depth -= 1
+    return False
+
+
 def _from_json(text: str, key: str) -> ToolCall | BadCall:
+    """One call's JSON -> ToolCall, or a BadCall saying what is wrong; never raises (a model's text)."""
+    if len(text) > MAX_CALL_CHARS:
+        return BadCall(f"the tool call is {len(text)} characters, more than {MAX_CALL_CHARS}", text[:200].strip())
+    if _too_deep(text):
+        return BadCall(f"the tool call nests more than {MAX_CALL_DEPTH} brackets deep", text[:200].strip())
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return BadCall(f"the tool call is not valid JSON ({e.msg} at character {e.pos})", text.strip())
+    except (RecursionError, ValueError) as e:  # nested too deeply for the parser, a huge number
+        return BadCall(f"the tool call is not valid JSON ({type(e).__name__})", text[:200].strip())
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return BadCall('a tool call is a JSON object with a "name" string', text.strip())
     args = obj.get(key, obj.get("arguments" if key == "parameters" else "parameters", {}))
-    if isinstance(args, str):  # some models send the arguments JSON-encoded once more
+    if isinstance(args, str) and not _too_deep(args):  # some models send the arguments JSON-encoded once more
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             pass
     if not isinstance(args, dict):
         return BadCall(f'the "{key}" of a tool call must be a JSON object', text.strip())

@@ -43,6 +43,9 @@ def check(argv: list[str]) -> RunConfig:
     nproc = os.environ.get("STALEFLOW_NPROC")
     if nproc:
         Roles(int(nproc), cfg.rollout.ranks)
+    from staleflow.launch.resume import protect_run_folders
+
+    protect_run_folders(cfg, cfg.resume)  # no extension module from a run folder (launch/saved_code.py)
     if cfg.resume:
         from staleflow.config.parse import given_flags
         from staleflow.launch.resume import check_resume

@@ -244,6 +244,10 @@ def run_rank(
             remove_run_folder(shared["run_id"])
         return 2
     run_id, cfg = shared["run_id"], config_from_dict(RunConfig, shared["cfg"])
+    if shared["run_dir"]:
+        from staleflow.launch.resume import protect_run_folders
+
+        protect_run_folders(cfg, shared["run_dir"])  # no extension module from a run folder, on every rank
     net = None
     if topo.multi_node:
         from staleflow.cluster.netplane import NetPlane

@@ -10,6 +10,10 @@ controller starts). The run folder itself, its lock, ids and the elastic pointer
 - ``--resume DIR`` (and an elastic restart) reload the run's saved config: a flag given now
   that changes the model or the dataset is refused in one line; other changes are applied with
   a note (e.g. more --steps). Rows after the checkpoint are marked superseded (runfolder/run_dir.py).
+- A saved config never chooses code: an extension spec read back from it is refused unless it is a
+  registered name or an installed module outside the working directory and every run folder
+  (launch/saved_code.py); and no process imports an extension module from a run folder
+  (extensions.protect_folders).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
+from staleflow.extensions import protect_folders
+from staleflow.launch.saved_code import check_saved_code
 from staleflow.runfolder.elastic import elastic_pointer, read_pointer, restart_count
 from staleflow.runfolder.lock import check_unlocked, lock_run_dir
 from staleflow.runfolder.run_dir import make_run_dir, supersede_after
@@ -88,7 +94,7 @@ def merge_resume_config(
             )
         merged = _replace_path(merged, key, value)
         notes.append(f"resume: {flag} {value!r} (was {s.get(key)!r})")
-    return resolve(dataclasses.replace(merged, resume=given.resume)), notes
+    return dataclasses.replace(merged, resume=given.resume), notes
 
 
 def _saved_config(run_dir: str) -> RunConfig:
@@ -99,6 +105,23 @@ def _saved_config(run_dir: str) -> RunConfig:
         raise ConfigError(
             f"--resume={run_dir!r}: cannot read its config.json ({e}); give a run folder that staleflow train created"
         ) from None
+
+
+def resumed_config(run_dir: str, cfg: RunConfig, defaults: RunConfig, flags: frozenset[str]):
+    """(the run's saved config with this command line's changes, notes); ConfigError when a change is
+    refused or a saved extension spec would choose code (launch/saved_code.py)."""
+    merged, notes = merge_resume_config(_saved_config(run_dir), cfg, defaults, flags)
+    check_saved_code(merged, cfg, run_dir)  # before resolve: a fork's --mode is imported there
+    return resolve(merged), notes
+
+
+def protect_run_folders(cfg: RunConfig, run_dir: str) -> None:
+    """No extension module is ever imported from the run folder, nor from --log.run-dir (unless that
+    holds the working directory itself), in this process and those it starts."""
+    runs = os.path.realpath(cfg.log.run_dir)
+    cwd = os.path.realpath(os.getcwd())
+    holds_cwd = cwd == runs or cwd.startswith(runs.rstrip(os.sep) + os.sep)
+    protect_folders(run_dir, "" if holds_cwd else runs)
 
 
 def _resume_point(run_dir: str, required: bool):
@@ -122,10 +145,11 @@ def _resume_point(run_dir: str, required: bool):
 def check_resume(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = frozenset()) -> RunConfig:
     """Validate --resume without touching the folder: not written by a live run, an intact
     checkpoint and a compatible config."""
+    protect_run_folders(cfg, cfg.resume)
     check_unlocked(cfg.resume)
     _resume_point(cfg.resume, required=True)
     if os.path.isfile(os.path.join(cfg.resume, "config.json")):
-        cfg, _ = merge_resume_config(_saved_config(cfg.resume), cfg, defaults, flags)
+        cfg, _ = resumed_config(cfg.resume, cfg, defaults, flags)
     return cfg
 
 
@@ -145,6 +169,7 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
         run_dir = cfg.resume
     else:
         run_dir, created = make_run_dir(cfg), True
+    protect_run_folders(cfg, run_dir)
     if os.path.isdir(run_dir):  # one writer per run folder (a missing --resume folder is refused below)
         lock_run_dir(run_dir)
     if pointer is not None:
@@ -152,7 +177,7 @@ def prepare_run(cfg: RunConfig, defaults: RunConfig, flags: frozenset[str] = fro
     ckpt, warns = _resume_point(run_dir, required=bool(cfg.resume) and restart_count() == 0)
     notes += warns
     if os.path.isfile(os.path.join(run_dir, "config.json")):
-        cfg, more = merge_resume_config(_saved_config(run_dir), cfg, defaults, flags)
+        cfg, more = resumed_config(run_dir, cfg, defaults, flags)
         notes += more
     version = 0
     if ckpt is not None:

@@ -80,9 +80,9 @@ def _rdzv_id(argv: list[str]) -> str:
 
 
 def main() -> None:
-    from staleflow.launch.import_path import working_directory_last
+    from staleflow.launch.import_path import working_directory_off
 
-    working_directory_last()  # the workers start with PYTHONSAFEPATH=1 (launch/import_path.py)
+    working_directory_off()  # the workers start with PYTHONSAFEPATH=1 (launch/import_path.py)
     from staleflow.launch.rendezvous_guard import GuardError, install
 
     try:

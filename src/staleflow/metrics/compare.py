@@ -12,7 +12,6 @@ so a share of tokens is a ratio of sums whichever groups a bootstrap draws.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,17 +63,19 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def load_run(path: str | Path) -> dict:
     """One run folder -> {"name", "seed", "groups": [per-group dict], "steps": [...], "run": {...}}."""
+    from staleflow.metrics.records import RecordError, read_metrics, read_seed, read_trained
+
     p = Path(path)
-    if not (p / "trained.jsonl").is_file() or not (p / "metrics.jsonl").is_file():
+    if not (p / "trained.jsonl").exists() or not (p / "metrics.jsonl").exists():
         raise RunError(f"{p}: no trained.jsonl / metrics.jsonl: pass a run folder (--log.run-dir/--log.name)")
-    trained, metrics = _rows(p / "trained.jsonl"), _rows(p / "metrics.jsonl")
+    try:  # typed: a crafted record is one line naming file, line and field (metrics/records.py)
+        trained, metrics, seed = read_trained(p / "trained.jsonl"), read_metrics(p / "metrics.jsonl"), read_seed(p)
+    except RecordError as e:
+        raise RunError(str(e)) from None
     steps = sorted((r for r in metrics if "eval_n" not in r), key=lambda r: r["step"])
     evals = sorted((r for r in metrics if "eval_n" in r), key=lambda r: r["step"])
     if not trained or not steps:
         raise RunError(f"{p}: no trained groups or no steps in its logs: did the run train?")
-    seed = None
-    if (p / "config.json").is_file():
-        seed = json.loads((p / "config.json").read_text()).get("seed")
     step_time = {r["step"]: r["time"] for r in steps}
     times = [r["time"] for r in steps]
     monotone = all(a <= b for a, b in zip(times, times[1:]))  # a resumed run restarts its clock

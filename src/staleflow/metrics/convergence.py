@@ -8,7 +8,6 @@ each run folder's metrics.jsonl and aggregates over seeds (paired with sync by s
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from statistics import fmean, median, stdev
@@ -27,8 +26,9 @@ def label(mode: str, eta: int) -> str:
 
 def summarize_run(run_dir: Path, wall_s: float) -> dict:
     """The numbers the bench needs from one finished run folder (metrics.jsonl)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [r for r in rows if not r.get("superseded")]
+    from staleflow.metrics.records import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")  # typed; RecordError (one line) for a crafted record
     steps = sorted((r for r in rows if "eval_n" not in r), key=lambda r: r["step"])
     made = {0: 0.0, **{r["step"] + 1: r["time"] for r in steps}}  # version v exists once buffer v-1 is trained
     evals = [
@@ -73,7 +73,7 @@ def summarize_run(run_dir: Path, wall_s: float) -> dict:
         "staleness_mean": sum(k * n for k, n in hist.items()) / max(groups, 1),
         "staleness_max": max(hist, default=0),
         "staleness_hist": hist,
-        "reward_last5": fmean(r["reward_mean"] for r in steps[-5:]) if steps else 0.0,
+        "reward_last5": fmean(r.get("reward_mean", 0.0) for r in steps[-5:]) if steps else 0.0,
         "diag": {k: fmean(r.get("train", {}).get(k, 0.0) for r in steps) if steps else 0.0 for k in DIAG}
         | {"train_acc_last5": fmean(r.get("accuracy", 0.0) for r in steps[-5:]) if steps else 0.0},
     }

@@ -41,12 +41,12 @@ class ModelLoadError(BadInput, ValueError):
 
 
 def _read_json(path: Path, limit: int = 16 << 20):
-    try:
-        if path.stat().st_size > limit:
-            raise ModelLoadError(f"{path}: {path.stat().st_size} bytes, more than a {path.name} holds")
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ModelLoadError(f"cannot read {str(path)!r}: {type(e).__name__}: {str(e)[:160]}") from None
+    from staleflow.inputs import InputError, load_json
+
+    try:  # a regular file (a FIFO would hang the reader), at most `limit` bytes, any nesting refused cleanly
+        return load_json(path, limit)
+    except InputError as e:
+        raise ModelLoadError(f"cannot read {str(path)!r}: {str(e)[:200]}") from None
 
 
 def read_config(folder: str | Path) -> dict:
@@ -72,7 +72,13 @@ def read_model_args(folder: str | Path) -> ModelArgs:
 def check_tokenizer_config(folder: str | Path) -> None:
     """The tokenizer's JSON files decode to objects of the expected types, and none asks for custom
     code (auto_map): transformers would run it, or ask on a terminal. One ModelLoadError otherwise."""
+    from staleflow.inputs import special_file
+
     folder = Path(folder)
+    for entry in folder.iterdir() if folder.is_dir() else ():  # tokenizer.json & co. are opened by libraries
+        problem = special_file(entry) or ""
+        if problem.startswith("is ") and not problem.startswith("is a folder"):  # a FIFO, a socket, a device
+            raise ModelLoadError(f"{entry} {problem}: a model folder holds files (a FIFO would hang its reader)")
     for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         path = folder / name
         if not path.is_file():
@@ -104,22 +110,48 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     """The checkpoint files of a folder: the shards named by the index, else every *.safetensors."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"cannot read shard index {str(index)!r}: {e!r}") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"shards {missing[:3]} listed in {str(index)!r} are missing from the folder")
-        return files
+    if index.exists():
+        return _index_shards(folder, index)
+    from staleflow.inputs import special_file
+
     files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        if problem := special_file(file):
+            raise ModelLoadError(f"{file} {problem}: a model folder holds safetensors files")
     if not files:
         raise ModelLoadError(
             f"no *.safetensors in model folder {str(folder)!r}: convert the checkpoint to safetensors "
             f"(e.g. transformers save_pretrained(..., safe_serialization=True))"
         )
+    return files
+
+
+def _index_shards(folder: Path, index: Path) -> list[Path]:
+    """The shard files model.safetensors.index.json names: typed (weight_map an object of tensor name
+    -> file name), every file a plain name in the folder (no path, no '..': a hub snapshot's shards
+    may be symlinks to its blobs) and a regular file; one ModelLoadError naming the index otherwise."""
+    from staleflow.inputs import InputError, load_json, special_file
+
+    try:
+        obj = load_json(index)
+    except InputError as e:
+        raise ModelLoadError(f"cannot read the shard index: {e}") from None
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ModelLoadError(f"{index}: weight_map must be an object of tensor name -> shard file name")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        path = folder / name
+        if not name or "/" in name or "\\" in name or "\0" in name or name in (".", ".."):
+            raise ModelLoadError(f"{index}: shard {name[:120]!r} is not a file name inside the model folder")
+        problem = special_file(path)
+        if problem == "does not exist":
+            raise ModelLoadError(f"shard {name!r} listed in {str(index)!r} is missing from the folder")
+        if problem:
+            raise ModelLoadError(f"shard {name!r} listed in {str(index)!r} {problem}")
+        files.append(path)
     return files
 
 

@@ -4,7 +4,8 @@
     check_unlocked("runs/x")   # staleflow check --resume: refuse a folder a live run writes
 
 The lock is ``flock`` on ``<run>/run.lock``: the kernel releases it when its holder dies however it
-dies, so a lock file left by a dead run is simply taken over (its pid rewritten). A second run or
+dies, so a lock file left by a dead run is simply taken over (its pid rewritten). A lock path that is
+not a regular file (a FIFO, a device, a symlink) is refused before any open. A second run or
 ``--resume`` on a folder whose lock is held is refused in one line naming the live pid (exit 2):
 two runs appending to one ``metrics.jsonl`` and writing one ``checkpoints/`` would corrupt both.
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 
 from staleflow.faults import ConfigError
+from staleflow.inputs import special_file
 
 LOCK_FILE = "run.lock"
 _HELD: dict[str, int] = {}
@@ -36,14 +39,31 @@ def _refusal(run_dir: str, pid: str) -> ConfigError:
     )
 
 
+def _not_a_lock_file(path: str) -> None:
+    """ConfigError when ``path`` exists and is not a regular file (a FIFO would block its reader for
+    ever, and flock refuses one): refused before any open."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError(f"cannot read the run folder's lock {path}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a symlink" if stat.S_ISLNK(mode) else (special_file(path) or "not a regular file").removeprefix("is ")
+        raise ConfigError(
+            f"the run folder's lock {path} is {kind.split(',')[0]}, not a file: remove it (rm {path}) and retry"
+        )
+
+
 def lock_run_dir(run_dir: str) -> None:
     """Take the run folder's lock for the life of this process; ConfigError if a live run holds it."""
     key = os.path.realpath(run_dir)
     if key in _HELD:
         return
     path = os.path.join(run_dir, LOCK_FILE)
+    _not_a_lock_file(path)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
         raise ConfigError(
             f"cannot open the run folder's lock {path}: {e.strerror}; remove it if it is not a file"
@@ -69,8 +89,9 @@ def check_unlocked(run_dir: str) -> None:
     """ConfigError if a live run (another process) holds the folder's lock; touches nothing."""
     if os.path.realpath(run_dir) in _HELD:
         return
+    _not_a_lock_file(os.path.join(run_dir, LOCK_FILE))
     try:
-        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return  # no lock file (a run from before locks, or none yet): nobody holds it
     try:

@@ -6,7 +6,8 @@ new user, mount, PID, network, IPC, UTS and cgroup namespaces; a root holding on
 /sandbox. Nothing else of the host exists inside: not /work, /home, /root, /tmp, /etc or the run
 folder. The environment is cleared. See docs/sandbox.md for the choice and what it does not cover.
 
-    argv = command(limits, code_fd, runner_fd, status_fd, reason_fd, runner_args)
+    argv = command(limits, [("--file", code_fd, "/sandbox/main.py"), ("--ro-bind-data", fd, RUNNER_PATH)],
+                   status_fd, [RUNNER_PATH, str(reason_fd), runner_args])
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ BWRAP_ENV = "STALEFLOW_BWRAP"
 """Path of the bwrap binary to use (default: `bwrap` on PATH)."""
 NOBODY = 65534
 """As root, the sandbox runs as this uid/gid: the kernel never applies RLIMIT_NPROC to uid 0."""
-RUNNER_PATH = "/.staleflow/runner.py"
+STALEFLOW_DIR = "/.staleflow"
+"""Where our own scripts (runner.py, harness.py, wire.py) are placed, read-only, inside the sandbox."""
+RUNNER_PATH = f"{STALEFLOW_DIR}/runner.py"
 INSTALL_HINT = "install bubblewrap (apt-get install bubblewrap; scripts/setup_env.sh does it when it can)"
 
 
@@ -53,10 +56,10 @@ def drop_to_nobody() -> bool:
     return os.geteuid() == 0
 
 
-def command(
-    limits: SandboxLimits, code_fd: int, runner_fd: int, status_fd: int, reason_fd: int, runner_args: str
-) -> list[str]:
-    """The bwrap command line that runs the runner (fd runner_fd, its limits runner_args) on the code (fd code_fd)."""
+def command(limits: SandboxLimits, files: list[tuple[str, int, str]], status_fd: int, entry: list[str]) -> list[str]:
+    """The bwrap command line: ``files`` are (bwrap option, fd, path inside) to put in the sandbox
+    (``--file`` for the writable program, ``--ro-bind-data`` for our own scripts), ``entry`` the
+    script under /.staleflow and its arguments, run by the sandbox's Python (-I -B)."""
     python = interpreter(limits)
     binds = ["--ro-bind", "/usr", "/usr"]
     home = python_home(limits)
@@ -67,6 +70,7 @@ def command(
             binds += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
         elif os.path.isdir(f"/{link}"):
             binds += ["--ro-bind", f"/{link}", f"/{link}"]
+    placed = [arg for option, fd, path in files for arg in (option, str(fd), path)]
     return [
         bwrap_path() or "bwrap",
         "--unshare-all",
@@ -85,12 +89,11 @@ def command(
         "--dev", "/dev",
         "--remount-ro", "/dev",
         "--size", str(limits.folder_mb << 20), "--tmpfs", "/sandbox",
-        "--file", str(code_fd), "/sandbox/main.py",
-        "--ro-bind-data", str(runner_fd), RUNNER_PATH,
+        *placed,
         "--remount-ro", "/",
         "--chdir", "/sandbox",
         "--json-status-fd", str(status_fd),
-        python, "-I", "-B", RUNNER_PATH, str(reason_fd), runner_args,
+        python, "-I", "-B", *entry,
     ]  # fmt: skip
 
 

@@ -23,9 +23,10 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from staleflow.sandbox.bwrap import NOBODY, bwrap_path, command, drop_to_nobody, missing_bwrap, python_home
+from staleflow.sandbox.bwrap import NOBODY, RUNNER_PATH, bwrap_path, command, drop_to_nobody, missing_bwrap, python_home
 from staleflow.sandbox.limits import SandboxLimits, SandboxResult
 
 RUNNER = Path(__file__).with_name("runner.py")
@@ -63,37 +64,65 @@ class _Output:
         return bytes(self.parts[name]).decode("utf-8", errors="replace")
 
 
-def run_python(code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResult:
-    """Run `code` as /sandbox/main.py inside the sandbox; see the module docstring."""
+@dataclass
+class Launched:
+    """What one sandbox run left: bwrap's exit code, the output, whether it timed out or passed the
+    output limit, bwrap's JSON status and the text written on each side pipe."""
+
+    returncode: int | None
+    out: _Output
+    timed_out: bool
+    status: str
+    side: dict[str, str]
+    wall_s: float
+
+
+def launch(
+    limits: SandboxLimits,
+    files: list[tuple[str, str, bytes]],
+    entry: list[str],
+    side: tuple[str, ...] = ("reason",),
+    stdin: str = "",
+    inherit: tuple[tuple[str, bytes], ...] = (),
+) -> Launched | SandboxResult:
+    """Run the sandbox: ``files`` are (bwrap option, path inside, bytes), each passed as a memfd;
+    ``entry`` the script and its arguments, where an argument ``{name}`` is replaced by the number of
+    the fd of the file placed at that basename (``{job.json}``) or of the write end of side pipe
+    ``name`` (``{reason}``) or of an ``inherit`` memfd (name, bytes): passed as an open fd only, never
+    placed in the sandbox's file tree. Returns a SandboxResult with reason "unavailable" when it cannot start."""
     t0 = time.monotonic()
     missing = missing_bwrap()
     if missing:
         return SandboxResult("", missing, None, "unavailable", 0.0)
-    code_fd = _memfd("main.py", code.encode("utf-8", errors="surrogateescape"))
-    runner_fd = _memfd("runner.py", RUNNER.read_bytes())
-    status_r, status_w = os.pipe()
-    reason_r, reason_w = os.pipe()
-    budget = {k: getattr(limits, k) for k in ("cpu_s", "memory_mb", "processes", "file_mb")}
-    budget["visible"] = [home] if (home := python_home(limits)) else []
-    argv = command(limits, code_fd, runner_fd, status_w, reason_w, json.dumps(budget))
+    fds = {os.path.basename(path): _memfd(os.path.basename(path), data) for _, path, data in files}
+    handed = {name: _memfd(name, data) for name, data in inherit}
+    pipes = {name: os.pipe() for name in ("status", *side)}
+    numbers = {**fds, **handed, **{name: w for name, (_, w) in pipes.items()}}
+    argv = command(
+        limits,
+        [(option, fds[os.path.basename(path)], path) for option, path, _ in files],
+        pipes["status"][1],
+        [str(numbers[arg[1:-1]]) if arg[:1] == "{" and arg[1:-1] in numbers else arg for arg in entry],
+    )
     user = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if drop_to_nobody() else {}
+    passed = (*fds.values(), *handed.values(), *(w for _, w in pipes.values()))
     try:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(code_fd, runner_fd, status_w, reason_w),
+            pass_fds=passed,
             start_new_session=True,
             close_fds=True,
             env={"PATH": "/usr/bin:/bin"},  # bwrap's own pid 1 in the sandbox shows its environ: none of ours
             **user,
         )
     except OSError as e:
-        for fd in (code_fd, runner_fd, status_r, status_w, reason_r, reason_w):
+        for fd in (*passed, *(r for r, _ in pipes.values())):
             os.close(fd)
         return SandboxResult("", f"sandbox: cannot start bwrap: {e}", None, "unavailable", time.monotonic() - t0)
-    for fd in (code_fd, runner_fd, status_w, reason_w):
+    for fd in passed:
         os.close(fd)
 
     def kill() -> None:
@@ -119,29 +148,67 @@ def run_python(code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResu
         proc.wait()
     for t in readers:
         t.join(timeout=5.0)
-    status, first_reason = _read_all(status_r), _read_all(reason_r).split("\n", 1)[0].strip()
-    wall = time.monotonic() - t0
-    if '"child-pid"' not in status:  # bwrap itself failed: nothing of the code ran
-        line = (out.text("stderr").strip().splitlines() or [f"bwrap exited {proc.returncode}"])[0]
-        return SandboxResult("", f"sandbox: bwrap could not start: {line}", None, "unavailable", wall)
-    if proc.returncode == 1 and out.text("stderr").startswith("bwrap: execvp"):  # no such interpreter inside
-        line = out.text("stderr").strip().splitlines()[0]
+    texts = {name: _read_all(r) for name, (r, _) in pipes.items()}
+    status = texts.pop("status")
+    return Launched(proc.returncode, out, timed_out, status, texts, time.monotonic() - t0)
+
+
+def unavailable(run: Launched) -> SandboxResult | None:
+    """The 'unavailable' result when bwrap itself, or the interpreter inside, could not start."""
+    if '"child-pid"' not in run.status:  # bwrap itself failed: nothing of the code ran
+        line = (run.out.text("stderr").strip().splitlines() or [f"bwrap exited {run.returncode}"])[0]
+        return SandboxResult("", f"sandbox: bwrap could not start: {line}", None, "unavailable", run.wall_s)
+    if run.returncode == 1 and run.out.text("stderr").startswith("bwrap: execvp"):  # no such interpreter inside
+        line = run.out.text("stderr").strip().splitlines()[0]
         return SandboxResult(
-            "", f"sandbox: cannot start the interpreter: {line}: check SandboxLimits.python", None, "unavailable", wall
+            "",
+            f"sandbox: cannot start the interpreter: {line}: check SandboxLimits.python",
+            None,
+            "unavailable",
+            run.wall_s,
         )
-    exit_code: int | None = proc.returncode
+    return None
+
+
+def outcome(run: Launched) -> tuple[int | None, str | None]:
+    """(exit code or None when killed, reason or None) of a finished sandbox run."""
+    first_reason = run.side.get("reason", "").split("\n", 1)[0].strip()
+    exit_code: int | None = run.returncode
     reason: str | None = None
-    if timed_out:
+    if run.timed_out:
         exit_code, reason = None, "timeout"
-    elif out.over:
+    elif run.out.over:
         exit_code, reason = None, "output-limit"
-    elif exit_code is not None and exit_code > 128 and '"exit-code"' in status:  # bwrap: 128 + signal
+    elif exit_code is not None and exit_code > 128 and '"exit-code"' in run.status:  # bwrap: 128 + signal
         exit_code, reason = None, first_reason or SIGNAL_REASONS.get(exit_code - 128, "killed")
     elif exit_code is not None and exit_code < 0:  # bwrap itself killed
         exit_code, reason = None, "killed"
     if reason is None and first_reason:
         reason = first_reason
-    return SandboxResult(out.text("stdout"), out.text("stderr"), exit_code, reason, wall)
+    return exit_code, reason
+
+
+def runner_budget(limits: SandboxLimits) -> str:
+    """The runner's argument: the limits it sets inside, and the extra folders it may read."""
+    budget = {k: getattr(limits, k) for k in ("cpu_s", "memory_mb", "processes", "file_mb")}
+    budget["visible"] = [home] if (home := python_home(limits)) else []
+    return json.dumps(budget)
+
+
+def run_python(code: str, limits: SandboxLimits, stdin: str = "") -> SandboxResult:
+    """Run `code` as /sandbox/main.py inside the sandbox; see the module docstring."""
+    files = [
+        ("--file", "/sandbox/main.py", code.encode("utf-8", errors="surrogateescape")),
+        ("--ro-bind-data", RUNNER_PATH, RUNNER.read_bytes()),
+    ]
+    run = launch(limits, files, [RUNNER_PATH, "{reason}", runner_budget(limits)], stdin=stdin)
+    if isinstance(run, SandboxResult):
+        return run
+    refused = unavailable(run)
+    if refused is not None:
+        return refused
+    exit_code, reason = outcome(run)
+    return SandboxResult(run.out.text("stdout"), run.out.text("stderr"), exit_code, reason, run.wall_s)
 
 
 def sandbox_unavailable() -> str | None:

@@ -3,6 +3,7 @@
 bwrap copies this file into the sandbox (read-only) and runs it with the sandbox's Python:
 
     python3 -I -B /.staleflow/runner.py REASON_FD '{"cpu_s": 5, "memory_mb": 512, ...}'
+    python3 -I -B /.staleflow/runner.py REASON_FD LIMITS serve REQUEST_FD REPLY_FD   # started by harness.py
 
 It sets the resource limits (they cannot be raised again: raising a hard limit needs
 CAP_SYS_RESOURCE in the host's user namespace), then runs /sandbox/main.py as __main__ (compiled and executed in a fresh __main__ module). It only
@@ -11,6 +12,8 @@ audit hook notes the first attempt to reach the network or a path outside the vi
 an excepthook maps an uncaught MemoryError / EAGAIN / ENETUNREACH / EROFS ... to a reason. Each
 reason is one line written to REASON_FD; the parent keeps the first. The code can forge or
 suppress these labels, never lift the walls: enforcement is bwrap's namespaces and the rlimits.
+In serve mode (the code-with-tests reward, harness.py) the program's names are then offered to the
+harness and its calls answered as plain data (wire.py); the verdict is the harness's, not ours.
 Standard library only: nothing of the project is visible in here.
 """
 
@@ -23,6 +26,7 @@ import sys
 import types
 
 FOLDER = "/sandbox"
+STALEFLOW = "/.staleflow"
 VISIBLE = ("/usr", "/lib", "/lib64", "/bin", "/sbin", "/dev", "/proc", FOLDER, "/.staleflow")
 WRITABLE_DEVICES = ("/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty", "/dev/zero", "/dev/full")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "", None)
@@ -141,6 +145,7 @@ def main() -> None:
     global _reason_fd, VISIBLE
     _reason_fd = int(sys.argv[1])
     limits = json.loads(sys.argv[2])
+    serve_fds = [int(fd) for fd in sys.argv[4:6]] if sys.argv[3:4] == ["serve"] else None
     VISIBLE = VISIBLE + tuple(limits["visible"])
     set_limits(limits)
     sys.argv = [FOLDER + "/main.py"]
@@ -152,7 +157,73 @@ def main() -> None:
     sys.modules["__main__"] = main_module
     with open(sys.argv[0], "rb") as f:
         code = compile(f.read(), sys.argv[0], "exec")
-    exec(code, main_module.__dict__)
+    if serve_fds is None:
+        exec(code, main_module.__dict__)
+        return
+    sys.path.insert(1, STALEFLOW)  # wire.py (read-only, ours) after the program's own folder
+    import wire
+
+    try:
+        exec(code, main_module.__dict__)
+    except SystemExit:
+        pass  # the program ended early, as a script may: its definitions stand and are tested
+    except BaseException as e:  # the harness reads that the definitions never came (no verdict from here)
+        wire.send(serve_fds[1], {"died": f"{type(e).__name__}: {str(e)[:300]}"})
+        raise
+    serve(main_module.__dict__, *serve_fds, wire)
+
+
+def serve(namespace: dict, requests: int, replies: int, wire) -> None:
+    """Code-with-tests mode: offer the program's names to the harness, then answer its calls. What
+    crosses is plain data (wire.py); nothing here decides whether a test passed (harness.py)."""
+    handles: dict = {}
+    names = {}
+    for name, value in list(namespace.items()):
+        if name.startswith("__"):
+            continue
+        if isinstance(value, types.ModuleType):
+            names[name] = {"m": value.__name__}
+            continue
+        home = getattr(value, "__module__", None) if callable(value) else None
+        if isinstance(home, str) and home.split(".")[0] in sys.stdlib_module_names:
+            names[name] = {"m": home, "a": getattr(value, "__name__", name)}  # `from math import sqrt`
+            continue
+        try:
+            names[name] = {"v": wire.encode(value, handles)}
+        except (wire.WireError, RecursionError):
+            continue  # not plain data: not offered (a test naming it reads a NameError)
+    wire.send(replies, {"names": names})
+    while True:
+        try:
+            msg = wire.recv(requests)
+        except EOFError:
+            return
+        wire.send(replies, answer(msg, handles, wire))
+
+
+def answer(msg, handles: dict, wire) -> dict:
+    """One call: {"fn": handle, "args": [...], "kwargs": {...}} -> {"ok": result, "args": [...]} or {"raise": ...}."""
+    try:
+        fn = handles[msg["fn"]]
+        args = [wire.decode(a, handles.__getitem__) for a in msg["args"]]
+        kwargs = {k: wire.decode(v, handles.__getitem__) for k, v in msg["kwargs"].items()}
+        result = fn(*args, **kwargs)
+    except BaseException as e:  # SystemExit and the like too: the harness reads them as a failure
+        return {"raise": type(e).__name__, "msg": str(e)[:500]}
+    try:
+        out = {"ok": wire.encode(result, handles)}
+    except (wire.WireError, RecursionError) as e:
+        return {
+            "unreadable": f"returned {e}" if isinstance(e, wire.WireError) else "returned a value nested too deeply"
+        }
+    after = []
+    for a in args:  # the arguments after the call: the harness applies in-place changes to its own
+        try:
+            after.append(wire.encode(a, handles))
+        except (wire.WireError, RecursionError):
+            after.append(None)
+    out["args"] = after
+    return out
 
 
 if __name__ == "__main__":

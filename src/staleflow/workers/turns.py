@@ -248,7 +248,11 @@ class TurnDriver:
         ep.pending = self.env_thread.submit(self._run_step(ep, text))
 
     async def _run_step(self, ep: Episode, text: str):
-        calls, secs = await asyncio.wrap_future(ep.ready)
+        try:
+            calls, secs = await asyncio.wrap_future(ep.ready)
+        except Exception as e:  # reset (or a replay) failed: the model reads it; max_turns bounds the rest
+            ep.ready = _done_future((0, 0.0))
+            return env_pkg.env_failure(ep.env, f"reset failed: {type(e).__name__}: {e}")
         ep.stats.tool_calls += calls
         ep.stats.tool_s += secs
         ep.ready = _done_future((0, 0.0))  # replayed once
@@ -258,7 +262,10 @@ class TurnDriver:
         """Act on the env steps that finished: extend the held trajectory, or finish it."""
         for ep in [e for e in self.episodes.values() if e.pending is not None and e.pending.done()]:
             fut, ep.pending = ep.pending, None
-            step = fut.result()  # an environment's bug propagates (run_step turns timeouts into observations)
+            try:
+                step = fut.result()  # run_step never raises for a message or an environment's failure
+            except Exception as e:  # defence in depth: nothing a model writes ends the rank
+                step = env_pkg.env_failure(ep.env, f"{type(e).__name__}: {e}")
             ep.stats.tool_calls += step.tool_calls
             ep.stats.tool_s += step.tool_s
             if step.done:
@@ -273,7 +280,7 @@ class TurnDriver:
         limit = min(self.cfg.max_observation_tokens, room)
         try:
             obs = head + self.codec.observation(observation, limit) if limit > 0 else None
-        except ValueError:  # the template's tool turn does not fit in what is left
+        except Exception:  # the tool turn does not fit in what is left, or the template failed on the text
             obs = None
         if obs is None:  # no room for an observation and a next turn: the trajectory ends here
             self._finish(ep, "length")
