@@ -161,7 +161,10 @@ def test_eval_command_scripted_engine_sampled_gives_mean_accuracy_and_pass_at_k(
 
 
 def _eval(*args, cwd=None):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    # the checkout named on purpose, as docs/extending.md's PYTHONPATH=$PWD (no process puts the working
+    # directory on its import path): examples.* import from there
+    path = [str(TESTS), *([str(cwd)] if cwd is not None else []), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     return subprocess.run(
         [sys.executable, "-m", "staleflow", "eval", "--no-progress", *args],
         capture_output=True,
