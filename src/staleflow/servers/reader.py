@@ -18,7 +18,7 @@ from staleflow.servers.transport import sync_device
 
 
 class SlotReader:
-    """Needs ``slots``, ``layout``, ``device``, ``local`` (the pieces this node holds), ``holds_all``,
+    """Needs ``slots``, ``layout``, ``device``, ``node``, ``local`` (the pieces this node holds), ``holds_all``,
     ``_index`` (name -> entry), ``_rows`` (name -> rows of each piece), ``published_versions()`` and
     ``latest_version()`` from the ParameterServer. Only this node's pieces are read here: where another
     node holds some (FSDP across nodes), remote_weights.py brings the rest."""
@@ -68,7 +68,13 @@ class SlotReader:
         """Hold published ``version`` (shared lock) and yield an iterator of (name, whole tensor on
         ``device``): the slot's own view where one piece holds the parameter on that device, else a
         tensor assembled from the pieces. Use the tensors inside the block; on leaving it the
-        stamp is checked and a change raises TornRead (load again)."""
+        stamp is checked and a change raises TornRead (load again). Only where this node holds
+        every piece."""
+        if not self.holds_all:
+            raise ServerError(
+                f"stream({version}): node {self.node} holds only pieces {self.local} of the Parameter Server; "
+                f"the others are on other nodes (servers/remote_weights.py pulls them)"
+            )
         sl = self._slot_of(version)
         if sl is None:
             self._not_found(version)
