@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,99 @@ def _worker():
 
 if __name__ == "__main__":
     _worker()
+
+
+def _one_node(tag: str, run_dir: Path, name: str, *args: str, nproc: int = 4) -> subprocess.Popen:
+    """The same run with every rank under one torchrun agent (one node)."""
+    from test_multinode_e2e import TINY, _free_port
+
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")) if p)
+    cmd = [
+        *(sys.executable, "-m", "staleflow.launch.torchrun", "--nnodes", "1", "--nproc-per-node", str(nproc)),
+        *("--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())),
+        *("-m", "staleflow", "train", *TINY, "--log.run-dir", str(run_dir), "--log.name", name, *args),
+    ]
+    env = dict(os.environ, STALEFLOW_TEST_TAG=tag, PYTHONPATH=path)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+
+
+@pytest.mark.slow
+def test_multinode_trainer_ranks_on_both_nodes_train_and_pull_each_piece_from_its_node(tmp_path):
+    """2 agents x 2 ranks: trainer ranks 0, 1 on node 0 and 2 on node 1 (one FSDP2 group), rollout rank 3
+    on node 1 (--rollout.ranks 1). Each node holds its trainer ranks' Parameter Server piece."""
+    from test_faults import _leaked, _shm
+    from test_launch import _wait_gone
+    from test_multinode_e2e import _rows, agents, finish
+
+    from staleflow.metrics.audit import audit_run
+
+    tag, shm_before = uuid.uuid4().hex, _shm()
+    procs = agents(tag, tmp_path, "run", "--steps", "4", "--rollout.ranks", "1", launcher="staleflow.launch.torchrun")
+    out0, out1 = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], out0[-3000:] + out1[-3000:]
+    assert (
+        "staleflow: 4 ranks on 2 nodes (3 trainer, 1 rollout); controller on node 0" in out0
+        and "trainers (FSDP over all) and Parameter Server pieces on nodes 0, 1" in out0
+    ), out0[-3000:]
+    assert "node 1 [127.0.0.1]: rank 2 trainer, rank 3 rollout 0" in out0
+    run = tmp_path / "run"
+    rows = [r for r in _rows(run) if "eval_n" not in r]
+    last = rows[-1]
+    assert last["step"] == 3
+    # every pull took node 0's piece (trainer ranks 0-1's rows) over gloo and node 1's (rank 2's) from
+    # shared memory (versions 1-3, at least): the bytes by node are those of the pieces, 2 : 1 of the rows
+    from staleflow.cluster.placement import slot_placement
+    from staleflow.cluster.roles import Roles
+    from staleflow.cluster.topology import Topology
+    from staleflow.model import lazy_model
+    from staleflow.servers import ParamLayout
+
+    model, _ = lazy_model("tiny-llama")
+    layout = ParamLayout.from_named_tensors(model.named_parameters(), dtype=torch.float32)
+    topo = Topology.from_ranks(Roles(4, 1), [0, 0, 1, 1], [0, 1, 0, 1])
+    want = slot_placement(topo, "cpu").bytes_by_node(layout, node=1, puller=3)
+    by_node = {int(k): v for k, v in last["pull_bytes_by_node"].items()}
+    pulls = by_node[0] // want[0]
+    assert pulls >= 3 and by_node == {n: pulls * b for n, b in want.items()}, (by_node, want)
+    assert last["cross_node_pull_bytes"] == by_node[0] and last["cross_node_records"] > 0
+    assert f"weights pulled from each node's Parameter Server pieces: node 0: {by_node[0] / 1e6:.1f} MB" in out0
+    assert audit_run(run, steps=4, batch_size=4, group_size=4, eta=1).ok
+    # the checkpoint: every rank's shards, each named with the node that wrote it
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert (manifest["nodes"], manifest["world"], manifest["sharding"]) == (2, 3, "fsdp")
+    assert {f: e["node"] for f, e in manifest["files"].items() if f.startswith("rank_")} == {
+        "rank_0.safetensors": 0,
+        "rank_1.safetensors": 0,
+        "rank_2.safetensors": 1,
+    }
+    assert _wait_gone(tag) == []
+    assert _leaked(shm_before) == set()  # both nodes' slots, rings and mirrors removed
+
+
+@pytest.mark.slow
+def test_multinode_trainer_loss_on_two_nodes_matches_one_node(tmp_path):
+    """--mode sync (every step waits for its batch: the same groups whatever the timing), one step, the
+    same trainer world (3 ranks) and data: split over two nodes or all on one."""
+    from test_launch import _wait_gone
+    from test_multinode_e2e import _rows, agents, finish
+
+    args = ("--mode", "sync", "--steps", "1", "--rollout.ranks", "1", "--checkpoint.every", "0")
+    tag = uuid.uuid4().hex
+    one = finish([_one_node(tag, tmp_path, "one", *args)])
+    two = finish(agents(tag, tmp_path, "two", *args, launcher="staleflow.launch.torchrun"))
+    assert "(3 trainer, 1 rollout); controller and Parameter Server on node 0" in one[0], one[0][-3000:]
+    assert "trainers (FSDP over all) and Parameter Server pieces on nodes 0, 1" in two[0], two[0][-3000:]
+    a, b = ([r for r in _rows(tmp_path / name) if "eval_n" not in r][0] for name in ("one", "two"))
+    assert a["step"] == b["step"] == 0
+    a, b = a["train"], b["train"]
+    assert (a["samples"], a["response_tokens"], a["reward_mean"]) == (
+        b["samples"],
+        b["response_tokens"],
+        b["reward_mean"],
+    )
+    for key in ("loss", "grad_norm", "logp_mean", "entropy_mean", "advantage_abs_mean"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key  # the step's gradient: grad_norm
+    assert _wait_gone(tag) == []
