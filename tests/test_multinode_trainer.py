@@ -237,3 +237,25 @@ def test_multinode_trainer_loss_on_two_nodes_matches_one_node(tmp_path):
     for key in ("loss", "grad_norm", "logp_mean", "entropy_mean", "advantage_abs_mean"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key  # the step's gradient: grad_norm
     assert _wait_gone(tag) == []
+
+
+def test_multinode_trainer_refuses_a_run_folder_another_node_does_not_share(tmp_path):
+    """A trainer rank off node 0 writes its checkpoint shards into rank 0's run folder: it must see that
+    folder (rank 0's lock in it), else the run stops in one line naming --log.run-dir."""
+    from staleflow.faults import ConfigError
+    from staleflow.runfolder.lock import check_visible, lock_run_dir, release_run_dir
+
+    run = tmp_path / "run"
+    for seen in (run, tmp_path / "empty"):  # missing on this node; a folder of that name without the lock
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        with pytest.raises(ConfigError) as e:
+            check_visible(str(seen), home=0, node=1)
+        said = str(e.value)
+        assert "\n" not in said and f"{seen} (made on node 0) is not visible on node 1" in said
+        assert "--log.run-dir" in said
+    run.mkdir()
+    lock_run_dir(str(run))
+    try:
+        check_visible(str(run), home=0, node=1)  # the run's own folder (a shared file system): passes
+    finally:
+        release_run_dir(str(run))

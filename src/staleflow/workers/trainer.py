@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from staleflow.cluster.placement import slot_dtype, slot_placement
 from staleflow.cluster.topology import Topology
-from staleflow.config import ConfigError
 from staleflow.control.messages import Saved, SaveState, Shutdown, StepDone, TrainStep
 from staleflow.durable import disk_problem
 from staleflow.metrics.audit import content_digest, version_counts
+from staleflow.runfolder.lock import check_visible
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
 from staleflow.train.checkpoint import (
@@ -86,11 +86,8 @@ class TrainerWorker:
         self.run_dir = ctx.run_dir
         topo = ctx.net.topo if ctx.net is not None else Topology.single_node(ctx.roles)
         self.node, self.nodes = topo.node_of(ctx.rank), len(topo.trainer_nodes)
-        if ctx.run_dir and not os.path.isdir(ctx.run_dir):
-            raise ConfigError(  # checkpoints: every rank writes its shards there, rank 0 completes the folder
-                f"the run folder {ctx.run_dir} (made by node {topo.home}) is not visible on node {self.node}: "
-                f"trainer ranks on several nodes need a file system every node shares; set --log.run-dir to one"
-            )
+        if ctx.run_dir and self.node != topo.home:  # checkpoints: every rank writes its shards there
+            check_visible(ctx.run_dir, topo.home, self.node)
         self.resume_extra: dict = {}
         if ctx.resume_from:  # chosen by rank 0 (launch/resume.py): the newest intact checkpoint
             try:
