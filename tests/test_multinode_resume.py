@@ -6,8 +6,8 @@ controller names the lost rank and its node, saves a checkpoint while the traine
 (a trainer rank keeps serving for TERM_GRACE_S after its stop signal), both agents exit non-zero, and
 nothing of the run is left: no process, no /dev/shm segment. ``--resume`` given to both agents then
 continues from the newest checkpoint, every node reading its own ranks' shards, and every buffer is
-trained exactly once (metrics/audit.py). A checkpoint of the two-node trainer also resumes on one
-node: its state files hold rows, so the three trainer ranks reshard it (one line says so).
+trained exactly once (metrics/audit.py). The finished run's checkpoint then resumes on one node: its
+state files hold rows, so four trainer ranks reshard the three ranks' files (one line says so).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _wait_rows(run, procs, n: int, timeout: float = 300) -> None:
     raise AssertionError(f"no {n} steps within {timeout} s")
 
 
-def test_multinode_resume_after_a_node_agent_is_killed_trains_every_buffer_once(tmp_path):
+def test_multinode_resume_after_a_node_agent_is_killed_trains_every_buffer_once_then_reshards_on_one_node(tmp_path):
     tag, shm_before = uuid.uuid4().hex, _shm()
     run = tmp_path / "run"
     flags = ("--rollout.ranks", "1", "--checkpoint.every", "2")
@@ -77,21 +77,14 @@ def test_multinode_resume_after_a_node_agent_is_killed_trains_every_buffer_once(
     assert _wait_gone(tag) == []
     assert _leaked(shm_before) == set()
 
-
-def test_multinode_resume_of_a_two_node_checkpoint_on_one_node_reshards_it(tmp_path):
-    tag = uuid.uuid4().hex
-    run = tmp_path / "run"
-    flags = ("--rollout.ranks", "1", "--checkpoint.every", "2")
-    out = finish(agents(tag, tmp_path, "run", "--steps", "4", *flags, launcher="staleflow.launch.torchrun"))
-    assert "trainers (FSDP over all) and Parameter Server pieces on nodes 0, 1" in out[0], out[0][-3000:]
-    # one node of 5 ranks: 4 trainer ranks (the checkpoint's 3 rows files read by 4), 1 rollout rank
-    one = finish([_one_node(tag, tmp_path, "one", "--resume", str(run), "--steps", "6", *flags, nproc=5)])
+    # the same run on one node of 5 ranks: 4 trainer ranks read the two-node checkpoint's 3 rows files
+    one = finish([_one_node(tag, tmp_path, "one", "--resume", str(run), "--steps", str(STEPS + 2), *flags, nproc=5)])
     assert (
-        "checkpoint step_00000004 was written by 3 trainer rank(s) on 2 node(s) (fsdp); resharded onto 4 "
+        f"checkpoint step_{STEPS:08d} was written by 3 trainer rank(s) on 2 node(s) (fsdp); resharded onto 4 "
         "rank(s) on 1 node(s) (fsdp)" in one[0]
     ), one[0][-3000:]
     rows = [r for r in _rows(run) if "eval_n" not in r]
-    assert rows[-1]["step"] == 5
-    report = audit_run(run, steps=6, batch_size=4, group_size=4, eta=1)
+    assert rows[-1]["step"] == STEPS + 1
+    report = audit_run(run, steps=STEPS + 2, batch_size=4, group_size=4, eta=1)
     assert report.ok, report
     assert _wait_gone(tag) == []
