@@ -108,3 +108,26 @@ def test_bench_trainer_load_measures_both_paths_on_sharded_ranks():
     # the baseline holds the whole fp32 model (cast from the bf16 file) at its peak: the sampler sees it
     assert out["baseline_full_peak_anon_mib"] >= out["full_model_mib"]
     assert out["lazy_vs_full_peak_anon"] > 0 and out["lazy_vs_full_vm_hwm"] > 0
+
+
+def test_bench_multinode_pull_takes_each_piece_from_its_node():
+    """Three layouts in one run: ``local`` copies everything on node 1, ``remote`` receives it all from
+    node 0, ``sharded`` half from each node (bytes measured by the puller); ratios against the same
+    run's ``local`` and ``remote``."""
+    import torch
+
+    from staleflow.model import lazy_model
+    from staleflow.servers import ParamLayout
+
+    out = run_script("bench_multinode_pull.py", "--model", "tiny-llama", "--reps", "1")
+    layout = ParamLayout.from_named_tensors(lazy_model("tiny-llama")[0].named_parameters(), dtype=torch.float32)
+    rows = {r["layout"]: r for r in out["rows"]}
+    assert out["hardware"] and list(rows) == ["local", "remote", "sharded"]
+    assert list(rows["local"]["bytes_by_node"]) == ["1"] and list(rows["remote"]["bytes_by_node"]) == ["0"]
+    full = rows["local"]["bytes_by_node"]["1"]
+    assert full == sum(e.nbytes for e in layout.entries)  # every parameter, once
+    assert rows["remote"]["bytes_by_node"]["0"] == full
+    split = rows["sharded"]["bytes_by_node"]
+    assert sorted(split) == ["0", "1"] and sum(split.values()) == full and 0 < split["0"] < full
+    assert rows["local"]["vs_local"] == 1.0 and rows["remote"]["vs_remote"] == 1.0
+    assert all(r["seconds"] > 0 and r["gb_per_s"] > 0 for r in rows.values())

@@ -62,7 +62,16 @@ FENCED: dict[str, str] = {
     "tests/test_device_check.py runs it",
     "bash scripts/device_check.sh": "needs a GPU: the device check's one call (docs/device-check.md)",
     "python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 "
-    "--master-port 29400 -m staleflow train --rollout.ranks 12 ...": "needs two 8-GPU nodes",
+    "--master-port 29400 -m staleflow train --rollout.ranks 4 ...": "needs two 8-GPU nodes",
+    ".venv/bin/python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr "
+    "10.0.0.1 --master-port 29400 -m staleflow train --model.path /models/Qwen2.5-32B --rollout.ranks 4 "
+    "--log.run-dir /shared/runs --steps 200": "needs two 8-GPU nodes, the model and a shared file system",
+    "python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 127.0.0.1 "
+    "--master-port 29400 -m staleflow train --preset tiny --rollout.ranks 1 --steps 4": "two agents that wait for "
+    "each other (~1 min); tests/test_multinode_trainer.py runs this layout",
+    "python -m staleflow.launch.torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 127.0.0.1 "
+    "--master-port 29400 -m staleflow train --preset tiny --rollout.ranks 1 --steps 4": "the second agent of the "
+    "line above",
     ".venv/bin/python -m staleflow.launch.torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr "
     "10.0.0.1 --master-port 29400 -m staleflow train --model.path /models/Qwen2.5-7B --rollout.ranks 12 "
     "--steps 200": "needs two 8-GPU nodes and the model",
@@ -89,6 +98,8 @@ FENCED: dict[str, str] = {
     ".venv/bin/python -m staleflow eval --model.path smollm2-135m --data.source qa.jsonl --reward.fn math --samples 8 "
     "--rollout.temperature 0.7": "needs the user's qa.jsonl; tests/test_eval_command.py samples K answers on a file",
     "python scripts/bench_engine.py": "SmolLM2-135M at batch 32, minutes; tests/test_bench_scripts.py runs it small",
+    ".venv/bin/python scripts/bench_multinode_pull.py --reps 5": "SmolLM2-135M's 538 MB, three layouts (~2 min on "
+    "2 shared cores); tests/test_bench_scripts.py runs it on tiny-llama",
     "python scripts/bench_trainer_load.py": "two torchrun launches that load SmolLM2-135M (~1-2 min); "
     "tests/test_bench_scripts.py runs it on tiny-llama",
     "python scripts/bench_trainer_load.py --ranks 4": "as above, 4 ranks on 2 cores",

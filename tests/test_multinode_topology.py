@@ -3,6 +3,8 @@ layouts are refused, and the table printed at start. Node identity is torchrun's
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -52,12 +54,30 @@ def test_multinode_rollout_ranks_on_both_nodes_fetch_partials_and_only_remote_on
     assert topo.remote_pullers == [2, 3] and topo.fetches_partials
 
 
-def test_multinode_refuses_trainer_ranks_off_the_first_node_and_vllm_off_it():
-    with pytest.raises(ConfigError, match=r"trainer ranks \[2\] are not on node 0.*--rollout.ranks to at least 2"):
-        two_nodes(rollout=1).validate()
+def test_multinode_trainer_ranks_on_both_nodes_are_accepted_and_vllm_refused_for_them():
+    topo = two_nodes(rollout=1)  # trainer ranks 0, 1 (node 0) and 2 (node 1), rollout rank 3 on node 1
+    topo.validate(_backend("builtin"))
+    assert topo.trainer_nodes == [0, 1] and topo.full_nodes == [] and topo.remote_pullers == [3]
+    with pytest.raises(ConfigError, match=r"--rollout.engine=vllm on rollout ranks \[3\]"):
+        topo.validate(_backend("vllm"))
     with pytest.raises(ConfigError, match=r"--rollout.engine=vllm on rollout ranks \[2, 3\]"):
         two_nodes(rollout=2).validate(_backend("vllm"))
     two_nodes(rollout=2).validate(_backend("builtin"))
+    assert topo.describe().splitlines()[0] == (
+        "staleflow: 4 ranks on 2 nodes (3 trainer, 1 rollout); controller on node 0; trainers (FSDP over all) "
+        "and Parameter Server pieces on nodes 0, 1"
+    )
+
+
+def test_multinode_trainer_hsdp_needs_as_many_trainer_ranks_on_every_node():
+    uneven = dataclasses.replace(two_nodes(rollout=1), replicated=True)
+    with pytest.raises(ConfigError, match=r"--cluster.sharding hsdp .* \(node 0: 2, node 1: 1\)"):
+        uneven.validate()
+    # torchrun allows another --nproc-per-node per node: 1 trainer on node 0, 1 trainer + 1 rollout on node 1
+    even = Topology.from_ranks(Roles(3, 1), [0, 1, 1], [0, 0, 1], replicated=True)
+    even.validate()
+    assert even.shard_size == 1 and even.full_nodes == [0, 1]
+    assert even.remote_pullers == [2]  # node 1 holds every weight: it reads node 1's (not node 0's, as vLLM would)
 
 
 def test_multinode_single_node_has_nothing_to_send():
@@ -86,9 +106,8 @@ def test_multinode_every_trainer_node_gets_every_finished_record(per_node, rollo
         reach = set(topo.ships_to(r)) | ({topo.node_of(r)} & set(topo.trainer_nodes))
         assert reach == set(topo.trainer_nodes)
         assert topo.node_of(r) not in topo.ships_to(r)
-    assert topo.remote_pullers == [r for r in topo.roles.rollout_ranks if nodes[r] != nodes[0]]
-    try:
-        topo.validate()
-        assert topo.trainer_nodes == [nodes[0]]
-    except ConfigError:
-        assert topo.trainer_nodes != [nodes[0]]
+    if topo.trainer_nodes == [nodes[0]]:
+        assert topo.remote_pullers == [r for r in topo.roles.rollout_ranks if nodes[r] != nodes[0]]
+    else:  # FSDP across nodes: no node holds every weight
+        assert topo.full_nodes == [] and topo.remote_pullers == topo.roles.rollout_ranks
+    topo.validate()  # trainer ranks may sit on any node

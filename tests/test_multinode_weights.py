@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import zmq
 
 from staleflow.servers import ParameterServer, ParamLayout
+from staleflow.servers.layout import equal_pieces
 from staleflow.servers.remote_weights import RemoteWeights, WeightServer
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ def _rank(rank: int, store_file: str, run_id: str, secret: bytes, result_file: s
         obj = [None]
         dist.broadcast_object_list(obj, src=0)
         secure = SecureContext(keys, "rank 1", 1)
-        puller = RemoteWeights([secure.client(zmq.DEALER, obj[0])], [0], group, "cpu")
+        puller = RemoteWeights({0: secure.client(zmq.DEALER, obj[0])}, equal_pieces(1), group, "cpu")
         embed_t = torch.zeros(16, 300).t()  # a strided destination, like an engine's transposed weight
         out = {
             "embed": embed_t,
@@ -78,8 +79,8 @@ def _rank(rank: int, store_file: str, run_id: str, secret: bytes, result_file: s
         }
         seen = []
         while not seen or seen[-1] < VERSIONS - 1:
-            v, nbytes = puller.pull_latest(out)
-            assert nbytes == sum(t.numel() * t.element_size() for t in out.values())
+            v, by_node = puller.pull_latest(out)
+            assert by_node == {0: sum(t.numel() * t.element_size() for t in out.values())}
             for name, shape, _ in SPECS:
                 assert torch.equal(out[name], value(name, shape, dtypes[name], v)), f"{name} is not version {v}"
             seen.append(v)

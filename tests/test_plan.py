@@ -98,6 +98,8 @@ def test_plan_trainer_bytes_equal_fsdp2_shards_and_adamw_state_on_meta():
 def test_plan_slot_pieces_equal_the_parameter_servers_allocations(monkeypatch):
     import staleflow.servers.pieces as pieces
     from staleflow.cluster.placement import slot_dtype, slot_placement
+    from staleflow.cluster.roles import Roles
+    from staleflow.cluster.topology import Topology
     from staleflow.plan.architecture import meta_model
     from staleflow.servers import ParameterServer, ParamLayout
 
@@ -116,7 +118,7 @@ def test_plan_slot_pieces_equal_the_parameter_servers_allocations(monkeypatch):
 
     master = meta_model(model_args("tiny-qwen2"), torch.float32)
     layout = ParamLayout.from_named_tensors(master.named_parameters(), dtype=slot_dtype(cfg, "cuda"))
-    place = slot_placement(4, 8, "cuda")
+    place = slot_placement(Topology.single_node(Roles(8, 4)), "cuda")
     run = "pl" + uuid.uuid4().hex[:8]
     servers = [ParameterServer.create(run, layout, device="cuda:0", pieces=place.pieces, readers=place.readers)]
     servers += [ParameterServer.attach(run, piece=r, device=f"cuda:{r}") for r in range(1, 4)]

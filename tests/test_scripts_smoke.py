@@ -85,6 +85,7 @@ SMOKE: dict[str, Smoke] = {
         "run", ("--model", "tiny-llama", "--lengths", "8,16", "--reps", "1"), ("forward", "forward+backward")
     ),
     "bench_modes.py": Smoke("test", test=HERE + "test_scripts_smoke_bench_modes_then_check_export"),
+    "bench_multinode_pull.py": Smoke("test", test=BENCH + "test_bench_multinode_pull_takes_each_piece_from_its_node"),
     "bench_prefix_sharing.py": Smoke(
         "test",
         test="tests/test_engine_bench_prefix_sharing.py::test_bench_prefix_sharing_reports_prefill_saved_and_agreement",

@@ -76,8 +76,8 @@ def test_local_weights_copy_a_published_version_into_the_engine():
         ps.publish(3)
         source = open_weight_source(run, _backend("builtin"), reader=0, worker_reader=0)
         assert isinstance(source, LocalWeights)
-        version, nbytes, cross = source.load(dst, keep_kv=False)
-        assert (version, nbytes, cross) == (3, ps.layout.nbytes, False) and dst.version == 3
+        version, nbytes, by_node = source.load(dst, keep_kv=False)
+        assert (version, nbytes, by_node) == (3, ps.layout.nbytes, {0: ps.layout.nbytes}) and dst.version == 3
         got = dict(dst.model.named_parameters())
         assert all(torch.equal(got[k], v) for k, v in named.items())
         source.close()
@@ -98,7 +98,7 @@ class _Remote:
     def pull_latest(self, out):
         for k, t in out.items():
             t.copy_(self.named[k])
-        return 5, 123
+        return 5, {0: 100, 1: 23}
 
 
 class _EngineWithoutTargets:
@@ -118,7 +118,7 @@ def test_a_remote_source_stages_for_an_engine_that_holds_its_weights_elsewhere()
     engine = _EngineWithoutTargets()
     source = open_weight_source("r", _backend("vllm"), reader=0, worker_reader=1, remote=_Remote(named))
     assert isinstance(source, RemoteSource)
-    assert source.load(engine, keep_kv=True) == (5, 123, True)
+    assert source.load(engine, keep_kv=True) == (5, 123, {0: 100, 1: 23})
     assert engine.version == 5 and engine.keep_kv and all(torch.equal(engine.loaded[k], v) for k, v in named.items())
     own = open_weight_source("r", _backend("vllm"), reader=0, worker_reader=1)
     assert isinstance(own, EngineLoadsItself) and own.worker_reader == 1  # the engine's worker reads as itself

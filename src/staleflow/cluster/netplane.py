@@ -9,9 +9,11 @@
 
 ``open`` binds the servers this rank hosts (on its node's address, behind the CURVE gatekeeper)
 and gathers every rank's endpoints over the world group, so each client knows where to connect
-before any worker starts. What a rank hosts follows from the topology (cluster/topology.py):
+before any worker starts. What a rank hosts follows from the topology (cluster/topology.py) and the
+Parameter Server's placement (cluster/placement.py):
   record receiver  the first trainer rank of a trainer node that rollout ranks ship to;
-  weight server    each Parameter Server piece owner, when some rollout rank is off its node;
+  weight server    each Parameter Server piece owner whose piece some rollout rank of another node
+                   pulls (its copy plan);
   record server    every rollout rank, when rollout ranks span nodes (partial records on request).
 A single-node run has no NetPlane: nothing here runs, nothing listens on TCP.
 """
@@ -22,7 +24,7 @@ import torch
 import zmq
 
 from staleflow.cluster.exchange import all_gather_json
-from staleflow.cluster.placement import slot_placement
+from staleflow.cluster.placement import reader_index, slot_placement
 from staleflow.cluster.topology import Topology
 from staleflow.net.curve import RunKeys, SecureContext
 from staleflow.servers.mirror import attach_mirror
@@ -37,9 +39,7 @@ class NetPlane:
         self.topo, self.rank, self.run_id, self.secure = topo, rank, run_id, secure
         self.pull_groups, self.device = pull_groups, torch.device(device)
         self.node = topo.node_of(rank)
-        self.owners = list(
-            range(slot_placement(topo.roles.num_trainer, topo.roles.world_size, self.device.type).pieces)
-        )
+        self.place = slot_placement(topo, self.device.type)
         self.endpoints: list[dict] = []
         self._bound: dict[str, zmq.Socket] = {}
         self.sends = ZeroCopySends()
@@ -60,7 +60,7 @@ class NetPlane:
         mine = {}
         if rank == topo.receiver_rank(net.node) and net.shipping_ranks():
             net._bound["records"], mine["records"] = secure.server(zmq.PULL, ip, b"records")
-        if rank in net.owners and any(not topo.same_node(r, rank) for r in topo.remote_pullers):
+        if net.pullers_of(rank):
             net._bound["weights"], mine["weights"] = secure.server(zmq.ROUTER, ip, b"weights")
         if roles.role(rank) == "rollout" and topo.fetches_partials:
             net._bound["fetch"], mine["fetch"] = secure.server(zmq.ROUTER, ip, b"fetch")
@@ -68,6 +68,11 @@ class NetPlane:
         if roles.role(rank) == "rollout":
             net._rollout_side()
         return net
+
+    def pullers_of(self, owner: int) -> list[int]:
+        """Rollout ranks of other nodes whose copy plan pulls a piece of ``owner`` over the network."""
+        topo = self.topo
+        return [r for r in topo.roles.rollout_ranks if owner in self.place.remote_owners(topo.node_of(r), r)]
 
     def shipping_ranks(self) -> list[int]:
         """Rollout ranks that ship their finished records to this rank's node."""
@@ -91,12 +96,28 @@ class NetPlane:
             self.fetcher = RecordFetcher(lambda r: self.secure.client(zmq.DEALER, self.endpoints[r]["fetch"]))
             self._closers.append(self.fetcher.close)
 
-    def remote_weights(self) -> RemoteWeights | None:
-        """The puller of a rollout rank off the Parameter Server's node (None on that node)."""
-        if self.topo.same_node(self.rank, 0):
+    def remote_weights(self, timeout: float = 300.0) -> RemoteWeights | None:
+        """The puller of a rollout rank whose copy plan takes some pieces from other nodes (None when its
+        node holds every piece); this node's own pieces, if any, it reads from this node's Parameter
+        Server (waiting up to ``timeout`` for its trainer ranks to create it)."""
+        place, node = self.place, self.node
+        remote = [p for p in place.pull_plan(node, self.rank) if place.pieces[p].node != node]
+        if not remote:
             return None
-        socks = [self.secure.client(zmq.DEALER, self.endpoints[o]["weights"]) for o in self.owners]
-        puller = RemoteWeights(socks, self.owners, self.pull_groups[self.rank], self.device)
+        socks = {p: self.secure.client(zmq.DEALER, self.endpoints[place.owner(p)]["weights"]) for p in remote}
+        local = None
+        if place.on_node(node):
+            from staleflow.servers.parameter import ParameterServer
+
+            cuda = self.device.type == "cuda"
+            local = ParameterServer.attach(
+                self.run_id,
+                timeout=timeout,
+                reader=reader_index(self.rank, self.topo.roles.world_size),
+                device=self.device if cuda else None,
+                node=node,
+            )
+        puller = RemoteWeights(socks, place.pieces, self.pull_groups[self.rank], self.device, local=local)
         self._closers.append(puller.close)
         return puller
 
@@ -113,9 +134,11 @@ class NetPlane:
             )
             self._closers.append(self.receiver.close)
 
-    def start_weight_server(self, ps, piece: int) -> None:
+    def start_weight_server(self, ps) -> None:
+        """Serve this rank's piece to the rollout ranks of other nodes whose plan pulls it from here."""
         if "weights" in self._bound:
-            groups = {r: g for r, g in self.pull_groups.items() if not self.topo.same_node(r, self.rank)}
+            piece = next(p for p, spec in enumerate(self.place.pieces) if spec.owner == self.rank)
+            groups = {r: self.pull_groups[r] for r in self.pullers_of(self.rank)}
             self.weight_server = WeightServer(ps, piece, self._bound.pop("weights"), groups, self.device)
             self._closers.insert(0, self.weight_server.close)
 

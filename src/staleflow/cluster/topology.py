@@ -1,10 +1,15 @@
 """Which rank runs on which node, and what therefore crosses the network (pure, no torch).
 
     topo = Topology.from_ranks(roles, nodes=[0, 0, 1, 1], local_ranks=[0, 1, 0, 1], addrs={0: "10.0.0.1", 1: ...})
-    topo.home                  # node of global rank 0: controller, trainer leader, Parameter Server
+    topo.home                  # node of global rank 0: the controller and the trainer leader
+    topo.trainer_nodes         # nodes with trainer ranks: each holds its ranks' Parameter Server pieces
     topo.ships_to(rank)        # nodes a rollout rank sends its finished records to (trainer nodes but its own)
-    topo.remote_pullers        # rollout ranks that pull weights over the network (not on the home node)
+    topo.remote_pullers        # rollout ranks that pull some weights over the network
     print(topo.describe())     # the role table printed at start
+
+Trainer ranks may sit on any node: one FSDP2 group over all of them, or with ``replicated``
+(--cluster.sharding hsdp) sharded within each node and replicated across nodes (then every trainer
+node has the same number of trainer ranks, ``shard_size``).
 
 Node identity is torchrun's (GROUP_RANK of each agent, gathered from every rank), never the
 hostname: two torchrun agents on one machine are two nodes, so every cross-node path runs on a
@@ -28,22 +33,28 @@ class Topology:
     local_ranks: tuple[int, ...]
     addrs: dict[int, str] = field(default_factory=dict)
     """The address each node binds its servers to (the interface that reaches the rendezvous host)."""
+    replicated: bool = False
+    """HSDP (--cluster.sharding hsdp): the trainer shards within each node and replicates across nodes,
+    so every trainer node holds every weight; FSDP (False): one group shards over every trainer rank."""
 
     @classmethod
-    def from_ranks(cls, roles: Roles, nodes, local_ranks, addrs: dict[int, str] | None = None) -> Topology:
+    def from_ranks(
+        cls, roles: Roles, nodes, local_ranks, addrs: dict[int, str] | None = None, replicated: bool = False
+    ) -> Topology:
         if len(nodes) != roles.world_size or len(local_ranks) != roles.world_size:
             raise ValueError(f"topology of {len(nodes)} ranks for a world of {roles.world_size}")
-        return cls(roles, tuple(int(n) for n in nodes), tuple(int(r) for r in local_ranks), dict(addrs or {}))
+        nodes, local = tuple(int(n) for n in nodes), tuple(int(r) for r in local_ranks)
+        return cls(roles, nodes, local, dict(addrs or {}), bool(replicated))
 
     @classmethod
-    def single_node(cls, roles: Roles) -> Topology:
+    def single_node(cls, roles: Roles, replicated: bool = False) -> Topology:
         n = roles.world_size
-        return cls(roles, (0,) * n, tuple(range(n)), {})
+        return cls(roles, (0,) * n, tuple(range(n)), {}, replicated)
 
     # ---- where things are --------------------------------------------------------------------
     @property
     def home(self) -> int:
-        """The node of global rank 0: the controller, the trainer leader and the Parameter Server."""
+        """The node of global rank 0: the controller and the trainer leader."""
         return self.nodes[0]
 
     @property
@@ -67,6 +78,24 @@ class Topology:
     def trainer_nodes(self) -> list[int]:
         return sorted({self.nodes[r] for r in self.roles.trainer_ranks})
 
+    def trainers_on(self, node: int) -> list[int]:
+        return [r for r in self.roles.trainer_ranks if self.nodes[r] == node]
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one copy of the weights is sharded over: every trainer rank (FSDP), or each trainer
+        node's (HSDP, the same on every trainer node: ``validate``)."""
+        if not self.replicated:
+            return self.roles.num_trainer
+        return len(self.trainers_on(self.home))
+
+    @property
+    def full_nodes(self) -> list[int]:
+        """Nodes whose Parameter Server pieces hold every weight: the trainer node of a run whose
+        trainers share one node, or every trainer node under HSDP; none for FSDP across nodes."""
+        nodes = self.trainer_nodes
+        return nodes if self.replicated or len(nodes) == 1 else []
+
     def ships_to(self, rank: int) -> list[int]:
         """Nodes that need a rollout rank's finished records: every trainer node (the home node,
         where the controller scores them, is one) other than the rank's own."""
@@ -78,8 +107,13 @@ class Topology:
 
     @property
     def remote_pullers(self) -> list[int]:
-        """Rollout ranks off the home node: they pull weights over the network."""
-        return [r for r in self.roles.rollout_ranks if self.nodes[r] != self.home]
+        """Rollout ranks that do not read every weight from the home node's Parameter Server: those off
+        the home node, and all of them when the home node does not hold every piece (FSDP across nodes).
+        A rank on another node that holds every piece (HSDP) reads its own node's; an engine whose worker
+        maps the home node's slots itself (vLLM) runs only on the others (``check_placement``). Which
+        pieces cross the network is the copy plan's (cluster/placement.py)."""
+        home_full = self.home in self.full_nodes
+        return [r for r in self.roles.rollout_ranks if self.nodes[r] != self.home or not home_full]
 
     @property
     def rollout_nodes(self) -> list[int]:
@@ -95,14 +129,14 @@ class Topology:
     def validate(self, engine=None) -> None:
         """Refuse layouts this version cannot run, in one line naming the fix; ``engine``: the run's
         rollout-engine backend (staleflow.engines), which may refuse more (``check_placement``)."""
-        off = [r for r in self.roles.trainer_ranks if self.nodes[r] != self.home]
-        if off:
-            per_node = self.nodes.count(self.home)
-            raise ConfigError(
-                f"trainer ranks {off} are not on node {self.home} with trainer rank 0: the Parameter Server's slots "
-                f"live on one node, so every trainer rank must be there; raise --rollout.ranks to at least "
-                f"{self.roles.world_size - per_node} (at most {per_node} trainer ranks on the first node)"
-            )
+        if self.replicated:
+            counts = {n: len(self.trainers_on(n)) for n in self.trainer_nodes}
+            if len(set(counts.values())) > 1:
+                said = ", ".join(f"node {n}: {k}" for n, k in counts.items())
+                raise ConfigError(
+                    f"--cluster.sharding hsdp replicates the trainer across nodes, so every trainer node needs the "
+                    f"same number of trainer ranks ({said}); change --rollout.ranks or use --cluster.sharding fsdp"
+                )
         if engine is not None:
             engine.check_placement(self)
 
@@ -110,10 +144,17 @@ class Topology:
         """One line per node: its ranks and their roles (printed by rank 0 at start)."""
         r = self.roles
         n_nodes = len(self.node_ids)
+        at = f" ({controller})" if controller else ""
+        where = f"controller and Parameter Server on node {self.home}{at}"
+        if len(self.trainer_nodes) > 1:
+            sharding = "HSDP: sharded within a node, replicated across" if self.replicated else "FSDP over all"
+            where = (
+                f"controller on node {self.home}{at}; trainers ({sharding}) and Parameter Server pieces on nodes "
+                f"{', '.join(map(str, self.trainer_nodes))}"
+            )
         head = (
             f"staleflow: {r.world_size} ranks on {n_nodes} node{'s' if n_nodes > 1 else ''} "
-            f"({r.num_trainer} trainer, {r.num_rollout} rollout); controller and Parameter Server on node "
-            f"{self.home}{f' ({controller})' if controller else ''}"
+            f"({r.num_trainer} trainer, {r.num_rollout} rollout); {where}"
         )
         lines = [head]
         for node in self.node_ids:
@@ -128,7 +169,7 @@ class Topology:
         return "\n".join(lines)
 
 
-def gather_topology(roles: Roles, node_rank: int, local_rank: int, addr: str) -> Topology:
+def gather_topology(roles: Roles, node_rank: int, local_rank: int, addr: str, replicated: bool = False) -> Topology:
     """Every rank's (node, local rank, bind address), gathered over the world group (a collective)."""
     from staleflow.cluster.exchange import all_gather_json
 
@@ -136,4 +177,4 @@ def gather_topology(roles: Roles, node_rank: int, local_rank: int, addr: str) ->
     addrs = {}
     for node, _, a in got:
         addrs.setdefault(node, a)
-    return Topology.from_ranks(roles, [g[0] for g in got], [g[1] for g in got], addrs)
+    return Topology.from_ranks(roles, [g[0] for g in got], [g[1] for g in got], addrs, replicated)

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from staleflow.config.cluster import ClusterConfig
 from staleflow.config.job import CheckpointConfig, DataConfig, EvalConfig, FaultConfig, LogConfig, RewardConfig
 from staleflow.config.lora import LoraConfig
 from staleflow.config.sections import (
@@ -52,6 +53,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     peer: PeerSettings = field(default_factory=PeerSettings)
     mode: str = "staleflow"
     """A registered mode: staleflow, a baseline named for its system (verl-sync (sync), verl-one-step-off

@@ -130,8 +130,12 @@ class Pulled(msgspec.Struct, tag=True):
     version: int
     seconds: float
     nbytes: int = 0
-    """Weight bytes loaded; cross_node: they came over the network (the PS is on another node)."""
+    """Weight bytes loaded; cross_node: some came over the network (a piece held on another node)."""
     cross_node: bool = False
+    by_node: dict[int, int] = {}
+    """Bytes of this pull by the node that held them (its own node's came from shared memory / CUDA IPC)."""
+    cross_node_bytes: int = 0
+    """Bytes that crossed the network (the sum of ``by_node`` over the other nodes)."""
 
 
 class TrainStep(msgspec.Struct, tag=True):

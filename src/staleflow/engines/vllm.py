@@ -42,9 +42,9 @@ class VllmBackend(EngineBackend):
     def check_placement(self, topology) -> None:
         if topology.remote_pullers:
             raise ConfigError(
-                f"{self.flag} on rollout ranks {topology.remote_pullers}, which are not on node {topology.home}: a "
-                f"vLLM worker maps the Parameter Server by CUDA IPC, so it must share its node; use "
-                f"--rollout.engine builtin for multi-node runs"
+                f"{self.flag} on rollout ranks {topology.remote_pullers}, which do not read every weight from "
+                f"node {topology.home}'s Parameter Server: a vLLM worker maps it by CUDA IPC, so it must run "
+                f"there, and that node must hold every piece; use --rollout.engine builtin for this layout"
             )
 
     def plan_rank(self, site):

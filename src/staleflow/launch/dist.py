@@ -5,12 +5,13 @@
     set_device(device)                       # before any CUDA work: every later allocation lands there
     init_world(roles.world_size, env.rank)   # gloo world group (control collectives only)
     topo = gather_topology(...)              # cluster/topology.py: every rank's node
-    trainer_group, pull_groups = make_groups(roles, device, owners, topo.remote_pullers)
+    trainer_group, pull_groups, replicas = run_groups(topo, device)
 
 Start-up data crosses ranks as JSON in tensors (cluster/exchange.py: ``broadcast_json`` /
 ``all_gather_json``), never pickled. Node identity comes from torchrun (GROUP_RANK / LOCAL_RANK),
 never from the hostname. The trainer group is NCCL on GPUs, gloo on CPUs; so is the group of each rollout rank that pulls
-weights from another node (the Parameter Server's piece owners + that rank).
+weights from another node (the piece owners it pulls from + that rank), and with --cluster.sharding hsdp
+across nodes the trainer's shard groups (a node's trainer ranks) and replicate groups (one rank of each).
 """
 
 from __future__ import annotations
@@ -90,10 +91,12 @@ def init_world(world_size: int, rank: int) -> None:
     )
 
 
-def make_groups(roles, device: str, owners: list[int] = (), remote_pullers: list[int] = ()):
-    """The trainer group, and one group per rollout rank that pulls weights over the network (the
-    Parameter Server's piece ``owners`` + that rank). Every rank calls this, in the same order
-    (new_group is collective over the world). Returns (trainer group, {puller rank: group})."""
+def make_groups(roles, device: str, pull_owners: dict[int, list[int]] | None = None, trainer_rows=None):
+    """The trainer group; one group per rollout rank that pulls weights over the network
+    (``pull_owners``: that rank -> the piece owners on other nodes it pulls from; the group is them +
+    the rank); with ``trainer_rows`` (HSDP: the trainer ranks of each trainer node) a shard group per
+    row and a replicate group per column. Every rank calls this, in the same order (new_group is
+    collective over the world). Returns (trainer group, {puller rank: group}, Replicas or None)."""
     import torch.distributed as dist
 
     timeout = _timeout()
@@ -105,8 +108,36 @@ def make_groups(roles, device: str, owners: list[int] = (), remote_pullers: list
             flush=True,
         )
     trainer_group = dist.new_group(roles.trainer_ranks, backend=backend, timeout=timeout)
-    pulls = {r: dist.new_group(sorted({*owners, r}), backend=backend, timeout=timeout) for r in sorted(remote_pullers)}
-    return trainer_group, pulls
+    pulls = {
+        r: dist.new_group(sorted({*owners, r}), backend=backend, timeout=timeout)
+        for r, owners in sorted((pull_owners or {}).items())
+    }
+    replicas = None
+    if trainer_rows:
+        from staleflow.train.parallelize import Replicas
+
+        me = dist.get_rank()
+        rows = tuple(tuple(row) for row in trainer_rows)
+        shard = [dist.new_group(list(row), backend=backend, timeout=timeout) for row in rows]
+        columns = [dist.new_group(list(col), backend=backend, timeout=timeout) for col in zip(*rows)]
+        mine = [(i, row.index(me)) for i, row in enumerate(rows) if me in row]
+        if mine:
+            i, s = mine[0]
+            replicas = Replicas(rows, shard[i], columns[s])
+    return trainer_group, pulls, replicas
+
+
+def run_groups(topo, device: str):
+    """``make_groups`` for a run laid out as ``topo``: each rollout rank's remote piece owners from the
+    Parameter Server's placement (cluster/placement.py), the HSDP rows when the trainer spans nodes
+    with --cluster.sharding hsdp. Returns (trainer group, {puller rank: group}, Replicas or None)."""
+    from staleflow.cluster.placement import slot_placement
+
+    place = slot_placement(topo, device.split(":")[0])
+    pulls = {r: place.remote_owners(topo.node_of(r), r) for r in topo.roles.rollout_ranks}
+    nodes = topo.trainer_nodes
+    rows = [topo.trainers_on(n) for n in nodes] if topo.replicated and len(nodes) > 1 else None
+    return make_groups(topo.roles, device, {r: o for r, o in pulls.items() if o}, rows)
 
 
 def init_groups(roles, rank: int, device: str):

@@ -201,35 +201,32 @@ def smoke_loop(ctx: RankContext, model) -> None:
             return
 
 
-def _topology(roles: Roles, env: rankdist.RankEnv) -> Topology:
+def _topology(roles: Roles, env: rankdist.RankEnv, replicated: bool = False) -> Topology:
     """Every rank's node (a collective), or the single-node topology when one agent runs them all."""
     if env.local_world_size == env.world_size:
-        return Topology.single_node(roles)
+        return Topology.single_node(roles, replicated)
     from staleflow.cluster.topology import gather_topology
     from staleflow.net.address import ip_towards
 
     addr = ip_towards(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
-    return gather_topology(roles, env.node_rank, env.local_rank, addr)
+    return gather_topology(roles, env.node_rank, env.local_rank, addr, replicated)
 
 
 def run_rank(
     cfg: RunConfig, defaults: RunConfig, roles: Roles, env: rankdist.RankEnv, flags: frozenset[str] = frozenset()
 ) -> int:
-    from staleflow.cluster.placement import slot_placement
-
     rank = env.rank
     device = rankdist.pick_device(env.local_rank)
     rankdist.set_device(device)
     rankdist.init_world(roles.world_size, rank)
-    topo = _topology(roles, env)
+    topo = _topology(roles, env, replicated=cfg.cluster.sharding == "hsdp")
     try:
         topo.validate(engine_backend(cfg))
     except ConfigError as e:  # every rank sees the same topology: all stop, rank 0 says why
         if rank == 0:
             print(f"staleflow: config error: {e}", file=sys.stderr, flush=True)
         return 2
-    owners = range(slot_placement(roles.num_trainer, roles.world_size, device.split(":")[0]).pieces)
-    trainer_group, pull_groups = rankdist.make_groups(roles, device, list(owners), topo.remote_pullers)
+    trainer_group, pull_groups, replicas = rankdist.run_groups(topo, device)
     on_home = topo.same_node(rank, 0)
     if env.local_rank == 0 and not on_home:
         cleanup_stale_run_files()  # leftovers of crashed runs on this node (rank 0 does its own)
@@ -264,6 +261,7 @@ def run_rank(
         client=client,
         run_dir=shared["run_dir"],
         trainer_group=trainer_group,
+        replicas=replicas,
         device=device,
         resume_from=shared["resume_from"],
         controller_pid=shared["controller_pid"] if on_home else 0,

@@ -16,18 +16,11 @@ overflow (launch/entry.py), naming the flag to change. docs/memory-plan.md expla
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from dataclasses import dataclass, field
 
 from staleflow.cluster.placement import gpu_of, slot_dtype, slot_placement
-from staleflow.plan.estimate import (
-    NCCL_PULL_BYTES,
-    PEER_CONTEXT_BYTES,
-    PRIMARY_CONTEXT_BYTES,
-    RankPlan,
-    rollout_rank,
-    trainer_rank,
-)
+from staleflow.plan.estimate import PRIMARY_CONTEXT_BYTES, RankPlan, rollout_rank, trainer_rank
+from staleflow.plan.nodes import add_pull_contexts, plan_topology, shard_of, update_traffic
 
 __all__ = ["RankPlan", "RunPlan", "at_start", "build_plan"]
 
@@ -51,6 +44,24 @@ class RunPlan:
     active_params: int = 0
     """Parameters one token runs through (a mixture-of-experts layer runs k of its E experts);
     equal to ``params`` for a dense model. Memory follows ``params``, compute ``active_params``."""
+    nodes: int = 1
+    node_of: dict[int, int] = field(default_factory=dict)
+    """Each rank's node (ranks numbered node by node, trainer ranks first)."""
+    sharding: str = "fsdp"
+    """--cluster.sharding: the trainer's FSDP over all trainer ranks, or HSDP (replicas across nodes)."""
+    update_cross_bytes: int = 0
+    """Bytes one weight update moves between nodes (every rollout instance pulls every piece once)."""
+    update_sent_by_node: dict[int, int] = field(default_factory=dict)
+    """... of which each node's Parameter Server pieces send (node -> bytes)."""
+
+    @property
+    def per_node(self) -> dict[int, int]:
+        """The peaks of each node's ranks together (its GPUs' memory on CUDA, its host memory on CPU)."""
+        out: dict[int, int] = {}
+        for rp in self.ranks:
+            if rp.rank >= 0:
+                out[self.node_of.get(rp.rank, 0)] = out.get(self.node_of.get(rp.rank, 0), 0) + rp.peak
+        return dict(sorted(out.items()))
 
     @property
     def fits(self) -> bool:
@@ -87,12 +98,14 @@ def build_plan(
 
     roles = Roles(nproc, cfg.rollout.ranks)
     per_node = nproc // nodes
+    topo = plan_topology(cfg, nproc, nodes)
+    topo.validate()
     gpus = num_gpus or per_node
     cuda = device_type == "cuda"
     flash = _flash_available() if flash is None else flash
     args = model_args(cfg.model.path)
     master = meta_model(args, MASTER_DTYPE)
-    place = slot_placement(roles.num_trainer, nproc, device_type)
+    place = slot_placement(topo, device_type)
     pushed = master.named_parameters()
     if cfg.lora.enabled:  # the slots hold the adapted projections' merged weights only (Trainer.pushed)
         from staleflow.train.lora import lora_targets
@@ -100,11 +113,13 @@ def build_plan(
         params = dict(master.named_parameters())
         pushed = [(f"{m}.weight", params[f"{m}.weight"]) for m in lora_targets(master, cfg.lora.targets)]
     layout = ParamLayout.from_named_tensors(pushed, dtype=slot_dtype(cfg, device_type))
-    pieces = layout.split(place.pieces)
     ranks: list[RankPlan] = []
-    for r in roles.trainer_ranks:
-        slots = 2 * pieces[r].nbytes if cuda else (2 * layout.nbytes if r == 0 else 0)
-        ranks.append(trainer_rank(cfg, args, r, roles.num_trainer, device_type, slots, flash, lm=master))
+    for r in roles.trainer_ranks:  # CUDA: its own piece; CPU: its node's piece, in the node leader's shared memory
+        owned = [spec for spec in place.pieces if spec.owner == r]
+        slots = 2 * sum(layout.piece(spec).nbytes for spec in owned)
+        shard, shards = shard_of(topo, r)
+        rp = trainer_rank(cfg, args, shard, shards, device_type, slots, flash, lm=master)
+        ranks.append(dataclasses.replace(rp, rank=r))
     base = None  # every rollout rank runs the same engine on the same model: planned once, copied
     for r in roles.rollout_ranks:
         base = base or rollout_rank(cfg, args, r, device_type)
@@ -122,7 +137,11 @@ def build_plan(
         kv_tokens=cfg.rollout.max_kv_tokens,
         engine=cfg.rollout.engine,
         active_params=master.num_active_params(),
+        nodes=nodes,
+        node_of={r: topo.node_of(r) for r in range(nproc)},
+        sharding=cfg.cluster.sharding,
     )
+    plan.update_cross_bytes, plan.update_sent_by_node = update_traffic(topo, place, layout)
     if not cuda:
         return plan
 
@@ -133,25 +152,7 @@ def build_plan(
     for rp in ranks:
         rp.gpu = gpu(rp.rank)
     ranks = ranks + [rp for rp in reward if rp.gpu is not None]  # a reward model on cuda:N shares GPU N
-    remote = [r for r in roles.rollout_ranks if r >= per_node]
-    local = [r for r in roles.rollout_ranks if r < per_node]
-    # every local puller (a rollout rank, or its engine's own worker process) maps every slot piece by CUDA
-    # IPC: one more context on each trainer GPU that is not its own
-    piece_gpus = sorted({gpu(t) for t in roles.trainer_ranks})
-    foreign = Counter(g for r in local for g in piece_gpus if g != gpu(r))
-    for g, n in sorted(foreign.items()):
-        owner = next(rp for rp in ranks if rp.gpu == g)
-        owner.add("contexts", n * PEER_CONTEXT_BYTES, f"{n} pullers' IPC contexts on GPU {g}")
-    for rp in ranks:
-        if rp.role == "trainer" and remote:
-            rp.add("contexts", len(remote) * NCCL_PULL_BYTES, f"{len(remote)} remote pullers' NCCL groups")
-        elif rp.rank in remote:
-            rp.add("contexts", NCCL_PULL_BYTES, "its weight-pull NCCL group with the slot piece owners")
-        elif rp.role == "trainer":
-            rp.notes.append(
-                f"contexts: no remote pullers (each rollout rank on another node adds {NCCL_PULL_BYTES >> 20} MiB "
-                f"of NCCL group here: plan it with --nodes)"
-            )
+    add_pull_contexts(ranks, topo, place, gpu)
     for rp in ranks:
         plan.per_gpu[rp.gpu] = plan.per_gpu.get(rp.gpu, 0) + rp.peak
     if engine_backend(cfg).takes_gpu_share:

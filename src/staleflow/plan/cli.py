@@ -9,8 +9,11 @@ line before the JSON names the flag to change).
     --nproc N            processes of the run, torchrun's --nproc_per_node (default: $STALEFLOW_NPROC,
                          else 2 x --rollout.ranks: as many trainer ranks as rollout ranks)
     --gpus K             GPUs of the node (default: N, one per process; fewer are shared round-robin)
-    --nodes K            nodes of N processes each (default 1); rollout ranks off the first node pull
-                         weights over NCCL, which the plan counts on them and on every trainer rank
+    --nodes K            nodes of N processes each (default 1), ranks numbered node by node as torchrun
+                         does (trainer ranks first: on several nodes when --rollout.ranks leaves them
+                         there); prints each node's memory and the bytes one weight update moves
+                         between nodes, and counts the pulls' NCCL groups (--cluster.sharding: how
+                         the trainer spreads over its nodes)
     --device cuda|cpu    plan for GPUs (default) or for a CPU run (host memory, not enforced)
     --preset NAME        the run's starting config, as train takes it (default smollm2-cpu)
     --config FILE        a .yaml / .toml file of the run's flags (flags given here win)

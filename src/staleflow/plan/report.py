@@ -63,7 +63,31 @@ def table(plan) -> str:
         lines.append(f"GPU {g}: {_g(n)} GiB{'' if n <= plan.gpu_bytes else '  OVER'}")
     for r, u in sorted(plan.gpu_share.items()):
         lines.append(f"rank {r}: engine GPU share {u:.2f} (--rollout.engine {plan.engine})")
+    if plan.nodes > 1:
+        lines += node_lines(plan)
     return "\n".join(lines)
+
+
+def node_lines(plan) -> list[str]:
+    """Per node: its ranks and their memory together; then what one weight update moves between nodes."""
+    lines = []
+    what = "GPUs" if plan.device_type == "cuda" else "host memory"
+    small = max(plan.per_node.values(), default=0) < GiB
+    f, unit = (_m, "MiB") if small else (_g, "GiB")
+    for node, total in plan.per_node.items():
+        mine = [rp for rp in plan.ranks if rp.rank >= 0 and plan.node_of.get(rp.rank) == node]
+        who = []
+        for role in ("trainer", "rollout"):
+            ks = [rp.rank for rp in mine if rp.role == role]
+            if ks:
+                who.append(f"{len(ks)} {role} (rank{f's {ks[0]}-{ks[-1]}' if len(ks) > 1 else f' {ks[0]}'})")
+        lines.append(f"node {node}: {f(total)} {unit} on its {what}; {', '.join(who)}")
+    sent = ", ".join(f"node {n} sends {f(b)}" for n, b in plan.update_sent_by_node.items()) or "nothing"
+    lines.append(
+        f"weight update ({plan.sharding}): {f(plan.update_cross_bytes)} {unit} between nodes ({sent} {unit}); "
+        f"each rollout rank copies its own node's pieces locally"
+    )
+    return lines
 
 
 def notes(plan) -> str:
@@ -97,7 +121,17 @@ def summary(plan) -> dict:
         "engine": plan.engine,
         "engine_gpu_share": {str(r): u for r, u in plan.gpu_share.items()},
         "advice": "" if plan.fits else advice(plan),
-    }
+    } | (
+        {
+            "nodes": plan.nodes,
+            "sharding": plan.sharding,
+            "per_node_gib": {str(n): round(b / GiB, 2) for n, b in plan.per_node.items()},
+            "update_cross_node_gib": round(plan.update_cross_bytes / GiB, 3),
+            "update_sent_by_node_gib": {str(n): round(b / GiB, 3) for n, b in plan.update_sent_by_node.items()},
+        }
+        if plan.nodes > 1
+        else {}
+    )
 
 
 def json_line(plan) -> str:

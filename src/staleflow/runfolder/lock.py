@@ -2,6 +2,7 @@
 
     lock_run_dir("runs/x")     # rank 0, before it writes anything there; held until it exits
     check_unlocked("runs/x")   # staleflow check --resume: refuse a folder a live run writes
+    check_visible("runs/x", home=0, node=1)   # a trainer rank on another node: it writes shards there
 
 The lock is ``flock`` on ``<run>/run.lock``: the kernel releases it when its holder dies however it
 dies, so a lock file left by a dead run is simply taken over (its pid rewritten). A lock path that is
@@ -100,3 +101,15 @@ def check_unlocked(run_dir: str) -> None:
         raise _refusal(run_dir, _holder(fd)) from None
     finally:
         os.close(fd)
+
+
+def check_visible(run_dir: str, home: int, node: int) -> None:
+    """ConfigError unless this process sees the run folder rank 0 made and locked (on node ``home``):
+    trainer ranks on every node write their checkpoint shards into it, so it must live on a file
+    system every trainer node mounts at the same path. A folder of that name without the lock is
+    another machine's folder, not the run's."""
+    if not os.path.isfile(os.path.join(run_dir, LOCK_FILE)):
+        raise ConfigError(
+            f"the run folder {run_dir} (made on node {home}) is not visible on node {node}: trainer ranks on "
+            f"several nodes write their checkpoint shards there; set --log.run-dir to a file system every node shares"
+        )

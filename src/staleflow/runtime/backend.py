@@ -52,6 +52,8 @@ class RuntimeBackend:
             "cross_node_pull_bytes": 0,
             "cross_node_partial_fetches": 0,
         }
+        self.pulled_from: dict[int, int] = {}
+        """Weight bytes every pull took from each node (run totals: its Parameter Server pieces' egress)."""
         self._pull_times: dict[int, list[float]] = defaultdict(list)
         self._texts: dict[int, str] = {}  # decoded responses being scored: they ride on their Rewarded
         self._gen_since: dict[int, float | None] = {i: None for i in self.rank_of}
@@ -148,8 +150,9 @@ class RuntimeBackend:
                 rank, "pull", t0, time.time(), version=msg.version, nbytes=msg.nbytes, cross_node=msg.cross_node
             )
             self._pull_times[msg.instance].append(msg.seconds)
-            if msg.cross_node:
-                self.traffic["cross_node_pull_bytes"] += msg.nbytes
+            self.traffic["cross_node_pull_bytes"] += msg.cross_node_bytes
+            for node, nbytes in msg.by_node.items():  # what each node's Parameter Server pieces sent
+                self.pulled_from[node] = self.pulled_from.get(node, 0) + nbytes
             yield PullDone(msg.instance, msg.version, msg.seconds)
         elif isinstance(msg, StepDone):
             now = time.time()
@@ -174,17 +177,20 @@ class RuntimeBackend:
     def traffic_row(self) -> dict:
         """Run totals of cross-node traffic, and each instance's mean pull time since the last row."""
         row = dict(self.traffic)
+        row["pull_bytes_by_node"] = {str(n): b for n, b in sorted(self.pulled_from.items())}
         row["pull_s_by_instance"] = {str(i): sum(ts) / len(ts) for i, ts in sorted(self._pull_times.items()) if ts}
         self._pull_times.clear()
         return row
 
     def close(self) -> None:
         t = self.traffic
-        if self.mirrored:
+        topo = self.ctl.topology
+        if topo is not None and topo.multi_node:
+            by_node = ", ".join(f"node {n}: {b / 1e6:.1f} MB" for n, b in sorted(self.pulled_from.items()))
             print(
                 f"[controller] cross-node traffic: {t['cross_node_records']} records "
                 f"({t['cross_node_record_bytes'] / 1e6:.2f} MB), {t['cross_node_pull_bytes'] / 1e6:.1f} MB of "
-                f"weights pulled",
+                f"weights pulled across nodes; weights pulled from each node's Parameter Server pieces: {by_node or 'none'}",
                 flush=True,
             )
         for r in self.rings.values():

@@ -39,9 +39,12 @@ def follows(prev: torch.Tensor, nxt: torch.Tensor) -> bool:
 
 def copy_pairs(entries, rows: dict[str, list[tuple[int, int]]], views: list[dict], out: dict) -> list:
     """(source, destination) pairs that copy every entry named in ``out`` from the pieces' ``views``
-    (``rows[name][p]``: rows [a, b) of the parameter held by piece p), merging adjacent runs."""
+    (``rows[name][p]``: rows [a, b) of the parameter held by piece p; None: a piece held on another
+    node, not copied here), merging adjacent runs."""
     pairs = []
     for p, piece in enumerate(views):
+        if piece is None:
+            continue
         run: list[tuple[torch.Tensor, torch.Tensor]] = []
         for e in entries:
             dst_full = out.get(e.name)

@@ -5,10 +5,11 @@ it travels to every rank inside control messages (a msgspec Struct) and is also 
 each parameter-server slot, so a rollout engine can load a version in place, name by name.
 Offsets are aligned (256 bytes by default) so every parameter view is aligned for any dtype.
 
-A slot can be split into ``pieces`` (one per trainer GPU on CUDA): piece p holds rows
-``piece_rows(shape, pieces, p)`` of every parameter, the rows FSDP2 gives trainer rank p
-(torch.chunk along dim 0: ceil(n / pieces) rows per piece), so each trainer rank writes its
-shards into a piece on its own GPU. ``split(pieces)`` is the layout of each piece.
+A slot can be split into pieces (``PieceSpec``: one per trainer GPU on CUDA, one per trainer node on
+CPU): a piece holds dim-0 chunks [lo, hi) of ``shards`` of every parameter, the rows FSDP2 gives those
+trainer ranks (torch.chunk along dim 0: ceil(n / shards) rows per chunk), so each trainer rank writes
+its shards into a piece on its own GPU (or its node's shared memory). ``piece(spec)`` is the layout of
+one piece, ``split(pieces)`` that of equal pieces.
 
 Fused groups: the rollout engine stores q|k|v and gate|up of a layer (of each expert, in a
 mixture-of-experts layer) as one contiguous matrix each (``CausalLM.fuse_projections``, HF's
@@ -28,6 +29,8 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 import torch
+
+from staleflow.shards import PieceSpec, chunk_rows, equal_pieces, piece_rows  # noqa: F401 - part of this API
 
 _DTYPES = {
     "float32": torch.float32,
@@ -55,14 +58,6 @@ def dtype_of(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype name {name!r} is not supported: use one of {sorted(_DTYPES)}") from None
-
-
-def piece_rows(shape: tuple[int, ...], pieces: int, piece: int) -> tuple[int, int]:
-    """Rows [a, b) of dim 0 held by ``piece`` of ``pieces`` (FSDP2's dim-0 chunking: rank r holds
-    rows [r*c, min((r+1)*c, n)), c = ceil(n / pieces)). A 0-dim tensor counts as one row, in piece 0."""
-    n = shape[0] if shape else 1
-    c = -(-n // pieces)
-    return min(piece * c, n), min((piece + 1) * c, n)
 
 
 _FUSED = (
@@ -181,17 +176,26 @@ class ParamLayout(msgspec.Struct, frozen=True):
         than pieces). ``split(1)`` is this layout."""
         if pieces < 1:
             raise ValueError(f"split(pieces={pieces}) is invalid: need at least 1 piece")
-        if pieces == 1:
-            return [self]
-        out = []
-        for p in range(pieces):
-            specs = []
-            for e in self.entries:
-                a, b = piece_rows(e.shape, pieces, p)
-                shape = (b - a, *e.shape[1:]) if e.shape else (() if b > a else (0,))
-                specs.append((e.name, shape, e.dtype))
-            out.append(ParamLayout.from_specs(specs, self.align))
-        return out
+        return [self.piece(spec) for spec in equal_pieces(pieces)]
+
+    def piece(self, spec: PieceSpec) -> ParamLayout:
+        """The layout of one piece: its rows of every parameter (this layout when it holds them all)."""
+        if spec.whole:
+            return self
+        specs = []
+        for e in self.entries:
+            a, b = spec.rows(e.shape)
+            shape = (b - a, *e.shape[1:]) if e.shape else (() if b > a else (0,))
+            specs.append((e.name, shape, e.dtype))
+        return ParamLayout.from_specs(specs, self.align)
+
+    def piece_bytes(self, spec: PieceSpec) -> int:
+        """Bytes of ``spec``'s rows of every parameter (no alignment padding: what a pull moves)."""
+        total = 0
+        for e in self.entries:
+            a, b = spec.rows(e.shape)
+            total += (b - a) * math.prod(e.shape[1:]) * dtype_of(e.dtype).itemsize
+        return total
 
     def index(self) -> dict[str, ParamEntry]:
         """name -> entry (build once and keep)."""

@@ -1,27 +1,31 @@
 """Parameter Server: versioned, double-buffered weight slots that rollout instances pull.
 
-Two slots, each a segment ``staleflow-<run_id>-ps-<slot>`` made by the leader, written in full
-before it appears: a header (slot.py: state EMPTY/FILLING/PUBLISHED, version, seqlock stamp,
-data offset, layout length, pieces, reader handles), the ParamLayout (msgpack) and, on CPU, the
-flat weights. On CUDA a slot's weights live in ``pieces`` GPU pieces (pieces.py): piece p, on
-the GPU of trainer rank p, holds the rows FSDP2 gives rank p of every parameter, so each trainer
-writes only into its own GPU and the slots' memory is spread evenly.
+Two slots per trainer node, each a segment ``staleflow-<run_id>-ps-<slot>`` (``-n<node>`` off node 0)
+made by the node's first trainer rank, written in full before it appears: a header (slot.py: state
+EMPTY/FILLING/PUBLISHED, version, seqlock stamp, data offset, layout length, pieces, reader handles,
+node), the ParamLayout and the piece table (msgpack) and, on CPU, the node's piece of the weights.
+A slot is split into pieces (``PieceSpec``, placed by cluster/placement.py): on CUDA one per trainer
+rank, on that rank's GPU (pieces.py), so each trainer writes only into its own GPU; on CPU one per
+trainer node, in that node's shared memory. Every node's server holds the pieces of its own node;
+a puller copies the others from their owners (remote_weights.py).
 
-Push (trainer ranks; the creator of the server is the leader)::
+Push (trainer ranks; the creator of a node's server is that node's leader)::
 
     ps = ParameterServer.create(run_id, layout, "cuda:0", pieces=P, readers=K)  # leader, owns piece 0
-    ps = ParameterServer.attach(run_id, piece=r, device="cuda:r")                # trainer rank r
-    slot = ps.begin_push(v)        # leader claims the slot not holding the newest version;
-                                   # the others wait until the leader has claimed it
+    ps = ParameterServer.create(run_id, layout, "cpu", pieces=table, node=1)    # node 1's leader
+    ps = ParameterServer.attach(run_id, piece=r, device="cuda:r", node=n)       # trainer rank r
+    slot = ps.begin_push(v)        # the node leader claims the slot not holding the newest version;
+                                   # the others wait until it has claimed it
     ps.write_shard(name, shard, offset_in_param)   # queued copies (cast to the slot dtype)
     ps.end_push()                  # one device sync per push, not one per parameter
     dist.barrier(trainer_group)
-    ps.publish(v)                  # leader only
+    ps.publish(v)                  # every node leader, after the barrier
 
-Pull (rollout ranks, each with its own reader index): ``attach(run_id, reader=i)``,
+Pull (rollout ranks, each with its own reader index): ``attach(run_id, reader=i, node=n)``,
 ``latest_version()``, ``pull(v, out=tensors)`` copies in place (e.g. straight into an engine's
-parameters, cast on their device), ``pull_latest(out)`` returns (version, tensors),
-``stream(v, device)`` yields whole tensors one by one (a vLLM worker's ``reload_weights``).
+parameters, cast on their device) the rows this node holds, ``pull_latest(out)`` returns (version,
+tensors), ``stream(v, device)`` yields whole tensors one by one (a vLLM worker's ``reload_weights``;
+only where this node holds every piece).
 
 Readers never return a torn slot, by two independent guards:
 1. a lock per slot (``flock`` on the slot file): a reader holds it shared while copying and the
@@ -37,11 +41,13 @@ from __future__ import annotations
 import fcntl
 import math
 import time
+from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from staleflow.servers.errors import ServerError
-from staleflow.servers.layout import ParamLayout, piece_rows
+from staleflow.servers.layout import ParamLayout, PieceSpec, equal_pieces
 from staleflow.servers.pieces import Piece
 from staleflow.servers.reader import SlotReader
 from staleflow.servers.segment import KIND_PARAM, Segment
@@ -54,45 +60,78 @@ __all__ = ["EMPTY", "FILLING", "PUBLISHED", "ParameterServer", "slot_name"]
 class ParameterServer(SlotReader):
     """Both slots of a run. ``create`` on the trainer leader, ``attach`` on every other rank."""
 
-    def __init__(self, slots: list[_Slot], layout: ParamLayout, leader: bool, device: torch.device, pieces: int):
-        self.slots, self.layout, self.leader, self.device, self.pieces = slots, layout, leader, device, pieces
+    def __init__(
+        self,
+        slots: list[_Slot],
+        layout: ParamLayout,
+        leader: bool,
+        device: torch.device,
+        table: tuple[PieceSpec, ...],
+        node: int = 0,
+    ):
+        self.slots, self.layout, self.leader, self.device = slots, layout, leader, device
+        self.table, self.node, self.pieces = table, node, len(table)
+        self.local = [p for p, spec in enumerate(table) if spec.node == node]
+        """Indices of the pieces this node holds (all of them on a single-node run)."""
         self._index = layout.index()
-        self._rows = {e.name: [piece_rows(e.shape, pieces, p) for p in range(pieces)] for e in layout.entries}
+        self._rows = {e.name: [spec.rows(e.shape) for spec in table] for e in layout.entries}
         self._filling: _Slot | None = None
         self._dirty: set[torch.device] = set()
 
+    @property
+    def holds_all(self) -> bool:
+        """This node's pieces hold every row of every parameter (no piece must come from another node)."""
+        return {(self.table[p].lo, self.table[p].hi) for p in self.local} == {(s.lo, s.hi) for s in self.table}
+
     @classmethod
     def create(
-        cls, run_id: str, layout: ParamLayout, device: str | torch.device = "cpu", pieces: int = 1, readers: int = 0
+        cls,
+        run_id: str,
+        layout: ParamLayout,
+        device: str | torch.device = "cpu",
+        pieces: int | Sequence[PieceSpec] = 1,
+        readers: int = 0,
+        node: int = 0,
     ) -> ParameterServer:
-        """Create both slots (leader). ``device`` cpu: shared memory; cuda[:i]: GPU pieces shared by
-        CUDA IPC, this process owning piece 0 of ``pieces``, with ``readers`` reader indices."""
+        """Create ``node``'s two slots (its leader). ``device`` cpu: shared memory holding the node's one
+        piece; cuda[:i]: GPU pieces shared by CUDA IPC, this process owning the node's first piece, with
+        ``readers`` reader indices. ``pieces``: a count of equal pieces on one node, or the run's table."""
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"ParameterServer device={device} is invalid: use cpu or cuda[:index]")
-        if pieces < 1 or readers < 0 or (device.type == "cpu" and pieces != 1):
-            raise ValueError(
-                f"ParameterServer pieces={pieces}, readers={readers} are invalid: pieces >= 1 "
-                f"(exactly 1 on cpu: one shared-memory slot), readers >= 0"
-            )
+        table = equal_pieces(pieces) if isinstance(pieces, int) and pieces >= 1 else tuple(pieces or ())
+        local = [p for p, spec in enumerate(table) if spec.node == node]
         cuda = device.type == "cuda"
+        if not local or readers < 0 or (not cuda and len(local) != 1):
+            raise ValueError(
+                f"ParameterServer pieces={pieces}, readers={readers} are invalid: pieces >= 1 with at least one on "
+                f"node {node} (exactly 1 on cpu: one shared-memory slot per node), readers >= 0"
+            )
         lay = layout.encode()
-        first = layout.split(pieces)[0]
+        tab = msgspec.msgpack.encode(table)
+        first = layout.piece(table[local[0]])
         slots: list[_Slot] = []
         own: Piece | None = None
+        meta = SLOT_HEADER.size + len(lay) + len(tab)
         try:
             for s in range(NUM_SLOTS):
-                own = Piece.create(run_id, s, 0, first, device, readers) if cuda else None
-                data_off = 0 if cuda else (SLOT_HEADER.size + len(lay) + 4095) // 4096 * 4096
+                own = Piece.create(run_id, s, local[0], first, device, readers) if cuda else None
+                data_off = 0 if cuda else (meta + 4095) // 4096 * 4096
 
                 def init(buf: memoryview, s=s, data_off=data_off) -> None:
-                    SLOT_HEADER.pack_into(buf, 0, SLOT_MAGIC, s, EMPTY, -1, 0, data_off, len(lay), pieces, readers)
+                    SLOT_HEADER.pack_into(
+                        buf, 0, SLOT_MAGIC, s, EMPTY, -1, 0, data_off, len(lay), len(table), readers, node, len(tab)
+                    )
                     buf[SLOT_HEADER.size : SLOT_HEADER.size + len(lay)] = lay
+                    buf[SLOT_HEADER.size + len(lay) : meta] = tab
 
-                size = SLOT_HEADER.size + len(lay) if cuda else data_off + layout.nbytes
-                seg = Segment.create(slot_name(run_id, s), size, KIND_PARAM, init=init)
-                views = [own.views] + [None] * (pieces - 1) if cuda else [layout.views(seg.u8[data_off:])]
-                slots.append(_Slot(seg, s, views, [own] if cuda else ()))
+                size = meta if cuda else data_off + first.nbytes
+                seg = Segment.create(slot_name(run_id, s, node), size, KIND_PARAM, init=init)
+                views: list = [None] * len(table)
+                held: list = [None] * len(table)
+                views[local[0]] = own.views if cuda else first.views(seg.u8[data_off:])
+                held[local[0]] = own
+                slots.append(_Slot(seg, s, views, held))
                 own = None
         except BaseException:
             if own is not None:
@@ -101,7 +140,7 @@ class ParameterServer(SlotReader):
                 sl.close()
                 sl.seg.unlink()
             raise
-        return cls(slots, layout, leader=True, device=device, pieces=pieces)
+        return cls(slots, layout, leader=True, device=device, table=table, node=node)
 
     @classmethod
     def attach(
@@ -112,48 +151,62 @@ class ParameterServer(SlotReader):
         reader: int | None = None,
         piece: int | None = None,
         device: str | torch.device | None = None,
+        node: int = 0,
     ) -> ParameterServer:
-        """Attach to a run's server. CPU slots: every rank reads and writes the shared memory.
-        GPU pieces: a trainer rank passes ``piece`` (its rank) and ``device`` and creates its own
-        piece there; a puller passes its ``reader`` index and maps every piece, on its own GPU
-        ``device`` where given (copies then run on that GPU's stream: transport.cuda_piece_open);
+        """Attach to ``node``'s server of a run. CPU slots: every rank reads and writes the shared memory.
+        GPU pieces: a trainer rank passes ``piece`` (its own, on this node) and ``device`` and creates its
+        piece there; a puller passes its ``reader`` index and maps every piece of this node, on its own
+        GPU ``device`` where given (copies then run on that GPU's stream: transport.cuda_piece_open);
         with neither, only the slot headers are attached (versions, not weights)."""
         deadline = time.monotonic() + timeout
         slots: list[_Slot] = []
         try:
             for s in range(NUM_SLOTS):
-                seg = Segment.attach(slot_name(run_id, s), KIND_PARAM, max(0.0, deadline - time.monotonic()))
-                magic, got, _, _, _, data_off, n_lay, pieces, readers = SLOT_HEADER.unpack_from(seg.buf, 0)
-                if magic != SLOT_MAGIC or got != s:
+                seg = Segment.attach(slot_name(run_id, s, node), KIND_PARAM, max(0.0, deadline - time.monotonic()))
+                magic, got, _, _, _, data_off, n_lay, pieces, readers, got_node, n_tab = SLOT_HEADER.unpack_from(
+                    seg.buf, 0
+                )
+                if magic != SLOT_MAGIC or got != s or got_node != node:
                     seg.close()
-                    raise ServerError(f"segment {seg.name} is not parameter-server slot {s}")
-                layout = ParamLayout.decode(bytes(seg.buf[SLOT_HEADER.size : SLOT_HEADER.size + n_lay]))
-                if data_off:
-                    slots.append(_Slot(seg, s, [layout.views(seg.u8[data_off:])]))
-                    continue
+                    raise ServerError(f"segment {seg.name} is not parameter-server slot {s} of node {node}")
+                at = SLOT_HEADER.size
+                layout = ParamLayout.decode(bytes(seg.buf[at : at + n_lay]))
+                table = msgspec.msgpack.decode(
+                    bytes(seg.buf[at + n_lay : at + n_lay + n_tab]), type=tuple[PieceSpec, ...]
+                )
+                if len(table) != pieces:
+                    seg.close()
+                    raise ServerError(
+                        f"segment {seg.name}: its piece table has {len(table)} pieces, its header {pieces}"
+                    )
+                local = [p for p, spec in enumerate(table) if spec.node == node]
                 sl = _Slot(seg, s, [None] * pieces, [None] * pieces)
                 slots.append(sl)
-                split = layout.split(pieces)
+                if data_off:
+                    sl.views[local[0]] = layout.piece(table[local[0]]).views(seg.u8[data_off:])
+                    continue
                 if piece is not None:
-                    if not 0 <= piece < pieces or device is None:
+                    if piece not in local or device is None:
                         raise ServerError(
-                            f"attach(piece={piece}, device={device}): this server has pieces "
-                            f"0..{pieces - 1}; pass the owning trainer rank and its GPU"
+                            f"attach(piece={piece}, device={device}): node {node} holds pieces {local}; "
+                            f"pass the owning trainer rank's piece and its GPU"
                         )
-                    sl.pieces[piece] = Piece.create(run_id, s, piece, split[piece], torch.device(device), readers)
+                    sl.pieces[piece] = Piece.create(
+                        run_id, s, piece, layout.piece(table[piece]), torch.device(device), readers
+                    )
                     sl.views[piece] = sl.pieces[piece].views
                 map_on = torch.device(device) if device is not None and piece is None else None
-                for p in range(pieces) if reader is not None else ():
+                for p in local if reader is not None else ():
                     if sl.pieces[p] is None:
                         sl.pieces[p] = Piece.attach(
-                            run_id, s, p, split[p], reader, max(0.0, deadline - time.monotonic()), map_on
+                            run_id, s, p, layout.piece(table[p]), reader, max(0.0, deadline - time.monotonic()), map_on
                         )
                         sl.views[p] = sl.pieces[p].views
         except BaseException:
             for sl in slots:
                 sl.close()
             raise
-        if not slots[0].pieces:
+        if not any(slots[0].pieces):
             dev = torch.device("cpu")
         elif device is not None:
             dev = torch.device(device)
@@ -161,7 +214,7 @@ class ParameterServer(SlotReader):
             dev = torch.device("cuda", torch.cuda.current_device())
         else:
             dev = torch.device("cpu")
-        return cls(slots, layout, leader=False, device=dev, pieces=len(slots[0].views))
+        return cls(slots, layout, leader=False, device=dev, table=table, node=node)
 
     def close(self) -> None:
         """Unmap the slots (a piece owner first waits for its readers); the leader also removes them."""
@@ -248,16 +301,22 @@ class ParameterServer(SlotReader):
             )
         row = math.prod(entry.shape[1:])
         parts = []
-        for p, (a, b) in enumerate(self._rows[name]):
+        for p in self.local:  # a piece on another node is written there, by its own ranks
+            a, b = self._rows[name][p]
             lo, hi = max(offset_in_param, a * row), min(offset_in_param + n, b * row)
             if lo >= hi:
                 continue
             if sl.views[p] is None:
                 raise ServerError(
                     f"write_shard({name!r}): elements [{lo}, {hi}) belong to piece {p}, owned by "
-                    f"trainer rank {p}; each rank writes only its own shard"
+                    f"trainer rank {self.table[p].owner}; each rank writes only its own shard"
                 )
             parts.append((sl.views[p][name].view(-1)[lo - a * row : hi - a * row], lo - offset_in_param, hi - lo))
+        if sum(c for _, _, c in parts) != n:
+            raise ServerError(
+                f"write_shard({name!r}): elements [{offset_in_param}, {offset_in_param + n}) are not all held on "
+                f"node {self.node} (its pieces {self.local}); each rank writes only its own shard"
+            )
         src = tensor.detach().reshape(-1)
         for dst, at, count in parts:
             dst.copy_(src[at : at + count])

@@ -18,8 +18,10 @@ from staleflow.servers.transport import sync_device
 
 
 class SlotReader:
-    """Needs ``slots``, ``layout``, ``device``, ``_index`` (name -> entry), ``_rows`` (name -> rows of
-    each piece), ``published_versions()`` and ``latest_version()`` from the ParameterServer."""
+    """Needs ``slots``, ``layout``, ``device``, ``node``, ``local`` (the pieces this node holds), ``holds_all``,
+    ``_index`` (name -> entry), ``_rows`` (name -> rows of each piece), ``published_versions()`` and
+    ``latest_version()`` from the ParameterServer. Only this node's pieces are read here: where another
+    node holds some (FSDP across nodes), remote_weights.py brings the rest."""
 
     last_copies = 0
     """Copies the last ``pull`` issued (adjacent parameters merged: copy_plan.py)."""
@@ -30,8 +32,9 @@ class SlotReader:
         """Copy published ``version`` into ``out`` in place (or into new tensors) and return it.
 
         ``out`` needs every layout name with the layout's shape (any dtype/device, any strides:
-        copy_ casts). Raises VersionNotFound when the version is not published or was already
-        overwritten; a torn copy is retried (``out`` then holds the clean retry).
+        copy_ casts); only the rows this node holds are written. Raises VersionNotFound when the
+        version is not published or was already overwritten; a torn copy is retried (``out`` then
+        holds the clean retry).
         """
         out = self._prepare(out)
         try:
@@ -53,6 +56,11 @@ class SlotReader:
         sl = self._slot_of(version)
         return None if sl is None else self._copy(sl, version, out)
 
+    def read_local(self, version: int, out: dict[str, torch.Tensor]) -> bool | None:
+        """One copy of this node's rows of ``version`` into ``out``: True clean, False torn, None when
+        this node no longer (or not yet) holds it. The caller retries (remote_weights.py)."""
+        return self._read(version, out)
+
     @contextmanager
     def stream(
         self, version: int, device: str | torch.device | None = None
@@ -60,7 +68,13 @@ class SlotReader:
         """Hold published ``version`` (shared lock) and yield an iterator of (name, whole tensor on
         ``device``): the slot's own view where one piece holds the parameter on that device, else a
         tensor assembled from the pieces. Use the tensors inside the block; on leaving it the
-        stamp is checked and a change raises TornRead (load again)."""
+        stamp is checked and a change raises TornRead (load again). Only where this node holds
+        every piece."""
+        if not self.holds_all:
+            raise ServerError(
+                f"stream({version}): node {self.node} holds only pieces {self.local} of the Parameter Server; "
+                f"the others are on other nodes (servers/remote_weights.py pulls them)"
+            )
         sl = self._slot_of(version)
         if sl is None:
             self._not_found(version)
@@ -72,7 +86,7 @@ class SlotReader:
                 self._not_found(version)
             self._check_mapped(sl)
             yield self._tensors(sl, device)
-            for dev in {device} | {t.device for views in sl.views for t in list(views.values())[:1]}:
+            for dev in {device} | {t.device for views in sl.views if views for t in list(views.values())[:1]}:
                 sync_device(dev)
             if sl.header() != before:
                 raise TornRead(f"stream({version}): the slot changed while it was read; load it again")
@@ -81,7 +95,7 @@ class SlotReader:
 
     def _tensors(self, sl: _Slot, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         for e in self.layout.entries:
-            held = [p for p, (a, b) in enumerate(self._rows[e.name]) if b > a]
+            held = [p for p in self.local if self._rows[e.name][p][1] > self._rows[e.name][p][0]]
             if len(held) == 1 and sl.views[held[0]][e.name].device == device:
                 yield e.name, sl.views[held[0]][e.name]
                 continue
@@ -96,7 +110,7 @@ class SlotReader:
         return out
 
     def _check_mapped(self, sl: _Slot) -> None:
-        missing = [p for p, v in enumerate(sl.views) if v is None]
+        missing = [p for p in self.local if sl.views[p] is None]
         if missing:
             raise ServerError(
                 f"this process has not mapped pieces {missing} of the parameter server: "
@@ -104,7 +118,8 @@ class SlotReader:
             )
 
     def _copy_param(self, sl: _Slot, name: str, dst: torch.Tensor) -> None:
-        for p, (a, b) in enumerate(self._rows[name]):
+        for p in self.local:
+            a, b = self._rows[name][p]
             if b > a:
                 src = sl.views[p][name]
                 (dst if dst.dim() == 0 else dst[a:b]).copy_(src)
@@ -127,7 +142,8 @@ class SlotReader:
                 devices.add(dst.device)
             self.last_copies = len(pairs)
             for views in sl.views:
-                devices.update(t.device for t in list(views.values())[:1])
+                if views:
+                    devices.update(t.device for t in list(views.values())[:1])
             for dev in devices:
                 sync_device(dev)
             return sl.header() == before

@@ -1,25 +1,29 @@
-"""Weights across nodes: the Parameter Server's piece owners serve published versions to the
-rollout ranks of other nodes, each of which pulls on its own schedule.
+"""Weights across nodes: each Parameter Server piece owner serves its piece of a published version
+to the rollout ranks of other nodes, each of which pulls on its own schedule.
 
     server = WeightServer(ps, piece, sock, groups, device)        # a thread on each piece owner
-    puller = RemoteWeights(socks, owners, group, device)         # a rollout rank off the PS's node
-    version, nbytes = puller.pull_latest(out=dict(engine.model.named_parameters()))
+    puller = RemoteWeights({piece: sock}, table, group, device, local=ps_of_this_node_or_None)
+    version, by_node = puller.pull_latest(out=dict(engine.model.named_parameters()))
 
-Requests and answers travel on small CURVE ZeroMQ sockets (net/curve.py); the bytes go through
-torch.distributed point-to-point on a group made at start-up for each remote puller (its piece
-owners + itself): gloo over TCP on CPU, NCCL on GPUs (so GPU weights go device to device). A
+Which piece comes from where is the puller's copy plan (cluster/placement.SlotPlacement.pull_plan):
+one piece per row range, this node's own where it holds one (``local``: this node's Parameter
+Server, read from shared memory / CUDA IPC), the others from their owners on other nodes. Requests
+and answers travel on small CURVE ZeroMQ sockets (net/curve.py); the bytes go through
+torch.distributed point-to-point on a group made at start-up for each remote puller (the owners it
+pulls from + itself): gloo over TCP on CPU, NCCL on GPUs (so GPU weights go device to device). A
 pull, like a local one, is versioned and never torn:
-  1. ask owner 0 for the newest published version v (and, once, the layout and piece count);
-  2. ask every owner for v: each takes its slot's shared lock (its own file descriptor, so the
-     trainer's exclusive claim of the slot waits for it), checks that the slot still holds v,
-     answers ok, sends its piece's rows of every parameter in layout order, waits for the sends,
-     checks the seqlock stamp again and says whether the copy was clean;
-  3. the puller receives each row block into a staging buffer and copies it into ``out`` (any
+  1. the version v to read is the newest one every node involved has published (they publish
+     within one trainer barrier of each other, and each keeps the previous version in its other slot);
+  2. this node's pieces are copied under their slot's shared lock (``SlotReader.read_local``);
+  3. every remote owner in the plan is asked for v: each takes its slot's shared lock (its own file
+     descriptor, so the trainer's exclusive claim of the slot waits for it), checks that the slot
+     still holds v, answers ok, sends its piece's rows of every parameter in layout order, waits for
+     the sends, checks the seqlock stamp again and says whether the copy was clean;
+  4. the puller receives each row block into a staging buffer and copies it into ``out`` (any
      strides, cast on its device); a piece that is gone (v overwritten meanwhile) or torn makes it
      start again at 1 with the newest version.
-On CPU a slot has one piece (owner: the trainer leader); on GPUs one per trainer rank, each sent by
-the rank whose GPU holds it (no process maps another trainer's GPU). Same-node pullers keep the
-shared-memory / CUDA IPC path (parameter.py); only ranks off the PS's node use this.
+On CPU each trainer node holds one piece (served by its first trainer rank); on GPUs one per trainer
+rank, each sent by the rank whose GPU holds it (no process maps another trainer's GPU).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import zmq
 
 from staleflow.net.curve import incoming, user_rank
 from staleflow.servers.errors import ServerError
-from staleflow.servers.layout import ParamLayout, dtype_of, piece_rows
+from staleflow.servers.layout import ParamLayout, PieceSpec, dtype_of
 from staleflow.servers.segment import segment_path
 from staleflow.servers.slot import PUBLISHED, read_clean
 from staleflow.servers.transport import sync_device
@@ -122,8 +126,9 @@ class WeightServer:
                 return
             self._reply(ident, WeightOffer(req.version, True, ps.pieces))
             group = self.groups[who]
+            spec = ps.table[self.piece]
             for e in ps.layout.entries:
-                a, b = piece_rows(e.shape, ps.pieces, self.piece)
+                a, b = spec.rows(e.shape)
                 if b > a:
                     dist.send(sl.views[self.piece][e.name].reshape(-1), dst=who, group=group)
             sync_device(self.device)
@@ -145,16 +150,32 @@ class WeightServer:
 
 
 class RemoteWeights:
-    """A rollout rank's pulls from the piece owners on the Parameter Server's node."""
+    """A rollout rank's pulls of the pieces other nodes hold (and of its own node's, ``local``)."""
 
     def __init__(
-        self, socks: list[zmq.Socket], owners: list[int], group, device: str | torch.device, timeout_s: float = 300.0
+        self,
+        socks: dict[int, zmq.Socket],
+        table: tuple[PieceSpec, ...],
+        group,
+        device: str | torch.device,
+        local=None,
+        timeout_s: float = 300.0,
     ):
-        self.socks, self.owners, self.group = socks, owners, group  # socks[p]: owner p's weight server
+        """``socks``: piece -> the weight server of its owner, for every piece of the plan held on
+        another node; ``table``: the run's pieces (cluster/placement.py); ``local``: this node's
+        ParameterServer (attached as a reader) when it holds the plan's other pieces, else None."""
+        self.socks, self.table, self.group, self.local = dict(socks), tuple(table), group, local
         self.device, self.timeout_ms = torch.device(device), int(timeout_s * 1000)
-        self.layout: ParamLayout | None = None
-        self.pieces = len(owners)
+        self.layout: ParamLayout | None = local.layout if local is not None else None
+        self.pieces = len(self.table)
         self._staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+        first: dict[int, int] = {}
+        for p in sorted(self.socks):
+            first.setdefault(self.table[p].node, p)
+        self._ask_nodes = list(first.values())  # one piece per remote node answers "which version?"
+
+    def _owner(self, p: int) -> int:
+        return self.table[p].owner
 
     def _ask(self, p: int, req: WeightRequest):
         self.socks[p].send(_encode(req))
@@ -163,26 +184,32 @@ class RemoteWeights:
     def _answer(self, p: int):
         if not self.socks[p].poll(self.timeout_ms):
             raise ServerError(
-                f"the weight server of rank {self.owners[p]} (Parameter Server piece {p}) did not "
-                f"answer within {self.timeout_ms // 1000} s: is its node reachable?"
+                f"the weight server of rank {self._owner(p)} (Parameter Server piece {p}, node {self.table[p].node}) "
+                f"did not answer within {self.timeout_ms // 1000} s: is its node reachable?"
             )
         return _decode(self.socks[p].recv())
 
     def latest_version(self) -> int | None:
-        offer = self._ask(0, WeightRequest(-1, want_layout=self.layout is None))
-        if self.layout is None and offer.layout:
-            self.layout, self.pieces = ParamLayout.decode(offer.layout), offer.pieces
-            if self.pieces != len(self.owners):
+        """The newest version every node of the plan has published (None before the first)."""
+        versions = [self.local.latest_version()] if self.local is not None else []
+        for p in self._ask_nodes:
+            offer = self._ask(p, WeightRequest(-1, want_layout=self.layout is None))
+            if self.layout is None and offer.layout:
+                self.layout = ParamLayout.decode(offer.layout)
+            if offer.pieces != self.pieces:
                 raise ServerError(
-                    f"the Parameter Server has {self.pieces} pieces but {len(self.owners)} owners serve it"
+                    f"the Parameter Server of node {self.table[p].node} has {offer.pieces} pieces, this rank's "
+                    f"placement {self.pieces}: is every node running the same StaleFlow and flags?"
                 )
-        return offer.version if offer.ok else None
+            versions.append(offer.version if offer.ok else None)
+        return None if any(v is None for v in versions) else min(versions)
 
     def _receive(self, p: int, out: dict[str, torch.Tensor] | None) -> int:
         """Piece p's rows of every parameter, into ``out`` (None: received and dropped)."""
         n = 0
+        spec = self.table[p]
         for e in self.layout.entries:
-            a, b = piece_rows(e.shape, self.pieces, p)
+            a, b = spec.rows(e.shape)
             if b <= a:
                 continue
             shape = (b - a, *e.shape[1:]) if e.shape else ()
@@ -192,7 +219,7 @@ class RemoteWeights:
             if self._staging.numel() < nbytes:
                 self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             buf = self._staging[:nbytes].view(dtype)
-            dist.recv(buf, src=self.owners[p], group=self.group)
+            dist.recv(buf, src=self._owner(p), group=self.group)
             if out is not None:
                 dst = out[e.name]
                 (dst if dst.dim() == 0 else dst[a:b]).copy_(buf.view(shape))
@@ -200,25 +227,34 @@ class RemoteWeights:
         return n
 
     @torch.no_grad()
-    def pull_latest(self, out: dict[str, torch.Tensor], retries: int = 3) -> tuple[int, int]:
-        """Copy the newest published version into ``out`` in place; returns (version, bytes received)."""
-        got = {"bytes": 0}
+    def pull_latest(self, out: dict[str, torch.Tensor], retries: int = 3) -> tuple[int, dict[int, int]]:
+        """Copy the newest version every node holds into ``out`` in place; returns (version, bytes of the
+        successful copy by the node that held them: this node's for the local pieces)."""
+        got: dict[int, int] = {}
 
         def read(version: int) -> bool | None:
             self._check(out)
-            for sock in self.socks:
-                sock.send(_encode(WeightRequest(version)))
-            offers = [self._answer(p) for p in range(self.pieces)]
-            complete = all(o.ok for o in offers)
-            for p, offer in enumerate(offers):
+            got.clear()
+            local = True
+            if self.local is not None:
+                local = self.local.read_local(version, out)
+                if local is not None:
+                    got[self.local.node] = sum(self.layout.piece_bytes(self.table[p]) for p in self.local.local)
+            remote = sorted(self.socks)
+            for p in remote:
+                self.socks[p].send(_encode(WeightRequest(version)))
+            offers = {p: self._answer(p) for p in remote}
+            complete = local is not None and all(o.ok for o in offers.values())
+            for p, offer in offers.items():
                 if offer.ok:  # an owner that offered sends its rows anyway: receive (and drop) them
-                    got["bytes"] += self._receive(p, out if complete else None)
-            clean = all(self._answer(p).clean for p, o in enumerate(offers) if o.ok)
+                    n = self._receive(p, out if complete else None)
+                    got[self.table[p].node] = got.get(self.table[p].node, 0) + n
+            clean = all(self._answer(p).clean for p, o in offers.items() if o.ok) and bool(local)
             sync_device(self.device)
             return clean if complete else None
 
         version = read_clean(read, self.latest_version, retries + 1, "pull_latest from another node")
-        return version, got["bytes"]
+        return version, dict(got)
 
     def _check(self, out: dict[str, torch.Tensor]) -> None:
         index = self.layout.index()
@@ -231,5 +267,8 @@ class RemoteWeights:
             )
 
     def close(self) -> None:
-        for s in self.socks:
+        for s in self.socks.values():
             s.close(linger=0)
+        if self.local is not None:
+            self.local.close()
+            self.local = None

@@ -14,16 +14,18 @@ from staleflow.servers.errors import TornRead, VersionNotFound
 from staleflow.servers.pieces import Piece
 from staleflow.servers.segment import Segment, check_run_id, segment_path
 
-# magic, slot, state, version, stamp, data offset, layout length, pieces, reader handles
-SLOT_HEADER = struct.Struct("<8sIIqQQIII")
+# magic, slot, state, version, stamp, data offset, layout length, pieces, reader handles, node, piece table length
+SLOT_HEADER = struct.Struct("<8sIIqQQIIIII")
 SLOT_MAGIC = b"STLFSLOT"
 EMPTY, FILLING, PUBLISHED = 0, 1, 2
 _STATE, _VERSION, _STAMP = 12, 16, 24  # byte offsets of the mutable header fields
 NUM_SLOTS = 2
 
 
-def slot_name(run_id: str, slot: int) -> str:
-    return f"staleflow-{check_run_id(run_id)}-ps-{slot}"
+def slot_name(run_id: str, slot: int, node: int = 0) -> str:
+    """The slot segment of ``node`` (node 0 keeps the single-node name; two agents on one machine are
+    two nodes sharing one /dev/shm, so the others' names carry their node)."""
+    return f"staleflow-{check_run_id(run_id)}-ps-{slot}" + (f"-n{int(node)}" if node else "")
 
 
 class _Slot:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from staleflow.cluster.placement import ps_egress_gb_s
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -289,6 +291,6 @@ def pull_share(cfg, spec: ModelSpec, pull_s: float | None) -> float:
     NIC, per trainer GPU: the PS's shards live on the trainer ranks)."""
     if cfg.ps_egress_gb_s == 0:
         return 0.0
-    egress = cfg.ps_egress_gb_s or 25.0 * (cfg.total_gpus - cfg.rollout_gpus)
+    egress = cfg.ps_egress_gb_s or ps_egress_gb_s(cfg.total_gpus - cfg.rollout_gpus)  # the runtime's placement
     per_pull = spec.weight_bytes / (pull_s or transfer_s(spec, 32.0)) / 1e9
     return per_pull / max(egress, per_pull)  # one pull alone always runs at its own bandwidth

@@ -1,7 +1,7 @@
 """Training-state checkpoints (atomic, verified, keep-last-K) and Hugging Face policy export.
 
     path = save_checkpoint(trainer, "runs/x/checkpoints", extra={"staleness": ...}, keep=2)
-    final, writer = begin_save(trainer, root, extra, keep, writer)   # returns after the snapshot
+    final, writer = begin_save(trainer, root, extra, keep, writer, node=1, nodes=2)   # returns after the snapshot
     finish_save(trainer, writer, final)                              # collective wait, raises on failure
     extra = load_checkpoint(trainer, latest_checkpoint("runs/x/checkpoints"))
     export_hf(trainer, "runs/x/policy", tokenizer_from=resolve_model_path("smollm2-135m"))
@@ -11,7 +11,9 @@ safetensors written by every trainer rank (``rank_{r}.safetensors``: its own row
 any number of ranks) with a JSON index ``state.json`` (shapes, dtypes, the optimizer's param
 groups; train/state_store.py), ``trainer_state.json`` (version, LR scheduler, an ``extra`` dict
 the runtime fills: the controller's resume state), ``rng_{rank}.safetensors`` + ``rng_{rank}.json``
-and, written last, ``manifest.json`` with the size and sha256 of every file. Nothing in a
+and, written last, ``manifest.json`` with the size, sha256 and writing node of every file (and the
+number of trainer nodes and the sharding that wrote it: with HSDP only the first replica writes the
+state, one file per shard; a resume on another number of nodes reshards it). Nothing in a
 checkpoint is unpickled or executed: safetensors headers and JSON only (torch's DCP format, which
 unpickles its metadata, is refused with a one-line error). Saving (``begin_save`` then
 ``finish_save``; ``save_checkpoint`` does both): rank 0 makes ``.tmp-step_*`` and every rank agrees;
@@ -47,6 +49,7 @@ from staleflow.train.checkpoint_files import (
     load_rng,
     read_manifest,
     read_trainer_state,
+    refuse_dcp,
     rng_tensors,
 )
 from staleflow.train.checkpoint_writer import DISK as _DISK
@@ -155,7 +158,9 @@ def verify_checkpoint(path: str | Path) -> dict:
     return {
         "version": manifest.version,
         "world": manifest.world,
-        "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in files.items()},
+        "nodes": manifest.nodes,
+        "sharding": manifest.sharding,
+        "files": {k: {"size": v.size, "sha256": v.sha256, "node": v.node} for k, v in files.items()},
     }
 
 
@@ -194,12 +199,20 @@ def _raise(code: int, error: BaseException | str | None, otherwise: str) -> None
 
 
 def begin_save(
-    trainer, root: str | Path, extra: dict | None = None, keep: int = 2, writer: CheckpointWriter | None = None
+    trainer,
+    root: str | Path,
+    extra: dict | None = None,
+    keep: int = 2,
+    writer: CheckpointWriter | None = None,
+    node: int = 0,
+    nodes: int = 1,
 ) -> tuple[Path, CheckpointWriter]:
     """Start saving the full training state of ``trainer`` (collective over its ranks): wait for
     ``writer``'s previous save, make the temporary folder, snapshot the state into host memory and
     hand it to the writer's thread. Returns (the checkpoint's final path, the writer) as soon as the
-    thread runs: the trainer may change its state from then on. ``finish_save`` waits for it."""
+    thread runs: the trainer may change its state from then on. ``finish_save`` waits for it.
+    ``node`` / ``nodes``: this rank's node and the trainer's node count (the manifest names them; the
+    folder must be on a file system every trainer node shares)."""
     if keep < 1:
         raise ValueError(f"keep={keep!r} is invalid: keep at least 1 checkpoint (--checkpoint.keep)")
     writer = writer or CheckpointWriter()
@@ -219,7 +232,7 @@ def begin_save(
             error = e
     _raise(_worst(trainer, _outcome(error)), error, f"checkpoint {final.name}: the leader could not create {tmp}")
     try:
-        job = _snapshot(trainer, tmp, final, extra, keep, writer.buffers if writer.copy else None)
+        job = _snapshot(trainer, tmp, final, extra, keep, writer.buffers if writer.copy else None, node, nodes)
     except Exception as e:  # StateError, or no host memory for the copy: every rank must hear of it
         error = e
     code = _worst(trainer, _outcome(error))
@@ -260,11 +273,15 @@ def save_checkpoint(trainer, root: str | Path, extra: dict | None = None, keep: 
     return finish_save(trainer, writer, final)
 
 
-def _snapshot(trainer, tmp: Path, final: Path, extra: dict | None, keep: int, buffers) -> SaveJob:
+def _snapshot(
+    trainer, tmp: Path, final: Path, extra: dict | None, keep: int, buffers, node: int = 0, nodes: int = 1
+) -> SaveJob:
     """This rank's state copied into host buffers (the writer's own, reused), and the job that writes it."""
     model_sd, optim_sd = _live_state(trainer)
     flat, groups = flatten_state(model_sd, optim_sd)
-    index, mine = rank_items(trainer.rank, trainer.world, flat)
+    replica = getattr(trainer, "replica", 0)
+    shard, shards = getattr(trainer, "shard_rank", trainer.rank), getattr(trainer, "shard_world", trainer.world)
+    index, mine = rank_items(shard, shards, flat, replica)
     index["param_groups"] = groups
     copy = buffers is not None
     cuda = any(t.is_cuda for _, t in mine)
@@ -286,6 +303,8 @@ def _snapshot(trainer, tmp: Path, final: Path, extra: dict | None, keep: int, bu
         ready=ready,
         device=trainer.device,
         label=f"checkpoint {final.name}",
+        state_rank=shard if replica == 0 else None,
+        node=node,
     )
     if trainer.rank == 0:
         state = {
@@ -295,18 +314,20 @@ def _snapshot(trainer, tmp: Path, final: Path, extra: dict | None, keep: int, bu
             "world": trainer.world,
             "extra": extra or {},
         }
-        job.finish = lambda files: _finish(tmp, final, index, state, files, keep)
+        spread = {"nodes": nodes, "sharding": "hsdp" if getattr(trainer, "replicas", None) is not None else "fsdp"}
+        job.finish = lambda files: _finish(tmp, final, index, state, files, keep, spread)
         job.abandon = lambda: shutil.rmtree(tmp, ignore_errors=True)
     return job
 
 
-def _finish(tmp: Path, final: Path, index: dict, state: dict, files: dict, keep: int) -> Path:
+def _finish(tmp: Path, final: Path, index: dict, state: dict, files: dict, keep: int, spread: dict) -> Path:
     """Rank 0's thread, once every rank's files are written: index, trainer state and manifest
-    (last), then the atomic rename into place and the pruning of old checkpoints."""
+    (last, with ``spread``: the trainer's nodes and sharding), then the atomic rename into place and
+    the pruning of old checkpoints."""
     for name, obj in (("state.json", index), ("trainer_state.json", state)):
         atomic_write_json(tmp / name, obj)
-        files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-    manifest = {"version": state["version"], "world": state["world"], "files": dict(sorted(files.items()))}
+        files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name), "node": 0}
+    manifest = {"version": state["version"], "world": state["world"], **spread, "files": dict(sorted(files.items()))}
     atomic_write_json(tmp / MANIFEST, manifest, indent=1)
     if final.exists():
         shutil.rmtree(final)
@@ -317,26 +338,19 @@ def _finish(tmp: Path, final: Path, index: dict, state: dict, files: dict, keep:
     return final
 
 
-def _refuse_legacy(path: Path) -> None:
-    if (path / ".metadata").is_file() and not (path / "state.json").is_file():
-        raise CheckpointError(
-            f"checkpoint {path} is in torch's DCP format (written by an older StaleFlow), which "
-            f"unpickles its metadata on load and is refused: start a fresh run"
-        )
-
-
 def load_checkpoint(trainer, path: str | Path) -> dict:
     """Restore `trainer` from a checkpoint folder (any number of ranks); returns its `extra` dict."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
     verify_checkpoint(path)
-    _refuse_legacy(path)
+    refuse_dcp(path)
     model_sd, optim_sd = _live_state(trainer)
     flat, _ = flatten_state(model_sd, optim_sd)
     try:
         index = read_index(path)
-        load_rank_state(path, trainer.rank, trainer.world, flat, index)
+        shard, shards = getattr(trainer, "shard_rank", trainer.rank), getattr(trainer, "shard_world", trainer.world)
+        load_rank_state(path, shard, shards, flat, index)  # any layout: each rank reads its rows
         restore_groups(optim_sd["param_groups"], index.get("param_groups"))
         for fqn, st in optim_sd.get("state", {}).items():  # scalars came back as tensors: give the type back
             for key, v in list(st.items()):
@@ -369,7 +383,7 @@ def load_policy_weights(model, path: str | Path) -> None:
     For tools outside a training run (export checks, evaluation): no optimizer, no process group."""
     path = Path(path)
     verify_checkpoint(path)
-    _refuse_legacy(path)
+    refuse_dcp(path)
     try:
         index = read_index(path)
         sd = {}

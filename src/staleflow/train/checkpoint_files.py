@@ -44,6 +44,8 @@ class CheckpointError(BadInput, RuntimeError):
 class FileEntry:
     size: int
     sha256: str
+    node: int = 0
+    """The node whose trainer rank wrote it (every node writes its own ranks' shards)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ class Manifest:
     version: int
     world: int
     files: dict[str, FileEntry]
+    nodes: int = 1
+    """Trainer nodes that wrote it (absent before 2026-12-07: 1)."""
+    sharding: str = "fsdp"
+    """The trainer's sharding then: fsdp, or hsdp (one state file per shard, written by the first replica)."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +143,24 @@ def read_manifest(folder: Path) -> Manifest:
         digest = entry.get("sha256")
         if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
             raise CheckpointError(f"{path}: files[{name!r}].sha256 is not 64 lowercase hex digits")
-        out[name] = FileEntry(size, digest)
-    return Manifest(version, world, out)
+        node = entry.get("node", 0)
+        if type(node) is not int or not 0 <= node < MAX_WORLD:
+            raise CheckpointError(f"{path}: files[{name!r}].node is {str(node)[:40]!r}, not a node number")
+        out[name] = FileEntry(size, digest, node)
+    nodes = _int(obj, "nodes", 1, MAX_WORLD, path) if "nodes" in obj else 1
+    sharding = obj.get("sharding", "fsdp")
+    if sharding not in ("fsdp", "hsdp"):
+        raise CheckpointError(f"{path}: field 'sharding' is {str(sharding)[:40]!r}, not fsdp or hsdp")
+    return Manifest(version, world, out, nodes, sharding)
+
+
+def refuse_dcp(path: Path) -> None:
+    """A folder in torch's DCP format (pickled ``.metadata``) is refused, never read."""
+    if (path / ".metadata").is_file() and not (path / "state.json").is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is in torch's DCP format (written by an older StaleFlow), which "
+            f"unpickles its metadata on load and is refused: start a fresh run"
+        )
 
 
 def read_trainer_state(folder: Path) -> TrainerState:
@@ -250,3 +272,17 @@ def load_rng(path: Path, rank: int) -> None:
     cuda = [tensors[f"cuda_{i}"] for i in range(len(tensors)) if f"cuda_{i}" in tensors]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
+
+
+def reshard_note(folder: str | Path, trainer, nodes: int) -> str:
+    """ "" or one line saying that the checkpoint in ``folder`` was written by another trainer layout
+    (ranks, nodes, sharding) than ``trainer``'s on ``nodes`` nodes, and was resharded on load: its
+    state files hold rows, and every rank reads its own rows whatever wrote them."""
+    m = read_manifest(Path(folder))
+    sharding = "hsdp" if getattr(trainer, "replicas", None) is not None else "fsdp"
+    if (m.world, m.nodes, m.sharding) == (trainer.world, nodes, sharding):
+        return ""
+    return (
+        f"checkpoint {Path(folder).name} was written by {m.world} trainer rank(s) on {m.nodes} node(s) "
+        f"({m.sharding}); resharded onto {trainer.world} rank(s) on {nodes} node(s) ({sharding})"
+    )

@@ -84,6 +84,11 @@ class SaveJob:
     device: torch.device | None = None
     label: str = "checkpoint"
     parts: dict = field(default_factory=dict)
+    state_rank: int | None = -1
+    """The state file's number (``rank_{state_rank}.safetensors``: the shard it holds; -1: ``rank``);
+    None: this rank writes no state file (an HSDP replica other than the first holds the same state)."""
+    node: int = 0
+    """The node this rank writes from: the manifest names every file's node."""
 
 
 def worst(trainer, code: int) -> int:
@@ -192,8 +197,8 @@ class HostArena:
             pass
 
 
-def _file_entry(path: Path, sha: str) -> dict:
-    return {"size": path.stat().st_size, "sha256": sha}
+def _file_entry(path: Path, sha: str, node: int = 0) -> dict:
+    return {"size": path.stat().st_size, "sha256": sha, "node": node}
 
 
 def _fsync(path: Path) -> None:
@@ -260,15 +265,16 @@ class CheckpointWriter:
             if job.ready is not None:
                 job.ready.synchronize()  # the device-to-host copies have landed
             with disk_errors(f"writing {job.label} (rank {job.rank})", job.tmp.parent):
+                state = job.rank if job.state_rank == -1 else job.state_rank
                 for name, items in (
-                    (f"rank_{job.rank}.safetensors", job.items),
+                    *(((f"rank_{state}.safetensors", job.items),) if state is not None else ()),
                     (f"rng_{job.rank}.safetensors", job.rng),
                 ):
                     sha = job.write(job.tmp / name, items)
-                    files[name] = _file_entry(job.tmp / name, sha)
+                    files[name] = _file_entry(job.tmp / name, sha, job.node)
                 rng_json = job.tmp / f"rng_{job.rank}.json"
                 rng_json.write_text(json.dumps(job.rng_json))
-                files[rng_json.name] = _file_entry(rng_json, job.sha256(rng_json))
+                files[rng_json.name] = _file_entry(rng_json, job.sha256(rng_json), job.node)
                 for name in files:
                     _fsync(job.tmp / name)
                 written = sum(e["size"] for e in files.values())

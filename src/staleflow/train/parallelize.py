@@ -1,6 +1,7 @@
 """How the trainer's model is parallelised and in which dtypes: one place, read by the trainer and
 by the memory plan (staleflow.plan), so a change here changes both.
 
+    mesh = trainer_mesh(group, "cuda", replicas)   # FSDP2 over the group, or HSDP (Replicas)
     shard_policy(policy, mesh, "cuda")   # FSDP2: one unit per decoder layer + the root
     mixed_precision("cuda").param_dtype  # bf16 compute, fp32 gradient reduction
     MASTER_DTYPE                         # fp32 master weights, gradients, AdamW state
@@ -9,10 +10,48 @@ by the memory plan (staleflow.plan), so a change here changes both.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 MASTER_DTYPE = torch.float32
 """Dtype of the trainer's (sharded) master weights, gradients and AdamW state."""
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """HSDP (--cluster.sharding hsdp): each node's trainer ranks shard the weights among themselves and
+    the nodes hold replicas, kept equal by an all-reduce of the gradients between them. ``rows``: the
+    trainer ranks (global ranks), one row per trainer node; rank ``rows[i][s]`` holds chunk s of every
+    dim-0-sharded tensor, like ``rows[j][s]`` on every other node. The groups are this rank's: its node's
+    row (``shard_group``) and its column (``replicate_group``), made by launch/dist.make_groups."""
+
+    rows: tuple[tuple[int, ...], ...]
+    shard_group: object
+    replicate_group: object
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(replica, shard index) of a trainer rank."""
+        for i, row in enumerate(self.rows):
+            if rank in row:
+                return i, row.index(rank)
+        raise ValueError(f"rank {rank} is not in the HSDP mesh {self.rows}")
+
+
+def trainer_mesh(group, device_type: str, replicas: Replicas | None = None):
+    """The DeviceMesh FSDP2 shards over: 1-D over the trainer group (FSDP), or 2-D (replicate, shard)
+    from the HSDP groups (fully_shard then shards along the second dimension and replicates along
+    the first)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if replicas is None:
+        return DeviceMesh.from_group(group, device_type)
+    return DeviceMesh.from_group(
+        [replicas.replicate_group, replicas.shard_group],
+        device_type,
+        mesh=torch.tensor(replicas.rows, dtype=torch.int),
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 def mixed_precision(device_type: str):

@@ -54,15 +54,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
-    """A DTensor sharded on dim 0 (FSDP2); anything else is stored whole."""
+    """A DTensor sharded on dim 0: FSDP2's [Shard(0)], or HSDP's [Replicate(), Shard(0)] (the rows of
+    one replica); anything else is stored whole."""
     if not hasattr(t, "placements"):
         return False
     kinds = [type(p).__name__ for p in t.placements]
-    if kinds == ["Replicate"]:
+    if all(k == "Replicate" for k in kinds):
         return False
-    if kinds != ["Shard"] or t.placements[0].dim != 0:
+    if kinds[-1] != "Shard" or t.placements[-1].dim != 0 or any(k != "Replicate" for k in kinds[:-1]):
         raise StateError(
-            f"a tensor with placements {t.placements} cannot be stored: only Shard(0) (FSDP2) or Replicate is supported"
+            f"a tensor with placements {t.placements} cannot be stored: only Shard(0) (FSDP2), "
+            f"(Replicate, Shard(0)) (HSDP) or Replicate is supported"
         )
     return True
 
@@ -106,9 +108,11 @@ def write_safetensors(
     return digest.hexdigest()
 
 
-def rank_items(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> tuple[dict, list]:
+def rank_items(rank: int, world: int, tensors: dict[str, torch.Tensor], replica: int = 0) -> tuple[dict, list]:
     """(the index, identical on every rank; this rank's (name, local tensor) items to store):
-    its rows of every dim-0-sharded tensor, and on rank 0 the replicated ones too."""
+    its rows of every dim-0-sharded tensor, and on rank 0 the replicated ones too. ``rank`` of
+    ``world``: the shard this rank holds (HSDP: within its replica); only replica 0 stores anything
+    (the others hold the same values)."""
     index, mine = {}, []
     for name, t in tensors.items():
         sharded = _is_sharded(t)
@@ -120,8 +124,9 @@ def rank_items(rank: int, world: int, tensors: dict[str, torch.Tensor]) -> tuple
                     f"{name}: rank {rank} holds {local.shape[0]} rows, torch.chunk gives {hi - lo}: "
                     f"an unexpected sharding"
                 )
-            mine.append((name, local))
-        elif rank == 0:
+            if replica == 0:
+                mine.append((name, local))
+        elif rank == 0 and replica == 0:
             mine.append((name, _local(t)))
         index[name] = {"shape": list(t.shape), "dtype": _DTYPES.get(t.dtype, str(t.dtype)), "sharded": sharded}
     return {"world": world, "tensors": index}, mine

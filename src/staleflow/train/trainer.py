@@ -54,10 +54,12 @@ from staleflow.train.losses import LossInputs, LossSettings, policy_loss, resolv
 from staleflow.train.packing import plan_step
 from staleflow.train.parallelize import (
     MASTER_DTYPE,
+    Replicas,
     activation_checkpointing_on,
     compute_dtype,
     fill_parameters,
     shard_policy,
+    trainer_mesh,
 )
 from staleflow.train.policy import ParamShard, PolicyHead, head_operands  # noqa: F401 - part of this module's API
 from staleflow.train.router import RouterTally
@@ -90,6 +92,7 @@ class Trainer:
         max_response_tokens: int | None = None,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
         lora=None,
+        replicas: Replicas | None = None,
     ):
         """max_response_tokens: the run's --rollout.max-new-tokens, the constant that Dr. GRPO
         (--train.loss-agg seq-mean-token-sum-norm) divides by; the other aggregations ignore it.
@@ -99,7 +102,10 @@ class Trainer:
         rows, so no rank holds the whole fp32 model (the load peak is the shard plus one tensor).
 
         ``lora`` (the run's LoraConfig): with a rank > 0, adapters go on its target projections and
-        only they are trained, checkpointed and (merged into their projections) pushed (train/lora.py)."""
+        only they are trained, checkpointed and (merged into their projections) pushed (train/lora.py).
+
+        ``replicas`` (HSDP, train/parallelize.Replicas): shard within each row of the mesh, replicate
+        across rows; the loss is normalised over the whole ``process_group`` either way."""
         if cfg.schedule == "cosine" and not total_steps:
             raise ValueError("--train.schedule cosine needs the run length: pass total_steps (the run's --steps)")
         if not temperature > 0:
@@ -114,6 +120,11 @@ class Trainer:
         self.group = process_group
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.replicas = replicas
+        self.replica, self.shard_rank = replicas.coords(dist.get_rank()) if replicas is not None else (0, self.rank)
+        self.shard_world = len(replicas.rows[0]) if replicas is not None else self.world
+        """This rank's replica and its chunk of every dim-0-sharded tensor among ``shard_world`` (FSDP:
+        replica 0, its rank among all trainer ranks)."""
         self.temperature = float(temperature)
         self.total_steps = total_steps
         self.version = 0
@@ -169,9 +180,7 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------
     def _shard(self, policy: PolicyHead) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        shard_policy(policy, DeviceMesh.from_group(self.group, self.device.type), self.device.type)
+        shard_policy(policy, trainer_mesh(self.group, self.device.type, self.replicas), self.device.type)
 
     def _reference(self) -> PolicyHead:
         """A frozen copy of the current weights for the KL term, in the compute dtype and sharded
@@ -339,20 +348,21 @@ class Trainer:
     def named_shards(self) -> Iterator[ParamShard]:
         """This rank's own piece of every parameter (HF names), without any communication.
 
-        FSDP2 shards dim 0 in torch.chunk fashion: rank r holds rows [r*c, min((r+1)*c, n)) with
-        c = ceil(n / world). Unsharded training yields full tensors at offset 0. With LoRA: the
+        FSDP2 shards dim 0 in torch.chunk fashion: shard s holds rows [s*c, min((s+1)*c, n)) with
+        c = ceil(n / shard_world) (FSDP: s is the rank; HSDP: its index within its node, every node
+        holding a replica). Unsharded training yields full tensors at offset 0. With LoRA: the
         merged weights of the adapted projections only (``pushed``; a collective: each adapter's A
         is gathered), nothing else changes.
         """
         if self.lora is not None:
-            yield from (ParamShard(*s) for s in lora_shards(self.model, self.rank, self.world))
+            yield from (ParamShard(*s) for s in lora_shards(self.model, self.shard_rank, self.shard_world))
             return
         for name, p in self.model.named_parameters():
             if hasattr(p, "to_local"):
                 local = p.to_local()
                 n = p.shape[0]
-                c = -(-n // self.world)
-                yield ParamShard(name, local.detach(), min(self.rank * c, n), tuple(p.shape))
+                c = -(-n // self.shard_world)
+                yield ParamShard(name, local.detach(), min(self.shard_rank * c, n), tuple(p.shape))
             else:
                 yield ParamShard(name, p.detach(), 0, tuple(p.shape))
 

@@ -51,6 +51,8 @@ class RankContext:
     client: ControlClient
     run_dir: str = ""
     trainer_group: object = None
+    replicas: object = None
+    """HSDP across nodes (--cluster.sharding hsdp): this trainer rank's train.parallelize.Replicas, else None."""
     device: str = "cpu"
     """This rank's device (launch/dist.py): cuda:LOCAL_RANK on a GPU node, else cpu."""
     controller_pid: int = 0

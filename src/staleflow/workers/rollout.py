@@ -110,6 +110,8 @@ class RolloutWorker:
             reader=reader_index(ctx.rank, world),
             worker_reader=reader_index(ctx.rank, world, engine_worker=True),
             remote=self.net.remote_weights() if self.net is not None else None,
+            node=self.net.node if self.net is not None else 0,
+            home=self.net.topo.home if self.net is not None else 0,
         )
         self.waiting_fetch: list[Route] = []  # routes whose partial record is on another node
         self.crossed: dict[int, tuple[int, int]] = {}  # traj_id -> (copies, bytes) fetched to resume it
@@ -179,19 +181,23 @@ class RolloutWorker:
         if not self.keep_on_pull:  # partial rollout: nothing runs across a weight load
             st = self.engine.stats()
             self.interrupt([t for t in list(st.running_ids) + list(st.waiting_ids) if not is_eval(t)], drop=False)
-        version, nbytes, cross_node = self.weights.load(self.engine, keep_kv=self.keep_on_pull)
-        self._pulled(msg, version, t0, nbytes, cross_node)
+        version, nbytes, by_node = self.weights.load(self.engine, keep_kv=self.keep_on_pull)
+        self._pulled(msg, version, t0, nbytes, by_node)
 
-    def _pulled(self, msg: Pull, version: int, t0: float, nbytes: int, cross_node: bool = False) -> None:
+    def _pulled(self, msg: Pull, version: int, t0: float, nbytes: int, by_node: dict[int, int] | None = None) -> None:
         if version < msg.version:
             raise RuntimeError(f"Pull({msg.version}): the parameter server only has version {version}")
+        node = self.net.node if self.net is not None else 0
+        crossed = sum(b for n, b in (by_node or {}).items() if n != node)
         self.ctx.client.send(
             Pulled(
                 instance=self.instance,
                 version=version,
                 seconds=time.monotonic() - t0,
                 nbytes=nbytes,
-                cross_node=cross_node,
+                cross_node=crossed > 0,
+                by_node=dict(by_node or {}),
+                cross_node_bytes=crossed,
             )
         )
 

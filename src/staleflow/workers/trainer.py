@@ -6,13 +6,17 @@
     SaveState            save the full training state (and export the HF policy) collectively:
                          copied to host memory, then written by a background thread while the
                          next steps train (train/checkpoint_writer.py), unless it must be durable
-The leader (trainer rank 0) creates the Parameter Server and publishes the starting weights. The
-slots hold the rollout engines' dtype (bf16 on CUDA) and live where cluster/placement.py says: on
-CUDA one piece per trainer rank on its own GPU, created by that rank; on CPU in shared memory.
+The first trainer rank of each trainer node creates that node's Parameter Server slots and publishes
+each version there (the leader, trainer rank 0, also reports it); the starting weights are version 0.
+The slots hold the rollout engines' dtype (bf16 on CUDA) and live where cluster/placement.py says: on
+CUDA one piece per trainer rank on its own GPU, created by that rank; on CPU one per trainer node in
+its shared memory.
 
 In a multi-node run (ctx.net) the node's first trainer rank also receives the records that rollout
 ranks of other nodes ship (mirror rings: samples wait for a record that is still on its way), and
 every piece owner serves its piece to the rollout ranks of other nodes (servers/remote_weights.py).
+Trainer ranks may sit on any node (FSDP2 over all of them, or HSDP: ctx.replicas); each writes its
+checkpoint shards into the run folder, which every trainer node must share.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import torch
 import torch.distributed as dist
 
 from staleflow.cluster.placement import slot_dtype, slot_placement
+from staleflow.cluster.topology import Topology
 from staleflow.control.messages import Saved, SaveState, Shutdown, StepDone, TrainStep
 from staleflow.durable import disk_problem
 from staleflow.metrics.audit import content_digest, version_counts
+from staleflow.runfolder.lock import check_visible
 from staleflow.servers import ParameterServer, ParamLayout, TrajectoryRing
 from staleflow.servers.mirror import read_arrived
 from staleflow.train.checkpoint import (
@@ -39,6 +45,7 @@ from staleflow.train.checkpoint import (
     finish_save,
     load_checkpoint,
 )
+from staleflow.train.checkpoint_files import reshard_note
 from staleflow.train.checkpoint_writer import DISK, OK, CheckpointWriter, settle
 from staleflow.train.trainer import Trainer
 from staleflow.trajectory import TrajectoryTokens, model_versions
@@ -71,15 +78,23 @@ class TrainerWorker:
             max_response_tokens=cfg.rollout.max_new_tokens,  # Dr. GRPO's constant normaliser
             weights=weights,
             lora=cfg.lora,
+            replicas=ctx.replicas,
         )
         self.load_s = time.perf_counter() - t0  # with lazy weights: reading them into this rank's shards
         # what a push carries: every parameter, or with LoRA the adapted projections' merged weights
         layout = ParamLayout.from_named_tensors(self.trainer.pushed(), dtype=self.slot_dtype)
         self.run_dir = ctx.run_dir
+        topo = ctx.net.topo if ctx.net is not None else Topology.single_node(ctx.roles)
+        self.node, self.nodes = topo.node_of(ctx.rank), len(topo.trainer_nodes)
+        if ctx.run_dir and self.node != topo.home:  # checkpoints: every rank writes its shards there
+            check_visible(ctx.run_dir, topo.home, self.node)
         self.resume_extra: dict = {}
         if ctx.resume_from:  # chosen by rank 0 (launch/resume.py): the newest intact checkpoint
             try:
                 self.resume_extra = load_checkpoint(self.trainer, ctx.resume_from)
+                note = reshard_note(ctx.resume_from, self.trainer, self.nodes) if self.leader else ""
+                if note:
+                    print(f"staleflow: {note}", file=sys.stderr, flush=True)
             except BaseException as e:  # DCP's CheckpointException is a BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
@@ -87,18 +102,21 @@ class TrainerWorker:
                     f"cannot load {ctx.resume_from} into {cfg.model.path!r}: "
                     f"{str(e).splitlines()[0][:300]} (was the run started with another model?)"
                 ) from None
-        place = slot_placement(ctx.roles.num_trainer, ctx.roles.world_size, self.device.type)
-        if self.leader:
+        place = slot_placement(topo, self.device.type)
+        self.node_leader = place.node_leader(self.node) == ctx.rank  # creates and publishes this node's slots
+        if self.node_leader:
             self.ps = ParameterServer.create(
-                ctx.run_id, layout, device=self.device, pieces=place.pieces, readers=place.readers
+                ctx.run_id, layout, device=self.device, pieces=place.pieces, readers=place.readers, node=self.node
             )
         elif self.device.type == "cuda":  # this rank's own piece of each slot, on its GPU
-            self.ps = ParameterServer.attach(ctx.run_id, timeout=120, piece=ctx.rank, device=self.device)
+            self.ps = ParameterServer.attach(
+                ctx.run_id, timeout=120, piece=ctx.rank, device=self.device, node=self.node
+            )
         else:
-            self.ps = ParameterServer.attach(ctx.run_id, timeout=120)
+            self.ps = ParameterServer.attach(ctx.run_id, timeout=120, node=self.node)
         self.push(self.trainer.version)  # the starting weights are version 0 (or the resumed version)
         if ctx.net is not None:
-            ctx.net.start_weight_server(self.ps, piece=ctx.rank if self.device.type == "cuda" else 0)
+            ctx.net.start_weight_server(self.ps)
         self.rings: dict[int, tuple[TrajectoryRing, bool]] = {}
         self._training = False
         self.writer = CheckpointWriter()  # background checkpoint writes; its host buffers are reused
@@ -117,7 +135,7 @@ class TrainerWorker:
             self.ps.write_shard(sh.name, sh.local, sh.row_offset * row)
         self.ps.end_push()  # one device sync for all the queued copies
         self._barrier()
-        if self.leader:
+        if self.node_leader:  # every trainer node publishes its own slots; none starts the next push first
             self.ps.publish(version)
         self._barrier()
         return time.perf_counter() - t0
@@ -189,7 +207,13 @@ class TrainerWorker:
         root = os.path.join(self.run_dir, "checkpoints")
         try:
             final, _ = begin_save(
-                self.trainer, root, extra=msg.extra, keep=self.ctx.cfg.checkpoint.keep, writer=self.writer
+                self.trainer,
+                root,
+                extra=msg.extra,
+                keep=self.ctx.cfg.checkpoint.keep,
+                writer=self.writer,
+                node=self.node,
+                nodes=self.nodes,
             )
         except Exception as e:
             self._report(msg, error=e)
