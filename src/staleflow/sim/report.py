@@ -26,6 +26,8 @@ ABLATIONS: list[tuple[str, str, dict, dict]] = [
     ("-partial rollout (drain)", "staleflow", {"interrupt_on_pull": False}, {}),
     ("-keep kv (re-prefill after a pull)", "staleflow", {"keep_kv_on_pull": False}, {}),
     ("-kv move (re-prefill a migrated trajectory)", "staleflow", {}, {"kv_move_gb_s": 0.0}),
+    ("-tail lanes", "staleflow", {"tail_lanes": False}, {}),
+    ("-speculative decoding (one token per step)", "staleflow", {}, {"spec_accept": 1.0}),
 ]
 """Full StaleFlow with exactly one part removed (name, mode, coordinator overrides, SimConfig changes)."""
 
