@@ -330,7 +330,7 @@ def main() -> None:
         type=float,
         default=1.0,
         help="the simulated twin's tokens per verify forward (sim/speculative.py; 1: off, as the runs without "
-        "--speculative-flags); give the acceptance scripts/bench_speculative.py measured",
+        "--speculative-flags); give the acceptance the engine measured (scripts/bench_speculative.py, issue 49)",
     )
     ap.add_argument(
         "--verl-flags",
