@@ -288,6 +288,8 @@ def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], 
     overrides = {}
     if mode == "staleflow":
         overrides = {k: f"--coordinator.{k.replace('_', '-')}" in flags for k in ("keep_kv_on_pull", "tail_lanes")}
+        # the runtime's pull policy (status unless the flags say; the simulator's own default is greedy)
+        overrides["pull"] = flags[flags.index("--coordinator.pull") + 1] if "--coordinator.pull" in flags else "status"
     if "--coordinator.mu" in flags:
         overrides["mu"] = float(flags[flags.index("--coordinator.mu") + 1])
     return run(cfg, mode, args.eta, overrides, cost=load_cost_model(cost_json), peer=peer_of(mode, args)).tokens_per_s

@@ -51,10 +51,10 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
         "strongest_fair_peer",
         "step_over_physical_floor_max_throughput_bound",
         "critical_slowdown_max",
-        "critical_slowdown_max_no_lanes",
+        "critical_slowdown_max_lanes",
     } <= set(summary)
     assert set(summary["ablation"]) == {name for name, *_ in grid.ABLATIONS} and summary["violations"] == 0
-    assert {"-tail lanes", "-speculative decoding (one token per step)"} <= set(summary["ablation"])
+    assert {"+tail lanes (off by default)", "-speculative decoding (one token per step)"} <= set(summary["ablation"])
     sweep = saved_sweep = json.loads((tmp_path / "grid.json").read_text())["spec_sweep"]
     assert [r["accept"] for r in sweep] == [1.0, 1.5, 2.0, 2.5, 3.0] and all(r["staleflow"] > 0 for r in saved_sweep)
     assert sweep[0]["staleflow_spec_frac"] == 0 < sweep[-1]["staleflow_spec_frac"]
@@ -100,7 +100,7 @@ def test_grid_guarantee_matched_best_peer_tables_and_the_issue_keys(tmp_path, mo
         assert top["worst"] <= eta and top["tok_s"] >= winner["tok_s"] and not winner["config"].startswith("pipe")
         assert abs(row["vs_strongest_fair"] - row["staleflow_fair"] / top["tok_s"]) < 2e-3
         assert row["staleflow_fair"] == row["staleflow"]  # no redundancy in this setting: the same runs
-        assert row["critical_slowdown"] > 0.8 and row["critical_slowdown_no_lanes"] > 0.8 and 0 < row["spec_frac"] <= 1
+        assert row["critical_slowdown"] > 0.8 and row["critical_slowdown_lanes"] > 0.8 and 0 < row["spec_frac"] <= 1
 
 
 def test_load_axis_and_the_authors_shapes_are_grid_rows_at_paper_load():

@@ -164,13 +164,14 @@ class SimConfig:
     """Modes to simulate side by side (staleflow, the baselines, the ablations: docs/baselines.md; a fork's
     'package.module:Class'); --grid searches the peers among them."""
     coordinator: CoordinatorConfig = field(
-        default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2", keep_kv_on_pull=True, tail_lanes=True)
+        default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2", keep_kv_on_pull=True, pull="greedy")
     )
     """Strategy settings of the staleflow mode (the baselines override theirs, see staleflow.modes).
     Its cost_model field is not used here: --cost-model sets the instances and the router alike. The
     simulated StaleFlow keeps KV across an in-flight weight update (keep_kv_on_pull; the runtime's rollout
-    ranks do so with --coordinator.keep-kv-on-pull, off by default there: docs/simulator.md), and opens tail lanes
-    (--coordinator.tail-lanes, coordinator/lanes.py; off by default in the runtime)."""
+    ranks do so with --coordinator.keep-kv-on-pull, off by default there: docs/simulator.md) and then pulls greedily: with nothing interrupted by a pull, waiting for an idle instance (status
+    pull, the runtime's default) read 1.027 at the paper-like centre (docs/perf.md, issue 49). Tail lanes
+    (--coordinator.tail-lanes, coordinator/lanes.py) are off: with speculative decoding they read 1.023 there."""
     peer: PeerSettings = field(default_factory=PeerSettings)
     """The peers' own knobs (--peer.<mode>.<knob>), each applied to its own mode's runs (--grid searches them)."""
     ablation: bool = True

@@ -16,7 +16,7 @@ the same NOMINAL eta (with their fraction of groups beyond eta and mean stalenes
 drop and regenerate over-stale groups (seed 0 only), and EQUAL TRANSFER (StaleFlow's push and pulls at the
 peers' broadcast bandwidth, the push holding the trainer). StaleFlow also runs with ONE TOKEN per step (no
 speculative decoding): the physical floor bounds those runs' step, and their critical response's slowdown is
-reported, beside the same runs without tail lanes (the slowdown before the lanes). StaleFlow runs on every seed of ``SEEDS``; ratios are of seed means. Ablations (report.ABLATIONS) run
+reported, beside the same runs with tail lanes (the slowdown after the lanes). StaleFlow runs on every seed of ``SEEDS``; ratios are of seed means. Ablations (report.ABLATIONS) run
 at the paper-like ``CENTRE`` over ``ABLATION_SEEDS``, and a sweep over the speculative acceptance there
 (StaleFlow and the centre's strongest fair peer). Every run is one task of a process pool (``--jobs``); the
 search's later seeds are submitted as its first results come in. Ends with the JSON line of grid_report.summary.
@@ -42,7 +42,7 @@ from staleflow.sim.grid_settings import (  # noqa: F401  (the grid's names, re-e
     CENTRE,
     ETAS,
     EXTRA,
-    NO_LANES,
+    LANES,
     ONE_TOKEN,
     SEEDS,
     SMOKE,
@@ -83,7 +83,7 @@ class Setting:
         self.staleflow: dict = {}  # (eta, seed) -> SimResult
         self.equal: dict = {}  # (eta, seed) -> SimResult
         self.one_token: dict = {}  # (eta, seed) -> SimResult: no speculative decoding (the floor's runs)
-        self.no_lanes: dict = {}  # (eta, seed) -> SimResult: the same without tail lanes
+        self.lanes: dict = {}  # (eta, seed) -> SimResult: the same with tail lanes
         self.fair_changes = fair(self.cfg)
         self.fair: dict = {}  # (eta, seed) -> SimResult: the peers' redundancy (only where it differs)
         self.strict: dict = {}  # PeerConfig -> SimResult (seed 0)
@@ -103,7 +103,7 @@ class Setting:
             + list(self.staleflow.values())
             + list(self.equal.values())
             + list(self.one_token.values())
-            + list(self.no_lanes.values())
+            + list(self.lanes.values())
             + list(self.fair.values())
             + list(self.strict.values())
         )
@@ -117,7 +117,7 @@ class Setting:
         return (
             self.scans_left == 0
             and not self.pending
-            and len(self.staleflow) == len(self.equal) == len(self.one_token) == len(self.no_lanes) == n
+            and len(self.staleflow) == len(self.equal) == len(self.one_token) == len(self.lanes) == n
             and len(self.fair) == (n if self.fair_changes else 0)
             and len(self.strict) == sum(len(self.peers.strict(eta)) for eta in self.etas)
         )
@@ -212,8 +212,8 @@ def run_grid(
                         if changes:
                             label = f"staleflow eta={eta}{what}"
                             one(st, partial(runs.__setitem__, k), "staleflow", eta, {}, {}, changes, seed, label)
-                    label = f"staleflow eta={eta} one-token no-lanes"  # the critical slowdown before the lanes
-                    one(st, partial(st.no_lanes.__setitem__, k), "staleflow", eta, NO_LANES, {}, ONE_TOKEN, seed, label)
+                    label = f"staleflow eta={eta} one-token lanes"  # the critical slowdown with the lanes
+                    one(st, partial(st.lanes.__setitem__, k), "staleflow", eta, LANES, {}, ONE_TOKEN, seed, label)
                 for c in st.peers.strict(eta):
                     mode, e, ov, peer = c.args()
                     one(st, lambda r, st=st, c=c: st.strict.__setitem__(c, r), mode, e, ov, peer, {}, SEEDS[0], c.label)

@@ -107,9 +107,9 @@ def setting_rows(st, etas, seeds) -> list[dict]:
                 "staleflow_one_token": round(_mean(r.tokens_per_s for r in one), 1),
                 "critical_slowdown": round(_mean(r.critical_slowdown for r in one), 3),
                 "critical_slowdown_spec": round(_mean(r.critical_slowdown for r in sf), 3),
-                "critical_slowdown_no_lanes": round(_mean(st.no_lanes[(eta, s)].critical_slowdown for s in seeds), 3),
-                "step_over_floor_no_lanes": floor_of([st.no_lanes[(eta, s)] for s in seeds])["step_over_floor"],
-                "lanes_per_step": round(_mean(r.lanes for r in sf) / cfg.steps, 2),
+                "critical_slowdown_lanes": round(_mean(st.lanes[(eta, s)].critical_slowdown for s in seeds), 3),
+                "step_over_floor_lanes": floor_of([st.lanes[(eta, s)] for s in seeds])["step_over_floor"],
+                "lanes_per_step": round(_mean(st.lanes[(eta, s)].lanes for s in seeds) / cfg.steps, 2),
                 "spec_frac": round(_mean(r.spec_frac for r in sf), 3),
                 "staleflow_fair": round(fair_tok, 1),
                 "strongest_fair": top.cfg.label if top else None,
@@ -252,7 +252,7 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
     fair_avg, fair_max = within("throughput", "vs_strongest_fair")
     tp_sof = [r["step_over_floor"] for r in rows if r["regime"] == "throughput" and r["step_over_floor"] is not None]
     crit = [r["critical_slowdown"] for r in rows if r["regime"] == "throughput" and r["critical_slowdown"]]
-    crit0 = [r["critical_slowdown_no_lanes"] for r in rows if r["regime"] == "throughput"]
+    crit_lanes = [r["critical_slowdown_lanes"] for r in rows if r["regime"] == "throughput"]
     return {
         "vs_strongest_fair_avg_throughput_bound": fair_avg,
         "vs_strongest_fair_max_throughput_bound": fair_max,
@@ -260,7 +260,7 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
         "vs_strongest_fair_avg": stats("vs_strongest_fair")[0],
         "step_over_physical_floor_max_throughput_bound": max(tp_sof, default=None),
         "critical_slowdown_max": max(crit, default=None),
-        "critical_slowdown_max_no_lanes": max(crit0, default=None),
+        "critical_slowdown_max_lanes": max(crit_lanes, default=None),
         "vs_guarantee_best_avg_throughput_bound": tp_avg,
         "vs_guarantee_best_max_throughput_bound": tp_max,
         "throughput_bound_rows": sum(r["regime"] == "throughput" for r in rows),

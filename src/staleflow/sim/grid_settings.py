@@ -147,8 +147,9 @@ def fair(cfg: SimConfig) -> dict:
     return {"staleness": dataclasses.replace(st, batch_redundancy=0, group_redundancy=0, straggler="off")}
 
 
-NO_LANES = {"tail_lanes": False}
-"""Coordinator overrides of StaleFlow's runs without tail lanes (with ONE_TOKEN: the critical slowdown before them)."""
+LANES = {"tail_lanes": True}
+"""Coordinator overrides of StaleFlow's runs with tail lanes (off by default; with ONE_TOKEN: the critical slowdown
+with them, beside the default runs' without)."""
 ONE_TOKEN = {"spec_accept": 1.0}
 """One token per decode step (no speculative decoding): the runs whose step the physical floor bounds."""
 SPEC_SWEEP = (1.0, 1.5, 2.5, 3.0)

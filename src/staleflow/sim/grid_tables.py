@@ -33,7 +33,7 @@ def setting_text(st, etas, seeds) -> str:
         )
     head = (
         f"{'eta':>3s} {'strongest fair peer':34s} {'tok/s':>7s} {'worst':>5s} {'staleflow':>9s} {'x fair':>6s}  "
-        f"{'one-token st/fl':>15s} {'crit slow':>9s} {'no lanes':>8s} {'peer st/fl':>10s} {'peer crit':>9s} {'lanes/st':>8s}"
+        f"{'one-token st/fl':>15s} {'crit slow':>9s} {'lanes':>8s} {'peer st/fl':>10s} {'peer crit':>9s} {'lanes/st':>8s}"
     )
     lines += [
         "",
@@ -45,7 +45,7 @@ def setting_text(st, etas, seeds) -> str:
             f"{r['eta']:3d} {r['strongest_fair']!s:34s} {r['strongest_fair_tok_s'] or 0:7.0f} "
             f"{r['strongest_fair_worst']!s:>5s} {r['staleflow_fair']:9.0f} {_f(r['vs_strongest_fair'])}  "
             f"{_f(r['step_over_floor'], '15.3f')} {_f(r['critical_slowdown'], '9.2f')} "
-            f"{_f(r['critical_slowdown_no_lanes'], '8.2f')} "
+            f"{_f(r['critical_slowdown_lanes'], '8.2f')} "
             f"{_f(r['step_over_floor_strongest_fair'], '10.3f')} {_f(r['critical_slowdown_strongest_fair'], '9.2f')} "
             f"{r['lanes_per_step']:8.2f}"
         )
