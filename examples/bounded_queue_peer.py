@@ -98,6 +98,7 @@ class BoundedQueue(Mode):
         "barrier": False,
         "interrupt_on_pull": True,
         "keep_kv_on_pull": False,
+        "tail_lanes": False,
     }
     staleness = {"batch_redundancy": 0, "group_redundancy": 0, "straggler": "off"}
     weight_sync = "broadcast"

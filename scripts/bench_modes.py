@@ -5,7 +5,8 @@ simulator fed the cost model measured here, against the measured throughput of e
 
 1. Measure: the decode cost model of the rollout engine on this machine (scripts/fit_cost_model.py, one
    thread per rank as under torchrun) and its prefill rate (prefill steps of the same engine).
-2. Run: each mode (verl-sync, verl-one-step-off, verl-fully-async, areal, staleflow) is the real system
+2. Run: each mode (verl-sync, verl-one-step-off, verl-fully-async, areal, pipelinerl, pipelinerl-reserve,
+   staleflow: by default with tail lanes and KV kept across a pull, as the PipelineRL peer keeps it) is the real system
    (torchrun: 1 trainer + 2 rollout ranks + controller) on the same prompts, seeds and long-tailed
    response lengths (--rollout.length-dist: each trajectory's length is drawn, eos ignored), with the
    measured cost model in its router. Throughput counts what the trainer consumed: trained response
@@ -20,7 +21,9 @@ simulator fed the cost model measured here, against the measured throughput of e
 Each mode runs --repeats times, interleaved (mode order rotates), and the mean is reported: the
 2-core machine is shared, and the load drifts over minutes.
 Prints the hardware, the table (baselines measured in the same run, ratios) and, last, one JSON line:
-{"staleflow_vs_best_async", "best_async", "<mode>_tok_s", "<mode>_vs_sync", "<mode>_sim_err", "sim_vs_real_max_err"}.
+{"staleflow_vs_best_async", "best_async", "staleflow_vs_pipelinerl", "<mode>_tok_s", "<mode>_vs_sync", "<mode>_sim_err",
+"sim_vs_real_max_err", "load_start", "load_end"}. Speculative decoding: --speculative-flags are given to every run
+(the engine's flags, docs/engine.md) and --sim-spec-accept to the simulated twin (tokens per verify forward).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ import time
 
 from staleflow.metrics.hardware import cpu_name
 
-MODES = ["verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "staleflow"]
-ASYNC = ["verl-one-step-off", "verl-fully-async", "areal"]
+MODES = ["verl-sync", "verl-one-step-off", "verl-fully-async", "areal", "pipelinerl", "pipelinerl-reserve", "staleflow"]
+ASYNC = ["verl-one-step-off", "verl-fully-async", "areal", "pipelinerl", "pipelinerl-reserve"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -152,6 +155,7 @@ def run_mode(mode: str, args, root: str, cost_json: str, rep: int = 0) -> dict:
         "--seed",
         str(args.seed),
         *args.extra,
+        *args.speculative_flags.split(),
         *mode_flags(mode, args),
     ]
     t0 = time.monotonic()
@@ -209,8 +213,14 @@ def train_fit(steps: list[tuple[int, int, float]], prompt_len: int) -> tuple[flo
 
 
 def mode_flags(mode: str, args) -> list[str]:
-    """The flags of one mode only: --staleflow-flags, --verl-flags (verl-fully-async), --areal-flags."""
-    own = {"staleflow": args.staleflow_flags, "verl-fully-async": args.verl_flags, "areal": args.areal_flags}
+    """The flags of one mode only: --staleflow-flags, --verl-flags (verl-fully-async), --areal-flags,
+    --pipelinerl-flags."""
+    own = {
+        "staleflow": args.staleflow_flags,
+        "verl-fully-async": args.verl_flags,
+        "areal": args.areal_flags,
+        "pipelinerl": args.pipelinerl_flags,
+    }
     return own.get(mode, "").split()
 
 
@@ -270,11 +280,16 @@ def simulate(mode: str, args, cost_json: str, prefill: float, runs: list[dict], 
         seed=args.seed,
         out_dir="",
         ablation=False,
+        spec_accept=args.sim_spec_accept,
     )
-    # What the runtime runs today: a pull interrupts (its rollout ranks do not keep KV across a weight load
-    # yet); the simulator's own default models the engine-side mechanism.
-    overrides = {"keep_kv_on_pull": False} if mode == "staleflow" else {}
+    # What the runtime runs: StaleFlow keeps KV across a pull and opens tail lanes only when its flags say so (both
+    # are off by default in the runtime, on in the simulator's own default); a peer's mode sets its own.
     flags = args.staleflow_flags.split() if mode == "staleflow" else []
+    overrides = {}
+    if mode == "staleflow":
+        overrides = {k: f"--coordinator.{k.replace('_', '-')}" in flags for k in ("keep_kv_on_pull", "tail_lanes")}
+        # the runtime's pull policy (status unless the flags say; the simulator's own default is greedy)
+        overrides["pull"] = flags[flags.index("--coordinator.pull") + 1] if "--coordinator.pull" in flags else "status"
     if "--coordinator.mu" in flags:
         overrides["mu"] = float(flags[flags.index("--coordinator.mu") + 1])
     return run(cfg, mode, args.eta, overrides, cost=load_cost_model(cost_json), peer=peer_of(mode, args)).tokens_per_s
@@ -300,10 +315,24 @@ def main() -> None:
     ap.add_argument("--keep", default="", help="keep the run folders here (default: a temporary folder)")
     ap.add_argument(
         "--staleflow-flags",
-        default="--coordinator.mu 0",
+        default="--coordinator.mu 0 --coordinator.tail-lanes --coordinator.keep-kv-on-pull",
         help="flags for the staleflow mode only. Default mu 0: the CPU cost curve is compute-bound from "
         "n = 1, so the GPU default mu 0.2 makes the waterfall hold work back (2-3 trajectories per "
-        "instance), which keeps the rollout ranks busy and slows the trainer sharing their cores",
+        "instance), which keeps the rollout ranks busy and slows the trainer sharing their cores; tail lanes; "
+        "KV kept across a pull (the PipelineRL peer's in-flight update keeps it too)",
+    )
+    ap.add_argument(
+        "--speculative-flags",
+        default="",
+        help="engine flags for speculative decoding, given to every mode's runs (e.g. the built-in engine's "
+        "--rollout.speculative* flags, docs/engine.md); '' (default): one token per step",
+    )
+    ap.add_argument(
+        "--sim-spec-accept",
+        type=float,
+        default=1.0,
+        help="the simulated twin's tokens per verify forward (sim/speculative.py; 1: off, as the runs without "
+        "--speculative-flags); give the acceptance the engine measured (scripts/bench_speculative.py, issue 49)",
     )
     ap.add_argument(
         "--verl-flags",
@@ -313,6 +342,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--areal-flags", default="", help="flags for areal only, e.g. '--peer.areal.max-concurrent-rollouts 8'"
+    )
+    ap.add_argument(
+        "--pipelinerl-flags", default="", help="flags for pipelinerl only, e.g. '--peer.pipelinerl.lag-groups 4'"
     )
     ap.add_argument("extra", nargs="*", help="more flags for every run (after --)")
     args = ap.parse_args()
@@ -382,6 +414,11 @@ def main() -> None:
         out["staleflow_vs_best_async"] = round(
             measured["staleflow"]["tokens_per_s"] / measured[best]["tokens_per_s"], 3
         )
+    for peer in ("pipelinerl", "pipelinerl-reserve"):
+        if "staleflow" in modes and peer in modes:
+            key = f"staleflow_vs_{peer.replace('-', '_')}"
+            out[key] = round(measured["staleflow"]["tokens_per_s"] / measured[peer]["tokens_per_s"], 3)
+    out["load_start"], out["load_end"] = round(load0, 2), round(os.getloadavg()[0], 2)
     out["sim_vs_real_max_err"] = round(max(abs(out[f"{m.replace('-', '_')}_sim_err"]) for m in modes), 3)
     print(json.dumps(out))
 

@@ -1,7 +1,8 @@
 """Small simulator configs shared by the simulator tests (holds no tests itself).
 
 ``sim_config(**kw)``: 4 GPUs (3 rollout), Qwen2.5-7B's cost model, B 3 x N 2, short lognormal
-responses, the hardware-derived transfer and training times. ``tiny_sim(**kw)``: the same with
+responses, the hardware-derived transfer and training times, one token per decode step (no speculative
+decoding: the tests that need it say so). ``tiny_sim(**kw)``: the same with
 fixed fast transfers, training throughput and prefill, and no router fit (the fastest runs).
 """
 
@@ -27,6 +28,7 @@ BASE = dict(
     tick_s=0.05,
     out_dir="",
     ablation=False,
+    spec_accept=1.0,
 )
 FAST = dict(
     prefill_tokens_per_s=5000.0,

@@ -114,8 +114,15 @@ def test_baseline_modes_name_their_protocols_and_aliases_resolve():
     assert isinstance(build_protocol("sync", StalenessSpec(0, 2)), StalenessManager)
     assert build_protocol("staleflow-no-exchange", StalenessSpec(1, 2)).exchange is False
     assert build_protocol("staleflow", StalenessSpec(1, 2)).exchange is True
-    assert BASELINES == ("verl-sync", "verl-one-step-off", "verl-fully-async", "areal")  # the registry's peers
-    assert [mode_of(m).peer for m in BASELINES] == ["verl", "verl", "verl", "areal"]
+    assert BASELINES == (  # the registry's peers
+        "verl-sync",
+        "verl-one-step-off",
+        "verl-fully-async",
+        "areal",
+        "pipelinerl",
+        "pipelinerl-reserve",
+    )
+    assert [mode_of(m).peer for m in BASELINES] == ["verl", "verl", "verl", "areal", "pipelinerl", "pipelinerl"]
     assert mode_of("one-step-off").name == "verl-one-step-off" and mode_of("verl-sync").colocated
 
 

@@ -37,12 +37,14 @@ def test_mode_registry_holds_every_system_in_one_file_each():
         "verl-one-step-off",
         "verl-fully-async",
         "areal",
+        "pipelinerl",
+        "pipelinerl-reserve",
     ]
     files = {name: Path(sys.modules[cls.__module__].__file__).name for name, cls in MODES.items()}
-    assert {files[m.name] for m in peers()} == {"verl.py", "areal.py"}  # a peer's rule, knobs and search together
+    assert {files[m.name] for m in peers()} == {"verl.py", "areal.py", "pipelinerl.py"}  # rule, knobs, search together
     assert all(issubclass(cls, Mode) for cls in MODES.values())
     assert mode_of("sync") is mode_of("verl-sync") and mode_of("one-step-off").name == "verl-one-step-off"
-    assert [f.name for f in dataclasses.fields(PeerSettings)] == ["verl_fully_async", "areal"]  # from the registry
+    assert [f.name for f in dataclasses.fields(PeerSettings)] == ["verl_fully_async", "areal", "pipelinerl"]
 
 
 @pytest.mark.parametrize(
@@ -140,14 +142,15 @@ def test_mode_registry_example_peer_is_searched_in_the_grid(tmp_path, monkeypatc
     its nominal and strict configurations fill their columns, and it can be the guarantee-matched best."""
     from sim_helpers import sim_config
 
-    from staleflow.sim import grid
+    from staleflow.sim import grid, grid_settings
 
-    monkeypatch.setattr(grid, "MODELS", (("7B", "qwen2.5-7b-tp1", 1),))
-    monkeypatch.setattr(grid, "ETAS", (1,))
-    monkeypatch.setattr(grid, "DISTS", ("lognormal",))
-    monkeypatch.setattr(grid, "SPLITS", ((3, 1),))
-    monkeypatch.setattr(grid, "EXTRA", ())
-    monkeypatch.setattr(grid, "CENTRE", ("7B lognormal 3:1", 1))
+    monkeypatch.setattr(grid_settings, "MODELS", (("7B", "qwen2.5-7b-tp1", 1),))
+    monkeypatch.setattr(grid_settings, "DISTS", ("lognormal",))
+    monkeypatch.setattr(grid_settings, "SPLITS", ((3, 1),))
+    for mod in (grid, grid_settings):
+        monkeypatch.setattr(mod, "ETAS", (1,))
+        monkeypatch.setattr(mod, "EXTRA", ())
+        monkeypatch.setattr(mod, "CENTRE", ("7B lognormal 3:1", 1))
     cfg = sim_config(router_fit_samples=0, jobs=1, out_dir=str(tmp_path), modes=("verl-sync", "staleflow", PEER))
     assert grid.main(cfg) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

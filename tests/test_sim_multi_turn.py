@@ -214,15 +214,16 @@ def test_multi_turn_agentic_setting_is_in_the_grid_and_runs(tmp_path, capsys):
     short = (("tool_latency_median_s", 0.2), ("tool_latency_p99_s", 3.0), ("tool_obs_tokens", 15))
     tiny = dataclasses.replace(ag, split=(3, 1), workload=ag.workload[:2] + short, etas=(1,), search="reduced")
     base = tiny_sim(router_fit_samples=50, jobs=1, steps=6, out_dir=str(tmp_path))
-    sets, _, _ = grid.run_grid(base, 1, lambda text: None, [tiny], (tiny.name, 1), ())
+    sets, *_ = grid.run_grid(base, 1, lambda text: None, [tiny], (tiny.name, 1), (), sweep=False)
     (st,) = sets
     assert st.cfg.tool_calls_max == 8 and all(r.tool_calls > 0 and not r.violations for r in st.results())
     from staleflow.sim import grid_report as rep
+    from staleflow.sim import grid_tables as tab
 
     (row,) = rep.setting_rows(st, st.etas, grid.SEEDS)
     assert row["guarantee_best"] and row["vs_guarantee_best"] > 0 and row["step_over_floor"] >= 1.0
     assert row["tools"]["staleflow_wall_p99"] >= row["tools"]["staleflow_wall_p50"] > 0
-    assert "tools, eta 1:" in rep.setting_text(st, st.etas, grid.SEEDS)
+    assert "tools, eta 1:" in tab.setting_text(st, st.etas, grid.SEEDS)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

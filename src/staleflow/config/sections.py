@@ -325,6 +325,8 @@ class CoordinatorConfig:
     """Routing gives up on a level after this many consecutive trajectories found no instance (bounds tick cost)."""
     migration_cooldown_s: float = 5.0
     """An instance holding a trajectory migrated less than this many seconds ago is not migrated again (no ping-pong)."""
+    tail_lanes: bool = False
+    """Critical-path tail lanes: the trajectories holding back the oldest buffer decode on lightly loaded instances."""
     planners: tuple[str, ...] = ()
     """Extra planners run every tick after the built-in ones, in order: registered names or 'package.module:Class'
     (a class (cfg, cost_model) with plan(ctx, now) returning Route / Interrupt / Pull / Abort commands; docs/extending.md)."""

@@ -303,7 +303,10 @@ class ControllerLoop:
         """The per-step numbers every front end reports (runtime metrics.jsonl, simulator tables)."""
         lens, self.response_lens = self.response_lens, []
         turns, self.turn_stats = self.turn_stats, []
-        return step_metrics(rec, lens, self.audit, self.counts, sum(self.reward_errors.values()), turns, self.manager)
+        row = step_metrics(rec, lens, self.audit, self.counts, sum(self.reward_errors.values()), turns, self.manager)
+        if self.coord.cfg.tail_lanes:  # (--coordinator.tail-lanes: lanes opened so far, coordinator/lanes.py)
+            row["lanes_opened"] = self.coord.counters["lanes_opened"]
+        return row
 
     # ---- the loop ------------------------------------------------------------------------------
     @property

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 from staleflow.coordinator.instance import InstanceState
+from staleflow.coordinator.lanes import TailLanes
 from staleflow.coordinator.migration import Migration
 from staleflow.coordinator.mlq import MultiLevelQueue
 from staleflow.coordinator.pull import PullPlanner, updating
@@ -49,7 +50,7 @@ from staleflow.coordinator.record import END, INTERRUPT, LOOP_BACK, PARK, SUBMIT
 from staleflow.coordinator.routing import RoutingPass
 from staleflow.coordinator.stragglers import Stragglers
 from staleflow.coordinator.strategies import make_planner, make_pull, make_routing
-from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Pull, TrajFacts
+from staleflow.coordinator.types import Abort, Command, InstanceSnapshot, Interrupt, Lane, Pull, TrajFacts
 from staleflow.coordinator.view import CoordinatorView
 from staleflow.modes import check_protocol
 from staleflow.trajectory import Route
@@ -100,6 +101,8 @@ class Coordinator:
         self.stragglers = Stragglers(straggler, straggler_threshold) if straggler != "off" else None
         self.migration = Migration(self.cfg, cost_model)
         self.planners = [make_planner(name, self.cfg, cost_model) for name in self.cfg.planners]
+        if self.cfg.tail_lanes:  # (--coordinator.tail-lanes: the built-in planner, first of the extra ones)
+            self.planners.insert(0, TailLanes(self.cfg, cost_model))
         self.ps_version = version
         if type(sync_every) is not int or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an int >= 1")
@@ -260,12 +263,15 @@ class Coordinator:
             self._apply_interrupt(cmd, now, out)
         elif isinstance(cmd, Route):
             self._apply_route(cmd, now, out)
+        elif isinstance(cmd, Lane):
+            self._inst(cmd.instance)._set_lane(cmd.open)  # the coordinator's own state: nothing to execute
+            self.counters["lanes_opened" if cmd.open else "lanes_closed"] += 1
         elif isinstance(cmd, Abort):
             if cmd.group_id < 0 or cmd.traj_ids or cmd.instance >= 0:
                 raise ValueError(f"{cmd!r}: a strategy aborts whole groups, Abort(-1, (), reason, retry, group_id)")
             self.abort_group(cmd.group_id, cmd.reason, now, out=out, retry=cmd.retry)
         else:
-            raise ValueError(f"{cmd!r}: a strategy returns Route, Interrupt, Pull or Abort commands")
+            raise ValueError(f"{cmd!r}: a strategy returns Route, Interrupt, Pull, Abort or Lane commands")
 
     def _apply_pull(self, cmd: Pull, now: float, out: list[Command]) -> None:
         """Partial rollout interrupts the instance's work first (tool waiters stay), keep-KV interrupts

@@ -35,6 +35,7 @@ class InstanceState:
         "tokens_per_s",
         "syncing",
         "draining",
+        "lane",
         "last_change",
         "snapshots_used",
         "snapshots_dropped",
@@ -58,6 +59,8 @@ class InstanceState:
         _set(self, "syncing", False)
         _set(self, "draining", False)
         """Waiting to pull without partial rollout: takes no new work until its trajectories finish."""
+        _set(self, "lane", False)
+        """A tail lane (coordinator/lanes.py): the routing pass routes nothing here, only the lane planner does."""
         _set(self, "last_change", float("-inf"))
         _set(self, "snapshots_used", 0)
         _set(self, "snapshots_dropped", 0)
@@ -130,6 +133,9 @@ class InstanceState:
 
     def _drain(self) -> None:
         _set(self, "draining", True)
+
+    def _set_lane(self, lane: bool) -> None:
+        _set(self, "lane", lane)
 
     def _pulled(self, version: int, now: float) -> None:
         _set(self, "version", version)

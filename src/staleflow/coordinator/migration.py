@@ -54,6 +54,7 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     insts = list(ctx.instances.values())
     if any(i.syncing for i in insts):
         return None
+    insts = [i for i in insts if not i.lane]  # a tail lane is kept light on purpose: neither starved nor a source
     over = [i for i in insts if i.waiting > cfg.phi_wait]
     if over:
         inst = max(over, key=lambda i: (i.waiting, -i.instance))

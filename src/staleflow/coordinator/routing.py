@@ -2,7 +2,7 @@
 
 The multi-level queue is served oldest V_traj level first (strict priority: a level with leftovers
 stops the pass); each queued trajectory's candidates are the open instances (under the concurrency cap,
-not draining) at a post-sync version >= its V_traj (a fresh group's first member: any version where
+not draining, not a tail lane) at a post-sync version >= its V_traj (a fresh group's first member: any version where
 the batch protocol has room; its V_traj becomes that instance's version). Without migration a
 loop-back resumes on its origin; a migrated one avoids the instance it left unless nothing else can
 run it. The routing strategy (coordinator/strategies.py) picks one candidate through the read-only
@@ -50,7 +50,7 @@ class RoutingPass:
         routing strategy chooses among the candidates; a level stops after scan_limit misses in a row."""
         c = self.c
         cap = c.cfg.max_concurrent
-        open_ = [i for i in c.instances.values() if len(i.trajs) < cap and not i.draining]
+        open_ = [i for i in c.instances.values() if len(i.trajs) < cap and not i.draining and not i.lane]
         if not open_ or not len(c.queue):
             return
         if (

@@ -114,4 +114,13 @@ class Abort(msgspec.Struct, frozen=True, tag=True):
     group_id: int = -1
 
 
+class Lane(msgspec.Struct, frozen=True, tag=True):
+    """A planner keeps ``instance`` for the work it routes there itself (``open``) or gives it back to the
+    routing pass (tail lanes, coordinator/lanes.py). The coordinator's own state: never sent to a rank."""
+
+    instance: int
+    open: bool = True
+
+
 Command = Route | Pull | Interrupt | Abort
+"""What the coordinator sends to the runtime (and the simulator) to execute."""

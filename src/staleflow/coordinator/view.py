@@ -100,6 +100,11 @@ class CoordinatorView:
         return self._c.manager.can_admit(traj_version, group_id)
 
     @property
+    def eta(self) -> int:
+        """The staleness bound of the run's batch protocol."""
+        return self._c.manager.eta
+
+    @property
     def buffer_version(self) -> int:
         """The next buffer the trainer consumes (= the newest model version that can exist)."""
         return self._c.manager.version

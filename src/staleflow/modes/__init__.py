@@ -6,7 +6,7 @@ registered modes, pure (no torch, no I/O).
     protocol_for("areal", staleness, peer=cfg.peer)        # its batch protocol (controller/build.py)
     mode_of("areal").families(batch_size)                  # its knob search (sim/search.py)
 
-One file per system (staleflow.py: StaleFlow and its ablations; verl.py; areal.py), each registering its
+One file per system (staleflow.py: StaleFlow and its ablations; verl.py; areal.py; pipelinerl.py), each registering its
 modes; the line below lists them: a new peer is one file plus its name here (a fork's: one file, named
 by import path, ``--mode my_pkg.peer:MyPeer``; docs/extending.md). ``PeerSettings`` is the ``--peer``
 flag section, composed from the registered modes' own Settings (``--peer.areal.max-concurrent-rollouts 8``).
@@ -15,7 +15,7 @@ docs/baselines.md names each peer's mechanism (module and function) and our devi
 
 import dataclasses
 
-from staleflow.modes import areal, staleflow, verl  # noqa: F401  (each registers its modes, in this order)
+from staleflow.modes import areal, pipelinerl, staleflow, verl  # noqa: F401  (each registers its modes, in this order)
 from staleflow.modes.base import (
     MODES,
     Mode,

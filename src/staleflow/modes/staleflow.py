@@ -38,5 +38,6 @@ class StaleFlowSimpleStrategies(Mode):
         "barrier": False,
         "interrupt_on_pull": True,
         "keep_kv_on_pull": False,
+        "tail_lanes": False,
     }
     staleness = dict(NO_REDUNDANCY)

@@ -43,6 +43,7 @@ BARRIER = {
     "barrier": True,
     "interrupt_on_pull": False,
     "keep_kv_on_pull": False,
+    "tail_lanes": False,
 }
 """verl's synchronous trainers: a batch of B groups at a time, weights at the batch boundary."""
 PAUSE_ALL = {
@@ -52,6 +53,7 @@ PAUSE_ALL = {
     "barrier": False,
     "interrupt_on_pull": True,
     "keep_kv_on_pull": False,
+    "tail_lanes": False,
 }
 """One global update per version. The peers clear the KV cache at every weight update (verl clear_kv_cache, AReaL
 pause_generation with clear_cache): interrupted work re-prefills, nothing keeps its KV across a load."""

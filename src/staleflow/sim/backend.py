@@ -34,7 +34,9 @@ from staleflow.coordinator.cost_model import CostModel
 from staleflow.coordinator.types import Abort, InstanceSnapshot, Interrupt, Pull
 from staleflow.sim.config import SimConfig
 from staleflow.sim.engine import SimInstance, SimSequence
+from staleflow.sim.floor import alone_s
 from staleflow.sim.hardware import Derived
+from staleflow.sim.speculative import spec_cost
 from staleflow.trajectory import Finished, RecordHandle, Route, TrainGroup
 
 
@@ -65,13 +67,15 @@ class SimBackend:
         self.plans = plans if plans is not None else {}
         """Route seed -> TurnPlan (the workload's; empty: single-turn)."""
         self.plan_of: dict = {}  # traj_id -> TurnPlan of the trajectories routed so far
-        self.first_route: dict[int, float] = {}
+        self.first_route: dict[int, tuple[float, float]] = {}
+        """traj_id -> (its first route, its finish or -1) of each trajectory routed and not yet trained or dropped."""
         self.wall: list[float] = []
         """Seconds from each finished trajectory's first route to its finish (tool waits included)."""
         """Weights reach the rollout side every this many steps (verl's trigger_parameter_sync_step T)."""
         self.pull_time = {"ps": hw.pull_s, "broadcast": hw.broadcast_s}.get(weight_sync, 0.0)
         rng = random.Random(cfg.seed * 7919 + 1)
         self.rng = random.Random(rng.getrandbits(32))
+        spec = spec_cost(cost, cfg.spec_accept, cfg.spec_draft_tokens)
         self.insts = [
             SimInstance(
                 i,
@@ -84,6 +88,9 @@ class SimBackend:
                 kv_move_tokens_per_s=hw.kv_move_tokens_per_s,
                 mixed_kv=mixed_kv,
                 chunk_tokens=cfg.prefill_chunk_tokens,
+                spec=spec,
+                spec_rows=cfg.spec_draft_tokens + 1,
+                spec_accept=cfg.spec_accept,
             )
             for i in range(n_instances)
         ]
@@ -96,6 +103,8 @@ class SimBackend:
         self.train_durs: list[float] = []
         """Seconds the trainer spent on each step (the physical floor reads the measured steps')."""
         self.train_until = 0.0
+        self.critical: list[float] = []
+        """Per trained step, its critical response's wall time over its decode alone (single-turn runs)."""
         self.step_end: list[float] = []
         """Exact publication time of each trained version (throughput is measured on these)."""
 
@@ -119,8 +128,9 @@ class SimBackend:
                 finished, pulled = inst.advance(until)
                 self.pending.extend(PullDone(inst.instance, v, self.pull_time) for v in pulled)
                 for tr in finished:
-                    t0 = self.first_route.pop(tr.traj_id, None)
-                    if t0 is not None and tr.plan is not None:
+                    t0 = self.first_route.get(tr.traj_id, (tr.t_done, -1.0))[0]
+                    self.first_route[tr.traj_id] = (t0, tr.t_done)
+                    if tr.plan is not None:
                         self.wall.append(tr.t_done - t0)
                     self.pending.append(
                         Finished(
@@ -151,6 +161,20 @@ class SimBackend:
                     parked_ids=inst.parked_ids(),
                 )
 
+    def _critical(self, batch: list[TrainGroup]) -> None:
+        """The step's critical response, the trained one that finished last: its wall time (first route to
+        finish) over its decode alone on the fastest instance (sim/floor.py alone_s), one token per step."""
+        last = None
+        for g in batch:
+            for t, n in zip(g.traj_ids, g.n_tokens):
+                t0, t1 = self.first_route.pop(t, (0.0, -1.0))
+                if t1 >= 0 and (last is None or t1 > last[0]):
+                    last = (t1, t1 - t0, g.prompt_len, n)
+        if last is not None and self.plans == {}:
+            fast = min(i.speed for i in self.insts)
+            alone = alone_s(self.cost, (last[2], last[3]), self.hw.prefill_tokens_per_s, fast)
+            self.critical.append(last[1] / alone if alone > 0 else 0.0)
+
     def _at(self, t: float, event) -> None:
         self._seq += 1
         heapq.heappush(self.timers, (t, self._seq, event))
@@ -163,7 +187,7 @@ class SimBackend:
         plan = self.plans.get(cmd.seed) if self.plans else None
         if plan is not None:
             self.plan_of[cmd.traj_id] = plan
-            self.first_route.setdefault(cmd.traj_id, self.t)
+        self.first_route.setdefault(cmd.traj_id, (self.t, -1.0))
         self.insts[cmd.instance].add(
             SimSequence(
                 cmd.traj_id, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens, generated, moved, version, plan
@@ -209,12 +233,14 @@ class SimBackend:
         """Simulated records take no memory; a dropped trajectory's KV in transit is dropped too."""
         for h in handles:
             self.kv_moved.pop(h.offset, None)  # sim_record: offset is the trajectory id
+            self.first_route.pop(h.offset, None)
 
     def score(self, traj_id: int, handle, prompt) -> None:
         self.pending.append(Rewarded(traj_id, 1.0))  # rewards are instantaneous in the model
 
     def train(self, version: int, batch: list[TrainGroup]) -> None:
         cfg, hw = self.cfg, self.hw
+        self._critical(batch)
         # linear FLOPs per token plus causal attention growing with each sequence's length squared
         tokens = sum(g.prompt_len + n + hw.train_attention * (g.prompt_len + n) ** 2 for g in batch for n in g.n_tokens)
         dur = tokens / (hw.train_tokens_per_gpu_s * self.train_gpus) + cfg.train_overhead_s

@@ -76,20 +76,34 @@ class SimConfig:
     PS's shards (an assumption); 0: pulls never contend."""
     broadcast_s: float | None = None
     """Peers' weight update: NCCL broadcast from the trainer to every instance (no PS). None: weights at
-    8 GB/s (32B: 8.2 s; verl's checkpoint engine ~8.25 GB/s). AReaL and verl fully-async pause every instance
-    and the trainer for it; verl one-step-off pays it at the batch boundary."""
+    --broadcast-gb-s. AReaL, verl fully-async and PipelineRL pause every instance and the trainer for it; verl
+    one-step-off pays it at the batch boundary."""
+    broadcast_gb_s: float = 32.0
+    """Bandwidth of the peers' broadcast and of verl-sync's in-place switch (GB/s). Default: StaleFlow's pull
+    bandwidth, so every system moves weights into an instance at the same rate (issue 49's fairness; the
+    PS push, trainer -> PS at 16 GB/s, stays StaleFlow's own). 8.25: verl's checkpoint engine as measured (the
+    default before 2026-12-07: 32B in 8.2 s)."""
     push_blocks_trainer: bool = False
     """staleflow: the trainer waits for its push to the PS before its next step (the grid's equal-transfer
     column; PSRL's exclusive push lock suggests it). False: the push overlaps the next step."""
     colocated_switch_s: float | None = None
     """verl-sync only: in-place weight update + rollout/train memory switch per step. None: weights at
-    8 GB/s + 2 s (32B: 10.2 s)."""
+    --broadcast-gb-s + 2 s (32B: 4.0 s)."""
     kv_move_gb_s: float = 16.0
     """A migrated trajectory's KV moves with it at this bandwidth (GB/s; the source offloads it, the
     destination loads it, each stalling its decoding for bytes / bandwidth) instead of being recomputed by
     a prefill. 0: recomputed (the peers never migrate; their loop-backs follow a weight update and must
     re-prefill). Default 16 GB/s: the PS push rate (PSRL's NIXL numbers), below the 32 GB/s pull. Needs the
     model's KV bytes per token (sim/hardware.MODEL_SPECS): off for a cost model without a known architecture."""
+    spec_accept: float = 2.0
+    """Speculative decoding, every mode (each peer's engine, vLLM, has suffix/n-gram drafting): tokens per
+    verify forward (accepted drafts + the bonus token; 1: off). Default 2.0, an assumption below Seer's grouped
+    drafting (mean accepted length 2.85, arXiv 2511.14617 as summarised) and in line with the <= 2x rollout
+    speed-ups of SpecRL (verl recipe specRL: up to 2.1x) and DAS (arXiv 2511.13841: up to 50 % less rollout
+    time). An engine speculates only where a verify forward is cheaper per token (sim/speculative.py)."""
+    spec_draft_tokens: int = 4
+    """Draft tokens verified per sequence and forward (a verify costs the decode latency of n x (draft + 1)
+    token rows; sim/speculative.py)."""
     # ---- noise and what the router knows -------------------------------------------------------
     step_noise: float = 0.05
     """Sigma of the log-normal factor on each stretch of decode steps (jitter, interference)."""
@@ -150,12 +164,14 @@ class SimConfig:
     """Modes to simulate side by side (staleflow, the baselines, the ablations: docs/baselines.md; a fork's
     'package.module:Class'); --grid searches the peers among them."""
     coordinator: CoordinatorConfig = field(
-        default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2", keep_kv_on_pull=True)
+        default_factory=lambda: CoordinatorConfig(cost_model="qwen2.5-32b-tp2", keep_kv_on_pull=True, pull="greedy")
     )
     """Strategy settings of the staleflow mode (the baselines override theirs, see staleflow.modes).
     Its cost_model field is not used here: --cost-model sets the instances and the router alike. The
     simulated StaleFlow keeps KV across an in-flight weight update (keep_kv_on_pull; the runtime's rollout
-    ranks do so with --coordinator.keep-kv-on-pull, off by default there: docs/simulator.md)."""
+    ranks do so with --coordinator.keep-kv-on-pull, off by default there: docs/simulator.md) and then pulls greedily: with nothing interrupted by a pull, waiting for an idle instance (status
+    pull, the runtime's default) read 1.027 at the paper-like centre (docs/perf.md, issue 49). Tail lanes
+    (--coordinator.tail-lanes, coordinator/lanes.py) are off: with speculative decoding they read 1.023 there."""
     peer: PeerSettings = field(default_factory=PeerSettings)
     """The peers' own knobs (--peer.<mode>.<knob>), each applied to its own mode's runs (--grid searches them)."""
     ablation: bool = True
@@ -226,6 +242,14 @@ class SimConfig:
             _check(v is None or v >= 0, name.replace("_", "-"), v, "must be >= 0")
         _check(self.length_dist in LENGTH_DISTS, "length-dist", self.length_dist, f"choose {', '.join(LENGTH_DISTS)}")
         _check(self.max_running >= 1, "max-running", self.max_running, "must be >= 1")
+        _check(self.broadcast_gb_s > 0, "broadcast-gb-s", self.broadcast_gb_s, "must be > 0")
+        _check(self.spec_draft_tokens >= 1, "spec-draft-tokens", self.spec_draft_tokens, "must be >= 1")
+        _check(
+            1.0 <= self.spec_accept <= self.spec_draft_tokens + 1,
+            "spec-accept",
+            self.spec_accept,
+            f"must be in [1, spec-draft-tokens + 1 = {self.spec_draft_tokens + 1}] (1: off)",
+        )
         _check(self.prefill_chunk_tokens >= 0, "prefill-chunk-tokens", self.prefill_chunk_tokens, "must be >= 0")
         _check(self.jobs >= 0, "jobs", self.jobs, "must be >= 0 (0: one per CPU core)")
         _check(self.shared_cores >= 0, "shared-cores", self.shared_cores, "must be >= 0 (0: dedicated devices)")
@@ -286,6 +310,7 @@ def preset_cpu_small() -> SimConfig:
         pull_s=0.3,
         broadcast_s=0.4,
         colocated_switch_s=0.3,
+        spec_accept=1.0,  # the CPU runtime decodes one token per step (its twin in scripts/bench_modes.py too)
         staleness=StalenessConfig(batch_size=8, group_size=4),
         prompt_len=64,
         response_median=96.0,

@@ -109,6 +109,9 @@ class SimInstance:
         kv_move_tokens_per_s: float = 0.0,
         mixed_kv: bool = False,
         chunk_tokens: int = 0,
+        spec: CostModel | None = None,
+        spec_rows: int = 1,
+        spec_accept: float = 1.0,
     ):
         self.instance, self.cost = instance, cost
         self.kv_rate = kv_move_tokens_per_s
@@ -139,6 +142,11 @@ class SimInstance:
         """Chunked prefill (vLLM max_num_batched_tokens): prefill rides along decode steps, each step carrying
         up to chunk_tokens - n prefill tokens, instead of stopping decoding. 0: a prefill stops decoding."""
         self.prefill_debt = 0.0  # seconds of admitted prefill not yet done (chunked prefill)
+        self.spec, self.spec_rows, self.spec_accept = spec, spec_rows, spec_accept
+        """Speculative decoding (sim/speculative.py): the per-token cost of a verify forward over spec_rows
+        positions per sequence yielding spec_accept tokens each, used in a stretch where it is cheaper than plain
+        decoding; None: off."""
+        self.spec_tokens = 0  # tokens decoded in speculative stretches
         self.min_version_seen = None  # smallest (instance version - V_traj) at admission, for checks
 
     # ---- state ---------------------------------------------------------------------------------
@@ -339,6 +347,9 @@ class SimInstance:
                 self.t = t_end
                 break
             kv = self.kv_run
+            cost, accept = self.cost, 1.0
+            if self.spec is not None and self.spec.step_time(n, kv) < cost.step_time(n, kv):
+                cost, accept = self.spec, self.spec_accept  # a verify forward pays where it is cheaper
             k_fin = self._next_finish() - self.step
             k_over = (self.cost.kv_capacity - kv - self.kv_held) // n
             if k_over <= 0 and self.kv_held:  # KV full: evict the most recently parked sequence's KV first
@@ -351,25 +362,28 @@ class SimInstance:
                 self.preemptions += 1
                 continue
             f = self.speed * self.contention * (math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else 1.0)
-            k_time = self.cost.steps_within(n, kv, (lim - self.t) / f)
+            k_time = cost.steps_within(n, kv, (lim - self.t) / f)
             if k_time <= 0 and lim < t_end:  # a step overruns the next tool return: take it anyway
-                k_time = min(1, self.cost.steps_within(n, kv, (t_end - self.t) / f))
+                k_time = min(1, cost.steps_within(n, kv, (t_end - self.t) / f))
             k = min(k_fin, k_over, k_time)
             chunk = 0.0
-            if self.prefill_debt > 0:  # each step carries a prefill chunk until the debt is paid
-                chunk = max(1, self.chunk_tokens - n) * self.speed * self.contention / self.prefill_rate
+            if self.prefill_debt > 0:  # each forward carries a prefill chunk until the debt is paid
+                rows = n * (self.spec_rows if cost is self.spec else 1)
+                chunk = max(1, self.chunk_tokens - rows) / accept * self.speed * self.contention / self.prefill_rate
                 k = min(k, max(1, math.ceil(self.prefill_debt / chunk)))
-                while k > 0 and self.cost.steps_time(n, kv, k) * f + min(self.prefill_debt, k * chunk) > t_end - self.t:
+                while k > 0 and cost.steps_time(n, kv, k) * f + min(self.prefill_debt, k * chunk) > t_end - self.t:
                     k = k // 2 if k > 1 else 0
             if k <= 0:
                 break  # not even one step fits before t_end: carry the remainder to the next tick
             extra = min(self.prefill_debt, k * chunk)
             self.prefill_debt -= extra
-            dt = self.cost.steps_time(n, kv, k) * f + extra
+            dt = cost.steps_time(n, kv, k) * f + extra
             self.t += dt
             self.busy_s += dt
             self.step += k
             self.tokens_out += n * k
+            if cost is self.spec:
+                self.spec_tokens += n * k
             if k == k_fin:
                 while self.heap and self._next_finish() == self.step:
                     _, tid = heapq.heappop(self.heap)

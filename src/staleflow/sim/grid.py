@@ -1,26 +1,25 @@
 """``staleflow sim --grid paper``: the evaluation grid, StaleFlow against peers held to the same guarantee.
 
-Settings (``settings()``; 16, 46 rows with eta): the base axes 2 cost models (PSRL's Qwen2.5-7B TP1 and
-Qwen2.5-32B TP2 coefficients; KV capacity, prefill/train rates and transfer times derived from the model
-and the GPU profile, sim/hardware.py) x 2 response-length distributions (sim/lengths.py) x 2
-rollout:train splits of 128 GPUs (64:64, 96:32), B x N of the base config (32 x 8), plus ``EXTRA``: the
-authors' two scripts' shapes, the load axis (1024 and 2048 responses per step), the agentic setting (tool
-calls between turns, sim/turns.py; ``--grid-settings agentic`` runs it alone) and one 1024-GPU setting
-(reduced peer search); eta in {1, 2, 3} unless a setting says otherwise. Every row reports each system's
-mean step over its physical floor (sim/floor.py), the rollout utilisation at the floor and the binding
-term (>= 0.5: throughput-bound). ``--grid-settings`` runs a subset, ``--smoke`` the authors' shapes only.
+The settings, seeds and column changes are sim/grid_settings.py's. Every row reports each system's mean step
+over its physical floor (sim/floor.py), the rollout utilisation at the floor and the binding term (>= 0.5:
+throughput-bound). ``--grid-settings`` runs a subset, ``--smoke`` the authors' shapes only.
 
-The headline (per setting and eta): StaleFlow at eta against the FASTEST peer configuration whose
-OBSERVED worst-case staleness is <= eta (sim/search.py: verl fully-async's staleness_threshold and
-trigger_parameter_sync_step, its partial_rollout=False mode, AReaL's max_head_offpolicyness and
-concurrency cap, verl-sync, verl-one-step-off; worst case over every trained group of ``SEEDS``).
-Secondary columns, each labelled: the peers at the same NOMINAL eta (with their fraction of groups
-beyond eta and mean staleness), the STRICT variants that drop and regenerate over-stale groups
-(seed 0 only), and EQUAL TRANSFER (StaleFlow's push and pulls at the peers' broadcast bandwidth, the
-push holding the trainer). StaleFlow runs on every seed of ``SEEDS``; ratios are of seed means.
-Ablations (report.ABLATIONS) run at the paper-like ``CENTRE`` over ``ABLATION_SEEDS``. Every run is one task
-of a process pool (``--jobs``); the search's later seeds are submitted as its first results come in.
-Ends with the JSON line of grid_report.summary.
+The headline (per setting and eta, since 2026-12-07): StaleFlow over the STRONGEST FAIR PEER, the fastest peer
+configuration whose OBSERVED worst-case staleness is <= eta among every registered peer (sim/search.py: verl
+fully-async's staleness_threshold and trigger_parameter_sync_step and its partial_rollout=False mode, AReaL's
+max_head_offpolicyness and concurrency cap, PipelineRL's lag and PipelineRL held to the bound by reservation,
+verl-sync, verl-one-step-off; worst case over every trained group of ``SEEDS``), every system with the engine
+mechanisms its engine could use (the same weight-transfer bandwidth into an instance, speculative decoding,
+KV kept across an update where its code keeps it) and StaleFlow with the peers' redundancy (none). Beside it,
+today's columns: the guarantee-matched best of verl and AReaL (StaleFlow with its own redundancy), the peers at
+the same NOMINAL eta (with their fraction of groups beyond eta and mean staleness), the STRICT variants that
+drop and regenerate over-stale groups (seed 0 only), and EQUAL TRANSFER (StaleFlow's push and pulls at the
+peers' broadcast bandwidth, the push holding the trainer). StaleFlow also runs with ONE TOKEN per step (no
+speculative decoding): the physical floor bounds those runs' step, and their critical response's slowdown is
+reported, beside the same runs with tail lanes (the slowdown after the lanes). StaleFlow runs on every seed of ``SEEDS``; ratios are of seed means. Ablations (report.ABLATIONS) run
+at the paper-like ``CENTRE`` over ``ABLATION_SEEDS``, and a sweep over the speculative acceptance there
+(StaleFlow and the centre's strongest fair peer). Every run is one task of a process pool (``--jobs``); the
+search's later seeds are submitted as its first results come in. Ends with the JSON line of grid_report.summary.
 """
 
 from __future__ import annotations
@@ -31,118 +30,33 @@ import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass
+from functools import partial
 
 from staleflow.config import ConfigError
-from staleflow.coordinator.cost_model import load_cost_model
 from staleflow.sim import grid_report as rep
+from staleflow.sim import grid_tables as tab
 from staleflow.sim import search
 from staleflow.sim.config import SimConfig
-from staleflow.sim.hardware import derive
+from staleflow.sim.grid_settings import (  # noqa: F401  (the grid's names, re-exported)
+    ABLATION_SEEDS,
+    CENTRE,
+    ETAS,
+    EXTRA,
+    LANES,
+    ONE_TOKEN,
+    SEEDS,
+    SMOKE,
+    SPEC_SWEEP,
+    Shape,
+    _matches,
+    equal_transfer,
+    fair,
+    grid_base,
+    setting_cfg,
+    settings,
+)
 from staleflow.sim.report import ABLATIONS
 from staleflow.sim.simulator import SimResult, run
-from staleflow.sim.turns import AGENTIC
-
-MODELS = (("7B", "qwen2.5-7b-tp1", 1), ("32B", "qwen2.5-32b-tp2", 2))
-ETAS = (1, 2, 3)
-DISTS = ("lognormal", "long-cot")
-SPLITS = ((64, 64), (96, 32))
-SEEDS = search.SEEDS
-ABLATION_SEEDS = (0, 1, 2)
-GRID_STEPS, GRID_WARMUP = 24, 4
-"""Steps per grid run (first GRID_WARMUP not measured) unless --steps is given: the load axis's runs decode
-1-2k responses per step, and the seeds agree to a few % at 20 measured steps (docs/simulator.md)."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One setting of the grid: model, GPUs, workload. batch / group None: the base config's."""
-
-    name: str
-    model: str
-    cost_model: str
-    tp: int
-    dist: str
-    split: tuple[int, int]
-    batch: int | None = None
-    group: int | None = None
-    group_redundancy: int = 0
-    """N' - N: redundant responses per prompt (StaleFlow only; the peers generate N)."""
-    cap: int | None = None
-    etas: tuple[int, ...] | None = None
-    """None: ETAS."""
-    search: str = "full"
-    """'full': every peer family; 'reduced': verl s = 0 over T (the winner elsewhere) and verl-sync only."""
-    workload: tuple = ()
-    """((SimConfig field, value), ...) of the setting's workload beyond the base (the agentic setting's tools)."""
-
-
-EXTRA = (
-    # The authors' scripts (docs/simulator.md): Qwen3-30B-A3B, 24 rollout GPUs (TP1) + 40 trainer GPUs,
-    # 32 prompts x 16 responses + 1 redundant, 40k cap, eta 3 (their "all strategies" script; eta 1-3 here) ...
-    Shape("30B-A3B authors 24:40", "30B-A3B", "qwen3-30b-a3b", 1, "long-cot", (24, 40), 32, 16, 1, 40000),
-    # ... and Qwen2.5-32B, 16 rollout GPUs at TP4 + 32 trainer GPUs, 256 prompts x 8, 20k cap.
-    Shape("32B-TP4 authors 16:32", "32B", "qwen2.5-32b-tp4", 4, "long-cot", (16, 32), 256, 8, 0, 20000),
-    # The load axis: 1024 and 2048 responses per step on 128 GPUs.
-    Shape("7B long-cot 32:96 x1024", "7B", "qwen2.5-7b-tp1", 1, "long-cot", (32, 96), 128, 8),
-    Shape("7B long-cot 32:96 x2048", "7B", "qwen2.5-7b-tp1", 1, "long-cot", (32, 96), 256, 8),
-    Shape("32B long-cot 64:64 x1024", "32B", "qwen2.5-32b-tp2", 2, "long-cot", (64, 64), 128, 8),
-    Shape("32B long-cot 64:64 x2048", "32B", "qwen2.5-32b-tp2", 2, "long-cot", (64, 64), 256, 8),
-    # The agentic setting: 7B lognormal 64:64's model tokens with tool calls between turns (turns.AGENTIC).
-    Shape("7B agentic 64:64", "7B", "qwen2.5-7b-tp1", 1, "lognormal", (64, 64), workload=AGENTIC),
-    # One 1024-GPU setting (eta 2, reduced peer search: each run simulates 256 instances).
-    Shape(
-        "32B long-cot 512:512 x4096",
-        "32B",
-        "qwen2.5-32b-tp2",
-        2,
-        "long-cot",
-        (512, 512),
-        512,
-        8,
-        etas=(2,),
-        search="reduced",
-    ),
-)
-CENTRE = ("30B-A3B authors 24:40", 3)
-"""(setting, eta) of the ablations: the paper-like centre, the authors' all-strategies shape at its eta."""
-SMOKE = ("30B-A3B authors 24:40", "32B-TP4 authors 16:32")
-"""--smoke: the authors' two shapes only, short runs, one seed of ablations."""
-
-
-def setting_cfg(base: SimConfig, shape: Shape) -> SimConfig:
-    st = base.staleness
-    staleness = dataclasses.replace(
-        st,
-        batch_size=shape.batch or st.batch_size,
-        group_size=shape.group or st.group_size,
-        group_redundancy=shape.group_redundancy,
-    )
-    return dataclasses.replace(
-        base,
-        cost_model=shape.cost_model,
-        gpus_per_instance=shape.tp,
-        length_dist=shape.dist,
-        total_gpus=sum(shape.split),
-        rollout_gpus=shape.split[0],
-        staleness=staleness,
-        max_response=shape.cap or base.max_response,
-        out_dir="",
-        **dict(shape.workload),
-    )
-
-
-def equal_transfer(cfg: SimConfig) -> dict:
-    """SimConfig changes that give StaleFlow the peers' weight-transfer cost: push and every pull at the
-    broadcast bandwidth, and the push holds the trainer (as the peers' broadcast does)."""
-    b = derive(cfg, load_cost_model(cfg.cost_model)).broadcast_s
-    return {"push_s": b, "pull_s": b, "push_blocks_trainer": True}
-
-
-def settings() -> list[Shape]:
-    """Every setting, grid order: models x length distributions x splits (B x N of the base), then EXTRA."""
-    base = [Shape(f"{m} {d} {sp[0]}:{sp[1]}", m, cm, tp, d, sp) for m, cm, tp in MODELS for d in DISTS for sp in SPLITS]
-    return base + list(EXTRA)
 
 
 def run_task(
@@ -154,7 +68,8 @@ def run_task(
 
 
 class Setting:
-    """Every run of one setting: the peer search, StaleFlow (and equal transfer), the strict peers."""
+    """Every run of one setting: the peer search, StaleFlow (as it is, with equal transfer, with one token per
+    step, with the peers' redundancy), the strict peers."""
 
     def __init__(self, base: SimConfig, shape: Shape):
         self.shape = shape
@@ -167,6 +82,10 @@ class Setting:
         self.measured: dict = {}  # PeerConfig -> search.Measured
         self.staleflow: dict = {}  # (eta, seed) -> SimResult
         self.equal: dict = {}  # (eta, seed) -> SimResult
+        self.one_token: dict = {}  # (eta, seed) -> SimResult: no speculative decoding (the floor's runs)
+        self.lanes: dict = {}  # (eta, seed) -> SimResult: the same with tail lanes
+        self.fair_changes = fair(self.cfg)
+        self.fair: dict = {}  # (eta, seed) -> SimResult: the peers' redundancy (only where it differs)
         self.strict: dict = {}  # PeerConfig -> SimResult (seed 0)
         self.scans_left = 0
         self.pending: set = set()  # (PeerConfig, seed) submitted and not back yet
@@ -183,7 +102,24 @@ class Setting:
             [r for m in self.measured.values() for r in m.runs.values()]
             + list(self.staleflow.values())
             + list(self.equal.values())
+            + list(self.one_token.values())
+            + list(self.lanes.values())
+            + list(self.fair.values())
             + list(self.strict.values())
+        )
+
+    def staleflow_fair(self, eta: int, seed: int) -> SimResult:
+        """StaleFlow with the peers' redundancy (its own runs where it has none)."""
+        return (self.fair if self.fair_changes else self.staleflow)[(eta, seed)]
+
+    def complete(self) -> bool:
+        n = len(self.etas) * len(SEEDS)
+        return (
+            self.scans_left == 0
+            and not self.pending
+            and len(self.staleflow) == len(self.equal) == len(self.one_token) == len(self.lanes) == n
+            and len(self.fair) == (n if self.fair_changes else 0)
+            and len(self.strict) == sum(len(self.peers.strict(eta)) for eta in self.etas)
         )
 
 
@@ -198,15 +134,17 @@ def _scan(cfg: SimConfig, family: list, seed: int, max_eta: int):
 
 
 def run_grid(
-    base: SimConfig, jobs: int = 1, progress=print, shapes=None, centre=None, ablation_seeds=None
-) -> tuple[list[Setting], dict, list[SimResult]]:
-    """(settings with all their runs, ablation ratios at the centre, the ablation runs)."""
+    base: SimConfig, jobs: int = 1, progress=print, shapes=None, centre=None, ablation_seeds=None, sweep=True
+) -> tuple[list[Setting], dict, list[SimResult], dict]:
+    """(settings with all their runs, ablation ratios at the centre, the ablation runs, the acceptance sweep at the
+    centre: (system label, accept, seed) -> SimResult)."""
     sets = [Setting(base, sh) for sh in (shapes if shapes is not None else settings())]
     centre_name, centre_eta = centre or CENTRE
     abl_seeds = ABLATION_SEEDS if ablation_seeds is None else ablation_seeds
     centre_set = next(s for s in sets if s.name == centre_name)
     futures: dict = {}  # future -> handler(result)
     abl: dict = {}  # (label, seed) -> SimResult
+    swept: dict = {}  # (system, accept, seed) -> SimResult
     done_settings: set = set()
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
 
@@ -220,6 +158,21 @@ def run_grid(
             st.pending.add((c, seed))
             mode, eta, ov, peer = c.args()
             one(st, lambda r, st=st, c=c, seed=seed: st.record(c, seed, r), mode, eta, ov, peer, {}, seed, c.label)
+
+        def sweep_runs(st: Setting):
+            """The acceptance sweep at the centre: StaleFlow (the peers' redundancy) and the strongest fair peer."""
+            top = search.best(st.measured, centre_eta, SEEDS)
+            for accept in SPEC_SWEEP:
+                for seed in SEEDS:
+                    k = ("staleflow", accept, seed)
+                    ch = {**st.fair_changes, "spec_accept": accept}
+                    label = f"staleflow eta={centre_eta} accept={accept}"
+                    one(st, lambda r, k=k: swept.__setitem__(k, r), "staleflow", centre_eta, {}, {}, ch, seed, label)
+                    if top is not None:
+                        mode, e, ov, peer = top.cfg.args()
+                        k, ch = (top.cfg.label, accept, seed), {"spec_accept": accept}
+                        label = f"{top.cfg.label} accept={accept}"
+                        one(st, lambda r, k=k: swept.__setitem__(k, r), mode, e, ov, peer, ch, seed, label)
 
         # Longest chains first: the families of the slowest settings (most responses, then 32B), then single runs.
         def heavy(st: Setting):
@@ -251,17 +204,16 @@ def run_grid(
                         seed,
                         f"staleflow eta={eta}",
                     )
-                    one(
-                        st,
-                        lambda r, st=st, k=k: st.equal.__setitem__(k, r),
-                        "staleflow",
-                        eta,
-                        {},
-                        {},
-                        equal_transfer(st.cfg),
-                        seed,
-                        f"staleflow eta={eta} equal-transfer",
-                    )
+                    for runs, changes, what in (
+                        (st.equal, equal_transfer(st.cfg), " equal-transfer"),
+                        (st.one_token, ONE_TOKEN, " one-token"),
+                        (st.fair, st.fair_changes, " no-redundancy"),
+                    ):
+                        if changes:
+                            label = f"staleflow eta={eta}{what}"
+                            one(st, partial(runs.__setitem__, k), "staleflow", eta, {}, {}, changes, seed, label)
+                    label = f"staleflow eta={eta} one-token lanes"  # the critical slowdown with the lanes
+                    one(st, partial(st.lanes.__setitem__, k), "staleflow", eta, LANES, {}, ONE_TOKEN, seed, label)
                 for c in st.peers.strict(eta):
                     mode, e, ov, peer = c.args()
                     one(st, lambda r, st=st, c=c: st.strict.__setitem__(c, r), mode, e, ov, peer, {}, SEEDS[0], c.label)
@@ -291,34 +243,16 @@ def run_grid(
                         for seed in SEEDS
                         if seed not in st.measured.get(c, search.Measured(c)).runs
                     ]
-                    todo += search.more_seeds(st.measured, st.etas, SEEDS)
+                    todo += search.more_seeds(st.measured, st.etas, SEEDS, keeps=(None, rep.today))
                     for c, seed in dict.fromkeys(todo):
                         peer_run(st, c, seed)
-                if (
-                    st.name not in done_settings
-                    and st.scans_left == 0
-                    and not st.pending
-                    and len(st.staleflow) == len(st.equal) == len(st.etas) * len(SEEDS)
-                    and len(st.strict) == sum(len(st.peers.strict(eta)) for eta in st.etas)
-                ):
+                if st.name not in done_settings and st.complete():
                     done_settings.add(st.name)
-                    progress(rep.setting_text(st, st.etas, SEEDS))
+                    progress(tab.setting_text(st, st.etas, SEEDS))
+                    if st is centre_set and sweep:
+                        sweep_runs(st)
     ablation = rep.ablation_ratios(abl, abl_seeds) if abl_seeds else {}
-    return sets, ablation, list(abl.values())
-
-
-def grid_base(base: SimConfig) -> SimConfig:
-    """The grid's runs: GRID_STEPS steps unless --steps / --warmup-steps were given (--smoke: 12 and 2)."""
-    default = SimConfig()
-    steps, warmup = base.steps, base.warmup_steps
-    if (steps, warmup) == (default.steps, default.warmup_steps):
-        steps, warmup = (12, 2) if base.smoke else (GRID_STEPS, GRID_WARMUP)
-    return dataclasses.replace(base, steps=steps, warmup_steps=warmup)
-
-
-def _matches(pick: str, name: str) -> bool:
-    """A --grid-settings entry: a substring of the name, or with a trailing '$' its ending."""
-    return name.endswith(pick[:-1]) if pick.endswith("$") else pick in name
+    return sets, ablation, list(abl.values()), swept
 
 
 def main(base: SimConfig) -> int:
@@ -344,8 +278,9 @@ def main(base: SimConfig) -> int:
     print(
         f"staleflow sim --grid paper{' --smoke' if base.smoke else ''}: {len(shapes)} settings, {n_rows} rows "
         f"({', '.join(sh.name for sh in shapes)}; eta {list(ETAS)} unless noted); StaleFlow against the fastest "
-        f"peer configuration with observed worst-case staleness <= eta (seeds {list(SEEDS)}), the peers at nominal "
-        f"eta, the strict peers and equal transfer; every run's physical floor; ablations at {centre} over seeds "
+        f"peer configuration with observed worst-case staleness <= eta (seeds {list(SEEDS)}: the strongest fair "
+        f"peer, and the best of verl and AReaL), the peers at nominal eta, the strict peers, equal transfer and one "
+        f"token per step; every run's physical floor; ablations at {centre} over seeds "
         f"{list(abl_seeds)}; {base.steps} steps per run, first {base.warmup_steps} not measured; {jobs} processes; "
         f"load average {load:.1f}",
         flush=True,
@@ -354,7 +289,7 @@ def main(base: SimConfig) -> int:
     def progress(text):
         print(f"\n{text}\n({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    sets, ablation, abl_runs = run_grid(base, jobs, progress, shapes, centre, abl_seeds)
+    sets, ablation, abl_runs, swept = run_grid(base, jobs, progress, shapes, centre, abl_seeds, sweep=base.ablation)
     rows = [row for st in sets for row in rep.setting_rows(st, st.etas, SEEDS)]
     print(
         "\nSummary: StaleFlow at eta over the guarantee-matched best peer (observed worst case <= eta), over "
@@ -362,12 +297,17 @@ def main(base: SimConfig) -> int:
         "strict peers, and over verl-sync; util = rollout utilisation at the physical floor (>= 0.5: "
         "throughput-bound), binds = the floor's largest term, st/fl = each system's mean step over its own floor"
     )
-    print(rep.summary_table(rows))
+    print(tab.summary_table(rows))
     print(
         f"\nAblation at the paper-like centre {centre} (ablated / full staleflow tokens/s, ratio of the means over "
         f"seeds {list(abl_seeds)}): " + ", ".join(f"{k} {v}" for k, v in ablation.items())
     )
-    every = [r for st in sets for r in st.results()] + abl_runs
+    centre_set = next((st for st in sets if st.name == centre[0]), None)
+    spec = rep.sweep_rows(swept, SEEDS, (centre_set, centre[1])) if swept else []
+    if spec:
+        print(f"\nSpeculative acceptance at the centre {centre} (tokens per verify forward; seeds {list(SEEDS)}):")
+        print(tab.sweep_table(spec))
+    every = [r for st in sets for r in st.results()] + abl_runs + list(swept.values())
     out = rep.summary(rows, every, ablation)
     wall = time.perf_counter() - t0
     out_dir = base.out_dir or "runs/sim-grid"
@@ -378,6 +318,7 @@ def main(base: SimConfig) -> int:
                 "summary": out,
                 "settings": rows,
                 "search": {st.name: rep.search_rows(st) for st in sets},
+                "spec_sweep": spec,
                 "wall_s": round(wall, 1),
                 "jobs": jobs,
                 "runs": [r.row() for r in every],

@@ -1,10 +1,13 @@
-"""What ``staleflow sim --grid paper`` computes from its runs: per-setting rows, tables, the summary, the plot.
+"""What ``staleflow sim --grid paper`` computes from its runs: per-setting rows, the summary, the sweep, the plot
+(sim/grid_tables.py prints them).
 
 Per setting and eta (sim/grid.py runs them): StaleFlow's tokens/s (mean over the grid's seeds), with
-equal transfer costs, each system's mean step over its physical floor (sim/floor.py) with the rollout
-utilisation at the floor and the binding term; the guarantee-matched best peer (sim/search.py:
-the fastest configuration whose observed worst-case staleness is <= eta); the peers at the same nominal
-eta with their fraction of trained groups beyond eta and their mean staleness; the strict peers (groups
+equal transfer costs, with one token per step and with the peers' redundancy; each system's mean step over its
+physical floor (sim/floor.py; StaleFlow's over its one-token runs, which the floor bounds) with the rollout
+utilisation at the floor and the binding term, and the critical response's slowdown over its decode alone; the
+strongest fair peer and the guarantee-matched best of today's peers (sim/search.py: the fastest configuration
+whose observed worst-case staleness is <= eta, among every peer or among verl and AReaL); the peers at the same
+nominal eta with their fraction of trained groups beyond eta and their mean staleness; the strict peers (groups
 beyond eta dropped and regenerated: they train what finishes in time, shorter responses); verl-sync.
 """
 
@@ -13,9 +16,23 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+from staleflow.modes import mode_of
 from staleflow.sim import search
 from staleflow.sim.floor import THROUGHPUT_BOUND
 from staleflow.sim.simulator import SimResult
+
+NEW_PEERS = ("pipelinerl",)
+"""Peers (Mode.peer) added by issue 49 (2026-12-07): today's guarantee-matched column keeps to the others."""
+
+
+def today(c) -> bool:
+    """A PeerConfig of today's columns' peers (every peer but those added with the strongest fair peer)."""
+    return mode_of(c.mode).peer not in NEW_PEERS
+
+
+def family(label: str) -> str:
+    """A winning configuration's family: its mode, and T>1 for verl's trigger_parameter_sync_step above 1."""
+    return label.split(" ")[0] + (" T>1" if " T=" in label else "")
 
 
 def floor_of(runs) -> dict:
@@ -52,10 +69,14 @@ def setting_rows(st, etas, seeds) -> list[dict]:
     for eta in etas:
         sf = [st.staleflow[(eta, s)] for s in seeds]
         eq = [st.equal[(eta, s)] for s in seeds]
+        one = [st.one_token[(eta, s)] for s in seeds]  # one token per step: the floor bounds these
+        fair = [st.staleflow_fair(eta, s) for s in seeds]
         sf_tok, eq_tok = _mean(r.tokens_per_s for r in sf), _mean(r.tokens_per_s for r in eq)
+        fair_tok = _mean(r.tokens_per_s for r in fair)
         step = _mean(r.step_s for r in sf)
-        fl = floor_of(sf)
-        g = search.best(st.measured, eta, seeds)
+        fl = floor_of(one)
+        g = search.best(st.measured, eta, seeds, keep=today)
+        top = search.best(st.measured, eta, seeds)
         nominal = {}
         for c in st.peers.nominal(eta):
             m = st.measured[c]
@@ -82,6 +103,23 @@ def setting_rows(st, etas, seeds) -> list[dict]:
                 "step_s": round(step, 1),
                 "floor_s": fl["floor_s"],
                 "step_over_floor": fl["step_over_floor"],
+                "step_over_floor_spec": floor_of(sf)["step_over_floor"],
+                "staleflow_one_token": round(_mean(r.tokens_per_s for r in one), 1),
+                "critical_slowdown": round(_mean(r.critical_slowdown for r in one), 3),
+                "critical_slowdown_spec": round(_mean(r.critical_slowdown for r in sf), 3),
+                "critical_slowdown_lanes": round(_mean(st.lanes[(eta, s)].critical_slowdown for s in seeds), 3),
+                "step_over_floor_lanes": floor_of([st.lanes[(eta, s)] for s in seeds])["step_over_floor"],
+                "lanes_per_step": round(_mean(st.lanes[(eta, s)].lanes for s in seeds) / cfg.steps, 2),
+                "spec_frac": round(_mean(r.spec_frac for r in sf), 3),
+                "staleflow_fair": round(fair_tok, 1),
+                "strongest_fair": top.cfg.label if top else None,
+                "strongest_fair_tok_s": round(top.tok_s, 1) if top else None,
+                "strongest_fair_worst": top.worst if top else None,
+                "vs_strongest_fair": _ratio(fair_tok, top.tok_s) if top else None,
+                "step_over_floor_strongest_fair": floor_of(top.runs.values())["step_over_floor"] if top else None,
+                "critical_slowdown_strongest_fair": (
+                    round(_mean(r.critical_slowdown for r in top.runs.values()), 3) if top else None
+                ),
                 "floor": fl,
                 "util": fl["util"],
                 "binds": fl["binds"],
@@ -154,74 +192,44 @@ def search_rows(st) -> list[dict]:
     ]
 
 
-def setting_text(st, etas, seeds) -> str:
-    lines = [f"== {st.name} ==", "peer search (seed-0 scans, later seeds where they can decide a winner):"]
-    for m in sorted(st.measured.values(), key=lambda m: (m.cfg.mode, m.cfg.label)):
-        lines.append(
-            f"  {m.cfg.label:36s} seeds {','.join(map(str, sorted(m.runs))):4s} {m.tok_s:8.0f} tok/s  "
-            f"worst {m.worst}  mean staleness {m.mean_staleness:.2f}"
-        )
-    head = (
-        f"{'eta':>3s} {'util':>5s} {'binds':>5s} {'staleflow':>9s} {'step/floor':>10s}  "
-        f"{'guarantee-matched best peer':34s} {'tok/s':>7s} "
-        f"{'worst':>5s} {'x':>6s}  {'eq-transfer':>11s} {'x':>6s}  {'nominal best (>eta, mean st)':44s} {'x':>6s}  "
-        f"{'strict best (seed 0)':30s} {'x':>6s} {'x sync':>6s}"
-    )
-    lines += ["", head, "-" * len(head)]
-    for r in setting_rows(st, etas, seeds):
-        n = r["nominal"][r["nominal_best"]]
-        nom = f"{r['nominal_best']} ({n['over_eta_frac']:.0%}, {n['mean_staleness']:.2f})"
-        lines.append(
-            f"{r['eta']:3d} {r['util']:5.2f} {r['binds'] or '-':>5s} {r['staleflow']:9.0f} "
-            f"{_f(r['step_over_floor'], '10.3f')}  {r['guarantee_best']!s:34s} "
-            f"{r['guarantee_best_tok_s'] or 0:7.0f} {r['guarantee_best_worst']!s:>5s} "
-            f"{r['vs_guarantee_best'] or 0:6.3f}  {r['staleflow_equal_transfer']:11.0f} "
-            f"{r['vs_guarantee_best_equal_transfer'] or 0:6.3f}  {nom:44s} {r['vs_nominal_best']:6.3f}  "
-            f"{r['strict_best']:30s} {r['vs_strict_best']:6.3f} {r['vs_sync'] or 0:6.3f}"
-        )
-    for r in setting_rows(st, etas, seeds):
-        if "tools" in r:
-            t = r["tools"]
-            lines.append(
-                f"tools, eta {r['eta']}: {t['tool_s_mean']:.2f} s a call; trajectory wall time (first route to finish, "
-                f"tool waits included) staleflow p50 {t['staleflow_wall_p50']:.0f} s, p99 "
-                f"{t['staleflow_wall_p99']:.0f} s; guarantee-matched peer p99 "
-                f"{t['guarantee_best_wall_p99'] or 0:.0f} s; "
-                f"interrupted while waiting on a tool (a re-run call; mean over seeds) staleflow "
-                f"{t['staleflow_parked_interrupted']:.0f}, peer {t['guarantee_best_parked_interrupted'] or 0:.0f}; "
-                f"aborted while waiting staleflow {t['staleflow_parked_aborted']:.0f}"
-            )
-    return "\n".join(lines)
-
-
-def _f(x, fmt="6.3f") -> str:
-    return format(x, fmt) if x is not None else "-".rjust(int(fmt.split(".")[0]))
-
-
-def summary_table(rows: list[dict]) -> str:
-    head = (
-        f"{'setting':28s} {'eta':>3s} {'resp/i':>6s} {'util':>5s} {'binds':>5s} {'staleflow':>9s} "
-        f"{'guarantee-matched best':34s} {'x guar':>6s} {'x eq-tr':>7s} {'x nom':>6s} {'x strict':>8s} "
-        f"{'x sync':>6s} {'step s':>7s} {'floor s':>7s} {'st/fl':>6s} {'peer st/fl':>10s} {'pre/st':>6s}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['setting']:28s} {r['eta']:3d} {r['responses_per_instance']:6.1f} {r['util']:5.2f} "
-            f"{r['binds'] or '-':>5s} {r['staleflow']:9.0f} {r['guarantee_best']!s:34s} "
-            f"{_f(r['vs_guarantee_best'])} {_f(r['vs_guarantee_best_equal_transfer'], '7.3f')} "
-            f"{r['vs_nominal_best']:6.3f} {r['vs_strict_best']:8.3f} {_f(r['vs_sync'])} "
-            f"{r['step_s']:7.1f} {r['floor_s']:7.1f} {_f(r['step_over_floor'])} "
-            f"{_f(r['step_over_floor_guarantee_best'], '10.3f')} {r['preemptions_per_step']:6.1f}"
-        )
-    return "\n".join(lines)
-
-
 def ablation_ratios(abl: dict, seeds) -> dict:
     """Ablated / full StaleFlow tokens/s at the centre, each the ratio of the means over `seeds`."""
     full = _mean(abl[("full", s)].tokens_per_s for s in seeds)
     names = dict.fromkeys(k for k, _ in abl if k != "full")
     return {k: round(_mean(abl[(k, s)].tokens_per_s for s in seeds) / full, 3) for k in names}
+
+
+def sweep_rows(swept: dict, seeds, centre=None) -> list[dict]:
+    """The acceptance sweep (grid.run_grid's ``swept``: (system, accept, seed) -> SimResult) as rows by accept:
+    StaleFlow (the peers' redundancy) and the centre's strongest fair peer, tokens/s (mean over seeds) and their
+    ratio; ``centre`` (setting, eta): its runs at the default acceptance join as one more row."""
+    by: dict = {}
+    for (system, accept, _seed), r in swept.items():
+        by.setdefault(accept, {}).setdefault(system, []).append(r)
+    if centre is not None:
+        st, eta = centre
+        top = search.best(st.measured, eta, seeds)
+        default = st.cfg.spec_accept
+        by.setdefault(default, {})["staleflow"] = [st.staleflow_fair(eta, s) for s in seeds]
+        if top is not None:
+            by[default][top.cfg.label] = list(top.runs.values())
+    rows = []
+    for accept in sorted(by):
+        runs = by[accept]
+        sf = _mean(r.tokens_per_s for r in runs.get("staleflow", []))
+        peer = next((k for k in runs if k != "staleflow"), None)
+        ptok = _mean(r.tokens_per_s for r in runs[peer]) if peer else 0.0
+        rows.append(
+            {
+                "accept": accept,
+                "staleflow": round(sf, 1),
+                "peer": peer,
+                "peer_tok_s": round(ptok, 1),
+                "vs_peer": _ratio(sf, ptok),
+                "staleflow_spec_frac": round(_mean(r.spec_frac for r in runs.get("staleflow", [])), 3),
+            }
+        )
+    return rows
 
 
 def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
@@ -239,12 +247,20 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
     sof = [r["step_over_floor"] for r in rows if r["step_over_floor"] is not None]
     n_avg, n_max = stats("vs_nominal_best")
     s_avg, s_max = stats("vs_sync")
-    family = Counter(
-        r["guarantee_best"].split(" ")[0] + (" T>1" if " T=" in r["guarantee_best"] else "")
-        for r in rows
-        if r["guarantee_best"]
-    )
+    families = Counter(family(r["guarantee_best"]) for r in rows if r["guarantee_best"])
+    strongest = Counter(family(r["strongest_fair"]) for r in rows if r["strongest_fair"])
+    fair_avg, fair_max = within("throughput", "vs_strongest_fair")
+    tp_sof = [r["step_over_floor"] for r in rows if r["regime"] == "throughput" and r["step_over_floor"] is not None]
+    crit = [r["critical_slowdown"] for r in rows if r["regime"] == "throughput" and r["critical_slowdown"]]
+    crit_lanes = [r["critical_slowdown_lanes"] for r in rows if r["regime"] == "throughput"]
     return {
+        "vs_strongest_fair_avg_throughput_bound": fair_avg,
+        "vs_strongest_fair_max_throughput_bound": fair_max,
+        "strongest_fair_peer": strongest.most_common(1)[0][0] if strongest else None,
+        "vs_strongest_fair_avg": stats("vs_strongest_fair")[0],
+        "step_over_physical_floor_max_throughput_bound": max(tp_sof, default=None),
+        "critical_slowdown_max": max(crit, default=None),
+        "critical_slowdown_max_lanes": max(crit_lanes, default=None),
         "vs_guarantee_best_avg_throughput_bound": tp_avg,
         "vs_guarantee_best_max_throughput_bound": tp_max,
         "throughput_bound_rows": sum(r["regime"] == "throughput" for r in rows),
@@ -261,7 +277,7 @@ def summary(rows: list[dict], every: list[SimResult], ablation: dict) -> dict:
         "vs_strict_best_avg": stats("vs_strict_best")[0],
         "vs_sync_max": s_max,
         "vs_sync_avg": s_avg,
-        "guarantee_best": family.most_common(1)[0][0] if family else None,
+        "guarantee_best": families.most_common(1)[0][0] if families else None,
         "ablation": ablation,
         "violations": sum(len(r.violations) for r in every),
     }

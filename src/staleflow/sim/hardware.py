@@ -278,8 +278,10 @@ def derive(cfg, cost) -> Derived:
         ),
         push_s=pick(cfg.push_s, lambda: transfer_s(spec, 16.0), "push-s"),
         pull_s=pick(cfg.pull_s, lambda: transfer_s(spec, 32.0), "pull-s"),
-        broadcast_s=pick(cfg.broadcast_s, lambda: transfer_s(spec, 8.0), "broadcast-s"),
-        colocated_switch_s=pick(cfg.colocated_switch_s, lambda: transfer_s(spec, 8.0) + 2.0, "colocated-switch-s"),
+        broadcast_s=pick(cfg.broadcast_s, lambda: transfer_s(spec, cfg.broadcast_gb_s), "broadcast-s"),
+        colocated_switch_s=pick(
+            cfg.colocated_switch_s, lambda: transfer_s(spec, cfg.broadcast_gb_s) + 2.0, "colocated-switch-s"
+        ),
         kv_move_tokens_per_s=cfg.kv_move_gb_s * 1e9 / kv_bytes_per_token(spec) if spec else 0.0,
         train_attention=train_attention_tokens2(spec) if spec and cfg.train_attention else 0.0,
         pull_share=pull_share(cfg, spec, cfg.pull_s) if spec else 0.0,

@@ -21,13 +21,16 @@ ABLATIONS: list[tuple[str, str, dict, dict]] = [
     ("-occupy exchange", "staleflow-no-exchange", {}, {}),
     ("-mlq (fifo)", "staleflow", {"mlq": False}, {}),
     ("-waterfall (least-loaded)", "staleflow", {"routing": "least-loaded"}, {}),
-    ("-status pull (greedy)", "staleflow", {"pull": "greedy"}, {}),
+    ("+status pull (off by default: greedy)", "staleflow", {"pull": "status"}, {}),
     ("-migration (resume on origin)", "staleflow", {"migration": False}, {}),
     ("-partial rollout (drain)", "staleflow", {"interrupt_on_pull": False}, {}),
     ("-keep kv (re-prefill after a pull)", "staleflow", {"keep_kv_on_pull": False}, {}),
     ("-kv move (re-prefill a migrated trajectory)", "staleflow", {}, {"kv_move_gb_s": 0.0}),
+    ("+tail lanes (off by default)", "staleflow", {"tail_lanes": True}, {}),
+    ("-speculative decoding (one token per step)", "staleflow", {}, {"spec_accept": 1.0}),
 ]
-"""Full StaleFlow with exactly one part removed (name, mode, coordinator overrides, SimConfig changes)."""
+"""Full StaleFlow with exactly one part removed, or (+) one part that is off by default added, because it read > 1.0
+here at the paper-like centre (name, mode, coordinator overrides, SimConfig changes)."""
 
 
 def plan(modes, etas) -> list[tuple[str, int, str]]:

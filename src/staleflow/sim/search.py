@@ -140,25 +140,31 @@ def qualifying(measured: dict, eta: int) -> list[Measured]:
     return [m for m in measured.values() if m.runs and m.worst <= eta]
 
 
-def best(measured: dict, eta: int, seeds=SEEDS) -> Measured | None:
-    """The fastest configuration measured on every seed whose observed worst case is <= eta."""
-    return max((m for m in qualifying(measured, eta) if m.complete(seeds)), key=lambda m: m.tok_s, default=None)
+def best(measured: dict, eta: int, seeds=SEEDS, keep=None) -> Measured | None:
+    """The fastest configuration measured on every seed whose observed worst case is <= eta (``keep``: only the
+    PeerConfigs it accepts)."""
+    cands = (m for m in qualifying(measured, eta) if m.complete(seeds) and (keep is None or keep(m.cfg)))
+    return max(cands, key=lambda m: m.tok_s, default=None)
 
 
-def more_seeds(measured: dict, etas, seeds=SEEDS, margin: float = MARGIN) -> list[tuple[PeerConfig, int]]:
+def more_seeds(
+    measured: dict, etas, seeds=SEEDS, margin: float = MARGIN, keeps=(None,)
+) -> list[tuple[PeerConfig, int]]:
     """(configuration, seed) runs still needed to decide each eta's winner: every qualifying configuration
-    not yet measured on all seeds whose throughput so far is within `margin` of the best qualifying one."""
+    not yet measured on all seeds whose throughput so far is within `margin` of the best qualifying one (of each
+    peer set ``keeps`` names: None, every peer; else a predicate on PeerConfig, e.g. the grid's today's peers)."""
     need = {}
     for eta in etas:
-        q = qualifying(measured, eta)
-        if not q:
-            continue
-        top = max(m.tok_s for m in q)
-        for m in q:
-            if not m.complete(seeds) and m.tok_s >= (1 - margin) * top:
-                for s in seeds:
-                    if s not in m.runs:
-                        need[(m.cfg, s)] = True
+        for keep in keeps:
+            q = [m for m in qualifying(measured, eta) if keep is None or keep(m.cfg)]
+            if not q:
+                continue
+            top = max(m.tok_s for m in q)
+            for m in q:
+                if not m.complete(seeds) and m.tok_s >= (1 - margin) * top:
+                    for s in seeds:
+                        if s not in m.runs:
+                            need[(m.cfg, s)] = True
     return list(need)
 
 

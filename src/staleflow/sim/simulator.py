@@ -74,6 +74,13 @@ class SimResult:
     """Median seconds from a multi-turn trajectory's first route to its finish (tool waits included)."""
     wall_p99: float = 0.0
     """99th percentile of the same."""
+    critical_slowdown: float = 0.0
+    """Mean over the measured steps of the critical response's wall time (first route to finish; the trained
+    response that finished last) over its decode alone on the fastest instance, one token per step."""
+    spec_frac: float = 0.0
+    """Fraction of the decoded tokens decoded speculatively (sim/speculative.py)."""
+    lanes: int = 0
+    """Tail lanes opened (coordinator/lanes.py)."""
     parked_taken: dict[str, int] = field(default_factory=dict)
     """Trajectories taken off an instance while parked on a tool call, by reason (pull, migrate: an Interrupt,
     whose trajectory re-runs the call where it resumes; truncate: its partial output is final; abort: dropped)."""
@@ -349,6 +356,9 @@ def _result(
         tool_calls=calls,
         tool_s_mean=sum(i.tool_s for i in backend.insts) / calls if calls else 0.0,
         wall_p50=_quantile(backend.wall, 0.5),
+        critical_slowdown=_mean(backend.critical[w:done]),
+        spec_frac=sum(i.spec_tokens for i in backend.insts) / max(1, sum(i.tokens_out for i in backend.insts)),
+        lanes=c["lanes_opened"],
         wall_p99=_quantile(backend.wall, 0.99),
         parked_taken={
             k: sum(i.parked_taken.get(k, 0) for i in backend.insts)
@@ -362,3 +372,7 @@ def _quantile(xs: list[float], q: float) -> float:
         return 0.0
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
