@@ -69,7 +69,7 @@ def test_controller_surplus_finish_crossing_its_abort_does_not_stall_the_group()
 
 @pytest.mark.parametrize("migration", [False, True])
 def test_controller_migration_off_returns_loop_backs_to_their_origin(migration):
-    loop, be = make_loop(n_inst=2, eta=1, B=2, N=1, migration=migration, migration_cooldown_s=1e9)
+    loop, be = make_loop(n_inst=2, eta=1, B=2, N=1, migration=migration, migration_cooldown_s=86400.0)
     loop.refill()
     loop.tick(be.now())
     first = routed(be)
@@ -161,12 +161,12 @@ def test_controller_rollout_rank_pull_honours_interrupt_on_pull(keep):
     class Source:  # the rank's one weight source (servers/weights.py): loads, then stamps
         def load(self, engine, keep_kv):
             engine.load_weights(engine.weight_targets(), 1, keep_kv=keep_kv)
-            return 1, 64, False
+            return 1, 64, {0: 64}  # (version, bytes, {source node: bytes})
 
     sent = []
     w = RolloutWorker.__new__(RolloutWorker)
     w.engine, w.weights, w.instance, w.keep_on_pull = _Engine(), Source(), 0, keep
-    w.meta, w.unsent = {}, []
+    w.meta, w.unsent, w.net = {}, [], None  # one node
     from staleflow.cluster.roles import Roles
 
     w.ctx = type(
