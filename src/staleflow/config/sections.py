@@ -6,9 +6,10 @@ checkpoint, eval, log) are in config/job.py; RunConfig (config/run.py) composes 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from staleflow.config.speculative import SpeculativeConfig
 from staleflow.faults import ConfigError  # the fault every layer raises for a bad value (re-exported)
 
 
@@ -85,6 +86,7 @@ class RolloutConfig:
     prefix_sharing: bool = True
     """Share the KV blocks of identical prompt prefixes (a GRPO group's prompt is prefilled once)."""
     cuda_graphs: bool = False  # built-in engine, CUDA only: replay captured decode steps (docs/engine.md)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # config/speculative.py
 
     def __post_init__(self):
         _check(self.ranks >= 1, "rollout.ranks", self.ranks, "need at least 1 rollout rank")
