@@ -462,9 +462,26 @@ def test_speculative_flags_default_off_parse_and_validate():
     for bad, flag in ((dict(draft_tokens=-1), "draft-tokens"), (dict(min_match=3, max_match=2), "max-match")):
         with pytest.raises(ConfigError, match=f"--rollout.speculative.{flag}="):
             SpeculativeConfig(**bad)
+    with pytest.raises(ConfigError, match="--rollout.speculative.draft-tokens=2 .*built-in engine's") as e:
+        RolloutConfig(engine="vllm", speculative=SpeculativeConfig(draft_tokens=2))
+    assert "\n" not in str(e.value)
 
 
 def test_speculative_is_refused_with_cuda_graphs_in_one_line():
     with pytest.raises(EngineError, match="refused with --rollout.cuda-graphs") as e:
         make_engine(cuda_graphs=True)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.scripts_smoke  # the smoke row of bench_speculative.py in tests/test_scripts_smoke.py
+def test_speculative_bench_quick_reports_drafts_against_the_baseline():
+    """scripts/bench_speculative.py --quick (tiny-llama): one JSON line with the same run's baseline; the
+    greedy long workload drafts from its group and emits the plain engine's tokens."""
+    from test_scripts_smoke import run_script
+
+    out, _ = run_script("bench_speculative.py", ["--quick"], timeout=300)
+    for key in ("accepted_per_forward", "decode_speedup", "same_distribution", "hardware"):
+        assert key in out, key
+    long = out["long"]
+    assert long["accepted_per_forward"] > 1.2 and long["same_tokens"] == "4/4", long
+    assert long["wall_s"] > 0 and long["wall_s_baseline"] > 0 and 0 <= out["same_distribution"] <= 1

@@ -113,6 +113,12 @@ class RolloutConfig:
             self.length_dist,
             "use 'lognormal:MEDIAN:SIGMA' with MEDIAN > 0 and SIGMA >= 0, or ''",
         )
+        _check(
+            not self.speculative.enabled or self.engine == "builtin",
+            "rollout.speculative.draft-tokens",
+            self.speculative.draft_tokens,
+            f"speculative decoding is the built-in engine's (--rollout.engine is {self.engine!r}): drop it or use builtin",
+        )
 
 
 @dataclass(frozen=True)
