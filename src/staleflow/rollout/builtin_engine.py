@@ -273,16 +273,21 @@ class BuiltinEngine:
             for i, r in first.items():
                 seq = batch.seqs[i]
                 toks, lps = tokens[r : r + 1 + len(seq.draft)], logprobs[r : r + 1 + len(seq.draft)]
-                if spec is not None and i < batch.num_decode:  # exact rejection sampling of the draft
-                    toks, lps = spec.accept(seq, toks, lps, batch.num_decode)
+                verify = spec is not None and i < batch.num_decode
+                if verify:  # exact rejection sampling of the draft
+                    toks, lps = spec.accept(seq, toks, lps)
+                n = 0
                 for tok, lp in zip(toks, lps):
                     seq.append(tok, lp, self.version)
-                    emitted += 1
+                    n += 1
                     reason = self._finish_reason(seq, tok)
                     if reason is not None:
                         self._finish(seq, reason)
                         finished.append(seq.request.copy())
                         break
+                emitted += n
+                if verify:
+                    spec.emitted(n, batch.num_decode)
             self.tokens_generated += emitted
         if spec is not None:
             spec.rollback(batch.seqs[: batch.num_decode], self.runner.mirror)

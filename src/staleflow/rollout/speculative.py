@@ -111,25 +111,28 @@ class Speculator:
                 seq.draft = draft
                 batch.num_tokens[i] = 1 + len(draft)
 
-    def accept(self, seq: Sequence, tokens: list[int], logprobs: list[float], batch_size: int):
+    def accept(self, seq: Sequence, tokens: list[int], logprobs: list[float]):
         """The tokens a decode row group emits: tokens[0..j], j the first i with tokens[i] != draft[i]
         (or len(draft)); tokens[i] was sampled from the target at the i-th fed position."""
         draft = seq.draft
         j = 0
         while j < len(draft) and tokens[j] == draft[j]:
             j += 1
-        st = self.stats
-        st.decode_rows += 1
-        st.emitted += j + 1
-        st.drafted += len(draft)
-        st.accepted += j
-        row = st.by_batch.setdefault(batch_size, [0, 0])
-        row[0] += 1
-        row[1] += j + 1
+        self.stats.drafted += len(draft)
+        self.stats.accepted += j
         if draft and self.cfg.adaptive:
             k = self.length.get(seq.request_id, self.cfg.draft_tokens)
             self.length[seq.request_id] = min(self.cfg.draft_tokens, k + 1) if j == len(draft) else j + 1
         return tokens[: j + 1], logprobs[: j + 1]
+
+    def emitted(self, n: int, batch_size: int) -> None:
+        """A decode row appended n tokens (fewer than accept returned when one of them stopped the sequence)."""
+        st = self.stats
+        st.decode_rows += 1
+        st.emitted += n
+        row = st.by_batch.setdefault(batch_size, [0, 0])
+        row[0] += 1
+        row[1] += n
 
     def rollback(self, seqs: list[Sequence], mirror) -> None:
         """After the step's tokens were appended: forget the rejected drafts' K/V (see the module doc)."""
