@@ -44,7 +44,7 @@ from staleflow.rollout.prefix_sharing import SharingBlockManager
 from staleflow.rollout.sampler import Sampler
 from staleflow.rollout.scheduler import Scheduler
 from staleflow.rollout.sequence import Sequence, SequenceStatus
-from staleflow.rollout.speculative import Speculator
+from staleflow.rollout.speculative import make_speculator
 from staleflow.rollout.weight_check import check_weights
 
 if TYPE_CHECKING:
@@ -83,11 +83,6 @@ class BuiltinEngine:
                 f"max_kv_tokens={max_kv_tokens} cannot hold one sequence of max_model_len="
                 f"{max_model_len}: raise --rollout.max-kv-tokens or lower --rollout.max-model-len"
             )
-        if speculative is not None and speculative.enabled and cuda_graphs:
-            raise EngineError(
-                "--rollout.speculative.draft-tokens is refused with --rollout.cuda-graphs (a verification "
-                "step feeds several tokens per sequence; captured steps feed one): drop one of the two flags"
-            )
         if max_running < 1 or prefill_chunk_tokens < 1:
             raise EngineError(f"max_running={max_running} and prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         model.eval()
@@ -101,6 +96,9 @@ class BuiltinEngine:
         self.version = int(version)
         self.block_manager = (SharingBlockManager if prefix_sharing else BlockManager)(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_running, prefill_chunk_tokens)
+        self.speculator = make_speculator(  # before the runner: its one-line refusal comes first
+            speculative, cuda_graphs, self.block_manager, max_model_len, self.scheduler.watermark
+        )
         self.runner = ModelRunner(
             model,
             self.block_manager,
@@ -111,11 +109,6 @@ class BuiltinEngine:
             cuda_graphs=cuda_graphs,
         )
         self.sampler = Sampler()
-        self.speculator = (
-            Speculator(speculative, self.block_manager, max_model_len, self.scheduler.watermark)
-            if speculative is not None and speculative.enabled
-            else None
-        )
         self.seqs: dict = {}
         self._rng = random.Random(seed)
         self._arrivals = 0
@@ -265,9 +258,8 @@ class BuiltinEngine:
         emitted = 0
         if rows:
             seqs = [batch.seqs[i] for i in rows]
-            first: dict[int, int] = {}  # batch index -> its first row (a decode with a draft: one per fed token)
-            for r, i in enumerate(rows):
-                first.setdefault(i, r)
+            # batch index -> its first row (a decode with a draft has one row per fed token)
+            first = {i: r for r, i in reversed(list(enumerate(rows)))}
             positions = [s.num_output + r - first[i] for r, (s, i) in enumerate(zip(seqs, rows))]
             tokens, logprobs = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
             for i, r in first.items():
@@ -276,16 +268,9 @@ class BuiltinEngine:
                 verify = spec is not None and i < batch.num_decode
                 if verify:  # exact rejection sampling of the draft
                     toks, lps = spec.accept(seq, toks, lps)
-                n = 0
-                for tok, lp in zip(toks, lps):
-                    seq.append(tok, lp, self.version)
-                    n += 1
-                    reason = self._finish_reason(seq, tok)
-                    if reason is not None:
-                        self._finish(seq, reason)
-                        finished.append(seq.request.copy())
-                        break
+                n, done = self._emit(seq, toks, lps)
                 emitted += n
+                finished.extend(done)
                 if verify:
                     spec.emitted(n, batch.num_decode)
             self.tokens_generated += emitted
@@ -306,14 +291,21 @@ class BuiltinEngine:
             )
         return finished
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.request.finish_reason = reason
-        if seq.hold:  # a turn of a multi-turn request: keep its KV until extend / release
-            self.scheduler.park(seq)
-        else:
-            self.scheduler.remove(seq)
-            del self.seqs[seq.request_id]
-            self._forget(seq.request_id)
+    def _emit(self, seq: Sequence, toks: list[int], lps: list[float]) -> tuple[int, list[Request]]:
+        """Append a row's tokens until one stops the sequence: (tokens appended, [its request's copy] if it stopped)."""
+        for n, (tok, lp) in enumerate(zip(toks, lps), 1):
+            seq.append(tok, lp, self.version)
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                seq.request.finish_reason = reason
+                if seq.hold:  # a turn of a multi-turn request: keep its KV until extend / release
+                    self.scheduler.park(seq)
+                else:
+                    self.scheduler.remove(seq)
+                    del self.seqs[seq.request_id]
+                    self._forget(seq.request_id)
+                return n, [seq.request.copy()]
+        return len(toks), []
 
     def _finish_reason(self, seq: Sequence, tok: int):
         p = seq.params

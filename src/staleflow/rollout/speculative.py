@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from staleflow.rollout.drafts import SuffixDrafter
+from staleflow.rollout.engine import EngineError
 
 if TYPE_CHECKING:
     from staleflow.config.speculative import SpeculativeConfig
@@ -144,3 +145,17 @@ class Speculator:
             mirror.clip()
         for seq in seqs:
             seq.draft = []
+
+
+def make_speculator(
+    cfg: SpeculativeConfig | None, cuda_graphs: bool, block_manager: BlockManager, max_model_len: int, watermark: int
+) -> Speculator | None:
+    """The engine's Speculator, None when speculation is off; refused in one line with CUDA graphs."""
+    if cfg is None or not cfg.enabled:
+        return None
+    if cuda_graphs:
+        raise EngineError(
+            "--rollout.speculative.draft-tokens is refused with --rollout.cuda-graphs (a verification "
+            "step feeds several tokens per sequence; captured steps feed one): drop one of the two flags"
+        )
+    return Speculator(cfg, block_manager, max_model_len, watermark)
