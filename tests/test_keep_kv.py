@@ -165,13 +165,13 @@ def test_keep_kv_rank_pull_with_keep_kv_on_pull_interrupts_nothing():
         def load(self, engine, keep_kv):
             loads.append(keep_kv)
             engine.load_weights(dict(new.named_parameters()), 1, keep_kv=keep_kv)
-            return 1, 64, False
+            return 1, 64, {0: 64}  # (version, bytes, {source node: bytes})
 
     sent = []
     w = RolloutWorker.__new__(RolloutWorker)
     w.engine, w.weights, w.instance = eng, Source(), 0
     w.keep_on_pull = keeps_kv_on_pull(CoordinatorConfig(interrupt_on_pull=True, keep_kv_on_pull=True))
-    w.unsent = []
+    w.unsent, w.net = [], None  # one node
     w.ctx = type(
         "Ctx",
         (),

@@ -199,8 +199,10 @@ def test_multi_turn_abort_of_a_parked_request_returns_its_payload_and_resumes_el
 def test_multi_turn_returned_requests_are_copies_and_the_callers_request_is_never_touched():
     """The engine's output is the finished Request: a copy of the engine's own (made at add), so a
     held request the engine keeps extending never aliases a turn it returned; a Sequence holds no
-    trajectory data, only KV/scheduling state and a reference to that request."""
-    assert Sequence.__slots__ == ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch")
+    trajectory data, only KV/scheduling state (a speculative step's unverified draft included: never
+    part of the payload) and a reference to that request."""
+    slots = ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch", "draft")
+    assert Sequence.__slots__ == slots
     eng = make_engine()
     caller = Request("t", PROMPT, greedy(TURN[0]), hold=True)
     eng.add(caller)

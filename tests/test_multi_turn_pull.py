@@ -53,7 +53,7 @@ class Rank:
 
     def _load(self, engine, keep_kv):
         engine.load_weights(dict(self.new.named_parameters()), 1, keep_kv=keep_kv)
-        return 1, 0, False
+        return 1, 0, {}  # (version, bytes, {source node: bytes})
 
     def pump(self, until, limit=5000):
         """What RolloutWorker.run does between commands: step the engine, poll the env steps."""

@@ -90,6 +90,10 @@ SMOKE: dict[str, Smoke] = {
         "test",
         test="tests/test_engine_bench_prefix_sharing.py::test_bench_prefix_sharing_reports_prefill_saved_and_agreement",
     ),
+    "bench_speculative.py": Smoke(
+        "test",
+        test="tests/test_engine_speculative.py::test_speculative_bench_quick_reports_drafts_against_the_baseline",
+    ),
     "bench_protocol.py": Smoke("run", ("--groups", "2000", "--repeats", "1"), ("manager_ops_per_s", "manager_vs_dict")),
     "bench_sandbox.py": Smoke("run", ("--runs", "2"), ("sandbox_ms", "baseline_ms", "ratio")),
     "bench_pull.py": Smoke("test", test="tests/test_bench_pull.py::test_bench_pull_smoke"),

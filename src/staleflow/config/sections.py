@@ -6,10 +6,11 @@ checkpoint, eval, log) are in config/job.py; RunConfig (config/run.py) composes 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from staleflow.config.ranges import in_range
+from staleflow.config.speculative import SpeculativeConfig
 from staleflow.faults import ConfigError  # the fault every layer raises for a bad value (re-exported)
 
 
@@ -86,6 +87,7 @@ class RolloutConfig:
     prefix_sharing: bool = True
     """Share the KV blocks of identical prompt prefixes (a GRPO group's prompt is prefilled once)."""
     cuda_graphs: bool = False  # built-in engine, CUDA only: replay captured decode steps (docs/engine.md)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # config/speculative.py
 
     def __post_init__(self):
         in_range(self, "rollout")
@@ -112,6 +114,12 @@ class RolloutConfig:
             "rollout.length-dist",
             self.length_dist,
             "use 'lognormal:MEDIAN:SIGMA' with MEDIAN > 0 and SIGMA >= 0, or ''",
+        )
+        _check(
+            not self.speculative.enabled or self.engine == "builtin",
+            "rollout.speculative.draft-tokens",
+            self.speculative.draft_tokens,
+            f"speculative decoding is the built-in engine's (--rollout.engine is {self.engine!r}): drop it or use builtin",
         )
 
 

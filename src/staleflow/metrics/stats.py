@@ -165,3 +165,44 @@ def tost_seeds_needed(
         if float(np.mean((m - half > -margin) & (m + half < margin))) >= power:
             return n
     return most
+
+
+def chi2_two_sample(a: Sequence, b: Sequence, min_expected: float = 5.0) -> dict:
+    """Pearson's chi-square test that two samples of hashable outcomes (token tuples) come from one
+    distribution: the 2 x K table of counts, outcomes whose expected count under the pooled
+    distribution is below `min_expected` in either row merged into one "rare" column (so the chi-square
+    approximation holds). Returns {"statistic", "df", "p", "cells"}; p 1.0 when fewer than 2 cells
+    remain. Used by the speculative decoding check (scripts/bench_speculative.py, its tests)."""
+    from collections import Counter
+
+    from scipy.stats import chi2
+
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    if not na or not nb:
+        raise ValueError(f"chi2_two_sample needs two non-empty samples (got {na} and {nb})")
+    small = min(na, nb) / (na + nb)
+    cols, rare = [], [0, 0]
+    for key in ca.keys() | cb.keys():
+        x, y = ca[key], cb[key]
+        if (x + y) * small < min_expected:
+            rare[0] += x
+            rare[1] += y
+        else:
+            cols.append((x, y))
+    if rare[0] + rare[1]:
+        if (rare[0] + rare[1]) * small >= min_expected or not cols:
+            cols.append(tuple(rare))
+        else:  # too rare even merged: into the smallest column
+            j = min(range(len(cols)), key=lambda i: sum(cols[i]))
+            cols[j] = (cols[j][0] + rare[0], cols[j][1] + rare[1])
+    if len(cols) < 2:
+        return {"statistic": 0.0, "df": 0, "p": 1.0, "cells": len(cols)}
+    stat = 0.0
+    for x, y in cols:
+        tot = x + y
+        for obs, n in ((x, na), (y, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    df = len(cols) - 1
+    return {"statistic": stat, "df": df, "p": float(chi2.sf(stat, df)), "cells": len(cols)}

@@ -52,10 +52,21 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return all of seq's blocks; its cached K/V is gone (num_computed = 0)."""
-        self.free_blocks.extend(seq.block_table)
+        self._release(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
         seq.kv_epoch += 1
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Return the blocks past seq's first `num_tokens` tokens (a speculative step's rejected draft
+        positions); the K/V of the positions kept stays valid."""
+        keep = -(-num_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            self._release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def _release(self, blocks: list[int]) -> None:
+        self.free_blocks.extend(blocks)
 
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size

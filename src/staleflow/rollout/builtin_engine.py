@@ -44,8 +44,11 @@ from staleflow.rollout.prefix_sharing import SharingBlockManager
 from staleflow.rollout.sampler import Sampler
 from staleflow.rollout.scheduler import Scheduler
 from staleflow.rollout.sequence import Sequence, SequenceStatus
+from staleflow.rollout.speculative import make_speculator
+from staleflow.rollout.weight_check import check_weights
 
 if TYPE_CHECKING:
+    from staleflow.config.speculative import SpeculativeConfig
     from staleflow.model import CausalLM
 
 
@@ -67,11 +70,13 @@ class BuiltinEngine:
         decode_backend: str = "auto",
         prefix_sharing: bool = True,
         cuda_graphs: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ):
         """decode_backend: "auto" | "mirror" | "gather" | "triton" | "flash" (decode_backend.py);
         decode_mirror True / False is the older spelling of "mirror" / "gather". prefix_sharing:
         requests with the same prompt share its full KV blocks (prefix_sharing.py). cuda_graphs: replay
-        captured decode steps (cuda_graphs.py; CUDA with the triton / flash backend only)."""
+        captured decode steps (cuda_graphs.py; CUDA with the triton / flash backend only). speculative:
+        drafts from the group's tokens, verified exactly (speculative.py; off unless draft_tokens > 0)."""
         num_blocks = max_kv_tokens // block_size
         if num_blocks * block_size < max_model_len:
             raise EngineError(
@@ -91,6 +96,9 @@ class BuiltinEngine:
         self.version = int(version)
         self.block_manager = (SharingBlockManager if prefix_sharing else BlockManager)(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_running, prefill_chunk_tokens)
+        self.speculator = make_speculator(  # before the runner: its one-line refusal comes first
+            speculative, cuda_graphs, self.block_manager, max_model_len, self.scheduler.watermark
+        )
         self.runner = ModelRunner(
             model,
             self.block_manager,
@@ -148,6 +156,7 @@ class BuiltinEngine:
             decode_backend=rc.decode_backend,
             prefix_sharing=rc.prefix_sharing,
             cuda_graphs=rc.cuda_graphs,
+            speculative=rc.speculative,
         )
 
     # ---- requests ------------------------------------------------------------------------
@@ -163,6 +172,8 @@ class BuiltinEngine:
         self._arrivals += 1
         self.seqs[rid] = seq
         self.scheduler.add(seq)
+        if self.speculator is not None:
+            self.speculator.join(rid, own.tokens)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -176,6 +187,7 @@ class BuiltinEngine:
         for rid in abort_ids(request_ids, self.seqs, missing_ok):
             seq = self.seqs.pop(rid)
             self.scheduler.remove(seq)
+            self._forget(rid)
             seq.request.finish_reason = "abort"
             outs.append(seq.request.copy())
         return outs
@@ -219,40 +231,54 @@ class BuiltinEngine:
             raise EngineError(f"release: request {request_id!r} is {where}")
         self.scheduler.remove(seq)
         del self.seqs[request_id]
+        self._forget(request_id)
+
+    def _forget(self, request_id) -> None:
+        """A request left the engine (its text may still draft for its group's others)."""
+        if self.speculator is not None:
+            self.speculator.leave(request_id)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Advance every running request by one token (prefill chunks as the budget allows); returns
-        the requests that stopped in this step (copies: a held one keeps running here)."""
+        """Advance every running request by one token (prefill chunks as the budget allows; with
+        speculative decoding a decode may emit several); returns the requests that stopped in this
+        step (copies: a held one keeps running here)."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not len(batch):
             return []
+        spec = self.speculator
+        if spec is not None:
+            spec.plan(batch)
         logits, rows = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
         kv_attended = sum(s.num_computed for s in batch.seqs)
         finished: list[Request] = []
+        emitted = 0
         if rows:
             seqs = [batch.seqs[i] for i in rows]
-            tokens, logprobs = self.sampler(
-                logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_output for s in seqs]
-            )
-            for seq, tok, lp in zip(seqs, tokens, logprobs):
-                seq.append(tok, lp, self.version)
-                reason = self._finish_reason(seq, tok)
-                if reason is not None:
-                    seq.request.finish_reason = reason
-                    if seq.hold:  # a turn of a multi-turn request: keep its KV until extend / release
-                        self.scheduler.park(seq)
-                    else:
-                        self.scheduler.remove(seq)
-                        del self.seqs[seq.request_id]
-                    finished.append(seq.request.copy())
-            self.tokens_generated += len(rows)
+            # batch index -> its first row (a decode with a draft has one row per fed token)
+            first = {i: r for r, i in reversed(list(enumerate(rows)))}
+            positions = [s.num_output + r - first[i] for r, (s, i) in enumerate(zip(seqs, rows))]
+            tokens, logprobs = self.sampler(logits, [s.params for s in seqs], [s.seed for s in seqs], positions)
+            for i, r in first.items():
+                seq = batch.seqs[i]
+                toks, lps = tokens[r : r + 1 + len(seq.draft)], logprobs[r : r + 1 + len(seq.draft)]
+                verify = spec is not None and i < batch.num_decode
+                if verify:  # exact rejection sampling of the draft
+                    toks, lps = spec.accept(seq, toks, lps)
+                n, done = self._emit(seq, toks, lps)
+                emitted += n
+                finished.extend(done)
+                if verify:
+                    spec.emitted(n, batch.num_decode)
+            self.tokens_generated += emitted
+        if spec is not None:
+            spec.rollback(batch.seqs[: batch.num_decode], self.runner.mirror)
         self.steps += 1
         self.last_step_latency_s = time.perf_counter() - t0
-        rate = len(rows) / max(self.last_step_latency_s, 1e-9)
+        rate = emitted / max(self.last_step_latency_s, 1e-9)
         self.throughput_tok_s = rate if self.steps == 1 else 0.8 * self.throughput_tok_s + 0.2 * rate
         if self.profile:
             self.profile_samples.append(
@@ -264,6 +290,22 @@ class BuiltinEngine:
                 )
             )
         return finished
+
+    def _emit(self, seq: Sequence, toks: list[int], lps: list[float]) -> tuple[int, list[Request]]:
+        """Append a row's tokens until one stops the sequence: (tokens appended, [its request's copy] if it stopped)."""
+        for n, (tok, lp) in enumerate(zip(toks, lps), 1):
+            seq.append(tok, lp, self.version)
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                seq.request.finish_reason = reason
+                if seq.hold:  # a turn of a multi-turn request: keep its KV until extend / release
+                    self.scheduler.park(seq)
+                else:
+                    self.scheduler.remove(seq)
+                    del self.seqs[seq.request_id]
+                    self._forget(seq.request_id)
+                return n, [seq.request.copy()]
+        return len(toks), []
 
     def _finish_reason(self, seq: Sequence, tok: int):
         p = seq.params
@@ -299,36 +341,7 @@ class BuiltinEngine:
         """
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        if not isinstance(version, int) or version < self.version:
-            raise EngineError(
-                f"load_weights: version={version!r} is older than the engine's version "
-                f"{self.version}: versions only move forward"
-            )
-        covered = set()
-        for name, t in items:
-            if name not in params:
-                raise EngineError(
-                    f"load_weights: unknown parameter name {name!r} (expected HF names such as "
-                    f"{next(iter(params))!r}); nothing was loaded"
-                )
-            p = params[name]
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise EngineError(
-                    f"load_weights: {name!r} has shape {got}, expected {tuple(p.shape)}; nothing was loaded"
-                )
-            if not t.is_floating_point():
-                raise EngineError(
-                    f"load_weights: {name!r} has dtype {t.dtype}, expected a floating dtype; nothing was loaded"
-                )
-            covered.add(id(p))
-        if strict:
-            missing = [n for n, p in params.items() if id(p) not in covered]
-            if missing:
-                raise EngineError(
-                    f"load_weights: {len(missing)} parameters missing, e.g. {missing[0]!r}; pass "
-                    f"every parameter or strict=False; nothing was loaded"
-                )
+        check_weights(items, params, version, self.version, strict)
         with torch.no_grad():
             for name, t in items:
                 params[name].copy_(t)

@@ -17,7 +17,8 @@ costs a second copy of the decoding sequences' K/V, padded to the longest row. I
 more token slots than `budget_tokens` (the engine passes the paged cache's capacity, so K/V memory
 at most doubles): a step whose rows x length would exceed it releases the mirror and gathers
 instead (`prepare` returns None). A row is valid while its sequence keeps the
-same `kv_epoch` (bumped whenever the block manager frees its blocks) and `num_computed`.
+same `kv_epoch` (bumped whenever the block manager frees its blocks) and `num_computed` (a
+speculative step writes the draft's K/V too, and `clip` forgets the rejected part).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class DecodeMirror:
         0..num_computed-1) and return the sequences in row order. k_cache / v_cache: the paged
         caches [layers, slots, Hkv, D]; slots_of(seq, n) -> [n] slot ids of its first n tokens.
         Returns None (mirror released) when the rows would not fit in budget_tokens."""
-        rows, length = self._grown(len(seqs), max(s.num_computed + 1 for s in seqs))
+        rows, length = self._grown(len(seqs), max(s.num_computed + 1 + len(s.draft) for s in seqs))
         if rows * length > self.budget_tokens:
             self.clear()
             self._alloc(0, 0)
@@ -126,5 +127,10 @@ class DecodeMirror:
         return list(self.rows)
 
     def advance(self) -> None:
-        """After a step: every row received its sequence's fed token."""
-        self.row_len = [n + 1 for n in self.row_len]
+        """After a step: every row received its sequence's fed tokens (the last token and its draft)."""
+        self.row_len = [n + 1 + len(s.draft) for n, s in zip(self.row_len, self.rows)]
+
+    def clip(self) -> None:
+        """After a speculative step's verification: a row keeps only its sequence's verified positions
+        (the rejected drafts' K/V past num_computed is forgotten, as in the paged cache)."""
+        self.row_len = [min(n, s.num_computed) for n, s in zip(self.row_len, self.rows)]

@@ -69,6 +69,7 @@ class ModelRunner:
         )
         self.attn.mirror = self.mirror
         self.attn.backend, self.attn.block_size = self.backend, self.block_size
+        self.group = args.num_heads // args.num_kv_heads
         self.sampled_logits = SampledLogits(model)
         self.staging = HostStaging(self.device, torch.int64)
         self.graphs = DecodeGraphs(self, max_running, max_model_len) if cuda_graphs else None
@@ -103,8 +104,14 @@ class ModelRunner:
                 lambda s, n: torch.from_numpy(self._slots(s.block_table, 0, n)).to(dev),
             )
         if mirrored is not None:
+            batch.seqs[:nd] = mirrored  # row order (the engine pairs batch.seqs with the sampled rows)
+            batch.num_tokens[:nd] = [1 + len(s.draft) for s in mirrored]
+        widths = batch.num_tokens[:nd]
+        ctx.decode_tokens = sum(widths)
+        if nd and max(widths) > 1:
+            self._draft_context(batch.seqs[:nd], widths, ctx, up, slot_parts, mirrored is not None)
+        elif mirrored is not None:
             seqs = mirrored
-            batch.seqs[:nd] = seqs  # row order (the engine pairs batch.seqs with the sampled rows)
             lens = [s.num_computed + 1 for s in seqs]
             slot_parts.append([self.block_manager.slot(s, s.num_computed) for s in seqs])
             up["mirror_pos"] = [s.num_computed for s in seqs]
@@ -137,12 +144,15 @@ class ModelRunner:
                 up["decode_lens"] = lens
                 mask_len = max_len
             ctx.decode_len = max_len
-        if nd:  # decodes feed their last token; row i of the logits is decode i
-            for s in batch.seqs[:nd]:
-                ids.append(s.token_at(s.num_computed))
-                positions.append(s.num_computed)
-            sample_rows.extend(range(nd))
-        offset = nd
+        # decodes feed their last token (and its draft, speculative.py); every fed decode token is
+        # sampled: logits row j is the j-th fed decode token, of decode sample_rows[j]
+        for i, s in enumerate(batch.seqs[:nd]):
+            ids.append(s.token_at(s.num_computed))
+            ids.extend(s.draft)
+            positions.extend(range(s.num_computed, s.num_computed + 1 + len(s.draft)))
+            sample_rows.extend([i] * (1 + len(s.draft)))
+        offset = ctx.decode_tokens
+        last_rows = list(range(offset))
         chunks = []
         for i in range(nd, len(batch)):
             seq, n = batch.seqs[i], batch.num_tokens[i]
@@ -157,9 +167,9 @@ class ModelRunner:
             offset += n
             if c + n == len(seq):
                 sample_rows.append(i)
-        ends = np.cumsum(batch.num_tokens) - 1
+                last_rows.append(offset - 1)
         up["slot_mapping"] = np.concatenate([np.asarray(p, dtype=np.int64) for p in slot_parts])
-        up["input_ids"], up["positions"], up["last"] = ids, positions, ends[sample_rows]
+        up["input_ids"], up["positions"], up["last"] = ids, positions, last_rows
         got = dict(zip(up, self.staging.upload(list(up.values()))))
         ctx.slot_mapping = got["slot_mapping"]
         if "mirror_pos" in got:
@@ -168,8 +178,16 @@ class ModelRunner:
                 valid = torch.arange(mask_len, device=dev)[None, :] <= ctx.mirror_pos[:, None]  # [B, Lmax]
                 ctx.decode_mask = valid[:, None, None, :]
         if "block_tables" in got:
-            ctx.block_tables = got["block_tables"].view(nd, -1).to(torch.int32)  # [B, max_blocks]
-            ctx.context_lens = got["context_lens"].to(torch.int32)  # [B]
+            ctx.block_tables = got["block_tables"].view(ctx.decode_tokens, -1).to(torch.int32)  # [Td, max_blocks]
+            ctx.context_lens = got["context_lens"].to(torch.int32)  # [Td]
+        if "draft_q_pos" in got:  # a speculative step: a causal block of queries per sequence
+            ctx.decode_q_index, ctx.decode_out_index = got["draft_q_index"], got["draft_out_index"]
+            ctx.mirror_rows = got.get("mirror_rows")
+            if ctx.block_tables is None:
+                w, g, n = ctx.decode_width, self.group, ctx.decode_len
+                q_pos = got["draft_q_pos"].view(nd, w)
+                valid = torch.arange(n, device=dev)[None, None, :] <= q_pos[:, :, None]  # [B, W, L]
+                ctx.decode_mask = valid[:, :, None, :].expand(nd, w, g, n).reshape(nd, 1, w * g, n)
         if "decode_slots" in got:
             ctx.decode_slots = got["decode_slots"]
             if mask_len:
@@ -184,11 +202,49 @@ class ModelRunner:
                 ctx.prefills.append(PrefillChunk(start, start + n, got[f"prefill{i}"], mask))
         return got["input_ids"], got["positions"], ctx, sample_rows, got["last"]
 
+    def _draft_context(
+        self, seqs: list, widths: list[int], ctx: StepContext, up: dict, slot_parts: list, mirrored: bool
+    ) -> None:
+        """The decode part of a speculative step: sequence b feeds W_b = 1 + len(draft) tokens at
+        positions c_b .. c_b + W_b - 1 (c_b = num_computed), query w seeing keys up to c_b + w.
+        triton / flash: one kernel row per fed token (the sequence's block table, context c_b + w + 1);
+        mirror / gather: B x W queries (padding repeats b's last token, its output dropped) over the
+        sequence's keys, with a [B, 1, W * G, L] causal mask built on the device from their positions."""
+        nd, width = len(seqs), max(widths)
+        bs = self.block_size
+        start = np.array([s.num_computed for s in seqs], dtype=np.int64)
+        w = np.asarray(widths, dtype=np.int64)
+        col = np.arange(width)
+        last = np.minimum(col[None, :], w[:, None] - 1)  # [B, W]
+        real = col[None, :] < w[:, None]  # [B, W]
+        offsets = np.cumsum(w) - w
+        tok_seq = np.repeat(np.arange(nd), w)  # [Td]
+        tok_pos = (start[:, None] + col[None, :])[real]  # [Td]
+        tables = np.zeros((nd, max(len(s.block_table) for s in seqs)), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        slot_parts.append(tables[tok_seq, tok_pos // bs] * bs + tok_pos % bs)
+        lens = start + w
+        ctx.decode_len, ctx.decode_width = int(lens.max()), width
+        up["draft_q_index"] = (offsets[:, None] + last).reshape(-1)
+        up["draft_q_pos"] = (start[:, None] + last).reshape(-1)
+        up["draft_out_index"] = (np.arange(nd)[:, None] * width + col[None, :])[real]
+        if self.backend in ("triton", "flash"):
+            up["block_tables"], up["context_lens"] = tables[tok_seq], tok_pos + 1
+        elif mirrored:
+            up["mirror_pos"], up["mirror_rows"] = tok_pos, tok_seq
+        else:
+            pos = np.arange(ctx.decode_len)
+            slots = tables[:, pos // bs] * bs + pos % bs  # [B, Lmax]
+            up["decode_slots"] = np.where(pos[None, :] < lens[:, None], slots, self.attn.null_slot)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
-        """Forward one step; returns (fp32 logits [N, V] or None, batch indices of those N rows)."""
+        """Forward one step; returns (fp32 logits [N, V] or None, batch indices of those N rows: a
+        decode with a draft has 1 + len(draft) consecutive rows, one per fed token)."""
         n = len(batch)
-        if self.graphs is not None and batch.num_decode == n and self.graphs.bucket(n) is not None:
+        drafts = any(s.draft for s in batch.seqs[: batch.num_decode])
+        if self.graphs is not None and batch.num_decode == n and not drafts and self.graphs.bucket(n) is not None:
             return self.graphs.run(batch.seqs, self.block_manager.slot), list(range(n))
         input_ids, positions, ctx, sample_rows, last = self._context(batch)
         self.attn.ctx = ctx

@@ -2,7 +2,8 @@
 
 The model calls `attn(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]` once
 per layer (RoPE already applied). T packs, in order, the single tokens of the decoding
-sequences and then the prefill chunks. For every layer this object
+sequences (in a speculative step each followed by its draft tokens: a short causal query block
+per sequence over its cache, speculative.py) and then the prefill chunks. For every layer this object
 1. writes the step's k/v into the paged cache at `slot_mapping` ([T] flat slot ids);
 2. decodes, by the backend ModelRunner resolved once (`decode_backend.py`):
    - "triton" / "flash" (CUDA): one kernel reads each sequence's K/V in place through its block
@@ -44,19 +45,36 @@ class StepContext:
     slot_mapping: torch.Tensor
     """[T] int64: cache slot of every fed token."""
     num_decode: int = 0
+    decode_tokens: int = 0
+    """Td: the decoding sequences' fed tokens, first in the step (num_decode, plus the drafts of a
+    speculative step: sequence b feeds its last token and its draft, W_b tokens in all)."""
+    decode_width: int = 1
+    """W = max W_b; > 1 only in a speculative step (then the three fields below are set)."""
+    decode_q_index: torch.Tensor | None = None
+    """[B * W] int64: the packed row of query (b, w), w past W_b repeating b's last row (discarded)."""
+    decode_out_index: torch.Tensor | None = None
+    """[Td] int64: where each fed decode token's output sits among the B * W queries."""
+    mirror_rows: torch.Tensor | None = None
+    """[Td] int64: the DecodeMirror row of each fed decode token (a speculative step's mirror path)."""
     decode_slots: torch.Tensor | None = None
     """[B * Lmax] int64: padded slots of the decoding sequences' contexts."""
     decode_mask: torch.Tensor | None = None
-    """[B, 1, 1, Lmax] bool: True on real keys; None when every context has length Lmax."""
+    """[B, 1, 1, Lmax] bool: True on real keys; None when every context has length Lmax. In a
+    speculative step [B, 1, W * G, Lmax]: query (w, g) of sequence b sees keys up to its position."""
     decode_len: int = 0
     block_tables: torch.Tensor | None = None
-    """[B, max_blocks] int32 block tables of the decoding sequences (triton / flash backends)."""
+    """[Td, max_blocks] int32 block tables of the fed decode tokens (triton / flash backends; a
+    speculative step repeats a sequence's table for each of its tokens)."""
     context_lens: torch.Tensor | None = None
-    """[B] int32 context lengths of the decoding sequences, new token included (triton / flash)."""
+    """[Td] int32 context lengths of the fed decode tokens, the token itself included (triton / flash)."""
     mirror_pos: torch.Tensor | None = None
-    """[B] int64: position of each decoding sequence's new token in its DecodeMirror row (row i
-    = decode i); None when decodes gather from the paged cache instead."""
+    """[Td] int64: position of each fed decode token in its DecodeMirror row (row i = decode i
+    without drafts, else `mirror_rows`); None when decodes gather from the paged cache instead."""
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.decode_tokens:  # no drafts: one token per decoding sequence
+            self.decode_tokens = self.num_decode
 
 
 class PagedAttention:
@@ -96,24 +114,32 @@ class PagedAttention:
         n_kv = k.shape[1]
         group = n_heads // n_kv
         out = torch.empty_like(q)
-        nd = ctx.num_decode
-        if nd and ctx.block_tables is not None:  # a kernel reads the paged cache in place
-            out[:nd] = paged_decode(
-                self.backend, q[:nd], kc, vc, ctx.block_tables, ctx.context_lens, self.block_size, ctx.decode_len
+        nd, td = ctx.num_decode, ctx.decode_tokens
+        if nd and ctx.block_tables is not None:  # a kernel reads the paged cache in place, one row per token
+            out[:td] = paged_decode(
+                self.backend, q[:td], kc, vc, ctx.block_tables, ctx.context_lens, self.block_size, ctx.decode_len
             )
         elif nd:
-            qd = q[:nd].view(nd, n_kv, group, head_dim)  # [B, Hkv, G, D]
-            if ctx.mirror_pos is not None:  # dense rows: write the new token, attend a view
+            if ctx.mirror_pos is not None:  # dense rows: write the fed tokens, attend a view
                 km, vm = self.mirror.k[layer_idx], self.mirror.v[layer_idx]  # [R, Hkv, Lcap, D]
-                rows = torch.arange(nd, device=q.device)
-                km[rows, :, ctx.mirror_pos] = k[:nd].to(km.dtype)
-                vm[rows, :, ctx.mirror_pos] = v[:nd].to(vm.dtype)
+                rows = ctx.mirror_rows if ctx.mirror_rows is not None else torch.arange(nd, device=q.device)
+                km[rows, :, ctx.mirror_pos] = k[:td].to(km.dtype)
+                vm[rows, :, ctx.mirror_pos] = v[:td].to(vm.dtype)
                 kd, vd = km[:nd, :, : ctx.decode_len], vm[:nd, :, : ctx.decode_len]  # [B, Hkv, L, D]
             else:
                 kd = kc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
                 vd = vc.index_select(0, ctx.decode_slots).view(nd, ctx.decode_len, n_kv, head_dim).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask)  # [B, Hkv, G, D]
-            out[:nd] = od.reshape(nd, n_heads, head_dim)
+            w = ctx.decode_width
+            if w == 1:
+                qd = q[:nd].view(nd, n_kv, group, head_dim)  # [B, Hkv, G, D]
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask)  # [B, Hkv, G, D]
+                out[:nd] = od.reshape(nd, n_heads, head_dim)
+            else:  # speculative: the W tokens of a sequence are W * G query rows of each kv head
+                qd = q[ctx.decode_q_index].view(nd, w, n_kv, group, head_dim).transpose(1, 2)  # [B, Hkv, W, G, D]
+                qd = qd.reshape(nd, n_kv, w * group, head_dim)
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask)  # [B, Hkv, W * G, D]
+                od = od.view(nd, n_kv, w, group, head_dim).transpose(1, 2).reshape(nd * w, n_heads, head_dim)
+                out[:td] = od[ctx.decode_out_index]
         for ch in ctx.prefills:
             qp = q[ch.start : ch.end].transpose(0, 1)  # [Hq, n, D]
             if ch.context_slots is None:

@@ -106,10 +106,11 @@ class SharingBlockManager(BlockManager):
         self.prefix_blocks.clear()
         self.block_key.clear()
 
-    def free(self, seq: Sequence) -> None:
-        """Drop seq's references; blocks nobody holds go back to the free list (unregistered)."""
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference on each block (free, trim); blocks nobody holds go back to the free
+        list (unregistered)."""
         released = []
-        for b in seq.block_table:
+        for b in blocks:
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
                 key = self.block_key.pop(b, None)
@@ -118,9 +119,6 @@ class SharingBlockManager(BlockManager):
                 self.stale.discard(b)
                 released.append(b)
         self.free_blocks.extend(released)
-        seq.block_table = []
-        seq.num_computed = 0
-        seq.kv_epoch += 1
 
     def check(self, seqs) -> None:
         """Assert the bookkeeping against the live sequences (tests): each block's count equals

@@ -41,7 +41,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     num_decode: int = 0
-    """The first num_decode entries are decodes (1 token each)."""
+    """The first num_decode entries are decodes (1 token each; 1 + its draft in a speculative step)."""
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -32,7 +32,7 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    __slots__ = ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch")
+    __slots__ = ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch", "draft")
 
     def __init__(self, request: Request, arrival: int):
         """``request``: the engine's own copy (its seed resolved), referenced, not copied."""
@@ -43,6 +43,9 @@ class Sequence:
         self.arrival = arrival
         self.kv_epoch = 0
         """Bumped each time the sequence's cached K/V is dropped (copies of it are then stale)."""
+        self.draft: list[int] = []
+        """Speculative decoding: the draft tokens this step feeds after the last token (speculative.py);
+        empty outside a step and for a plain decode. Never part of the payload until verified."""
 
     # ---- the request's data, read through ------------------------------------------------
     @property

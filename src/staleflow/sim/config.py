@@ -100,7 +100,9 @@ class SimConfig:
     verify forward (accepted drafts + the bonus token; 1: off). Default 2.0, an assumption below Seer's grouped
     drafting (mean accepted length 2.85, arXiv 2511.14617 as summarised) and in line with the <= 2x rollout
     speed-ups of SpecRL (verl recipe specRL: up to 2.1x) and DAS (arXiv 2511.13841: up to 50 % less rollout
-    time). An engine speculates only where a verify forward is cheaper per token (sim/speculative.py)."""
+    time). Our own engine measured 1.04-1.16 with SmolLM2-135M at T=1 on CPU (docs/perf.md, 2026-12-07,
+    scripts/bench_speculative.py): a small model at full temperature, not this regime; the grid's sweep
+    covers both. An engine speculates only where a verify forward is cheaper per token (sim/speculative.py)."""
     spec_draft_tokens: int = 4
     """Draft tokens verified per sequence and forward (a verify costs the decode latency of n x (draft + 1)
     token rows; sim/speculative.py)."""
