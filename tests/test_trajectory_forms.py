@@ -103,7 +103,8 @@ def test_trajectory_forms_one_token_payload_from_engine_to_sample():
     assert "TrajectoryTokens" in str(fields["tokens"]) and not payload & set(fields)
     # the engine returns the finished Request: no output class, no engine-side payload holder
     assert not hasattr(rollout_engine, "RequestOutput") and not hasattr(vllm_support, "_Live")
-    assert Sequence.__slots__ == ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch")
+    # the speculative draft rides on the sequence (engine scheduling state), never the payload
+    assert Sequence.__slots__ == ("request", "num_computed", "block_table", "status", "arrival", "kv_epoch", "draft")
     for path in (ROOT / "src" / "staleflow" / "rollout").glob("*.py"):  # only Request sets a payload
         if path.name != "engine.py":
             assert not re.search(r"\bself\.tokens\s*(:[^=\n]*)?=", path.read_text()), f"{path} holds a payload"

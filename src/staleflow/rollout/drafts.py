@@ -16,7 +16,7 @@ Siblings are the requests whose prompt ids are equal (``siblings=False``: every 
 group, only its own context is matched). The index is a dict from each n-gram to its latest
 occurrence (the member and the position after it), filled incrementally as members' tokens grow: an
 n-gram is entered only once a token follows it, so every hit has a continuation. A group's prompt is
-indexed once. Each member keeps a flat copy of its tokens (responses are short next to the KV).
+indexed once. Each member keeps a flat copy of its context (an index view, not a payload) (responses are short next to the KV).
 Pure Python on token ids: no torch, no I/O.
 """
 
@@ -26,12 +26,12 @@ from staleflow.tokens import TrajectoryTokens
 
 
 class _Member:
-    __slots__ = ("group", "source", "tokens", "indexed")
+    __slots__ = ("group", "source", "context", "indexed")
 
     def __init__(self, group: _Group, source: TrajectoryTokens, start: int):
         self.group = group
         self.source = source
-        self.tokens: list[int] = list(source.prompt_ids) + list(source.response_ids)
+        self.context: list[int] = list(source.prompt_ids) + list(source.response_ids)
         self.indexed = start
         """Positions before this have had the n-grams ending just before them entered."""
 
@@ -88,24 +88,24 @@ class SuffixDrafter:
             return []
         for m in member.group.members:
             self._sync(m)
-        ctx, index = member.tokens, member.group.index
+        ctx, index = member.context, member.group.index
         for n in range(min(self.max_match, len(ctx)), self.min_match - 1, -1):
             hit = index.get(tuple(ctx[-n:]))
             if hit is not None:
                 src, start = hit
-                return src.tokens[start : start + k]
+                return src.context[start : start + k]
         return []
 
     def _sync(self, member: _Member) -> None:
         """Copy the member's new tokens (sampled ones, observations) and index them."""
         t = member.source
-        have = len(member.tokens) - len(t.prompt_ids)
+        have = len(member.context) - len(t.prompt_ids)
         if have < len(t.response_ids):
-            member.tokens.extend(t.response_ids[have:])
+            member.context.extend(t.response_ids[have:])
             self._index(member)
 
     def _index(self, member: _Member) -> None:
-        toks, index = member.tokens, member.group.index
+        toks, index = member.context, member.group.index
         lo, hi = self.min_match, self.max_match
         for p in range(max(member.indexed, lo), len(toks)):  # n-grams ending at p - 1, continued at p
             for n in range(lo, min(hi, p) + 1):
