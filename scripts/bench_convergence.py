@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODES = "verl-sync,staleflow:1,staleflow:2,verl-fully-async:1,areal:1"
 SAVED = ("name", "mode", "eta", "seed", "wall_s", "load_start", "load_end", "load_mean", "load_max", "load_samples")
 """What bench.json keeps: what the run folder cannot give back. The rest is derived on every read."""
-RECORD = ("bench.json", "metrics.jsonl", "trained.jsonl", "config.json")
+RECORD = ("bench.json", "metrics.jsonl", "trained.jsonl", "config.json", "timeline.jsonl")
 """A finished run's record (--archive): what this bench and scripts/compare_runs.py read back."""
 LOAD_EVERY_S = 10.0
 VARIANTS = {"verl-fully-async-matched": "verl-fully-async"}
@@ -444,7 +444,7 @@ def main() -> None:
     ap.add_argument(
         "--archive",
         default=None,
-        help="also keep each finished run's record (bench.json, metrics.jsonl, trained.jsonl, config.json) in "
+        help="also keep each finished run's record (bench.json, metrics.jsonl, trained.jsonl, config.json, timeline.jsonl) in "
         "ARCHIVE/NAME, and read a run from there when --out lacks it: a study committed to the repository "
         "resumes on another machine (docs/results/)",
     )

@@ -1,6 +1,6 @@
 """What the trainer saw in two runs (or two sets of runs, paired by seed), side by side, with intervals.
 
-    python scripts/compare_runs.py RUN_A RUN_B [--names A,B] [--json OUT.json] [--per-group OUT.jsonl]
+    python scripts/compare_runs.py RUN_A RUN_B [--names A,B] [--json OUT.json] [--per-group OUT.jsonl] [--target ACC]
     python scripts/compare_runs.py A_SEED0,A_SEED1,... B_SEED0,B_SEED1,...   # paired over seeds
     python scripts/compare_runs.py staleflow-eta1 areal-eta1 --bench runs/convergence   # every finished seed
 
@@ -28,7 +28,13 @@ Quantities, by unit:
          clipped, KL(behaviour || current) k3 (mean and median over steps), entropy, gradient norm,
          token staleness, mixed-version token share, trainer seconds, groups dropped, train reward
   run    final held-out accuracy, interrupts, migrations, pulls, groups aborted, rank correlation of
-         drawing order vs training order (Spearman)
+         drawing order vs training order (Spearman); where the wall time went (metrics/walltime.py):
+         wall seconds, trainer busy and waiting seconds, trainer ms per token, evaluation seconds,
+         and from timeline.jsonl the rollout's busy share and pull seconds; bench.json's machine load
+Then time to target, explained: for every paired seed where both reached the target held-out accuracy
+(--target; default A's mean final accuracy - 0.02, bench_convergence.py's rule with A as sync), B's
+extra seconds split exactly into more tokens trained (the method), a slower trainer per token (the
+machine: cores shared with rollout ranks) and more trainer waiting (rollout throughput).
 Exit 2 on a missing or empty run folder.
 """
 
@@ -40,6 +46,9 @@ import sys
 from pathlib import Path
 
 from staleflow.metrics.compare import N_BOOT, RunError, compare, load_run, pair_runs, spearman
+from staleflow.metrics.convergence import TARGET_MARGIN
+from staleflow.metrics.stats import t_interval
+from staleflow.metrics.walltime import explain_pairs
 
 __all__ = ["compare", "load_run", "spearman"]  # the analysis (staleflow.metrics.compare), for tests and notebooks
 
@@ -59,6 +68,33 @@ def table(rows: list[dict], names: tuple[str, str]) -> str:
             f"{r['label'][:62]:62s} {_fmt(r['a']):>12s} {_fmt(r['b']):>12s} {_fmt(r['diff']):>11s}  {ci:26s} "
             f"{r['method']}"
         )
+    return "\n".join(lines)
+
+
+def gap_table(gaps: list[dict], target: float, names: tuple[str, str]) -> str:
+    """Time to target, explained: one line per paired seed, then the mean with its t interval."""
+    a, b = names
+    head = (
+        f"time to target {target:.3f} ({len(gaps)} paired seeds reached it on both sides): {b} - {a} = "
+        "more tokens (method) + slower trainer per token (machine) + more trainer waiting (rollout)"
+    )
+    lines = [
+        head,
+        f"{'seed':>6s} {'versions':>9s} {'gap s':>8s} {'tokens s':>9s} {'rate s':>8s} {'wait s':>8s}  ms/token",
+    ]
+    for g in gaps:
+        versions = "/".join(str(v) for v in g["versions"])
+        lines.append(
+            f"{str(g['seed']):>6s} {versions:>9s} {g['gap_s']:+8.1f} {g['tokens_s']:+9.1f} "
+            f"{g['rate_s']:+8.1f} {g['wait_s']:+8.1f}  {g['ms_per_token'][0]:.1f} / {g['ms_per_token'][1]:.1f}"
+        )
+    if gaps:
+        cells = []
+        for k in ("gap_s", "tokens_s", "rate_s", "wait_s"):
+            vals = [g[k] for g in gaps]
+            ci = t_interval(vals)
+            cells.append(f"{k} {sum(vals) / len(vals):+.1f}" + (f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else ""))
+        lines.append("mean (95% t): " + "; ".join(cells))
     return "\n".join(lines)
 
 
@@ -89,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-group", default="", help="write every trained group of every run here (JSON lines)")
     ap.add_argument("--boot", type=int, default=N_BOOT, help="bootstrap resamples (one run per side)")
     ap.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help=f"held-out accuracy for the time-to-target split (default: A's mean final accuracy - {TARGET_MARGIN})",
+    )
     args = ap.parse_args(argv)
     try:
         runs_a = [load_run(x) for x in side(args.runs_a, args.bench)]
@@ -107,7 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"A = {names[0]}: {', '.join(r['path'] for r, _ in pairs)}")
     print(f"B = {names[1]}: {', '.join(r['path'] for _, r in pairs)}")
     print(table(rows, names))
+    finals = [r["evals"][-1]["eval_accuracy"] for r, _ in pairs if r["evals"]]
+    target = args.target if args.target is not None else (sum(finals) / len(finals) - TARGET_MARGIN if finals else None)
+    gaps = explain_pairs(pairs, target) if target is not None else []
+    if target is not None:
+        print(gap_table(gaps, target, names))
     result = {"a": names[0], "b": names[1], "pairs": [[x["path"], y["path"]] for x, y in pairs], "rows": rows}
+    result["time_to_target"] = {"target": target, "pairs": gaps}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.per_group:

@@ -156,7 +156,7 @@ def test_bench_convergence_smoke_runs_and_resumes(tmp_path):
     assert not list(out.glob("*/checkpoints")) and not list(out.glob("*/hf")) and list(out.glob("*/bench.json"))
     _, again = smoke()  # every run is saved: nothing runs again, the same numbers come back
     assert again == first and {p: p.stat().st_mtime_ns for p in out.glob("*/metrics.jsonl")} == saved
-    # --archive kept each run's record (small: no checkpoint, no export, no timeline); a new --out reads it back
+    # --archive kept each run's record (small: no checkpoint, no export; the timeline is kept); a new --out reads it back
     kept = {p.parent.name: sorted(f.name for f in p.parent.iterdir()) for p in archive.glob("*/bench.json")}
     assert kept == {n: sorted(bench_module().RECORD) for n in ("verl-sync-eta0-seed0", "staleflow-eta1-seed0")}
     assert (archive / "staleflow-eta1-seed0" / "metrics.jsonl").read_bytes() == (

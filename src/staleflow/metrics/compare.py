@@ -63,14 +63,22 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def load_run(path: str | Path) -> dict:
     """One run folder -> {"name", "seed", "groups": [per-group dict], "steps": [...], "run": {...}}."""
-    from staleflow.metrics.records import RecordError, read_metrics, read_seed, read_trained
+    from staleflow.metrics import records
+    from staleflow.metrics.walltime import breakdown
 
     p = Path(path)
     if not (p / "trained.jsonl").exists() or not (p / "metrics.jsonl").exists():
         raise RunError(f"{p}: no trained.jsonl / metrics.jsonl: pass a run folder (--log.run-dir/--log.name)")
     try:  # typed: a crafted record is one line naming file, line and field (metrics/records.py)
-        trained, metrics, seed = read_trained(p / "trained.jsonl"), read_metrics(p / "metrics.jsonl"), read_seed(p)
-    except RecordError as e:
+        trained, metrics = records.read_trained(p / "trained.jsonl"), records.read_metrics(p / "metrics.jsonl")
+        seed = records.read_seed(p)
+        spans = records.read_timeline(p / "timeline.jsonl") if (p / "timeline.jsonl").exists() else None
+        bench = (
+            records.read_object(p / "bench.json", {"load_mean": records.number(0, 1e6)}, ())
+            if (p / "bench.json").exists()
+            else {}
+        )
+    except records.RecordError as e:
         raise RunError(str(e)) from None
     steps = sorted((r for r in metrics if "eval_n" not in r), key=lambda r: r["step"])
     evals = sorted((r for r in metrics if "eval_n" in r), key=lambda r: r["step"])
@@ -133,8 +141,10 @@ def load_run(path: str | Path) -> dict:
         "occupy_exchanges": last.get("occupy_exchanges"),  # StaleFlow's protocol only (absent: the peers, older runs)
         "order_swaps": last.get("order_swaps"),
         "order_spearman": spearman([g["group_id"] for g in groups], [g["buffer"] for g in groups]),
+        "load_mean": bench.get("load_mean"),  # bench_convergence.py's machine load during the run
+        **(breakdown(steps, evals, spans) if monotone else {}),  # a resumed run's clock restarts
     }
-    return {"name": p.name, "path": str(p), "seed": seed, "groups": groups, "steps": steps, "run": run}
+    return {"name": p.name, "path": str(p), "seed": seed, "groups": groups, "steps": steps, "evals": evals, "run": run}
 
 
 # ---- quantities ------------------------------------------------------------------------------------
@@ -146,6 +156,20 @@ STEP_TOKEN_MEANS = (
     ("entropy_mean", "entropy, token mean"),
     ("mixed_token_frac", "share of tokens newer than their response's first (trainer)"),
 )
+
+
+WALL_ROWS = (
+    ("wall_s", "wall seconds to the last step"),
+    ("trainer_busy_s", "trainer busy seconds (compute + push)"),
+    ("trainer_wait_s", "trainer waiting seconds (no batch yet)"),
+    ("trainer_busy_share", "trainer busy share of the wall time"),
+    ("trainer_ms_per_token", "trainer ms per trained token (core sharing)"),
+    ("eval_s", "held-out evaluation seconds (beside rollout)"),
+    ("rollout_busy_share", "rollout instances' busy share (timeline)"),
+    ("pull_s", "weight pull seconds, all ranks (timeline)"),
+    ("load_mean", "machine load mean (bench.json)"),
+)
+"""Where the wall time went (metrics/walltime.py); a row is left out where no run has its data."""
 
 
 def quantities(runs: list[dict]) -> list[Quantity]:
@@ -199,6 +223,7 @@ def quantities(runs: list[dict]) -> list[Quantity]:
             ("occupy_exchanges", "occupy exchanges (run total)"),
             ("order_swaps", "train-order swaps (run total)"),
             ("order_spearman", "Spearman: drawing order vs training order"),
+            *WALL_ROWS,
         )
     ]
     return q

@@ -103,6 +103,8 @@ STEP = {
     "step": COUNT,
     "time": SECS,
     "train_s": SECS,
+    "push_s": SECS,
+    "trained_tokens": integer(0, 1 << 40),
     "reward_mean": NUM,
     "accuracy": number(0, 1),
     "interrupts": COUNT,
@@ -122,11 +124,15 @@ EVAL = {
     "eval_ci95_low": number(0, 1),
     "eval_ci95_high": number(0, 1),
     "eval_correct": lambda v: None if v is None else text()(v),
+    "eval_s": SECS,
 }
+TIMELINE = {"rank": COUNT, "kind": text(64), "t0": SECS, "t1": SECS}
+"""timeline.jsonl: one span of one rank's activity (metrics/writer.py log_span)."""
 REQUIRED = {
     "trained": ("buffer", "group_id", "traj_version", "rewards"),
     "step": ("step", "time"),
     "eval": ("step", "time", "eval_n", "eval_accuracy", "eval_ci95_low", "eval_ci95_high"),
+    "timeline": ("rank", "kind", "t0", "t1"),
 }
 
 
@@ -174,6 +180,17 @@ def read_metrics(path: Path) -> list[dict]:
         is_eval = isinstance(r, dict) and "eval_n" in r
         kind = "eval" if is_eval else "step"
         out.append(check_record(r, EVAL if is_eval else STEP, REQUIRED[kind], f"{path}:{n}"))
+    return out
+
+
+def read_timeline(path: Path) -> list[dict]:
+    """timeline.jsonl, typed (TIMELINE); a span that ends before it starts is a RecordError."""
+    out = []
+    for n, r in _lines(path):
+        row = check_record(r, TIMELINE, REQUIRED["timeline"], f"{path}:{n}")
+        if row["t1"] < row["t0"]:
+            raise RecordError(f"{path}:{n}: span ends ({row['t1']}) before it starts ({row['t0']})")
+        out.append(row)
     return out
 
 
