@@ -20,7 +20,7 @@ mean, max); everything else is derived again from RUN/metrics.jsonl on every rea
 call (or a later session with the same --out) resumes where the first stopped and re-derives the
 finished runs with the current code; an unfinished run is started again from scratch. A finished
 run's checkpoints/ and hf/ (~2 GB) are deleted once it is saved, unless --keep-models. --archive DIR
-also copies each finished run's record (bench.json, metrics.jsonl, trained.jsonl, config.json: ~0.1 MB)
+also copies each finished run's record (bench.json, metrics.jsonl, trained.jsonl, config.json, timeline.jsonl: ~0.1 MB)
 to DIR/NAME and reads runs from there, so a study committed to the repository (docs/results/) goes on
 from another machine or session; --no-run starts nothing and reports the finished runs.
 
