@@ -2,6 +2,7 @@
 every bad-row kind reported by row number, tokenisation with the chat template, and a resumable
 position (state_dict round trip gives the same next prompts)."""
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -58,6 +59,33 @@ def test_countdown_prompts_carry_numbers_and_target(tok):
     for p in prompts:
         assert 3 <= len(p.meta["numbers"]) <= 4 and str(p.meta["target"]) in p.text
         assert countdown_reward(f"\\boxed{{{p.answer}}}", p.answer, p.meta) == 1.0
+
+
+def test_countdown_is_scored_by_its_own_reward_or_refused_before_the_run(tok):
+    """A countdown row's answer is one expression of many: under the arithmetic reward every call
+    would fail, under math writing the target would pay. Both are refused in one line naming the fix,
+    at the data source (runtime, eval) and in the launcher's preflight; the countdown reward on rows
+    without numbers and target is refused too."""
+    from staleflow.config import ConfigError, RunConfig
+    from staleflow.launch.preflight import check_data
+    from staleflow.reward.functions import answer_problem
+
+    for fn in ("arithmetic", "math"):
+        check = lambda a, meta, fn=fn: answer_problem(fn, a, meta)  # noqa: E731
+        with pytest.raises(DataError, match="use --reward.fn countdown") as e:
+            PromptSource(DataConfig(source="countdown"), tok, check)
+        assert "\n" not in str(e.value) and "--data.source='countdown'" in str(e.value)
+        cfg = RunConfig()
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="countdown"))
+        cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, fn=fn))
+        with pytest.raises(ConfigError, match="use --reward.fn countdown"):
+            check_data(cfg, str(ensure_tokenizer()))
+    good = lambda a, meta: answer_problem("countdown", a, meta)  # noqa: E731
+    assert PromptSource(DataConfig(source="countdown"), tok, good).take(2)
+    with pytest.raises(DataError, match="needs the row's numbers and target"):
+        PromptSource(DataConfig(source="arithmetic"), tok, good)
+    arith = lambda a, meta: answer_problem("arithmetic", a, meta)  # noqa: E731
+    assert PromptSource(DataConfig(source="arithmetic"), tok, arith).take(2)  # the default pair still runs
 
 
 def test_prompt_ids_follow_the_chat_template(tok):

@@ -40,7 +40,7 @@ class PromptSource:
     """Endless iterator of Prompt; see the module docstring."""
 
     def __init__(self, cfg: DataConfig, tokenizer, answer_check=None, tools: list[dict] = (), tool_format="auto"):
-        """answer_check(answer) -> why the run's reward cannot score it, or None (a file row whose
+        """answer_check(answer, meta) -> why the run's reward cannot score it, or None (a file row whose
         answer fails it is a bad row, reported with its row number like any other); tools: the tool
         schemas every prompt shows (a multi-turn run: staleflow.env.env_schemas(cfg.env))."""
         self.cfg = cfg

@@ -34,6 +34,10 @@ class Stream:
         self.blank_lines = 0
         if self.task is None:
             self._load()
+        elif answer_check is not None:  # a task's rows are all alike: its first row says whether the reward fits
+            _, answer, meta = self.task(cfg.seed, 0)
+            if (why := answer_check(answer, meta)) is not None:
+                raise DataError(f"--data.source={name!r}: {why}")
         self.epoch = 0
         self._offset = 0
         self._order: list[int] = []
@@ -124,7 +128,7 @@ class Stream:
         if self.answer_check is not None:
             scorable = []
             for row in rows:
-                why = self.answer_check(row.answer)
+                why = self.answer_check(row.answer, row.meta)
                 if why is None:
                     scorable.append(row)
                 else:

@@ -134,7 +134,7 @@ def load_prompts(cfg: EvalCommand, tokenizer) -> tuple[list, int]:
 
     if cfg.data.source in TASKS and not cfg.n:
         raise ConfigError(f"--data.source={cfg.data.source!r} is a built-in task (endless): give --n, e.g. --n 256")
-    source = PromptSource(cfg.data, tokenizer, answer_check=lambda a: answer_problem(cfg.reward.fn, a))
+    source = PromptSource(cfg.data, tokenizer, answer_check=lambda a, meta: answer_problem(cfg.reward.fn, a, meta))
     if source.task is not None:
         return source.hold_out(cfg.n), 0
     rows = source.rows[: cfg.n] if cfg.n else source.rows

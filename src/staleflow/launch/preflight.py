@@ -43,7 +43,13 @@ def check_data(cfg: RunConfig, folder: str) -> None:
         for name, _ in cfg.data.sources:
             task = task_for(name)
             if task is not None:
-                ids = renderer.encode([task(cfg.data.seed, k)[0] for k in range(PROBE_ROWS)])
+                from staleflow.reward.functions import answer_problem
+
+                probe = [task(cfg.data.seed, k) for k in range(PROBE_ROWS)]
+                for _, answer, meta in probe:
+                    if (why := answer_problem(cfg.reward.fn, answer, meta)) is not None:
+                        raise ConfigError(f"--data.source={name!r}: {why}")
+                ids = renderer.encode([text for text, _, _ in probe])
                 longest = max(longest, *(len(x) for x in ids))
                 continue
             summary, bad, usable, source_longest = data_summary(name, cfg, renderer)
@@ -73,7 +79,7 @@ def data_summary(name: str, cfg: RunConfig, renderer) -> tuple[str, list, int, i
     rows, bad, blank = read_rows(name, cfg.data)
     usable, longest = [], 0
     for row in rows:
-        why = answer_problem(cfg.reward.fn, row.answer)
+        why = answer_problem(cfg.reward.fn, row.answer, row.meta)
         if why is not None:
             bad.append(BadRow(row.location, "unscorable", why))
         else:

@@ -122,10 +122,20 @@ def countdown_reward(completion: str, answer: str, meta: dict) -> float:
     return 1.0 if ok else 0.0
 
 
-def answer_problem(spec: str, answer: str) -> str | None:
+def answer_problem(spec: str, answer: str, meta: dict | None = None) -> str | None:
     """Why the reward `spec` can never score a dataset answer (None: it can). Checked when the
     data is loaded, so an unscorable row is reported with its row number instead of failing at
-    every reward call: e.g. ``\\frac{5}{2}`` under the integer ``arithmetic`` reward."""
+    every reward call: e.g. ``\\frac{5}{2}`` under the integer ``arithmetic`` reward, or a countdown
+    row (its answer is one expression of many; the row's numbers and target decide) under any reward
+    but ``countdown`` (``math`` would pay for writing the target alone)."""
+    meta = meta or {}
+    if meta.get("task") == "countdown" and spec in ("arithmetic", "math"):
+        return (
+            f"answer {answer!r} is one countdown expression of many: only the countdown reward checks a "
+            "response against the row's numbers and target (use --reward.fn countdown)"
+        )
+    if spec == "countdown" and not ("numbers" in meta and "target" in meta):
+        return "the countdown reward needs the row's numbers and target (--data.source countdown gives them)"
     if spec == "arithmetic" and parse_int(str(answer)) is None:
         return (
             f"answer {answer!r} is not an integer: the arithmetic reward scores integer answers only "

@@ -42,7 +42,7 @@ class TrainingJob:
         tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
         from staleflow.env import env_schemas  # a multi-turn run's prompts show its tools (docs/multi-turn.md)
 
-        check = lambda a: answer_problem(cfg.reward.fn, a)  # noqa: E731
+        check = lambda a, meta: answer_problem(cfg.reward.fn, a, meta)  # noqa: E731
         self.source = PromptSource(cfg.data, tokenizer, check, env_schemas(cfg.env), cfg.env.tool_format)
         self.held_out = None
         if cfg.eval.n:  # set aside before any training prompt is drawn
