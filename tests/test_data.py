@@ -88,6 +88,43 @@ def test_countdown_is_scored_by_its_own_reward_or_refused_before_the_run(tok):
     assert PromptSource(DataConfig(source="arithmetic"), tok, arith).take(2)  # the default pair still runs
 
 
+def replay_story(text: str) -> int:
+    """The count a word-steps story ends with, read back from its sentences (independent of the generator)."""
+    value = int(re.match(r"\w+ has (\d+) ", text).group(1))
+    for said in re.findall(r"Then \w+ ([^.]+)\.", text):
+        k = int(m.group(1)) if (m := re.search(r"(\d+)", said)) else None
+        if said.startswith(("finds", "is given", "buys")):
+            value += k
+        elif said.startswith(("gives away", "loses", "trades away")):
+            value -= k
+        elif said.startswith(("doubles", "triples")):
+            value *= 2 if said.startswith("doubles") else 3
+        else:
+            assert said.startswith("shares them equally among") and value % k == 0, said
+            value //= k
+        assert value >= 0, text
+    return value
+
+
+def test_word_steps_answers_are_the_story_count_and_long_work_is_asked(tok):
+    from staleflow.reward.functions import answer_problem, resolve_reward_fn
+
+    src = PromptSource(DataConfig(source="word-steps", seed=3), tok, lambda a, m: answer_problem("arithmetic", a, m))
+    prompts = src.take(200)
+    assert prompts == PromptSource(DataConfig(source="word-steps", seed=3), tok).take(200)
+    steps = set()
+    for p in prompts:
+        assert replay_story(p.text) == int(p.answer) and 0 <= int(p.answer) <= 999
+        assert len(re.findall(r"Then ", p.text)) == p.meta["steps"] and "one step per line" in p.text
+        steps.add(p.meta["steps"])
+        assert len(p.prompt_ids) <= DataConfig().max_prompt_tokens
+    assert steps == {4, 5, 6, 7}
+    reward = resolve_reward_fn("arithmetic")
+    p = prompts[0]
+    assert reward(f"step 1 ...\\boxed{{{p.answer}}}", p.answer, p.meta) == 1.0
+    assert reward(f"\\boxed{{{int(p.answer) + 1}}}", p.answer, p.meta) == 0.0
+
+
 def test_prompt_ids_follow_the_chat_template(tok):
     p = next(PromptSource(DataConfig(source="arithmetic"), tok))
     rendered = tok.apply_chat_template(
@@ -112,7 +149,7 @@ def test_builtin_prompt_over_the_limit_is_an_error(tok):
         next(PromptSource(DataConfig(source="arithmetic", max_prompt_tokens=5), tok))
 
 
-@pytest.mark.parametrize("task", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("task", ["arithmetic", "countdown", "word-steps"])
 def test_builtin_resume(tok, task):
     cfg = DataConfig(source=task, seed=7)
     first = PromptSource(cfg, tok)

@@ -117,7 +117,11 @@ BAD = [
     ("--coordinator.routing", f"{H}:NoChoose", "class NoChoose without a method choose()"),
     ("--coordinator.pull", f"{H}:Nope", f"module '{H}' has no attribute 'Nope'"),
     ("--coordinator.pull", f"{H}:PullWithoutFlags", "without a bool attribute blocks_routing"),
-    ("--data.source", "arithmetc", "is not a registered task (arithmetic, arithmetic-easy, countdown), a .jsonl"),
+    (
+        "--data.source",
+        "arithmetc",
+        "is not a registered task (arithmetic, arithmetic-easy, countdown, word-steps), a .jsonl",
+    ),
     ("--data.source", "no_such_module_xyz:rows", "cannot import module 'no_such_module_xyz'"),
     ("--data.source", f"{H}:sign_advantage", "cannot be called with 2 positional arguments"),
     ("--data.source", "missing.jsonl", "no such file"),

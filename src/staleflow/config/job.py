@@ -105,7 +105,7 @@ class DataConfig:
     (docs/data-and-rewards.md)."""
 
     source: str = "arithmetic"
-    """Built-in task (arithmetic, arithmetic-easy, countdown), a .jsonl / .parquet / .json file, a folder
+    """Built-in task (arithmetic, arithmetic-easy, countdown, word-steps), a .jsonl / .parquet / .json file, a folder
     written by datasets' save_to_disk, a Hugging Face dataset name in the local cache, or a task function
     'package.module:name' (docs/extending.md)."""
     mix: str = ""

@@ -11,6 +11,10 @@ k may be negative: held-out evaluation prompts are rows -1, -2, ... (PromptSourc
 - countdown: 3 or 4 numbers in [1, 25] and a target reachable with + - * / using each number
   once (built from a random expression tree with exact, non-negative intermediate values);
   answer is one such expression; meta carries ``numbers`` and ``target`` for the reward.
+- word-steps: a story of 4 to 7 changes to one count ("Mia has 14 shells. She finds 9 more. She
+  gives away 5. ..."), asked to be worked out one step a line before the boxed answer: the long
+  responses (partial rollouts, interrupts, keep-KV) a two-number sum never makes; answer is the
+  integer as text (the arithmetic reward scores it); meta carries the number of ``steps``.
 """
 
 from __future__ import annotations
@@ -121,3 +125,46 @@ def countdown_row(seed: int, index: int) -> TaskRow:
         "Put the final expression in \\boxed{}."
     )
     return text, expr[1:-1], {"task": "countdown", "numbers": shown, "target": int(target)}
+
+
+_NAMES = ("Mia", "Leo", "Ava", "Sam", "Zoe", "Max", "Ivy", "Ben", "Ada", "Tom")
+_THINGS = ("shells", "marbles", "stickers", "coins", "books", "apples", "cards", "stones")
+
+
+def _word_step(rng: random.Random, value: int) -> tuple[int, str]:
+    """One change to the count, as a sentence: never negative, every value an integer up to 999."""
+    choices = [("add", rng.randint(2, 20))]
+    if value >= 2:
+        choices.append(("sub", rng.randint(1, min(value - 1, 20))))
+    if value <= 99:
+        choices.append(("mul", rng.choice((2, 3))))
+    parts = [d for d in (2, 3, 4, 5) if value % d == 0 and value // d >= 1]
+    if parts:
+        choices.append(("div", rng.choice(parts)))
+    kind, k = rng.choice(choices)
+    if kind == "add":
+        return value + k, rng.choice((f"finds {k} more", f"is given {k} more", f"buys {k} more"))
+    if kind == "sub":
+        return value - k, rng.choice((f"gives away {k}", f"loses {k}", f"trades away {k}"))
+    if kind == "mul":
+        word = {2: "doubles", 3: "triples"}[k]
+        return value * k, f"{word} the pile"
+    return value // k, f"shares them equally among {k} friends, keeping one share"
+
+
+@register_task("word-steps")
+def word_steps_row(seed: int, index: int) -> TaskRow:
+    """4 to 7 changes to one count, to be worked out step by step (long responses)."""
+    rng = _rng("word-steps", seed, index)
+    name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+    value = rng.randint(5, 40)
+    sentences = [f"{name} has {value} {thing}."]
+    steps = rng.randint(4, 7)
+    for _ in range(steps):
+        value, said = _word_step(rng, value)
+        sentences.append(f"Then {name} {said}.")
+    text = (
+        " ".join(sentences) + f" How many {thing} does {name} have at the end? Work it out one step per "
+        "line, writing each new count, then put the final answer in \\boxed{}."
+    )
+    return text, str(value), {"task": "word-steps", "steps": steps}
