@@ -11,9 +11,10 @@ k may be negative: held-out evaluation prompts are rows -1, -2, ... (PromptSourc
 - countdown: 3 or 4 numbers in [1, 25] and a target reachable with + - * / using each number
   once (built from a random expression tree with exact, non-negative intermediate values);
   answer is one such expression; meta carries ``numbers`` and ``target`` for the reward.
-- word-steps: a story of 4 to 7 changes to one count ("Mia has 14 shells. She finds 9 more. She
-  gives away 5. ..."), asked to be worked out one step a line before the boxed answer: the long
-  responses (partial rollouts, interrupts, keep-KV) a two-number sum never makes; answer is the
+- word-steps: a story of 2 to 4 small changes to one count ("Mia has 14 shells. Then Mia finds 9
+  more. Then Mia gives away 5. ..."), asked to be worked out one step a line before the boxed
+  answer: SmolLM2-135M-Instruct writes hundreds of tokens on it (it loses count and runs on), the
+  long responses (partial rollouts, interrupts, keep-KV) a two-number sum never makes; answer is the
   integer as text (the arithmetic reward scores it); meta carries the number of ``steps``.
 """
 
@@ -132,34 +133,32 @@ _THINGS = ("shells", "marbles", "stickers", "coins", "books", "apples", "cards",
 
 
 def _word_step(rng: random.Random, value: int) -> tuple[int, str]:
-    """One change to the count, as a sentence: never negative, every value an integer up to 999."""
-    choices = [("add", rng.randint(2, 20))]
+    """One change to the count, as a sentence: small numbers, never negative."""
+    choices = [("add", rng.randint(1, 9))]
     if value >= 2:
-        choices.append(("sub", rng.randint(1, min(value - 1, 20))))
-    if value <= 99:
-        choices.append(("mul", rng.choice((2, 3))))
-    parts = [d for d in (2, 3, 4, 5) if value % d == 0 and value // d >= 1]
-    if parts:
-        choices.append(("div", rng.choice(parts)))
+        choices.append(("sub", rng.randint(1, min(value - 1, 9))))
+    if value <= 20:
+        choices.append(("mul", 2))
+    if value % 2 == 0:
+        choices.append(("div", 2))
     kind, k = rng.choice(choices)
     if kind == "add":
         return value + k, rng.choice((f"finds {k} more", f"is given {k} more", f"buys {k} more"))
     if kind == "sub":
         return value - k, rng.choice((f"gives away {k}", f"loses {k}", f"trades away {k}"))
     if kind == "mul":
-        word = {2: "doubles", 3: "triples"}[k]
-        return value * k, f"{word} the pile"
-    return value // k, f"shares them equally among {k} friends, keeping one share"
+        return value * 2, "doubles the pile"
+    return value // 2, "gives half of them to a friend"
 
 
 @register_task("word-steps")
 def word_steps_row(seed: int, index: int) -> TaskRow:
-    """4 to 7 changes to one count, to be worked out step by step (long responses)."""
+    """2 to 4 small changes to one count, to be worked out step by step (long responses)."""
     rng = _rng("word-steps", seed, index)
     name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
-    value = rng.randint(5, 40)
+    value = rng.randint(2, 20)
     sentences = [f"{name} has {value} {thing}."]
-    steps = rng.randint(4, 7)
+    steps = rng.randint(2, 4)
     for _ in range(steps):
         value, said = _word_step(rng, value)
         sentences.append(f"Then {name} {said}.")
