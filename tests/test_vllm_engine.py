@@ -174,7 +174,7 @@ def test_multi_turn_extend_resubmits_the_history_through_the_prefix_cache(engine
         outs.append(_turn(eng, "mt"))
         if eng is engine:  # the history's full blocks came from vLLM's prefix cache, not a re-prefill
             computed = len(p) + len(first.tokens.response_ids) - 1
-            assert engine._cached_tokens["mt"] == computed // engine.block_size * engine.block_size > 0
+            assert engine.requests.cached_tokens["mt"] == computed // engine.block_size * engine.block_size > 0
         eng.release("mt")
         assert eng.stats().num_parked == 0
     got, want = (o.tokens for o in outs)
