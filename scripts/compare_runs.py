@@ -1,6 +1,6 @@
 """What the trainer saw in two runs (or two sets of runs, paired by seed), side by side, with intervals.
 
-    python scripts/compare_runs.py RUN_A RUN_B [--names A,B] [--json OUT.json] [--per-group OUT.jsonl] [--target ACC]
+    python scripts/compare_runs.py RUN_A RUN_B [--names A,B] [--json OUT.json] [--per-group OUT.jsonl] [--target 0.45]
     python scripts/compare_runs.py A_SEED0,A_SEED1,... B_SEED0,B_SEED1,...   # paired over seeds
     python scripts/compare_runs.py staleflow-eta1 areal-eta1 --bench runs/convergence   # every finished seed
 
