@@ -1,5 +1,7 @@
 """Config tree: every validation rule gives a one-line error naming the flag; presets and the CLI parse."""
 
+import dataclasses
+import json
 import subprocess
 import sys
 
@@ -194,3 +196,45 @@ def test_given_flags_names_the_keys_the_command_line_sets():
     )
     assert {"steps", "rollout.max_new_tokens", "log.progress", "train.loss_agg", "preset"} <= flags
     assert "4" not in flags and "h" not in flags
+
+
+def _old_run(tmp_path, mode: str, **coordinator) -> str:
+    """A run folder whose config.json was written before the peers' knobs moved to --peer (e06a2d0)."""
+    from staleflow.config import resolve
+
+    saved = dataclasses.asdict(resolve(dataclasses.replace(PRESETS["tiny"](), mode=mode)))
+    del saved["peer"]  # that version had no --peer section
+    saved["coordinator"].update(coordinator)
+    tmp_path.mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    return str(tmp_path)
+
+
+def test_resume_of_a_run_saved_before_a_key_moved_keeps_its_value_and_refuses_an_unknown_key(tmp_path):
+    """A saved key that moved is put where it went (the resumed run keeps its setting, and says so); one
+    this version does not know is refused by name, never dropped; a --config file is told the new flag."""
+    from staleflow.config.file import apply_dict
+    from staleflow.launch.resume import resumed_config
+
+    defaults = PRESETS["tiny"]()
+    given = dataclasses.replace(defaults, resume="x")
+    old = {"max_concurrent_rollouts": 3, "staleness_threshold": None, "trigger_sync_steps": 1, "strict": True}
+    cfg, notes = resumed_config(_old_run(tmp_path / "a", "areal", **old), given, defaults, frozenset())
+    assert cfg.mode == "areal" and cfg.peer.areal.max_concurrent_rollouts == 3 and cfg.peer.areal.strict
+    assert cfg.peer.verl_fully_async == type(cfg.peer.verl_fully_async)()  # its defaults: nothing else moved
+    assert notes == [
+        "resume: coordinator.max-concurrent-rollouts 3 moved to --peer.areal.max-concurrent-rollouts",
+        "resume: coordinator.strict True moved to --peer.areal.strict",
+    ]
+    s = {"staleness_threshold": 0.5, "trigger_sync_steps": 2, "max_concurrent_rollouts": 0, "strict": False}
+    cfg, _ = resumed_config(_old_run(tmp_path / "v", "verl-fully-async", **s), given, defaults, frozenset())
+    assert (cfg.peer.verl_fully_async.staleness_threshold, cfg.peer.verl_fully_async.trigger_sync_steps) == (0.5, 2)
+    # StaleFlow had no use for strict: False (its default) means nothing and goes; True is refused
+    cfg, notes = resumed_config(_old_run(tmp_path / "s", "staleflow", strict=False), given, defaults, frozenset())
+    assert cfg.mode == "staleflow" and notes == []
+    with pytest.raises(ConfigError, match=r"sets coordinator\.strict, which this version of StaleFlow does not know"):
+        resumed_config(_old_run(tmp_path / "t", "staleflow", strict=True), given, defaults, frozenset())
+    with pytest.raises(ConfigError, match=r"sets coordinator\.gone_knob, .*start a new run"):
+        resumed_config(_old_run(tmp_path / "g", "staleflow", gone_knob=7), given, defaults, frozenset())
+    with pytest.raises(ConfigError, match=r"unknown key 'coordinator\.strict' \(moved to --peer\.<mode>\.strict\)"):
+        apply_dict(defaults, {"coordinator": {"strict": True}}, "old.yaml")

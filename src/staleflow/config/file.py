@@ -19,6 +19,7 @@ import dataclasses
 import typing
 from typing import Any
 
+from staleflow.config.moved import hint as moved_hint
 from staleflow.config.sections import ConfigError
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -171,7 +172,9 @@ def apply_dict(base, d: dict, name: str, prefix: str = ""):
     for key, value in _nest(d, name).items():
         flag = f"{prefix}{key}".replace("_", "-")
         if key not in fields:
-            raise ConfigError(f"--config={name!r}: unknown key {flag!r} (run with --help for the flags)")
+            raise ConfigError(
+                f"--config={name!r}: unknown key {flag!r}{moved_hint(prefix + key)} (run with --help for the flags)"
+            )
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):

@@ -89,18 +89,22 @@ class RunConfig:
         )
 
 
-def config_from_dict(cls, d: dict):
-    """Rebuild a config dataclass (nested ones too) from its JSON form (metrics.writer.save_config)."""
+def config_from_dict(cls, d: dict, unknown: list[str] | None = None, prefix: str = ""):
+    """Rebuild a config dataclass (nested ones too) from its JSON form (metrics.writer.save_config). A key
+    the dataclass lacks is appended, dotted, to `unknown` when given (the caller refuses it), else ignored."""
     import typing
 
     hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if unknown is not None:
+        unknown += [prefix + k for k in d if k not in names]
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in d:
             continue
         v, hint = d[f.name], hints[f.name]
         if dataclasses.is_dataclass(hint):
-            v = config_from_dict(hint, v)
+            v = config_from_dict(hint, v, unknown, f"{prefix}{f.name}.")
         elif isinstance(v, list) and typing.get_origin(hint) is tuple:
             v = tuple(v)
         kwargs[f.name] = v

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from staleflow.config import ConfigError, RunConfig, config_from_dict, resolve
+from staleflow.config.moved import upgrade
 from staleflow.extensions import protect_folders
 from staleflow.launch.saved_code import check_saved_code
 from staleflow.runfolder.elastic import elastic_pointer, read_pointer, restart_count
@@ -97,22 +98,37 @@ def merge_resume_config(
     return dataclasses.replace(merged, resume=given.resume), notes
 
 
-def _saved_config(run_dir: str) -> RunConfig:
+def _saved_config(run_dir: str) -> tuple[RunConfig, list[str]]:
+    """(the run's saved config, notes on keys a later version moved: config/moved.py); ConfigError for an
+    unreadable config.json or a key this version does not know (never dropped: the run would resume
+    with another setting than it was started with)."""
     path = os.path.join(run_dir, "config.json")
     try:
-        return config_from_dict(RunConfig, json.loads(Path(path).read_text()))
+        saved = json.loads(Path(path).read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+        saved, moved = upgrade(saved, dataclasses.asdict(RunConfig()))
+        unknown: list[str] = []
+        cfg = config_from_dict(RunConfig, saved, unknown)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(
             f"--resume={run_dir!r}: cannot read its config.json ({e}); give a run folder that staleflow train created"
         ) from None
+    if unknown:
+        raise ConfigError(
+            f"--resume={run_dir!r}: its config.json sets {', '.join(unknown)}, which this version of StaleFlow "
+            f"does not know (the run was started by another version): resume it with that version, or start a new run"
+        )
+    return cfg, [f"resume: {m}" for m in moved]
 
 
 def resumed_config(run_dir: str, cfg: RunConfig, defaults: RunConfig, flags: frozenset[str]):
     """(the run's saved config with this command line's changes, notes); ConfigError when a change is
     refused or a saved extension spec would choose code (launch/saved_code.py)."""
-    merged, notes = merge_resume_config(_saved_config(run_dir), cfg, defaults, flags)
+    saved, moved = _saved_config(run_dir)
+    merged, notes = merge_resume_config(saved, cfg, defaults, flags)
     check_saved_code(merged, cfg, run_dir)  # before resolve: a fork's --mode is imported there
-    return resolve(merged), notes
+    return resolve(merged), moved + notes
 
 
 def protect_run_folders(cfg: RunConfig, run_dir: str) -> None:
