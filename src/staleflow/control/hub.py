@@ -126,6 +126,8 @@ class Hub:
         now = time.monotonic()
         for rank, since in self._lost_since.items():
             if rank not in self.left and now - since > REMOTE_LOST_S:
+                if self._goodbye_queued(rank):
+                    continue  # it left in order and closed its connection while the hub was busy elsewhere
                 raise RankDied(
                     f"{self.describe(rank)} lost its connection to the controller for {REMOTE_LOST_S:.0f} s "
                     f"(its process or its node is gone)",
