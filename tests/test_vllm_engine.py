@@ -9,6 +9,7 @@ fp64 forward, over 64-token outputs), the greedy tokens exactly.
 """
 
 import math
+import os
 import sys
 
 import pytest
@@ -189,6 +190,38 @@ def test_multi_turn_extend_resubmits_the_history_through_the_prefix_cache(engine
     (aborted,) = engine.abort(["mt2"])
     assert aborted.finish_reason == "abort" and aborted.tokens == parked.tokens
     assert engine.stats().num_parked == 0 and not engine.has_unfinished()
+
+
+NO_PREFIX_SHARING = """
+from staleflow.config import ModelConfig, RolloutConfig
+from staleflow.rollout.engine import Request, SamplingParams
+from staleflow.rollout.vllm_engine import VllmEngine
+rc = RolloutConfig(engine="vllm", prefix_sharing=False, max_running=8, max_kv_tokens=4096, max_model_len=512,
+                   prefill_chunk_tokens=256)
+eng = VllmEngine.from_config(ModelConfig(path={folder!r}), rc, multiprocess=False)
+def turn():
+    for _ in range(500):
+        for out in eng.step():
+            return out
+eng.add(Request("mt", {prompt!r}, SamplingParams(temperature=0, max_new_tokens=8), hold=True))
+turn()
+eng.extend("mt", {obs!r}, 8)
+turn()
+print("CACHED", eng.llm.vllm_config.cache_config.enable_prefix_caching, eng.requests.cached_tokens["mt"])
+eng.close()
+"""
+
+
+def test_no_prefix_sharing_turns_vllms_prefix_cache_off(smol):
+    """--rollout.no-prefix-sharing reaches vLLM: a multi-turn extend then re-prefills its whole history
+    (its own process: one in-process vLLM engine per process, and the module's is running)."""
+    import subprocess
+
+    code = NO_PREFIX_SHARING.format(folder=smol["folder"], prompt=smol["prompts"][1], obs=smol["prompts"][2][-12:])
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CACHED False 0" in proc.stdout.splitlines()[-1]
 
 
 def test_head_dim_below_32_is_refused_on_cpu():

@@ -29,7 +29,7 @@ How the interface maps onto vLLM (token-id prompts, `skip_tokenizer_init=True`, 
 - On CUDA: CUDA graphs, the plan's gpu_memory_utilization, the rank's GPU first (docs/vllm.md).
 - stats(): vLLM's scheduler stats (a stat tap); running_ids are the oldest live ids (FCFS).
 - Turns (Request.hold; the request table vllm_requests.VllmRequests): extend() resubmits prompt + history + observation
-  and vLLM's prefix cache (enabled at start) skips the history's cached blocks (docs/engine.md).
+  and vLLM's prefix cache (on unless --rollout.no-prefix-sharing) skips the history's cached blocks (docs/engine.md).
 
 vLLM is imported lazily: this module imports without it. In-process mode (env
 VLLM_ENABLE_V1_MULTIPROCESSING=0) starts in seconds but runs vLLM's distributed setup in the
@@ -96,8 +96,10 @@ class VllmEngine:
         enforce_eager: bool | None = None,
         gpu_memory_utilization: float | None = None,
         visible_devices: str | None = None,
+        prefix_caching: bool = True,
     ):
-        """enforce_eager: None = eager on CPU, CUDA graphs on CUDA. gpu_memory_utilization (CUDA):
+        """prefix_caching: vLLM's automatic prefix caching (--rollout.prefix-sharing: a group's prompt and
+        a multi-turn history are prefilled once). enforce_eager: None = eager on CPU, CUDA graphs on CUDA. gpu_memory_utilization (CUDA):
         the memory plan's share of the GPU for this engine. visible_devices: CUDA_VISIBLE_DEVICES
         while the engine starts (its own GPU first: cluster.placement.engine_visible_devices)."""
         from staleflow.model import ModelArgs, resolve_model_path
@@ -148,6 +150,7 @@ class VllmEngine:
             visible_devices=visible_devices if cuda else None,
             multiprocess=multiprocess,
             stat_sink=self._sched,
+            prefix_caching=prefix_caching,
         )
         self.multiprocess = multiprocess
         self._init_requests(seed)
@@ -181,6 +184,7 @@ class VllmEngine:
             dtype=model_cfg.dtype if rc.dtype == "auto" else rc.dtype,
             sampling_temperature=rc.temperature,
             version=version,
+            prefix_caching=rc.prefix_sharing,
             **kw,
         )
 

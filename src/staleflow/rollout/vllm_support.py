@@ -193,10 +193,12 @@ def start_llm_engine(
     visible_devices: str | None,
     multiprocess: bool,
     stat_sink: dict,
+    prefix_caching: bool = True,
 ):
     """vLLM's LLMEngine for token-id prompts (no tokenizer), chunked prefill, our KV budget and
     log-prob kind, the weight-reload worker extension, and a stat tap writing into ``stat_sink``.
-    ``visible_devices``: CUDA_VISIBLE_DEVICES while the engine starts (its own GPU first)."""
+    ``visible_devices``: CUDA_VISIBLE_DEVICES while the engine starts (its own GPU first).
+    ``prefix_caching``: vLLM's automatic prefix caching (--rollout.prefix-sharing)."""
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor import Executor
@@ -211,7 +213,7 @@ def start_llm_engine(
         max_num_seqs=int(max_running),
         max_num_batched_tokens=max(int(prefill_chunk_tokens), int(max_running)),
         enable_chunked_prefill=True,
-        enable_prefix_caching=True,  # a held request's next turn (extend) resubmits its history
+        enable_prefix_caching=prefix_caching,  # GRPO siblings share the prompt; an extend resubmits its history
         block_size=block_size,
         kv_cache_memory_bytes=kv_bytes,
         logprobs_mode=logprobs_mode,
