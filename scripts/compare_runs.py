@@ -31,7 +31,8 @@ Quantities, by unit:
          drawing order vs training order (Spearman); where the wall time went (metrics/walltime.py):
          wall seconds, trainer busy and waiting seconds, trainer ms per token, evaluation seconds,
          and from timeline.jsonl the rollout's busy share and pull seconds; bench.json's machine load
-Then time to target, explained: for every paired seed where both reached the target held-out accuracy
+First the settings the two sides differ in (config.json: the first run of each side; seeds and names
+left out), and a warning when one side's runs differ among themselves. Then time to target, explained: for every paired seed where both reached the target held-out accuracy
 (--target; default A's mean final accuracy - 0.02, bench_convergence.py's rule with A as sync), B's
 extra seconds split exactly into more tokens trained (the method), a slower trainer per token (the
 machine: cores shared with rollout ranks) and more trainer waiting (rollout throughput).
@@ -47,6 +48,7 @@ from pathlib import Path
 
 from staleflow.metrics.compare import N_BOOT, RunError, compare, load_run, pair_runs, spearman
 from staleflow.metrics.convergence import TARGET_MARGIN
+from staleflow.metrics.settings import describe, mixed_settings, settings_diff
 from staleflow.metrics.stats import t_interval
 from staleflow.metrics.walltime import explain_pairs
 
@@ -148,6 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     pairs = pair_runs(runs_a, runs_b)
     print(f"A = {names[0]}: {', '.join(r['path'] for r, _ in pairs)}")
     print(f"B = {names[1]}: {', '.join(r['path'] for _, r in pairs)}")
+    differ = settings_diff(runs_a, runs_b)
+    effect = sum(not d["default"] for d in differ)
+    print(f"settings {names[0]} -> {names[1]} (config.json, first run of each side): {effect} differ in effect")
+    print("\n".join(describe(differ)))
+    mixed = {n: mixed_settings(r) for n, r in zip(names, (runs_a, runs_b))}
+    for n, keys in mixed.items():
+        if keys:
+            print(f"  WARNING: {n}'s runs differ among themselves in {', '.join(keys[:12])}: not one arm's seeds")
     print(table(rows, names))
     finals = [r["evals"][-1]["eval_accuracy"] for r, _ in pairs if r["evals"]]
     target = args.target if args.target is not None else (sum(finals) / len(finals) - TARGET_MARGIN if finals else None)
@@ -156,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(gap_table(gaps, target, names))
     result = {"a": names[0], "b": names[1], "pairs": [[x["path"], y["path"]] for x, y in pairs], "rows": rows}
     result["time_to_target"] = {"target": target, "pairs": gaps}
+    result["settings"] = {"differ": differ, "mixed": mixed}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.per_group:

@@ -246,3 +246,62 @@ def test_compare_runs_pairs_the_seeds_both_sides_ran(cr):
         cr.pair_runs([run(0)], [run(1)])
     with pytest.raises(cr.RunError, match="as many on each side"):
         cr.pair_runs([run(None), run(None)], [run(None)])
+
+
+def test_compare_runs_names_the_settings_the_sides_differ_in(tmp_path):
+    """The settings two sides differ in are printed before the table (seeds and names left out); a key
+    only an older config has is upgraded to where it moved, one only a newer config has counts as 'at
+    today's default' when it is; a side whose own runs differ is warned about."""
+    from staleflow.metrics.settings import run_settings, settings_diff
+
+    a = write_run(tmp_path / "a", 0, stale_groups(4, 16), 10)
+    b = write_run(tmp_path / "b", 0, stale_groups(10, 10), 10)
+    cfg = json.loads((a / "config.json").read_text())  # A: saved before the peers' knobs moved (no --peer)
+    cfg["mode"], cfg["staleness"]["eta"] = "areal", 1
+    del cfg["peer"], cfg["lora"]
+    cfg["coordinator"].update(max_concurrent_rollouts=0, strict=False)
+    (a / "config.json").write_text(json.dumps(cfg))
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["mode"], cfg["staleness"]["eta"], cfg["peer"]["areal"]["max_concurrent_rollouts"] = "areal", 3, 8
+    (b / "config.json").write_text(json.dumps(cfg))
+    runs = {
+        n: [{"settings": run_settings(json.loads((p / "config.json").read_text()))}] for n, p in (("a", a), ("b", b))
+    }
+    diff = {d["key"]: d for d in settings_diff(runs["a"], runs["b"])}
+    assert {k for k, d in diff.items() if not d["default"]} == {"staleness.eta", "peer.areal.max_concurrent_rollouts"}
+    assert (diff["staleness.eta"]["a"], diff["staleness.eta"]["b"]) == ("1", "3")
+    assert diff["lora.rank"] == {"key": "lora.rank", "a": "(absent)", "b": "0", "default": True}
+    assert "seed" not in diff and not any(k.startswith("log.") for k in diff)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(a),
+            str(b),
+            "--names",
+            "A,B",
+            "--boot",
+            "50",
+            "--json",
+            str(tmp_path / "c.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "settings A -> B (config.json, first run of each side): 2 differ in effect" in res.stdout
+    assert "  staleness.eta: 1 -> 3" in res.stdout and "  peer.areal.max_concurrent_rollouts: 0 -> 8" in res.stdout
+    assert "only one side's config has, at today's default" in res.stdout
+    c, d = (write_run(tmp_path / n, 1, stale_groups(4, 16), 10) for n in "cd")
+    cfg = json.loads((c / "config.json").read_text())
+    cfg["train"]["lr"] = 0.5
+    (c / "config.json").write_text(json.dumps(cfg))
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), f"{b},{c}", f"{a},{d}", "--boot", "50"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "WARNING" in res.stdout and "differ among themselves in" in res.stdout and "train.lr" in res.stdout

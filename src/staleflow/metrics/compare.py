@@ -64,6 +64,7 @@ def spearman(x: list[float], y: list[float]) -> float:
 def load_run(path: str | Path) -> dict:
     """One run folder -> {"name", "seed", "groups": [per-group dict], "steps": [...], "run": {...}}."""
     from staleflow.metrics import records
+    from staleflow.metrics.settings import run_settings
     from staleflow.metrics.walltime import breakdown
 
     p = Path(path)
@@ -72,6 +73,7 @@ def load_run(path: str | Path) -> dict:
     try:  # typed: a crafted record is one line naming file, line and field (metrics/records.py)
         trained, metrics = records.read_trained(p / "trained.jsonl"), records.read_metrics(p / "metrics.jsonl")
         seed = records.read_seed(p)
+        settings = run_settings(records.read_config(p))
         spans = records.read_timeline(p / "timeline.jsonl") if (p / "timeline.jsonl").exists() else None
         bench = (
             records.read_object(p / "bench.json", {"load_mean": records.number(0, 1e6)}, ())
@@ -144,7 +146,16 @@ def load_run(path: str | Path) -> dict:
         "load_mean": bench.get("load_mean"),  # bench_convergence.py's machine load during the run
         **(breakdown(steps, evals, spans) if monotone else {}),  # a resumed run's clock restarts
     }
-    return {"name": p.name, "path": str(p), "seed": seed, "groups": groups, "steps": steps, "evals": evals, "run": run}
+    return {
+        "name": p.name,
+        "path": str(p),
+        "seed": seed,
+        "settings": settings,
+        "groups": groups,
+        "steps": steps,
+        "evals": evals,
+        "run": run,
+    }
 
 
 # ---- quantities ------------------------------------------------------------------------------------

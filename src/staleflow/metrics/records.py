@@ -4,6 +4,7 @@ bench_convergence.py --no-run): every field they read is checked for type and ra
     trained = read_records(run / "trained.jsonl", TRAINED)     # [dict]; RecordError (one line) otherwise
     steps = read_records(run / "metrics.jsonl", METRICS)       # step rows and evaluation rows
     seed = read_seed(run)                                      # config.json's seed, or None
+    cfg = read_config(run)                                     # config.json (a dict), or None
 
 A run folder can come from another machine or another person (an --archive, a shared folder): a
 crafted record (empty ``rewards``, a string where a number goes, NaN times, 1e30 token counts, lines
@@ -194,8 +195,8 @@ def read_timeline(path: Path) -> list[dict]:
     return out
 
 
-def read_seed(run: Path):
-    """config.json's top-level seed (an integer) or None when there is no config.json."""
+def read_config(run: Path) -> dict | None:
+    """config.json as a JSON object (its size capped by load_json), None when there is none."""
     path = run / "config.json"
     if not path.exists():
         return None
@@ -203,9 +204,17 @@ def read_seed(run: Path):
         cfg = load_json(path)
     except InputError as e:
         raise RecordError(str(e)) from None
-    seed = cfg.get("seed") if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict):
+        raise RecordError(f"{path}: not a JSON object")
+    return cfg
+
+
+def read_seed(run: Path):
+    """config.json's top-level seed (an integer) or None when there is no config.json."""
+    cfg = read_config(run)
+    seed = cfg.get("seed") if cfg is not None else None
     if seed is not None and integer(0, 1 << 63)(seed) is not None:
-        raise RecordError(f"{path}: field 'seed' = {str(seed)[:40]!r} must be an integer")
+        raise RecordError(f"{run / 'config.json'}: field 'seed' = {str(seed)[:40]!r} must be an integer")
     return seed
 
 
