@@ -147,7 +147,11 @@ def test_multinode_broadcast_reports_remote_ranks_it_cannot_reach(plane):
     c.close()
 
 
-def test_multinode_hub_declares_a_remote_rank_dead_when_its_connection_is_lost(monkeypatch):
+@pytest.fixture
+def remote_hub(monkeypatch):
+    """(hub, client of rank 2 on node 1, registered and heard from once), REMOTE_LOST_S 0.3 s."""
+    from staleflow.runfolder.scratch import remove_run_folder
+
     monkeypatch.setattr(hub_mod, "REMOTE_LOST_S", 0.3)
     roles = Roles(WORLD, 2)
     topo = Topology.from_ranks(roles, [0, 0, 1, 1], [0, 1, 0, 1], {0: "127.0.0.1", 1: "127.0.0.1"})
@@ -160,46 +164,31 @@ def test_multinode_hub_declares_a_remote_rank_dead_when_its_connection_is_lost(m
         c.send(Register(rank=2, role="rollout", pid=999999999, host="elsewhere", node=1))  # a pid of another node
         c.send(Ping(rank=2, seq=1))
         assert ctl.recv(10.0) == (2, Ping(rank=2, seq=1))  # its pid is not checked here
-        assert ctl.describe(2) == "rank 2 (rollout instance 0, node 1, pid 999999999)"
-        c.close()
-        with pytest.raises(RankDied, match=r"rank 2 \(rollout instance 0, node 1.*lost its connection"):
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                ctl.recv(0.2)
+        yield ctl, c
     finally:
         ctl.close()
         rank_ctx.close()
         secure.close()
-        from staleflow.runfolder.scratch import remove_run_folder
-
         remove_run_folder(ctl.run_id)
 
 
-def test_multinode_hub_reads_a_remote_ranks_goodbye_before_judging_its_lost_connection(monkeypatch):
+def test_multinode_hub_declares_a_remote_rank_dead_when_its_connection_is_lost(remote_hub):
+    ctl, c = remote_hub
+    assert ctl.describe(2) == "rank 2 (rollout instance 0, node 1, pid 999999999)"
+    c.close()
+    with pytest.raises(RankDied, match=r"rank 2 \(rollout instance 0, node 1.*lost its connection"):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            ctl.recv(0.2)
+
+
+def test_multinode_hub_reads_a_remote_ranks_goodbye_before_judging_its_lost_connection(remote_hub):
     """A remote rank that said Goodbye and closed while the controller was busy elsewhere for longer than
     REMOTE_LOST_S left in order: the hub reads the queued Goodbye instead of declaring the rank dead."""
-    monkeypatch.setattr(hub_mod, "REMOTE_LOST_S", 0.3)
-    roles = Roles(WORLD, 2)
-    topo = Topology.from_ranks(roles, [0, 0, 1, 1], [0, 1, 0, 1], {0: "127.0.0.1", 1: "127.0.0.1"})
-    keys = RunKeys(new_secret(), WORLD)
-    secure = SecureContext(keys, "controller")
-    ctl = Hub(run_id=uuid.uuid4().hex[:10], roles=roles, parent_pid=os.getppid(), topology=topo, secure=secure)
-    rank_ctx = SecureContext(keys, "rank 2", 2)
-    try:
-        c = ControlClient(ctl.server.tcp_endpoint, 2, secure=rank_ctx)
-        c.send(Register(rank=2, role="rollout", pid=999999999, host="elsewhere", node=1))
-        c.send(Ping(rank=2, seq=1))
-        assert ctl.recv(10.0) == (2, Ping(rank=2, seq=1))
-        c.send(Goodbye(rank=2, ok=True, reason="done"))
-        c.close()
-        time.sleep(0.5)  # the connection is gone; nothing has read the Goodbye yet
-        ctl._heartbeat()  # its lost clock starts
-        time.sleep(0.5)  # the controller busy elsewhere, past REMOTE_LOST_S
-        assert ctl.recv(1.0) is None and 2 in ctl.left
-    finally:
-        ctl.close()
-        rank_ctx.close()
-        secure.close()
-        from staleflow.runfolder.scratch import remove_run_folder
-
-        remove_run_folder(ctl.run_id)
+    ctl, c = remote_hub
+    c.send(Goodbye(rank=2, ok=True, reason="done"))
+    c.close()
+    time.sleep(0.5)  # the connection is gone; nothing has read the Goodbye yet
+    ctl._heartbeat()  # its lost clock starts
+    time.sleep(0.5)  # the controller busy elsewhere, past REMOTE_LOST_S
+    assert ctl.recv(1.0) is None and 2 in ctl.left
