@@ -99,6 +99,34 @@ def test_tail_lane_critical_slowdown_is_measured_per_step():
     assert r.critical_slowdown > 0.8 and off.critical_slowdown > 0.8 and off.lanes == 0
 
 
+def test_tail_lane_critical_measure_sees_every_trained_member_interrupted_or_not(monkeypatch):
+    """The critical response is the last-finishing of ALL the batch's members: one that looped back (interrupted,
+    migrated to or off a lane) keeps its first route and its moved KV when the loop frees its superseded
+    record (sim/backend.free). Before, freeing the older record forgot both, so the measure skipped exactly the
+    long, interrupted responses."""
+    from staleflow.sim import backend as backend_mod
+
+    seen = {"members": 0, "unseen": 0, "looped_back": 0}
+    train, loop_back = backend_mod.SimBackend.train, backend_mod.SimBackend._loop_back
+
+    def spy_train(self, version, batch):
+        for g in batch:
+            for t in g.traj_ids:
+                seen["members"] += 1
+                seen["unseen"] += self.first_route.get(t, (0.0, -1.0))[1] < 0
+        return train(self, version, batch)
+
+    def spy_loop_back(self, tr, instance):
+        seen["looped_back"] += 1
+        return loop_back(self, tr, instance)
+
+    monkeypatch.setattr(backend_mod.SimBackend, "train", spy_train)
+    monkeypatch.setattr(backend_mod.SimBackend, "_loop_back", spy_loop_back)
+    r = run(lane_config(), "staleflow", 1)
+    assert r.violations == [] and r.lanes > 0 and seen["looped_back"] > 0 and seen["members"] > 0
+    assert seen["unseen"] == 0, f"{seen['unseen']} of {seen['members']} trained members unseen by the critical measure"
+
+
 @pytest.mark.slow
 def test_tail_lane_forms_on_the_real_runtime_and_the_bound_holds(tmp_path):
     """The tiny preset with long-tailed lengths, 1 trainer + 2 rollout ranks: the shared controller opens lanes

@@ -40,9 +40,10 @@ from staleflow.sim.speculative import spec_cost
 from staleflow.trajectory import Finished, RecordHandle, Route, TrainGroup
 
 
-def sim_record(traj_id: int, instance: int, generated: int) -> RecordHandle:
-    """A simulated record's handle: no bytes anywhere; ``length`` counts its generated tokens."""
-    return RecordHandle(rank=instance, offset=traj_id, length=generated, generation=0)
+def sim_record(traj_id: int, instance: int, generated: int, generation: int = 0) -> RecordHandle:
+    """A simulated record's handle: no bytes anywhere; ``length`` counts its generated tokens, ``generation``
+    numbers the backend's records (a trajectory's newer record supersedes its older ones)."""
+    return RecordHandle(rank=instance, offset=traj_id, length=generated, generation=generation)
 
 
 class SimBackend:
@@ -61,6 +62,10 @@ class SimBackend:
     ):
         self.cfg, self.hw, self.cost, self.train_gpus, self.sync = cfg, hw, cost, train_gpus, weight_sync
         self.kv_moved: dict[int, tuple[int, int]] = {}  # traj_id -> (KV tokens, their weight version) in transit
+        self.records = 0
+        self.latest: dict[int, int] = {}
+        """traj_id -> generation of its newest record: freeing an older one (superseded by a loop-back's newer
+        record) says nothing about the trajectory; freeing the newest means it was trained or dropped."""
         self.publish_every = publish_every
         self.pull_interrupts = pull_interrupts
         """Partial rollout with re-prefill (interrupt_on_pull, not keep_kv_on_pull): nothing decodes across a pull."""
@@ -133,9 +138,7 @@ class SimBackend:
                     if tr.plan is not None:
                         self.wall.append(tr.t_done - t0)
                     self.pending.append(
-                        Finished(
-                            tr.traj_id, inst.instance, sim_record(tr.traj_id, inst.instance, tr.generated), tr.generated
-                        )
+                        Finished(tr.traj_id, inst.instance, self._record(tr, inst.instance), tr.generated)
                     )
             self.t = until
             while self.timers and self.timers[0][0] <= until:
@@ -207,9 +210,7 @@ class SimBackend:
 
     def _loop_back(self, tr: SimSequence, instance: int) -> None:
         """Report an interrupted trajectory's partial output (a loop-back)."""
-        self.pending.append(
-            Finished(tr.traj_id, instance, sim_record(tr.traj_id, instance, tr.generated), tr.generated, partial=True)
-        )
+        self.pending.append(Finished(tr.traj_id, instance, self._record(tr, instance), tr.generated, partial=True))
 
     def abort(self, cmd: Abort) -> None:
         self.insts[cmd.instance].take(cmd.traj_ids, "abort")
@@ -229,10 +230,21 @@ class SimBackend:
                 self._loop_back(tr, cmd.instance)
         inst.pull(cmd.version, self.t, dur, free_kv=self.pull_interrupts)
 
+    def _record(self, tr: SimSequence, instance: int) -> RecordHandle:
+        self.records += 1
+        self.latest[tr.traj_id] = self.records
+        return sim_record(tr.traj_id, instance, tr.generated, self.records)
+
     def free(self, handles: list) -> None:
-        """Simulated records take no memory; a dropped trajectory's KV in transit is dropped too."""
+        """Simulated records take no memory. Freeing a trajectory's newest record (it was trained or dropped)
+        forgets it: its KV in transit and its first route. An older record (the loop passes it back when a
+        loop-back's newer one replaces it) changes nothing: the trajectory lives on, its moved KV and first route
+        with it."""
         for h in handles:
-            self.kv_moved.pop(h.offset, None)  # sim_record: offset is the trajectory id
+            if self.latest.get(h.offset) != h.generation:  # sim_record: offset is the trajectory id
+                continue
+            del self.latest[h.offset]
+            self.kv_moved.pop(h.offset, None)
             self.first_route.pop(h.offset, None)
 
     def score(self, traj_id: int, handle, prompt) -> None:
