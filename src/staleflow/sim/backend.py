@@ -62,18 +62,17 @@ class SimBackend:
     ):
         self.cfg, self.hw, self.cost, self.train_gpus, self.sync = cfg, hw, cost, train_gpus, weight_sync
         self.kv_moved: dict[int, tuple[int, int]] = {}  # traj_id -> (KV tokens, their weight version) in transit
-        self.records = 0
-        self.latest: dict[int, int] = {}
-        """traj_id -> generation of its newest record: freeing an older one (superseded by a loop-back's newer
-        record) says nothing about the trajectory; freeing the newest means it was trained or dropped."""
+        self.records = 0  # records made so far: each record's generation
         self.publish_every = publish_every
         self.pull_interrupts = pull_interrupts
         """Partial rollout with re-prefill (interrupt_on_pull, not keep_kv_on_pull): nothing decodes across a pull."""
         self.plans = plans if plans is not None else {}
         """Route seed -> TurnPlan (the workload's; empty: single-turn)."""
         self.plan_of: dict = {}  # traj_id -> TurnPlan of the trajectories routed so far
-        self.first_route: dict[int, tuple[float, float]] = {}
-        """traj_id -> (its first route, its finish or -1) of each trajectory routed and not yet trained or dropped."""
+        self.first_route: dict[int, tuple[float, float, int]] = {}
+        """traj_id -> (its first route, its finish or -1, its newest record's generation) of each trajectory routed and
+        not yet trained or dropped. Freeing an older record (a loop-back's newer one replaced it) leaves the entry;
+        freeing the newest (trained or dropped) removes it."""
         self.wall: list[float] = []
         """Seconds from each finished trajectory's first route to its finish (tool waits included)."""
         """Weights reach the rollout side every this many steps (verl's trigger_parameter_sync_step T)."""
@@ -133,8 +132,8 @@ class SimBackend:
                 finished, pulled = inst.advance(until)
                 self.pending.extend(PullDone(inst.instance, v, self.pull_time) for v in pulled)
                 for tr in finished:
-                    t0 = self.first_route.get(tr.traj_id, (tr.t_done, -1.0))[0]
-                    self.first_route[tr.traj_id] = (t0, tr.t_done)
+                    t0 = self.first_route.get(tr.traj_id, (tr.t_done, -1.0, 0))[0]
+                    self.first_route[tr.traj_id] = (t0, tr.t_done, 0)
                     if tr.plan is not None:
                         self.wall.append(tr.t_done - t0)
                     self.pending.append(
@@ -170,7 +169,7 @@ class SimBackend:
         last = None
         for g in batch:
             for t, n in zip(g.traj_ids, g.n_tokens):
-                t0, t1 = self.first_route.pop(t, (0.0, -1.0))
+                t0, t1, _ = self.first_route.pop(t, (0.0, -1.0, 0))
                 if t1 >= 0 and (last is None or t1 > last[0]):
                     last = (t1, t1 - t0, g.prompt_len, n)
         if last is not None and self.plans == {}:
@@ -190,7 +189,7 @@ class SimBackend:
         plan = self.plans.get(cmd.seed) if self.plans else None
         if plan is not None:
             self.plan_of[cmd.traj_id] = plan
-        self.first_route.setdefault(cmd.traj_id, (self.t, -1.0))
+        self.first_route.setdefault(cmd.traj_id, (self.t, -1.0, 0))
         self.insts[cmd.instance].add(
             SimSequence(
                 cmd.traj_id, cmd.traj_version, cmd.prompt_len, cmd.max_new_tokens, generated, moved, version, plan
@@ -232,7 +231,8 @@ class SimBackend:
 
     def _record(self, tr: SimSequence, instance: int) -> RecordHandle:
         self.records += 1
-        self.latest[tr.traj_id] = self.records
+        t0, t1, _ = self.first_route.get(tr.traj_id, (self.t, -1.0, 0))
+        self.first_route[tr.traj_id] = (t0, t1, self.records)  # its newest record
         return sim_record(tr.traj_id, instance, tr.generated, self.records)
 
     def free(self, handles: list) -> None:
@@ -241,9 +241,8 @@ class SimBackend:
         loop-back's newer one replaces it) changes nothing: the trajectory lives on, its moved KV and first route
         with it."""
         for h in handles:
-            if self.latest.get(h.offset) != h.generation:  # sim_record: offset is the trajectory id
+            if self.first_route.get(h.offset, (0, 0, h.generation))[2] != h.generation:  # offset: the trajectory id
                 continue
-            del self.latest[h.offset]
             self.kv_moved.pop(h.offset, None)
             self.first_route.pop(h.offset, None)
 
