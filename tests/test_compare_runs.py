@@ -305,3 +305,12 @@ def test_compare_runs_names_the_settings_the_sides_differ_in(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert "WARNING" in res.stdout and "differ among themselves in" in res.stdout and "train.lr" in res.stdout
+
+
+def test_compare_runs_a_crafted_config_is_one_line(tmp_path):
+    """A config.json with more settings than the reader takes is a one-line error, not a traceback."""
+    a = write_run(tmp_path / "a", 0, stale_groups(4, 16), 10)
+    b = write_run(tmp_path / "b", 0, stale_groups(4, 16), 10)
+    (b / "config.json").write_text(json.dumps({"seed": 0, "x": {f"k{i}": i for i in range(5000)}}))
+    bad = subprocess.run([sys.executable, str(SCRIPT), str(a), str(b)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "more than 4096 settings" in bad.stderr and len(bad.stderr.splitlines()) == 1

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 
+from staleflow.modes.base import field_name
+
 PEER = "{peer}"  # the saved --mode's own --peer section (modes/base.field_name)
 
 MOVED: dict[str, str] = {
@@ -39,7 +41,7 @@ def target(old: str, mode: str) -> str | None:
     new = MOVED.get(old)
     if new is None:
         return None
-    return new.replace(PEER, mode.replace("-", "_")) if PEER in new else new
+    return new.replace(PEER, field_name(mode)) if PEER in new else new
 
 
 def hint(old: str) -> str:

@@ -72,8 +72,8 @@ def load_run(path: str | Path) -> dict:
         raise RunError(f"{p}: no trained.jsonl / metrics.jsonl: pass a run folder (--log.run-dir/--log.name)")
     try:  # typed: a crafted record is one line naming file, line and field (metrics/records.py)
         trained, metrics = records.read_trained(p / "trained.jsonl"), records.read_metrics(p / "metrics.jsonl")
-        seed = records.read_seed(p)
-        settings = run_settings(records.read_config(p))
+        cfg = records.read_config(p)
+        seed = records.read_seed(p, cfg)
         spans = records.read_timeline(p / "timeline.jsonl") if (p / "timeline.jsonl").exists() else None
         bench = (
             records.read_object(p / "bench.json", {"load_mean": records.number(0, 1e6)}, ())
@@ -82,6 +82,10 @@ def load_run(path: str | Path) -> dict:
         )
     except records.RecordError as e:
         raise RunError(str(e)) from None
+    try:
+        settings = run_settings(cfg)
+    except (ValueError, RecursionError) as e:  # too many settings, or nested too deep to flatten
+        raise RunError(f"{p / 'config.json'}: {e}") from None
     steps = sorted((r for r in metrics if "eval_n" not in r), key=lambda r: r["step"])
     evals = sorted((r for r in metrics if "eval_n" in r), key=lambda r: r["step"])
     if not trained or not steps:

@@ -209,9 +209,10 @@ def read_config(run: Path) -> dict | None:
     return cfg
 
 
-def read_seed(run: Path):
-    """config.json's top-level seed (an integer) or None when there is no config.json."""
-    cfg = read_config(run)
+def read_seed(run: Path, cfg: dict | None = None):
+    """config.json's top-level seed (an integer) or None when there is no config.json; ``cfg``: the
+    config.json already read (read_config), so that it is read once."""
+    cfg = read_config(run) if cfg is None else cfg
     seed = cfg.get("seed") if cfg is not None else None
     if seed is not None and integer(0, 1 << 63)(seed) is not None:
         raise RecordError(f"{run / 'config.json'}: field 'seed' = {str(seed)[:40]!r} must be an integer")

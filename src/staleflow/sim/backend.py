@@ -132,8 +132,8 @@ class SimBackend:
                 finished, pulled = inst.advance(until)
                 self.pending.extend(PullDone(inst.instance, v, self.pull_time) for v in pulled)
                 for tr in finished:
-                    t0 = self.first_route.get(tr.traj_id, (tr.t_done, -1.0, 0))[0]
-                    self.first_route[tr.traj_id] = (t0, tr.t_done, 0)
+                    t0, _, newest = self.first_route.get(tr.traj_id, (tr.t_done, -1.0, 0))
+                    self.first_route[tr.traj_id] = (t0, tr.t_done, newest)
                     if tr.plan is not None:
                         self.wall.append(tr.t_done - t0)
                     self.pending.append(
