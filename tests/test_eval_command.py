@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from staleflow.metrics.stats import bootstrap_mean, pass_at_k, t_interval, wilson
+from staleflow.metrics.stats import bootstrap_mean, pass_at_k, spearman, t_interval, wilson
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -75,6 +75,16 @@ def test_ci95_t_interval_and_pass_at_k():
     for n, c, k in ((5, 0, 1), (5, 1, 1), (5, 2, 3), (8, 3, 8), (6, 6, 2)):
         subsets = list(itertools.combinations([True] * c + [False] * (n - c), k))
         assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+
+
+def test_spearman_known_values_and_ties():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # no ties: 1 - 6 sum d^2 / (n (n^2 - 1)); ranks (1,2,3,4,5) vs (2,1,4,3,5): sum d^2 = 4
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(1 - 6 * 4 / (5 * 24))
+    # ties take their average rank: y ranks (1.5, 1.5, 3.5, 3.5) against x ranks (1, 2, 3, 4)
+    assert spearman([0, 1, 2, 3], [7, 7, 9, 9]) == pytest.approx(4 / math.sqrt(5 * 4))
+    assert math.isnan(spearman([1], [1])) and math.isnan(spearman([1, 2, 3], [5, 5, 5]))
 
 
 # ---- the evaluation with a scripted engine (known accuracy) -------------------------------------

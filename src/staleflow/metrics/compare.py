@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from staleflow.metrics.stats import t_interval
+from staleflow.metrics.stats import spearman, t_interval
 from staleflow.metrics.writer import read_jsonl
 
 N_BOOT = 2000
@@ -38,27 +38,6 @@ class RunError(ValueError):
 
 def _rows(path: Path) -> list[dict]:
     return [r for r in read_jsonl(str(path)) if not r.get("superseded")]
-
-
-def _ranks(x: list[float]) -> np.ndarray:
-    """Ranks 1..n, ties given their average rank (Spearman's convention)."""
-    a = np.asarray(x, dtype=float)
-    order = np.argsort(a, kind="stable")
-    ranks = np.empty(len(a))
-    ranks[order] = np.arange(1, len(a) + 1)
-    for v in np.unique(a):
-        tie = a == v
-        ranks[tie] = ranks[tie].mean()
-    return ranks
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    if len(x) < 2:
-        return float("nan")
-    rx, ry = _ranks(x), _ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
 
 
 def load_run(path: str | Path) -> dict:

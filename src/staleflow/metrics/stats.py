@@ -4,6 +4,7 @@ job's held-out evaluation and ``scripts/bench_convergence.py`` all use.
     lo, hi = wilson(correct=53, n=128)          # a proportion: greedy accuracy, one answer per prompt
     lo, hi = bootstrap_mean(per_prompt_means)   # a mean of per-prompt scores (sampled accuracy, K per prompt)
     lo, hi = t_interval(per_seed_differences)   # a mean of a few independent values (paired seeds)
+    spearman(drawn_order, trained_order)        # rank correlation, ties at their average rank
     pass_at_k(n=8, c=3, k=8)                    # 1.0: at least one of 8 samples was right
 
 Which interval where, and why:
@@ -206,3 +207,31 @@ def chi2_two_sample(a: Sequence, b: Sequence, min_expected: float = 5.0) -> dict
             stat += (obs - exp) ** 2 / exp
     df = len(cols) - 1
     return {"statistic": stat, "df": df, "p": float(chi2.sf(stat, df)), "cells": len(cols)}
+
+
+def _ranks(x: Sequence[float]) -> list[float]:
+    """Ranks 1..n, ties given their average rank (Spearman's convention)."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    ranks = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation (Pearson's over average ranks); nan under two points or a constant side."""
+    if len(x) < 2:
+        return float("nan")
+    rx, ry = _ranks(x), _ranks(y)
+    mx, my = fmean(rx), fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        return float("nan")
+    return sxy / math.sqrt(sxx * syy)
