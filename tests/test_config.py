@@ -20,6 +20,7 @@ from staleflow.config import (
     StalenessConfig,
     TrainConfig,
 )
+from staleflow.config.job import FaultConfig
 from staleflow.config.parse import parse, split_preset
 from staleflow.presets import PRESETS
 
@@ -67,6 +68,8 @@ BAD = [
     (DataConfig, {"max_prompt_tokens": 0}, "data.max-prompt-tokens"),
     (CheckpointConfig, {"every": -1}, "checkpoint.every"),
     (CheckpointConfig, {"keep": 0}, "checkpoint.keep"),
+    (FaultConfig, {"remote_lost_s": 0.0}, "fault.remote-lost-s"),
+    (FaultConfig, {"remote_lost_s": 1e9}, "fault.remote-lost-s"),
     (RunConfig, {"steps": 0}, "--steps"),
 ]
 

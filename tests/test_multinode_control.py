@@ -15,7 +15,6 @@ import zmq
 
 from staleflow.cluster.roles import Roles
 from staleflow.cluster.topology import Topology
-from staleflow.control import hub as hub_mod
 from staleflow.control.hub import Hub, RankDied
 from staleflow.control.messages import Goodbye, Heartbeat, Ping, Register, encode
 from staleflow.control.sockets import ControlClient, ControlServer
@@ -148,16 +147,22 @@ def test_multinode_broadcast_reports_remote_ranks_it_cannot_reach(plane):
 
 
 @pytest.fixture
-def remote_hub(monkeypatch):
-    """(hub, client of rank 2 on node 1, registered and heard from once), REMOTE_LOST_S 0.3 s."""
+def remote_hub():
+    """(hub, client of rank 2 on node 1, registered and heard from once), remote_lost_s 0.3 s."""
     from staleflow.runfolder.scratch import remove_run_folder
 
-    monkeypatch.setattr(hub_mod, "REMOTE_LOST_S", 0.3)
     roles = Roles(WORLD, 2)
     topo = Topology.from_ranks(roles, [0, 0, 1, 1], [0, 1, 0, 1], {0: "127.0.0.1", 1: "127.0.0.1"})
     keys = RunKeys(new_secret(), WORLD)
     secure = SecureContext(keys, "controller")
-    ctl = Hub(run_id=uuid.uuid4().hex[:10], roles=roles, parent_pid=os.getppid(), topology=topo, secure=secure)
+    ctl = Hub(
+        run_id=uuid.uuid4().hex[:10],
+        roles=roles,
+        parent_pid=os.getppid(),
+        topology=topo,
+        secure=secure,
+        remote_lost_s=0.3,
+    )
     rank_ctx = SecureContext(keys, "rank 2", 2)
     try:
         c = ControlClient(ctl.server.tcp_endpoint, 2, secure=rank_ctx)
@@ -176,7 +181,9 @@ def test_multinode_hub_declares_a_remote_rank_dead_when_its_connection_is_lost(r
     ctl, c = remote_hub
     assert ctl.describe(2) == "rank 2 (rollout instance 0, node 1, pid 999999999)"
     c.close()
-    with pytest.raises(RankDied, match=r"rank 2 \(rollout instance 0, node 1.*lost its connection"):
+    with pytest.raises(
+        RankDied, match=r"rank 2 \(rollout instance 0, node 1.*lost its connection.* for 0\.3 s.*--fault\.remote-lost-s"
+    ):
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             ctl.recv(0.2)
@@ -184,11 +191,11 @@ def test_multinode_hub_declares_a_remote_rank_dead_when_its_connection_is_lost(r
 
 def test_multinode_hub_reads_a_remote_ranks_goodbye_before_judging_its_lost_connection(remote_hub):
     """A remote rank that said Goodbye and closed while the controller was busy elsewhere for longer than
-    REMOTE_LOST_S left in order: the hub reads the queued Goodbye instead of declaring the rank dead."""
+    remote_lost_s left in order: the hub reads the queued Goodbye instead of declaring the rank dead."""
     ctl, c = remote_hub
     c.send(Goodbye(rank=2, ok=True, reason="done"))
     c.close()
     time.sleep(0.5)  # the connection is gone; nothing has read the Goodbye yet
     ctl._heartbeat()  # its lost clock starts
-    time.sleep(0.5)  # the controller busy elsewhere, past REMOTE_LOST_S
+    time.sleep(0.5)  # the controller busy elsewhere, past remote_lost_s
     assert ctl.recv(1.0) is None and 2 in ctl.left

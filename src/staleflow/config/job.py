@@ -170,10 +170,14 @@ class FaultConfig:
     """The stall limit in seconds; 0: sized from the run, max(stall-floor-s, 4 x its longest step)."""
     stall_floor_s: float = 300.0
     """The smallest automatic stall limit (model loads, a first step on a busy machine)."""
+    remote_lost_s: float = 3.0
+    """A rank on another node whose connection to the controller stays down this long is dead (its process or
+    its node is gone): raise it on a network that drops connections for longer and recovers."""
 
     def __post_init__(self):
         _check(self.stall_s >= 0, "fault.stall-s", self.stall_s, "must be >= 0 (0: automatic)")
         _check(self.stall_floor_s > 0, "fault.stall-floor-s", self.stall_floor_s, "must be > 0")
+        _check(0.1 <= self.remote_lost_s <= 3600, "fault.remote-lost-s", self.remote_lost_s, "must be in [0.1, 3600] s")
 
     def limit(self, longest_step_s: float) -> float:
         """The stall limit now, given the longest training step so far (0 before the first)."""

@@ -7,7 +7,7 @@
 
 It watches every rank on its node by pid and its parent (rank 0); a rank on another node (a
 multi-node run, ``topology``) by its TCP connection: one that stays unreachable for
-REMOTE_LOST_S (the process or its node is gone) counts as dead. A dead rank stops the run with
+``remote_lost_s`` (--fault.remote-lost-s: the process or its node is gone) counts as dead. A dead rank stops the run with
 a message naming it. Jobs (the smoke check, the training loop) talk to the ranks only through it.
 """
 
@@ -31,6 +31,7 @@ from staleflow.faults import BadInput, RankLost
 from staleflow.runfolder.scratch import pid_alive
 
 REMOTE_LOST_S = 3.0
+"""The default of ``Hub.remote_lost_s`` (FaultConfig.remote_lost_s, --fault.remote-lost-s)."""
 
 
 class RankDied(RankLost):
@@ -66,6 +67,8 @@ class Hub:
     """Where the ranks are (None: all on this node)."""
     secure: object = None
     """The controller's SecureContext (net/curve.py) when ranks on other nodes connect over TCP."""
+    remote_lost_s: float = REMOTE_LOST_S
+    """A rank on another node whose connection stays down this long is dead (--fault.remote-lost-s)."""
     stall_s: float = math.inf
     """A registered rank that sends nothing, or stays busy without progress, this long is stuck
     (its pulse thread, workers/pulse.py, reports every second); the job sizes it (--fault.*)."""
@@ -125,22 +128,22 @@ class Hub:
                 raise RankDied(f"{self.describe(rank)} died unexpectedly", rank=rank)
         now = time.monotonic()
         for rank, since in self._lost_since.items():
-            if rank not in self.left and now - since > REMOTE_LOST_S:
+            if rank not in self.left and now - since > self.remote_lost_s:
                 if self._goodbye_queued(rank):
                     continue  # it left in order and closed its connection while the hub was busy elsewhere
                 raise RankDied(
-                    f"{self.describe(rank)} lost its connection to the controller for {REMOTE_LOST_S:.0f} s "
-                    f"(its process or its node is gone)",
+                    f"{self.describe(rank)} lost its connection to the controller for {self.remote_lost_s:.1f} s "
+                    f"(its process or its node is gone; --fault.remote-lost-s sets the limit)",
                     rank=rank,
                 )
 
     def _find_lost_sibling(self) -> None:
         """A rank of another node that left on a signal was most likely stopped by its torchrun
-        agent because a rank beside it died: keep heart-beating for up to REMOTE_LOST_S and a bit,
+        agent because a rank beside it died: keep heart-beating for up to remote_lost_s and a bit,
         so that _raise_if_dead names the rank whose connection is lost (the cause). Messages that
         arrive meanwhile are kept for recv (a StepDone dropped here would stall the emergency save)."""
         start = time.monotonic()
-        while time.monotonic() < start + REMOTE_LOST_S + 1.5:
+        while time.monotonic() < start + self.remote_lost_s + 1.5:
             got = self.server.recv(0.1)
             if got is not None:
                 if isinstance(got[1], Goodbye):

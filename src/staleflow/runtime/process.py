@@ -80,7 +80,15 @@ def controller_main(
         secure = SecureContext(RunKeys(secret, world_size), "controller")
     ctl = None
     try:
-        ctl = Hub(run_id=run_id, roles=roles, parent_pid=parent_pid, run_dir=run_dir, topology=topology, secure=secure)
+        ctl = Hub(
+            run_id=run_id,
+            roles=roles,
+            parent_pid=parent_pid,
+            run_dir=run_dir,
+            topology=topology,
+            secure=secure,
+            remote_lost_s=cfg.fault.remote_lost_s,
+        )
     finally:
         if endpoint_pipe is not None:  # an empty endpoint tells rank 0 that binding failed
             endpoint_pipe.send_bytes((ctl.server.tcp_endpoint if ctl is not None else "").encode())
