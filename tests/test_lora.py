@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -235,24 +234,10 @@ def _worker():
 
 @pytest.mark.slow
 def test_lora_two_step_run_checkpoints_adapters_resumes_and_exports(tmp_path):
-    from test_launch import TORCHRUN, _kill_group
+    from run_helpers import metrics_rows, train_tiny
 
     def run(*extra):
-        here = os.path.dirname(os.path.abspath(__file__))  # e2e_rewards: a reward that varies (a learning signal)
-        path = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
-        env = dict(os.environ, STALEFLOW_TEST_TAG=uuid.uuid4().hex, PYTHONPATH=path)
-        cmd = [*TORCHRUN, "-m", "staleflow", "train", "--preset", "tiny", "--log.run-dir", str(tmp_path)]
-        cmd += ["--reward.fn", "e2e_rewards:text_length"]
-        cmd += ["--log.name", "lora", "--log.no-progress", *extra]
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-        )
-        try:
-            out, _ = proc.communicate(timeout=600)
-        finally:
-            _kill_group(proc)
-        assert proc.returncode == 0, out[-4000:]
-        return out
+        return train_tiny(tmp_path, "lora", "--log.no-progress", *extra)
 
     out = run("--steps", "2", "--lora.rank", "8", "--checkpoint.every", "1")
     sizes = [line for line in out.splitlines() if "LoRA adapters and their optimizer state" in line]
@@ -261,7 +246,7 @@ def test_lora_two_step_run_checkpoints_adapters_resumes_and_exports(tmp_path):
     ckpt = folder / "checkpoints" / "step_00000002"
     assert sum(f.stat().st_size for f in ckpt.iterdir()) < 1 << 20  # adapters of a 3.3M-parameter model
     out = run("--resume", str(folder), "--steps", "3")
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = metrics_rows(folder)
     assert [r["step"] for r in rows if not r.get("superseded")][-1] == 2 and all(
         r["bound_violations"] == 0 for r in rows
     )

@@ -8,11 +8,9 @@ The two-rank test launches this file itself under `torchrun --nproc_per_node=2` 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -131,41 +129,12 @@ def _worker():
 
 
 def test_moe_two_step_run_trains_and_exports_for_transformers(tmp_path):
-    from test_launch import TORCHRUN, _kill_group
+    from run_helpers import metrics_rows, train_tiny
 
-    tag = uuid.uuid4().hex
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, STALEFLOW_TEST_TAG=tag, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    cmd = [
-        *TORCHRUN,
-        "-m",
-        "staleflow",
-        "train",
-        "--preset",
-        "tiny",
-        "--model.path",
-        "tiny-qwen3-moe",
-        "--steps",
-        "2",
-        "--train.router-aux-coef",
-        "0.01",
-        "--reward.fn",
-        "e2e_rewards:text_length",
-        "--log.run-dir",
-        str(tmp_path),
-        "--log.name",
-        "moe",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == 0, out[-4000:]
+    flags = ("--model.path", "tiny-qwen3-moe", "--steps", "2", "--train.router-aux-coef", "0.01")
+    train_tiny(tmp_path, "moe", *flags)
     run = tmp_path / "moe"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert (

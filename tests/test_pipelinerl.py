@@ -185,55 +185,13 @@ def test_pipelinerl_reserve_runs_on_the_real_runtime_with_in_flight_updates_and_
     """The registered mode on the real runtime (torchrun: 1 trainer + 2 rollout ranks + controller, tiny preset):
     every weight update pulls with nothing interrupted (the in-flight update keeps the KV), every trained group is
     within eta (NeMo-RL's per-trajectory rule), nothing is trained twice."""
-    import json
-    import os
-    import subprocess
-    import uuid
-
+    from run_helpers import QUIET, metrics_rows, train_tiny
     from test_e2e import _check_audit
-    from test_launch import TORCHRUN, _kill_group
 
-    eta, here = 1, str(Path(__file__).parent)
-    env = dict(
-        os.environ,
-        STALEFLOW_TEST_TAG=uuid.uuid4().hex,
-        PYTHONPATH=os.pathsep.join((here, os.environ.get("PYTHONPATH", ""))),
-    )
-    cmd = [
-        *TORCHRUN,
-        "-m",
-        "staleflow",
-        "train",
-        "--preset",
-        "tiny",
-        "--mode",
-        "pipelinerl-reserve",
-        "--log.run-dir",
-        str(tmp_path),
-        "--log.name",
-        "run",
-        "--reward.fn",
-        "e2e_rewards:text_length",
-        "--steps",
-        "4",
-        "--staleness.eta",
-        str(eta),
-        "--rollout.max-new-tokens",
-        "48",
-        "--log.no-progress",
-        "--log.no-plot",
-        "--log.no-tensorboard",
-        "--checkpoint.no-export-hf",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    eta = 1
+    flags = ("--mode", "pipelinerl-reserve", "--steps", "4", "--staleness.eta", str(eta))
+    train_tiny(tmp_path, "run", *flags, "--rollout.max-new-tokens", "48", *QUIET)
+    rows = metrics_rows(tmp_path / "run")
     assert len(rows) == 4 and rows[-1]["pulls"] > 0  # the weights reached the instances ...
     assert all(r["interrupts"] == 0 for r in rows)  # ... with nothing interrupted: the in-flight update kept the KV
     assert all(r["bound_violations"] == 0 and r["staleness_max"] <= eta for r in rows)

@@ -5,11 +5,7 @@ closes when its critical work is done, and the staleness bound holds: in the sim
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -131,51 +127,15 @@ def test_tail_lane_critical_measure_sees_every_trained_member_interrupted_or_not
 def test_tail_lane_forms_on_the_real_runtime_and_the_bound_holds(tmp_path):
     """The tiny preset with long-tailed lengths, 1 trainer + 2 rollout ranks: the shared controller opens lanes
     (the rank executes the given-back Interrupts), every trained group is within eta, nothing is trained twice."""
+    from run_helpers import QUIET, metrics_rows, train_tiny
     from test_e2e import _check_audit
-    from test_launch import TORCHRUN, _kill_group
 
     eta = 1
-    env = dict(
-        os.environ,
-        STALEFLOW_TEST_TAG=uuid.uuid4().hex,
-        PYTHONPATH=os.pathsep.join((str(HERE), os.environ.get("PYTHONPATH", ""))),
+    flags = ("--steps", "4", "--staleness.eta", str(eta), "--coordinator.tail-lanes")
+    train_tiny(
+        tmp_path, "run", *flags, "--rollout.length-dist", "lognormal:16:1.0", "--rollout.max-new-tokens", "96", *QUIET
     )
-    cmd = [
-        *TORCHRUN,
-        "-m",
-        "staleflow",
-        "train",
-        "--preset",
-        "tiny",
-        "--log.run-dir",
-        str(tmp_path),
-        "--log.name",
-        "run",
-        "--reward.fn",
-        "e2e_rewards:text_length",
-        "--steps",
-        "4",
-        "--staleness.eta",
-        str(eta),
-        "--coordinator.tail-lanes",
-        "--rollout.length-dist",
-        "lognormal:16:1.0",
-        "--rollout.max-new-tokens",
-        "96",
-        "--log.no-progress",
-        "--log.no-plot",
-        "--log.no-tensorboard",
-        "--checkpoint.no-export-hf",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    rows = metrics_rows(tmp_path / "run")
     assert rows[-1]["lanes_opened"] > 0 and rows[-1]["migrations"] > 0  # a lane formed, its other work given back
     assert all(r["bound_violations"] == 0 and r["staleness_max"] <= eta for r in rows)
     _check_audit(str(tmp_path / "run"), eta)
