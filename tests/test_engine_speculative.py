@@ -125,6 +125,22 @@ def one_thread():
 # ---- exactness --------------------------------------------------------------------------------
 
 
+def test_speculative_steps_that_feed_drafts_are_not_cost_samples():
+    """The decode cost model (CostSample) is of steps that feed one token a sequence: a verification step feeds
+    1 + its draft rows per sequence, so profiling leaves it out (it would read as a slow one-token step)."""
+    counts = {}
+    for name, spec in (("plain", None), ("spec", SPEC)):
+        eng = make_engine(spec, std=2.0, profile=True)
+        if spec is not None:
+            force_greedy_drafts(eng, 2.0)
+        run_staggered(eng, group_requests(lambda j: greedy(24)))
+        counts[name] = (len(eng.profile_samples), eng.steps)
+        if spec is not None:
+            assert eng.speculator.stats.drafted > 0
+    assert counts["plain"][0] == counts["plain"][1]
+    assert 0 < counts["spec"][0] < counts["spec"][1]
+
+
 @pytest.mark.parametrize("backend", ["mirror", "gather"])
 def test_speculative_greedy_equals_plain_decoding(backend):
     kw = dict(decode_backend=backend, max_kv_tokens=96, max_running=6)  # 24 blocks: preemptions happen

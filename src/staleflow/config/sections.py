@@ -80,7 +80,8 @@ class RolloutConfig:
     """Benchmark workload: 'lognormal:MEDIAN:SIGMA' draws each trajectory's length (capped at
     max-new-tokens, eos ignored): reasoning-RL length skew with any model. Empty: the model decides."""
     profile: bool = False
-    """Record (n_running, kv_tokens, step latency) per engine step, for scripts/fit_cost_model.py."""
+    """Record (n_running, kv_tokens, step latency) per engine step, for scripts/fit_cost_model.py (steps that
+    verify speculative drafts are left out: the cost model is of one token a sequence)."""
     decode_backend: Literal["auto", "mirror", "gather", "triton", "flash"] = "auto"
     """Built-in engine decode attention (rollout/decode_backend.py; auto: flash-attn's block-table
     kernel on CUDA when it applies, else the Triton paged kernel; the dense decode mirror on CPU)."""

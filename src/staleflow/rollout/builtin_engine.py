@@ -248,8 +248,10 @@ class BuiltinEngine:
         if not len(batch):
             return []
         spec = self.speculator
+        drafts = 0
         if spec is not None:
             spec.plan(batch)
+            drafts = sum(len(s.draft) for s in batch.seqs[: batch.num_decode])
         logits, rows = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
@@ -280,7 +282,7 @@ class BuiltinEngine:
         self.last_step_latency_s = time.perf_counter() - t0
         rate = emitted / max(self.last_step_latency_s, 1e-9)
         self.throughput_tok_s = rate if self.steps == 1 else 0.8 * self.throughput_tok_s + 0.2 * rate
-        if self.profile:
+        if self.profile and not drafts:  # the decode cost model is of one token a sequence: a draft row is not one
             self.profile_samples.append(
                 CostSample(
                     n_running=len(batch),
