@@ -106,7 +106,7 @@ def _run_controller(monkeypatch, error: BaseException, signum: int = signal.SIGI
             signal.getsignal(signum)(signum, None)
         raise error
 
-    cfg = SimpleNamespace(rollout=SimpleNamespace(ranks=1), smoke=False)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(ranks=1), fault=SimpleNamespace(remote_lost_s=3.0), smoke=False)
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit) as out:
