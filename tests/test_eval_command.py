@@ -85,6 +85,9 @@ def test_spearman_known_values_and_ties():
     # ties take their average rank: y ranks (1.5, 1.5, 3.5, 3.5) against x ranks (1, 2, 3, 4)
     assert spearman([0, 1, 2, 3], [7, 7, 9, 9]) == pytest.approx(4 / math.sqrt(5 * 4))
     assert math.isnan(spearman([1], [1])) and math.isnan(spearman([1, 2, 3], [5, 5, 5]))
+    assert math.isnan(spearman([1, float("nan"), 3], [1, 2, 3]))
+    with pytest.raises(ValueError, match="3 values against 2"):
+        spearman([1, 2, 3], [1, 2])
 
 
 # ---- the evaluation with a scripted engine (known accuracy) -------------------------------------

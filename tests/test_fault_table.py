@@ -81,7 +81,8 @@ def test_each_fault_gets_its_kind_and_action(case):
 class _FakeHub:
     """What controller_main touches of the hub, recorded (no sockets, no ranks)."""
 
-    def __init__(self, **_):
+    def __init__(self, **kw):
+        self.kw = kw
         self.server = SimpleNamespace(tcp_endpoint="")
         self.stop_requested, self.stop_at, self.shutdowns, self.closed = "", 0.0, [], False
 
@@ -106,7 +107,7 @@ def _run_controller(monkeypatch, error: BaseException, signum: int = signal.SIGI
             signal.getsignal(signum)(signum, None)
         raise error
 
-    cfg = SimpleNamespace(rollout=SimpleNamespace(ranks=1), fault=SimpleNamespace(remote_lost_s=3.0), smoke=False)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(ranks=1), fault=SimpleNamespace(remote_lost_s=7.0), smoke=False)
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit) as out:
@@ -115,7 +116,7 @@ def _run_controller(monkeypatch, error: BaseException, signum: int = signal.SIGI
         for s, h in saved.items():
             signal.signal(s, h)
     (hub,) = hubs
-    assert hub.closed
+    assert hub.closed and hub.kw["remote_lost_s"] == 7.0  # --fault.remote-lost-s reaches the hub
     return out.value.code, hub.shutdowns, marks
 
 

