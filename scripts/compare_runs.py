@@ -46,13 +46,13 @@ import json
 import sys
 from pathlib import Path
 
-from staleflow.metrics.compare import N_BOOT, RunError, compare, load_run, pair_runs, spearman
+from staleflow.metrics.compare import N_BOOT, RunError, compare, load_run, pair_runs
 from staleflow.metrics.convergence import TARGET_MARGIN
 from staleflow.metrics.settings import describe, mixed_settings, settings_diff
-from staleflow.metrics.stats import t_interval
+from staleflow.metrics.stats import spearman, t_interval
 from staleflow.metrics.walltime import explain_pairs
 
-__all__ = ["compare", "load_run", "spearman"]  # the analysis (staleflow.metrics.compare), for tests and notebooks
+__all__ = ["compare", "load_run", "spearman"]  # the analysis (metrics.compare, .stats), for tests and notebooks
 
 
 def _fmt(v: float | None) -> str:
