@@ -48,6 +48,7 @@ class Hostile:
             lambda: ctx.instances.pop(inst.instance),
             lambda: setattr(ctx.record(traj.traj_id), "moved_off", 3),
             lambda: ctx.records().clear(),
+            lambda: ctx.group_versions().clear(),
             lambda: setattr(ctx, "cfg", None),
         ]
         for held in inst.trajs.values():

@@ -41,13 +41,11 @@ def critical(ctx) -> dict[int, int]:
     """traj_id -> tokens so far (prompt + generated) of the live trajectories that hold back the next buffer:
     members of the groups whose window ends there (V_traj + eta <= buffer_version)."""
     deadline = ctx.buffer_version - ctx.eta
-    trajs, version_of = ctx.trajs, ctx.group_version
-    out = {}
-    for t, rec in ctx.records().items():
-        V = version_of(rec.group_id)
-        if V is not None and V <= deadline:
-            out[t] = trajs[t].tokens
-    return out
+    due = {g for g, V in ctx.group_versions().items() if V <= deadline}
+    if not due:
+        return {}
+    trajs = ctx.trajs
+    return {t: trajs[t].tokens for t, rec in ctx.records().items() if rec.group_id in due}
 
 
 class TailLanes:

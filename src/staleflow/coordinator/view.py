@@ -12,7 +12,8 @@ function, whatever a fork's strategy does.
     view.instances[i].target_version, .load, .trajs, ...         # InstanceState, read-only
     view.record(traj_id).state, .instance, .migrated_at, ...     # SchedRecord, read-only (None: not live)
     view.trajs[traj_id].tokens                                    # the ledger's facts (TrajFacts)
-    view.routable_at(v), view.in_flight, view.interrupting, view.group_version(gid), view.can_admit(V, gid)
+    view.routable_at(v), view.in_flight, view.interrupting, view.group_version(gid), view.group_versions(),
+    view.can_admit(V, gid)
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class CoordinatorView:
     def group_version(self, group_id: int) -> int | None:
         """The group's V_traj once its first member was routed (None: not yet)."""
         return self._c.group_tag.get(group_id)
+
+    def group_versions(self) -> Mapping:
+        """group_id -> V_traj of every live group routed so far (read-only; a planner's loop over many groups)."""
+        return MappingProxyType(self._c.group_tag)
 
     def group_live(self, group_id: int) -> bool:
         """The group was routed and is not occupied or aborted yet."""
