@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from staleflow.metrics.records import RecordError, read_timeline
-from staleflow.metrics.walltime import breakdown, explain_gap
+from staleflow.metrics.walltime import breakdown, explain_gap, step_gap_cv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +60,29 @@ def test_walltime_breakdown_trainer_exact_rollout_union_of_spans():
     assert b["trainer_ms_per_token"] == pytest.approx(1000 * 14.0 / 200) and b["eval_s"] == pytest.approx(9.0)
     assert b["rollout_busy_share"] == pytest.approx((12.0 + 10.0) / (2 * 20.0)) and b["pull_s"] == pytest.approx(0.75)
     assert "rollout_busy_share" not in breakdown(steps, [], None) and breakdown([], [], None) == {}
+
+
+def test_walltime_step_rhythm_sees_bursts_and_leaves_out_start_up_and_evaluations():
+    clock = steps_of(12, 3.0, 50, 1.5)  # a step every 5 s
+    assert step_gap_cv(clock) == pytest.approx(0.0)
+    late = [dict(r, time=r["time"] + (100.0 if r["step"] < 2 else 0.0)) for r in clock]
+    late[0]["time"], late[1]["time"] = 1.0, 2.0  # start-up: steps 0-1 left out
+    assert step_gap_cv(late) == pytest.approx(0.0)
+    # bursts of 3 buffers: gaps 12, 1.5, 1.5 repeating -> sd / mean well above 0 (a clock reads 0)
+    t, burst = 0.0, []
+    for k in range(12):
+        t += 12.0 if k % 3 == 0 else 1.5
+        burst.append({"step": k, "time": t})
+    cv = step_gap_cv(burst)
+    assert cv is not None and cv > 0.9
+    # an evaluation overlapping one gap leaves that gap out: a clock with one slowed gap reads as a clock again
+    slowed = [dict(r, time=r["time"] + (20.0 if r["step"] >= 6 else 0.0)) for r in clock]
+    assert step_gap_cv(slowed) > 0.5
+    gap_at = (slowed[5]["time"], slowed[6]["time"])
+    assert step_gap_cv(slowed, [{"time": gap_at[1] - 1.0, "eval_s": 5.0}]) == pytest.approx(0.0)
+    assert step_gap_cv(slowed, [{"time": gap_at[0] - 1.0, "eval_s": 5.0}]) > 0.5  # ended before that gap
+    assert step_gap_cv(clock[:4]) is None  # 1 gap from step 2 of 4 steps: no value
+    assert breakdown(slowed, [])["step_gap_cv"] == pytest.approx(step_gap_cv(slowed))
 
 
 def test_walltime_timeline_reader_is_typed_and_fails_in_one_line(tmp_path):

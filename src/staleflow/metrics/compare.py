@@ -158,6 +158,7 @@ WALL_ROWS = (
     ("trainer_wait_s", "trainer waiting seconds (no batch yet)"),
     ("trainer_busy_share", "trainer busy share of the wall time"),
     ("trainer_ms_per_token", "trainer ms per trained token (core sharing)"),
+    ("step_gap_cv", "step rhythm: sd / mean of the seconds between steps"),
     ("eval_s", "held-out evaluation seconds (beside rollout)"),
     ("rollout_busy_share", "rollout instances' busy share (timeline)"),
     ("pull_s", "weight pull seconds, all ranks (timeline)"),

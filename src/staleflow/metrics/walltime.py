@@ -3,7 +3,7 @@
 Pure functions over a run's typed records (metrics/records.py): the step rows and evaluation rows of
 metrics.jsonl, and (when the run folder has it) the spans of timeline.jsonl.
 
-    b = breakdown(steps, evals, spans)        # {"wall_s", "trainer_busy_s", "trainer_wait_s", ...}
+    b = breakdown(steps, evals, spans)        # {"wall_s", "trainer_busy_s", "trainer_wait_s", "step_gap_cv", ...}
     x = explain_gap(steps_a, va, steps_b, vb)  # run B's extra seconds to version vb vs A's to va, split
 
 The trainer's side is exact from metrics.jsonl alone: each step row holds the trainer's compute
@@ -74,6 +74,28 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+GAP_SKIP_STEPS = 2
+"""Steps left out of the step rhythm: start-up (model load, the first rollouts) sets their times."""
+
+
+def step_gap_cv(steps: list[dict], evals: list[dict] = ()) -> float | None:
+    """Coefficient of variation (sd / mean) of the seconds between consecutive steps from step GAP_SKIP_STEPS on:
+    0 for a trainer that steps like a clock, larger when steps come in bursts (several buffers ready at once after
+    a long wait). A gap that overlaps a held-out evaluation ([time - eval_s, time] of an evaluation row) is left
+    out: the evaluation decodes beside the rollout, and a synchronous run waits for it where an asynchronous one
+    overlaps it. None with fewer than 3 gaps left."""
+    busy = [(float(e["time"]) - float(e.get("eval_s", 0.0)), float(e["time"])) for e in evals if "time" in e]
+    times = [r["time"] for r in sorted(steps, key=lambda r: r["step"]) if r["step"] >= GAP_SKIP_STEPS]
+    gaps = [b - a for a, b in zip(times, times[1:]) if not any(e0 < b and a < e1 for e0, e1 in busy)]
+    if len(gaps) < 3:
+        return None
+    mean = sum(gaps) / len(gaps)
+    if mean <= 0:
+        return None
+    sd = (sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1)) ** 0.5
+    return sd / mean
+
+
 def breakdown(steps: list[dict], evals: list[dict], spans: list[dict] | None = None) -> dict:
     """The run's wall time to its last step, split: trainer busy (compute, push), trainer waiting,
     held-out evaluation (decoded beside the rollout), and with spans the rollout's busy share and
@@ -93,6 +115,9 @@ def breakdown(steps: list[dict], evals: list[dict], spans: list[dict] | None = N
     }
     if acct["tokens"]:
         out["trainer_ms_per_token"] = 1000 * acct["busy_s"] / acct["tokens"]
+    cv = step_gap_cv(steps, evals)
+    if cv is not None:
+        out["step_gap_cv"] = cv
     if spans:
         gen: dict[int, list[tuple[float, float]]] = {}
         pulls: list[float] = []
