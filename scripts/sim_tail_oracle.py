@@ -1,0 +1,164 @@
+"""How low can StaleFlow's step go if the long responses never shared an instance? An upper bound (issue 49).
+
+    python scripts/sim_tail_oracle.py                       # the paper-like centre, eta 3, seed 0, ~2 min
+    python scripts/sim_tail_oracle.py --seed 1 --extra 24 --lengths 20000
+
+Issue 49 asks for StaleFlow's step <= 1.15x its physical floor (one token per step) on every throughput-bound row.
+At the centre the tail term binds and the critical response (each step's last-finishing trained response) decodes
+at ~1.5x its decode-alone time beside 16-18 co-runners. This script measures what NO schedule that only changes
+co-runners can beat: an ORACLE that knows every response's drawn length from its first token routes each response
+of >= L tokens onto EXTRA instances given free to the run (``--extra`` K more rollout GPUs, used by nothing else),
+the least loaded first; every other response is scheduled by StaleFlow as usual. Not realisable (a real system
+knows no length in advance and pays for its lanes with its own instances), hence an upper bound.
+
+Runs at the grid's centre setting (30B-A3B authors 24:40), one token per step, the peers' redundancy (none), eta 3:
+- ``base``: StaleFlow as the grid runs it (24 rollout instances);
+- ``extra K, idle``: the same with K extra instances kept empty (the control: only the random stream moves);
+- ``oracle L``: the K extra instances take every response of >= L drawn tokens.
+For each: tokens/s, the step over the physical floor of the base fleet (the extra GPUs lower the work term, not the
+tail term that binds), the critical slowdown, and the mean number of responses on an extra instance while busy.
+The oracle wraps the routing pass's route_one from outside (as scripts/sim_critical_path.py observes it);
+the runs themselves are the simulator's. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+from staleflow.coordinator import routing as routing_mod
+from staleflow.metrics.hardware import cpu_name
+from staleflow.sim import simulator as simulator_mod
+from staleflow.sim.config import SimConfig
+from staleflow.sim.grid_settings import CENTRE, ONE_TOKEN, fair, grid_base, setting_cfg, settings
+
+
+class Oracle:
+    """One run's oracle: which instances are the extra ones, the drawn lengths (the controller's ledger), L."""
+
+    def __init__(self, first_extra: int = -1, min_len: int = 0):
+        self.first_extra, self.min_len = first_extra, min_len
+        self.ledger = None
+        self.routed = 0  # routes sent to an extra instance
+        self.busy: list[int] = []  # per route there: responses on that instance after it
+        self.peak = 0  # most oracle instances holding work at once
+
+
+ORACLE = Oracle()
+
+
+def _install() -> None:
+    """Wrap simulator.build (mark the extra instances as lanes: the routing pass and migration feed them nothing)
+    and the routing pass's route_one (every Route goes through it: a long response goes to the least-loaded extra
+    instance that may take it instead)."""
+    build, route_one = simulator_mod.build, routing_mod.RoutingPass.route_one
+
+    def oracle_build(*args, **kwargs):
+        loop, backend, stale = build(*args, **kwargs)
+        ORACLE.ledger = loop.ledger
+        if ORACLE.first_extra >= 0:
+            for i in loop.coord.instances:
+                if i >= ORACLE.first_extra:
+                    loop.coord._inst(i)._set_lane(True)
+        return loop, backend, stale
+
+    def oracle_route_one(self, rec, srec, inst, V, now, cmds):
+        if ORACLE.min_len > 0 and ORACLE.first_extra >= 0 and inst.instance < ORACLE.first_extra:
+            traj = ORACLE.ledger.trajs.get(rec.traj_id) if ORACLE.ledger is not None else None
+            if traj is not None and traj.target_len >= ORACLE.min_len:
+                room = [
+                    s
+                    for i, s in self.c.instances.items()
+                    if i >= ORACLE.first_extra
+                    and not s.draining
+                    and s.target_version >= V
+                    and s.load < self.c.cfg.max_concurrent
+                ]
+                if room:
+                    inst = min(room, key=lambda s: (s.engaged, s.kv_tokens))
+                    ORACLE.routed += 1
+                    ORACLE.busy.append(inst.engaged + 1)
+                    used = sum(1 for i, s in self.c.instances.items() if i >= ORACLE.first_extra and s.load)
+                    ORACLE.peak = max(ORACLE.peak, used + (not inst.load))
+        route_one(self, rec, srec, inst, V, now, cmds)
+
+    simulator_mod.build = oracle_build
+    routing_mod.RoutingPass.route_one = oracle_route_one
+
+
+def measure(cfg: SimConfig, eta: int, name: str, extra: int, carve: int, min_len: int, base_floor) -> dict:
+    """One run: `extra` instances added for the oracle, or `carve` of the fleet's own set aside for it."""
+    global ORACLE
+    n_base = cfg.rollout_gpus // cfg.gpus_per_instance
+    if extra:
+        g = extra * cfg.gpus_per_instance
+        cfg = dataclasses.replace(cfg, rollout_gpus=cfg.rollout_gpus + g, total_gpus=cfg.total_gpus + g)
+    ORACLE = Oracle(n_base if extra else n_base - carve if carve else -1, min_len)
+    t0 = time.perf_counter()
+    r = simulator_mod.run(cfg, "staleflow", eta, {}, name)
+    floor = base_floor if base_floor is not None else (r.floor.floor if r.floor else None)
+    return {
+        "run": name,
+        "tok_s": round(r.tokens_per_s, 1),
+        "step_s": round(r.step_s, 1),
+        "floor_s": round(floor, 1) if floor else None,
+        "step_over_floor": round(r.step_s / floor, 3) if floor else None,
+        "step_over_own_floor": round(r.step_s / r.floor.floor, 3) if r.floor and r.floor.floor else None,
+        "binds": r.floor.binds if r.floor else None,
+        "critical_slowdown": round(r.critical_slowdown, 3),
+        "oracle_routes": ORACLE.routed,
+        "oracle_busy_mean": round(statistics.fmean(ORACLE.busy), 2) if ORACLE.busy else None,
+        "oracle_instances_peak": ORACLE.peak,
+        "worst_staleness": max(r.staleness_hist, default=0),
+        "violations": len(r.violations),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=0, help="simulated steps (0: the grid's)")
+    ap.add_argument("--extra", type=int, default=24, help="extra instances given to the oracle (default: 24)")
+    ap.add_argument("--lengths", default="20000", help="comma-separated L: drawn tokens from which it routes")
+    ap.add_argument(
+        "--carve", default="4,8", help="comma-separated K: the oracle on K of the fleet's own instances (the price)"
+    )
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    carve = [int(x) for x in args.carve.split(",") if x.strip()]
+    if args.extra < 1 or not lengths or min(lengths) < 1 or any(not 0 < k < 24 for k in carve):
+        ap.error("--extra must be >= 1, --lengths positive integers, --carve integers in [1, 23]")
+    _install()
+    name, eta = CENTRE
+    shape = next(s for s in settings() if s.name == name)
+    base = grid_base(SimConfig())
+    if args.steps:
+        base = dataclasses.replace(base, steps=args.steps, warmup_steps=min(base.warmup_steps, args.steps // 3))
+    cfg = setting_cfg(base, shape)
+    cfg = dataclasses.replace(cfg, seed=args.seed, **{**fair(cfg), **ONE_TOKEN})
+    print(f"# machine: {cpu_name()} (the simulator is deterministic: the numbers do not depend on it)")
+    print(
+        f"# simulated: {name}, eta {eta}, seed {args.seed}, {cfg.steps} steps ({cfg.warmup_steps} not measured), "
+        f"one token per step, no redundancy; {cfg.rollout_gpus // cfg.gpus_per_instance} rollout instances"
+    )
+    rows = [measure(cfg, eta, "base", 0, 0, 0, None)]
+    floor = rows[0]["floor_s"]
+    rows.append(measure(cfg, eta, f"extra {args.extra}, idle", args.extra, 0, 0, floor))
+    rows += [measure(cfg, eta, f"oracle L={n}, free", args.extra, 0, n, floor) for n in lengths]
+    rows += [measure(cfg, eta, f"oracle L={n}, {k} of own", 0, k, n, floor) for k in carve for n in lengths]
+    for m in rows:
+        print(
+            f"{m['run']:24s} tok/s {m['tok_s']:8.0f}  step {m['step_s']:7.1f} s  step/floor {m['step_over_floor']}"
+            f" (own floor {m['step_over_own_floor']}, {m['binds']} binds)  critical slowdown {m['critical_slowdown']:.3f}  routed to oracle"
+            f" {m['oracle_routes']} (busy {m['oracle_busy_mean']}, peak {m['oracle_instances_peak']} instances)  violations {m['violations']}  [{m['wall_s']} s]"
+        )
+    print(json.dumps({"setting": name, "eta": eta, "seed": args.seed, "extra": args.extra, "runs": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
