@@ -406,7 +406,8 @@ def test_scripts_smoke_sim_tail_oracle_routes_the_long_responses_and_its_control
         "oracle L=20000, free",
         "oracle L=20000, 4 of own",
     ]
-    assert idle["tok_s"] == base["tok_s"] and idle["oracle_routes"] == base["oracle_routes"] == 0
+    # idle extras take no work; they only pull weights beside the fleet (sharing the PS egress): within 1 %
+    assert abs(idle["tok_s"] / base["tok_s"] - 1) < 0.01 and idle["oracle_routes"] == base["oracle_routes"] == 0
     assert free["oracle_routes"] > 0 and 1 <= free["oracle_instances_peak"] <= 8 and free["tok_s"] != base["tok_s"]
     assert own["oracle_routes"] > 0 and 1 <= own["oracle_instances_peak"] <= 4
     assert all(r["violations"] == 0 and r["worst_staleness"] <= out["eta"] for r in out["runs"])
