@@ -31,7 +31,7 @@ from staleflow.coordinator.types import Lane
 from staleflow.metrics.hardware import cpu_name
 from staleflow.sim import backend as backend_mod
 from staleflow.sim.config import SimConfig
-from staleflow.sim.grid_settings import CENTRE, LANES, ONE_TOKEN, fair, grid_base, setting_cfg, settings
+from staleflow.sim.grid_settings import CENTRE, LANES, ONE_TOKEN, centre_cfg, fair
 from staleflow.sim.simulator import run
 from staleflow.trajectory import Route
 
@@ -116,13 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", action="store_true", help="print each buffer's training start and last finish")
     args = ap.parse_args(argv)
     _observe()
-    name, eta = CENTRE
-    shape = next(s for s in settings() if s.name == name)
-    base = grid_base(SimConfig())
-    if args.steps:
-        base = dataclasses.replace(base, steps=args.steps, warmup_steps=min(base.warmup_steps, args.steps // 3))
-    cfg = setting_cfg(base, shape)
-    cfg = dataclasses.replace(cfg, seed=args.seed, **CONFIGS[args.config](cfg))
+    name = CENTRE[0]
+    cfg, eta = centre_cfg(args.steps, args.seed)
+    cfg = dataclasses.replace(cfg, **CONFIGS[args.config](cfg))
     print(f"# machine: {cpu_name()} (the simulator is deterministic: the numbers do not depend on it)")
     print(f"# simulated: {name}, eta {eta}, seed {args.seed},")
     spec = "one token per step" if cfg.spec_accept == 1.0 else f"speculative acceptance {cfg.spec_accept}"

@@ -37,7 +37,7 @@ from staleflow.coordinator import routing as routing_mod
 from staleflow.metrics.hardware import cpu_name
 from staleflow.sim import simulator as simulator_mod
 from staleflow.sim.config import SimConfig
-from staleflow.sim.grid_settings import CENTRE, ONE_TOKEN, fair, grid_base, setting_cfg, settings
+from staleflow.sim.grid_settings import CENTRE, ONE_TOKEN, centre_cfg, fair
 
 
 class Oracle:
@@ -139,13 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.extra < 1 or not lengths or min(lengths) < 1 or any(not 0 < k < 24 for k in carve):
         ap.error("--extra must be >= 1, --lengths positive integers, --carve integers in [1, 23]")
     _install()
-    name, eta = CENTRE
-    shape = next(s for s in settings() if s.name == name)
-    base = grid_base(SimConfig())
-    if args.steps:
-        base = dataclasses.replace(base, steps=args.steps, warmup_steps=min(base.warmup_steps, args.steps // 3))
-    cfg = setting_cfg(base, shape)
-    cfg = dataclasses.replace(cfg, seed=args.seed, **{**fair(cfg), **ONE_TOKEN})
+    name = CENTRE[0]
+    cfg, eta = centre_cfg(args.steps, args.seed)
+    cfg = dataclasses.replace(cfg, **{**fair(cfg), **ONE_TOKEN})
     print(f"# machine: {cpu_name()} (the simulator is deterministic: the numbers do not depend on it)")
     print(
         f"# simulated: {name}, eta {eta}, seed {args.seed}, {cfg.steps} steps ({cfg.warmup_steps} not measured), "
