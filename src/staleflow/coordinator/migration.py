@@ -85,12 +85,9 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
     stop = max(2, cfg.migration_stop)  # moving a lone trajectory cannot make it decode faster
     cool = ctx.now - cfg.migration_cooldown_s
     for j in insts:
-        held = j.trajs.values()
-        if j.engaged < stop or any((_NEVER if r.migrated_at is None else r.migrated_at) > cool for r in held):
+        if j.engaged < stop:
             continue
         if j.running and j.tokens_per_s <= 0:  # prefilling
-            continue
-        if sum(r.migrated_at is None and not r.parked for r in held) < stop:
             continue
         k = next((v for v in vs if v >= j.target_version), None)
         if k is None:
@@ -101,8 +98,15 @@ def pick_migration(ctx) -> tuple[InstanceState, tuple[int, ...]] | None:
             continue
         ratio = float("inf") if base <= 0 else load / base
         key = (ratio, load, -j.instance)  # ties (e.g. a starved instance with load 0): the busiest
-        if ratio > cfg.psi and (best_key is None or key > best_key):
-            best, best_key = j, key
+        if ratio <= cfg.psi or (best_key is not None and key <= best_key):
+            continue
+        # the per-trajectory conditions last (they read every record j holds): only for a new best
+        held = j.trajs.values()
+        if any((_NEVER if r.migrated_at is None else r.migrated_at) > cool for r in held):
+            continue
+        if sum(r.migrated_at is None and not r.parked for r in held) < stop:
+            continue
+        best, best_key = j, key
     if best is None:
         return None
     return best, tuple(t for t, r in best.trajs.items() if r.migrated_at is None and not r.parked)
