@@ -29,7 +29,8 @@ Quantities, by unit:
          token staleness, mixed-version token share, trainer seconds, groups dropped, train reward
   run    final held-out accuracy, interrupts, migrations, pulls, groups aborted, rank correlation of
          drawing order vs training order (Spearman); where the wall time went (metrics/walltime.py):
-         wall seconds, trainer busy and waiting seconds, trainer ms per token, the step rhythm (sd / mean of the seconds between steps), evaluation seconds,
+         wall seconds, trainer busy and waiting seconds, trainer ms per token, the step rhythm (sd / mean of
+         the seconds between steps, without and with the gaps an evaluation overlaps), evaluation seconds,
          and from timeline.jsonl the rollout's busy share and pull seconds; bench.json's machine load
 First the settings the two sides differ in (config.json: the first run of each side; seeds and names
 left out), and a warning when one side's runs differ among themselves. Then time to target, explained: for every paired seed where both reached the target held-out accuracy

@@ -81,6 +81,9 @@ def test_walltime_step_rhythm_sees_bursts_and_leaves_out_start_up_and_evaluation
     gap_at = (slowed[5]["time"], slowed[6]["time"])
     assert step_gap_cv(slowed, [{"time": gap_at[1] - 1.0, "eval_s": 5.0}]) == pytest.approx(0.0)
     assert step_gap_cv(slowed, [{"time": gap_at[0] - 1.0, "eval_s": 5.0}]) > 0.5  # ended before that gap
+    assert step_gap_cv(slowed, [{"time": gap_at[1] - 1.0}]) > 0.5  # no eval_s: no interval, nothing left out
+    both = breakdown(slowed, [{"time": gap_at[1] - 1.0, "eval_s": 5.0}])
+    assert both["step_gap_cv"] == pytest.approx(0.0) and both["step_gap_cv_all"] == pytest.approx(step_gap_cv(slowed))
     assert step_gap_cv(clock[:4]) is None  # 1 gap from step 2 of 4 steps: no value
     assert breakdown(slowed, [])["step_gap_cv"] == pytest.approx(step_gap_cv(slowed))
 

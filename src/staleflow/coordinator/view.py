@@ -88,7 +88,7 @@ class CoordinatorView:
         """The group's V_traj once its first member was routed (None: not yet)."""
         return self._c.group_tag.get(group_id)
 
-    def group_versions(self) -> Mapping:
+    def group_versions(self) -> Mapping[int, int]:
         """group_id -> V_traj of every live group routed so far (read-only; a planner's loop over many groups)."""
         return MappingProxyType(self._c.group_tag)
 

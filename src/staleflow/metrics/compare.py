@@ -159,6 +159,7 @@ WALL_ROWS = (
     ("trainer_busy_share", "trainer busy share of the wall time"),
     ("trainer_ms_per_token", "trainer ms per trained token (core sharing)"),
     ("step_gap_cv", "step rhythm: sd / mean of the seconds between steps"),
+    ("step_gap_cv_all", "step rhythm, evaluations' gaps kept"),
     ("eval_s", "held-out evaluation seconds (beside rollout)"),
     ("rollout_busy_share", "rollout instances' busy share (timeline)"),
     ("pull_s", "weight pull seconds, all ranks (timeline)"),
