@@ -41,56 +41,77 @@ from staleflow.sim.grid_settings import CENTRE, ONE_TOKEN, centre_cfg, fair
 
 
 class Oracle:
-    """One run's oracle: which instances are the extra ones, the drawn lengths (the controller's ledger), L."""
+    """One run's oracle: which instances are its own, L, what it saw (the controller's ledger holds the lengths)."""
 
     def __init__(self, first_extra: int = -1, min_len: int = 0):
         self.first_extra, self.min_len = first_extra, min_len
-        self.ledger = None
-        self.routed = 0  # routes sent to an extra instance
-        self.busy: list[int] = []  # per route there: responses on that instance after it
+        self.ledger = self.backend = None
+        self.routed = 0  # routes the oracle made (a loop-back routed again counts again)
+        self.trajs: set[int] = set()  # distinct trajectories it routed
+        self.shortest = 0  # shortest drawn length it routed (>= min_len by construction; the test reads it)
+        self.busy: list[int] = []  # per route: responses on that instance after it
         self.peak = 0  # most oracle instances holding work at once
+
+    def projected(self, inst) -> int:
+        """KV the instance's trajectories will hold at their drawn lengths (the oracle knows them)."""
+        trajs = self.ledger.trajs
+        return sum(trajs[t].prompt_len + trajs[t].target_len for t in inst.trajs if t in trajs)
+
+    def instances(self) -> list:
+        return [] if self.backend is None or self.first_extra < 0 else self.backend.insts[self.first_extra :]
 
 
 ORACLE = Oracle()
 
 
 def _install() -> None:
-    """Wrap simulator.build (mark the extra instances as lanes: the routing pass and migration feed them nothing)
-    and the routing pass's route_one (every Route goes through it: a long response goes to the least-loaded extra
-    instance that may take it instead)."""
-    build, route_one = simulator_mod.build, routing_mod.RoutingPass.route_one
+    """Wrap simulator.build (the oracle's instances become lanes: the routing pass, migration and the waterfall feed
+    them nothing; tail lanes stay off in these runs, so nothing reopens them) and the routing pass's place (every
+    queued trajectory, fresh or looped back, is placed there): a response of >= L drawn tokens goes to the least
+    loaded oracle instance that may take it by the router's own rules (its V_traj admitted, not draining, no engine
+    queue) and whose KV still fits at the drawn lengths of all it holds; else to the fleet as usual."""
+    build, place = simulator_mod.build, routing_mod.RoutingPass.place
 
     def oracle_build(*args, **kwargs):
         loop, backend, stale = build(*args, **kwargs)
-        ORACLE.ledger = loop.ledger
+        ORACLE.ledger, ORACLE.backend = loop.ledger, backend
+        assert not loop.coord.cfg.tail_lanes, "the oracle's instances are lanes: tail lanes would reopen them"
         if ORACLE.first_extra >= 0:
             for i in loop.coord.instances:
                 if i >= ORACLE.first_extra:
                     loop.coord._inst(i)._set_lane(True)
         return loop, backend, stale
 
-    def oracle_route_one(self, rec, srec, inst, V, now, cmds):
-        if ORACLE.min_len > 0 and ORACLE.first_extra >= 0 and inst.instance < ORACLE.first_extra:
-            traj = ORACLE.ledger.trajs.get(rec.traj_id) if ORACLE.ledger is not None else None
-            if traj is not None and traj.target_len >= ORACLE.min_len:
+    def oracle_place(self, rec, srec, open_, failed, sig):
+        o, c = ORACLE, self.c
+        traj = o.ledger.trajs.get(rec.traj_id) if o.min_len > 0 and o.first_extra >= 0 else None
+        if traj is not None and traj.target_len >= o.min_len:
+            V = sig[0]
+            if V is None or srec.reserved or c.manager.can_admit(V, rec.group_id):
+                need = traj.prompt_len + traj.target_len
                 room = [
                     s
-                    for i, s in self.c.instances.items()
-                    if i >= ORACLE.first_extra
+                    for i, s in c.instances.items()
+                    if i >= o.first_extra
                     and not s.draining
-                    and s.target_version >= V
-                    and s.load < self.c.cfg.max_concurrent
+                    and s.waiting == 0
+                    and len(s.trajs) < c.cfg.max_concurrent
+                    and (c.manager.can_admit(s.target_version) if V is None else s.target_version >= V)
+                    and o.projected(s) + need <= s.kv_capacity
                 ]
-                if room:
-                    inst = min(room, key=lambda s: (s.engaged, s.kv_tokens))
-                    ORACLE.routed += 1
-                    ORACLE.busy.append(inst.engaged + 1)
-                    used = sum(1 for i, s in self.c.instances.items() if i >= ORACLE.first_extra and s.load)
-                    ORACLE.peak = max(ORACLE.peak, used + (not inst.load))
-        route_one(self, rec, srec, inst, V, now, cmds)
+                if room:  # a fresh group takes the newest version first (its deadline as late as possible)
+                    inst = min(room, key=lambda s: (-s.target_version if V is None else 0, s.engaged, s.instance))
+                    o.routed += 1
+                    o.trajs.add(rec.traj_id)
+                    o.shortest = min(o.shortest or traj.target_len, traj.target_len)
+                    o.busy.append(inst.engaged + 1)
+                    used = sum(1 for i, s in c.instances.items() if i >= o.first_extra and s.load)
+                    o.peak = max(o.peak, used + (not inst.load))
+                    return inst, (inst.target_version if V is None else V)
+        return place(self, rec, srec, open_, failed, sig)
 
     simulator_mod.build = oracle_build
-    routing_mod.RoutingPass.route_one = oracle_route_one
+    routing_mod.RoutingPass.place = oracle_place
 
 
 def measure(cfg: SimConfig, eta: int, name: str, extra: int, carve: int, min_len: int, base_floor) -> dict:
@@ -114,6 +135,11 @@ def measure(cfg: SimConfig, eta: int, name: str, extra: int, carve: int, min_len
         "binds": r.floor.binds if r.floor else None,
         "critical_slowdown": round(r.critical_slowdown, 3),
         "oracle_routes": ORACLE.routed,
+        "oracle_trajectories": len(ORACLE.trajs),
+        "oracle_shortest": ORACLE.shortest,
+        "oracle_tokens": sum(i.tokens_out for i in ORACLE.instances()),
+        "oracle_preemptions": sum(i.preemptions for i in ORACLE.instances()),
+        "preemptions": r.preemptions,
         "oracle_busy_mean": round(statistics.fmean(ORACLE.busy), 2) if ORACLE.busy else None,
         "oracle_instances_peak": ORACLE.peak,
         "worst_staleness": max(r.staleness_hist, default=0),
@@ -155,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     for m in rows:
         print(
             f"{m['run']:24s} tok/s {m['tok_s']:8.0f}  step {m['step_s']:7.1f} s  step/floor {m['step_over_floor']}"
-            f" (own floor {m['step_over_own_floor']}, {m['binds']} binds)  critical slowdown {m['critical_slowdown']:.3f}  routed to oracle"
-            f" {m['oracle_routes']} (busy {m['oracle_busy_mean']}, peak {m['oracle_instances_peak']} instances)  violations {m['violations']}  [{m['wall_s']} s]"
+            f" (own floor {m['step_over_own_floor']}, {m['binds']} binds)  critical slowdown"
+            f" {m['critical_slowdown']:.3f}  oracle: {m['oracle_trajectories']} responses, {m['oracle_routes']} routes"
+            f" (busy {m['oracle_busy_mean']}, peak {m['oracle_instances_peak']} instances, preempted"
+            f" {m['oracle_preemptions']} of the fleet's {m['preemptions']})  violations {m['violations']}"
+            f"  [{m['wall_s']} s]"
         )
     print(json.dumps({"setting": name, "eta": eta, "seed": args.seed, "extra": args.extra, "runs": rows}))
     return 0
