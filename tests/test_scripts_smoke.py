@@ -396,7 +396,8 @@ def test_sim_critical_path_configs_are_the_grid_columns():
 
 
 def test_scripts_smoke_sim_tail_oracle_routes_the_long_responses_and_its_control_is_inert():
-    """The oracle's runs: the base fleet, the extra instances kept idle (must change nothing), the oracle on free
+    """The oracle's runs: the base fleet, the extra instances kept idle (they decode nothing; their weight pulls
+    share the PS egress), the oracle on free
     extra instances and on some of the fleet's own; only the oracle runs route onto oracle instances, within them."""
     out, _ = run_script("sim_tail_oracle.py", ["--steps", "8", "--extra", "8", "--carve", "4", "--lengths", "20000"])
     base, idle, free, own = out["runs"]
